@@ -1,0 +1,35 @@
+"""apcscore: batch scoring and evaluation of causal language models.
+
+The Python API the CLI itself uses::
+
+    from apcscore import Engine, EngineConfig, Request, SamplingParams
+    engine = Engine.from_model("smollm2-135m", EngineConfig())
+    for out in engine.run([Request("a", engine.tokenizer("Hello").input_ids, prompt_logprobs=5)]):
+        print(out.request_id, out.prompt_logprobs.token_logprobs)
+"""
+
+__version__ = "0.1.0"
+
+from apcscore.config import EngineConfig
+from apcscore.sampling_params import SamplingParams
+from apcscore.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+
+__all__ = [
+    "Engine",
+    "EngineConfig",
+    "PromptLogprobs",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "TokenLogprobs",
+    "__version__",
+]
+
+
+def __getattr__(name: str):
+    # Engine pulls in torch and transformers; import it lazily so `apcscore --help` stays fast.
+    if name == "Engine":
+        from apcscore.engine import Engine
+
+        return Engine
+    raise AttributeError(name)

@@ -1,0 +1,3 @@
+from apcscore.cli import main
+
+main()

@@ -1,0 +1,57 @@
+"""Batch metadata of one engine step, scoped by a context manager so every layer can read it."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a flattened batch lives in the paged KV cache.
+
+    The batch holds B sequences' new tokens, flattened: sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
+    Its context after this step has seq_lens[i] tokens, so its query j sits at position
+    seq_lens[i] - q_len_i + j. Rows past cu_seqlens_q[-1] are padding (slot -1): never stored, output zero.
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = do not store
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    max_seqlen_q: int
+    max_seqlen_k: int
+    # The same as Python lists, for the torch backend's per-sequence loop (no device sync).
+    cu_seqlens_q_list: list[int]
+    seq_lens_list: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_list)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_seqlen_q == 1
+
+
+_current: AttentionMetadata | None = None
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _current is None:
+        raise RuntimeError("attention metadata is only set inside an engine step")
+    return _current
+
+
+@contextlib.contextmanager
+def set_attention_metadata(meta: AttentionMetadata) -> Iterator[AttentionMetadata]:
+    global _current
+    previous, _current = _current, meta
+    try:
+        yield meta
+    finally:
+        _current = previous

@@ -1,0 +1,218 @@
+"""KV cache manager: a pool of fixed-size blocks with automatic prefix caching. Torch-free.
+
+Prefix caching hashes each *full* block as hash(parent_hash, block_token_ids, extra_keys). A lookup walks
+a sequence's chain of block hashes from the start and stops at the first miss; a hit also compares the
+block's stored token ids and parent hash, so a hash collision can never hand out wrong KV. Blocks carry
+ref counts. A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
+until it is handed out again, at which point its hash is evicted. Partial blocks are never cached.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Protocol, Sequence as Seq
+
+
+class BlockSequence(Protocol):
+    """What the manager needs of a sequence (the engine's Sequence satisfies it)."""
+
+    token_ids: list[int]
+    block_ids: list[int]
+    block_hashes: list[int]
+    num_computed_tokens: int
+
+
+NONE_HASH = 0  # parent hash of the first block
+
+
+def hash_block(parent_hash: int, token_ids: Seq[int], extra_keys: tuple = ()) -> int:
+    """Hash of one full block, chained on its parent's hash."""
+    return hash((parent_hash, tuple(token_ids), extra_keys))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None  # set once the block is full, computed and registered in the cache
+    parent_hash: int = NONE_HASH
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0  # prompt tokens of requests that read the cache
+    hit_tokens: int = 0  # of those, tokens served from the cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and finds cached prefixes."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 extra_keys: tuple = ()) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.extra_keys = extra_keys
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Blocks with ref_count 0, least recently freed first. Cached ones among them can still be hit.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.stats = PrefixCacheStats()
+        self._num_registered: dict[int, int] = {}  # id(seq) -> leading blocks already registered
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out (free ones, cached or not)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def update_block_hashes(self, seq: BlockSequence) -> list[int]:
+        """Extend seq.block_hashes to cover every full block of seq.token_ids; returns them."""
+        bs = self.block_size
+        hashes = seq.block_hashes
+        for i in range(len(hashes), len(seq.token_ids) // bs):
+            parent = hashes[i - 1] if i else NONE_HASH
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], self.extra_keys))
+        return hashes
+
+    def find_cached_prefix(self, seq: BlockSequence, record_stats: bool = True) -> list[int]:
+        """Block ids of the longest cached prefix of seq (full blocks only).
+
+        At least one token is always left to compute, since the last position's logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hashes = self.update_block_hashes(seq)
+        max_blocks = (len(seq.token_ids) - 1) // bs
+        hit: list[int] = []
+        parent = NONE_HASH
+        for i in range(min(max_blocks, len(hashes))):
+            block_id = self.cached.get(hashes[i])
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            if block.parent_hash != parent or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+                break  # hash collision: never hand out KV of other tokens
+            hit.append(block_id)
+            parent = hashes[i]
+        if record_stats:
+            self.stats.queried_tokens += len(seq.token_ids)
+            self.stats.hit_tokens += len(hit) * bs
+        return hit
+
+    # ---- allocation ----------------------------------------------------------------------------
+    def can_allocate(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+        needed = self._num_new_blocks(seq, num_new_tokens, cached_blocks)
+        reclaimed_from_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        return needed <= self.num_free_blocks - reclaimed_from_free
+
+    def allocate(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
+        """Give seq the blocks to hold `num_new_tokens` more tokens, after taking `cached_blocks`.
+
+        `cached_blocks` (from find_cached_prefix) are only passed for a sequence with no blocks yet; their
+        tokens count as computed. All or nothing: returns False and changes nothing when blocks run out.
+        """
+        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+            return False
+        if cached_blocks:
+            assert not seq.block_ids, "cached blocks are taken at admission only"
+            for block_id in cached_blocks:
+                block = self.blocks[block_id]
+                if block.ref_count == 0:
+                    del self.free_queue[block_id]
+                block.ref_count += 1
+                seq.block_ids.append(block_id)
+            seq.num_computed_tokens = len(cached_blocks) * self.block_size
+            self._num_registered[id(seq)] = len(cached_blocks)
+        for _ in range(self._num_new_blocks(seq, num_new_tokens, ())):
+            seq.block_ids.append(self._pop_free_block())
+        return True
+
+    def _num_new_blocks(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int]) -> int:
+        have = len(seq.block_ids) + len(cached_blocks)
+        computed = max(seq.num_computed_tokens, len(cached_blocks) * self.block_size)
+        return max(0, self.blocks_needed(computed + num_new_tokens) - have)
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict: its content is about to be overwritten
+            if self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash, block.parent_hash, block.token_ids = None, NONE_HASH, ()
+        block.ref_count = 1
+        return block_id
+
+    def cache_full_blocks(self, seq: BlockSequence) -> None:
+        """Register the blocks of seq that became full and computed, so later requests can hit them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        num_full = min(seq.num_computed_tokens, len(seq.token_ids)) // bs
+        start = self._num_registered.get(id(seq), 0)
+        if num_full <= start:
+            return
+        hashes = self.update_block_hashes(seq)
+        for i in range(start, num_full):
+            block = self.blocks[seq.block_ids[i]]
+            if block.block_hash is None and hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                block.parent_hash = hashes[i - 1] if i else NONE_HASH
+                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+                self.cached[hashes[i]] = block.block_id
+            # else: the same content is cached in another block already; this copy stays private
+        self._num_registered[id(seq)] = num_full
+
+    def free(self, seq: BlockSequence) -> None:
+        """Drop seq's references. Its tail blocks are freed first, so they are evicted first."""
+        for block_id in reversed(seq.block_ids):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
+        self._num_registered.pop(id(seq), None)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash (blocks in use keep their content)."""
+        for block in self.blocks:
+            block.block_hash, block.parent_hash, block.token_ids = None, NONE_HASH, ()
+        self.cached.clear()
+
+    # ---- checks --------------------------------------------------------------------------------
+    def check_invariants(self, live_seqs: Seq[BlockSequence] = ()) -> None:
+        """Assert the manager's internal consistency (tests and debugging)."""
+        refs = [0] * self.num_blocks
+        for seq in live_seqs:
+            for b in seq.block_ids:
+                refs[b] += 1
+        for block in self.blocks:
+            assert block.ref_count >= 0, f"negative ref count on block {block.block_id}"
+            in_free = block.block_id in self.free_queue
+            assert in_free == (block.ref_count == 0), f"block {block.block_id} free/in-use mismatch"
+            if live_seqs:
+                assert block.ref_count == refs[block.block_id], f"ref count of block {block.block_id} is off"
+        for h, b in self.cached.items():
+            block = self.blocks[b]
+            assert block.block_hash == h, f"cached hash points at block {b} with another hash"
+            assert len(block.token_ids) == self.block_size
+            assert hash_block(block.parent_hash, block.token_ids, self.extra_keys) == h
+        assert len(self.free_queue) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks

@@ -1,0 +1,65 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from apcscore.errors import ApcscoreError
+
+MAX_LOGPROBS_DEFAULT = 20
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores)."""
+
+    device: str = "auto"  # auto | cpu | cuda (auto = cuda if available)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA)
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = derived from available memory
+    max_batch_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
+    max_num_seqs: int = 64  # sequences running at once
+    enable_prefix_caching: bool = True
+    max_logprobs: int = MAX_LOGPROBS_DEFAULT  # cap on --prompt-logprobs / --logprobs
+    logprobs_chunk_size: int = 1024  # rows of the vocabulary projection computed at once
+    attention_backend: str = "auto"  # auto | torch | triton (auto = triton on CUDA, torch elsewhere)
+    kv_cache_memory_fraction: float = 0.2  # share of free memory for the KV pool when num_kv_blocks is None
+    seed: int = 0  # base seed for requests that do not set their own
+    max_model_len: int | None = None  # None = the model's context length
+    use_cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, msg: str) -> None:
+            if not cond:
+                raise ApcscoreError(msg)
+
+        need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+             f"--device must be auto, cpu or cuda, not {self.device!r}")
+        need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
+             f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+        need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+             f"--block-size must be a power of two, not {self.block_size}")
+        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
+             f"--num-kv-blocks must be at least 1, not {self.num_kv_blocks}")
+        need(self.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
+        need(self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, not {self.max_num_seqs}")
+        need(self.max_logprobs >= 0, f"--max-logprobs must be >= 0, not {self.max_logprobs}")
+        need(self.logprobs_chunk_size >= 1, "logprobs_chunk_size must be at least 1")
+        need(self.attention_backend in ("auto", "torch", "triton"),
+             f"--attention-backend must be auto, torch or triton, not {self.attention_backend!r}")
+        need(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
+
+    def check_logprobs(self, k: int | None, option: str) -> None:
+        """Refuse a top-K request above `max_logprobs` with a message that says how to raise the cap."""
+        if k is None:
+            return
+        if k < 0:
+            raise ApcscoreError(f"{option} must be >= 0, not {k}")
+        if k > self.max_logprobs:
+            raise ApcscoreError(
+                f"{option} {k} is above the cap max_logprobs = {self.max_logprobs}; "
+                f"ask for at most {self.max_logprobs}, or raise the cap with --max-logprobs {k}"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

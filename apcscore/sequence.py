@@ -1,0 +1,137 @@
+"""Requests in, outputs out, and the engine's per-request state (`Sequence`)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from apcscore.sampling_params import SamplingParams
+
+
+@dataclass
+class Request:
+    """One unit of engine work: a prompt, and what to compute for it.
+
+    prompt_logprobs: None = no prompt scoring; 0 = each scored token's own logprob and rank; K > 0 adds the
+        top-K alternatives. A request with prompt logprobs never *reads* the prefix cache (a hit has KV but
+        no logits), but still writes its full blocks to it.
+    score_from: first prompt position that is scored (position 0 never is: it has no context).
+    sampling: None for a scoring-only request (nothing is generated).
+    """
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    sampling: SamplingParams | None = None
+    prompt_logprobs: int | None = None
+    score_from: int = 1
+
+    @property
+    def max_tokens(self) -> int:
+        return 0 if self.sampling is None else self.sampling.max_tokens
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of a run of tokens (scored prompt positions, or sampled tokens), as numpy arrays.
+
+    token_ids[i] is the token whose logprob is token_logprobs[i]; rank 1 = the model's argmax.
+    top_ids / top_logprobs are [n, K] (K may be 0), sorted by logprob, descending.
+    """
+
+    token_ids: np.ndarray  # [n] int64
+    token_logprobs: np.ndarray  # [n] float32
+    ranks: np.ndarray  # [n] int64
+    top_ids: np.ndarray  # [n, K] int64
+    top_logprobs: np.ndarray  # [n, K] float32
+
+    @staticmethod
+    def concat(parts: list["TokenLogprobs"], k: int) -> "TokenLogprobs":
+        if not parts:
+            return TokenLogprobs(
+                np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
+                np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
+            )
+        return TokenLogprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                               ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class PromptLogprobs(TokenLogprobs):
+    """TokenLogprobs of the scored prompt positions; positions[i] is the prompt index of row i."""
+
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+@dataclass
+class RequestOutput:
+    """What the engine returns for one request, in completion order."""
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    output_logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # stop | length | error
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The engine's state of one request: its tokens, blocks, progress and collected results."""
+
+    def __init__(self, request: Request, arrival: int) -> None:
+        self.request = request
+        self.arrival = arrival  # admission order; ties broken deterministically
+        self.prompt_len = len(request.prompt_token_ids)
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # hash of each full block of token_ids, computed lazily
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.prompt_logprob_parts: list[PromptLogprobs] = []
+        self.output_logprob_parts: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.output_text = ""
+        self.generator: Any = None  # torch.Generator of a sampled request, made by the sampler
+
+    @property
+    def request_id(self) -> Any:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Design rule: a request that wants prompt logprobs never reads the prefix cache."""
+        return self.request.prompt_logprobs is None
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
+
+    def reset_for_recompute(self) -> None:
+        """Preemption: drop the KV; prompt (and output so far) are prefilled again later."""
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        self.prompt_logprob_parts = []
+        self.status = SequenceStatus.WAITING
