@@ -105,7 +105,7 @@ class Sequence:
         self.prompt_logprob_parts: list[PromptLogprobs] = []
         self.output_logprob_parts: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
-        self.output_text = ""
+        self.output_text: str | None = None  # set when a stop string cut the completion
         self.generator: Any = None  # torch.Generator of a sampled request, made by the sampler
 
     @property

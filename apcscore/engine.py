@@ -1,0 +1,272 @@
+"""The batch engine: requests in, outputs out, through scheduler -> KV cache manager -> model runner -> model.
+
+`Engine.run` pulls requests lazily from any iterable (so a huge dataset never sits in memory as
+sequences), keeps a bounded look-ahead of waiting requests, and yields a RequestOutput for each request
+as soon as it finishes (completion order). Problems of one request (too long, too big for the KV pool,
+bad values) become an output with `error` set; they never stop the run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from apcscore.block_manager import BlockManager
+from apcscore.config import EngineConfig
+from apcscore.errors import ApcscoreError
+from apcscore.model_runner import ModelRunner, StepOutput, default_num_kv_blocks
+from apcscore.models.llama import LlamaDecoder, check_architecture, rms_norm_torch
+from apcscore.scheduler import Scheduler
+from apcscore.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelInfo:
+    """What the run metadata records about the model."""
+
+    name: str
+    path: str
+    architecture: str
+    vocab_size: int
+    max_model_len: int
+    fingerprint: str
+    num_parameters: int
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0  # prompt tokens prefilled (cache hits excluded)
+    generated_tokens: int = 0
+    finished: int = 0
+    errors: int = 0
+    preemptions: int = 0
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return (self.prompt_tokens + self.generated_tokens) / self.seconds if self.seconds else 0.0
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ApcscoreError("--device cuda was asked for, but no CUDA device is available; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+class Engine:
+    """One model, one KV pool, one scheduler. Build it with `Engine.from_model`."""
+
+    def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo,
+                 device: torch.device, dtype: torch.dtype, attention_backend: str, logprob_fn: Callable) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.info = info
+        self.device = device
+        self.dtype = dtype
+        self.attention_backend = attention_backend
+        num_blocks = config.num_kv_blocks or default_num_kv_blocks(
+            model.config, config.block_size, dtype, device, None)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
+                                  config.logprobs_chunk_size, config.seed, logprob_fn)
+        self.eos_token_ids = self._eos_ids()
+        self.stats = EngineStats()
+        self._arrivals = 0
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
+        """Load a model by alias, Hugging Face directory or .gguf path, and build the engine around it."""
+        from apcscore.models.loader import (load_config, load_state_dict, load_tokenizer, resolve_model,
+                                            weights_fingerprint)
+
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        files = resolve_model(spec)
+        hf_config = load_config(files.path)
+        arch = check_architecture(hf_config)
+        backend_name = config.attention_backend
+        if backend_name == "auto":
+            backend_name = "triton" if device.type == "cuda" else "torch"
+        backend, norm_fn, logprob_fn = _backend(backend_name)
+        max_len = hf_config.max_position_embeddings
+        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
+            max_len = min(max_len, hf_config.sliding_window)  # full attention equals sliding inside the window
+        if config.max_model_len:
+            max_len = min(max_len, config.max_model_len)
+        with torch.device("meta"):
+            model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len)
+        model = model.to_empty(device=device).to(dtype)
+        model.load_hf_weights(load_state_dict(files.path, dtype=dtype, device=device))
+        model.eval()
+        info = ModelInfo(
+            name=files.name, path=str(files.path), architecture=arch, vocab_size=hf_config.vocab_size,
+            max_model_len=max_len, fingerprint=weights_fingerprint(files.path),
+            num_parameters=sum(p.numel() for p in model.parameters()),
+        )
+        return cls(model, load_tokenizer(files.path), config, info, device, dtype, backend_name, logprob_fn)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    # ---- running -------------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request], on_step: Callable[["Engine"], None] | None = None
+            ) -> Iterator[RequestOutput]:
+        """Run every request; yield one RequestOutput per request, in completion order."""
+        pending = iter(requests)
+        exhausted = False
+        lookahead = 4 * self.config.max_num_seqs
+        started = time.perf_counter()
+        try:
+            while True:
+                while not exhausted and len(self.scheduler.waiting) < lookahead:
+                    request = next(pending, None)
+                    if request is None:
+                        exhausted = True
+                        break
+                    problem = self._check(request)
+                    if problem:
+                        self.stats.errors += 1
+                        yield RequestOutput(request.request_id, list(request.prompt_token_ids),
+                                            finish_reason="error", error=problem)
+                        continue
+                    self.scheduler.add(Sequence(request, self._arrivals))
+                    self._arrivals += 1
+                if not self.scheduler.has_work:
+                    if exhausted:
+                        return
+                    continue
+                batch = self.scheduler.schedule()
+                self.stats.preemptions += batch.num_preempted
+                if not batch:
+                    raise RuntimeError("scheduler made no progress: this is a bug, please report it")
+                step = self.runner.execute(batch)
+                yield from self._postprocess(batch, step)
+                self.stats.steps += 1
+                self.stats.seconds = time.perf_counter() - started
+                if on_step is not None:
+                    on_step(self)
+        finally:
+            self.stats.seconds = time.perf_counter() - started
+
+    def _check(self, request: Request) -> str | None:
+        """Why this request cannot run, or None."""
+        n = len(request.prompt_token_ids)
+        max_len = self.info.max_model_len
+        if n == 0:
+            return "the prompt has no tokens"
+        if n > max_len:
+            return f"the prompt has {n} tokens, more than the model's context of {max_len} tokens"
+        vocab = self.info.vocab_size
+        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+        k = request.prompt_logprobs
+        if k is not None and k > self.config.max_logprobs:
+            return f"prompt_logprobs {k} is above max_logprobs {self.config.max_logprobs}"
+        if request.sampling is not None:
+            problems = request.sampling.problems()
+            if problems:
+                return "; ".join(problems)
+            if request.sampling.logprobs is not None and request.sampling.logprobs > self.config.max_logprobs:
+                return f"logprobs {request.sampling.logprobs} is above max_logprobs {self.config.max_logprobs}"
+        need = self.block_manager.blocks_needed(min(n + request.max_tokens, max_len))
+        if need > self.block_manager.num_blocks:
+            return (f"the request needs {need} KV blocks, more than the whole pool of "
+                    f"{self.block_manager.num_blocks}; raise --num-kv-blocks or shorten the request")
+        return None
+
+    def _postprocess(self, batch, step: StepOutput) -> Iterator[RequestOutput]:
+        for seq, lps in step.prompt_logprobs:
+            seq.prompt_logprob_parts.append(lps)
+        self.scheduler.finish_step(batch)
+        for seq, n in batch.items:
+            if seq.num_computed_tokens <= seq.prompt_len:
+                self.stats.prompt_tokens += n
+        sampled = {id(seq): (tok, tl) for seq, tok, tl in step.sampled}
+        for seq, _ in batch.items:
+            if id(seq) in sampled:
+                tok, tl = sampled[id(seq)]
+                seq.token_ids.append(tok)
+                self.stats.generated_tokens += 1
+                if tl is not None:
+                    seq.output_logprob_parts.append(tl)
+                reason = self._stop_reason(seq, tok)
+                if reason:
+                    yield self._finish(seq, reason)
+            elif seq.num_computed_tokens >= seq.num_tokens and seq.request.max_tokens <= len(seq.output_token_ids):
+                yield self._finish(seq, "length" if seq.request.max_tokens else None)
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        params = seq.request.sampling
+        if (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+            return "stop"
+        if params.stop:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
+            if hits:
+                seq.output_text = text[:min(hits)]
+                return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.info.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str | None) -> RequestOutput:
+        self.scheduler.finish(seq, reason)
+        self.stats.finished += 1
+        req = seq.request
+        prompt_lps = None
+        if req.prompt_logprobs is not None:
+            parts = seq.prompt_logprob_parts
+            merged = TokenLogprobs.concat(parts, req.prompt_logprobs)
+            positions = np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int64)
+            prompt_lps = PromptLogprobs(**vars(merged), positions=positions)
+        text = seq.output_text
+        if text is None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if req.max_tokens else ""
+        out_lps = TokenLogprobs.concat(seq.output_logprob_parts, req.sampling.logprobs or 0) \
+            if req.sampling is not None and req.sampling.logprobs is not None else None
+        return RequestOutput(
+            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), prompt_logprobs=prompt_lps,
+            output_token_ids=list(seq.output_token_ids), output_text=text, output_logprobs=out_lps,
+            finish_reason=reason, num_cached_tokens=seq.num_cached_tokens or 0,
+        )
+
+
+def _backend(name: str) -> tuple[Any, Callable, Callable]:
+    """(attention backend, RMSNorm function, logprob function) for a backend name."""
+    if name == "torch":
+        from apcscore.attention.torch_backend import TorchAttentionBackend
+        from apcscore.logprobs import token_logprobs_torch
+
+        return TorchAttentionBackend(), rms_norm_torch, token_logprobs_torch
+    from apcscore.attention.triton_backend import TritonAttentionBackend
+    from apcscore.kernels.logprobs import token_logprobs
+    from apcscore.kernels.rmsnorm import rms_norm
+
+    return TritonAttentionBackend(), rms_norm, token_logprobs

@@ -1,0 +1,187 @@
+"""Model runner: turns a scheduled batch into flat tensors, runs the model, scores and samples.
+
+Logits are computed only for the rows that need them: every scored prompt position (prompt logprobs)
+and the last position of each sequence that samples its next token.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.logprobs import LogprobFn, chunked_token_logprobs, token_logprobs_torch
+from apcscore.models.llama import LlamaDecoder
+from apcscore.sampler import make_generator, sample_rows
+from apcscore.scheduler import ScheduledBatch
+from apcscore.sequence import PromptLogprobs, Sequence, TokenLogprobs
+
+MIN_ROWS = 8  # pad tiny batches: CPU GEMMs take another code path below 8 rows (not batch-invariant)
+
+
+@dataclass
+class StepOutput:
+    prompt_logprobs: list[tuple[Sequence, PromptLogprobs]]
+    sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
+
+
+def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
+    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return 2 * hf_config.num_hidden_layers * block_size * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device: torch.device,
+                          fraction: float | None) -> int:
+    """KV pool size from free memory: a share of free host memory on CPU (at most 4 GiB), of GPU memory on CUDA."""
+    per_block = kv_bytes_per_block(hf_config, block_size, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = free * (fraction or 0.85)
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(free * (fraction or 0.25), 4 * 2**30)
+    return max(16, int(budget // per_block))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaDecoder, num_kv_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, logprobs_chunk_size: int, base_seed: int,
+                 logprob_fn: LogprobFn = token_logprobs_torch) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.num_kv_blocks = num_kv_blocks
+        self.logprobs_chunk_size = logprobs_chunk_size
+        self.base_seed = base_seed
+        self.logprob_fn = logprob_fn
+        cfg = model.config
+        attn0 = model.layers[0].self_attn
+        # [2, layers, num_blocks, block_size, Hkv, D]; torch.empty: pages are touched only when used
+        self.kv_cache = torch.empty(2, cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads,
+                                    attn0.head_dim, dtype=dtype, device=device)
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.k_cache = self.kv_cache[0, i]
+            layer.self_attn.v_cache = self.kv_cache[1, i]
+
+    # ---- batch preparation ---------------------------------------------------------------------
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        cu = [0]
+        seq_lens: list[int] = []
+        for seq, n in batch.items:
+            start = seq.num_computed_tokens
+            input_ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += (seq.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
+            cu.append(cu[-1] + n)
+            seq_lens.append(start + n)
+        pad = max(0, MIN_ROWS - len(input_ids)) if self.device.type == "cpu" else 0
+        input_ids += [0] * pad
+        positions += [0] * pad
+        slots += [-1] * pad
+        max_blocks = max(len(seq.block_ids) for seq, _ in batch.items)
+        tables = np.zeros((len(batch.items), max_blocks), dtype=np.int32)
+        for i, (seq, _) in enumerate(batch.items):
+            tables[i, :len(seq.block_ids)] = seq.block_ids
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            block_tables=torch.from_numpy(tables).to(dev),
+            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(n for _, n in batch.items),
+            max_seqlen_k=max(seq_lens),
+            cu_seqlens_q_list=cu,
+            seq_lens_list=seq_lens,
+            block_size=bs,
+        )
+        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
+                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+
+    # ---- the step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        input_ids, positions, meta = self._prepare(batch)
+        with set_attention_metadata(meta):
+            hidden = self.model(input_ids, positions)  # [T, H]
+        return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden))
+
+    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
+        """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see."""
+        rows: list[int] = []
+        targets: list[int] = []
+        spans: list[tuple[Sequence, int, int, int]] = []  # seq, first row in `rows`, count, first target pos
+        offset = 0
+        for seq, n in batch.items:
+            req = seq.request
+            start = seq.num_computed_tokens
+            if req.prompt_logprobs is not None:
+                q0 = max(start, req.score_from - 1)
+                q1 = min(start + n, seq.prompt_len - 1)
+                if q1 > q0:
+                    spans.append((seq, len(rows), q1 - q0, q0 + 1))
+                    rows += range(offset + q0 - start, offset + q1 - start)
+                    targets += seq.token_ids[q0 + 1:q1 + 1]
+            offset += n
+        if not rows:
+            return []
+        k = max(seq.request.prompt_logprobs for seq, *_ in spans)
+        dev = hidden.device
+        lps = chunked_token_logprobs(self.model.compute_logits, hidden[torch.tensor(rows, device=dev)],
+                                     torch.tensor(targets, dtype=torch.int64, device=dev), k,
+                                     self.logprobs_chunk_size, self.logprob_fn)
+        out = []
+        for seq, first, count, pos0 in spans:
+            kk = seq.request.prompt_logprobs
+            sl = slice(first, first + count)
+            out.append((seq, PromptLogprobs(
+                token_ids=lps.token_ids[sl], token_logprobs=lps.token_logprobs[sl], ranks=lps.ranks[sl],
+                top_ids=lps.top_ids[sl, :kk], top_logprobs=lps.top_logprobs[sl, :kk],
+                positions=np.arange(pos0, pos0 + count, dtype=np.int64))))
+        return out
+
+    def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+        rows: list[int] = []
+        seqs: list[Sequence] = []
+        offset = 0
+        for seq, n in batch.items:
+            offset += n
+            if seq.num_computed_tokens + n == seq.num_tokens and seq.request.max_tokens > len(seq.output_token_ids):
+                rows.append(offset - 1)
+                seqs.append(seq)
+        if not rows:
+            return []
+        dev = hidden.device
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()  # [S, V]
+        params = [seq.request.sampling for seq in seqs]
+        gens = []
+        for seq, p in zip(seqs, params):
+            if p.temperature > 0 and seq.generator is None:
+                seed = p.seed if p.seed is not None else hash((self.base_seed, seq.arrival))
+                seq.generator = make_generator(seed, dev)
+            gens.append(seq.generator)
+        tokens = sample_rows(logits, params, gens)
+        want = [p.logprobs for p in params]
+        lps = None
+        if any(w is not None for w in want):
+            k = max(w or 0 for w in want)
+            lps = self.logprob_fn(logits, torch.tensor(tokens, device=dev), k)
+            lps = [t.cpu().numpy() for t in lps]
+        out = []
+        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
+            tl = None
+            if want[i] is not None:
+                kk = want[i]
+                tl = TokenLogprobs(np.array([tok], np.int64), lps[0][i:i + 1].astype(np.float32),
+                                   lps[1][i:i + 1].astype(np.int64), lps[2][i:i + 1, :kk].astype(np.int64),
+                                   lps[3][i:i + 1, :kk].astype(np.float32))
+            out.append((seq, tok, tl))
+        return out

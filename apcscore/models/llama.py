@@ -1,0 +1,246 @@
+"""Our decoder for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), fed Hugging Face weights.
+
+The model works on a flattened batch: `input_ids [T]`, `positions [T]`; attention reads the step's
+AttentionMetadata (apcscore.attention.metadata) and the layer's paged KV cache. Rotary tables come from
+transformers' own rotary embedding class, so every rope type it knows (default, llama3, yarn, ...) gives
+exactly its cos/sin.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from apcscore.attention.metadata import get_attention_metadata
+from apcscore.errors import ApcscoreError
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def check_architecture(hf_config: Any) -> str:
+    """The supported architecture name of hf_config, or a clear error."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return arch
+    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
+    if not archs and getattr(hf_config, "model_type", None) in by_type:
+        return by_type[hf_config.model_type]
+    name = ", ".join(archs) or getattr(hf_config, "model_type", "unknown")
+    raise ApcscoreError(
+        f"unsupported architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   residual: torch.Tensor | None = None) -> Any:
+    """Hugging Face LlamaRMSNorm; with `residual`: x += residual first and also return the new residual."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+RmsNormFn = Callable[..., Any]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, norm_fn: RmsNormFn) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+        self.norm_fn = norm_fn
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        return self.norm_fn(x, self.weight, self.eps, residual)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, backend: Any, norm_fn: RmsNormFn, qk_norm: bool,
+                 qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn) if qk_norm else None
+        self.layer_idx = layer_idx
+        self.backend = backend
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
+        self.v_cache = torch.empty(0)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+                                   get_attention_metadata(), self.scale)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Any) -> None:
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ApcscoreError(f"unsupported activation {cfg.hidden_act!r}; only silu is supported")
+        bias = getattr(cfg, "mlp_bias", False)
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, backend: Any, norm_fn: RmsNormFn, qk_norm: bool,
+                 qkv_bias: bool, o_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx, backend, norm_fn, qk_norm, qkv_bias, o_bias)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(hidden, cos, sin)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaDecoder(nn.Module):
+    """Decoder-only transformer of the Llama family over a flattened, paged batch."""
+
+    def __init__(self, hf_config: Any, backend: Any, norm_fn: RmsNormFn = rms_norm_torch,
+                 max_positions: int | None = None) -> None:
+        super().__init__()
+        arch = check_architecture(hf_config)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        cfg = hf_config
+        self.config = cfg
+        qk_norm = family == "qwen3"
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = family == "qwen2" or attention_bias
+        o_bias = attention_bias and family != "qwen2"  # Qwen2: bias on q/k/v only
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, backend, norm_fn, qk_norm, qkv_bias, o_bias) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def build_rotary_tables(self) -> None:
+        """cos/sin for every position, from transformers' rotary embedding (exactly its values)."""
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        with torch.device("cpu"):
+            rotary = LlamaRotaryEmbedding(self.config)
+        positions = torch.arange(self.max_positions)[None, :]
+        probe = torch.zeros(1, dtype=torch.float32)
+        cos, sin = rotary(probe, positions)  # [1, P, D] fp32
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        self.cos_table = cos[0].to(device=device, dtype=dtype)
+        self.sin_table = sin[0].to(device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.cos_table[positions], self.sin_table[positions]  # [T, D]
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, vocab] in the model dtype."""
+        return nn.functional.linear(hidden, self.lm_head_weight)
+
+    @torch.no_grad()
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face weights in (q/k/v and gate/up are fused here). Every weight must be used."""
+        used: set[str] = set()
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state:
+                raise ApcscoreError(f"weight {name} is missing from the checkpoint")
+            used.add(name)
+            return state[name]
+
+        def copy(param: torch.Tensor, *names: str) -> None:
+            src = torch.cat([take(n) for n in names], dim=0) if len(names) > 1 else take(names[0])
+            if src.shape != param.shape:
+                raise ApcscoreError(f"weight {names[0]} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
+            param.copy_(src)
+
+        copy(self.embed_tokens.weight, "model.embed_tokens.weight")
+        copy(self.norm.weight, "model.norm.weight")
+        if self.lm_head is not None:
+            copy(self.lm_head.weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            copy(attn.qkv_proj.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            if attn.qkv_proj.bias is not None:
+                copy(attn.qkv_proj.bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+            copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
+            if attn.o_proj.bias is not None:
+                copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
+            if attn.q_norm is not None:
+                copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
+                copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+            copy(layer.mlp.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            if layer.mlp.gate_up_proj.bias is not None:
+                copy(layer.mlp.gate_up_proj.bias, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
+            copy(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
+            if layer.mlp.down_proj.bias is not None:
+                copy(layer.mlp.down_proj.bias, p + "mlp.down_proj.bias")
+            copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
+            copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+        unused = set(state) - used - {"lm_head.weight"}
+        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        self.build_rotary_tables()

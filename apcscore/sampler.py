@@ -1,0 +1,40 @@
+"""Next-token sampling: greedy at temperature 0, else temperature, top-k, top-p, per-request seeds.
+
+Each sampled request owns a torch.Generator seeded from its `seed` (or from the engine seed and its
+arrival number), so a seeded completion is the same whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from apcscore.sampling_params import SamplingParams
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+    return gen
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
+    """logits [B, V] (fp32) -> one token id per row."""
+    greedy = logits.argmax(dim=-1).tolist()
+    out = []
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            out.append(greedy[i])
+            continue
+        row = logits[i].float() / p.temperature  # [V]
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            kth = row.topk(p.top_k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = row.sort(descending=True)
+            probs = sorted_logits.softmax(-1)
+            # drop a token when the mass before it already reaches top_p (the first token always stays)
+            drop = (probs.cumsum(-1) - probs) >= p.top_p
+            row = row.scatter(0, order[drop], float("-inf"))
+        probs = row.softmax(-1)
+        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+    return out

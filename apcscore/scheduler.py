@@ -1,0 +1,144 @@
+"""Continuous batching under a token budget: chunked prefill, decode, preemption by recompute.
+
+Each step schedules running sequences first (their next prefill chunk or one decode token), then admits
+waiting ones while the budget, the sequence cap and the KV pool allow. When blocks run out, the most
+recently admitted running sequence is preempted: its blocks are freed and it is prefilled again later.
+Deterministic: the same inputs and config give the same schedule.
+
+Prefix caching (design.md section 2): only sequences without prompt logprobs read the cache; every sequence
+writes its full blocks. A reading sequence whose next uncached block is being prefilled right now by
+another sequence waits a step instead of computing it twice, so prompts that share a prefix and arrive
+together still hit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from apcscore.block_manager import BlockManager
+from apcscore.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: (sequence, number of new tokens to compute) in batch order."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int) -> None:
+        self.bm = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._pending: dict[int, Sequence] = {}  # block hash -> sequence computing that block now
+        self.num_preemptions = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    # ---- scheduling ----------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_batch_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status is not SequenceStatus.RUNNING:
+                break
+            batch.items.append((seq, n))
+            budget -= n
+            i += 1
+
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
+            seq = self.waiting.popleft()
+            cached = self.bm.find_cached_prefix(seq, record_stats=False) if seq.reads_prefix_cache else []
+            if seq.reads_prefix_cache and self._next_block_pending(seq, len(cached)):
+                skipped.append(seq)
+                continue
+            n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
+            if not self.bm.allocate(seq, n, cached):
+                self.waiting.appendleft(seq)
+                break
+            if seq.num_cached_tokens is None:  # first admission: this is the request's hit
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if seq.reads_prefix_cache and self.bm.enable_prefix_caching:
+                    self.bm.stats.queried_tokens += seq.prompt_len
+                    self.bm.stats.hit_tokens += seq.num_computed_tokens
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._mark_pending(seq)
+            batch.items.append((seq, n))
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return batch
+
+    def _next_block_pending(self, seq: Sequence, num_cached_blocks: int) -> bool:
+        hashes = seq.block_hashes  # filled by find_cached_prefix
+        if num_cached_blocks >= min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size):
+            return False
+        owner = self._pending.get(hashes[num_cached_blocks])
+        return owner is not None and owner is not seq
+
+    def _mark_pending(self, seq: Sequence) -> None:
+        if not self.bm.enable_prefix_caching:
+            return
+        hashes = self.bm.update_block_hashes(seq)
+        for i in range(seq.num_computed_tokens // self.bm.block_size, len(hashes)):
+            self._pending.setdefault(hashes[i], seq)
+
+    def _unmark_pending(self, seq: Sequence, upto_block: int | None = None) -> None:
+        hashes = seq.block_hashes[:upto_block] if upto_block is not None else seq.block_hashes
+        for h in hashes:
+            if self._pending.get(h) is seq:
+                del self._pending[h]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self._unmark_pending(seq)
+        self.bm.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ---- after the step ------------------------------------------------------------------------
+    def finish_step(self, batch: ScheduledBatch) -> None:
+        """Account the computed tokens and publish newly full blocks to the prefix cache."""
+        for seq, n in batch.items:
+            seq.num_computed_tokens += n
+            self.bm.cache_full_blocks(seq)
+            self._unmark_pending(seq, seq.num_computed_tokens // self.bm.block_size)
+
+    def finish(self, seq: Sequence, reason: str | None) -> None:
+        """Retire a sequence: free its blocks (they stay cached until evicted)."""
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self._unmark_pending(seq)
+        self.bm.free(seq)
+        self.running.remove(seq)
+
+    def drop_waiting(self, seq: Sequence) -> None:
+        self.waiting.remove(seq)
+        seq.status = SequenceStatus.FINISHED
