@@ -1,0 +1,153 @@
+"""KV cache manager: hashing, hits, partial blocks, ref counts, LRU eviction, stats (plain Python, no torch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from apcscore.block_manager import NONE_HASH, BlockManager, hash_block
+
+
+@dataclass
+class Seq:
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+
+
+def run_prefill(bm: BlockManager, tokens: list[int], read_cache: bool = True) -> tuple[Seq, int]:
+    """Admit a sequence, 'compute' its whole prompt, publish its blocks; returns it and its hit tokens."""
+    seq = Seq(list(tokens))
+    cached = bm.find_cached_prefix(seq) if read_cache else []
+    assert bm.allocate(seq, len(tokens) - len(cached) * bm.block_size, cached)
+    hit = seq.num_computed_tokens
+    seq.num_computed_tokens = len(tokens)
+    bm.cache_full_blocks(seq)
+    return seq, hit
+
+
+def test_hash_chain_depends_on_parent_and_tokens():
+    h1 = hash_block(NONE_HASH, [1, 2, 3, 4])
+    assert h1 == hash_block(NONE_HASH, (1, 2, 3, 4))
+    assert hash_block(h1, [5, 6, 7, 8]) != hash_block(NONE_HASH, [5, 6, 7, 8])
+    assert hash_block(NONE_HASH, [1, 2, 3, 4], ("lora-a",)) != h1
+
+
+def test_shared_prefix_hits_full_blocks_only():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    a, hit_a = run_prefill(bm, list(range(10)))  # 2 full blocks + 2 tokens
+    assert hit_a == 0
+    assert len(bm.cached) == 2  # the partial third block is never cached
+    b, hit_b = run_prefill(bm, list(range(8)) + [99, 98, 97])
+    assert hit_b == 8
+    assert b.block_ids[:2] == a.block_ids[:2]  # the same physical blocks, shared
+    assert bm.blocks[a.block_ids[0]].ref_count == 2
+    assert bm.stats.queried_tokens == 21 and bm.stats.hit_tokens == 8
+    bm.check_invariants([a, b])
+
+
+def test_at_least_one_token_is_left_to_compute():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    run_prefill(bm, list(range(8)))
+    seq = Seq(list(range(8)))
+    assert len(bm.find_cached_prefix(seq)) == 1  # 8 tokens cached, but the last must be recomputed
+
+
+def test_different_prefix_misses_even_with_equal_later_blocks():
+    bm = BlockManager(num_blocks=16, block_size=4)
+    run_prefill(bm, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    _, hit = run_prefill(bm, [0, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert hit == 0
+
+
+def test_hash_collision_is_caught_by_token_check(monkeypatch):
+    bm = BlockManager(num_blocks=16, block_size=2)
+    run_prefill(bm, [1, 2, 3])
+    # forge a collision: make the other content's hash point at the cached block
+    other = Seq([7, 8, 9])
+    bm.update_block_hashes(other)
+    bm.cached[other.block_hashes[0]] = next(iter(bm.cached.values()))
+    assert bm.find_cached_prefix(other) == []
+
+
+def test_free_keeps_content_cached_until_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a, _ = run_prefill(bm, [1, 2, 3, 4, 5])  # 3 blocks, 2 full ones cached
+    bm.free(a)
+    bm.check_invariants([])
+    assert bm.num_free_blocks == 4 and len(bm.cached) == 2
+    b, hit = run_prefill(bm, [1, 2, 3, 4, 6])  # hit on the freed, still cached blocks
+    assert hit == 4
+    bm.free(b)
+    # a sequence of unrelated tokens needing every block evicts all cached hashes
+    c, hit = run_prefill(bm, [9, 9, 8, 8, 7, 7, 6])
+    assert hit == 0
+    assert all(bm.blocks[i].block_hash is None or bm.cached.get(bm.blocks[i].block_hash) == i for i in range(4))
+    assert set(bm.cached.values()) <= set(c.block_ids)
+
+
+def test_lru_evicts_least_recently_freed_first():
+    bm = BlockManager(num_blocks=6, block_size=2)
+    a, _ = run_prefill(bm, [1, 1, 2])
+    b, _ = run_prefill(bm, [3, 3, 4])
+    bm.check_invariants([a, b])
+    bm.free(a)  # a's blocks become free first ...
+    bm.free(b)  # ... then b's
+    run_prefill(bm, [5, 5, 6, 6, 7, 7, 8])  # 4 blocks: 2 never used, then a's two (freed first)
+    seq_a, seq_b = Seq([1, 1, 2]), Seq([3, 3, 4])
+    assert bm.find_cached_prefix(seq_b, record_stats=False) != []  # b survived
+    assert bm.find_cached_prefix(seq_a, record_stats=False) == []  # a was evicted
+
+
+def test_allocation_is_all_or_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    seq = Seq(list(range(20)))
+    assert not bm.allocate(seq, 20)  # needs 5 blocks
+    assert seq.block_ids == [] and bm.num_free_blocks == 3
+    assert bm.allocate(seq, 12)
+    assert len(seq.block_ids) == 3 and bm.num_free_blocks == 0
+    bm.check_invariants([seq])
+
+
+def test_decode_appends_blocks_only_at_block_boundaries():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    seq = Seq(list(range(4)))
+    assert bm.allocate(seq, 4)
+    seq.num_computed_tokens = 4
+    seq.token_ids.append(100)
+    assert bm.allocate(seq, 1) and len(seq.block_ids) == 2
+    for t in range(3):
+        seq.num_computed_tokens += 1
+        seq.token_ids.append(101 + t)
+        assert bm.allocate(seq, 1) and len(seq.block_ids) == 2
+    bm.check_invariants([seq])
+
+
+def test_duplicate_content_is_not_cached_twice():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a, _ = run_prefill(bm, [1, 2, 3], read_cache=False)
+    b, _ = run_prefill(bm, [1, 2, 3], read_cache=False)  # a scoring request: computes its own copy
+    assert a.block_ids[0] != b.block_ids[0]
+    assert len(bm.cached) == 1 and bm.cached[a.block_hashes[0]] == a.block_ids[0]
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants([])
+
+
+def test_prefix_caching_off_never_hits():
+    bm = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=False)
+    run_prefill(bm, [1, 2, 3])
+    _, hit = run_prefill(bm, [1, 2, 3])
+    assert hit == 0 and bm.cached == {}
+
+
+def test_double_free_is_detected():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    seq, _ = run_prefill(bm, [1, 2, 3])
+    ids = list(seq.block_ids)
+    bm.free(seq)
+    seq.block_ids = ids
+    with pytest.raises(AssertionError):
+        bm.free(seq)
