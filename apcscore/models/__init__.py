@@ -1,0 +1,1 @@
+"""Models: finding and loading weights (`loader`) and our own decoder implementations."""

