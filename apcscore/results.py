@@ -1,0 +1,368 @@
+"""The results writer: rows stream to disk as they finish; the final parquet file is in dataset order.
+
+Layout and crash safety
+-----------------------
+While a run goes, rows are written to ``<out>.partial/``, a directory of part files::
+
+    results.parquet.partial/
+        run.json              this run's metadata and schema (written first, replaced atomically)
+        part-000000.parquet   a complete small parquet file: up to `row_group_size` rows sorted by `index`
+        part-000001.parquet   ...
+
+Each part file is written under a temporary name and renamed into place, so at any moment (also after
+``kill -9``) every ``part-*.parquet`` is complete and readable; a crash loses only the rows still buffered
+in memory (at most `row_group_size` rows, or `max_buffer_seconds` of work). A single growing
+``ParquetWriter`` file would be unreadable without its footer after a crash, so we do not use one.
+Nothing is fsynced: this survives a crash of the process, not of the machine.
+
+`close()` assembles ``<out>`` by a streaming merge of the parts by `index` (each part is sorted; the
+merge keeps in memory only the parts whose index range overlaps the row group being written, so memory
+follows the out-of-order window, not the dataset), writes it under a temporary name inside the partial
+directory, renames it over ``<out>`` with `os.replace` and removes the partial. The final file has the
+run's schema (no `index` column), one row per record in dataset order, row groups of `row_group_size`
+rows, and the run metadata as JSON under the schema metadata key ``apcscore``. Its content depends only
+on the rows and metadata, so a resumed run writes the same file an uninterrupted run would have.
+
+Non-finite floats in the metadata (e.g. tokens/s of a zero-second run) are stored as null, so the JSON
+is strict and readable by any JSON parser.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from apcscore.errors import ApcscoreError
+
+METADATA_KEY = b"apcscore"
+INDEX_COLUMN = "index"
+_RUN_FILE = "run.json"
+_PART_GLOB = "part-*.parquet"
+_FINAL_TMP = "final.parquet.tmp"
+
+
+def _jsonable(value: Any) -> Any:
+    """`value` with non-finite floats replaced by None, tuples by lists (what JSON can hold)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _dumps(metadata: dict) -> str:
+    try:
+        return json.dumps(_jsonable(metadata), allow_nan=False, ensure_ascii=False)
+    except TypeError as e:
+        raise TypeError(f"run metadata must be JSON-serializable: {e}") from None
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def records_to_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
+    """Rows (dicts keyed by column name; a missing key is null) as a table of `schema`.
+
+    Raises ValueError naming the row and column when a value does not fit its column, and for keys that
+    are not columns of the schema.
+    """
+    names = set(schema.names)
+    for i, row in enumerate(rows):
+        extra = row.keys() - names
+        if extra:
+            raise ValueError(f"row {i} has keys that are not columns of the schema: {sorted(extra)}")
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+        for i, row in enumerate(rows):  # find the culprit for the message
+            for f in schema:
+                try:
+                    pa.array([row.get(f.name)], type=f.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as cell:
+                    raise ValueError(f"row {i}, column {f.name!r} ({f.type}): {cell}") from e
+        raise ValueError(f"rows do not fit the schema: {e}") from e
+
+
+def read_run_metadata(path: str | Path) -> dict:
+    """The run metadata (JSON under schema metadata key ``apcscore``) of a results file or partial dir."""
+    path = Path(path)
+    if path.is_dir():
+        run = path / _RUN_FILE
+        if not run.exists():
+            raise ApcscoreError(f"{path} is a directory but not an apcscore partial (no {_RUN_FILE})")
+        return json.loads(run.read_text(encoding="utf-8"))["metadata"]
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except FileNotFoundError:
+        raise ApcscoreError(f"{path} does not exist") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ApcscoreError(f"{path} is not a readable parquet file: {e}") from None
+    if METADATA_KEY not in meta:
+        raise ApcscoreError(f"{path} has no apcscore run metadata (was it written by apcscore?)")
+    return json.loads(meta[METADATA_KEY])
+
+
+@dataclass(frozen=True)
+class _Part:
+    path: Path
+    first: int  # smallest index in the part
+    last: int  # largest index in the part
+    num_rows: int
+
+
+class ResultsWriter:
+    """Collects result rows in completion order and writes the dataset-ordered parquet file on `close`.
+
+    Usage::
+
+        writer = ResultsWriter(out, schema, metadata, resume=resume, resume_keys=["model", "dataset"])
+        todo = [r for r in records if r.index not in writer.done_indices]
+        for index, row in run(todo):
+            writer.add(index, row)
+        writer.update_metadata({"timings": ...})
+        writer.close()
+
+    An existing `out` is only replaced with `overwrite=True` (and only at `close`, atomically). An existing
+    partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True` the
+    partial's metadata must equal `metadata` in every key of `resume_keys`, and its columns the schema's.
+    `num_rows`, when given, is the number of rows the final file must have (indices 0..num_rows-1);
+    otherwise `close` requires the indices added to be exactly 0..n-1.
+    """
+
+    def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
+                 resume: bool = False, resume_keys: Iterable[str] = (), row_group_size: int = 256,
+                 num_rows: int | None = None, max_buffer_seconds: float = 60.0) -> None:
+        if INDEX_COLUMN in schema.names:
+            raise ValueError(f"the schema may not have a column named {INDEX_COLUMN!r} (the writer's own)")
+        if row_group_size < 1:
+            raise ValueError(f"row_group_size must be at least 1, not {row_group_size}")
+        self.out_path = Path(out_path)
+        self.partial_path = self.out_path.with_name(self.out_path.name + ".partial")
+        self.schema = schema
+        self.row_group_size = row_group_size
+        self.num_rows = num_rows
+        self.max_buffer_seconds = max_buffer_seconds
+        self._metadata = json.loads(_dumps(metadata))
+        self._part_schema = pa.schema([pa.field(INDEX_COLUMN, pa.int64(), nullable=False), *schema])
+        self._parts: list[_Part] = []
+        self._buffer: list[tuple[int, dict]] = []
+        self._buffer_since = 0.0
+        self._flushing = False
+        self._closed = False
+        self._next_part = 0
+        self.done_indices: set[int] = set()
+        self.done_ids: set[str] = set()
+        self.resumed_metadata: dict | None = None  # the partial's metadata, when resuming one
+
+        if self.out_path.is_dir():
+            raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
+                                f"{self.out_path / 'results.parquet'}")
+        if self.out_path.exists() and not overwrite:
+            raise ApcscoreError(f"{self.out_path} already exists; pass --overwrite to replace it "
+                                "or choose another --out")
+        if self.partial_path.exists():
+            self._check_ours()
+            if resume:
+                self._resume(resume_keys)
+                return
+            if not overwrite:
+                raise ApcscoreError(f"{self.partial_path} holds an unfinished run; pass --resume to continue "
+                                    "it, or --overwrite to discard it and start over")
+            shutil.rmtree(self.partial_path)
+        self.out_path.parent.mkdir(parents=True, exist_ok=True)
+        self.partial_path.mkdir()
+        self._write_run_file()
+
+    # ------------------------------------------------------------------ public interface
+
+    @property
+    def metadata(self) -> dict:
+        return self._metadata
+
+    def add(self, index: int, row: dict) -> None:
+        """Buffer the row of record `index` (rows come in completion order; each index exactly once)."""
+        if self._closed:
+            raise RuntimeError("add() after close()")
+        if not isinstance(index, int) or index < 0 or (self.num_rows is not None and index >= self.num_rows):
+            raise ValueError(f"index {index!r} is out of range (0..{self.num_rows})")
+        if index in self.done_indices:
+            raise ValueError(f"a row for index {index} was already added")
+        self.done_indices.add(index)
+        if not self._buffer:
+            self._buffer_since = time.monotonic()
+        self._buffer.append((index, row))
+        if len(self._buffer) >= self.row_group_size or \
+                time.monotonic() - self._buffer_since >= self.max_buffer_seconds:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows as one part file (safe to call from a signal handler between adds)."""
+        if self._flushing or not self._buffer:
+            return
+        self._flushing = True
+        try:
+            buffered, self._buffer = self._buffer, []
+            buffered.sort(key=lambda item: item[0])
+            rows = [{INDEX_COLUMN: i, **row} for i, row in buffered]
+            try:
+                table = records_to_table(rows, self._part_schema)
+            except ValueError as e:
+                for i, _ in buffered:
+                    self.done_indices.discard(i)
+                raise ValueError(f"results of indices {[i for i, _ in buffered][:10]}...: {e}") from None
+            path = self.partial_path / f"part-{self._next_part:06d}.parquet"
+            self._next_part += 1
+            tmp = path.with_name(path.name + ".tmp")
+            pq.write_table(table, tmp)
+            os.replace(tmp, path)
+            self._parts.append(_Part(path, buffered[0][0], buffered[-1][0], len(buffered)))
+            if "id" in self.schema.names:
+                self.done_ids.update(str(row.get("id")) for _, row in buffered)
+        finally:
+            self._flushing = False
+
+    def update_metadata(self, updates: dict) -> None:
+        """Merge `updates` into the run metadata (top-level keys), e.g. timings known only at the end."""
+        self._metadata.update(json.loads(_dumps(updates)))
+        self._write_run_file()
+
+    def close(self) -> Path:
+        """Write the final file (all rows present), atomically, and remove the partial. Returns its path."""
+        if self._closed:
+            return self.out_path
+        self.flush()
+        expected = self.num_rows if self.num_rows is not None else len(self.done_indices)
+        if len(self.done_indices) != expected or (expected and max(self.done_indices) != expected - 1):
+            missing = sorted(set(range(expected)) - self.done_indices)
+            raise ApcscoreError(
+                f"{len(missing)} of {expected} rows are missing (indices {missing[:10]}"
+                f"{' ...' if len(missing) > 10 else ''}); the finished rows are kept in {self.partial_path}: "
+                "rerun with --resume to complete it", exit_code=1)
+        tmp = self.partial_path / _FINAL_TMP
+        schema = self.schema.with_metadata({**(self.schema.metadata or {}),
+                                            METADATA_KEY: _dumps(self._metadata).encode()})
+        try:
+            with pq.ParquetWriter(tmp, schema) as writer:
+                for chunk in self._merged(expected):
+                    writer.write_table(chunk.drop_columns([INDEX_COLUMN]), row_group_size=self.row_group_size)
+            os.replace(tmp, self.out_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        shutil.rmtree(self.partial_path)
+        self._closed = True
+        return self.out_path
+
+    def __enter__(self) -> "ResultsWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """On an exception keep the partial (flushed) for --resume; otherwise close."""
+        if exc_type is None:
+            self.close()
+        else:
+            self.flush()
+
+    # ------------------------------------------------------------------ internals
+
+    def _merged(self, total: int):
+        """Tables of `row_group_size` consecutive indices, in order, merged from the sorted parts."""
+        parts = sorted(self._parts, key=lambda p: p.first)
+        next_part = 0
+        open_parts: list[pa.Table] = []  # unconsumed rows of parts overlapping the output window
+        for start in range(0, total, self.row_group_size):
+            end = min(start + self.row_group_size, total)
+            while next_part < len(parts) and parts[next_part].first < end:
+                open_parts.append(pq.read_table(parts[next_part].path, schema=self._part_schema))
+                next_part += 1
+            pieces, keep = [], []
+            for table in open_parts:
+                indices = table.column(INDEX_COLUMN).to_pylist()  # sorted within a part
+                cut = bisect.bisect_left(indices, end)
+                pieces.append(table.slice(0, cut))
+                if cut < table.num_rows:
+                    keep.append(table.slice(cut))
+            open_parts = keep
+            chunk = pa.concat_tables(pieces).sort_by(INDEX_COLUMN) if pieces else \
+                self._part_schema.empty_table()
+            got = chunk.column(INDEX_COLUMN).to_pylist()
+            if got != list(range(start, end)):
+                raise RuntimeError(f"partial {self.partial_path} is inconsistent: rows {start}..{end - 1} "
+                                   f"are not all present exactly once")
+            yield chunk
+
+    def _write_run_file(self) -> None:
+        run = {"metadata": self._metadata, "schema": self.schema.serialize().to_pybytes().hex()}
+        _write_atomic(self.partial_path / _RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
+
+    def _check_ours(self) -> None:
+        """Refuse to touch a `.partial` path this writer did not create."""
+        p = self.partial_path
+        ours = (_RUN_FILE, _RUN_FILE + ".tmp", _FINAL_TMP)  # an empty directory is ours too
+        if not p.is_dir() or any(child.name not in ours and not child.name.startswith("part-")
+                                 for child in p.iterdir()):
+            raise ApcscoreError(f"{p} exists but is not an apcscore partial run; move it away "
+                                "or choose another --out")
+
+    def _resume(self, resume_keys: Iterable[str]) -> None:
+        run_file = self.partial_path / _RUN_FILE
+        if not run_file.exists():  # the previous run died before writing anything
+            for leftover in self.partial_path.iterdir():
+                leftover.unlink()
+            self._write_run_file()
+            return
+        run = json.loads(run_file.read_text(encoding="utf-8"))
+        old_meta = run["metadata"]
+        self.resumed_metadata = old_meta
+        differ = [k for k in resume_keys if old_meta.get(k) != self._metadata.get(k)]
+        if differ:
+            def short(v: Any) -> str:
+                text = json.dumps(v, ensure_ascii=False)
+                return text if len(text) <= 80 else text[:77] + "..."
+            details = "; ".join(f"{k}: partial {short(old_meta.get(k))}, this run {short(self._metadata.get(k))}"
+                                for k in differ)
+            raise ApcscoreError(f"cannot resume {self.partial_path}: it was written by a different run "
+                                f"({details}); rerun with the same settings, or pass --overwrite to start over")
+        old_schema = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
+        if not old_schema.remove_metadata().equals(self.schema.remove_metadata()):
+            raise ApcscoreError(f"cannot resume {self.partial_path}: it was written with other columns "
+                                f"({', '.join(old_schema.names)}); pass --overwrite to start over")
+        for leftover in self.partial_path.glob("*.tmp"):
+            leftover.unlink()
+        has_id = "id" in self.schema.names
+        for path in sorted(self.partial_path.glob(_PART_GLOB)):
+            columns = [INDEX_COLUMN, "id"] if has_id else [INDEX_COLUMN]
+            try:
+                table = pq.read_table(path, columns=columns)
+            except (pa.ArrowInvalid, OSError) as e:
+                raise ApcscoreError(f"cannot resume: {path} is damaged ({e}); pass --overwrite to start over")
+            indices = table.column(INDEX_COLUMN).to_pylist()
+            if not indices:
+                continue
+            if self.num_rows is not None and indices[-1] >= self.num_rows:
+                raise ApcscoreError(f"cannot resume {self.partial_path}: it holds row {indices[-1]} but this "
+                                    f"run has {self.num_rows} rows; pass --overwrite to start over")
+            clash = self.done_indices.intersection(indices)
+            if clash:
+                raise ApcscoreError(f"cannot resume {self.partial_path}: rows {sorted(clash)[:10]} appear twice; "
+                                    "pass --overwrite to start over")
+            self.done_indices.update(indices)
+            if has_id:
+                self.done_ids.update(str(i) for i in table.column("id").to_pylist())
+            self._parts.append(_Part(path, indices[0], indices[-1], len(indices)))
+            self._next_part = max(self._next_part, int(path.stem.split("-")[1]) + 1)
