@@ -103,6 +103,19 @@ class Engine:
         dtype = resolve_dtype(config.dtype, device)
         files = resolve_model(spec)
         hf_config = load_config(files.path)
+        check_architecture(hf_config)
+        state = load_state_dict(files.path, dtype=dtype, device=device)
+        return cls.from_parts(hf_config, state, load_tokenizer(files.path), config, name=files.name,
+                              path=str(files.path), fingerprint=weights_fingerprint(files.path))
+
+    @classmethod
+    def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
+                   config: EngineConfig | None = None, name: str = "custom", path: str = "",
+                   fingerprint: str = "") -> "Engine":
+        """Build the engine from a Hugging Face config and state dict (tests, benchmarks, random weights)."""
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
         backend_name = config.attention_backend
         if backend_name == "auto":
@@ -116,14 +129,14 @@ class Engine:
         with torch.device("meta"):
             model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len)
         model = model.to_empty(device=device).to(dtype)
-        model.load_hf_weights(load_state_dict(files.path, dtype=dtype, device=device))
+        model.load_hf_weights({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
         model.eval()
         info = ModelInfo(
-            name=files.name, path=str(files.path), architecture=arch, vocab_size=hf_config.vocab_size,
-            max_model_len=max_len, fingerprint=weights_fingerprint(files.path),
+            name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
+            max_model_len=max_len, fingerprint=fingerprint,
             num_parameters=sum(p.numel() for p in model.parameters()),
         )
-        return cls(model, load_tokenizer(files.path), config, info, device, dtype, backend_name, logprob_fn)
+        return cls(model, tokenizer, config, info, device, dtype, backend_name, logprob_fn)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -19,7 +19,10 @@ from apcscore.sampler import make_generator, sample_rows
 from apcscore.scheduler import ScheduledBatch
 from apcscore.sequence import PromptLogprobs, Sequence, TokenLogprobs
 
-MIN_ROWS = 8  # pad tiny batches: CPU GEMMs take another code path below 8 rows (not batch-invariant)
+# CPU GEMMs (MKL/oneDNN) round rows differently when a matrix has fewer than ~12 rows (measured here: 1-3, 5-7
+# and 9-11 rows differ from the same rows inside a larger matrix). Padding every row block to at least 16 rows
+# keeps results bitwise independent of chunking and batch composition.
+MIN_ROWS = 16
 
 
 @dataclass
@@ -114,6 +117,13 @@ class ModelRunner:
             hidden = self.model(input_ids, positions)  # [T, H]
         return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden))
 
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> [N, V]; on CPU, padded to MIN_ROWS rows for batch-invariant rounding."""
+        n = hidden.shape[0]
+        if self.device.type == "cpu" and n < MIN_ROWS:
+            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, MIN_ROWS - n))
+        return self.model.compute_logits(hidden)[:n]
+
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
         """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see."""
         rows: list[int] = []
@@ -135,7 +145,7 @@ class ModelRunner:
             return []
         k = max(seq.request.prompt_logprobs for seq, *_ in spans)
         dev = hidden.device
-        lps = chunked_token_logprobs(self.model.compute_logits, hidden[torch.tensor(rows, device=dev)],
+        lps = chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],
                                      torch.tensor(targets, dtype=torch.int64, device=dev), k,
                                      self.logprobs_chunk_size, self.logprob_fn)
         out = []
@@ -160,7 +170,7 @@ class ModelRunner:
         if not rows:
             return []
         dev = hidden.device
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()  # [S, V]
+        logits = self._logits(hidden[torch.tensor(rows, device=dev)]).float()  # [S, V]
         params = [seq.request.sampling for seq in seqs]
         gens = []
         for seq, p in zip(seqs, params):

@@ -14,7 +14,8 @@ import torch
 
 from apcscore.attention.metadata import AttentionMetadata
 
-KV_TILE = 256  # keys per tile; a multiple of every block size we allow in practice
+KV_TILE = 128  # keys per tile; the last tile is padded to full size, so every reduction has one shape
+MIN_QUERY_ROWS = 16  # CPU GEMMs switch kernels (and rounding) below a few rows: pad small query blocks
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -65,8 +66,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         q = query[start:end].view(q_len, num_kv_heads, group, head_dim)  # [q, Hkv, G, D]
         q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim).float()
         q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).repeat(group)  # [G*q]
+        rows = q.shape[1]
+        if rows < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the chunking
+            q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
+            q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows), value=seq_len - 1)
         out_seq = _tiled_softmax_attention(q * scale, k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-                                           q_pos)  # [Hkv, G*q, D]
+                                           q_pos)[:, :rows]  # [Hkv, G*q, D]
         out[start:end] = out_seq.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
             q_len, num_heads, head_dim).to(query.dtype)
     return out
@@ -82,8 +87,12 @@ def _tiled_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     s = torch.zeros(q.shape[:2], device=q.device)  # running sum of exp [H, M]
     acc = torch.zeros_like(q)  # [H, M, D]
     last_pos = int(q_pos.max()) if q_pos.numel() else -1
+    padded = -(-seq_len // KV_TILE) * KV_TILE
+    if padded != seq_len:  # zero keys/values past the end; masked below, so they add exact zeros
+        k = torch.nn.functional.pad(k, (0, 0, 0, padded - seq_len))
+        v = torch.nn.functional.pad(v, (0, 0, 0, padded - seq_len))
     for t0 in range(0, min(seq_len, last_pos + 1), KV_TILE):
-        t1 = min(t0 + KV_TILE, seq_len)
+        t1 = t0 + KV_TILE
         scores = q @ k[:, t0:t1].transpose(1, 2)  # [H, M, tile]
         k_pos = torch.arange(t0, t1, device=q.device)
         scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
