@@ -1,0 +1,95 @@
+"""What every job shares: the record -> requests -> row contract, common columns, per-token columns."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from apcscore.records import Record
+from apcscore.sequence import PromptLogprobs, Request, RequestOutput
+
+COMMON_FIELDS = [
+    pa.field("id", pa.string()),
+    pa.field("status", pa.string()),  # ok | error
+    pa.field("error", pa.string()),
+]
+
+TOKEN_FIELDS = [
+    pa.field("token_ids", pa.list_(pa.int64())),
+    pa.field("token_logprobs", pa.list_(pa.float32())),
+    pa.field("token_ranks", pa.list_(pa.int64())),
+    pa.field("top_ids", pa.list_(pa.list_(pa.int64()))),
+    pa.field("top_logprobs", pa.list_(pa.list_(pa.float32()))),
+]
+
+
+class Job:
+    """A command's logic between records and rows. Subclasses set `command` and the methods below."""
+
+    command: str = ""
+
+    def __init__(self, engine: Any, options: dict) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.options = options
+
+    def schema(self) -> pa.Schema:
+        raise NotImplementedError
+
+    def requests(self, record: Record) -> list[Request]:
+        """The engine requests of one record (request ids are filled in by the runner)."""
+        raise NotImplementedError
+
+    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+        """The result row of one record from its requests' outputs (all without error)."""
+        raise NotImplementedError
+
+    def summary(self) -> list[tuple[str, str]]:
+        """(label, value) lines for the end-of-run table, from the rows seen by `observe`."""
+        return []
+
+    def observe(self, row: dict) -> None:
+        """See each finished row (for the summary)."""
+
+    def metadata(self) -> dict:
+        """Job options recorded in the run metadata."""
+        return {}
+
+    # ---- shared helpers ------------------------------------------------------------------------
+    def error_row(self, record_id: str, message: str) -> dict:
+        return {"id": record_id, "status": "error", "error": message}
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids with the tokenizer's default special tokens (what AutoTokenizer(text).input_ids gives)."""
+        return list(self.tokenizer(text).input_ids)
+
+
+def token_columns(token_ids: list[int], lps: PromptLogprobs | None) -> dict:
+    """Per-token columns aligned with `token_ids`; null where a position was not scored (always position 0)."""
+    n = len(token_ids)
+    logprobs: list[float | None] = [None] * n
+    ranks: list[int | None] = [None] * n
+    top_ids: list[list[int] | None] = [None] * n
+    top_lps: list[list[float] | None] = [None] * n
+    if lps is not None:
+        for i, pos in enumerate(lps.positions.tolist()):
+            logprobs[pos] = float(lps.token_logprobs[i])
+            ranks[pos] = int(lps.ranks[i])
+            top_ids[pos] = lps.top_ids[i].tolist()
+            top_lps[pos] = lps.top_logprobs[i].tolist()
+    return {"token_ids": list(token_ids), "token_logprobs": logprobs, "token_ranks": ranks,
+            "top_ids": top_ids, "top_logprobs": top_lps}
+
+
+def nll_summary(sum_logprob: float, count: int) -> dict:
+    """sum_logprob, mean_nll and perplexity of `count` scored tokens (NaN when nothing was scored)."""
+    mean_nll = -sum_logprob / count if count else math.nan
+    return {"sum_logprob": sum_logprob, "mean_nll": mean_nll,
+            "perplexity": math.exp(mean_nll) if count else math.nan}
+
+
+def sum_logprobs(lps: PromptLogprobs | None) -> float:
+    return float(np.sum(lps.token_logprobs, dtype=np.float64)) if lps is not None else 0.0

@@ -1,0 +1,99 @@
+"""`apcscore generate`: completions with sampling options; reuses prefix-cached KV."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from apcscore.errors import ApcscoreError
+from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
+from apcscore.records import Record
+from apcscore.sampling_params import SamplingParams
+from apcscore.sequence import Request, RequestOutput
+
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+COMPLETION_LOGPROB_FIELDS = [
+    pa.field("completion_logprobs", pa.list_(pa.float32())),
+    pa.field("completion_ranks", pa.list_(pa.int64())),
+    pa.field("completion_top_ids", pa.list_(pa.list_(pa.int64()))),
+    pa.field("completion_top_logprobs", pa.list_(pa.list_(pa.float32()))),
+]
+
+
+class GenerateJob(Job):
+    command = "generate"
+
+    def __init__(self, engine, options: dict) -> None:
+        super().__init__(engine, options)
+        self.defaults = {k: options[k] for k in SAMPLING_KEYS if options.get(k) is not None}
+        self.logprobs = options.get("logprobs")
+        self.prompt_logprobs = options.get("prompt_logprobs")
+        self._completion_tokens = 0
+        self._cached = 0
+        self._prompt_tokens = 0
+        self._finish: dict[str, int] = {}
+
+    def schema(self) -> pa.Schema:
+        fields = COMMON_FIELDS + [
+            pa.field("completion", pa.string()),
+            pa.field("completion_token_ids", pa.list_(pa.int64())),
+            pa.field("finish_reason", pa.string()),
+            pa.field("num_prompt_tokens", pa.int64()),
+            pa.field("num_cached_tokens", pa.int64()),
+        ]
+        if self.logprobs is not None:
+            fields += COMPLETION_LOGPROB_FIELDS
+        if self.prompt_logprobs is not None:
+            fields += TOKEN_FIELDS
+        return pa.schema(fields)
+
+    def sampling_params(self, record: Record) -> SamplingParams:
+        values = dict(self.defaults)
+        values.update({k: record.fields[k] for k in SAMPLING_KEYS if record.fields.get(k) is not None})
+        stop = values.get("stop", ())
+        values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        return SamplingParams(**values, logprobs=self.logprobs)
+
+    def prompt_ids(self, record: Record) -> list[int]:
+        if record.kind == "messages":
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ApcscoreError("this model's tokenizer has no chat template; give a plain 'prompt' instead")
+            text = self.tokenizer.apply_chat_template(record.fields["messages"], add_generation_prompt=True,
+                                                      tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self.encode(record.fields["prompt"])
+
+    def requests(self, record: Record) -> list[Request]:
+        return [Request(None, self.prompt_ids(record), sampling=self.sampling_params(record),
+                        prompt_logprobs=self.prompt_logprobs)]
+
+    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+        out = outputs[0]
+        row = {"id": record.id, "status": "ok", "error": None, "completion": out.output_text,
+               "completion_token_ids": out.output_token_ids, "finish_reason": out.finish_reason,
+               "num_prompt_tokens": len(out.prompt_token_ids), "num_cached_tokens": out.num_cached_tokens}
+        if self.logprobs is not None:
+            lps = out.output_logprobs
+            row.update(completion_logprobs=lps.token_logprobs.tolist(), completion_ranks=lps.ranks.tolist(),
+                       completion_top_ids=lps.top_ids.tolist(), completion_top_logprobs=lps.top_logprobs.tolist())
+        if self.prompt_logprobs is not None:
+            row.update(token_columns(out.prompt_token_ids, out.prompt_logprobs))
+        return row
+
+    def observe(self, row: dict) -> None:
+        if row.get("status") != "ok":
+            return
+        self._completion_tokens += len(row["completion_token_ids"])
+        self._prompt_tokens += row["num_prompt_tokens"]
+        self._cached += row["num_cached_tokens"]
+        self._finish[row["finish_reason"]] = self._finish.get(row["finish_reason"], 0) + 1
+
+    def summary(self) -> list[tuple[str, str]]:
+        lines = [("completion tokens", f"{self._completion_tokens:,}"),
+                 ("prompt tokens (cached)", f"{self._prompt_tokens:,} ({self._cached:,})")]
+        if self._finish:
+            lines.append(("finish reasons", ", ".join(f"{k}: {v}" for k, v in sorted(self._finish.items()))))
+        return lines
+
+    def metadata(self) -> dict:
+        return {"sampling": self.defaults, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
