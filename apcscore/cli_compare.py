@@ -1,0 +1,61 @@
+"""`apcscore compare BASELINE.parquet CANDIDATE.parquet`: the CI regression gate (register with
+`app.command("compare")(compare)`).
+
+Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared).
+The metrics live in apcscore.compare and are imported when the command runs, so importing this module
+(and `apcscore --help`) stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from apcscore.errors import ApcscoreError
+
+
+def compare(
+    baseline: Annotated[Path, typer.Argument(help="Result file of the reference run (apcscore score / perplexity).",
+                                             show_default=False)],
+    candidate: Annotated[Path, typer.Argument(help="Result file of the run under test, same dataset.",
+                                              show_default=False)],
+    max_ppl_ratio: Annotated[Optional[float], typer.Option(
+        help="Fail when PPL_new / PPL_base is above this (e.g. 1.01).")] = None,
+    max_mean_kld: Annotated[Optional[float], typer.Option(
+        help="Fail when the mean KL(base || new) per token, in nats, is above this (needs top-K logprobs).")] = None,
+    min_top1_agreement: Annotated[Optional[float], typer.Option(
+        help="Fail when the share of positions with the same argmax token is below this (0..1).")] = None,
+    max_abs_logprob_diff: Annotated[Optional[float], typer.Option(
+        help="Fail when some target token's logprob moved by more than this.")] = None,
+    max_accuracy_drop: Annotated[Optional[float], typer.Option(
+        help="Fail when multiple-choice accuracy (or acc_norm) drops by more than this fraction (0.02 = 2 points).")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        help="TOML file with a [thresholds] table (see configs/compare.toml); options given here override it.")] = None,
+    report_md: Annotated[Optional[Path], typer.Option(
+        help="Also write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+    report_json: Annotated[Optional[Path], typer.Option(
+        help="Also write every figure, per record included, as JSON here.")] = None,
+    worst: Annotated[int, typer.Option(min=0, help="How many of the worst records (by KL) to list.")] = 10,
+) -> None:
+    """Compare two result files of the same dataset; the exit code says whether the thresholds hold."""
+    try:
+        from apcscore.compare import Thresholds, compare_files, load_thresholds
+        from apcscore.compare_report import render_console, to_json, to_markdown, write_report
+
+        thresholds = load_thresholds(config) if config is not None else Thresholds()
+        thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,
+                                                    max_abs_logprob_diff, max_accuracy_drop))
+        result = compare_files(baseline, candidate, thresholds)
+        render_console(result, Console(), worst)
+        if report_md is not None:
+            write_report(report_md, to_markdown(result, worst))
+        if report_json is not None:
+            write_report(report_json, to_json(result))
+    except ApcscoreError as e:
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}")
+        raise typer.Exit(2) from None
+    raise typer.Exit(0 if result.passed else 1)

@@ -1,0 +1,182 @@
+"""Reports of `apcscore compare`: a Rich table for the terminal, Markdown for a CI job summary, JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from apcscore.compare import Comparison, KldSummary
+from apcscore.errors import ApcscoreError
+
+Row = tuple[str, ...]
+
+
+def _num(v: float | None, digits: int = 6) -> str:
+    return "-" if v is None else f"{v:.{digits}g}"
+
+
+def _pct(v: float | None, digits: int = 3) -> str:
+    return "-" if v is None else f"{100 * v:.{digits}f}%"
+
+
+def _diff(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None else f"{b - a:+.6g}"
+
+
+def _sides(c: Comparison) -> list[Row]:
+    """Who was compared: one row per property, baseline and candidate."""
+    b, n = c.base, c.new
+    return [
+        ("file", b.path, n.path),
+        ("command", b.command or "-", n.command or "-"),
+        ("model", b.model or "-", n.model or "-"),
+        ("dtype", b.dtype or "-", n.dtype or "-"),
+        ("top-K stored", str(b.top_k), str(n.top_k)),
+        ("dataset", f"{b.dataset or '-'} ({(b.dataset_sha256 or '-')[:12]})",
+         f"{n.dataset or '-'} ({(n.dataset_sha256 or '-')[:12]})"),
+    ]
+
+
+def _metric_rows(c: Comparison) -> list[Row]:
+    """(metric, baseline, candidate, change) for every overall figure that was computed."""
+    m = c.metrics
+    rows: list[Row] = [
+        ("records compared", str(c.num_compared), f"of {c.num_records}", f"{len(c.excluded)} excluded"),
+        ("positions compared", str(m.num_positions), "", ""),
+        ("mean NLL", _num(m.mean_nll_base), _num(m.mean_nll_new), _diff(m.mean_nll_base, m.mean_nll_new)),
+        ("perplexity", _num(m.ppl_base), _num(m.ppl_new), f"ratio {_num(m.ppl_ratio)}"),
+    ]
+    if m.mean_ln_ppl_ratio is not None:
+        se = f" +/- {_num(m.mean_ln_ppl_ratio_se, 3)}" if m.mean_ln_ppl_ratio_se is not None else ""
+        rows.append(("mean ln(PPL_new / PPL_base)", "", "", f"{m.mean_ln_ppl_ratio:+.6g}{se}"))
+    if m.word_ppl_base is not None:
+        rows.append(("word perplexity", _num(m.word_ppl_base), _num(m.word_ppl_new), _diff(m.word_ppl_base, m.word_ppl_new)))
+    if m.bits_per_byte_base is not None:
+        rows.append(("bits per byte", _num(m.bits_per_byte_base), _num(m.bits_per_byte_new),
+                     _diff(m.bits_per_byte_base, m.bits_per_byte_new)))
+    rows += [
+        ("top-1 agreement", "", "", _pct(m.top1_agreement)),
+        ("mean delta p (target)", "", "", _pct(m.mean_delta_p, 4)),
+        ("RMS delta p (target)", "", "", _pct(m.rms_delta_p, 4)),
+        ("max |delta logprob|", "", "", _num(m.max_abs_logprob_diff)),
+    ]
+    if m.accuracy_base is not None:
+        rows.append((f"accuracy ({m.num_choice_records} choice records)", _pct(m.accuracy_base, 2),
+                     _pct(m.accuracy_new, 2), f"{len([f for f in c.flips if f.kind == 'acc'])} flipped"))
+    if m.accuracy_norm_base is not None:
+        rows.append(("acc_norm", _pct(m.accuracy_norm_base, 2), _pct(m.accuracy_norm_new, 2),
+                     f"{len([f for f in c.flips if f.kind == 'acc_norm'])} flipped"))
+    return rows
+
+
+def _kld_row(k: KldSummary) -> tuple[Row, Row]:
+    head = ("positions", "mean", "max", *(f"{p}%" for p in k.percentiles))
+    return head, (str(k.num_positions), _num(k.mean), _num(k.max), *(_num(v) for v in k.percentiles.values()))
+
+
+def _check_rows(c: Comparison) -> list[Row]:
+    return [(ch.option, ch.metric, _num(ch.value), f"{ch.op} {_num(ch.threshold)}", "PASS" if ch.passed else "FAIL")
+            for ch in c.checks]
+
+
+def _worst_rows(c: Comparison, worst: int) -> list[Row]:
+    return [(r.id, str(r.num_positions), _num(r.mean_kld), _num(r.max_kld), f"{r.ln_ppl_ratio:+.4g}",
+             _pct(r.top1_agreement, 1), _num(r.max_abs_logprob_diff, 4)) for r in c.records[:worst]]
+
+
+_WORST_HEAD = ("record", "positions", "mean KL", "max KL", "ln PPL ratio", "top-1 agree", "max |d logprob|")
+_FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct base", "correct new")
+_CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
+
+
+def _flip_rows(c: Comparison) -> list[Row]:
+    return [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new), str(f.correct_base), str(f.correct_new))
+            for f in c.flips]
+
+
+def _verdict(c: Comparison) -> str:
+    if not c.checks:
+        return "no thresholds given"
+    failed = sum(not ch.passed for ch in c.checks)
+    return "PASS" if not failed else f"FAIL ({failed} of {len(c.checks)} thresholds)"
+
+
+def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
+    """Print the comparison as Rich tables; failing thresholds in red."""
+
+    def table(title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
+        t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
+        for i, row in enumerate(rows):
+            t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
+        console.print(t)
+
+    table("Compared runs", ("", "baseline", "candidate"), _sides(c))
+    table("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
+    if c.metrics.kld is not None:
+        head, row = _kld_row(c.metrics.kld)
+        table("KL(base || new) per position, nats (lower bound from top-K)", head, [row])
+    if c.records and worst:
+        table(f"Worst {min(worst, len(c.records))} records", _WORST_HEAD, _worst_rows(c, worst))
+    if c.flips:
+        table("Multiple-choice predictions that flipped", _FLIP_HEAD, _flip_rows(c))
+    if c.excluded:
+        table("Excluded records (status 'error')", ("record", "failed in", "error"),
+              [(e.id, e.side, e.error) for e in c.excluded])
+    for note in c.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if c.checks:
+        table("Thresholds", _CHECK_HEAD, _check_rows(c),
+              ["green" if ch.passed else "bold red" for ch in c.checks])
+    style = "green" if c.passed and c.checks else "bold red" if not c.passed else "yellow"
+    console.print(f"[{style}]{escape(_verdict(c))}[/]")
+
+
+def _md_table(head: Row, rows: list[Row]) -> str:
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def to_markdown(c: Comparison, worst: int = 10) -> str:
+    """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
+    icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
+    out = [f"## apcscore compare: {icon} {_verdict(c)}", ""]
+    if c.checks:
+        rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
+        out += [_md_table(_CHECK_HEAD, rows), ""]
+    out += ["### Metrics", "", _md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
+    if c.metrics.kld is not None:
+        head, row = _kld_row(c.metrics.kld)
+        out += ["### KL(base || new) per position, nats (lower bound from top-K)", "", _md_table(head, [row]), ""]
+    if c.records and worst:
+        out += [f"### Worst {min(worst, len(c.records))} records", "", _md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]
+    if c.flips:
+        out += ["### Multiple-choice predictions that flipped", "", _md_table(_FLIP_HEAD, _flip_rows(c)), ""]
+    if c.excluded:
+        out += ["### Excluded records (status 'error')", "",
+                _md_table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded]), ""]
+    out += ["### Compared runs", "", _md_table(("", "baseline", "candidate"), _sides(c)), ""]
+    out += [f"> note: {n}" for n in c.notes]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def to_json(c: Comparison) -> str:
+    """Every figure of the comparison, per record included, as JSON (NaN becomes null)."""
+    return json.dumps(c.to_dict(), indent=2, allow_nan=False)
+
+
+def write_report(path: Path, text: str) -> None:
+    """Write a report file, creating its folder; a failure is a usage error."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    except OSError as e:
+        raise ApcscoreError(f"cannot write report {path}: {e}") from None
