@@ -40,24 +40,24 @@ DEFAULTS: dict[str, Any] = {
 ENGINE_KEYS = set(EngineConfig().to_dict())
 
 # ---- shared option types ------------------------------------------------------------------------
-DatasetArg = Annotated[Path, typer.Argument(help="JSONL dataset, one record per line.", show_default=False)]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model alias (smollm2-135m), Hugging Face model directory, or .gguf file. [default: smollm2-135m]")]
-OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output parquet file. [default: results/<dataset>.<command>.parquet]")]
-OverwriteOpt = Annotated[Optional[bool], typer.Option("--overwrite", help="Replace an existing output file.", show_default=False)]
-ResumeOpt = Annotated[Optional[bool], typer.Option("--resume", help="Continue an interrupted run from <out>.partial.", show_default=False)]
+DatasetArg = Annotated[Path, typer.Argument(help="JSONL dataset, one record per line.")]
+ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model alias (smollm2-135m), Hugging Face model directory, or .gguf file. \\[default: smollm2-135m]")]
+OutOpt = Annotated[Optional[Path], typer.Option("--out", "-o", help="Output parquet file. \\[default: results/<dataset>.<command>.parquet]")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output file.")]
+ResumeOpt = Annotated[bool, typer.Option("--resume", help="Continue an interrupted run from <out>.partial.")]
 LimitOpt = Annotated[Optional[int], typer.Option("--limit", help="Only the first N records.", min=1)]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML file of option values (see configs/).")]
-SkipInvalidOpt = Annotated[Optional[bool], typer.Option("--skip-invalid", help="Turn invalid records into error rows instead of refusing the dataset.", show_default=False)]
-QuietOpt = Annotated[Optional[bool], typer.Option("--quiet", "-q", help="No progress bar or summary.", show_default=False)]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda (auto = cuda if available). [default: auto]")]
-DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA). [default: auto]")]
-BlockSizeOpt = Annotated[Optional[int], typer.Option("--block-size", help="Tokens per KV block. [default: 16]")]
-NumKvBlocksOpt = Annotated[Optional[int], typer.Option("--num-kv-blocks", help="KV pool size in blocks. [default: from free memory]")]
-MaxBatchTokensOpt = Annotated[Optional[int], typer.Option("--max-batch-tokens", help="Token budget of one engine step. [default: 2048]")]
-MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Sequences running at once. [default: 64]")]
-NoPrefixCachingOpt = Annotated[Optional[bool], typer.Option("--no-prefix-caching", help="Turn automatic prefix caching off.", show_default=False)]
-MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="Cap on --prompt-logprobs / --logprobs. [default: 20]")]
-BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). [default: auto]")]
+SkipInvalidOpt = Annotated[bool, typer.Option("--skip-invalid", help="Turn invalid records into error rows instead of refusing the dataset.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bar or summary.")]
+DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda (auto = cuda if available). \\[default: auto]")]
+DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA). \\[default: auto]")]
+BlockSizeOpt = Annotated[Optional[int], typer.Option("--block-size", help="Tokens per KV block. \\[default: 16]")]
+NumKvBlocksOpt = Annotated[Optional[int], typer.Option("--num-kv-blocks", help="KV pool size in blocks. \\[default: from free memory]")]
+MaxBatchTokensOpt = Annotated[Optional[int], typer.Option("--max-batch-tokens", help="Token budget of one engine step. \\[default: 2048]")]
+MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Sequences running at once. \\[default: 64]")]
+NoPrefixCachingOpt = Annotated[bool, typer.Option("--no-prefix-caching", help="Turn automatic prefix caching off.")]
+MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="Cap on --prompt-logprobs / --logprobs. \\[default: 20]")]
+BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
 
@@ -83,7 +83,8 @@ def resolve_options(cli: dict[str, Any], config_path: Path | None) -> dict[str, 
                                 f"known: {', '.join(sorted(DEFAULTS))}")
     merged = dict(DEFAULTS)
     merged.update(from_file)
-    merged.update({k: v for k, v in cli.items() if v is not None})
+    # None (and False for on/off flags) means "not given on the command line"
+    merged.update({k: v for k, v in cli.items() if v is not None and v is not False})
     return merged
 
 
@@ -238,16 +239,16 @@ def _engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max
 def score(
     dataset: DatasetArg,
     prompt_logprobs: PromptLogprobsOpt = None,
-    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = None, resume: ResumeOpt = None,
-    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = None, quiet: QuietOpt = None,
+    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
+    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
 ) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity.
 
-    Records: {"id"?, "prompt": str} or {"id"?, "prompt_token_ids": [int, ...]}.
+    Records: {"id"?, "prompt": str} or {"id"?, "prompt_token_ids": \\[int, ...]}.
     """
     cli = {"prompt_logprobs": prompt_logprobs, "model": model, "out": out, "overwrite": overwrite,
            "resume": resume, "limit": limit, "skip_invalid": skip_invalid, "quiet": quiet,
@@ -262,24 +263,24 @@ def score(
 @app.command()
 def generate(
     dataset: DatasetArg,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most tokens to generate. [default: 16]")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy. [default: 0]")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass. [default: 1]")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample among the K most likely (0 = off). [default: 0]")] = None,
+    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most tokens to generate. \\[default: 16]")] = None,
+    temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy. \\[default: 0]")] = None,
+    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass. \\[default: 1]")] = None,
+    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample among the K most likely (0 = off). \\[default: 0]")] = None,
     seed: SeedOpt = None,
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the completion.")] = None,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", help="Logprobs of the sampled tokens with top-K alternatives.")] = None,
     prompt_logprobs: PromptLogprobsOpt = None,
-    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = None, resume: ResumeOpt = None,
-    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = None, quiet: QuietOpt = None,
+    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
+    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
-    Records: {"id"?, "prompt": str} or {"id"?, "messages": [{"role", "content"}, ...]} (chat template with
+    Records: {"id"?, "prompt": str} or {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with
     generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
     """
     cli = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
@@ -313,8 +314,8 @@ def version_callback(value: bool) -> None:
 
 @app.callback()
 def main_callback(
-    version: Annotated[Optional[bool], typer.Option("--version", callback=version_callback, is_eager=True,
-                                                    help="Show the version and exit.")] = None,
+    version: Annotated[bool, typer.Option("--version", callback=version_callback, is_eager=True,
+                                          help="Show the version and exit.")] = False,
 ) -> None:
     """apcscore: score, evaluate and generate with causal language models in one batch engine."""
 
