@@ -1,0 +1,21 @@
+"""Paged attention on CUDA through the Triton kernels: store the new K/V, then attend (write-then-read)."""
+
+from __future__ import annotations
+
+import torch
+
+from apcscore.attention.metadata import AttentionMetadata
+from apcscore.kernels.paged_attention import paged_attention
+from apcscore.kernels.store_kv import store_kv
+
+
+class TritonAttentionBackend:
+    """Same interface and semantics as TorchAttentionBackend, built from the Triton kernels."""
+
+    name = "triton"
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D] (rows past cu_seqlens_q[-1] zero)."""
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        return paged_attention(query, k_cache, v_cache, meta, scale)

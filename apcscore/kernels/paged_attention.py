@@ -1,0 +1,199 @@
+"""Triton kernel: causal paged attention for prefill and decode alike, batch-invariant by construction.
+
+One program owns one query tile of one sequence and one KV head. The rows of the tile are (token, query head)
+pairs: BLOCK_Q consecutive query tokens times the GROUP query heads that share the KV head, so a decode
+step still fills the tl.dot M dimension and each key tile is loaded once per KV-head group. Every query reads
+all keys of its sequence, cached or new, from the paged cache through its block table, in key tiles of
+BLOCK_N positions counted from position 0, with an online softmax in fp32, and stops at the causal limit.
+A query's reduction therefore runs over the same tiles in the same order whatever the batch holds, however
+its prompt was chunked and whatever was cached: the result is bitwise the same for fixed BLOCK_M/BLOCK_N.
+There is no split-K: one program reduces a query's whole context.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from apcscore.attention.metadata import AttentionMetadata
+from apcscore.kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_last_dim_contiguous,
+                                      check_shape, check_tensors)
+
+# (block_m, block_n, num_warps) by head_dim. They depend on the model only, never on the batch, because the
+# reduction order, and so the bits of the result, depend on them. block_m: rows of a query tile, block_m //
+# group tokens x group query heads (raised to the group size); block_n: keys per tile. Chosen so that the
+# sm_90 build uses no local-memory spills (ptxas resource usage); not timed on a GPU yet.
+TILE_CONFIGS = {64: (64, 64, 4), 128: (64, 32, 8), 256: (32, 32, 8)}
+MAX_HEAD_DIM = 256
+
+
+def tile_config(head_dim: int, group: int) -> tuple[int, int, int]:
+    """Default (block_m, block_n, num_warps) of a model with this head_dim and query-head group size."""
+    block_m, block_n, num_warps = next(cfg for d, cfg in sorted(TILE_CONFIGS.items()) if head_dim <= d)
+    return max(block_m, triton.next_power_of_2(group)), block_n, num_warps
+
+
+@triton.jit
+def _find_seq_idx(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
+    """The sequence owning global query tile q_tile; sequence i's tiles start at cu_seqlens_q[i] // BLOCK_Q + i."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= q_tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit(do_not_specialize=["num_seqs"])
+def _paged_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        scale_log2,  # softmax scale * log2(e): scores are kept in base 2
+        num_seqs,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # cache strides (head_dim contiguous)
+        stride_bt,  # block_tables row stride
+        BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr):
+    q_tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = _find_seq_idx(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    tile = q_tile - (q_start // BLOCK_Q + seq)  # this program's tile within the sequence
+    if tile * BLOCK_Q >= q_len:  # spare program (the grid is an upper bound) or an empty sequence
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len  # position of the sequence's first query
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * BLOCK_Q + rows // GROUP  # [BLOCK_M] query index within the sequence
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    q_pos = context_len + tok  # [BLOCK_M] absolute position (rows that are not ok see every key: no NaN)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_row = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
+    q = tl.load(q_ptr + q_row[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running max (base-2 scores)
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running sum of exp2
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # Causal limit of the tile's last query; key tiles past a row's own limit are exact no-ops for that row.
+    kv_end = context_len + tl.minimum((tile + 1) * BLOCK_Q, q_len)
+    for start_n in range(0, kv_end, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
+        n_ok = n < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+        offset = n % BLOCK_SIZE
+        k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                    other=0.0)  # [BLOCK_D, BLOCK_N]
+        if IEEE_DOT:
+            s = tl.dot(q, k, input_precision="ieee")
+        else:
+            s = tl.dot(q, k)
+        s = s * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+        causal = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row in the first tile
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                    other=0.0)  # [BLOCK_N, BLOCK_D]
+        if IEEE_DOT:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    acc = acc / l_i[:, None]
+    o_row = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
+    tl.store(out_ptr + o_row[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & d_ok[None, :])
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float | None = None, *, block_m: int | None = None, block_n: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """Causal attention of every query over its sequence's keys in the paged cache (torch_backend semantics).
+
+    query: [T, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
+    num_kv_heads, head_dim], contiguous, same dtype as query; meta: block_tables [B, max_blocks],
+    cu_seqlens_q [B + 1], seq_lens [B] on the query's device. Returns [T, num_heads, head_dim] in query.dtype;
+    rows past cu_seqlens_q[-1] are zero. Query head h reads KV head h // (num_heads // num_kv_heads).
+    scale defaults to 1 / sqrt(head_dim). block_m (query rows = tokens x group heads per program, >= the
+    group size) and block_n (keys per tile) set the reduction order; their defaults (tile_config) depend on
+    the model only, never on the batch, which keeps results batch-invariant.
+    """
+    name = "paged_attention"
+    check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
+                  cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens)
+    check_shape(name, "query", query, 3)
+    check_dtype(name, "query", query, FLOAT_DTYPES)
+    check_last_dim_contiguous(name, "query", query)
+    for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_shape(name, arg, t, 4)
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {arg} must be contiguous, got strides {t.stride()}")
+        if t.dtype != query.dtype:
+            raise ValueError(f"{name}: {arg} has dtype {t.dtype} but query has {query.dtype}; they must match")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+    check_shape(name, "meta.block_tables", meta.block_tables, 2)
+    check_shape(name, "meta.cu_seqlens_q", meta.cu_seqlens_q, 1)
+    check_shape(name, "meta.seq_lens", meta.seq_lens, 1)
+    for arg in ("block_tables", "cu_seqlens_q", "seq_lens"):
+        check_dtype(name, f"meta.{arg}", getattr(meta, arg), INDEX_DTYPES)
+    if meta.block_tables.shape[1] > 1 and meta.block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: meta.block_tables rows must be contiguous, got strides "
+                         f"{meta.block_tables.stride()}")
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    num_seqs = meta.seq_lens.shape[0]
+    if cache_head_dim != head_dim:
+        raise ValueError(f"{name}: query head_dim {head_dim} differs from the cache's {cache_head_dim}")
+    if head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"{name}: head_dim {head_dim} is above the supported {MAX_HEAD_DIM}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{name}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
+    if meta.cu_seqlens_q.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] < num_seqs:
+        raise ValueError(f"{name}: meta has cu_seqlens_q {tuple(meta.cu_seqlens_q.shape)}, block_tables "
+                         f"{tuple(meta.block_tables.shape)} for {num_seqs} sequences; want [B + 1] and [B, *]")
+    if block_size != meta.block_size:
+        raise ValueError(f"{name}: the cache has block_size {block_size} but meta says {meta.block_size}")
+    group = num_heads // num_kv_heads
+    default_m, default_n, default_warps = tile_config(head_dim, group)
+    block_m = block_m if block_m is not None else default_m
+    block_n = block_n if block_n is not None else default_n
+    num_warps = num_warps if num_warps is not None else default_warps
+    if block_m < max(16, group) or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
+        raise ValueError(f"{name}: block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, "
+                         f"and block_m >= the query-head group ({group})")
+    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)  # padding rows stay zero
+    if num_seqs == 0 or num_tokens == 0:
+        return out
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    block_q = block_m // group
+    # Sequence i needs ceil(q_len_i / block_q) tiles, all inside [cu_i // block_q + i, cu_{i+1} // block_q + i + 1).
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    _paged_attention_kernel[grid](
+        out, query, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+        scale * math.log2(math.e), num_seqs,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        v_cache.stride(2), meta.block_tables.stride(0),
+        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
+        IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps,
+    )
+    return out
