@@ -32,9 +32,11 @@ def compare(
     max_abs_logprob_diff: Annotated[Optional[float], typer.Option(
         help="Fail when some target token's logprob moved by more than this.")] = None,
     max_accuracy_drop: Annotated[Optional[float], typer.Option(
-        help="Fail when multiple-choice accuracy (or acc_norm) drops by more than this fraction (0.02 = 2 points).")] = None,
+        help="Fail when multiple-choice accuracy (or acc_norm) drops by more than this fraction "
+             "(0.02 = 2 points).")] = None,
     config: Annotated[Optional[Path], typer.Option(
-        help="TOML file with a [thresholds] table (see configs/compare.toml); options given here override it.")] = None,
+        help="TOML file whose 'thresholds' table sets these limits (see configs/compare.toml); options given "
+             "here override it.")] = None,
     report_md: Annotated[Optional[Path], typer.Option(
         help="Also write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(

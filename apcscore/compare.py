@@ -37,8 +37,9 @@ from apcscore.errors import ApcscoreError
 
 METADATA_KEY = b"apcscore"
 KLD_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0)
-# Doubt on a tail mass (1 - sum of the known probabilities) from the float32 rounding of stored logprobs.
-TAIL_TOL = 1e-6
+# Doubt on a tail mass (1 - sum of the known probabilities): a float32 log-softmax over a 49152-token
+# vocabulary sums to 1 only within ~1.6e-5 (measured on SmolLM2-135M), and stored logprobs are float32.
+TAIL_TOL = 1e-5
 _CHUNK_POSITIONS = 1 << 16  # positions processed at once: bounds memory to O(chunk x K)
 _EXAMPLES = 5  # ids quoted in an error message
 
@@ -85,7 +86,7 @@ def _known(side: TopKLogprobs, vocab_size: int | None) -> tuple[np.ndarray, np.n
 
 
 def _plogq(p: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """Elementwise p * ln(p / q) with 0 where p = 0 (q is floored at TAIL_TOL where p > 0 and q <= 0)."""
+    """Elementwise p * ln(p / q), 0 where p = 0 (q <= 0 with p > 0 is read as q = TAIL_TOL, not infinity)."""
     safe_q = np.where(q > 0, q, TAIL_TOL)
     safe_p = np.where(p > 0, p, 1.0)
     return np.where(p > 0, p * np.log(safe_p / safe_q), 0.0)
@@ -161,11 +162,12 @@ def kl_divergence_topk(base: TopKLogprobs, new: TopKLogprobs, vocab_size: int | 
     """
     ids_p, p, tail_p, cap_p = _known(base, vocab_size)  # [n, Kp+1], [n, Kp+1], [n], [n]
     ids_q, q, tail_q, cap_q = _known(new, vocab_size)  # [n, Kq+1], ...
-    # Rounding: the stored float32 logprobs leave ~1e-6 of doubt on a tail mass, so the new tail is taken as
-    # at least that (more room for q only lowers the minimum: still a lower bound, and never infinite);
-    # a covered vocabulary has no tail at all.
+    # Rounding: float32 logprobs leave ~TAIL_TOL of doubt on a tail mass, so the new tail is taken as at least
+    # min(TAIL_TOL, base tail): more room for q only lowers the minimum (still a lower bound), a tail rounded
+    # to 0 cannot make the KL infinite, and noise-sized tails do not add negative terms. A covered vocabulary
+    # has no tail at all.
     tail_p = np.where(np.isnan(tail_p), 0.0, tail_p)
-    tail_q = np.where(np.isnan(tail_q), 0.0, np.maximum(tail_q, TAIL_TOL))
+    tail_q = np.where(np.isnan(tail_q), 0.0, np.maximum(tail_q, np.minimum(TAIL_TOL, tail_p)))
     same = (ids_p[:, :, None] == ids_q[:, None, :]) & (ids_p[:, :, None] >= 0)  # [n, Kp+1, Kq+1]
     in_q, in_p = same.any(axis=2), same.any(axis=1)  # [n, Kp+1], [n, Kq+1]
     q_of_p = np.take_along_axis(q, same.argmax(axis=2), axis=1)  # [n, Kp+1], meaningful where in_q
@@ -414,34 +416,38 @@ def _check_token_ids(base: pa.Table, new: pa.Table) -> None:
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _padded(outer: pa.Array, lengths: np.ndarray, pad: float, what: str) -> np.ndarray:
+def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dtype: type) -> np.ndarray:
     """A list<list<x>> column (one inner list per position) as a padded [sum(lengths), K] array.
 
     A null outer list (no top-K for that record) gives all-padding rows; a null inner list (an unscored
     position) gives a padding row.
     """
-    outer_len = pc.fill_null(pc.list_value_length(outer), -1).to_numpy()  # [rows]
-    if np.any((outer_len >= 0) & (outer_len != lengths)):
-        r = int(np.flatnonzero((outer_len >= 0) & (outer_len != lengths))[0])
-        raise ApcscoreError(f"{what} of row {r} has {outer_len[r]} positions but token_ids has {lengths[r]}: "
-                            f"not apcscore output")
-    inner = pc.list_flatten(outer)  # one list per position of the records that have this column
+    outer_len = pc.fill_null(pc.list_value_length(t[column]), -1).to_numpy()  # [rows]
+    bad = np.flatnonzero((outer_len >= 0) & (outer_len != lengths))
+    if len(bad):
+        r = int(bad[0])
+        raise ApcscoreError(f"record {t['id'][r].as_py()!r}: {column} has {outer_len[r]} positions but token_ids "
+                            f"has {lengths[r]}: not apcscore output")
+    inner = pc.list_flatten(t[column])  # one list per position of the records that have this column
     inner_len = pc.fill_null(pc.list_value_length(inner), 0).to_numpy()  # [p]
     values = pc.list_flatten(inner).to_numpy(zero_copy_only=False)  # [sum(inner_len)]
-    k = int(inner_len.max(initial=0))
-    dense = np.full((len(inner_len), k), pad, dtype=np.float64 if np.isnan(pad) or np.isinf(pad) else np.int64)
+    dense = np.full((len(inner_len), int(inner_len.max(initial=0))), pad, dtype=dtype)  # [p, K]
     row = np.repeat(np.arange(len(inner_len)), inner_len)
     col = np.arange(len(values)) - np.repeat(np.cumsum(inner_len) - inner_len, inner_len)
     dense[row, col] = values
-    out = np.full((int(lengths.sum()), k), pad, dtype=dense.dtype)  # [positions, K]
+    out = np.full((int(lengths.sum()), dense.shape[1]), pad, dtype=dtype)  # [positions, K]
     out[np.repeat(outer_len >= 0, lengths)] = dense
     return out
 
 
-def _logprobs(col: pa.ChunkedArray | pa.Array) -> np.ndarray:
-    """A list<float> column flattened to float64 positions, NaN where a position was not scored."""
-    flat = pc.list_flatten(col)
-    return pc.fill_null(pc.cast(flat, pa.float64()), math.nan).to_numpy(zero_copy_only=False)
+def _logprobs(t: pa.Table, lengths: np.ndarray) -> np.ndarray:
+    """token_logprobs flattened to float64 positions, NaN where a position (or a whole record: a null list,
+    e.g. a multiple-choice record) was not scored. [sum(lengths)]"""
+    out = np.full(int(lengths.sum()), math.nan)
+    has = np.repeat(t["token_logprobs"].is_valid().to_numpy(zero_copy_only=False), lengths)
+    flat = pc.cast(pc.list_flatten(t["token_logprobs"]), pa.float64())
+    out[has] = pc.fill_null(flat, math.nan).to_numpy(zero_copy_only=False)
+    return out
 
 
 def _same_argmax(bi: np.ndarray, bl: np.ndarray, ni: np.ndarray, nl: np.ndarray) -> np.ndarray:
@@ -483,30 +489,28 @@ def _positions(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None
         stop = max(start + 1, int(np.searchsorted(ends, ends[start] - lengths[start] + _CHUNK_POSITIONS, "right")))
         b, n, ln = base.slice(start, stop - start), new.slice(start, stop - start), lengths[start:stop]
         rec = np.repeat(np.arange(start, stop), ln)  # [p]
-        # A record without per-token data on a side (e.g. multiple choice) has a null list: pad it with NaN.
-        blp = np.full(len(rec), math.nan)
-        nlp = np.full(len(rec), math.nan)
-        blp[np.repeat(b["token_logprobs"].is_valid().to_numpy(zero_copy_only=False), ln)] = _logprobs(b["token_logprobs"])
-        nlp[np.repeat(n["token_logprobs"].is_valid().to_numpy(zero_copy_only=False), ln)] = _logprobs(n["token_logprobs"])
+        blp, nlp = _logprobs(b, ln), _logprobs(n, ln)  # [p], [p]
         scored = ~np.isnan(blp) & ~np.isnan(nlp)  # [p]
-        kld = np.full(int(scored.sum()), math.nan)
-        top1 = np.full(int(scored.sum()), -1, dtype=np.int8)
+        rec, blp, nlp = rec[scored], blp[scored], nlp[scored]  # [m]
+        kld = np.full(len(rec), math.nan)
+        top1 = np.full(len(rec), -1, dtype=np.int8)
         if topk:
             target = pc.list_flatten(b["token_ids"]).to_numpy()[scored]  # [m]
-            bi, bl = _padded(b["top_ids"], ln, -1, "top_ids")[scored], _padded(b["top_logprobs"], ln, -math.inf, "top_logprobs")[scored]
-            ni, nl = _padded(n["top_ids"], ln, -1, "top_ids")[scored], _padded(n["top_logprobs"], ln, -math.inf, "top_logprobs")[scored]
+            bi = _padded(b, "top_ids", ln, -1, np.int64)[scored]  # [m, Kb]
+            bl = _padded(b, "top_logprobs", ln, -math.inf, np.float64)[scored]  # [m, Kb]
+            ni = _padded(n, "top_ids", ln, -1, np.int64)[scored]  # [m, Kn]
+            nl = _padded(n, "top_logprobs", ln, -math.inf, np.float64)[scored]  # [m, Kn]
             if bi.shape != bl.shape or ni.shape != nl.shape:
                 raise ApcscoreError("top_ids and top_logprobs have different shapes: not apcscore output")
             kb, kn = max(kb, bi.shape[1]), max(kn, ni.shape[1])
-            have = (bi.shape[1] > 0 and ni.shape[1] > 0)
-            if have:
+            if bi.shape[1] and ni.shape[1]:
                 both = (bi[:, 0] >= 0) & (ni[:, 0] >= 0)  # [m] positions with a top-K on both sides
                 top1 = np.where(both, _same_argmax(bi, bl, ni, nl), -1).astype(np.int8)
                 w = np.flatnonzero(both)
                 if len(w):
-                    kld[w] = kl_divergence_topk(TopKLogprobs(target[w], blp[scored][w], bi[w], bl[w]),
-                                                TopKLogprobs(target[w], nlp[scored][w], ni[w], nl[w]), vocab_size)
-        parts.append(_Positions(rec[scored], blp[scored], nlp[scored], kld, top1))
+                    kld[w] = kl_divergence_topk(TopKLogprobs(target[w], blp[w], bi[w], bl[w]),
+                                                TopKLogprobs(target[w], nlp[w], ni[w], nl[w]), vocab_size)
+        parts.append(_Positions(rec, blp, nlp, kld, top1))
         start = stop
     if not parts:
         z = np.zeros(0)

@@ -55,7 +55,8 @@ def _metric_rows(c: Comparison) -> list[Row]:
         se = f" +/- {_num(m.mean_ln_ppl_ratio_se, 3)}" if m.mean_ln_ppl_ratio_se is not None else ""
         rows.append(("mean ln(PPL_new / PPL_base)", "", "", f"{m.mean_ln_ppl_ratio:+.6g}{se}"))
     if m.word_ppl_base is not None:
-        rows.append(("word perplexity", _num(m.word_ppl_base), _num(m.word_ppl_new), _diff(m.word_ppl_base, m.word_ppl_new)))
+        rows.append(("word perplexity", _num(m.word_ppl_base), _num(m.word_ppl_new),
+                     _diff(m.word_ppl_base, m.word_ppl_new)))
     if m.bits_per_byte_base is not None:
         rows.append(("bits per byte", _num(m.bits_per_byte_base), _num(m.bits_per_byte_new),
                      _diff(m.bits_per_byte_base, m.bits_per_byte_new)))
@@ -157,7 +158,8 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
         head, row = _kld_row(c.metrics.kld)
         out += ["### KL(base || new) per position, nats (lower bound from top-K)", "", _md_table(head, [row]), ""]
     if c.records and worst:
-        out += [f"### Worst {min(worst, len(c.records))} records", "", _md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]
+        out += [f"### Worst {min(worst, len(c.records))} records", "",
+                _md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]
     if c.flips:
         out += ["### Multiple-choice predictions that flipped", "", _md_table(_FLIP_HEAD, _flip_rows(c)), ""]
     if c.excluded:

@@ -201,17 +201,19 @@ def test_kl_bound_is_attained_by_a_consistent_pair() -> None:
     est = kl_divergence_topk(b, w, v)
     checked = 0
     for i in range(n):
-        known_p = dict(zip(b.top_ids[i].tolist(), np.exp(b.top_logprobs[i]))) | {int(tgt[i]): math.exp(b.target_logprobs[i])}
-        known_q = dict(zip(w.top_ids[i].tolist(), np.exp(w.top_logprobs[i]))) | {int(tgt[i]): math.exp(w.target_logprobs[i])}
+        known_p = {**dict(zip(b.top_ids[i].tolist(), np.exp(b.top_logprobs[i]))),
+                   int(tgt[i]): math.exp(b.target_logprobs[i])}
+        known_q = {**dict(zip(w.top_ids[i].tolist(), np.exp(w.top_logprobs[i]))),
+                   int(tgt[i]): math.exp(w.target_logprobs[i])}
         a_ids = [t for t in known_p if t not in known_q]
         b_ids = [t for t in known_q if t not in known_p]
         if not a_ids and not b_ids:
             continue
         tail_p, tail_q = 1 - sum(known_p.values()), 1 - sum(known_q.values())
-        x, y, pr, qr = solve_unknown_masses(
-            np.array([[known_p[t] for t in a_ids] + [0.0] * (k - len(a_ids))]), np.array([np.exp(w.top_logprobs[i, -1])]),
-            np.array([[known_q[t] for t in b_ids] + [0.0] * (k - len(b_ids))]), np.array([np.exp(b.top_logprobs[i, -1])]),
-            np.array([tail_p]), np.array([tail_q]))
+        a = np.array([[known_p[t] for t in a_ids] + [0.0] * (k - len(a_ids))])  # [1, k], zero-padded
+        bq = np.array([[known_q[t] for t in b_ids] + [0.0] * (k - len(b_ids))])
+        cap_q, cap_p = np.exp(w.top_logprobs[i, -1:]), np.exp(b.top_logprobs[i, -1:])  # the K-th probabilities
+        x, y, pr, qr = solve_unknown_masses(a, cap_q, bq, cap_p, np.array([tail_p]), np.array([tail_q]))
         # The witness pair: known values, the solved unknowns, the bucket spread evenly over the other tokens.
         rest = [t for t in range(v) if t not in known_p and t not in known_q]
         p = np.full(v, pr[0] / len(rest))
@@ -338,7 +340,8 @@ def test_fp32_vs_bf16_kl_is_small_positive_and_matches_the_full_vocabulary(tiny,
         p = model.logprobs(toks, torch.float32)[:-1]
         q = model.logprobs(toks, torch.bfloat16)[:-1]
         same += ((p == p.max(1, keepdim=True).values) & (q == q.max(1, keepdim=True).values)).any(1).tolist()
-    assert c5.metrics.top1_agreement == pytest.approx(np.mean(same)) and cv.metrics.top1_agreement == c5.metrics.top1_agreement
+    assert c5.metrics.top1_agreement == pytest.approx(np.mean(same))
+    assert cv.metrics.top1_agreement == c5.metrics.top1_agreement
     # PPL ratio from the per-token logprobs agrees with the per-record sums.
     rows32 = score_rows(model, records, torch.float32, 0)
     rows16 = score_rows(model, records, torch.bfloat16, 0)
@@ -364,7 +367,18 @@ def test_fp32_vs_bf16_gate(fp32_bf16, tmp_path) -> None:
     assert text.startswith("## apcscore compare: ✅ PASS") and "| --max-mean-kld |" in text
     kld_lines = text.split("### KL(base || new)")[1].splitlines()
     assert kld_lines[2] == "| positions | mean | max | 99.9% | 99% | 95% | 90% | 50% |"
-    assert kld_lines[4].startswith(f"| {data['metrics']['kld']['num_positions']} | {data['metrics']['kld']['mean']:.6g} |")
+    kld = data["metrics"]["kld"]
+    assert kld_lines[4].startswith(f"| {kld['num_positions']} | {kld['mean']:.6g} |")
+
+
+def test_vocab_size_missing_from_metadata_is_inferred(tiny, tmp_path) -> None:
+    model, records = tiny
+    a = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, VOCAB), vocab_size=None)
+    b = write_results(tmp_path / "b.parquet", score_rows(model, records, torch.bfloat16, VOCAB), vocab_size=None)
+    c = compare_files(a, b)
+    assert c.vocab_size == VOCAB and c.vocab_size_inferred
+    assert any("at least 50" in n for n in c.notes)
+    assert c.metrics.kld.mean == pytest.approx(exact_kl(model, records).mean(), rel=1e-3)
 
 
 def test_records_are_matched_by_id_not_order(tiny, tmp_path) -> None:
@@ -453,11 +467,16 @@ def test_error_records_are_listed_and_excluded(tiny, tmp_path) -> None:
     rows16 = score_rows(model, records, torch.bfloat16, 5)
     rows32[2] = {"id": "r2", "status": "error", "error": "prompt too long (40 > 32 tokens)"}
     rows16[5] = {"id": "r5", "status": "error", "error": "bad field 'text'"}
+    rows32[6] = rows16[6] = {"id": "r6", "status": "error", "error": "empty prompt"}
     c = compare_files(write_results(tmp_path / "a.parquet", rows32), write_results(tmp_path / "b.parquet", rows16))
-    assert [(e.id, e.side) for e in c.excluded] == [("r2", "baseline"), ("r5", "candidate")]
-    assert "prompt too long" in c.excluded[0].error
-    assert c.num_records == 8 and c.num_compared == 6
-    assert {r.id for r in c.records} == {f"r{i}" for i in range(8)} - {"r2", "r5"}
+    assert [(e.id, e.side) for e in c.excluded] == [("r2", "baseline"), ("r5", "candidate"), ("r6", "both")]
+    assert c.excluded[0].error == "prompt too long (40 > 32 tokens)"
+    assert c.num_records == 8 and c.num_compared == 5
+    assert {r.id for r in c.records} == {f"r{i}" for i in range(8)} - {"r2", "r5", "r6"}
+    kept = [i for i in range(8) if i not in (2, 5, 6)]
+    nll = [sum(-rows[i]["sum_logprob"] for i in kept) / sum(rows[i]["num_scored"] for i in kept) for rows in
+           (score_rows(*tiny, torch.float32, 0), rows16)]
+    assert c.metrics.mean_nll_base == pytest.approx(nll[0]) and c.metrics.mean_nll_new == pytest.approx(nll[1])
     r = run_cli(tmp_path / "a.parquet", tmp_path / "b.parquet")
     assert r.exit_code == 0 and "Excluded records" in r.output and "bad field 'text'" in r.output
 
@@ -524,3 +543,42 @@ def test_thresholds_from_toml(fp32_bf16, tmp_path) -> None:
     cfg.write_text("[thresholds\n")
     with pytest.raises(ApcscoreError, match="not valid TOML"):
         load_thresholds(cfg)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# End to end: `apcscore score` in float32 and bfloat16 on a tiny random Llama, then `apcscore compare`
+# ---------------------------------------------------------------------------------------------------------
+
+
+def test_end_to_end_score_fp32_vs_bf16(tiny_model_dir, write_jsonl, tmp_path) -> None:
+    from apcscore.cli import app  # the real app, where `compare` is registered next to `score`
+
+    data = write_jsonl(tmp_path / "data.jsonl", [
+        {"id": "capital", "prompt": "The capital of France is Paris. The capital of Germany is Berlin."},
+        {"id": "code", "prompt": "def add(a, b):\n    return a + b\n"},
+        {"id": "count", "prompt": "One, two, three, four, five, six, seven, eight, nine, ten."},
+    ])
+    runner = CliRunner()
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        out[dtype] = tmp_path / f"{dtype}.parquet"
+        r = runner.invoke(app, ["score", str(data), "--model", str(tiny_model_dir("llama")), "--device", "cpu",
+                                "--dtype", dtype, "--prompt-logprobs", "5", "--out", str(out[dtype]), "--quiet"])
+        assert r.exit_code == 0, r.output
+
+    def gate(*args: str | Path):
+        return runner.invoke(app, ["compare", *map(str, args)], env={"COLUMNS": "200"})
+
+    r = gate(out["float32"], out["float32"], "--max-mean-kld", 0, "--max-abs-logprob-diff", 0)
+    assert r.exit_code == 0, r.output
+    js = tmp_path / "report.json"
+    r = gate(out["float32"], out["bfloat16"], "--max-mean-kld", 0, "--report-json", js)
+    assert r.exit_code == 1, r.output
+    report = json.loads(js.read_text())
+    assert report["base"]["dtype"] == "float32" and report["new"]["dtype"] == "bfloat16"
+    assert report["vocab_size"] == 49152 and not report["vocab_size_inferred"]
+    assert report["num_compared"] == 3 and report["metrics"]["num_positions"] > 30
+    assert 0 < report["metrics"]["kld"]["mean"] < 1e-2
+    assert 0.99 < report["metrics"]["ppl_ratio"] < 1.01
+    r = gate(out["float32"], out["bfloat16"], "--max-mean-kld", 1e-2, "--max-ppl-ratio", 1.01)
+    assert r.exit_code == 0, r.output
