@@ -732,7 +732,9 @@ def _record_level(m: Metrics, base: pa.Table, new: pa.Table) -> list[str]:
         if m.num_positions == 0:
             cnt = col(base, "num_scored")
             if cnt is None and "perplexity" in base.column_names:  # perplexity = exp(-sum_logprob / count)
-                cnt = np.rint(nll_b / np.log(col(base, "perplexity")))
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    cnt = np.rint(nll_b / np.log(col(base, "perplexity")))
+                cnt = np.where(np.isfinite(cnt), cnt, np.nan)
             if cnt is not None:
                 ok = ~np.isnan(nll_b) & ~np.isnan(nll_n) & (np.nan_to_num(cnt) > 0)
                 if ok.any():
