@@ -294,6 +294,35 @@ def generate(
         raise _error(exc)
 
 
+@app.command()
+def perplexity(
+    dataset: DatasetArg,
+    window: Annotated[Optional[int], typer.Option("--window", min=1, help="Tokens of context a window feeds the model (default: the model's context length minus one, at most 4096).")] = None,
+    stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Tokens a window advances, at most --window (default: --window, disjoint windows).")] = None,
+    prompt_logprobs: Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Also write per-token columns, with top-K alternatives (0 = own logprob and rank only).")] = None,
+    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = None, resume: ResumeOpt = None,
+    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = None, quiet: QuietOpt = None,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
+    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = None,
+    max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+) -> None:
+    """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
+
+    Records: {"id"?, "text": str}. The sequence [BOS (or EOS)] + tokens(text) is cut into windows of
+    --window tokens of context advancing by --stride; every text token is scored exactly once
+    (--stride = --window is lm-eval's rolling loglikelihood).
+    """
+    cli = {"window": window, "stride": stride, "prompt_logprobs": prompt_logprobs, "model": model, "out": out,
+           "overwrite": overwrite, "resume": resume, "limit": limit, "skip_invalid": skip_invalid, "quiet": quiet,
+           **_engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max_num_seqs,
+                          no_prefix_caching, max_logprobs, attention_backend)}
+    try:
+        run_command("perplexity", dataset, cli, config)
+    except ApcscoreError as exc:
+        raise _error(exc)
+
+
 def _register_optional_commands() -> None:
     """Commands that live in their own modules."""
     try:

@@ -1,4 +1,18 @@
-"""`apcscore score`: per-token prompt logprobs, ranks and top-K, and per-record NLL / perplexity."""
+"""`apcscore score`: per-token prompt logprobs, ranks and top-K, and per-record NLL / perplexity; also the
+loglikelihood of a continuation and multiple-choice accuracy (see `apcscore.jobs.loglikelihood`).
+
+Rows of every record kind share one schema; columns that do not apply to a kind are null:
+
+- prompt / prompt_token_ids: `num_tokens` (prompt), `num_scored` (all but the first), `sum_logprob`,
+  `mean_nll`, `perplexity`, and the per-token columns.
+- continuation: the same columns describe the request `context tokens + continuation tokens`: `num_tokens`
+  is its length, `num_scored`, `sum_logprob`, `mean_nll` and `perplexity` cover the continuation tokens only,
+  and the per-token columns are null before the continuation; plus `continuation_logprob` (= sum_logprob),
+  `continuation_num_tokens` (= num_scored) and `is_greedy`.
+- choices: `num_tokens` / `num_scored` add up every choice's request and scored tokens; `sum_logprob`,
+  `mean_nll`, `perplexity` and the per-token columns are null (one record, several sequences); plus
+  `choice_logprobs`, `choice_logprobs_norm`, `pred`, `pred_norm`, `correct`, `correct_norm`, `answer`.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +21,8 @@ import math
 import pyarrow as pa
 
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, nll_summary, sum_logprobs, token_columns
+from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
+                                         continuation_score, mean_stderr, prefix_token_id)
 from apcscore.records import Record
 from apcscore.sequence import Request, RequestOutput
 
@@ -17,8 +33,14 @@ class ScoreJob(Job):
     def __init__(self, engine, options: dict) -> None:
         super().__init__(engine, options)
         self.k = int(options.get("prompt_logprobs") or 0)
+        self._prefix_id: int | None = None
         self._sum_logprob = 0.0
         self._scored = 0
+        self._cont_logprob = 0.0
+        self._cont_tokens = 0
+        self._cont_greedy: list[float] = []
+        self._correct: list[float] = []
+        self._correct_norm: list[float] = []
 
     def schema(self) -> pa.Schema:
         return pa.schema(COMMON_FIELDS + [
@@ -27,35 +49,76 @@ class ScoreJob(Job):
             pa.field("sum_logprob", pa.float64()),
             pa.field("mean_nll", pa.float64()),
             pa.field("perplexity", pa.float64()),
-        ] + TOKEN_FIELDS)
+        ] + LOGLIKELIHOOD_FIELDS + TOKEN_FIELDS)
+
+    @property
+    def prefix_id(self) -> int:
+        if self._prefix_id is None:
+            self._prefix_id = prefix_token_id(self.tokenizer)
+        return self._prefix_id
 
     def requests(self, record: Record) -> list[Request]:
+        f = record.fields
+        if record.kind == "continuation":
+            return [continuation_request(self.tokenizer, f["context"], f["continuation"], self.prefix_id, self.k)]
+        if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
+            return [continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0) for c in f["choices"]]
         if record.kind == "prompt_token_ids":
-            ids = list(record.fields["prompt_token_ids"])
+            ids = list(f["prompt_token_ids"])
         else:
-            ids = self.encode(record.fields["prompt"])
+            ids = self.encode(f["prompt"])
         return [Request(None, ids, prompt_logprobs=self.k)]
 
     def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+        base = {"id": record.id, "status": "ok", "error": None}
+        if record.kind == "choices":
+            scores = [continuation_score(o) for o in outputs]
+            return {**base, "num_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+                    "num_scored": sum(s.num_tokens for s in scores),
+                    **choice_columns([s.logprob for s in scores], record.fields["choices"], record.fields["answer"])}
         out = outputs[0]
         lps = out.prompt_logprobs
         total = sum_logprobs(lps)
         n_scored = len(lps) if lps is not None else 0
-        return {"id": record.id, "status": "ok", "error": None, "num_tokens": len(out.prompt_token_ids),
-                "num_scored": n_scored, **nll_summary(total, n_scored),
-                **token_columns(out.prompt_token_ids, lps)}
+        row = {**base, "num_tokens": len(out.prompt_token_ids), "num_scored": n_scored,
+               **nll_summary(total, n_scored), **token_columns(out.prompt_token_ids, lps)}
+        if record.kind == "continuation":
+            score = continuation_score(out)
+            row.update(continuation_logprob=score.logprob, continuation_num_tokens=score.num_tokens,
+                       is_greedy=score.is_greedy)
+        return row
 
     def observe(self, row: dict) -> None:
-        if row.get("status") == "ok" and row.get("num_scored"):
+        if row.get("status") != "ok":
+            return
+        if row.get("choice_logprobs") is not None:
+            self._correct.append(float(row["correct"]))
+            self._correct_norm.append(float(row["correct_norm"]))
+        elif row.get("continuation_logprob") is not None:
+            self._cont_logprob += row["continuation_logprob"]
+            self._cont_tokens += row["continuation_num_tokens"]
+            self._cont_greedy.append(float(row["is_greedy"]))
+        elif row.get("num_scored"):
             self._sum_logprob += row["sum_logprob"]
             self._scored += row["num_scored"]
 
     def summary(self) -> list[tuple[str, str]]:
-        if not self._scored:
-            return []
-        mean_nll = -self._sum_logprob / self._scored
-        return [("scored tokens", f"{self._scored:,}"), ("mean NLL", f"{mean_nll:.4f}"),
-                ("perplexity", f"{math.exp(mean_nll):.3f}")]
+        lines: list[tuple[str, str]] = []
+        if self._scored:
+            mean_nll = -self._sum_logprob / self._scored
+            lines += [("scored tokens", f"{self._scored:,}"), ("mean NLL", f"{mean_nll:.4f}"),
+                      ("perplexity", f"{math.exp(mean_nll):.3f}")]
+        if self._cont_greedy:
+            n = len(self._cont_greedy)
+            lines += [("continuations", f"{n:,} ({int(sum(self._cont_greedy)):,} greedy), "
+                                        f"{self._cont_tokens:,} tokens"),
+                      ("continuation NLL / token", f"{-self._cont_logprob / self._cont_tokens:.4f}")]
+        if self._correct:
+            for label, values in (("accuracy", self._correct), ("acc_norm", self._correct_norm)):
+                mean, err = mean_stderr(values)
+                n = len(values)
+                lines.append((label, f"{mean:.4f} ± {err:.4f} ({n:,} question{'s' if n != 1 else ''})"))
+        return lines
 
     def metadata(self) -> dict:
         return {"prompt_logprobs": self.k}

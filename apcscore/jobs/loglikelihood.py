@@ -1,0 +1,120 @@
+"""Loglikelihood of a continuation and multiple-choice scoring, the way lm-evaluation-harness does it.
+
+Used by the score job for its `continuation` and `choices` record kinds.
+
+Tokenization (lm-eval's `HFLM._encode_pair` / `loglikelihood`): trailing whitespace of the context moves to
+the front of the continuation; `context + continuation` is encoded once (no special tokens added) and split
+at `len(tokens(context))`; the request is `tokens(context) + that tail`, scored from the first continuation
+token. An empty context (also one that was only whitespace) is the prefix token: the tokenizer's BOS, or
+EOS where there is none (lm-eval's `prefix_token_id`), so the first continuation token has a context.
+
+A continuation's loglikelihood is the sum of its tokens' logprobs; `is_greedy` says every one of its tokens
+is the model's argmax (rank 1, which the engine reports with every prompt logprob). A multiple-choice
+record scores each choice as the continuation of the context, one request per choice; `pred` is the
+argmax of the loglikelihoods and `pred_norm` the argmax of the loglikelihoods divided by each choice's length
+in characters (lm-eval's `acc` and `acc_norm`). Ties go to the first choice (`numpy.argmax`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from apcscore.errors import ApcscoreError
+from apcscore.sequence import Request, RequestOutput
+
+# Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.
+LOGLIKELIHOOD_FIELDS = [
+    pa.field("continuation_logprob", pa.float64()),
+    pa.field("continuation_num_tokens", pa.int64()),
+    pa.field("is_greedy", pa.bool_()),
+    pa.field("choice_logprobs", pa.list_(pa.float64())),
+    pa.field("choice_logprobs_norm", pa.list_(pa.float64())),
+    pa.field("pred", pa.int64()),
+    pa.field("pred_norm", pa.int64()),
+    pa.field("correct", pa.bool_()),
+    pa.field("correct_norm", pa.bool_()),
+    pa.field("answer", pa.int64()),
+]
+
+
+def prefix_token_id(tokenizer) -> int:
+    """The token that conditions an empty context and starts a rolling-window sequence: BOS, else EOS."""
+    for name in ("bos_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    raise ApcscoreError("the model's tokenizer has neither a BOS nor an EOS token, so an empty context (and the "
+                        "first token of a perplexity text) has nothing to be conditioned on; use a model whose "
+                        "tokenizer defines one of them")
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` without special tokens (lm-eval's `tok_encode` for causal models)."""
+    return list(tokenizer(text, add_special_tokens=False).input_ids) if text else []
+
+
+def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> tuple[list[int], list[int]]:
+    """(context tokens, continuation tokens) as lm-eval splits them; see the module docstring."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    if not context:
+        return [prefix_id], encode(tokenizer, continuation)
+    context_ids = encode(tokenizer, context)
+    whole = encode(tokenizer, context + continuation)
+    return context_ids, whole[len(context_ids):]
+
+
+def continuation_request(tokenizer, context: str, continuation: str, prefix_id: int, k: int) -> Request:
+    """The scoring request of `continuation` after `context`: its tokens are scored, with top-`k`."""
+    context_ids, cont_ids = encode_pair(tokenizer, context, continuation, prefix_id)
+    if not cont_ids:
+        raise ApcscoreError(f"the continuation {continuation[:40]!r} has no tokens of its own: tokenized together "
+                            "with the context it merges into the context's last token (end the context at a "
+                            "token boundary, e.g. before a space)")
+    return Request(None, context_ids + cont_ids, prompt_logprobs=k, score_from=len(context_ids))
+
+
+@dataclass(frozen=True)
+class ContinuationScore:
+    """The loglikelihood of one continuation."""
+
+    logprob: float  # sum over its tokens (float64)
+    num_tokens: int
+    is_greedy: bool  # every token is the argmax (rank 1)
+
+
+def continuation_score(out: RequestOutput) -> ContinuationScore:
+    """Score of the continuation request `out` (scored from the continuation's first token)."""
+    lps = out.prompt_logprobs
+    if lps is None:
+        raise ValueError("a continuation request must ask for prompt logprobs")
+    return ContinuationScore(float(np.sum(lps.token_logprobs, dtype=np.float64)), len(lps),
+                             bool(np.all(lps.ranks == 1)))
+
+
+def choice_columns(logprobs: list[float], choices: list[str], answer: int) -> dict:
+    """The multiple-choice columns of a record from its choices' loglikelihoods."""
+    lls = np.asarray(logprobs, dtype=np.float64)
+    norm = lls / np.asarray([len(c) for c in choices], dtype=np.float64)
+    pred, pred_norm = int(np.argmax(lls)), int(np.argmax(norm))
+    return {"choice_logprobs": lls.tolist(), "choice_logprobs_norm": norm.tolist(), "pred": pred,
+            "pred_norm": pred_norm, "correct": pred == answer, "correct_norm": pred_norm == answer,
+            "answer": answer}
+
+
+def mean_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and its standard error, sample standard deviation / sqrt(n) (lm-eval's `mean_stderr`)."""
+    n = len(values)
+    if n == 0:
+        return math.nan, math.nan
+    mean = sum(values) / n
+    if n == 1:
+        return mean, math.nan
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    return mean, math.sqrt(var / n)

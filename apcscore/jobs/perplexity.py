@@ -1,0 +1,181 @@
+"""`apcscore perplexity`: perplexity of long texts with rolling windows (token, word and byte level).
+
+Semantics
+---------
+A record `{"id"?, "text": str}` becomes the sequence `S = [prefix] + tokens(text)` (prefix: the tokenizer's
+BOS, else EOS; the text is encoded without special tokens), so each of the N text tokens `S[1..N]` has a
+context and is scored exactly once. A window that scores the tokens `S[a:b]` feeds the model the `window`
+tokens of S that end just before `S[b]` (fewer at the start of the text), `S[max(0, b-1-window) : b-1]`,
+and keeps the logprobs of its last `b - a` positions. The first window scores `S[1 : min(window, N) + 1]`;
+each next one ends `stride` tokens further (the last one at N + 1).
+
+- `stride == window` (the default) is lm-eval's `loglikelihood_rolling` with `max_length = window`
+  (`get_rolling_token_windows(context_len=1)` + `make_disjoint_window`): disjoint windows.
+- `stride < window` is the strided sliding window of the transformers perplexity guide with
+  `max_length = window + 1` on S (each token after the first window sees at least `window - stride`
+  tokens of context), except that the last window, like every other, feeds a full `window` of context
+  (the guide starts it at the next multiple of the stride and so gives it less).
+
+Each window is one engine request of `S[start:b]` (its `window` context tokens plus the last target, so
+at most `window + 1` tokens: `--window` is at most the model's context length minus one), scored from its
+first new token. Windows of all records are batched together by the engine.
+
+Per record: `num_tokens` = N, `num_words` = `len(re.split(r"\\s+", text))` (lm-eval's word count),
+`num_bytes` = UTF-8 bytes, `sum_logprob`, `perplexity` = exp(-sum/N), `word_perplexity` =
+exp(-sum/words), `byte_perplexity` = exp(-sum/bytes), `bits_per_byte` = -sum/bytes/ln 2. The summary
+aggregates over records as lm-eval does: exp(-sum(ll) / sum(units)) per unit, and bits per byte.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+import numpy as np
+import pyarrow as pa
+
+from apcscore.errors import ApcscoreError
+from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
+from apcscore.jobs.loglikelihood import encode, prefix_token_id
+from apcscore.records import Record
+from apcscore.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+
+DEFAULT_MAX_WINDOW = 4096
+
+
+@dataclass(frozen=True)
+class Window:
+    """One rolling window over S: the request is S[start:end]; it scores S[end - num_scored : end]."""
+
+    start: int
+    end: int
+    num_scored: int
+
+
+def rolling_windows(num_tokens: int, window: int, stride: int) -> list[Window]:
+    """The windows over S = [prefix] + `num_tokens` text tokens; together they score S[1:] exactly once."""
+    if window < 1 or not 1 <= stride <= window:
+        raise ValueError(f"need window >= 1 and 1 <= stride <= window, got window={window}, stride={stride}")
+    n = num_tokens + 1  # len(S)
+    a, b = 1, min(window + 1, n)
+    windows = []
+    while b > a:
+        windows.append(Window(max(0, b - 1 - window), b, b - a))
+        a, b = b, min(b + stride, n)
+    return windows
+
+
+def count_words(text: str) -> int:
+    """lm-eval's word count: the pieces of `re.split(r"\\s+", text)` (empty edge pieces included)."""
+    return len(re.split(r"\s+", text))
+
+
+def default_window(max_model_len: int) -> int:
+    """The model's context length less the one target token, capped at DEFAULT_MAX_WINDOW."""
+    return min(DEFAULT_MAX_WINDOW, max_model_len - 1)
+
+
+class PerplexityJob(Job):
+    command = "perplexity"
+
+    def __init__(self, engine, options: dict) -> None:
+        super().__init__(engine, options)
+        max_len = engine.info.max_model_len
+        window = options.get("window")
+        window = default_window(max_len) if window is None else int(window)
+        if window < 1:
+            raise ApcscoreError(f"--window must be at least 1, not {window}")
+        if window + 1 > max_len:
+            raise ApcscoreError(
+                f"--window {window} is too long for the model: a window feeds {window} tokens of context plus "
+                f"the token it predicts last ({window + 1} in all), and the model's context is {max_len} "
+                f"tokens; use --window {max_len - 1} or less")
+        stride = options.get("stride")
+        stride = window if stride is None else int(stride)
+        if not 1 <= stride <= window:
+            raise ApcscoreError(f"--stride must be between 1 and the window ({window}), not {stride} "
+                                "(a stride above the window would leave tokens unscored)")
+        self.window, self.stride = window, stride
+        self.k = options.get("prompt_logprobs")
+        self.prefix_id = prefix_token_id(self.tokenizer)
+        self._totals = {"sum_logprob": 0.0, "num_tokens": 0, "num_words": 0, "num_bytes": 0, "records": 0}
+
+    def schema(self) -> pa.Schema:
+        fields = COMMON_FIELDS + [
+            pa.field("num_tokens", pa.int64()),
+            pa.field("num_words", pa.int64()),
+            pa.field("num_bytes", pa.int64()),
+            pa.field("num_windows", pa.int64()),
+            pa.field("sum_logprob", pa.float64()),
+            pa.field("perplexity", pa.float64()),
+            pa.field("word_perplexity", pa.float64()),
+            pa.field("byte_perplexity", pa.float64()),
+            pa.field("bits_per_byte", pa.float64()),
+        ]
+        return pa.schema(fields + (TOKEN_FIELDS if self.k is not None else []))
+
+    def sequence(self, text: str) -> list[int]:
+        """S = [prefix] + tokens(text)."""
+        return [self.prefix_id] + encode(self.tokenizer, text)
+
+    def requests(self, record: Record) -> list[Request]:
+        seq = self.sequence(record.fields["text"])
+        if len(seq) == 1:
+            raise ApcscoreError("the text is empty: it has no tokens to score (remove the record or give it text)")
+        return [Request(None, seq[w.start:w.end], prompt_logprobs=self.k or 0,
+                        score_from=w.end - w.start - w.num_scored)
+                for w in rolling_windows(len(seq) - 1, self.window, self.stride)]
+
+    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+        text = record.fields["text"]
+        seq = self.sequence(text)
+        windows = rolling_windows(len(seq) - 1, self.window, self.stride)
+        parts = []  # each window's logprobs, positions moved from the request to S
+        for w, out in zip(windows, outputs, strict=True):
+            lps = out.prompt_logprobs
+            assert len(lps) == w.num_scored, "the engine scored other positions than the window asked for"
+            parts.append(replace(lps, positions=lps.positions + w.start))
+        merged = PromptLogprobs(**vars(TokenLogprobs.concat(parts, self.k or 0)),
+                                positions=np.concatenate([p.positions for p in parts]))
+        total = float(np.sum(merged.token_logprobs, dtype=np.float64))
+        n, words, nbytes = len(seq) - 1, count_words(text), len(text.encode("utf-8"))
+        row = {"id": record.id, "status": "ok", "error": None, "num_tokens": n, "num_words": words,
+               "num_bytes": nbytes, "num_windows": len(windows), "sum_logprob": total,
+               **_per_unit(total, n, words, nbytes)}
+        if self.k is not None:
+            row.update(token_columns(seq, merged))
+        return row
+
+    def observe(self, row: dict) -> None:
+        if row.get("status") != "ok":
+            return
+        t = self._totals
+        t["records"] += 1
+        for key in ("sum_logprob", "num_tokens", "num_words", "num_bytes"):
+            t[key] += row[key]
+
+    def summary(self) -> list[tuple[str, str]]:
+        t = self._totals
+        if not t["records"]:
+            return []
+        u = _per_unit(t["sum_logprob"], t["num_tokens"], t["num_words"], t["num_bytes"])
+        return [("window / stride", f"{self.window:,} / {self.stride:,} tokens"),
+                ("scored", f"{t['num_tokens']:,} tokens, {t['num_words']:,} words, {t['num_bytes']:,} bytes"),
+                ("token perplexity", f"{u['perplexity']:.4f}"),
+                ("word perplexity", f"{u['word_perplexity']:.4f}"),
+                ("byte perplexity", f"{u['byte_perplexity']:.4f}"),
+                ("bits per byte", f"{u['bits_per_byte']:.4f}")]
+
+    def metadata(self) -> dict:
+        return {"window": self.window, "stride": self.stride, "prefix_token_id": self.prefix_id,
+                "prompt_logprobs": self.k}
+
+
+def _per_unit(sum_logprob: float, tokens: int, words: int, nbytes: int) -> dict:
+    """Token, word and byte perplexity and bits per byte of a total loglikelihood (lm-eval's aggregation)."""
+    def ppl(count: int) -> float:
+        return math.exp(-sum_logprob / count) if count else math.nan
+
+    return {"perplexity": ppl(tokens), "word_perplexity": ppl(words), "byte_perplexity": ppl(nbytes),
+            "bits_per_byte": -sum_logprob / nbytes / math.log(2) if nbytes else math.nan}
