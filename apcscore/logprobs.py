@@ -16,17 +16,36 @@ from apcscore.sequence import TokenLogprobs
 LogprobFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, ...]]
 
 
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k values (input dtype) and ids of each row, sorted by descending logit: [N, k], [N, k] int64."""
+    if k == 0:
+        empty = logits.new_empty((logits.shape[0], 0))
+        return empty, torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+    return torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+
+
 def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, ...]:
-    """logits [N, V] (any float dtype), targets [N] -> logprobs [N] f32, ranks [N] i64, top ids [N, k], top logprobs [N, k]."""
-    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V] fp32, one chunk
-    target = logprobs.gather(1, targets[:, None])  # [N, 1]
-    ranks = (logprobs > target).sum(dim=-1) + 1
-    if k > 0:
-        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
-    else:
-        top_logprobs = logprobs.new_zeros((logits.shape[0], 0))
-        top_ids = targets.new_zeros((logits.shape[0], 0))
-    return target[:, 0], ranks, top_ids, top_logprobs
+    """logits [N, V] (any float dtype), targets [N] int64 -> logprobs [N] f32, ranks [N] i64, top ids [N, k] i64,
+    top logprobs [N, k] f32. The reference the fused Triton kernel is tested against.
+
+    Materialises [N, V] fp32 logprobs, so the caller passes row chunks. Ranks compare the input logits; a
+    target outside [0, V) gets logprob NaN and rank 0 (checking would cost a device sync).
+    """
+    if logits.ndim != 2 or targets.shape != (logits.shape[0],):
+        raise ValueError(f"token_logprobs_torch: logits must be [N, V] and targets [N], got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    if targets.dtype != torch.int64 or not logits.is_floating_point() or k < 0 or k > logits.shape[1]:
+        raise ValueError(f"token_logprobs_torch: needs float logits, int64 targets and 0 <= k <= V; got "
+                         f"{logits.dtype}, {targets.dtype}, k={k}")
+    vocab = logits.shape[1]
+    valid = (targets >= 0) & (targets < vocab)  # [N]
+    safe = torch.where(valid, targets, 0)[:, None]  # [N, 1]
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
+    logprobs = torch.where(valid, log_probs.gather(1, safe).squeeze(1), float("nan"))
+    greater = (logits > logits.gather(1, safe)).sum(dim=1)  # [N] int64
+    ranks = torch.where(valid, greater + 1, 0)
+    _, top_ids = top_k(logits, k)
+    return logprobs, ranks, top_ids, log_probs.gather(1, top_ids)
 
 
 def chunked_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,

@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from apcscore.logprobs import token_logprobs_torch, top_k  # the torch reference lives with the engine
+
 from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
                                       check_tensors)
 
@@ -58,14 +60,6 @@ def _check_args(name: str, logits: torch.Tensor, targets: torch.Tensor, k: int) 
         raise ValueError(f"{name}: k must be an int in [0, vocab size {logits.shape[1]}], got {k!r}")
 
 
-def _top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k values (input dtype) and ids of each row, sorted by descending logit: [N, k], [N, k] int64."""
-    if k == 0:
-        empty = logits.new_empty((logits.shape[0], 0))
-        return empty, torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
-    return torch.topk(logits, k, dim=-1, largest=True, sorted=True)
-
-
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, *, block_v: int = BLOCK_V
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused logprobs of the target tokens, without materialising an [N, V] fp32 tensor.
@@ -90,26 +84,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, *, block
         _token_logprobs_kernel[(num_rows,)](logits, targets, lse, logprobs, ranks, logits.stride(0), vocab,
                                             BLOCK_V=min(block_v, triton.next_power_of_2(vocab)),
                                             num_warps=NUM_WARPS)
-    top_values, top_ids = _top_k(logits, k)
+    top_values, top_ids = top_k(logits, k)
     top_logprobs = top_values.float() - lse[:, None]  # [N, k]
     return logprobs, ranks, top_ids, top_logprobs
 
 
-def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The reference in torch (any device): same arguments and results as token_logprobs.
-
-    Materialises [N, V] fp32 logprobs, so the caller passes row chunks. Ranks compare the input logits;
-    top-k ids come from torch.topk on the input logits, their logprobs from the fp32 log_softmax.
-    """
-    _check_args("token_logprobs_torch", logits, targets, k)
-    vocab = logits.shape[1]
-    valid = (targets >= 0) & (targets < vocab)  # [N]
-    safe = torch.where(valid, targets, 0)[:, None]  # [N, 1]
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
-    logprobs = torch.where(valid, log_probs.gather(1, safe).squeeze(1), float("nan"))
-    greater = (logits > logits.gather(1, safe)).sum(dim=1)  # [N] int64
-    ranks = torch.where(valid, greater + 1, 0)
-    _, top_ids = _top_k(logits, k)
-    top_logprobs = log_probs.gather(1, top_ids)  # [N, k]
-    return logprobs, ranks, top_ids, top_logprobs
