@@ -1,0 +1,216 @@
+"""CUDA graphs for decode steps: the model forward is captured once per batch size and replayed.
+
+A decode-only batch (every sequence computes exactly one token) of n sequences is padded up to the next
+captured size bs >= n; batches larger than the largest size, prefill and mixed batches run eagerly.
+Inputs live in static device buffers that every graph reads:
+
+    tokens        [3, max_bs] int64: input_ids, positions, slot_mapping
+    lens          [2 * max_bs + 1] int32: cu_seqlens_q (first max_bs + 1), then seq_lens (max_bs)
+    block_tables  [max_bs, max_blocks_per_seq] int32
+
+Padding follows the AttentionMetadata contract ("rows past cu_seqlens_q[-1] are padding"): a padding row
+has slot -1 (nothing stored), and its padding sequence is empty (q_len 0, seq_len 0), so the Triton kernels
+skip it without reading the cache and its attention output is zero; the rows are dropped afterwards. Every
+device-side length comes from these buffers: the Triton paged attention computes its grid from tensor
+shapes only (bs tokens, bs sequences) and reads cu_seqlens_q / seq_lens on the device, so one capture
+serves every step of that size. The torch backend reads Python lists (cu_seqlens_q_list, seq_lens_list)
+and syncs in store_kv, so it is never captured; the same padded path runs it eagerly (CPU tests).
+
+Step inputs travel host -> device from pinned memory with non_blocking copies: a replayed step has no
+host-device synchronisation until the caller reads the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.models.llama import LlamaDecoder
+from apcscore.scheduler import ScheduledBatch
+
+DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def capture_sizes(max_num_seqs: int, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES) -> list[int]:
+    """The batch sizes to capture: those of `sizes` up to max_num_seqs, plus max_num_seqs itself, so that
+    every decode batch the scheduler can form has a graph."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    chosen = sorted({s for s in sizes if 1 <= s <= max_num_seqs})
+    if not chosen or chosen[-1] < max_num_seqs:
+        chosen.append(max_num_seqs)
+    return chosen
+
+
+def padded_size(n: int, sizes: list[int]) -> int | None:
+    """The smallest of the sorted `sizes` that holds n sequences, or None when n is above them all."""
+    i = bisect.bisect_left(sizes, n)
+    return sizes[i] if n >= 1 and i < len(sizes) else None
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step of n sequences (one new token each), as host arrays."""
+
+    input_ids: np.ndarray  # [n] int64
+    positions: np.ndarray  # [n] int64
+    slot_mapping: np.ndarray  # [n] int64
+    seq_lens: np.ndarray  # [n] int32: context length including the new token (position + 1)
+    block_tables: np.ndarray  # [n, width] int32, rows padded with 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.input_ids)
+
+
+def decode_inputs(batch: ScheduledBatch, block_size: int) -> DecodeInputs | None:
+    """The inputs of a batch whose every sequence computes one token (as ModelRunner._prepare builds
+    them), or None for an empty, prefill or mixed batch."""
+    if not batch.items or any(n != 1 for _, n in batch.items):
+        return None
+    seqs = [seq for seq, _ in batch.items]
+    positions = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
+    width = max(len(seq.block_ids) for seq in seqs)
+    tables = np.zeros((len(seqs), width), dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        tables[i, :len(seq.block_ids)] = seq.block_ids
+    slots = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64) * block_size + positions % block_size
+    ids = np.array([seq.token_ids[p] for seq, p in zip(seqs, positions.tolist())], dtype=np.int64)
+    return DecodeInputs(ids, positions, slots, (positions + 1).astype(np.int32), tables)
+
+
+def pad_decode_inputs(inp: DecodeInputs, max_bs: int) -> tuple[np.ndarray, np.ndarray]:
+    """Host images of the static `tokens` [3, max_bs] and `lens` [2 * max_bs + 1] buffers for these inputs:
+    rows past n are padding (token 0, position 0, slot -1; an empty sequence: cu stays at n, seq_len 0)."""
+    n = inp.num_seqs
+    if n > max_bs:
+        raise ValueError(f"{n} sequences do not fit buffers of {max_bs}")
+    tokens = np.zeros((3, max_bs), dtype=np.int64)
+    tokens[2] = -1
+    tokens[0, :n], tokens[1, :n], tokens[2, :n] = inp.input_ids, inp.positions, inp.slot_mapping
+    lens = np.zeros(2 * max_bs + 1, dtype=np.int32)
+    lens[:n + 1] = np.arange(n + 1)
+    lens[n + 1:max_bs + 1] = n
+    lens[max_bs + 1:max_bs + 1 + n] = inp.seq_lens
+    return tokens, lens
+
+
+class DecodeGraphRunner:
+    """Runs the model forward of decode-only batches on static buffers padded to a captured size.
+
+    On CUDA with `capture=True`, each size's forward is a captured CUDA graph (one shared memory pool) and a
+    step is a replay; otherwise (CPU, tests) the same padded forward runs eagerly. Capture after the KV cache
+    is attached to the model's layers: the graphs hold its addresses.
+    """
+
+    def __init__(self, model: LlamaDecoder, block_size: int, max_num_seqs: int, device: torch.device,
+                 sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES, capture: bool = True) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.sizes = capture_sizes(max_num_seqs, sizes)
+        self.max_bs = max_bs = self.sizes[-1]
+        self.max_blocks = -(-model.max_positions // block_size)
+        self.tokens = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
+        self.tokens[2] = -1
+        self.lens = torch.zeros(2 * max_bs + 1, dtype=torch.int32, device=self.device)
+        self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=self.device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}  # [bs, hidden], written by each replay
+        self.num_replays = 0
+        self.num_eager = 0
+        if capture:
+            self.capture()
+
+    @classmethod
+    def for_model(cls, model: LlamaDecoder, block_size: int, max_num_seqs: int,
+                  device: torch.device) -> "DecodeGraphRunner | None":
+        """A capturing runner, or None when the model's attention backend cannot be captured (not Triton)."""
+        if getattr(model.layers[0].self_attn.backend, "name", None) != "triton":
+            return None
+        return cls(model, block_size, max_num_seqs, device)
+
+    def _meta(self, bs: int, inp: DecodeInputs | None) -> AttentionMetadata:
+        """Metadata of a bs-row step over the static buffers. The Python lists (read by the torch backend
+        only, never by a captured graph) describe `inp`, or padding only when inp is None (capture)."""
+        n = inp.num_seqs if inp is not None else 0
+        seq_lens = (inp.seq_lens.tolist() if inp is not None else []) + [0] * (bs - n)
+        return AttentionMetadata(
+            slot_mapping=self.tokens[2, :bs], block_tables=self.block_tables[:bs],
+            cu_seqlens_q=self.lens[:bs + 1], seq_lens=self.lens[self.max_bs + 1:self.max_bs + 1 + bs],
+            max_seqlen_q=1, max_seqlen_k=max(seq_lens) if inp is not None else self.model.max_positions,
+            cu_seqlens_q_list=[min(i, n) for i in range(bs + 1)], seq_lens_list=seq_lens,
+            block_size=self.block_size,
+        )
+
+    def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
+        with set_attention_metadata(meta):
+            return self.model(self.tokens[0, :bs], self.tokens[1, :bs])  # [bs, hidden]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture one graph per size, largest first, all in one memory pool (only one replays at a time)."""
+        pool = None
+        self.tokens.zero_()
+        self.tokens[2] = -1
+        self.lens.zero_()
+        torch.cuda.synchronize(self.device)
+        for bs in reversed(self.sizes):
+            meta = self._meta(bs, None)  # buffers hold padding only: nothing is stored or read
+            side = torch.cuda.Stream(self.device)  # warm-up (Triton compiles, cuBLAS picks) off the capture
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward(bs, meta)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[bs] = self._forward(bs, meta)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+        torch.cuda.synchronize(self.device)
+
+    def _load(self, inp: DecodeInputs) -> None:
+        """Copy the step's inputs into the static buffers (pinned, non-blocking on CUDA: no sync)."""
+        tokens, lens = pad_decode_inputs(inp, self.max_bs)
+        n, width = inp.block_tables.shape
+        pin = self.device.type == "cuda"
+        for dst, src in ((self.tokens, tokens), (self.lens, lens), (self.block_tables[:n, :width], inp.block_tables)):
+            host = torch.from_numpy(np.ascontiguousarray(src))
+            dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
+
+    def forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
+        """Final hidden states [n, hidden] of a decode-only batch of a padded size, or None: run it eagerly."""
+        inp = decode_inputs(batch, self.block_size)
+        if inp is None:
+            return None
+        return self.forward_inputs(inp)
+
+    def forward_inputs(self, inp: DecodeInputs, eager: bool = False) -> torch.Tensor | None:
+        """Hidden states [n, hidden] of prepared inputs (eager=True: the padded forward without the graph)."""
+        n = inp.num_seqs
+        bs = padded_size(n, self.sizes)
+        if bs is None or inp.block_tables.shape[1] > self.max_blocks:
+            return None
+        self._load(inp)
+        if bs in self.graphs and not eager:
+            self.graphs[bs].replay()
+            self.num_replays += 1
+            return self.outputs[bs][:n]
+        self.num_eager += 1
+        return self._forward(bs, self._meta(bs, inp))[:n]
+
+
+def attach(engine, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES, capture: bool | None = None
+           ) -> DecodeGraphRunner:
+    """Give an engine's model runner a DecodeGraphRunner (benchmarks and tests; engines built on CUDA with
+    use_cuda_graphs get one from ModelRunner itself). capture=None: capture on CUDA, eager elsewhere."""
+    runner = engine.runner
+    capture = runner.device.type == "cuda" if capture is None else capture
+    runner.cuda_graphs = DecodeGraphRunner(runner.model, runner.block_size, engine.config.max_num_seqs,
+                                           runner.device, sizes, capture=capture)
+    return runner.cuda_graphs
