@@ -53,7 +53,8 @@ def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device
 class ModelRunner:
     def __init__(self, model: LlamaDecoder, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, logprobs_chunk_size: int, base_seed: int,
-                 logprob_fn: LogprobFn = token_logprobs_torch) -> None:
+                 logprob_fn: LogprobFn = token_logprobs_torch, use_cuda_graphs: bool = False,
+                 max_num_seqs: int = 64) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -70,6 +71,11 @@ class ModelRunner:
         for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]
+        self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.cuda_graphs), captured now
+        if device.type == "cuda" and use_cuda_graphs:
+            from apcscore.cuda_graphs import DecodeGraphRunner
+
+            self.cuda_graphs = DecodeGraphRunner.for_model(model, block_size, max_num_seqs, device)
 
     # ---- batch preparation ---------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -112,9 +118,11 @@ class ModelRunner:
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        input_ids, positions, meta = self._prepare(batch)
-        with set_attention_metadata(meta):
-            hidden = self.model(input_ids, positions)  # [T, H]
+        hidden = self.cuda_graphs.forward(batch) if self.cuda_graphs is not None else None  # [n, H] or None
+        if hidden is None:
+            input_ids, positions, meta = self._prepare(batch)
+            with set_attention_metadata(meta):
+                hidden = self.model(input_ids, positions)  # [T, H]
         return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
