@@ -38,69 +38,99 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         v_flat.index_copy_(0, slots, value[:num_tokens][valid].to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    """The first seq_len keys (or values) of one sequence, [seq_len, num_kv_heads, head_dim]."""
-    block_size = cache.shape[1]
-    num_blocks = -(-seq_len // block_size)
-    return cache[block_table[:num_blocks]].flatten(0, 1)[:seq_len]
-
-
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache.
 
     query: [T, num_heads, head_dim] -> out: [T, num_heads, head_dim] (padding rows zero).
     Grouped-query heads: query head h reads kv head h // (num_heads // num_kv_heads).
+    Decode rows (one query per sequence) of all sequences are computed together in one batched call;
+    each prefill chunk on its own. Either way a query's keys are reduced in the same fixed tiles.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[2])
     out = torch.zeros_like(query)
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
-    for i, seq_len in enumerate(lens):
-        start, end = cu[i], cu[i + 1]
-        q_len = end - start
-        k = gather_kv(k_cache, meta.block_tables[i], seq_len)  # [L, Hkv, D]
-        v = gather_kv(v_cache, meta.block_tables[i], seq_len)
-        q = query[start:end].view(q_len, num_kv_heads, group, head_dim)  # [q, Hkv, G, D]
-        q = q.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim).float()
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).repeat(group)  # [G*q]
-        rows = q.shape[1]
-        if rows < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the chunking
-            q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
-            q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows), value=seq_len - 1)
-        out_seq = _tiled_softmax_attention(q * scale, k.transpose(0, 1).float(), v.transpose(0, 1).float(),
-                                           q_pos)[:, :rows]  # [Hkv, G*q, D]
-        out[start:end] = out_seq.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
-            q_len, num_heads, head_dim).to(query.dtype)
+    decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
+    if decode:
+        _attend(query, k_cache, v_cache, meta, decode, scale, out)
+    for i in range(len(lens)):
+        if cu[i + 1] - cu[i] > 1:
+            _attend(query, k_cache, v_cache, meta, [i], scale, out)
     return out
 
 
-def _tiled_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
+def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+            seqs: list[int], scale: float, out: torch.Tensor) -> None:
+    """Attention of the queries of sequences `seqs`, padded to one batch; writes their rows of `out`."""
+    device = query.device
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
+    q_lens = [cu[i + 1] - cu[i] for i in seqs]
+    max_q, max_len = max(q_lens), max(lens[i] for i in seqs)
+    num_seqs = len(seqs)
+    padded_len = -(-max_len // KV_TILE) * KV_TILE
+    num_blocks = -(-padded_len // block_size)
+
+    # keys/values: [B, Hkv, padded_len, D] through the block tables (extra blocks: block 0, masked below)
+    tables = meta.block_tables[seqs]  # [B, max_blocks]
+    if tables.shape[1] < num_blocks:
+        tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
+    tables = tables[:, :num_blocks]
+    k = k_cache[tables].flatten(1, 2)[:, :padded_len].permute(0, 2, 1, 3).float()
+    v = v_cache[tables].flatten(1, 2)[:, :padded_len].permute(0, 2, 1, 3).float()
+    seq_lens = torch.tensor([lens[i] for i in seqs], device=device)  # [B]
+    k_pos = torch.arange(padded_len, device=device)  # [Lp]
+    # slots past a sequence's end hold stale (or never written) memory: zero them, 0 * NaN would be NaN
+    v = v.masked_fill((k_pos[None, :] >= seq_lens[:, None])[:, None, :, None], 0.0)
+
+    # queries: [B, Hkv, rows, D], row = g * max_q + j (query head g of the kv group, query j)
+    if max_q == 1:
+        q = query[[cu[i] for i in seqs]][:, None]  # [B, 1, Hq, D]
+    else:
+        q = query[cu[seqs[0]]:cu[seqs[0] + 1]][None]
+    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim).float() * scale
+    q_pos = (seq_lens[:, None] - max_q + torch.arange(max_q, device=device)).repeat(1, group)  # [B, rows]
+    rows = q.shape[2]
+    if rows < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the chunking
+        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
+        q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows))
+    masked = k_pos[None, None, :] > q_pos[:, :, None]  # [B, rows', Lp]: causal (and past the end)
+    res = _tiled_softmax(q, k, v, masked[:, None], max_len)[:, :, :rows]  # [B, Hkv, rows, D]
+    res = res.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
+    res = res.reshape(num_seqs, max_q, num_heads, head_dim).to(query.dtype)
+    if max_q == 1:
+        out[[cu[i] for i in seqs]] = res[:, 0]
+    else:
+        out[cu[seqs[0]]:cu[seqs[0] + 1]] = res[0]
+
+
+def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
+                   max_len: int) -> torch.Tensor:
     """Online softmax over fixed key tiles from position 0, in fp32.
 
-    q: [H, M, D] (pre-scaled), k, v: [H, L, D], q_pos: [M] absolute position of each query row.
+    q: [B, H, M, D] (pre-scaled); k, v: [B, H, Lp, D] with Lp a multiple of KV_TILE; masked: [B, 1, M, Lp].
+    A tile that is fully masked for a row leaves its running max, sum and accumulator exactly unchanged,
+    so a row's result does not depend on how many tiles its batch needed.
     """
-    seq_len = k.shape[1]
-    m = torch.full(q.shape[:2], float("-inf"), device=q.device)  # running max [H, M]
-    s = torch.zeros(q.shape[:2], device=q.device)  # running sum of exp [H, M]
-    acc = torch.zeros_like(q)  # [H, M, D]
-    last_pos = int(q_pos.max()) if q_pos.numel() else -1
-    padded = -(-seq_len // KV_TILE) * KV_TILE
-    if padded != seq_len:  # zero keys/values past the end; masked below, so they add exact zeros
-        k = torch.nn.functional.pad(k, (0, 0, 0, padded - seq_len))
-        v = torch.nn.functional.pad(v, (0, 0, 0, padded - seq_len))
-    for t0 in range(0, min(seq_len, last_pos + 1), KV_TILE):
+    acc = s = m = None
+    for t0 in range(0, max_len, KV_TILE):
         t1 = t0 + KV_TILE
-        scores = q @ k[:, t0:t1].transpose(1, 2)  # [H, M, tile]
-        k_pos = torch.arange(t0, t1, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        m_new = torch.maximum(m, scores.amax(-1))
+        scores = (q @ k[:, :, t0:t1].transpose(-1, -2)).masked_fill(masked[..., t0:t1], float("-inf"))
+        tile_max = scores.amax(-1)  # [B, H, M]
+        if m is None:  # first tile: the same arithmetic as the general step with m = -inf, s = acc = 0
+            m = tile_max
+            p = torch.exp(scores - m[..., None])
+            s = p.sum(-1)
+            acc = p @ v[:, :, t0:t1]
+            continue
+        m_new = torch.maximum(m, tile_max)
         alpha = torch.exp(m - m_new)
         p = torch.exp(scores - m_new[..., None])
         s = s * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + p @ v[:, t0:t1]
+        acc = acc * alpha[..., None] + p @ v[:, :, t0:t1]
         m = m_new
     return acc / s[..., None]
 
