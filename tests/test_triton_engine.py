@@ -18,6 +18,7 @@ import torch
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
 from apcscore.kernels._checks import interpreting
+from portable_models import tiny_dir  # noqa: F401  (fixture; works without the default model: GPU machine)
 
 INTERPRET = interpreting()
 HAS_CUDA = torch.cuda.is_available()
@@ -89,8 +90,8 @@ def assert_ranks_near(a: np.ndarray, b: np.ndarray, targets: np.ndarray, ref: np
 
 
 @pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen3", 1)])  # qwen3: q/k RMSNorm, head_dim 32, tied
-def test_triton_engine_matches_torch_engine(tiny_model_dir, arch: str, seed: int) -> None:
-    model_dir = tiny_model_dir(arch)
+def test_triton_engine_matches_torch_engine(tiny_dir, arch: str, seed: int) -> None:
+    model_dir = tiny_dir(arch)
     res = run_both(model_dir, seed)
     (t_score, t_gen), (k_score, k_gen) = res["torch"], res["triton"]
     for prompt, a, b in zip(res["prompts"], t_score, k_score):
