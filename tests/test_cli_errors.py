@@ -1,0 +1,85 @@
+"""Bad input gets a clear error before the model loads (exit 2, nothing written), or an error row at run time."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from apcscore.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+def test_invalid_dataset_is_refused_with_file_and_line(tmp_path, write_jsonl, tiny):
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "{not json", {"prompt": 5}, {"text": "x"}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet"])
+    assert res.exit_code == 2
+    assert f"{data}:2:" in res.output and f"{data}:3:" in res.output and f"{data}:4:" in res.output
+    assert not out.exists() and not (tmp_path / "o.parquet.partial").exists()
+
+
+def test_skip_invalid_turns_bad_records_into_error_rows(tmp_path, write_jsonl, tiny):
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"id": "a", "prompt": "fine"}, "{not json", {"id": "c", "prompt": 5},
+                                                {"id": "d", "prompt": "also fine"}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet", "--skip-invalid"])
+    assert res.exit_code == 0, res.output
+    rows = pq.read_table(out).to_pylist()
+    assert [r["status"] for r in rows] == ["ok", "error", "error", "ok"]
+    assert [r["id"] for r in rows] == ["a", "2", "c", "d"]
+    assert ":2:" in rows[1]["error"] and "prompt" in rows[2]["error"]
+
+
+def test_run_time_problems_become_error_rows(tmp_path, write_jsonl, tiny):
+    data = write_jsonl(tmp_path / "d.jsonl", [
+        {"id": "long", "prompt_token_ids": list(range(1, 2100))},  # the tiny model's context is 2048
+        {"id": "ok", "prompt": "a short prompt"},
+        {"id": "empty", "prompt": ""},
+    ])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet"])
+    assert res.exit_code == 0, res.output
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert rows["long"]["status"] == "error" and "2048" in rows["long"]["error"]
+    assert rows["ok"]["status"] == "ok"
+    assert rows["empty"]["status"] == "error" and "no tokens" in rows["empty"]["error"]
+
+
+def test_request_larger_than_the_kv_pool_is_an_error_row_not_a_hang(tmp_path, write_jsonl, tiny):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "big", "prompt_token_ids": list(range(1, 200))},
+                                              {"id": "small", "prompt_token_ids": [1, 2, 3]}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet",
+                              "--num-kv-blocks", "4", "--block-size", "16"])
+    assert res.exit_code == 0, res.output
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert rows["big"]["status"] == "error" and "--num-kv-blocks" in rows["big"]["error"]
+    assert rows["small"]["status"] == "ok"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-batch-tokens", "0"], "--max-batch-tokens"),
+    (["--block-size", "12"], "power of two"),
+    (["--device", "tpu"], "--device"),
+    (["--attention-backend", "flash"], "--attention-backend"),
+    (["--prompt-logprobs", "-1"], "--prompt-logprobs"),
+])
+def test_bad_option_values(tmp_path, write_jsonl, args, message):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    res = runner.invoke(app, ["score", str(data), "--out", str(tmp_path / "o.parquet"), *args])
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_generate_logprobs_cap_and_missing_dataset(tmp_path, write_jsonl):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    res = runner.invoke(app, ["generate", str(data), "--logprobs", "50", "--out", str(tmp_path / "o.parquet")])
+    assert res.exit_code == 2 and "--logprobs 50" in res.output and "--max-logprobs 50" in res.output
+    res = runner.invoke(app, ["score", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.parquet")])
+    assert res.exit_code == 2 and "missing.jsonl" in res.output
