@@ -190,6 +190,7 @@ class DecodeGraphRunner:
             return None
         return self.forward_inputs(inp)
 
+    @torch.inference_mode()
     def forward_inputs(self, inp: DecodeInputs, eager: bool = False) -> torch.Tensor | None:
         """Hidden states [n, hidden] of prepared inputs (eager=True: the padded forward without the graph)."""
         n = inp.num_seqs
