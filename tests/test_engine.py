@@ -238,3 +238,31 @@ def test_bad_requests_become_errors_not_crashes(llama_dir):
     assert "KV blocks" in outs["pool"].error
     assert "vocabulary" in outs["vocab"].error
     assert outs["ok"].error is None and len(outs["ok"].prompt_logprobs) == 8
+
+
+def test_every_step_respects_the_token_budget_and_sequence_cap(llama_dir):
+    engine = make_engine(llama_dir, max_batch_tokens=24, max_num_seqs=3)
+    steps = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        steps.append((batch.num_tokens, len(batch.items), len(engine.scheduler.running)))
+        return batch
+
+    engine.scheduler.schedule = spy
+    ps = prompts([50, 3, 17, 9, 30, 5], seed=15)
+    outs = list(engine.run(Request(i, p, prompt_logprobs=0, sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+                           for i, p in enumerate(ps)))
+    assert len(outs) == 6 and all(o.error is None for o in outs)
+    assert all(tokens <= 24 and seqs <= 3 and running <= 3 for tokens, seqs, running in steps)
+    assert max(t for t, _, _ in steps) == 24  # the budget is used, prompts are chunked to fill it
+    # deterministic: the same inputs and config give the same schedule
+    again = make_engine(llama_dir, max_batch_tokens=24, max_num_seqs=3)
+    steps2 = []
+    schedule2 = again.scheduler.schedule
+    again.scheduler.schedule = lambda: (lambda b: (steps2.append((b.num_tokens, len(b.items),
+                                                                   len(again.scheduler.running))), b)[1])(schedule2())
+    list(again.run(Request(i, p, prompt_logprobs=0, sampling=SamplingParams(max_tokens=4, ignore_eos=True))
+                   for i, p in enumerate(ps)))
+    assert steps2 == steps
