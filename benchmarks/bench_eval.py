@@ -1,0 +1,416 @@
+"""Evaluation benchmark: `apcscore perplexity` and multiple-choice `score` against plain transformers.
+
+    .venv/bin/python benchmarks/bench_eval.py                 # full: 20,000 tokens / 200 questions, 3 repeats
+    .venv/bin/python benchmarks/bench_eval.py --quick         # dry run: 1,000 tokens / 12 questions, 1 repeat
+    .venv/bin/python benchmarks/bench_eval.py --scenarios perplexity --device cuda
+
+Scenarios (inputs from datasets/, see datasets/README.md):
+  perplexity  one text of ~20,000 tokens (the sample Shakespeare texts, repeated), window 512 = stride
+              (lm-eval's rolling loglikelihood). transformers: the same windows (apcscore's
+              `rolling_windows`, tested equal to lm-eval's), in batches of `--batch-size` with right padding,
+              log_softmax of the scored rows. apcscore: the PerplexityJob through the Engine, and the CLI.
+  choices     200 four-way questions (the 40 of sample_choices.jsonl, five times), one request per choice.
+              transformers: lm-eval's `_loglikelihood_tokens` batching: requests sorted by length, longest
+              first, batches of `--batch-size`, right padding, log_softmax, sum over the continuation.
+              apcscore: the ScoreJob through the Engine, and the CLI.
+
+Each contender runs as its own process (harness.py), repeated and interleaved; the table shows medians of
+whole-process and compute time, tokens/s and ours / transformers. A check compares what the sides computed
+(max |delta logprob|, perplexity, accuracy). Results go to results/bench_eval.json.
+
+The same file is the worker: `bench_eval.py worker --side apcscore|transformers --task perplexity|choices
+--data IN.jsonl --output OUT.npz [...]` prints one `BENCH_REPORT {json}` line.
+"""
+
+from __future__ import annotations
+
+import time
+
+T_START = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import resource  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT))
+
+REPORT_PREFIX = "BENCH_REPORT "
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+
+
+# ================================================================================================
+# worker: one side, one task, in one process
+# ================================================================================================
+def load_side(side: str, model: str, device: str, dtype: str) -> Any:
+    import torch
+
+    if side == "apcscore":
+        from apcscore.config import EngineConfig
+        from apcscore.engine import Engine
+
+        return Engine.from_model(model, EngineConfig(device=device, dtype=dtype))
+    from transformers import AutoModelForCausalLM
+
+    from apcscore.models.loader import load_tokenizer, resolve_model
+
+    path = resolve_model(model).path
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
+    hf.bench_tokenizer = load_tokenizer(path)
+    return hf
+
+
+def run_job(engine: Any, job_name: str, options: dict, records: list[dict]) -> list[dict]:
+    """Rows of `records` through a job and the engine, all requests batched together (as the CLI runs)."""
+    from apcscore.records import Record
+
+    from apcscore.jobs.perplexity import PerplexityJob
+    from apcscore.jobs.score import ScoreJob
+
+    job = (PerplexityJob if job_name == "perplexity" else ScoreJob)(engine, options)
+    kind = "text" if job_name == "perplexity" else "choices"
+    recs = [Record(i, i + 1, r["id"], kind, {k: v for k, v in r.items() if k != "id"})
+            for i, r in enumerate(records)]
+    counts, requests = [], []
+    for rec in recs:
+        reqs = job.requests(rec)
+        counts.append(len(reqs))
+        for j, q in enumerate(reqs):
+            q.request_id = (rec.index, j)
+            requests.append(q)
+    outs = {}
+    for out in engine.run(requests):
+        if out.error:
+            raise RuntimeError(f"request {out.request_id}: {out.error}")
+        outs[out.request_id] = out
+    return [job.row(rec, [outs[(rec.index, j)] for j in range(n)]) for rec, n in zip(recs, counts)]
+
+
+def batched_logprobs(model: Any, items: list[tuple[list[int], int]], batch_size: int, device: str) -> list[Any]:
+    """transformers, lm-eval style: each item (tokens, n_scored) -> logprobs of its last n_scored tokens.
+
+    Items run longest first in batches of `batch_size`, right padded (causal: padding after a sequence does
+    not change it); one forward per batch, fp32 log_softmax of the rows that score a token.
+    """
+    import torch
+
+    results: list[Any] = [None] * len(items)
+    order = sorted(range(len(items)), key=lambda i: -len(items[i][0]))
+    with torch.inference_mode():
+        for b in range(0, len(order), batch_size):
+            idx = order[b:b + batch_size]
+            seqs = [items[i][0] for i in idx]
+            width = max(map(len, seqs)) - 1  # the last token is only a target
+            ids = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, W]
+            mask = torch.zeros((len(seqs), width), dtype=torch.long)
+            for row, s in enumerate(seqs):
+                ids[row, :len(s) - 1] = torch.tensor(s[:-1])
+                mask[row, :len(s) - 1] = 1
+            logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits  # [B, W, V]
+            for row, i in enumerate(idx):
+                s, n = items[i]
+                rows = logits[row, len(s) - 1 - n:len(s) - 1].float()  # [n, V]
+                lp = torch.log_softmax(rows, dim=-1)
+                results[i] = lp.gather(1, torch.tensor(s[-n:], device=lp.device)[:, None])[:, 0].cpu().numpy()
+            del logits
+    return results
+
+
+def transformers_perplexity(model: Any, records: list[dict], window: int, batch_size: int, device: str) -> list[dict]:
+    from apcscore.jobs.loglikelihood import encode, prefix_token_id
+    from apcscore.jobs.perplexity import rolling_windows
+
+    tok = model.bench_tokenizer
+    items, spans = [], []
+    for r in records:
+        seq = [prefix_token_id(tok)] + encode(tok, r["text"])
+        first = len(items)
+        items += [(seq[w.start:w.end], w.num_scored) for w in rolling_windows(len(seq) - 1, window, window)]
+        spans.append((first, len(items)))
+    lps = batched_logprobs(model, items, batch_size, device)
+    return [{"token_logprobs": np.concatenate(lps[a:b])} for a, b in spans]
+
+
+def transformers_choices(model: Any, records: list[dict], batch_size: int, device: str) -> list[dict]:
+    from apcscore.jobs.loglikelihood import choice_columns, encode_pair, prefix_token_id
+
+    tok = model.bench_tokenizer
+    prefix = prefix_token_id(tok)
+    items, spans = [], []
+    for r in records:
+        first = len(items)
+        for c in r["choices"]:
+            ctx, cont = encode_pair(tok, r["context"], c, prefix)
+            items.append((ctx + cont, len(cont)))
+        spans.append((first, len(items)))
+    lps = batched_logprobs(model, items, batch_size, device)
+    return [choice_columns([float(np.sum(lps[i], dtype=np.float64)) for i in range(a, b)], r["choices"], r["answer"])
+            for r, (a, b) in zip(records, spans)]
+
+
+def save(path: Path, task: str, rows: list[dict]) -> None:
+    if task == "perplexity":
+        lps = [np.asarray([x for x in r["token_logprobs"] if x is not None], np.float32) for r in rows]
+        np.savez(path, lengths=np.array([len(x) for x in lps]), logprobs=np.concatenate(lps))
+    else:
+        np.savez(path, choice_logprobs=np.array([x for r in rows for x in r["choice_logprobs"]]),
+                 pred=np.array([r["pred"] for r in rows]), pred_norm=np.array([r["pred_norm"] for r in rows]),
+                 correct=np.array([r["correct"] for r in rows]),
+                 correct_norm=np.array([r["correct_norm"] for r in rows]))
+
+
+def worker(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser(prog="bench_eval.py worker")
+    ap.add_argument("--side", choices=["apcscore", "transformers"], required=True)
+    ap.add_argument("--task", choices=["perplexity", "choices"], required=True)
+    ap.add_argument("--data", type=Path, required=True)
+    ap.add_argument("--output", type=Path, required=True)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    args = ap.parse_args(argv)
+    import torch
+
+    import_s = time.perf_counter() - T_START
+    records = read_jsonl(args.data)
+    t0 = time.perf_counter()
+    side = load_side(args.side, args.model, args.device, args.dtype)
+    load_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    if args.side == "apcscore":
+        # prompt_logprobs 0: per-token logprobs (and ranks) for the check; the CLI contender writes sums only
+        options = {"window": args.window, "prompt_logprobs": 0} if args.task == "perplexity" else {"prompt_logprobs": 0}
+        rows = run_job(side, args.task, options, records)
+    elif args.task == "perplexity":
+        rows = transformers_perplexity(side, records, args.window, args.batch_size, args.device)
+    else:
+        rows = transformers_choices(side, records, args.batch_size, args.device)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    compute_s = time.perf_counter() - t0
+    save(args.output, args.task, rows)
+    report = {"side": args.side, "task": args.task, "import_s": round(import_s, 3), "load_s": round(load_s, 3),
+              "compute_s": round(compute_s, 3), "threads": torch.get_num_threads(),
+              "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+              "output": str(args.output)}
+    if args.side == "apcscore":
+        s = side.stats
+        report["engine"] = {"steps": s.steps, "prompt_tokens": s.prompt_tokens,
+                            "num_kv_blocks": side.block_manager.num_blocks}
+    print(REPORT_PREFIX + json.dumps(report), flush=True)
+
+
+# ================================================================================================
+# driver: inputs, scenarios, checks, table
+# ================================================================================================
+def perplexity_text(tokenizer: Any, tokens: int) -> tuple[str, int]:
+    """The sample texts joined by blank lines, repeated, cut at the first line end past `tokens` tokens."""
+    texts = [r["text"] for r in read_jsonl(ROOT / "datasets" / "sample_texts.jsonl")]
+    lines: list[str] = []
+    count, i = 0, 0
+    while count < tokens:
+        lines += (texts[i % len(texts)].rstrip("\n") + "\n\n").splitlines(keepends=True)
+        count = len(tokenizer("".join(lines), add_special_tokens=False).input_ids)
+        i += 1
+    lo, hi = 1, len(lines)  # fewest lines with >= `tokens` tokens
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(tokenizer("".join(lines[:mid]), add_special_tokens=False).input_ids) >= tokens:
+            hi = mid
+        else:
+            lo = mid + 1
+    text = "".join(lines[:lo])
+    return text, len(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def choice_records(n: int) -> list[dict]:
+    base = read_jsonl(ROOT / "datasets" / "sample_choices.jsonl")
+    return [{**base[i % len(base)], "id": f"{base[i % len(base)]['id']}-{i // len(base)}"} for i in range(n)]
+
+
+def _load(path: str) -> dict[str, np.ndarray]:
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        t = pq.read_table(path).to_pydict()
+        if "choice_logprobs" in t:
+            return {"choice_logprobs": np.array([x for r in t["choice_logprobs"] for x in r]),
+                    **{k: np.array(t[k]) for k in ("pred", "pred_norm", "correct", "correct_norm")}}
+        return {"sum_logprob": np.array(t["sum_logprob"]), "num_tokens": np.array(t["num_tokens"])}
+    with np.load(path) as z:
+        return {k: z[k] for k in z.files}
+
+
+def check_perplexity(outputs: dict[str, str]) -> dict[str, Any]:
+    ref = _load(outputs["transformers"])
+    n = int(ref["lengths"].sum())
+    ref_sum = float(np.sum(ref["logprobs"], dtype=np.float64))
+    out: dict[str, Any] = {"transformers: perplexity": round(math.exp(-ref_sum / n), 4)}
+    for name, path in outputs.items():
+        if name == "transformers":
+            continue
+        got = _load(path)
+        if "logprobs" in got:
+            out[f"{name}: max |dlogprob|"] = float(f"{np.abs(got['logprobs'] - ref['logprobs']).max():.2e}")
+            s, count = float(np.sum(got["logprobs"], dtype=np.float64)), int(got["lengths"].sum())
+        else:
+            s, count = float(got["sum_logprob"].sum()), int(got["num_tokens"].sum())
+        out[f"{name}: tokens equal"] = count == n
+        out[f"{name}: |dsum| per 1,000 tokens"] = float(f"{abs(s - ref_sum) / n * 1000:.2e}")
+        out[f"{name}: perplexity"] = round(math.exp(-s / count), 4)
+    return out
+
+
+def check_choices(outputs: dict[str, str]) -> dict[str, Any]:
+    ref = _load(outputs["transformers"])
+    out: dict[str, Any] = {"transformers: acc": f"{ref['correct'].mean():.4f}",
+                           "transformers: acc_norm": f"{ref['correct_norm'].mean():.4f}"}
+    for name, path in outputs.items():
+        if name == "transformers":
+            continue
+        got = _load(path)
+        out[f"{name}: max |dlogprob| per choice"] = float(
+            f"{np.abs(got['choice_logprobs'] - ref['choice_logprobs']).max():.2e}")
+        out[f"{name}: pred equal"] = f"{np.mean(got['pred'] == ref['pred']):.2%}"
+        out[f"{name}: acc"] = f"{got['correct'].mean():.4f}"
+        out[f"{name}: acc_norm"] = f"{got['correct_norm'].mean():.4f}"
+    return out
+
+
+def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
+    from harness import Contender, Scenario
+
+    from apcscore.jobs.loglikelihood import encode_pair, prefix_token_id
+    from apcscore.models.loader import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model(args.model).path)
+    py, me = sys.executable, str(Path(__file__).resolve())
+    dev = ["--device", args.device, "--dtype", args.dtype]
+    wanted = set(args.scenarios.split(","))
+    unknown = wanted - {"perplexity", "choices"}
+    if unknown:
+        raise SystemExit(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: perplexity, choices")
+    scenarios = []
+
+    def contenders(task: str, data: Path, extra: list[str], cli: list[str]) -> list[Any]:
+        common = ["--task", task, "--data", str(data), "--model", args.model, *dev, *extra]
+        cli_out = work / f"{task}_cli.parquet"
+        return [
+            Contender("transformers", [py, me, "worker", "--side", "transformers", *common,
+                                       "--output", str(work / f"{task}_transformers.npz")], baseline=True),
+            Contender("apcscore", [py, me, "worker", "--side", "apcscore", *common,
+                                   "--output", str(work / f"{task}_apcscore.npz")]),
+            Contender("apcscore CLI", [py, "-m", "apcscore", *cli, str(data), "--model", args.model,
+                                       "--out", str(cli_out), "--overwrite", "--quiet", *dev], output=str(cli_out)),
+        ]
+
+    if "perplexity" in wanted:
+        text, n = perplexity_text(tok, args.tokens)
+        data = work / "perplexity.jsonl"
+        write_jsonl(data, [{"id": "text", "text": text}])
+        windows = math.ceil(n / args.window)
+        scenarios.append(Scenario(
+            name="perplexity", work_tokens=n, work_unit="text tokens",
+            description=f"one text of {n:,} tokens, window = stride = {args.window} ({windows} windows)",
+            contenders=contenders("perplexity", data, ["--window", str(args.window), "--batch-size",
+                                                       str(args.batch_size)],
+                                  ["perplexity", "--window", str(args.window)]),
+            check=check_perplexity,
+            info={"tokens": n, "window": args.window, "windows": windows, "transformers_batch": args.batch_size},
+        ))
+    if "choices" in wanted:
+        recs = choice_records(args.questions)
+        data = work / "choices.jsonl"
+        write_jsonl(data, recs)
+        prefix = prefix_token_id(tok)
+        fed = sum(sum(len(a) + len(b) for a, b in (encode_pair(tok, r["context"], c, prefix) for c in r["choices"]))
+                  for r in recs)
+        nchoices = sum(len(r["choices"]) for r in recs)
+        scenarios.append(Scenario(
+            name="choices", work_tokens=fed, work_unit="prompt tokens",
+            description=f"{len(recs)} questions, {nchoices} choices (one request each), {fed:,} tokens fed",
+            contenders=contenders("choices", data, ["--batch-size", str(args.batch_size)], ["score"]),
+            check=check_choices,
+            info={"questions": len(recs), "requests": nchoices, "tokens": fed, "transformers_batch": args.batch_size},
+        ))
+    return scenarios
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="apcscore perplexity / multiple choice vs plain transformers.")
+    ap.add_argument("--quick", action="store_true", help="dry run: 1,000 tokens, 12 questions, 1 repeat")
+    ap.add_argument("--scenarios", default="perplexity,choices", help="comma-separated: perplexity,choices")
+    ap.add_argument("--repeats", type=int, help="runs per contender, interleaved (default 3; --quick 1)")
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, help="tokens of the perplexity text (default 20,000; --quick 1,000)")
+    ap.add_argument("--window", type=int, default=512, help="perplexity window (= stride)")
+    ap.add_argument("--questions", type=int, help="multiple-choice questions (default 200; --quick 12)")
+    ap.add_argument("--batch-size", type=int, default=8, help="transformers batch size")
+    ap.add_argument("--device", default="cpu", help="cpu | cuda (both sides)")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both sides)")
+    ap.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench_eval_work")
+    ap.add_argument("--out", type=Path, help="results JSON (default results/bench_eval.json; --quick: "
+                                             "results/bench_eval.quick.json)")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.repeats = args.repeats or (1 if q else 3)
+    args.tokens = args.tokens or (1000 if q else 20000)
+    args.questions = args.questions or (12 if q else 200)
+    args.out = args.out or ROOT / "results" / ("bench_eval.quick.json" if q else "bench_eval.json")
+    return args
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["worker"]:
+        return worker(argv[1:])
+    from harness import format_checks, format_table, machine_info, run_scenario, write_json
+
+    args = parse_args(argv)
+    started = time.perf_counter()
+    machine = machine_info()
+    scenarios = build_scenarios(args, args.work_dir)
+    results = []
+    for sc in scenarios:
+        print(f"{sc.name}: {sc.description}", flush=True)
+        results.append(run_scenario(sc, args.repeats, log=lambda s: print(s, flush=True)))
+    command = " ".join(["benchmarks/bench_eval.py", *argv])
+    m = machine
+    text = "\n".join([
+        f"command: `{command}`",
+        f"machine: {m['cpu']}, {m['cpu_count']} cores, load average at start {m['load_avg_at_start'][0]:.2f}; "
+        f"torch {m['torch']} ({m['torch_threads']} threads), transformers {m['transformers']}; {m['date_utc']}",
+        f"model: {args.model} ({args.dtype}, {args.device}); transformers batch {args.batch_size}; "
+        f"{args.repeats} repeats per contender, interleaved; medians",
+        "", *[f"- {r['scenario']}: {r['description']}" for r in results], "",
+        format_table(results), "", "Same work on both sides:", format_checks(results),
+    ])
+    print("\n" + text)
+    write_json(args.out, {"command": command, "quick": args.quick, "model": args.model, "device": args.device,
+                          "dtype": args.dtype, "repeats": args.repeats, "machine": machine, "results": results,
+                          "seconds": round(time.perf_counter() - started, 1)})
+    print(f"\nresults: {args.out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
