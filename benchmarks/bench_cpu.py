@@ -227,6 +227,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="results JSON (default results/bench_cpu.json; --quick: "
                                              "results/bench_cpu.quick.json)")
     ap.add_argument("--update-docs", action="store_true", help="write the results into docs/benchmarks.md")
+    ap.add_argument("--allow-busy", action="store_true",
+                    help="let --update-docs record numbers although the machine was busy at the start")
     ap.add_argument("--prepare-only", action="store_true",
                     help="write the inputs and print each contender's command (e.g. to profile one), run nothing")
     args = ap.parse_args(argv)
@@ -281,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     if busy:
         print(f"WARNING: load average {machine['load_avg_at_start'][0]:.1f} on {machine['cpu_count']} cores: "
               "other work is running and the timings will not be representative", flush=True)
+        if args.update_docs and not args.allow_busy:
+            raise SystemExit("not recording busy-machine numbers in docs/benchmarks.md: rerun when the machine is "
+                             "quiet, or pass --allow-busy")
     scenarios, corpus = build_scenarios(args, args.work_dir)
     if args.prepare_only:
         for sc in scenarios:
