@@ -5,7 +5,7 @@ captured size bs >= n; batches larger than the largest size, prefill and mixed b
 Inputs live in static device buffers that every graph reads:
 
     tokens        [3, max_bs] int64: input_ids, positions, slot_mapping
-    lens          [2 * max_bs + 1] int32: cu_seqlens_q (first max_bs + 1), then seq_lens (max_bs)
+    lens          [2, lens_stride(max_bs)] int32: cu_seqlens_q (row 0, max_bs + 1 used), seq_lens (row 1)
     block_tables  [max_bs, max_blocks_per_seq] int32
 
 Padding follows the AttentionMetadata contract ("rows past cu_seqlens_q[-1] are padding"): a padding row
@@ -83,19 +83,25 @@ def decode_inputs(batch: ScheduledBatch, block_size: int) -> DecodeInputs | None
     return DecodeInputs(ids, positions, slots, (positions + 1).astype(np.int32), tables)
 
 
+def lens_stride(max_bs: int) -> int:
+    """Row length of the `lens` buffer: room for max_bs + 1 entries, rounded up to 16 bytes so that the
+    seq_lens row is as aligned as a fresh allocation (Triton specialises kernels on pointer alignment)."""
+    return -(-(max_bs + 1) // 4) * 4
+
+
 def pad_decode_inputs(inp: DecodeInputs, max_bs: int) -> tuple[np.ndarray, np.ndarray]:
-    """Host images of the static `tokens` [3, max_bs] and `lens` [2 * max_bs + 1] buffers for these inputs:
-    rows past n are padding (token 0, position 0, slot -1; an empty sequence: cu stays at n, seq_len 0)."""
+    """Host images of the static `tokens` [3, max_bs] and `lens` [2, lens_stride(max_bs)] buffers for these
+    inputs: rows past n are padding (token 0, position 0, slot -1; an empty sequence: cu stays at n, seq_len 0)."""
     n = inp.num_seqs
     if n > max_bs:
         raise ValueError(f"{n} sequences do not fit buffers of {max_bs}")
     tokens = np.zeros((3, max_bs), dtype=np.int64)
     tokens[2] = -1
     tokens[0, :n], tokens[1, :n], tokens[2, :n] = inp.input_ids, inp.positions, inp.slot_mapping
-    lens = np.zeros(2 * max_bs + 1, dtype=np.int32)
-    lens[:n + 1] = np.arange(n + 1)
-    lens[n + 1:max_bs + 1] = n
-    lens[max_bs + 1:max_bs + 1 + n] = inp.seq_lens
+    lens = np.zeros((2, lens_stride(max_bs)), dtype=np.int32)
+    lens[0, :n + 1] = np.arange(n + 1)
+    lens[0, n + 1:max_bs + 1] = n
+    lens[1, :n] = inp.seq_lens
     return tokens, lens
 
 
@@ -117,7 +123,7 @@ class DecodeGraphRunner:
         self.max_blocks = -(-model.max_positions // block_size)
         self.tokens = torch.zeros(3, max_bs, dtype=torch.int64, device=self.device)
         self.tokens[2] = -1
-        self.lens = torch.zeros(2 * max_bs + 1, dtype=torch.int32, device=self.device)
+        self.lens = torch.zeros(2, lens_stride(max_bs), dtype=torch.int32, device=self.device)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, hidden], written by each replay
@@ -141,7 +147,7 @@ class DecodeGraphRunner:
         seq_lens = (inp.seq_lens.tolist() if inp is not None else []) + [0] * (bs - n)
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :bs], block_tables=self.block_tables[:bs],
-            cu_seqlens_q=self.lens[:bs + 1], seq_lens=self.lens[self.max_bs + 1:self.max_bs + 1 + bs],
+            cu_seqlens_q=self.lens[0, :bs + 1], seq_lens=self.lens[1, :bs],
             max_seqlen_q=1, max_seqlen_k=max(seq_lens) if inp is not None else self.model.max_positions,
             cu_seqlens_q_list=[min(i, n) for i in range(bs + 1)], seq_lens_list=seq_lens,
             block_size=self.block_size,

@@ -80,12 +80,12 @@ def test_padding_rows_are_empty_sequences(tiny_model_dir) -> None:
     seqs = running_sequences(engine, [5, 9, 17], [4, 8, 16])
     inp = decode_inputs(ScheduledBatch([(s, 1) for s in seqs]), 4)
     tokens, lens = pad_decode_inputs(inp, 8)
-    assert tokens.shape == (3, 8) and lens.shape == (17,)
+    assert tokens.shape == (3, 8) and lens.shape == (2, 12)  # rows of 12 int32: 16-byte aligned
     assert tokens[0].tolist() == [*inp.input_ids, 0, 0, 0, 0, 0]
     assert tokens[1].tolist() == [4, 8, 16, 0, 0, 0, 0, 0]
     assert tokens[2, 3:].tolist() == [-1] * 5  # nothing stored
-    assert lens[:9].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]  # cu_seqlens_q: padding sequences have q_len 0
-    assert lens[9:].tolist() == [5, 9, 17, 0, 0, 0, 0, 0]  # seq_lens
+    assert lens[0, :9].tolist() == [0, 1, 2, 3, 3, 3, 3, 3, 3]  # cu_seqlens_q: padding sequences have q_len 0
+    assert lens[1, :8].tolist() == [5, 9, 17, 0, 0, 0, 0, 0]  # seq_lens
     with pytest.raises(ValueError):
         pad_decode_inputs(inp, 2)
 
