@@ -178,7 +178,9 @@ class ModelRunner:
         if not rows:
             return []
         dev = hidden.device
-        logits = self._logits(hidden[torch.tensor(rows, device=dev)]).float()  # [S, V]
+        contiguous = rows[-1] - rows[0] == len(rows) - 1  # decode batches: a slice, no host-to-device copy (sync)
+        picked = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[torch.tensor(rows, device=dev)]
+        logits = self._logits(picked).float()  # [S, V]
         params = [seq.request.sampling for seq in seqs]
         gens = []
         for seq, p in zip(seqs, params):
