@@ -114,7 +114,7 @@ def test_engine_with_cuda_graphs_generates_what_eager_does(tiny_dir) -> None:
     ref = generate(cuda_engine(model_dir, graphs=False), ps, max_tokens)
     engine = cuda_engine(model_dir)
     got = generate(engine, ps, max_tokens)
-    assert engine.runner.cuda_graphs.num_replays >= 20
+    assert engine.runner.cuda_graphs.num_replays >= 15  # ~22 decode-only steps
     for i in ref:
         assert got[i].output_token_ids == ref[i].output_token_ids
         assert np.abs(got[i].output_logprobs.token_logprobs - ref[i].output_logprobs.token_logprobs).max() < 1e-4
