@@ -52,23 +52,81 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
     decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     if decode:
-        _attend(query, k_cache, v_cache, meta, decode, scale, out)
+        _attend_decode(query, k_cache, v_cache, meta, decode, scale, out)
     for i in range(len(lens)):
         if cu[i + 1] - cu[i] > 1:
-            _attend(query, k_cache, v_cache, meta, [i], scale, out)
+            _attend_prefill(query, k_cache, v_cache, meta, i, scale, out)
     return out
 
 
-def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-            seqs: list[int], scale: float, out: torch.Tensor) -> None:
-    """Attention of the queries of sequences `seqs`, padded to one batch; writes their rows of `out`."""
+def _gather_padded(cache: torch.Tensor, table: torch.Tensor, seq_len: int, padded: int) -> torch.Tensor:
+    """[Hkv, padded, D] in fp32: one sequence's keys (or values), zeros past seq_len."""
+    blocks = table[:-(-seq_len // cache.shape[1])].long()
+    out = torch.zeros(cache.shape[2], padded, cache.shape[3], device=cache.device)
+    out[:, :seq_len] = cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
+    return out
+
+
+def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    i: int, scale: float, out: torch.Tensor) -> None:
+    """Attention of one sequence's prefill chunk, skipping the work the causal mask would zero.
+
+    Query rows are ordered by position, so for each key tile only the rows that can see some key of it
+    (at least MIN_QUERY_ROWS of them) are multiplied, and only tiles that cross the diagonal are masked.
+    Skipped rows would have had their running state left exactly unchanged: the bits are the same.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    hkv = k_cache.shape[2]
+    group = num_heads // hkv
+    start, end = meta.cu_seqlens_q_list[i], meta.cu_seqlens_q_list[i + 1]
+    seq_len = meta.seq_lens_list[i]
+    q_len = end - start
+    padded = -(-seq_len // KV_TILE) * KV_TILE
+    k = _gather_padded(k_cache, meta.block_tables[i], seq_len, padded)  # [Hkv, padded, D]
+    v = _gather_padded(v_cache, meta.block_tables[i], seq_len, padded)
+    # position-major rows: row j * G + g is query position j of the group's head g
+    q = query[start:end].view(q_len, hkv, group, head_dim).permute(1, 0, 2, 3).reshape(
+        hkv, q_len * group, head_dim).float()
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).repeat_interleave(group)
+    rows = q.shape[1]
+    if rows < MIN_QUERY_ROWS:
+        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
+        q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows), value=seq_len - 1)
+    q = q * scale
+    n_rows = q.shape[1]
+    m = torch.full((hkv, n_rows), float("-inf"), device=query.device)  # running max
+    s = torch.zeros(hkv, n_rows, device=query.device)  # running sum of exp
+    acc = torch.zeros_like(q)  # [Hkv, R, D]
+    first = seq_len - q_len
+    for t0 in range(0, seq_len, KV_TILE):
+        t1 = t0 + KV_TILE
+        r0 = max(0, min(group * max(0, t0 - first), n_rows - MIN_QUERY_ROWS))  # rows < r0 see no key here
+        qp = q_pos[r0:]
+        scores = q[:, r0:] @ k[:, t0:t1].transpose(1, 2)  # [Hkv, R - r0, tile]
+        if t1 - 1 > int(qp[0]) or t1 > seq_len:  # the tile crosses the diagonal or the end
+            k_pos = torch.arange(t0, t1, device=query.device)
+            scores.masked_fill_(k_pos[None, None, :] > qp[None, :, None], float("-inf"))
+        m_old = m[:, r0:]
+        m_new = torch.maximum(m_old, scores.amax(-1))
+        alpha = torch.exp(m_old - m_new)
+        p = scores.sub_(m_new[..., None]).exp_()
+        s[:, r0:] = s[:, r0:] * alpha + p.sum(-1)
+        acc[:, r0:] = acc[:, r0:] * alpha[..., None] + p @ v[:, t0:t1]
+        m[:, r0:] = m_new
+    o = (acc / s[..., None])[:, :rows]  # [Hkv, q_len * G, D]
+    out[start:end] = o.view(hkv, q_len, group, head_dim).permute(1, 0, 2, 3).reshape(
+        q_len, num_heads, head_dim).to(query.dtype)
+
+
+def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                   seqs: list[int], scale: float, out: torch.Tensor) -> None:
+    """Attention of the single queries of sequences `seqs` in one batch; writes their rows of `out`."""
     device = query.device
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
-    q_lens = [cu[i + 1] - cu[i] for i in seqs]
-    max_q, max_len = max(q_lens), max(lens[i] for i in seqs)
+    max_len = max(lens[i] for i in seqs)
     num_seqs = len(seqs)
     padded_len = -(-max_len // KV_TILE) * KV_TILE
     num_blocks = -(-padded_len // block_size)
@@ -85,26 +143,17 @@ def _attend(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, m
     # slots past a sequence's end hold stale (or never written) memory: zero them, 0 * NaN would be NaN
     v = v.masked_fill((k_pos[None, :] >= seq_lens[:, None])[:, None, :, None], 0.0)
 
-    # queries: [B, Hkv, rows, D], row = g * max_q + j (query head g of the kv group, query j)
-    if max_q == 1:
-        q = query[[cu[i] for i in seqs]][:, None]  # [B, 1, Hq, D]
-    else:
-        q = query[cu[seqs[0]]:cu[seqs[0] + 1]][None]
-    q = q.view(num_seqs, max_q, num_kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(num_seqs, num_kv_heads, group * max_q, head_dim).float() * scale
-    q_pos = (seq_lens[:, None] - max_q + torch.arange(max_q, device=device)).repeat(1, group)  # [B, rows]
-    rows = q.shape[2]
+    # queries: [B, Hkv, G, D] (row g: query head g of the kv group)
+    rows_idx = [cu[i] for i in seqs]
+    q = query[rows_idx].view(num_seqs, num_kv_heads, group, head_dim).float() * scale
+    q_pos = (seq_lens - 1)[:, None].expand(num_seqs, group)  # [B, G]
+    rows = group
     if rows < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the chunking
         q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
         q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows))
     masked = k_pos[None, None, :] > q_pos[:, :, None]  # [B, rows', Lp]: causal (and past the end)
-    res = _tiled_softmax(q, k, v, masked[:, None], max_len)[:, :, :rows]  # [B, Hkv, rows, D]
-    res = res.view(num_seqs, num_kv_heads, group, max_q, head_dim).permute(0, 3, 1, 2, 4)
-    res = res.reshape(num_seqs, max_q, num_heads, head_dim).to(query.dtype)
-    if max_q == 1:
-        out[[cu[i] for i in seqs]] = res[:, 0]
-    else:
-        out[cu[seqs[0]]:cu[seqs[0] + 1]] = res[0]
+    res = _tiled_softmax(q, k, v, masked[:, None], max_len)[:, :, :rows]  # [B, Hkv, G, D]
+    out[rows_idx] = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
