@@ -38,7 +38,7 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 TOTAL_LIMIT_S = 470  # the whole check stays under 8 minutes
-PART_LIMITS_S = {"env": 30, "tests": 140, "compare": 80, "bench:smollm2-135m": 70, "bench:llama-3.2-1b": 140}
+PART_LIMITS_S = {"env": 20, "tests": 170, "compare": 75, "bench:smollm2-135m": 65, "bench:llama-3.2-1b": 130}
 SMALL_LIMITS_S = {"env": 60, "tests": 180, "compare": 240, "bench:smollm2-135m": 120, "bench:llama-3.2-1b": 120}
 
 # Llama-3.2-1B and SmolLM2-135M shapes (transformers LlamaConfig arguments).
