@@ -290,9 +290,12 @@ def part_tests(args) -> bool:
     counts = {key: int(n) for n, key in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", last)}
     text = "\n".join(lines)
     failures = text[text.find("= FAILURES ="):text.find("short test summary")] if "= FAILURES =" in text else ""
-    ok = rc == 0 and (counts.get("passed", 0) > 0 or args.small)
+    # Modules this machine cannot import (e.g. hypothesis absent) are collection errors: reported, not fatal.
+    failed = [ln for ln in lines if ln.startswith("FAILED") or (ln.startswith("ERROR") and "::" in ln)]
+    uncollected = [ln for ln in lines if ln.startswith("ERROR") and "::" not in ln]
+    ok = not failed and rc in (0, 1) and (counts.get("passed", 0) > 0 or args.small)
     emit({"part": "tests", "rc": rc, "seconds": round(time.perf_counter() - t0, 1), **counts,
-          "failed_tests": [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))][:30],
+          "failed_tests": failed[:30], "collection_errors": uncollected[:20],
           "slowest": [ln.strip() for ln in lines if re.match(r"\s*\d+\.\d+s (call|setup)", ln)][:8],
           "tracebacks": failures[:12000], "ok": ok})
     return ok
