@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from apcscore import __version__
+from apcscore.cli_compare import compare
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 
@@ -59,6 +60,7 @@ NoPrefixCachingOpt = Annotated[bool, typer.Option("--no-prefix-caching", help="T
 MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="Cap on --prompt-logprobs / --logprobs. \\[default: 20]")]
 BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
+TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
 
 
@@ -107,6 +109,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     if opts.pop("no_prefix_caching", None):
         opts["enable_prefix_caching"] = False
     cfg = engine_config(opts)
+    if opts.get("truncate") not in (None, "left"):
+        raise ApcscoreError(f"--truncate must be 'left' (drop a too-long prompt's oldest tokens), not {opts['truncate']!r}")
     cfg.check_logprobs(opts.get("prompt_logprobs"), "--prompt-logprobs")
     cfg.check_logprobs(opts.get("logprobs"), "--logprobs")
     check_model_spec(opts["model"])
@@ -129,7 +133,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     job = _job_class(command)(engine, opts)
     metadata = run_metadata(command, engine, job, data, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = ResultsWriter(out, job.schema(), metadata, overwrite=opts["overwrite"], resume=opts["resume"],
+    writer = ResultsWriter(out, job.output_schema(), metadata, overwrite=opts["overwrite"], resume=opts["resume"],
                            resume_keys=["command", "model", "dtype", "job", "dataset"],
                            num_rows=len(data.records) + len(data.invalid))
     result = run_job(job, data, writer, console, show_progress=not quiet and console.is_terminal)
@@ -239,6 +243,7 @@ def _engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max
 def score(
     dataset: DatasetArg,
     prompt_logprobs: PromptLogprobsOpt = None,
+    truncate: TruncateOpt = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
@@ -246,11 +251,13 @@ def score(
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
 ) -> None:
-    """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity.
+    """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
 
-    Records: {"id"?, "prompt": str} or {"id"?, "prompt_token_ids": \\[int, ...]}.
+    Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]},
+    {"id"?, "context": str, "continuation": str} (loglikelihood, is_greedy), or
+    {"id"?, "context": str, "choices": \\[str, ...], "answer": int} (multiple choice: pred, correct).
     """
-    cli = {"prompt_logprobs": prompt_logprobs, "model": model, "out": out, "overwrite": overwrite,
+    cli = {"prompt_logprobs": prompt_logprobs, "truncate": truncate, "model": model, "out": out, "overwrite": overwrite,
            "resume": resume, "limit": limit, "skip_invalid": skip_invalid, "quiet": quiet,
            **_engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max_num_seqs,
                           no_prefix_caching, max_logprobs, attention_backend)}
@@ -271,6 +278,7 @@ def generate(
     stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the completion.")] = None,
     logprobs: Annotated[Optional[int], typer.Option("--logprobs", help="Logprobs of the sampled tokens with top-K alternatives.")] = None,
     prompt_logprobs: PromptLogprobsOpt = None,
+    truncate: TruncateOpt = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
@@ -280,11 +288,12 @@ def generate(
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
-    Records: {"id"?, "prompt": str} or {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with
-    generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
+    Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
+    {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
     """
     cli = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-           "stop": stop or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "model": model,
+           "stop": stop or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "truncate": truncate,
+           "model": model,
            "out": out, "overwrite": overwrite, "resume": resume, "limit": limit, "skip_invalid": skip_invalid,
            "quiet": quiet, **_engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens,
                                           max_num_seqs, no_prefix_caching, max_logprobs, attention_backend)}
@@ -300,11 +309,11 @@ def perplexity(
     window: Annotated[Optional[int], typer.Option("--window", min=1, help="Tokens of context a window feeds the model (default: the model's context length minus one, at most 4096).")] = None,
     stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Tokens a window advances, at most --window (default: --window, disjoint windows).")] = None,
     prompt_logprobs: Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Also write per-token columns, with top-K alternatives (0 = own logprob and rank only).")] = None,
-    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = None, resume: ResumeOpt = None,
-    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = None, quiet: QuietOpt = None,
+    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
+    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
 ) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
@@ -323,16 +332,7 @@ def perplexity(
         raise _error(exc)
 
 
-def _register_optional_commands() -> None:
-    """Commands that live in their own modules."""
-    try:
-        from apcscore.cli_compare import compare
-    except ImportError:
-        return
-    app.command("compare")(compare)
-
-
-_register_optional_commands()
+app.command("compare")(compare)  # lives in its own module; needs no model
 
 
 def version_callback(value: bool) -> None:

@@ -23,7 +23,9 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS_DEFAULT  # cap on --prompt-logprobs / --logprobs
     logprobs_chunk_size: int = 1024  # rows of the vocabulary projection computed at once
     attention_backend: str = "auto"  # auto | torch | triton (auto = triton on CUDA, torch elsewhere)
-    kv_cache_memory_fraction: float = 0.2  # share of free memory for the KV pool when num_kv_blocks is None
+    # share of free memory for the KV pool when num_kv_blocks is None (None: 0.25 of host memory, at most
+    # 4 GiB, on CPU; 0.85 of GPU memory after the weights on CUDA)
+    kv_cache_memory_fraction: float | None = None
     seed: int = 0  # base seed for requests that do not set their own
     max_model_len: int | None = None  # None = the model's context length
     use_cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs
@@ -47,7 +49,8 @@ class EngineConfig:
         need(self.logprobs_chunk_size >= 1, "logprobs_chunk_size must be at least 1")
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, not {self.attention_backend!r}")
-        need(0 < self.kv_cache_memory_fraction <= 0.95, "kv_cache_memory_fraction must be in (0, 0.95]")
+        need(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
+             "kv_cache_memory_fraction must be in (0, 0.95]")
 
     def check_logprobs(self, k: int | None, option: str) -> None:
         """Refuse a top-K request above `max_logprobs` with a message that says how to raise the cap."""

@@ -82,11 +82,12 @@ class Engine:
         self.dtype = dtype
         self.attention_backend = attention_backend
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
-            model.config, config.block_size, dtype, device, None)
+            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  config.logprobs_chunk_size, config.seed, logprob_fn)
+                                  config.logprobs_chunk_size, config.seed, logprob_fn,
+                                  use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs)
         self.eos_token_ids = self._eos_ids()
         self.stats = EngineStats()
         self._arrivals = 0

@@ -216,7 +216,7 @@ _KINDS = {
 }
 _COMMAND_KINDS = {
     "score": ("prompt", "prompt_token_ids", "continuation", "choices"),
-    "generate": ("prompt", "messages"),
+    "generate": ("prompt", "prompt_token_ids", "messages"),
     "perplexity": ("text",),
 }
 # Per-record overrides of the command's sampling options (checked like SamplingParams checks them).

@@ -83,3 +83,26 @@ def test_generate_logprobs_cap_and_missing_dataset(tmp_path, write_jsonl):
     assert res.exit_code == 2 and "--logprobs 50" in res.output and "--max-logprobs 50" in res.output
     res = runner.invoke(app, ["score", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "o.parquet")])
     assert res.exit_code == 2 and "missing.jsonl" in res.output
+
+
+def test_truncate_left_keeps_the_newest_tokens_and_counts_the_dropped(tmp_path, write_jsonl, tiny):
+    long_ids = list(range(1, 2101))  # the tiny model's context is 2048
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "long", "prompt_token_ids": long_ids},
+                                              {"id": "short", "prompt_token_ids": [1, 2, 3]}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet", "--truncate", "left"])
+    assert res.exit_code == 0, res.output
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert rows["long"]["status"] == "ok" and rows["long"]["num_truncated_tokens"] == 52
+    assert rows["long"]["token_ids"] == long_ids[52:]
+    assert rows["short"]["num_truncated_tokens"] == 0
+    gen = tmp_path / "g.parquet"
+    res = runner.invoke(app, ["generate", str(data), "--model", tiny, "--out", str(gen), "--quiet",
+                              "--truncate", "left", "--max-tokens", "4"])
+    assert res.exit_code == 0, res.output
+    rows = {r["id"]: r for r in pq.read_table(gen).to_pylist()}
+    assert rows["long"]["num_prompt_tokens"] == 2044 and rows["long"]["num_truncated_tokens"] == 56
+    assert len(rows["long"]["completion_token_ids"]) == 4
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(tmp_path / "x.parquet"),
+                              "--truncate", "right"])
+    assert res.exit_code == 2 and "--truncate" in res.output

@@ -35,6 +35,8 @@ class Job:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.options = options
+        self.truncate = options.get("truncate")  # None | "left"
+        self._truncated: dict[int, int] = {}  # record index -> tokens dropped
 
     def schema(self) -> pa.Schema:
         raise NotImplementedError
@@ -59,6 +61,30 @@ class Job:
         return {}
 
     # ---- shared helpers ------------------------------------------------------------------------
+    def output_schema(self) -> pa.Schema:
+        """schema() plus the columns every job adds under common options (--truncate)."""
+        schema = self.schema()
+        if self.truncate:
+            schema = schema.append(pa.field("num_truncated_tokens", pa.int64()))
+        return schema
+
+    def fit_context(self, record: Record, ids: list[int], reserve: int = 0) -> list[int]:
+        """With --truncate left, drop the oldest tokens so the prompt leaves `reserve` tokens of the context.
+
+        Without it a prompt longer than the context stays as it is, and the engine makes it an error row.
+        """
+        limit = max(1, self.engine.info.max_model_len - reserve)
+        if self.truncate == "left" and len(ids) > limit:
+            self._truncated[record.index] = len(ids) - limit
+            return ids[len(ids) - limit:]
+        return ids
+
+    def finish_row(self, record: Record, row: dict) -> dict:
+        """Add the common columns to a job's row."""
+        if self.truncate:
+            row["num_truncated_tokens"] = self._truncated.pop(record.index, 0) if row["status"] == "ok" else None
+        return row
+
     def error_row(self, record_id: str, message: str) -> dict:
         return {"id": record_id, "status": "error", "error": message}
 

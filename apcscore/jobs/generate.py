@@ -55,6 +55,8 @@ class GenerateJob(Job):
         return SamplingParams(**values, logprobs=self.logprobs)
 
     def prompt_ids(self, record: Record) -> list[int]:
+        if record.kind == "prompt_token_ids":
+            return list(record.fields["prompt_token_ids"])
         if record.kind == "messages":
             if not getattr(self.tokenizer, "chat_template", None):
                 raise ApcscoreError("this model's tokenizer has no chat template; give a plain 'prompt' instead")
@@ -64,8 +66,9 @@ class GenerateJob(Job):
         return self.encode(record.fields["prompt"])
 
     def requests(self, record: Record) -> list[Request]:
-        return [Request(None, self.prompt_ids(record), sampling=self.sampling_params(record),
-                        prompt_logprobs=self.prompt_logprobs)]
+        sampling = self.sampling_params(record)
+        ids = self.fit_context(record, self.prompt_ids(record), reserve=sampling.max_tokens)  # room to generate
+        return [Request(None, ids, sampling=sampling, prompt_logprobs=self.prompt_logprobs)]
 
     def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
         out = outputs[0]

@@ -56,7 +56,9 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
     counts = {"rows": 0, "errors": 0}
     stop = {"signal": None}
 
-    def emit(index: int, row: dict) -> None:
+    def emit(record: Record, row: dict) -> None:
+        index = record.index
+        row = job.finish_row(record, row)
         writer.add(index, row)
         job.observe(row)
         counts["rows"] += 1
@@ -68,7 +70,7 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
             try:
                 reqs = job.requests(record)
             except ApcscoreError as exc:
-                emit(record.index, job.error_row(record.id, str(exc)))
+                emit(record, job.error_row(record.id, str(exc)))
                 continue
             groups[record.index] = _RecordGroup(record, len(reqs))
             for j, req in enumerate(reqs):
@@ -98,7 +100,7 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
     try:
         with progress:
             for record in invalid:
-                emit(record.index, job.error_row(record.id, record.message))
+                emit(record, job.error_row(record.id, record.message))
             for out in engine.run(requests(), on_step=on_step):
                 index, j = out.request_id
                 group = groups[index]
@@ -110,7 +112,7 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
                     del groups[index]
                     row = (job.error_row(group.record.id, group.error) if group.error
                            else job.row(group.record, group.outputs))
-                    emit(index, row)
+                    emit(group.record, row)
                 if stop["signal"] is not None:
                     raise Interrupted()
     except Interrupted:

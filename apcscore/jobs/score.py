@@ -67,7 +67,7 @@ class ScoreJob(Job):
             ids = list(f["prompt_token_ids"])
         else:
             ids = self.encode(f["prompt"])
-        return [Request(None, ids, prompt_logprobs=self.k)]
+        return [Request(None, self.fit_context(record, ids), prompt_logprobs=self.k)]
 
     def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
         base = {"id": record.id, "status": "ok", "error": None}
