@@ -130,7 +130,9 @@ class Engine:
         with torch.device("meta"):
             model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len)
         model = model.to_empty(device=device).to(dtype)
-        model.load_hf_weights({k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()})
+        for name in list(state_dict):  # in place, so that load_hf_weights can free each tensor once copied
+            state_dict[name] = state_dict[name].to(device=device, dtype=dtype)
+        model.load_hf_weights(state_dict)
         model.eval()
         info = ModelInfo(
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,

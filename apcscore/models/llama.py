@@ -200,14 +200,15 @@ class LlamaDecoder(nn.Module):
 
     @torch.no_grad()
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face weights in (q/k/v and gate/up are fused here). Every weight must be used."""
-        used: set[str] = set()
+        """Copy Hugging Face weights in (q/k/v and gate/up are fused here). Every weight must be used.
 
+        Consumes `state`: each entry is removed once copied, so (with parameters made by `to_empty`, whose
+        pages are only touched when written) peak memory stays near one copy of the weights.
+        """
         def take(name: str) -> torch.Tensor:
             if name not in state:
                 raise ApcscoreError(f"weight {name} is missing from the checkpoint")
-            used.add(name)
-            return state[name]
+            return state.pop(name)
 
         def copy(param: torch.Tensor, *names: str) -> None:
             src = torch.cat([take(n) for n in names], dim=0) if len(names) > 1 else take(names[0])
@@ -239,7 +240,7 @@ class LlamaDecoder(nn.Module):
                 copy(layer.mlp.down_proj.bias, p + "mlp.down_proj.bias")
             copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-        unused = set(state) - used - {"lm_head.weight"}
+        unused = set(state) - {"lm_head.weight"}  # tied checkpoints may still carry lm_head
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:
             raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
