@@ -266,3 +266,19 @@ def test_every_step_respects_the_token_budget_and_sequence_cap(llama_dir):
     list(again.run(Request(i, p, prompt_logprobs=0, sampling=SamplingParams(max_tokens=4, ignore_eos=True))
                    for i, p in enumerate(ps)))
     assert steps2 == steps
+
+
+def test_decode_with_a_shared_cached_prefix_equals_decode_alone(llama_dir):
+    """Decode reads shared prefix tiles once for the whole batch; the bits must not change."""
+    shared = prompts([300], seed=16)[0]  # > 2 key tiles of 128, all sequences hit the same blocks
+    ps = [shared + p for p in prompts([3, 9, 5, 12], seed=17)]
+    params = SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True)
+    engine = make_engine(llama_dir, num_kv_blocks=512)
+    list(engine.run([Request("warm", shared + [1], sampling=SamplingParams(max_tokens=1))]))
+    together = {o.request_id: o for o in engine.run(Request(i, p, sampling=params) for i, p in enumerate(ps))}
+    assert all(o.num_cached_tokens >= 296 for o in together.values())
+    for i, p in enumerate(ps):
+        (alone,) = make_engine(llama_dir, num_kv_blocks=512).run([Request(i, p, sampling=params)])
+        assert alone.output_token_ids == together[i].output_token_ids
+        for field in ("token_logprobs", "ranks", "top_ids", "top_logprobs"):
+            assert np.array_equal(getattr(alone.output_logprobs, field), getattr(together[i].output_logprobs, field))

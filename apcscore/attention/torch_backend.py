@@ -120,68 +120,95 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                    seqs: list[int], scale: float, out: torch.Tensor) -> None:
-    """Attention of the single queries of sequences `seqs` in one batch; writes their rows of `out`."""
+    """Attention of the single queries of sequences `seqs` in one batch; writes their rows of `out`.
+
+    Key tiles that every sequence shares (the same KV blocks: a prefix-cache hit) are read once and
+    multiplied against all sequences' queries together; the rest per sequence. A query's tiles and their
+    order are the same either way, so this changes no result, only how often shared keys are read.
+    """
     device = query.device
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = num_heads // num_kv_heads
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
-    max_len = max(lens[i] for i in seqs)
+    seq_lens_list = [lens[i] for i in seqs]
+    max_len, min_len = max(seq_lens_list), min(seq_lens_list)
     num_seqs = len(seqs)
     padded_len = -(-max_len // KV_TILE) * KV_TILE
     num_blocks = -(-padded_len // block_size)
-
-    # keys/values: [B, Hkv, padded_len, D] through the block tables (extra blocks: block 0, masked below)
     tables = meta.block_tables[seqs]  # [B, max_blocks]
     if tables.shape[1] < num_blocks:
         tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
     tables = tables[:, :num_blocks]
-    k = k_cache[tables].flatten(1, 2)[:, :padded_len].permute(0, 2, 1, 3).float()
-    v = v_cache[tables].flatten(1, 2)[:, :padded_len].permute(0, 2, 1, 3).float()
-    seq_lens = torch.tensor([lens[i] for i in seqs], device=device)  # [B]
-    k_pos = torch.arange(padded_len, device=device)  # [Lp]
-    # slots past a sequence's end hold stale (or never written) memory: zero them, 0 * NaN would be NaN
-    v = v.masked_fill((k_pos[None, :] >= seq_lens[:, None])[:, None, :, None], 0.0)
 
-    # queries: [B, Hkv, G, D] (row g: query head g of the kv group)
+    # queries: [B, Hkv, R, D] (row g < G: query head g of the kv group; rows padded to MIN_QUERY_ROWS)
     rows_idx = [cu[i] for i in seqs]
     q = query[rows_idx].view(num_seqs, num_kv_heads, group, head_dim).float() * scale
-    q_pos = (seq_lens - 1)[:, None].expand(num_seqs, group)  # [B, G]
-    rows = group
-    if rows < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the chunking
-        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
-        q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows))
-    masked = k_pos[None, None, :] > q_pos[:, :, None]  # [B, rows', Lp]: causal (and past the end)
-    res = _tiled_softmax(q, k, v, masked[:, None], max_len)[:, :, :rows]  # [B, Hkv, G, D]
+    if group < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the batch
+        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - group))
+    num_rows = q.shape[2]
+
+    # tiles every sequence shares: below every query position, the same blocks in every table
+    shared_tiles = 0
+    if num_seqs > 1:
+        same = (tables == tables[:1]).all(dim=0).tolist()
+        shared_blocks = same.index(False) if False in same else len(same)
+        shared_tiles = min(shared_blocks * block_size, min_len - 1) // KV_TILE
+    state = None
+    if shared_tiles:
+        shared_len = shared_tiles * KV_TILE
+        blocks = tables[0, :shared_len // block_size]
+        k = k_cache[blocks].flatten(0, 1).transpose(0, 1).float()  # [Hkv, Ls, D]
+        v = v_cache[blocks].flatten(0, 1).transpose(0, 1).float()
+        q_all = q.transpose(0, 1).reshape(num_kv_heads, num_seqs * num_rows, head_dim)  # [Hkv, B*R, D]
+        m, s_, acc = _tiled_softmax(q_all, k, v, None, 0, shared_len)
+        state = tuple(x.view(num_kv_heads, num_seqs, num_rows, *x.shape[2:]).transpose(0, 1)
+                      for x in (m, s_, acc))  # [B, Hkv, R, ...]
+
+    # the remaining tiles, per sequence: [B, Hkv, L', D] from the first unshared tile
+    first = shared_tiles * KV_TILE
+    tail_tables = tables[:, first // block_size:]
+    k = k_cache[tail_tables].flatten(1, 2)[:, :padded_len - first].permute(0, 2, 1, 3).float()
+    v = v_cache[tail_tables].flatten(1, 2)[:, :padded_len - first].permute(0, 2, 1, 3).float()
+    seq_lens = torch.tensor(seq_lens_list, device=device)  # [B]
+    k_pos = torch.arange(first, padded_len, device=device)  # [L']
+    # slots past a sequence's end hold stale (or never written) memory: zero them, 0 * NaN would be NaN
+    past_end = k_pos[None, :] >= seq_lens[:, None]  # [B, L']: also the causal mask of a decode query
+    v = v.masked_fill(past_end[:, None, :, None], 0.0)
+    m, s_, acc = _tiled_softmax(q, k, v, past_end[:, None, None, :], first, max_len, state)
+    res = (acc / s_[..., None])[:, :, :group]  # [B, Hkv, G, D]
     out[rows_idx] = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
-def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor,
-                   max_len: int) -> torch.Tensor:
-    """Online softmax over fixed key tiles from position 0, in fp32.
+def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, start: int,
+                   end: int, state: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+    """Online softmax over the fixed key tiles [start, end) (start a multiple of KV_TILE), in fp32.
 
-    q: [B, H, M, D] (pre-scaled); k, v: [B, H, Lp, D] with Lp a multiple of KV_TILE; masked: [B, 1, M, Lp].
-    A tile that is fully masked for a row leaves its running max, sum and accumulator exactly unchanged,
-    so a row's result does not depend on how many tiles its batch needed.
+    q: [..., M, D] (pre-scaled); k, v: [..., Lp, D] holding keys from `start`, Lp a multiple of KV_TILE;
+    masked: broadcastable to [..., M, Lp] or None; state: (running max, sum, accumulator) of earlier tiles.
+    Returns the new state. A tile fully masked for a row leaves that row's state exactly unchanged, so a
+    row's result does not depend on how many tiles its batch needed.
     """
-    acc = s = m = None
-    for t0 in range(0, max_len, KV_TILE):
-        t1 = t0 + KV_TILE
-        scores = (q @ k[:, :, t0:t1].transpose(-1, -2)).masked_fill(masked[..., t0:t1], float("-inf"))
-        tile_max = scores.amax(-1)  # [B, H, M]
+    m, s, acc = state if state is not None else (None, None, None)
+    for t0 in range(start, end, KV_TILE):
+        lo, hi = t0 - start, t0 - start + KV_TILE
+        scores = q @ k[..., lo:hi, :].transpose(-1, -2)  # [..., M, tile]
+        if masked is not None:
+            scores = scores.masked_fill(masked[..., lo:hi], float("-inf"))
+        tile_max = scores.amax(-1)
         if m is None:  # first tile: the same arithmetic as the general step with m = -inf, s = acc = 0
             m = tile_max
             p = torch.exp(scores - m[..., None])
             s = p.sum(-1)
-            acc = p @ v[:, :, t0:t1]
+            acc = p @ v[..., lo:hi, :]
             continue
         m_new = torch.maximum(m, tile_max)
         alpha = torch.exp(m - m_new)
         p = torch.exp(scores - m_new[..., None])
         s = s * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + p @ v[:, :, t0:t1]
+        acc = acc * alpha[..., None] + p @ v[..., lo:hi, :]
         m = m_new
-    return acc / s[..., None]
+    return m, s, acc
 
 
 class TorchAttentionBackend:
