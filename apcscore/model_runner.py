@@ -6,6 +6,8 @@ and the last position of each sequence that samples its next token.
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 from dataclasses import dataclass
 
@@ -50,6 +52,20 @@ def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device
     return max(16, int(budget // per_block))
 
 
+def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU an anonymous memory map: zero pages the OS hands out only when written,
+    so a large KV pool costs memory only as it is used.
+
+    The KV pool must hold finite values everywhere: attention multiplies masked (zero) probabilities with
+    whatever sits past a sequence's end, and 0 * NaN would be NaN. Zeros, then real K/V, keep it finite.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
+    buffer = mmap.mmap(-1, max(nbytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaDecoder, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, logprobs_chunk_size: int, base_seed: int,
@@ -65,9 +81,8 @@ class ModelRunner:
         self.logprob_fn = logprob_fn
         cfg = model.config
         attn0 = model.layers[0].self_attn
-        # [2, layers, num_blocks, block_size, Hkv, D]; torch.empty: pages are touched only when used
-        self.kv_cache = torch.empty(2, cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads,
-                                    attn0.head_dim, dtype=dtype, device=device)
+        shape = (2, cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim)
+        self.kv_cache = allocate_zeroed(shape, dtype, device)  # [2, layers, num_blocks, block_size, Hkv, D]
         for i, layer in enumerate(model.layers):
             layer.self_attn.k_cache = self.kv_cache[0, i]
             layer.self_attn.v_cache = self.kv_cache[1, i]

@@ -160,10 +160,19 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         blocks = tables[0, :shared_len // block_size]
         k = k_cache[blocks].flatten(0, 1).transpose(0, 1).float()  # [Hkv, Ls, D]
         v = v_cache[blocks].flatten(0, 1).transpose(0, 1).float()
-        q_all = q.transpose(0, 1).reshape(num_kv_heads, num_seqs * num_rows, head_dim)  # [Hkv, B*R, D]
-        m, s_, acc = _tiled_softmax(q_all, k, v, None, 0, shared_len)
-        state = tuple(x.view(num_kv_heads, num_seqs, num_rows, *x.shape[2:]).transpose(0, 1)
-                      for x in (m, s_, acc))  # [B, Hkv, R, ...]
+        # only the real rows of every sequence: [Hkv, B*G, D] (at least MIN_QUERY_ROWS rows)
+        q_all = q[:, :, :group].transpose(0, 1).reshape(num_kv_heads, num_seqs * group, head_dim)
+        real = q_all.shape[1]
+        if real < MIN_QUERY_ROWS:
+            q_all = torch.nn.functional.pad(q_all, (0, 0, 0, MIN_QUERY_ROWS - real))
+        m, s_, acc = (x[:, :real] for x in _tiled_softmax(q_all, k, v, None, 0, shared_len))
+        # back to [B, Hkv, R, ...]; padding rows start empty (max -inf, sum 0), as before any tile
+        m = torch.nn.functional.pad(m.view(num_kv_heads, num_seqs, group), (0, num_rows - group),
+                                    value=float("-inf")).transpose(0, 1)
+        s_ = torch.nn.functional.pad(s_.view(num_kv_heads, num_seqs, group), (0, num_rows - group)).transpose(0, 1)
+        acc = torch.nn.functional.pad(acc.view(num_kv_heads, num_seqs, group, head_dim),
+                                      (0, 0, 0, num_rows - group)).transpose(0, 1)
+        state = (m, s_, acc)
 
     # the remaining tiles, per sequence: [B, Hkv, L', D] from the first unshared tile
     first = shared_tiles * KV_TILE
@@ -172,9 +181,8 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     v = v_cache[tail_tables].flatten(1, 2)[:, :padded_len - first].permute(0, 2, 1, 3).float()
     seq_lens = torch.tensor(seq_lens_list, device=device)  # [B]
     k_pos = torch.arange(first, padded_len, device=device)  # [L']
-    # slots past a sequence's end hold stale (or never written) memory: zero them, 0 * NaN would be NaN
+    # slots past a sequence's end hold stale K/V or zeros (the pool starts zeroed: finite, so 0 * v = 0)
     past_end = k_pos[None, :] >= seq_lens[:, None]  # [B, L']: also the causal mask of a decode query
-    v = v.masked_fill(past_end[:, None, :, None], 0.0)
     m, s_, acc = _tiled_softmax(q, k, v, past_end[:, None, None, :], first, max_len, state)
     res = (acc / s_[..., None])[:, :, :group]  # [B, Hkv, G, D]
     out[rows_idx] = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
