@@ -181,8 +181,10 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     v = v_cache[tail_tables].flatten(1, 2)[:, :padded_len - first].permute(0, 2, 1, 3).float()
     seq_lens = torch.tensor(seq_lens_list, device=device)  # [B]
     k_pos = torch.arange(first, padded_len, device=device)  # [L']
-    # slots past a sequence's end hold stale K/V or zeros (the pool starts zeroed: finite, so 0 * v = 0)
     past_end = k_pos[None, :] >= seq_lens[:, None]  # [B, L']: also the causal mask of a decode query
+    # slots past a sequence's end hold stale memory: zero them, since 0 * NaN would be NaN (the engine's pool
+    # starts zeroed, but this backend is also the reference for pools of any content)
+    v = v.masked_fill(past_end[:, None, :, None], 0.0)
     m, s_, acc = _tiled_softmax(q, k, v, past_end[:, None, None, :], first, max_len, state)
     res = (acc / s_[..., None])[:, :, :group]  # [B, Hkv, G, D]
     out[rows_idx] = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
