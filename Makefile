@@ -26,6 +26,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/bench_cpu.py
+	$(BIN)/python benchmarks/bench_eval.py
 
 clean:
 	rm -rf $(VENV) results
