@@ -222,8 +222,11 @@ def _print_summary(command: str, out: Path, data: Any, result: Any, timings: dic
     table.add_row("tokens", f"{timings['prompt_tokens']:,} prefilled, {timings['generated_tokens']:,} generated")
     table.add_row("time", f"{timings['run_seconds']:.1f} s run ({timings['tokens_per_second']:,.0f} tok/s), "
                           f"{timings['load_seconds']:.1f} s load")
-    table.add_row("prefix cache", f"{pc['hit_rate']:.1%} hit ({pc['hit_tokens']:,} of {pc['queried_tokens']:,} "
-                                  f"tokens of cache-reading requests)")
+    if pc["queried_tokens"]:
+        table.add_row("prefix cache", f"{pc['hit_rate']:.1%} hit ({pc['hit_tokens']:,} of {pc['queried_tokens']:,} "
+                                      f"prompt tokens served from the cache)")
+    else:
+        table.add_row("prefix cache", "not read (prompt logprobs need full prefills); blocks written for later requests")
     if timings["preemptions"]:
         table.add_row("preemptions", str(timings["preemptions"]))
     table.add_row("output", str(out))
