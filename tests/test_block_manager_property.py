@@ -6,20 +6,11 @@ and in use, the free count consistent, every cached hash pointing at a block hol
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_block_manager import Seq  # the minimal sequence the manager needs
 
 from apcscore.block_manager import BlockManager
-
-
-@dataclass
-class Seq:
-    token_ids: list[int]
-    block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
 
 
 # Small alphabets and shared stems make prefix hits frequent.
