@@ -191,12 +191,6 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self._num_registered.pop(id(seq), None)
 
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached hash (blocks in use keep their content)."""
-        for block in self.blocks:
-            block.block_hash, block.parent_hash, block.token_ids = None, NONE_HASH, ()
-        self.cached.clear()
-
     # ---- checks --------------------------------------------------------------------------------
     def check_invariants(self, live_seqs: Seq[BlockSequence] = ()) -> None:
         """Assert the manager's internal consistency (tests and debugging)."""

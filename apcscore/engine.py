@@ -9,7 +9,7 @@ bad values) become an output with `error` set; they never stop the run.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -48,7 +48,6 @@ class EngineStats:
     errors: int = 0
     preemptions: int = 0
     seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:

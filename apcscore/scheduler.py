@@ -138,7 +138,3 @@ class Scheduler:
         self._unmark_pending(seq)
         self.bm.free(seq)
         self.running.remove(seq)
-
-    def drop_waiting(self, seq: Sequence) -> None:
-        self.waiting.remove(seq)
-        seq.status = SequenceStatus.FINISHED

@@ -125,10 +125,6 @@ class Sequence:
         """Design rule: a request that wants prompt logprobs never reads the prefix cache."""
         return self.request.prompt_logprobs is None
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
-
     def reset_for_recompute(self) -> None:
         """Preemption: drop the KV; prompt (and output so far) are prefilled again later."""
         self.num_computed_tokens = 0
