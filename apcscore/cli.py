@@ -86,7 +86,7 @@ def resolve_options(cli: dict[str, Any], config_path: Path | None) -> dict[str, 
     merged = dict(DEFAULTS)
     merged.update(from_file)
     # None (and False for on/off flags) means "not given on the command line"
-    merged.update({k: v for k, v in cli.items() if v is not None and v is not False})
+    merged.update({k: v for k, v in cli.items() if v is not None and v is not False and v != []})
     return merged
 
 
@@ -234,12 +234,13 @@ def _print_summary(command: str, out: Path, data: Any, result: Any, timings: dic
 
 
 # ---- commands -----------------------------------------------------------------------------------
-def _engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max_num_seqs, no_prefix_caching,
-                 max_logprobs, attention_backend) -> dict:
-    return {"device": device, "dtype": dtype, "block_size": block_size, "num_kv_blocks": num_kv_blocks,
-            "max_batch_tokens": max_batch_tokens, "max_num_seqs": max_num_seqs,
-            "no_prefix_caching": no_prefix_caching, "max_logprobs": max_logprobs,
-            "attention_backend": attention_backend}
+def _run(command: str, params: dict[str, Any]) -> None:
+    """Run a command from its parameters (`locals()` of the command function); ApcscoreError -> clear exit."""
+    options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
+    try:
+        run_command(command, params["dataset"], options, params["config"])
+    except ApcscoreError as exc:
+        raise _error(exc)
 
 
 @app.command()
@@ -260,14 +261,7 @@ def score(
     {"id"?, "context": str, "continuation": str} (loglikelihood, is_greedy), or
     {"id"?, "context": str, "choices": \\[str, ...], "answer": int} (multiple choice: pred, correct).
     """
-    cli = {"prompt_logprobs": prompt_logprobs, "truncate": truncate, "model": model, "out": out, "overwrite": overwrite,
-           "resume": resume, "limit": limit, "skip_invalid": skip_invalid, "quiet": quiet,
-           **_engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max_num_seqs,
-                          no_prefix_caching, max_logprobs, attention_backend)}
-    try:
-        run_command("score", dataset, cli, config)
-    except ApcscoreError as exc:
-        raise _error(exc)
+    _run("score", locals())
 
 
 @app.command()
@@ -294,16 +288,7 @@ def generate(
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
     {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
     """
-    cli = {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k, "seed": seed,
-           "stop": stop or None, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "truncate": truncate,
-           "model": model,
-           "out": out, "overwrite": overwrite, "resume": resume, "limit": limit, "skip_invalid": skip_invalid,
-           "quiet": quiet, **_engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens,
-                                          max_num_seqs, no_prefix_caching, max_logprobs, attention_backend)}
-    try:
-        run_command("generate", dataset, cli, config)
-    except ApcscoreError as exc:
-        raise _error(exc)
+    _run("generate", locals())
 
 
 @app.command()
@@ -325,14 +310,7 @@ def perplexity(
     --window tokens of context advancing by --stride; every text token is scored exactly once
     (--stride = --window is lm-eval's rolling loglikelihood).
     """
-    cli = {"window": window, "stride": stride, "prompt_logprobs": prompt_logprobs, "model": model, "out": out,
-           "overwrite": overwrite, "resume": resume, "limit": limit, "skip_invalid": skip_invalid, "quiet": quiet,
-           **_engine_opts(device, dtype, block_size, num_kv_blocks, max_batch_tokens, max_num_seqs,
-                          no_prefix_caching, max_logprobs, attention_backend)}
-    try:
-        run_command("perplexity", dataset, cli, config)
-    except ApcscoreError as exc:
-        raise _error(exc)
+    _run("perplexity", locals())
 
 
 app.command("compare")(compare)  # lives in its own module; needs no model

@@ -141,3 +141,16 @@ def test_python_dash_m_entry_point():
     assert proc.returncode == 0
     for command in ("score", "generate"):
         assert command in proc.stdout
+
+
+def test_records_without_a_seed_get_different_streams_and_runs_repeat(tmp_path, write_jsonl, tiny):
+    data = write_jsonl(tmp_path / "g.jsonl", [{"id": i, "prompt": "Tell me a story"} for i in range(4)])
+    outs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.parquet"
+        res = invoke("generate", data, "--model", tiny, "--temperature", 1.0, "--max-tokens", 8, "--seed", 7,
+                     "--out", out, "--quiet")
+        assert res.exit_code == 0, res.output
+        outs.append([r["completion_token_ids"] for r in pq.read_table(out).to_pylist()])
+    assert outs[0] == outs[1]  # the same --seed reproduces the run
+    assert len({tuple(c) for c in outs[0]}) > 1  # but the records do not share one random stream

@@ -25,7 +25,9 @@ class GenerateJob(Job):
 
     def __init__(self, engine, options: dict) -> None:
         super().__init__(engine, options)
-        self.defaults = {k: options[k] for k in SAMPLING_KEYS if options.get(k) is not None}
+        # --seed is the engine's base seed: a record without its own seed gets one derived from it and its
+        # arrival number (not the same seed for every record)
+        self.defaults = {k: options[k] for k in SAMPLING_KEYS if k != "seed" and options.get(k) is not None}
         self.logprobs = options.get("logprobs")
         self.prompt_logprobs = options.get("prompt_logprobs")
         self._completion_tokens = 0
