@@ -81,6 +81,10 @@ def measure(records: int, model: str | None, workdir: Path, interval: float = 0.
                    "100%": round(at(1.0), 1)},
         "peak_rss_mb": round(max(s[1] for s in samples), 1),
         "growth_25_to_100_mb": round(at(1.0) - at(0.25), 1),
+        # retained memory: the RSS floor of each quarter of the scoring phase (transient logprob chunks only
+        # add spikes on top; a leak raises the floor; the first quarter includes the warm-up)
+        "floor_by_quarter_mb": [round(min(r[1] for r in running[q * len(running) // 4:(q + 1) * len(running) // 4]), 1)
+                                for q in range(4)],
         "rows_written": __import__("pyarrow.parquet", fromlist=["x"]).read_metadata(out).num_rows,
     }
 

@@ -17,7 +17,8 @@ from memory_flat import measure  # noqa: E402
 def test_rss_is_flat_over_a_long_run(tmp_path, tiny_model_dir):
     result = measure(3000, str(tiny_model_dir("llama")), tmp_path)
     assert result["rows_written"] == 3000
-    rss = result["rss_mb"]
-    # between a quarter and three quarters of the run, a growing process would add megabytes per
-    # thousand records (rows kept, sequences leaked); a flat one stays within allocator noise
-    assert rss["75%"] - rss["25%"] < 25, result
+    # a growing process would add megabytes per thousand records (rows kept, sequences leaked) to the memory
+    # it keeps between steps: the RSS floor of the last quarter stays at the second quarter's (the first one
+    # holds the warm-up; spikes of transient logprob chunks come and go on top of the floor)
+    floors = result["floor_by_quarter_mb"]
+    assert floors[3] - floors[1] < 8, result  # measured: +0.2 MB
