@@ -95,24 +95,26 @@ class Engine:
     @classmethod
     def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
         """Load a model by alias, Hugging Face directory or .gguf path, and build the engine around it."""
-        from apcscore.models.loader import (load_config, load_state_dict, load_tokenizer, resolve_model,
-                                            weights_fingerprint)
+        from apcscore.models.loader import load_state_dict, resolve_model, weights_fingerprint
+        from apcscore.models.resolved import resolve_model_parts
 
         config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         files = resolve_model(spec)
-        hf_config = load_config(files.path)
-        check_architecture(hf_config)
+        parts = resolve_model_parts(files.path)
         state = load_state_dict(files.path, dtype=dtype, device=device)
-        return cls.from_parts(hf_config, state, load_tokenizer(files.path), config, name=files.name,
-                              path=str(files.path), fingerprint=weights_fingerprint(files.path))
+        return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
+                              fingerprint=weights_fingerprint(files.path), rope=parts.rope)
 
     @classmethod
     def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
                    config: EngineConfig | None = None, name: str = "custom", path: str = "",
-                   fingerprint: str = "") -> "Engine":
-        """Build the engine from a Hugging Face config and state dict (tests, benchmarks, random weights)."""
+                   fingerprint: str = "", rope: Any = None) -> "Engine":
+        """Build the engine from a Hugging Face config and state dict (tests, benchmarks, random weights).
+
+        rope: the config's RopeFrequencies if already known (apcscore.models.resolved), else None.
+        """
         config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
@@ -126,12 +128,11 @@ class Engine:
             max_len = min(max_len, hf_config.sliding_window)  # full attention equals sliding inside the window
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
-        with torch.device("meta"):
-            model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len)
+        model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len, device="meta")
         model = model.to_empty(device=device).to(dtype)
         for name in list(state_dict):  # in place, so that load_hf_weights can free each tensor once copied
             state_dict[name] = state_dict[name].to(device=device, dtype=dtype)
-        model.load_hf_weights(state_dict)
+        model.load_hf_weights(state_dict, rope)
         model.eval()
         info = ModelInfo(
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,

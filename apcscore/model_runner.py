@@ -81,11 +81,18 @@ class ModelRunner:
         self.logprob_fn = logprob_fn
         cfg = model.config
         attn0 = model.layers[0].self_attn
-        shape = (2, cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim)
-        self.kv_cache = allocate_zeroed(shape, dtype, device)  # [2, layers, num_blocks, block_size, Hkv, D]
-        for i, layer in enumerate(model.layers):
-            layer.self_attn.k_cache = self.kv_cache[0, i]
-            layer.self_attn.v_cache = self.kv_cache[1, i]
+        # per layer [num_blocks, block_size, Hkv, D] caches; a backend may lay the pool out its own way
+        allocate = getattr(attn0.backend, "allocate_kv_cache", None)
+        if allocate is not None:
+            caches = allocate(cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim,
+                              lambda shape: allocate_zeroed(shape, dtype, device))
+        else:
+            shape = (2, cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim)
+            pool = allocate_zeroed(shape, dtype, device)
+            caches = [(pool[0, i], pool[1, i]) for i in range(cfg.num_hidden_layers)]
+        for layer, (k_cache, v_cache) in zip(model.layers, caches):
+            layer.self_attn.k_cache = k_cache
+            layer.self_attn.v_cache = v_cache
         self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.cuda_graphs), captured now
         if device.type == "cuda" and use_cuda_graphs:
             from apcscore.cuda_graphs import DecodeGraphRunner

@@ -74,13 +74,10 @@ def apcscore_generate(engine: Any, records: list[dict], max_new: int) -> list[li
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     requests = [Request(i, r["prompt_token_ids"], sampling=params) for i, r in enumerate(records)]
     results: list[list[int]] = [[] for _ in records]
-    cached = 0
     for out in engine.run(requests):
         if out.error:
             raise RuntimeError(f"record {records[out.request_id]['id']}: {out.error}")
         results[out.request_id] = list(out.output_token_ids)
-        cached += out.num_cached_tokens
-    engine.stats.extra["cached_tokens"] = cached
     return results
 
 
@@ -215,7 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         s = engine.stats
         report["engine"] = {"steps": s.steps, "prompt_tokens": s.prompt_tokens,
                             "generated_tokens": s.generated_tokens, "preemptions": s.preemptions,
-                            "num_kv_blocks": engine.block_manager.num_blocks, **s.extra}
+                            "num_kv_blocks": engine.block_manager.num_blocks,
+                            "cached_tokens": engine.block_manager.stats.hit_tokens}
     print(REPORT_PREFIX + json.dumps(report), flush=True)
 
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator
 
 import torch
 
@@ -28,6 +28,8 @@ class AttentionMetadata:
     cu_seqlens_q_list: list[int]
     seq_lens_list: list[int]
     block_size: int
+    # Per-step plans a backend derives from the fields above once and reuses in every layer.
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:

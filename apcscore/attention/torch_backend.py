@@ -4,11 +4,19 @@ Write-then-read: the new K/V are stored into the paged cache first, then each qu
 its sequence, cached or new, back from the cache, in fixed-size tiles counted from position 0. The
 softmax is reduced tile by tile in that fixed order, so a query's result does not depend on how its
 prompt was chunked, what was cached before, or what else is in the batch.
+
+Layout: the cache is indexed as [num_blocks, block_size, num_kv_heads, head_dim] like the Triton kernels'
+caches, but the pool this backend asks for (`allocate_kv_cache`) lies in memory heads-major,
+[num_kv_heads, num_blocks * block_size, head_dim]: gathering a sequence's keys with one index then gives
+[Hkv, L, D], the layout the batched matmuls read, with no transposing copy. Any other layout also works
+(it is copied to heads-major first: fine for tests, slow for an engine).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,6 +24,49 @@ from apcscore.attention.metadata import AttentionMetadata
 
 KV_TILE = 128  # keys per tile; the last tile is padded to full size, so every reduction has one shape
 MIN_QUERY_ROWS = 16  # CPU GEMMs switch kernels (and rounding) below a few rows: pad small query blocks
+
+
+def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                      allocate: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (k_cache, v_cache), each [num_blocks, block_size, Hkv, D] over heads-major memory.
+
+    allocate(shape) returns the zeroed pool (the model runner's allocator).
+    """
+    pool = allocate((2, num_layers, num_kv_heads, num_blocks, block_size, head_dim))
+    return [(pool[0, i].permute(1, 2, 0, 3), pool[1, i].permute(1, 2, 0, 3)) for i in range(num_layers)]
+
+
+def _heads_major(cache: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, Hkv, D] cache -> [Hkv * num_slots, D] (a view for this backend's own pools)."""
+    return cache.permute(2, 0, 1, 3).reshape(-1, cache.shape[3])
+
+
+def _pad_slots(slots: torch.Tensor, length: int) -> torch.Tensor:
+    """`slots` [L] padded to `length` with the sequence's own first slot.
+
+    Padding keys are masked (probability exactly 0), but their values are still multiplied: 0 * NaN would be
+    NaN. Reading the sequence's own position 0 there adds no new way to get NaN (a NaN at a real position
+    spoils the result anyway), whatever the rest of the pool holds, and needs no zeroing pass.
+    """
+    return torch.nn.functional.pad(slots, (0, length - slots.shape[0]), value=int(slots[0]))
+
+
+def _head_rows(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rows of `_heads_major(cache)` for `slots` (any shape S): [Hkv * prod(S)] int64, head-major."""
+    num_slots = cache.shape[0] * cache.shape[1]
+    heads = torch.arange(cache.shape[2], device=slots.device)[:, None] * num_slots
+    return (heads + slots.reshape(1, -1)).flatten()
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor, *shape: int) -> torch.Tensor:
+    """[Hkv, *shape, D] in fp32: the cache entries at `rows` (from _head_rows)."""
+    return _heads_major(cache).index_select(0, rows).view(cache.shape[2], *shape, cache.shape[3]).float()
+
+
+def _slots(table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """[length] int64 cache slots of a sequence's first `length` positions (its block table covers them)."""
+    blocks = table[:-(-length // block_size)].long()
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=table.device)).flatten()[:length]
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -59,14 +110,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     return out
 
 
-def _gather_padded(cache: torch.Tensor, table: torch.Tensor, seq_len: int, padded: int) -> torch.Tensor:
-    """[Hkv, padded, D] in fp32: one sequence's keys (or values), zeros past seq_len."""
-    blocks = table[:-(-seq_len // cache.shape[1])].long()
-    out = torch.zeros(cache.shape[2], padded, cache.shape[3], device=cache.device)
-    out[:, :seq_len] = cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1)
-    return out
-
-
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     i: int, scale: float, out: torch.Tensor) -> None:
     """Attention of one sequence's prefill chunk, skipping the work the causal mask would zero.
@@ -82,16 +125,20 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_len = meta.seq_lens_list[i]
     q_len = end - start
     padded = -(-seq_len // KV_TILE) * KV_TILE
-    k = _gather_padded(k_cache, meta.block_tables[i], seq_len, padded)  # [Hkv, padded, D]
-    v = _gather_padded(v_cache, meta.block_tables[i], seq_len, padded)
+    rows = meta.plans.get(("prefill", i))
+    if rows is None:
+        slots = _pad_slots(_slots(meta.block_tables[i], seq_len, k_cache.shape[1]), padded)
+        rows = meta.plans[("prefill", i)] = _head_rows(slots, k_cache)
+    k = _gather(k_cache, rows, padded)  # [Hkv, padded, D]
+    v = _gather(v_cache, rows, padded)
     # position-major rows: row j * G + g is query position j of the group's head g
     q = query[start:end].view(q_len, hkv, group, head_dim).permute(1, 0, 2, 3).reshape(
         hkv, q_len * group, head_dim).float()
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).repeat_interleave(group)
-    rows = q.shape[1]
-    if rows < MIN_QUERY_ROWS:
-        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - rows))
-        q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - rows), value=seq_len - 1)
+    num_real = q.shape[1]
+    if num_real < MIN_QUERY_ROWS:
+        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - num_real))
+        q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - num_real), value=seq_len - 1)
     q = q * scale
     n_rows = q.shape[1]
     m = torch.full((hkv, n_rows), float("-inf"), device=query.device)  # running max
@@ -113,9 +160,48 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         s[:, r0:] = s[:, r0:] * alpha + p.sum(-1)
         acc[:, r0:] = acc[:, r0:] * alpha[..., None] + p @ v[:, t0:t1]
         m[:, r0:] = m_new
-    o = (acc / s[..., None])[:, :rows]  # [Hkv, q_len * G, D]
+    o = (acc / s[..., None])[:, :num_real]  # [Hkv, q_len * G, D]
     out[start:end] = o.view(hkv, q_len, group, head_dim).permute(1, 0, 2, 3).reshape(
         q_len, num_heads, head_dim).to(query.dtype)
+
+
+@dataclass
+class _DecodePlan:
+    """What the decode rows of one step read, worked out once per step and reused by every layer."""
+
+    rows: list[int]  # the query row of each decoding sequence
+    seq_lens: list[int]
+    tail_start: int  # keys [0, tail_start) are the tiles every sequence shares (the same blocks)
+    shared_rows: torch.Tensor | None  # _head_rows of those keys, or None when there are none
+    tail_rows: torch.Tensor  # _head_rows of each sequence's keys [tail_start, padded) (see _pad_slots)
+    past_end: torch.Tensor  # [B, L'] True past a sequence's end: the mask of its single query
+
+
+def _decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor) -> _DecodePlan:
+    device, block_size = meta.block_tables.device, cache.shape[1]
+    cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
+    seq_lens = [lens[i] for i in seqs]
+    max_len, min_len = max(seq_lens), min(seq_lens)
+    padded_len = -(-max_len // KV_TILE) * KV_TILE
+    num_blocks = -(-padded_len // block_size)
+    tables = meta.block_tables[seqs].long()  # [B, max_blocks]
+    if tables.shape[1] < num_blocks:
+        tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
+    tables = tables[:, :num_blocks]
+    # tiles every sequence shares: below every query position, the same blocks in every table
+    shared_tiles = 0
+    if len(seqs) > 1:
+        same = (tables == tables[:1]).all(dim=0).tolist()
+        shared_blocks = same.index(False) if False in same else len(same)
+        shared_tiles = min(shared_blocks * block_size, min_len - 1) // KV_TILE
+    first = shared_tiles * KV_TILE
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, padded]
+    k_pos = torch.arange(first, padded_len, device=device)  # [L']
+    past_end = k_pos[None, :] >= torch.tensor(seq_lens, device=device)[:, None]  # [B, L']
+    return _DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first,
+                       shared_rows=_head_rows(slots[0, :first], cache) if shared_tiles else None,
+                       tail_rows=_head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache),
+                       past_end=past_end)
 
 
 def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -126,68 +212,40 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     multiplied against all sequences' queries together; the rest per sequence. A query's tiles and their
     order are the same either way, so this changes no result, only how often shared keys are read.
     """
-    device = query.device
+    plan = meta.plans.get("decode")
+    if plan is None:
+        plan = meta.plans["decode"] = _decode_plan(meta, seqs, k_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
-    seq_lens_list = [lens[i] for i in seqs]
-    max_len, min_len = max(seq_lens_list), min(seq_lens_list)
     num_seqs = len(seqs)
-    padded_len = -(-max_len // KV_TILE) * KV_TILE
-    num_blocks = -(-padded_len // block_size)
-    tables = meta.block_tables[seqs]  # [B, max_blocks]
-    if tables.shape[1] < num_blocks:
-        tables = torch.nn.functional.pad(tables, (0, num_blocks - tables.shape[1]))
-    tables = tables[:, :num_blocks]
 
-    # queries: [B, Hkv, R, D] (row g < G: query head g of the kv group; rows padded to MIN_QUERY_ROWS)
-    rows_idx = [cu[i] for i in seqs]
-    q = query[rows_idx].view(num_seqs, num_kv_heads, group, head_dim).float() * scale
-    if group < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the batch
-        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - group))
-    num_rows = q.shape[2]
-
-    # tiles every sequence shares: below every query position, the same blocks in every table
-    shared_tiles = 0
-    if num_seqs > 1:
-        same = (tables == tables[:1]).all(dim=0).tolist()
-        shared_blocks = same.index(False) if False in same else len(same)
-        shared_tiles = min(shared_blocks * block_size, min_len - 1) // KV_TILE
+    # queries: [Hkv, B, R, D] (row g < G: query head g of the kv group; rows padded to MIN_QUERY_ROWS)
+    q = query[plan.rows].view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).float() * scale
     state = None
-    if shared_tiles:
-        shared_len = shared_tiles * KV_TILE
-        blocks = tables[0, :shared_len // block_size]
-        k = k_cache[blocks].flatten(0, 1).transpose(0, 1).float()  # [Hkv, Ls, D]
-        v = v_cache[blocks].flatten(0, 1).transpose(0, 1).float()
+    if plan.shared_rows is not None:
+        k = _gather(k_cache, plan.shared_rows, plan.tail_start)  # [Hkv, Ls, D]
+        v = _gather(v_cache, plan.shared_rows, plan.tail_start)
         # only the real rows of every sequence: [Hkv, B*G, D] (at least MIN_QUERY_ROWS rows)
-        q_all = q[:, :, :group].transpose(0, 1).reshape(num_kv_heads, num_seqs * group, head_dim)
+        q_all = q.reshape(num_kv_heads, num_seqs * group, head_dim)
         real = q_all.shape[1]
         if real < MIN_QUERY_ROWS:
             q_all = torch.nn.functional.pad(q_all, (0, 0, 0, MIN_QUERY_ROWS - real))
-        m, s_, acc = (x[:, :real] for x in _tiled_softmax(q_all, k, v, None, 0, shared_len))
-        # back to [B, Hkv, R, ...]; padding rows start empty (max -inf, sum 0), as before any tile
-        m = torch.nn.functional.pad(m.view(num_kv_heads, num_seqs, group), (0, num_rows - group),
-                                    value=float("-inf")).transpose(0, 1)
-        s_ = torch.nn.functional.pad(s_.view(num_kv_heads, num_seqs, group), (0, num_rows - group)).transpose(0, 1)
-        acc = torch.nn.functional.pad(acc.view(num_kv_heads, num_seqs, group, head_dim),
-                                      (0, 0, 0, num_rows - group)).transpose(0, 1)
-        state = (m, s_, acc)
+        m, s_, acc = (x[:, :real] for x in _tiled_softmax(q_all, k, v, None, 0, plan.tail_start))
+        # back to [Hkv, B, R, ...]; padding rows start empty (max -inf, sum 0), as before any tile
+        pad_rows = max(0, MIN_QUERY_ROWS - group)
+        state = (torch.nn.functional.pad(m.view(num_kv_heads, num_seqs, group), (0, pad_rows), value=float("-inf")),
+                 torch.nn.functional.pad(s_.view(num_kv_heads, num_seqs, group), (0, pad_rows)),
+                 torch.nn.functional.pad(acc.view(num_kv_heads, num_seqs, group, head_dim), (0, 0, 0, pad_rows)))
+    if group < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the batch
+        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - group))
 
-    # the remaining tiles, per sequence: [B, Hkv, L', D] from the first unshared tile
-    first = shared_tiles * KV_TILE
-    tail_tables = tables[:, first // block_size:]
-    k = k_cache[tail_tables].flatten(1, 2)[:, :padded_len - first].permute(0, 2, 1, 3).float()
-    v = v_cache[tail_tables].flatten(1, 2)[:, :padded_len - first].permute(0, 2, 1, 3).float()
-    seq_lens = torch.tensor(seq_lens_list, device=device)  # [B]
-    k_pos = torch.arange(first, padded_len, device=device)  # [L']
-    past_end = k_pos[None, :] >= seq_lens[:, None]  # [B, L']: also the causal mask of a decode query
-    # slots past a sequence's end hold stale memory: zero them, since 0 * NaN would be NaN (the engine's pool
-    # starts zeroed, but this backend is also the reference for pools of any content)
-    v = v.masked_fill(past_end[:, None, :, None], 0.0)
-    m, s_, acc = _tiled_softmax(q, k, v, past_end[:, None, None, :], first, max_len, state)
-    res = (acc / s_[..., None])[:, :, :group]  # [B, Hkv, G, D]
-    out[rows_idx] = res.reshape(num_seqs, num_heads, head_dim).to(query.dtype)
+    # the remaining tiles, per sequence: [Hkv, B, L', D]
+    k = _gather(k_cache, plan.tail_rows, *plan.past_end.shape)
+    v = _gather(v_cache, plan.tail_rows, *plan.past_end.shape)
+    m, s_, acc = _tiled_softmax(q, k, v, plan.past_end[None, :, None, :], plan.tail_start, max(plan.seq_lens), state)
+    res = (acc / s_[..., None])[:, :, :group]  # [Hkv, B, G, D]
+    out[plan.rows] = res.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, start: int,
@@ -225,6 +283,7 @@ class TorchAttentionBackend:
     """Store-then-read paged attention built from torch ops."""
 
     name = "torch"
+    allocate_kv_cache = staticmethod(allocate_kv_cache)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -1,9 +1,9 @@
 """Our decoder for the Llama family (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3), fed Hugging Face weights.
 
 The model works on a flattened batch: `input_ids [T]`, `positions [T]`; attention reads the step's
-AttentionMetadata (apcscore.attention.metadata) and the layer's paged KV cache. Rotary tables come from
-transformers' own rotary embedding class, so every rope type it knows (default, llama3, yarn, ...) gives
-exactly its cos/sin.
+AttentionMetadata (apcscore.attention.metadata) and the layer's paged KV cache. Rotary tables use the
+frequencies of transformers' own rotary embedding class, so every rope type it knows (default, llama3,
+yarn, ...) gives exactly its cos/sin.
 """
 
 from __future__ import annotations
@@ -52,12 +52,13 @@ def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
 
 
 RmsNormFn = Callable[..., Any]
+Device = torch.device | str | None
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, norm_fn: RmsNormFn) -> None:
+    def __init__(self, size: int, eps: float, norm_fn: RmsNormFn, device: Device = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
         self.norm_fn = norm_fn
 
@@ -72,7 +73,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class Attention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, backend: Any, norm_fn: RmsNormFn, qk_norm: bool,
-                 qkv_bias: bool, o_bias: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, device: Device = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -80,10 +81,11 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn) if qk_norm else None
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias,
+                                  device=device)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias, device=device)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.layer_idx = layer_idx
         self.backend = backend
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
@@ -108,14 +110,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, device: Device = None) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ApcscoreError(f"unsupported activation {cfg.hidden_act!r}; only silu is supported")
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, device=device)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -124,12 +126,12 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, backend: Any, norm_fn: RmsNormFn, qk_norm: bool,
-                 qkv_bias: bool, o_bias: bool) -> None:
+                 qkv_bias: bool, o_bias: bool, device: Device = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, backend, norm_fn, qk_norm, qkv_bias, o_bias)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn)
+        self.self_attn = Attention(cfg, layer_idx, backend, norm_fn, qk_norm, qkv_bias, o_bias, device)
+        self.mlp = MLP(cfg, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,7 +149,8 @@ class LlamaDecoder(nn.Module):
     """Decoder-only transformer of the Llama family over a flattened, paged batch."""
 
     def __init__(self, hf_config: Any, backend: Any, norm_fn: RmsNormFn = rms_norm_torch,
-                 max_positions: int | None = None) -> None:
+                 max_positions: int | None = None, device: Device = None) -> None:
+        """device "meta" builds it without memory (then `to_empty` and `load_hf_weights`)."""
         super().__init__()
         arch = check_architecture(hf_config)
         family = SUPPORTED_ARCHITECTURES[arch]
@@ -157,12 +160,16 @@ class LlamaDecoder(nn.Module):
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = family == "qwen2" or attention_bias
         o_bias = attention_bias and family != "qwen2"  # Qwen2: bias on q/k/v only
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # _weight skips the random init (on "meta" it would import torch._dynamo: ~1 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, norm_fn, qk_norm, qkv_bias, o_bias) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn)
+            DecoderLayer(cfg, i, backend, norm_fn, qk_norm, qkv_bias, o_bias, device)
+            for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (None if self.tie_word_embeddings
+                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device))
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
@@ -171,18 +178,31 @@ class LlamaDecoder(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def build_rotary_tables(self) -> None:
-        """cos/sin for every position, from transformers' rotary embedding (exactly its values)."""
-        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    def build_rotary_tables(self, rope: Any = None) -> None:
+        """cos/sin for every position, exactly transformers' values.
 
-        with torch.device("cpu"):
-            rotary = LlamaRotaryEmbedding(self.config)
-        positions = torch.arange(self.max_positions)[None, :]
-        probe = torch.zeros(1, dtype=torch.float32)
-        cos, sin = rotary(probe, positions)  # [1, P, D] fp32
+        rope: a RopeFrequencies (inverse frequencies and scale transformers computed for this config), or None
+        to ask transformers' rotary embedding now. The tables are then built with its own arithmetic.
+        """
+        positions = torch.arange(self.max_positions)
+        if rope is None:
+            from apcscore.models.resolved import rope_frequencies
+
+            rope = rope_frequencies(self.config)
+        if rope is None:  # a rope type that depends on the length: transformers' module computes the tables
+            from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+            with torch.device("cpu"):
+                rotary = LlamaRotaryEmbedding(self.config)
+            cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None, :])  # [1, P, D] fp32
+            cos, sin = cos[0], sin[0]
+        else:  # LlamaRotaryEmbedding.forward's arithmetic
+            freqs = positions[:, None].float() * rope.inv_freq.float()  # [P, D / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
+            cos, sin = emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
-        self.cos_table = cos[0].to(device=device, dtype=dtype)
-        self.sin_table = sin[0].to(device=device, dtype=dtype)
+        self.cos_table = cos.to(device=device, dtype=dtype)
+        self.sin_table = sin.to(device=device, dtype=dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
@@ -199,11 +219,12 @@ class LlamaDecoder(nn.Module):
         return nn.functional.linear(hidden, self.lm_head_weight)
 
     @torch.no_grad()
-    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+    def load_hf_weights(self, state: dict[str, torch.Tensor], rope: Any = None) -> None:
         """Copy Hugging Face weights in (q/k/v and gate/up are fused here). Every weight must be used.
 
         Consumes `state`: each entry is removed once copied, so (with parameters made by `to_empty`, whose
-        pages are only touched when written) peak memory stays near one copy of the weights.
+        pages are only touched when written) peak memory stays near one copy of the weights. Then builds the
+        rotary tables (`rope`: see build_rotary_tables).
         """
         def take(name: str) -> torch.Tensor:
             if name not in state:
@@ -244,4 +265,4 @@ class LlamaDecoder(nn.Module):
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:
             raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
-        self.build_rotary_tables()
+        self.build_rotary_tables(rope)
