@@ -270,7 +270,7 @@ def test_every_step_respects_the_token_budget_and_sequence_cap(llama_dir):
 
 def test_decode_with_a_shared_cached_prefix_equals_decode_alone(llama_dir):
     """Decode reads shared prefix tiles once for the whole batch; the bits must not change."""
-    shared = prompts([300], seed=16)[0]  # > 2 key tiles of 128, all sequences hit the same blocks
+    shared = prompts([300], seed=16)[0]  # several key tiles, all sequences hit the same blocks
     ps = [shared + p for p in prompts([3, 9, 5, 12], seed=17)]
     params = SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True)
     engine = make_engine(llama_dir, num_kv_blocks=512)

@@ -22,7 +22,7 @@ import torch
 
 from apcscore.attention.metadata import AttentionMetadata
 
-KV_TILE = 128  # keys per tile; the last tile is padded to full size, so every reduction has one shape
+KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
 MIN_QUERY_ROWS = 16  # CPU GEMMs switch kernels (and rounding) below a few rows: pad small query blocks
 
 
@@ -148,18 +148,21 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     for t0 in range(0, seq_len, KV_TILE):
         t1 = t0 + KV_TILE
         r0 = max(0, min(group * max(0, t0 - first), n_rows - MIN_QUERY_ROWS))  # rows < r0 see no key here
-        qp = q_pos[r0:]
         scores = q[:, r0:] @ k[:, t0:t1].transpose(1, 2)  # [Hkv, R - r0, tile]
-        if t1 - 1 > int(qp[0]) or t1 > seq_len:  # the tile crosses the diagonal or the end
-            k_pos = torch.arange(t0, t1, device=query.device)
-            scores.masked_fill_(k_pos[None, None, :] > qp[None, :, None], float("-inf"))
-        m_old = m[:, r0:]
+        first_pos = first + r0 // group if r0 < num_real else seq_len - 1  # position of row r0
+        if t1 - 1 > first_pos or t1 > seq_len:  # the tile crosses the diagonal or the end
+            mask = meta.plans.get(("mask", i, t0))
+            if mask is None:  # the same in every layer
+                k_pos = torch.arange(t0, t1, device=query.device)
+                mask = meta.plans[("mask", i, t0)] = k_pos[None, None, :] > q_pos[None, r0:, None]
+            scores.masked_fill_(mask, float("-inf"))
+        m_old, s_old, acc_old = m[:, r0:], s[:, r0:], acc[:, r0:]  # views: updated in place
         m_new = torch.maximum(m_old, scores.amax(-1))
         alpha = torch.exp(m_old - m_new)
         p = scores.sub_(m_new[..., None]).exp_()
-        s[:, r0:] = s[:, r0:] * alpha + p.sum(-1)
-        acc[:, r0:] = acc[:, r0:] * alpha[..., None] + p @ v[:, t0:t1]
-        m[:, r0:] = m_new
+        s_old.mul_(alpha).add_(p.sum(-1))
+        acc_old.mul_(alpha[..., None]).add_(p @ v[:, t0:t1])
+        m_old.copy_(m_new)
     o = (acc / s[..., None])[:, :num_real]  # [Hkv, q_len * G, D]
     out[start:end] = o.view(hkv, q_len, group, head_dim).permute(1, 0, 2, 3).reshape(
         q_len, num_heads, head_dim).to(query.dtype)
