@@ -129,7 +129,7 @@ class Engine:
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len, device="meta")
-        model = model.to_empty(device=device).to(dtype)
+        model = model.materialize(device, dtype)
         for name in list(state_dict):  # in place, so that load_hf_weights can free each tensor once copied
             state_dict[name] = state_dict[name].to(device=device, dtype=dtype)
         model.load_hf_weights(state_dict, rope)

@@ -42,7 +42,7 @@ def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int) ->
     safe = torch.where(valid, targets, 0)[:, None]  # [N, 1]
     log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
     logprobs = torch.where(valid, log_probs.gather(1, safe).squeeze(1), float("nan"))
-    greater = (logits > logits.gather(1, safe)).sum(dim=1)  # [N] int64
+    greater = (logits > logits.gather(1, safe)).sum(dim=1, dtype=torch.int32).long()  # [N] (int32 counts: faster)
     ranks = torch.where(valid, greater + 1, 0)
     _, top_ids = top_k(logits, k)
     return logprobs, ranks, top_ids, log_probs.gather(1, top_ids)

@@ -227,6 +227,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, help="results JSON (default results/bench_cpu.json; --quick: "
                                              "results/bench_cpu.quick.json)")
     ap.add_argument("--update-docs", action="store_true", help="write the results into docs/benchmarks.md")
+    ap.add_argument("--docs-from", type=Path, metavar="RESULTS_JSON",
+                    help="run nothing: write the results of an earlier run (its results JSON) into docs/benchmarks.md")
     ap.add_argument("--allow-busy", action="store_true",
                     help="let --update-docs record numbers although the machine was busy at the start")
     ap.add_argument("--prepare-only", action="store_true",
@@ -275,6 +277,11 @@ def update_docs(text: str) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
+    if args.docs_from:
+        payload = json.loads(args.docs_from.read_text(encoding="utf-8"))
+        update_docs(render(payload["results"], payload))
+        print(f"docs: {DOCS} (from {args.docs_from})")
+        return
     command = " ".join([".venv/bin/python" if "/.venv/" in sys.executable else Path(sys.executable).name,
                         "benchmarks/bench_cpu.py", *argv])
     started = time.perf_counter()

@@ -174,6 +174,18 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
+    def materialize(self, device: Device, dtype: torch.dtype) -> "LlamaDecoder":
+        """Give a model built on "meta" uninitialised parameters of `dtype` on `device` (pages untouched until
+        load_hf_weights writes them). Unlike Module.to_empty, this does not import torch's symbolic-shapes
+        machinery (~0.7 s)."""
+        for module in self.modules():
+            for name, param in module.named_parameters(recurse=False):
+                module._parameters[name] = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype),
+                                                        requires_grad=False)
+            for name, buf in module.named_buffers(recurse=False):
+                module._buffers[name] = torch.empty(buf.shape, device=device, dtype=dtype)
+        return self
+
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
