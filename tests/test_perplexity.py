@@ -3,12 +3,12 @@
 The reference is transformers on the real default model, fed window by window the way lm-eval's
 `loglikelihood_rolling` does it (its window functions are transcribed below), or the way the transformers
 perplexity guide does for a stride below the window. Tolerance: token counts equal, each token's logprob
-within 2e-4 (measured: 3.7e-5 at most), the sum of logprobs within 4e-3 per 1,000 tokens (measured on the
-sonnet's 160 tokens: 0.5e-3 to 2.3e-3 per 1,000 tokens across the five window settings).
+within 2e-4, the sum of logprobs within 1e-3 per 1,000 tokens, on a text of ~1,000 tokens.
 
-Why not 1e-3 per 1,000 tokens: fp32 rounding does not average out over a sum of logprobs, it drifts. On the
-sonnet, transformers' own eager and sdpa attention differ by 1.1e-3 per 1,000 tokens, and transformers fp32
-is 6.6e-3 per 1,000 tokens off the same model in fp64 (we are 4.5e-3 off it: closer than the reference).
+The text must not be short: the sum's fp32 noise does not shrink with the text. On a 160-token sonnet the sums
+differed by up to 3.7e-4 (2.3e-3 per 1,000 tokens; transformers' own eager and sdpa attention differed by
+1.1e-3 per 1,000 tokens there), on 637 and 1,500 tokens of Shakespeare by 0.6e-4 to 3.7e-4 (at most 4.1e-4
+per 1,000 tokens, window 256 and 512, against sdpa and eager), while fp64 transformers is as far from either.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -32,22 +33,8 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.perplexity import PerplexityJob, count_words, default_window, rolling_windows
 from apcscore.records import Record
 
-# Sonnet 18 (public domain): 160 tokens with the default tokenizer.
-SONNET = """Shall I compare thee to a summer's day?
-Thou art more lovely and more temperate:
-Rough winds do shake the darling buds of May,
-And summer's lease hath all too short a date:
-Sometime too hot the eye of heaven shines,
-And often is his gold complexion dimm'd;
-And every fair from fair sometime declines,
-By chance or nature's changing course untrimm'd;
-But thy eternal summer shall not fade
-Nor lose possession of that fair thou owest;
-Nor shall Death brag thou wander'st in his shade,
-When in eternal lines to time thou growest:
-  So long as men can breathe or eyes can see,
-  So long lives this and this gives life to thee.
-"""
+SAMPLE_TEXTS = Path(__file__).resolve().parents[1] / "datasets" / "sample_texts.jsonl"
+
 
 
 # ---- lm-eval's rolling windows (lm_eval/utils.py, MIT license), transcribed as the reference ------------
@@ -152,9 +139,9 @@ def test_word_count_is_lm_evals():
 # ---- the real default model against transformers ------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    # One step holds every window of the test below (max_batch_tokens), so it runs in a few engine steps.
+    # All windows of the test below fit the KV pool at once; steps of 2048 tokens batch them together.
     return Engine.from_model("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=2048,
-                                                          num_kv_blocks=512))
+                                                          num_kv_blocks=1024))
 
 
 def reference_windows(hf, seq, windows) -> tuple[int, list[float]]:
@@ -202,19 +189,28 @@ def run_jobs(engine, jobs, text):
     return rows
 
 
+def long_text(tokenizer, num_tokens: int = 1000) -> str:
+    """The first ~num_tokens tokens of Shakespeare's sonnets 1-20 (datasets/sample_texts.jsonl)."""
+    with open(SAMPLE_TEXTS, encoding="utf-8") as f:
+        text = next(r["text"] for r in map(json.loads, f) if r["id"] == "sonnets_1_to_20")
+    return tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids[:num_tokens])
+
+
 def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model, default_tokenizer):
-    tokens = default_tokenizer(SONNET, add_special_tokens=False).input_ids
+    text = long_text(default_tokenizer)
+    tokens = default_tokenizer(text, add_special_tokens=False).input_ids
     n = len(tokens)
+    assert 950 < n < 1050
     prefix = default_tokenizer.bos_token_id
     cases = {  # name: (window, stride, number of windows)
         "shorter than the window": (n + 9, None, 1),
         "exactly the window": (n, None, 1),
         "window + 1": (n - 1, None, 2),
-        "several windows": (48, None, math.ceil(n / 48)),
-        "stride below the window": (48, 20, 1 + math.ceil((n - 48) / 20)),
+        "several windows": (256, None, math.ceil(n / 256)),
+        "stride below the window": (256, 128, 1 + math.ceil((n - 256) / 128)),
     }
     jobs = [PerplexityJob(engine, {"window": w, "stride": s, "prompt_logprobs": 0}) for w, s, _ in cases.values()]
-    rows = run_jobs(engine, jobs, SONNET)
+    rows = run_jobs(engine, jobs, text)
     all_windows = [lm_eval_windows(tokens, prefix, window) if stride is None
                    else guide_windows(tokens, prefix, window, stride) for window, stride, _ in cases.values()]
     _, remaining = reference_windows(hf_default_model, [prefix] + tokens, [w for ws in all_windows for w in ws])
@@ -223,7 +219,7 @@ def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model
         count = sum(len(targets) for _, targets in ref_windows)
         ref, remaining = remaining[:count], remaining[count:]
         assert row["num_tokens"] == count == n, name
-        tol = 4e-3 * n / 1000
+        tol = 1e-3 * n / 1000  # the issue's bar: 1e-3 per 1,000 tokens
         assert abs(row["sum_logprob"] - math.fsum(ref)) < tol, (name, row["sum_logprob"], math.fsum(ref))
         assert row["token_ids"] == [prefix] + tokens and row["token_logprobs"][0] is None
         assert np.abs(np.array(row["token_logprobs"][1:]) - np.array(ref)).max() < 2e-4, name
