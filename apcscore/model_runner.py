@@ -177,7 +177,8 @@ class ModelRunner:
         dev = hidden.device
         lps = chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],
                                      torch.tensor(targets, dtype=torch.int64, device=dev), k,
-                                     self.logprobs_chunk_size, self.logprob_fn)
+                                     self.logprobs_chunk_size, self.logprob_fn,
+                                     ranks=any(seq.request.prompt_logprob_ranks for seq, *_ in spans))
         out = []
         for seq, first, count, pos0 in spans:
             kk = seq.request.prompt_logprobs

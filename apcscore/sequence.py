@@ -19,6 +19,8 @@ class Request:
         top-K alternatives. A request with prompt logprobs never *reads* the prefix cache (a hit has KV but
         no logits), but still writes its full blocks to it.
     score_from: first prompt position that is scored (position 0 never is: it has no context).
+    prompt_logprob_ranks: False lets the engine skip counting ranks (a pass over the vocabulary per token) for
+        a job that only sums logprobs; ranks then read 0 unless another request of the step needed them.
     sampling: None for a scoring-only request (nothing is generated).
     """
 
@@ -27,6 +29,7 @@ class Request:
     sampling: SamplingParams | None = None
     prompt_logprobs: int | None = None
     score_from: int = 1
+    prompt_logprob_ranks: bool = True
 
     @property
     def max_tokens(self) -> int:

@@ -288,3 +288,17 @@ def test_perplexity_command_refuses_a_stride_above_the_window(tmp_path, write_js
     res = CliRunner().invoke(app, ["perplexity", str(data), "--model", str(tiny_model_dir("llama")), "--window", "8",
                                    "--stride", "9", "--out", str(tmp_path / "o.parquet"), "--device", "cpu"])
     assert res.exit_code == 2 and "--stride must be between 1 and the window" in res.output
+
+
+def test_ranks_are_only_counted_when_per_token_columns_are_asked_for(tiny_model_dir):
+    """Perplexity sums logprobs: without --prompt-logprobs the rank pass over the vocabulary is skipped, and
+    the logprobs are the same bits either way."""
+    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64))
+    text = "the quick brown fox jumps over the lazy dog " * 8
+    plain, per_token = (run_jobs(engine, [PerplexityJob(engine, {"window": 32, "stride": None, "prompt_logprobs": k})],
+                                 text)[0] for k in (None, 0))
+    requests = PerplexityJob(engine, {"window": 32, "stride": None, "prompt_logprobs": None}).requests(
+        Record(0, 1, "r", "text", {"text": text}))
+    assert requests and not any(r.prompt_logprob_ranks for r in requests)
+    assert plain["sum_logprob"] == per_token["sum_logprob"]
+    assert per_token["token_ranks"][1:] and all(r >= 1 for r in per_token["token_ranks"][1:])

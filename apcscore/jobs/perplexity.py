@@ -123,8 +123,9 @@ class PerplexityJob(Job):
         seq = self.sequence(record.fields["text"])
         if len(seq) == 1:
             raise ApcscoreError("the text is empty: it has no tokens to score (remove the record or give it text)")
+        # without per-token columns only the logprobs are summed: no ranks needed
         return [Request(None, seq[w.start:w.end], prompt_logprobs=self.k or 0,
-                        score_from=w.end - w.start - w.num_scored)
+                        score_from=w.end - w.start - w.num_scored, prompt_logprob_ranks=self.k is not None)
                 for w in rolling_windows(len(seq) - 1, self.window, self.stride)]
 
     def row(self, record: Record, outputs: list[RequestOutput]) -> dict:

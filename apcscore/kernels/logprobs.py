@@ -60,15 +60,16 @@ def _check_args(name: str, logits: torch.Tensor, targets: torch.Tensor, k: int) 
         raise ValueError(f"{name}: k must be an int in [0, vocab size {logits.shape[1]}], got {k!r}")
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, *, block_v: int = BLOCK_V
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = True, *,
+                   block_v: int = BLOCK_V) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused logprobs of the target tokens, without materialising an [N, V] fp32 tensor.
 
     logits: [N, V] fp32/fp16/bf16 (rows may be strided, V contiguous); targets: [N] int64; k >= 0.
     Returns logprobs [N] f32, ranks [N] int64, top_ids [N, k] int64, top_logprobs [N, k] f32.
     The kernel computes the fp32 log-sum-exp, the target's logprob and rank in one pass over the vocabulary;
     the top-k uses torch.topk on the input logits, and its logprobs are those logits in fp32 minus the
-    kernel's log-sum-exp. block_v: vocabulary entries per chunk (a power of two).
+    kernel's log-sum-exp. block_v: vocabulary entries per chunk (a power of two). ranks is accepted for the
+    torch reference's signature: the kernel counts them in the same pass anyway.
     """
     name = "token_logprobs"
     check_tensors(name, logits=logits, targets=targets)

@@ -28,8 +28,9 @@ from apcscore.models.llama import check_architecture
 from apcscore.models.loader import cache_root, load_config, load_tokenizer
 
 FORMAT = 1  # bump when what is stored changes
-KEY_FILES = ("config.json", "tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
-             "chat_template.jinja", "generation_config.json")
+KEY_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",  # the key's files
+             "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+             "vocab.json", "merges.txt", "tokenizer.model")
 
 
 @dataclass(frozen=True)
