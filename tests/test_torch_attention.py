@@ -1,0 +1,117 @@
+"""The torch attention backend at SmolLM2's shapes (9 query heads, 3 KV heads, head_dim 64): its bitwise rules.
+
+The engine tests check the same on tiny models through the whole engine; these pin the backend itself at the
+real model's shapes, where CPU GEMM kernels are the ones the benchmarks run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apcscore.attention import torch_backend as tb
+from apcscore.attention.metadata import AttentionMetadata
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def meta_for(items: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:
+    """items: (q_len, seq_len) per sequence; tables: block ids per sequence."""
+    cu, lens = [0], []
+    for q, length in items:
+        cu.append(cu[-1] + q)
+        lens.append(length)
+    bt = torch.zeros(len(items), max(map(len, tables)), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        bt[i, :len(t)] = torch.tensor(t)
+    return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=bt,
+                             cu_seqlens_q=torch.tensor(cu), seq_lens=torch.tensor(lens),
+                             max_seqlen_q=max(q for q, _ in items), max_seqlen_k=max(lens),
+                             cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=BS)
+
+
+def caches(num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random caches in the backend's own heads-major layout, NaN in block 0 (never in a table below)."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = tb.allocate_kv_cache(1, num_blocks, BS, HKV, D, torch.zeros)[0]
+    k.copy_(torch.randn(num_blocks, BS, HKV, D, generator=g))
+    v.copy_(torch.randn(num_blocks, BS, HKV, D, generator=g))
+    k[0], v[0] = float("nan"), float("nan")
+    return k, v
+
+
+def loop_reference(q, k, v, masked, start, end, state=None):
+    """The online softmax written as the plain loop over tiles (what _tiled_softmax batches)."""
+    m, s, acc = state if state is not None else (None, None, None)
+    for t0 in range(start, end, tb.KV_TILE):
+        lo, hi = t0 - start, t0 - start + tb.KV_TILE
+        scores = q @ k[..., lo:hi, :].transpose(-1, -2)
+        if masked is not None:
+            scores = scores.masked_fill(masked[..., lo:hi], float("-inf"))
+        tile_max = scores.amax(-1)
+        if m is None:
+            m = tile_max
+            p = torch.exp(scores - m[..., None])
+            s, acc = p.sum(-1), p @ v[..., lo:hi, :]
+            continue
+        m_new = torch.maximum(m, tile_max)
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(scores - m_new[..., None])
+        s = s * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + p @ v[..., lo:hi, :]
+        m = m_new
+    return m, s, acc
+
+
+@pytest.mark.parametrize("q_shape,length", [((3, 96, D), 320), ((3, 32, 16, D), 64), ((3, 32, 16, D), 128),
+                                            ((3, 200, D), 512)])
+def test_batched_tiles_equal_the_loop_over_tiles(q_shape, length):
+    g = torch.Generator().manual_seed(length)
+    q = torch.randn(*q_shape, generator=g) * D ** -0.5
+    k, v = (torch.randn(*q_shape[:-2], length, D, generator=g) for _ in range(2))
+    for masked, end in ((None, length), (None, length - 5), (torch.rand(*q_shape[:-1], length, generator=g) < 0.2,
+                                                             length)):
+        want = loop_reference(q, k, v, masked, 0, end)
+        got = tb._tiled_softmax(q, k, v, masked, 0, end)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+        want = loop_reference(q, k, v, masked, 0, end, want)  # continuing from a state
+        got = tb._tiled_softmax(q, k, v, masked, 0, end, got)
+        assert all(torch.equal(a, b) for a, b in zip(want, got))
+
+
+@pytest.mark.parametrize("length", [17, 64, 65, 130, 333, 700])
+def test_a_decode_query_equals_the_last_row_of_its_prefill(length):
+    """After preemption a sequence is recomputed by prefill: its next token must come out the same."""
+    num_blocks = -(-length // BS)
+    k, v = caches(num_blocks + 2, length)
+    q = torch.randn(length, HQ, D, generator=torch.Generator().manual_seed(1))
+    table = list(range(1, num_blocks + 1))
+    prefill = tb.paged_attention(q, k, v, meta_for([(length, length)], [table]), D ** -0.5)
+    decode = tb.paged_attention(q[-1:], k, v, meta_for([(1, length)], [table]), D ** -0.5)
+    assert not prefill.isnan().any()
+    assert torch.equal(prefill[-1], decode[0])
+
+
+def test_decode_with_a_shared_prefix_equals_decode_alone_and_chunks_equal_the_whole():
+    prefix_blocks, num_seqs = 20, 12  # a 320-token prefix in the same blocks for every sequence
+    lens = [320 + 4 + (i * 7) % 21 for i in range(num_seqs)]
+    tables, nxt = [], prefix_blocks + 1
+    for n in lens:
+        own = -(-n // BS) - prefix_blocks
+        tables.append(list(range(1, prefix_blocks + 1)) + list(range(nxt, nxt + own)))
+        nxt += own
+    k, v = caches(nxt, 7)
+    q = torch.randn(num_seqs, HQ, D, generator=torch.Generator().manual_seed(2))
+    together = tb.paged_attention(q, k, v, meta_for([(1, n) for n in lens], tables), D ** -0.5)
+    for i, n in enumerate(lens):
+        alone = tb.paged_attention(q[i:i + 1], k, v, meta_for([(1, n)], [tables[i]]), D ** -0.5)
+        assert torch.equal(alone[0], together[i])
+    # a prefill in chunks next to other work equals the whole prefill
+    n = lens[0]
+    qs = torch.randn(n, HQ, D, generator=torch.Generator().manual_seed(3))
+    whole = tb.paged_attention(qs, k, v, meta_for([(n, n)], [tables[0]]), D ** -0.5)
+    for a, b in ((0, 1), (0, 70), (63, 129), (200, n), (n - 1, n)):
+        chunk = torch.cat([q[:3], qs[a:b]])
+        got = tb.paged_attention(chunk, k, v, meta_for([(1, lens[1]), (1, lens[2]), (1, lens[3]), (b - a, b)],
+                                                       [tables[1], tables[2], tables[3], tables[0]]), D ** -0.5)
+        assert torch.equal(got[3:], whole[a:b]), (a, b)
