@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
-from apcscore.logprobs import LogprobFn, chunked_token_logprobs, token_logprobs_torch
+from apcscore.logprobs import LogprobFn, Scratch, chunked_token_logprobs, token_logprobs_torch
 from apcscore.models.llama import LlamaDecoder
 from apcscore.sampler import make_generator, sample_rows
 from apcscore.scheduler import ScheduledBatch
@@ -79,6 +79,8 @@ class ModelRunner:
         self.logprobs_chunk_size = logprobs_chunk_size
         self.base_seed = base_seed
         self.logprob_fn = logprob_fn
+        # big logprob temporaries are reused on the CPU (the torch fn); CUDA's caching allocator reuses them anyway
+        self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
         cfg = model.config
         attn0 = model.layers[0].self_attn
         # per layer [num_blocks, block_size, Hkv, D] caches; a backend may lay the pool out its own way
@@ -147,12 +149,16 @@ class ModelRunner:
                 hidden = self.model(input_ids, positions)  # [T, H]
         return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden))
 
-    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, V]; on CPU, padded to MIN_ROWS rows for batch-invariant rounding."""
+    def _logits(self, hidden: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
+        """[N, H] -> [N, V]; on CPU, padded to MIN_ROWS rows for batch-invariant rounding (into scratch if given)."""
         n = hidden.shape[0]
         if self.device.type == "cpu" and n < MIN_ROWS:
             hidden = torch.nn.functional.pad(hidden, (0, 0, 0, MIN_ROWS - n))
-        return self.model.compute_logits(hidden)[:n]
+        out = None
+        if scratch is not None:
+            vocab = self.model.lm_head_weight.shape[0]
+            out = scratch.get("logits", (hidden.shape[0], vocab), self.dtype, hidden.device)
+        return self.model.compute_logits(hidden, out)[:n]
 
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
         """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see."""
@@ -178,7 +184,8 @@ class ModelRunner:
         lps = chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],
                                      torch.tensor(targets, dtype=torch.int64, device=dev), k,
                                      self.logprobs_chunk_size, self.logprob_fn,
-                                     ranks=any(seq.request.prompt_logprob_ranks for seq, *_ in spans))
+                                     ranks=any(seq.request.prompt_logprob_ranks for seq, *_ in spans),
+                                     scratch=self.scratch)
         out = []
         for seq, first, count, pos0 in spans:
             kk = seq.request.prompt_logprobs

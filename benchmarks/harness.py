@@ -99,10 +99,13 @@ def run_process(argv: list[str], env: dict[str, str] | None = None, cwd: str | P
 
 
 def run_scenario(scenario: Scenario, repeats: int, log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Run every contender `repeats` times, interleaved (A B A B ...), and summarise with medians."""
+    """Run every contender `repeats` times, interleaved and rotated (A B C, B C A, C A B, ...: each contender
+    takes each place in the order equally often, so a drift of the machine within a round favours nobody),
+    and summarise with medians."""
     runs: dict[str, list[RunResult]] = {c.name: [] for c in scenario.contenders}
+    n = len(scenario.contenders)
     for rep in range(repeats):
-        for c in scenario.contenders:
+        for c in scenario.contenders[rep % n:] + scenario.contenders[:rep % n]:
             log(f"  [{scenario.name}] {c.name} run {rep + 1}/{repeats} ...")
             r = run_process(c.argv)
             if r.returncode != 0:

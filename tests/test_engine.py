@@ -282,3 +282,22 @@ def test_decode_with_a_shared_cached_prefix_equals_decode_alone(llama_dir):
         assert alone.output_token_ids == together[i].output_token_ids
         for field in ("token_logprobs", "ranks", "top_ids", "top_logprobs"):
             assert np.array_equal(getattr(alone.output_logprobs, field), getattr(together[i].output_logprobs, field))
+
+
+def test_reused_logprob_buffers_give_the_same_bits():
+    """The CPU logprob path reuses [rows, vocab] buffers (logprobs.Scratch); results must not change, and a
+    chunk's results must not alias the buffers the next chunk overwrites."""
+    from apcscore.logprobs import Scratch, chunked_token_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(300, 32, generator=g), torch.randn(1000, 32, generator=g)
+    targets = torch.randint(0, 1000, (300,), generator=g)
+
+    def logits(h, scratch=None):
+        out = None if scratch is None else scratch.get("logits", (h.shape[0], 1000), torch.float32, h.device)
+        return torch.nn.functional.linear(h, weight) if out is None else torch.mm(h, weight.t(), out=out)
+
+    plain = chunked_token_logprobs(logits, hidden, targets, 5, 64)
+    reused = chunked_token_logprobs(logits, hidden, targets, 5, 64, scratch=Scratch())
+    for field in ("token_logprobs", "ranks", "top_ids", "top_logprobs"):
+        assert np.array_equal(getattr(plain, field), getattr(reused, field)), field

@@ -226,9 +226,11 @@ class LlamaDecoder(nn.Module):
         hidden, _ = self.norm(hidden, residual)
         return hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> [N, vocab] in the model dtype."""
-        return nn.functional.linear(hidden, self.lm_head_weight)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> [N, vocab] in the model dtype (into `out` [N, vocab] if given: the same GEMM)."""
+        if out is None:
+            return nn.functional.linear(hidden, self.lm_head_weight)
+        return torch.mm(hidden, self.lm_head_weight.t(), out=out)
 
     @torch.no_grad()
     def load_hf_weights(self, state: dict[str, torch.Tensor], rope: Any = None) -> None:
