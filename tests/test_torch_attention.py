@@ -16,18 +16,7 @@ HQ, HKV, D, BS = 9, 3, 64, 16
 
 
 def meta_for(items: list[tuple[int, int]], tables: list[list[int]]) -> AttentionMetadata:
-    """items: (q_len, seq_len) per sequence; tables: block ids per sequence."""
-    cu, lens = [0], []
-    for q, length in items:
-        cu.append(cu[-1] + q)
-        lens.append(length)
-    bt = torch.zeros(len(items), max(map(len, tables)), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        bt[i, :len(t)] = torch.tensor(t)
-    return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=bt,
-                             cu_seqlens_q=torch.tensor(cu), seq_lens=torch.tensor(lens),
-                             max_seqlen_q=max(q for q, _ in items), max_seqlen_k=max(lens),
-                             cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=BS)
+    return AttentionMetadata.for_attention(items, tables, BS)
 
 
 def caches(num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

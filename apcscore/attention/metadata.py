@@ -31,6 +31,23 @@ class AttentionMetadata:
     # Per-step plans a backend derives from the fields above once and reuses in every layer.
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
+    @classmethod
+    def for_attention(cls, items: list[tuple[int, int]], tables: list[list[int]],
+                      block_size: int) -> "AttentionMetadata":
+        """Metadata for calling an attention backend directly (benchmarks, tests): items are (q_len, seq_len)
+        per sequence, tables their block ids. No slots: the new K/V are taken as already stored."""
+        cu, lens = [0], []
+        for q_len, seq_len in items:
+            cu.append(cu[-1] + q_len)
+            lens.append(seq_len)
+        block_tables = torch.zeros(len(items), max(map(len, tables)), dtype=torch.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = torch.tensor(table)
+        return cls(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=block_tables,
+                   cu_seqlens_q=torch.tensor(cu), seq_lens=torch.tensor(lens),
+                   max_seqlen_q=max(q for q, _ in items), max_seqlen_k=max(lens),
+                   cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=block_size)
+
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
