@@ -70,10 +70,17 @@ def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ra
                                        out=scratch.get("log_probs", logits.shape, torch.float32, logits.device))
     logprobs = torch.where(valid, log_probs.gather(1, safe).squeeze(1), float("nan"))
     if ranks:
-        above = (logits > logits.gather(1, safe) if scratch is None else  # [N, V] bool
-                 torch.gt(logits, logits.gather(1, safe), out=scratch.get("above", logits.shape, torch.bool,
-                                                                            logits.device)))
-        greater = above.sum(dim=1, dtype=torch.int32).long()  # [N] (int32 counts: faster)
+        if scratch is None:
+            greater = (logits > logits.gather(1, safe)).sum(dim=1, dtype=torch.int32).long()  # [N]
+        else:
+            # 0/1 as fp32 into a reused buffer, summed in fp32: exact (counts < 2^24). Summing the bool
+            # comparison instead first casts it to a fresh [N, V] integer tensor (a new mmap each chunk):
+            # measured 97 -> 17 ms per 1,024 x 49,152 chunk.
+            if logits.shape[1] >= 2 ** 24:
+                raise ValueError("token_logprobs_torch: fp32 rank counts need a vocabulary below 2^24")
+            above = torch.gt(logits, logits.gather(1, safe),
+                             out=scratch.get("above", logits.shape, torch.float32, logits.device))  # [N, V]
+            greater = above.sum(dim=1).long()  # [N]
         rank = torch.where(valid, greater + 1, 0)
     else:
         rank = torch.zeros_like(targets)

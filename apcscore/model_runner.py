@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.host_memory import keep_freed_memory
 from apcscore.logprobs import LogprobFn, Scratch, chunked_token_logprobs, token_logprobs_torch
 from apcscore.models.llama import LlamaDecoder
 from apcscore.sampler import make_generator, sample_rows
@@ -81,6 +82,8 @@ class ModelRunner:
         self.logprob_fn = logprob_fn
         # big logprob temporaries are reused on the CPU (the torch fn); CUDA's caching allocator reuses them anyway
         self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
+        if device.type == "cpu":
+            keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
         cfg = model.config
         attn0 = model.layers[0].self_attn
         # per layer [num_blocks, block_size, Hkv, D] caches; a backend may lay the pool out its own way

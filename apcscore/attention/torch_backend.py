@@ -149,13 +149,15 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         t1 = t0 + KV_TILE
         r0 = max(0, min(group * max(0, t0 - first), n_rows - MIN_QUERY_ROWS))  # rows < r0 see no key here
         scores = q[:, r0:] @ k[:, t0:t1].transpose(1, 2)  # [Hkv, R - r0, tile]
-        first_pos = first + r0 // group if r0 < num_real else seq_len - 1  # position of row r0
-        if t1 - 1 > first_pos or t1 > seq_len:  # the tile crosses the diagonal or the end
+        # rows [r0, r_end) have a position below t1 - 1: they cannot see every key of the tile (the padding
+        # rows sit at seq_len - 1, after the real ones); the rows after them see it all, unmasked
+        r_end = group * min(max(t1 - 1 - first, 0), q_len) + (n_rows - num_real) * (seq_len < t1)
+        if r_end > r0:
             mask = meta.plans.get(("mask", i, t0))
             if mask is None:  # the same in every layer
                 k_pos = torch.arange(t0, t1, device=query.device)
-                mask = meta.plans[("mask", i, t0)] = k_pos[None, None, :] > q_pos[None, r0:, None]
-            scores.masked_fill_(mask, float("-inf"))
+                mask = meta.plans[("mask", i, t0)] = k_pos[None, None, :] > q_pos[None, r0:r_end, None]
+            scores[:, :r_end - r0].masked_fill_(mask, float("-inf"))
         m_old, s_old, acc_old = m[:, r0:], s[:, r0:], acc[:, r0:]  # views: updated in place
         m_new = torch.maximum(m_old, scores.amax(-1))
         alpha = torch.exp(m_old - m_new)
