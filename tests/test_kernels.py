@@ -23,6 +23,7 @@ from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
 from apcscore.kernels import paged_attention, rms_norm, store_kv, token_logprobs, token_logprobs_torch
+from apcscore.logprobs import Scratch
 from apcscore.kernels._checks import interpreting
 
 INTERPRET = interpreting()
@@ -325,11 +326,16 @@ def test_token_logprobs_matches_reference(dtype: torch.dtype, k: int) -> None:
         assert torch.all(top[:, :-1] >= top[:, 1:])  # sorted descending
 
 
+def with_scratch(logits, targets, k):
+    """token_logprobs_torch on the CPU path that reuses buffers (ranks counted in an fp32 buffer)."""
+    return token_logprobs_torch(logits, targets, k, scratch=Scratch())
+
+
 def test_token_logprob_ranks_with_ties() -> None:
     logits = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, -1.0]] * 4)
     targets = torch.tensor([1, 4, 3, 5])
     want = torch.tensor([1, 1, 4, 6])  # 1 + entries strictly greater: ties share the better rank
-    for fn in (token_logprobs_torch, token_logprobs):
+    for fn in (token_logprobs_torch, token_logprobs, with_scratch):
         _, ranks, ids, _ = fn(logits.to(DEVICE), targets.to(DEVICE), 3)
         assert torch.equal(ranks.cpu(), want), fn.__name__
         assert set(ids[0].tolist()) == {1, 2, 4}
@@ -338,7 +344,7 @@ def test_token_logprob_ranks_with_ties() -> None:
 def test_token_logprobs_out_of_range_target() -> None:
     logits = torch.randn(3, 50)
     targets = torch.tensor([0, -1, 50])
-    for fn in (token_logprobs_torch, token_logprobs):
+    for fn in (token_logprobs_torch, token_logprobs, with_scratch):
         lp, ranks, _, _ = fn(logits.to(DEVICE), targets.to(DEVICE), 2)
         assert torch.isfinite(lp[0]) and torch.isnan(lp[1:]).all(), fn.__name__
         assert ranks[1:].tolist() == [0, 0]
@@ -421,3 +427,10 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
                             timeout=300, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.count("compiled") == 6
+
+
+def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:
+    """Counts summed in fp32 are exact only below 2^24 entries: a bigger vocabulary is refused, not miscounted."""
+    logits = torch.zeros(1, 2 ** 24)
+    with pytest.raises(ValueError, match="2\\^24"):
+        token_logprobs_torch(logits, torch.tensor([0]), 0, scratch=Scratch())
