@@ -103,16 +103,18 @@ class Engine:
         dtype = resolve_dtype(config.dtype, device)
         files = resolve_model(spec)
         parts = resolve_model_parts(files.path)
-        state = load_state_dict(files.path, dtype=dtype, device=device)
+        state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
         return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
-                              fingerprint=weights_fingerprint(files.path), rope=parts.rope)
+                              fingerprint=weights_fingerprint(files.path), rope=parts.rope, consume_state=True)
 
     @classmethod
     def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
                    config: EngineConfig | None = None, name: str = "custom", path: str = "",
-                   fingerprint: str = "", rope: Any = None) -> "Engine":
+                   fingerprint: str = "", rope: Any = None, consume_state: bool = False) -> "Engine":
         """Build the engine from a Hugging Face config and state dict (tests, benchmarks, random weights).
 
+        The weights are copied into the model tensor by tensor, from any device and dtype; `state_dict` is left
+        as it was unless consume_state=True (then each entry is dropped once copied: for callers that own it).
         rope: the config's RopeFrequencies if already known (apcscore.models.resolved), else None.
         """
         config = config or EngineConfig()
@@ -130,10 +132,10 @@ class Engine:
             max_len = min(max_len, config.max_model_len)
         model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len, device="meta")
         model = model.materialize(device, dtype)
-        for name in list(state_dict):  # in place, so that load_hf_weights can free each tensor once copied
-            state_dict[name] = state_dict[name].to(device=device, dtype=dtype)
-        model.load_hf_weights(state_dict, rope)
+        model.load_hf_weights(state_dict, rope, consume=consume_state)
         model.eval()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the KV pool is sized from free memory: return what loading cached
         info = ModelInfo(
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,

@@ -37,9 +37,11 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
-TOTAL_LIMIT_S = 470  # the whole check stays under 8 minutes
-PART_LIMITS_S = {"env": 20, "tests": 170, "compare": 75, "bench:smollm2-135m": 65, "bench:llama-3.2-1b": 130}
-SMALL_LIMITS_S = {"env": 60, "tests": 180, "compare": 240, "bench:smollm2-135m": 120, "bench:llama-3.2-1b": 120}
+TOTAL_LIMIT_S = 530  # the whole check stays under 9 minutes
+PART_LIMITS_S = {"env": 20, "tests": 170, "compare": 75, "bench:smollm2-135m": 65, "bench:llama-3.2-1b": 130,
+                 "invariance": 60}
+SMALL_LIMITS_S = {"env": 60, "tests": 180, "compare": 240, "bench:smollm2-135m": 120, "bench:llama-3.2-1b": 120,
+                  "invariance": 120}
 
 # Llama-3.2-1B and SmolLM2-135M shapes (transformers LlamaConfig arguments).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -443,8 +445,92 @@ def part_bench(args) -> None:
                         "first_token_agree": rounded(float(np.mean([s > 0 for s in same])))}})
 
 
+def part_invariance(args) -> bool:
+    """Batch invariance on CUDA: does a row's result depend on the row count? For the GEMMs of a
+    Llama-3.2-1B-shaped model: cuBLAS (F.linear), cuBLAS on fixed 128-row tiles (one strided-batched call),
+    and apcscore's fixed-configuration Triton kernel (apcscore.kernels.matmul), each against its own
+    result at M = 4096 (rows that differ in any bit), plus median time per call. Then the engine as it is
+    today: the same prompts scored under several token budgets, logprobs compared bitwise to the largest
+    budget's. Measures; fails only on a crash."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from apcscore.kernels.matmul import invariant_linear
+
+    small = args.small
+    device, dtype = ("cpu", torch.float32) if small else ("cuda", torch.bfloat16)
+    hidden, inter, vocab = (64, 128, 1024) if small else (2048, 8192, 128256)
+    shapes = {"qkv": (hidden, hidden + 2 * hidden // 4), "o": (hidden, hidden), "gate_up": (hidden, 2 * inter),
+              "down": (inter, hidden), "lm_head": (hidden, vocab)}
+    ref_m = 256 if small else 4096
+    ms = [1, 7, 16, 57, 64, 100, 191, 257, 1000] if not small else [1, 7, 57, 100, 191]
+    tile = 128
+
+    def tiled(x, w):  # fixed 128-row tiles through one strided-batched cuBLAS call
+        m = x.shape[0]
+        pad = -m % tile
+        xp = F.pad(x, (0, 0, 0, pad)).view(-1, tile, x.shape[1])
+        return torch.matmul(xp, w.t())[...].reshape(-1, w.shape[0])[:m]
+
+    variants = {"cublas": lambda x, w: F.linear(x, w), "cublas_tiles128": tiled,
+                "triton_fixed": lambda x, w: invariant_linear(x, w)}
+    if not small:
+        variants["triton_fixed_fp32_out"] = lambda x, w: invariant_linear(x, w, out_dtype=torch.float32)
+
+    def median_ms(fn, reps: int = 5 if small else 20) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times.append(time.perf_counter() - t0)
+        return rounded(1e3 * float(np.median(times)))
+
+    g = torch.Generator(device="cpu").manual_seed(0)
+    ok = True
+    for name, (k_dim, n_dim) in shapes.items():
+        w = (torch.randn(n_dim, k_dim, generator=g) * k_dim ** -0.5).to(device, dtype)
+        x = torch.randn(ref_m, k_dim, generator=g).to(device, dtype)
+        row: dict[str, Any] = {"part": "invariance", "gemm": name, "k": k_dim, "n": n_dim, "ref_m": ref_m}
+        for vname, fn in variants.items():
+            ref = fn(x, w)
+            bad = {m: int((fn(x[:m], w) != ref[:m]).any(dim=1).sum()) for m in ms}
+            row[vname] = {"rows_differing_at_m": {m: b for m, b in bad.items() if b},
+                          "invariant": not any(bad.values()),
+                          "ms": {m: median_ms(lambda: fn(x[:m], w)) for m in ([1, 256, ref_m] if not small else [ref_m])}}
+        if not small:
+            row["triton_vs_cublas_max_abs"] = rounded(float((variants["triton_fixed"](x, w).float() - F.linear(x, w).float()).abs().max()))
+        emit(row)
+        del w, x
+
+    # -- the engine as it is: budgets change bits?
+    cfg = llama_config("smollm2-135m", small)
+    hf = random_hf_model(cfg, torch.float32, device)
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    lengths = [16, 40, 23, 70] if small else [64, 130, 300, 700, 1500, 90, 33, 500]
+    prompts = random_prompts(lengths, cfg.vocab_size, seed=21)
+    budgets = [57, 64, 100, 191] + ([] if small else [1000])
+    big = 8192
+    runs = {}
+    precision, backend = ("float32", "torch") if small else ("bfloat16", "triton")
+    for budget in budgets + [big]:  # scoring never decodes: no CUDA graphs to capture
+        engine = make_engine(cfg, state, device, precision, backend, max_batch_tokens=budget, max_num_seqs=8,
+                             use_cuda_graphs=False)
+        runs[budget] = np.concatenate([s.token_logprobs for s in engine_score(engine, prompts, 5)])
+    alone = np.concatenate([engine_score(engine, [p], 5)[0].token_logprobs for p in prompts])  # budget 8192
+    runs["alone"] = alone
+    ref = runs[big]
+    emit({"part": "invariance", "engine": "smollm2-135m" + ("-tiny" if small else "-shape"),
+          "backend": "torch" if small else "triton", "scored": int(ref.size),
+          "differing_logprobs_vs_budget_8192": {str(b): int((r != ref).sum()) for b, r in runs.items() if b != big},
+          "max_abs_diff": {str(b): rounded(float(np.abs(r - ref).max())) for b, r in runs.items() if b != big}})
+    return ok
+
+
 # ---- orchestration ------------------------------------------------------------------------------------------
-PARTS = {"env": part_env, "tests": part_tests, "compare": part_compare, "bench": part_bench}
+PARTS = {"env": part_env, "tests": part_tests, "compare": part_compare, "bench": part_bench,
+         "invariance": part_invariance}
 
 
 def run_part(argv: list[str], label: str, limit: float, env: dict[str, str], log) -> dict[str, Any]:
@@ -516,7 +602,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = [(["env"], "env", env), (["tests"], "tests", env),
             (["compare"], "compare", {**env, "TRITON_INTERPRET": "1"} if args.small else env),
             (["bench", "--model", "smollm2-135m"], "bench:smollm2-135m", env),
-            (["bench", "--model", "llama-3.2-1b"], "bench:llama-3.2-1b", env)]
+            (["bench", "--model", "llama-3.2-1b"], "bench:llama-3.2-1b", env),
+            (["invariance"], "invariance", {**env, "TRITON_INTERPRET": "1"} if args.small else env)]
     ok = True
     for part_argv, label, part_env_vars in plan:
         left = deadline - time.perf_counter()

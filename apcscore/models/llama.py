@@ -8,7 +8,7 @@ yarn, ...) gives exactly its cos/sin.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -233,23 +233,34 @@ class LlamaDecoder(nn.Module):
         return torch.mm(hidden, self.lm_head_weight.t(), out=out)
 
     @torch.no_grad()
-    def load_hf_weights(self, state: dict[str, torch.Tensor], rope: Any = None) -> None:
-        """Copy Hugging Face weights in (q/k/v and gate/up are fused here). Every weight must be used.
+    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
+        """Copy Hugging Face weights into place, tensor by tensor (q/k/v and gate/up are fused here). Every
+        weight must be used.
 
-        Consumes `state`: each entry is removed once copied, so (with parameters made by `to_empty`, whose
-        pages are only touched when written) peak memory stays near one copy of the weights. Then builds the
-        rotary tables (`rope`: see build_rotary_tables).
+        Each source tensor may sit on any device in any dtype: `copy_` converts it while writing into the
+        parameter, so peak device memory is the parameters plus nothing (no second copy of the weights).
+        consume=True removes each entry from `state` once copied (a caller that owns a big CPU dict frees it
+        as it goes); by default `state` is left as it was. Then builds the rotary tables (`rope`: see
+        build_rotary_tables).
         """
+        used: set[str] = set()
+
         def take(name: str) -> torch.Tensor:
             if name not in state:
                 raise ApcscoreError(f"weight {name} is missing from the checkpoint")
-            return state.pop(name)
+            used.add(name)
+            return state.pop(name) if consume else state[name]  # type: ignore[attr-defined]
 
         def copy(param: torch.Tensor, *names: str) -> None:
-            src = torch.cat([take(n) for n in names], dim=0) if len(names) > 1 else take(names[0])
-            if src.shape != param.shape:
-                raise ApcscoreError(f"weight {names[0]} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
-            param.copy_(src)
+            sources = [take(n) for n in names]
+            shape = (sum(s.shape[0] for s in sources), *sources[0].shape[1:])
+            if any(s.shape[1:] != sources[0].shape[1:] for s in sources) or shape != tuple(param.shape):
+                raise ApcscoreError(f"weight {names[0]} has shape {tuple(sources[0].shape)}, expected "
+                                    f"{tuple(param.shape)}")
+            row = 0
+            for src in sources:  # fused parameters: each source fills its own rows, no concatenated copy
+                param[row:row + src.shape[0]].copy_(src)
+                row += src.shape[0]
 
         copy(self.embed_tokens.weight, "model.embed_tokens.weight")
         copy(self.norm.weight, "model.norm.weight")
@@ -275,7 +286,7 @@ class LlamaDecoder(nn.Module):
                 copy(layer.mlp.down_proj.bias, p + "mlp.down_proj.bias")
             copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-        unused = set(state) - {"lm_head.weight"}  # tied checkpoints may still carry lm_head
+        unused = set(state) - used - {"lm_head.weight"}  # tied checkpoints may still carry lm_head
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:
             raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")

@@ -1,0 +1,89 @@
+"""Triton kernel: a batch-invariant linear layer, y = x @ w.T, in one fixed configuration.
+
+Why: cuBLAS picks its kernel, tile shape and split-K from the row count M, so a row's result depends on how
+many other rows share the call. Here every output tile [BLOCK_M, BLOCK_N] is computed by one program that
+walks the whole K dimension in BLOCK_K steps, in the same order, with the same instruction, whatever M is:
+row i of y depends on row i of x and on w alone. M only changes the size of the grid (and it is never
+specialised on: `do_not_specialize`), so the bits of a row cannot depend on the batch.
+
+Accumulation is fp32; the output dtype is the caller's choice (fp32 logits from bf16 weights: the LM head
+of every logprob path). fp32 inputs use IEEE fp32 products (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
+                                      check_tensors)
+
+# One configuration for every shape: changing any of these changes bits (and is a new invariance contract).
+BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
+NUM_WARPS, NUM_STAGES = 8, 3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    # grouped order: GROUP_M row tiles share a column sweep (L2 reuse of w); does not touch the arithmetic
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    ks = tl.arange(0, BLOCK_K)  # [BK]
+    x_tile = x_ptr + rows[:, None] * stride_xm + ks[None, :]  # [BM, BK]
+    w_tile = w_ptr + cols[None, :] * stride_wn + ks[:, None]  # [BK, BN] (w is [N, K]: read transposed)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kmask = (k0 + ks) < K
+        x = tl.load(x_tile, mask=(rows[:, None] < M) & kmask[None, :], other=0.0)
+        w = tl.load(w_tile, mask=kmask[:, None] & (cols[None, :] < N), other=0.0)
+        if IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    y = y_ptr + rows[:, None] * stride_ym + cols[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T -> [M, N] (out_dtype, default x's), fp32 accumulation, batch-invariant.
+
+    x and weight share a dtype; rows may be strided, the K dimension must be contiguous. `out` ([M, N],
+    row-contiguous) receives the result if given.
+    """
+    name = "invariant_linear"
+    check_tensors(name, x=x, weight=weight)
+    check_shape(name, "x", x, 2)
+    check_shape(name, "weight", weight, 2)
+    for arg, t in (("x", x), ("weight", weight)):
+        check_dtype(name, arg, t, FLOAT_DTYPES)
+        check_last_dim_contiguous(name, arg, t)
+    if x.dtype != weight.dtype:
+        raise ValueError(f"{name}: x is {x.dtype} but weight is {weight.dtype}; cast one first")
+    (m, k), (n, k_w) = x.shape, weight.shape
+    if k != k_w:
+        raise ValueError(f"{name}: x has {k} columns but weight rows have {k_w}")
+    if out is None:
+        out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
+    elif out.shape != (m, n) or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"{name}: out must be [{m}, {n}] with contiguous rows, got {tuple(out.shape)}")
+    if m == 0:
+        return out
+    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    _linear_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                         GROUP_M=GROUP_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+    return out
