@@ -11,8 +11,8 @@ The Python API the CLI itself uses::
 __version__ = "0.1.0"
 
 from apcscore.config import EngineConfig
-from apcscore.sampling_params import SamplingParams
-from apcscore.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.sampling_params import SamplingParams
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 
 __all__ = [
     "Engine",
@@ -29,7 +29,7 @@ __all__ = [
 def __getattr__(name: str):
     # Engine pulls in torch and transformers; import it lazily so `apcscore --help` stays fast.
     if name == "Engine":
-        from apcscore.engine import Engine
+        from apcscore.engine.engine import Engine
 
         return Engine
     raise AttributeError(name)

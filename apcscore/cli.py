@@ -121,7 +121,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
-    from apcscore.engine import Engine
+    from apcscore.engine.engine import Engine
     from apcscore.jobs.runner import run_job
     from apcscore.results import ResultsWriter
 

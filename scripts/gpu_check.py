@@ -111,7 +111,7 @@ def random_hf_model(cfg, dtype, device: str):
 def make_engine(cfg, state: dict, device: str, dtype: str, backend: str, **overrides):
     """Engine.from_parts on these weights; on CUDA with the Triton backend, decode steps replay CUDA graphs."""
     from apcscore.config import EngineConfig
-    from apcscore.cuda_graphs import attach
+    from apcscore.engine.cuda_graphs import attach
     from apcscore.engine import Engine
 
     config = dict(device=device, dtype=dtype, attention_backend=backend, max_model_len=4096, num_kv_blocks=4096,
@@ -158,7 +158,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 # ---- engine and transformers workloads -----------------------------------------------------------------------
 def engine_score(engine, prompts: list[list[int]], k: int) -> list:
     """PromptLogprobs of every prompt, in input order."""
-    from apcscore.sequence import Request
+    from apcscore.engine.sequence import Request
 
     outs = {o.request_id: o for o in engine.run(Request(i, p, prompt_logprobs=k) for i, p in enumerate(prompts))}
     bad = [o.error for o in outs.values() if o.error]
@@ -168,8 +168,8 @@ def engine_score(engine, prompts: list[list[int]], k: int) -> list:
 
 
 def engine_generate(engine, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list:
-    from apcscore.sampling_params import SamplingParams
-    from apcscore.sequence import Request
+    from apcscore.engine.sampling_params import SamplingParams
+    from apcscore.engine.sequence import Request
 
     params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
     outs = {o.request_id: o for o in engine.run(Request(i, p, sampling=params) for i, p in enumerate(prompts))}
@@ -262,8 +262,8 @@ def part_env(args) -> bool:
         info.update(device=props.name, capability=f"{props.major}.{props.minor}",
                     memory_gib=round(total / 2**30, 1), free_gib=round(free / 2**30, 1))
     t0 = time.perf_counter()
-    import apcscore.cuda_graphs  # noqa: F401
-    import apcscore.engine  # noqa: F401
+    import apcscore.engine.cuda_graphs  # noqa: F401
+    import apcscore.engine.engine  # noqa: F401
     import apcscore.kernels  # noqa: F401
 
     info["apcscore_import_s"] = round(time.perf_counter() - t0, 2)

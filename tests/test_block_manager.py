@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from apcscore.block_manager import NONE_HASH, BlockManager, hash_block
+from apcscore.engine.block_manager import NONE_HASH, BlockManager, hash_block
 
 
 @dataclass

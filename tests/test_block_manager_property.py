@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_block_manager import Seq  # the minimal sequence the manager needs
 
-from apcscore.block_manager import BlockManager
+from apcscore.engine.block_manager import BlockManager
 
 
 # Small alphabets and shared stems make prefix hits frequent.

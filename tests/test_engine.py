@@ -59,8 +59,8 @@ def test_logits_match_transformers(arch_pair):
         ref = hf(torch.tensor([ids])).logits[0]  # [T, V]
     # full prompt logprobs with K = vocab-wide check through logits: compare the model directly
     from apcscore.attention.metadata import set_attention_metadata
-    from apcscore.scheduler import ScheduledBatch
-    from apcscore.sequence import Sequence
+    from apcscore.engine.scheduler import ScheduledBatch
+    from apcscore.engine.sequence import Sequence
 
     seq = Sequence(Request(0, ids), 0)
     assert engine.block_manager.allocate(seq, len(ids))
@@ -287,7 +287,7 @@ def test_decode_with_a_shared_cached_prefix_equals_decode_alone(llama_dir):
 def test_reused_logprob_buffers_give_the_same_bits():
     """The CPU logprob path reuses [rows, vocab] buffers (logprobs.Scratch); results must not change, and a
     chunk's results must not alias the buffers the next chunk overwrites."""
-    from apcscore.logprobs import Scratch, chunked_token_logprobs
+    from apcscore.engine.logprobs import Scratch, chunked_token_logprobs
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(300, 32, generator=g), torch.randn(1000, 32, generator=g)

@@ -10,7 +10,7 @@ import pytest
 
 CYCLES = textwrap.dedent("""
     import resource, sys, torch
-    from apcscore.host_memory import keep_freed_memory
+    from apcscore.engine.host_memory import keep_freed_memory
     applied = keep_freed_memory() if sys.argv[1] == "tuned" else False
     faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     torch.manual_seed(0)

@@ -23,7 +23,7 @@ from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
 from apcscore.kernels import paged_attention, rms_norm, store_kv, token_logprobs, token_logprobs_torch
-from apcscore.logprobs import Scratch
+from apcscore.engine.logprobs import Scratch
 from apcscore.kernels._checks import interpreting
 
 INTERPRET = interpreting()

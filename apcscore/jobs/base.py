@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from apcscore.records import Record
-from apcscore.sequence import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
 
 COMMON_FIELDS = [
     pa.field("id", pa.string()),

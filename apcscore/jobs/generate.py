@@ -7,8 +7,8 @@ import pyarrow as pa
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
 from apcscore.records import Record
-from apcscore.sampling_params import SamplingParams
-from apcscore.sequence import Request, RequestOutput
+from apcscore.engine.sampling_params import SamplingParams
+from apcscore.engine.sequence import Request, RequestOutput
 
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 

@@ -24,7 +24,7 @@ import numpy as np
 import pyarrow as pa
 
 from apcscore.errors import ApcscoreError
-from apcscore.sequence import Request, RequestOutput
+from apcscore.engine.sequence import Request, RequestOutput
 
 # Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.
 LOGLIKELIHOOD_FIELDS = [

@@ -39,7 +39,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
 from apcscore.records import Record
-from apcscore.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 
 DEFAULT_MAX_WINDOW = 4096
 

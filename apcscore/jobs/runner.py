@@ -20,7 +20,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.base import Job
 from apcscore.records import LoadedDataset, Record
 from apcscore.results import ResultsWriter
-from apcscore.sequence import Request, RequestOutput
+from apcscore.engine.sequence import Request, RequestOutput
 
 
 class Interrupted(Exception):

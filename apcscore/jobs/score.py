@@ -24,7 +24,7 @@ from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, nll_summary, su
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, mean_stderr, prefix_token_id)
 from apcscore.records import Record
-from apcscore.sequence import Request, RequestOutput
+from apcscore.engine.sequence import Request, RequestOutput
 
 
 class ScoreJob(Job):

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.logprobs import token_logprobs_torch, top_k  # the torch reference lives with the engine
+from apcscore.engine.logprobs import token_logprobs_torch, top_k  # the torch reference lives with the engine
 
 from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
                                       check_tensors)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from apcscore.sampling_params import SamplingParams
+from apcscore.engine.sampling_params import SamplingParams
 
 
 @dataclass

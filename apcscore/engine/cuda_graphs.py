@@ -30,7 +30,7 @@ import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.models.llama import LlamaDecoder
-from apcscore.scheduler import ScheduledBatch
+from apcscore.engine.scheduler import ScheduledBatch
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

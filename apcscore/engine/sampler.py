@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from apcscore.sampling_params import SamplingParams
+from apcscore.engine.sampling_params import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from apcscore.block_manager import BlockManager
-from apcscore.sequence import Sequence, SequenceStatus
+from apcscore.engine.block_manager import BlockManager
+from apcscore.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
-from apcscore.host_memory import keep_freed_memory
-from apcscore.logprobs import LogprobFn, Scratch, chunked_token_logprobs, token_logprobs_torch
+from apcscore.engine.host_memory import keep_freed_memory
+from apcscore.engine.logprobs import LogprobFn, Scratch, chunked_token_logprobs, token_logprobs_torch
 from apcscore.models.llama import LlamaDecoder
-from apcscore.sampler import make_generator, sample_rows
-from apcscore.scheduler import ScheduledBatch
-from apcscore.sequence import PromptLogprobs, Sequence, TokenLogprobs
+from apcscore.engine.sampler import make_generator, sample_rows
+from apcscore.engine.scheduler import ScheduledBatch
+from apcscore.engine.sequence import PromptLogprobs, Sequence, TokenLogprobs
 
 # CPU GEMMs (MKL/oneDNN) round rows differently when a matrix has fewer than ~12 rows (measured here: 1-3, 5-7
 # and 9-11 rows differ from the same rows inside a larger matrix). Padding every row block to at least 16 rows
@@ -98,9 +98,9 @@ class ModelRunner:
         for layer, (k_cache, v_cache) in zip(model.layers, caches):
             layer.self_attn.k_cache = k_cache
             layer.self_attn.v_cache = v_cache
-        self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.cuda_graphs), captured now
+        self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.engine.cuda_graphs), captured now
         if device.type == "cuda" and use_cuda_graphs:
-            from apcscore.cuda_graphs import DecodeGraphRunner
+            from apcscore.engine.cuda_graphs import DecodeGraphRunner
 
             self.cuda_graphs = DecodeGraphRunner.for_model(model, block_size, max_num_seqs, device)
 

@@ -15,13 +15,13 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from apcscore.block_manager import BlockManager
+from apcscore.engine.block_manager import BlockManager
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
-from apcscore.model_runner import ModelRunner, StepOutput, default_num_kv_blocks
+from apcscore.engine.model_runner import ModelRunner, StepOutput, default_num_kv_blocks
 from apcscore.models.llama import LlamaDecoder, check_architecture, rms_norm_torch
-from apcscore.scheduler import Scheduler
-from apcscore.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
+from apcscore.engine.scheduler import Scheduler
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -280,7 +280,7 @@ def _backend(name: str) -> tuple[Any, Callable, Callable]:
     """(attention backend, RMSNorm function, logprob function) for a backend name."""
     if name == "torch":
         from apcscore.attention.torch_backend import TorchAttentionBackend
-        from apcscore.logprobs import token_logprobs_torch
+        from apcscore.engine.logprobs import token_logprobs_torch
 
         return TorchAttentionBackend(), rms_norm_torch, token_logprobs_torch
     from apcscore.attention.triton_backend import TritonAttentionBackend

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from apcscore.sequence import TokenLogprobs
+from apcscore.engine.sequence import TokenLogprobs
 
 class Scratch:
     """Reusable flat buffers for the [rows, vocab] temporaries of the logprob path on the CPU.
