@@ -101,7 +101,7 @@ def default_out(dataset: Path, command: str) -> Path:
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None) -> None:
     """Shared flow of score / generate / perplexity: validate everything, load, run, write, summarise."""
     from apcscore.models.loader import check_model_spec
-    from apcscore.records import load_dataset
+    from apcscore.io.reader import load_dataset
 
     opts = resolve_options(cli_opts, config_path)
     if command == "score" and opts["prompt_logprobs"] is None:
@@ -123,7 +123,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
 
     from apcscore.engine.engine import Engine
     from apcscore.jobs.runner import run_job
-    from apcscore.results import ResultsWriter
+    from apcscore.io.writer import ResultsWriter
 
     quiet = opts["quiet"]
     load_start = time.perf_counter()

@@ -1,4 +1,8 @@
-"""The one domain exception: a problem the user can fix, shown as a clear error by the CLI."""
+"""The one domain exception: a problem the user can fix, shown as a clear error by the CLI; and `shown`,
+how a user's value appears in such a message."""
+
+import json
+from typing import Any
 
 
 class ApcscoreError(Exception):
@@ -10,3 +14,16 @@ class ApcscoreError(Exception):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+def shown(v: Any) -> str:
+    """A value as the user wrote it: JSON for scalars, the JSON type for containers."""
+    if isinstance(v, dict):
+        return "an object"
+    if isinstance(v, (list, tuple)):
+        return "a list"
+    try:
+        text = json.dumps(v, ensure_ascii=False)
+    except TypeError:  # not a JSON value (a value given from Python)
+        text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -81,7 +81,7 @@ def load_side(side: str, model: str, device: str, dtype: str) -> Any:
 
 def run_job(engine: Any, job_name: str, options: dict, records: list[dict]) -> list[dict]:
     """Rows of `records` through a job and the engine, all requests batched together (as the CLI runs)."""
-    from apcscore.records import Record
+    from apcscore.io.schemas import Record
 
     from apcscore.jobs.perplexity import PerplexityJob
     from apcscore.jobs.score import ScoreJob

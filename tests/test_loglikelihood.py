@@ -21,7 +21,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, encode_pair, mean_stderr,
                                          prefix_token_id)
 from apcscore.jobs.score import ScoreJob
-from apcscore.records import Record
+from apcscore.io.schemas import Record
 
 
 def enc(tok, text):

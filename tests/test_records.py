@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from apcscore.errors import ApcscoreError
-from apcscore.records import MAX_LISTED_PROBLEMS, load_dataset
+from apcscore.io.reader import MAX_LISTED_PROBLEMS, load_dataset
 
 
 def write(tmp_path: Path, lines: list[str] | bytes, name: str = "data.jsonl") -> Path:

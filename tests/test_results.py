@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from apcscore.errors import ApcscoreError
-from apcscore.results import ResultsWriter, read_run_metadata, records_to_table
+from apcscore.io.writer import ResultsWriter, read_run_metadata, records_to_table
 
 # The shape of a `score` results file (the jobs decide the real columns).
 SCHEMA = pa.schema([
@@ -102,7 +102,7 @@ CRASH_SCRIPT = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {tests!r})
     from test_results import SCHEMA, META, make_row, completion_order
-    from apcscore.results import ResultsWriter
+    from apcscore.io.writer import ResultsWriter
     writer = ResultsWriter({out!r}, SCHEMA, META, row_group_size=4, num_rows={n})
     order = completion_order({n})
     for i in order[:{done}]:
@@ -134,8 +134,9 @@ def test_crash_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
     writer = ResultsWriter(out, SCHEMA, META, resume=True, resume_keys=KEYS, row_group_size=4, num_rows=n)
     first = completion_order(n)[:done]
     assert writer.done_indices == set(first[:16])
-    assert writer.done_ids == {f"r{i}" for i in first[:16]}
-    assert writer.resumed_metadata == META
+    assert {i for part in partial.glob("part-*.parquet")
+            for i in pq.read_table(part, columns=["id"]).column("id").to_pylist()} == {f"r{i}" for i in first[:16]}
+    assert read_run_metadata(partial) == META
     for i in reversed(range(n)):  # the rest, in another order
         if i not in writer.done_indices:
             writer.add(i, make_row(i))
@@ -253,7 +254,7 @@ def test_read_run_metadata_errors(tmp_path: Path) -> None:
 MEMORY_SCRIPT = textwrap.dedent("""
     import resource, sys, json, random
     import numpy as np, pyarrow as pa
-    from apcscore.results import ResultsWriter
+    from apcscore.io.writer import ResultsWriter
     schema = pa.schema([("id", pa.string()), ("token_logprobs", pa.list_(pa.float32())),
                         ("token_ids", pa.list_(pa.int64()))])
     n, width = int(sys.argv[2]), 2000

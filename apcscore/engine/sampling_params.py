@@ -2,9 +2,61 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import Any
 
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, shown
+
+
+# ---------------------------------------------------------------- checks (None = fine, else the problem)
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_at_least_0(v: Any) -> str | None:
+    return None if _is_int(v) and v >= 0 else f"must be an integer >= 0, got {shown(v)}"
+
+
+def _number_at_least_0(v: Any) -> str | None:
+    return None if _is_number(v) and v >= 0 else f"must be a number >= 0, got {shown(v)}"
+
+
+def _probability(v: Any) -> str | None:
+    return None if _is_number(v) and 0 < v <= 1 else f"must be a number in (0, 1], got {shown(v)}"
+
+
+def _any_int(v: Any) -> str | None:
+    return None if _is_int(v) else f"must be an integer, got {shown(v)}"
+
+
+def _stop(v: Any) -> str | None:
+    if isinstance(v, str):
+        return None if v else "must not be an empty string"
+    if isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v):
+        return None
+    return f"must be a non-empty string or a list of non-empty strings, got {shown(v)}"
+
+
+Check = Callable[[Any], "str | None"]
+
+# The sampling options a generate record may set for itself, and how each is checked: declared once, used by
+# SamplingParams.problems() and by the generate record schema (apcscore.io.schemas).
+RECORD_FIELDS: dict[str, Check] = {
+    "max_tokens": _int_at_least_0,
+    "temperature": _number_at_least_0,
+    "top_p": _probability,
+    "top_k": _int_at_least_0,
+    "seed": _any_int,
+    "stop": _stop,
+}
+_CHECKS: dict[str, Check] = {**RECORD_FIELDS, "logprobs": _int_at_least_0}
+_UNSET_ALLOWED = ("seed", "logprobs")  # None = no seed, no logprobs
 
 
 @dataclass(frozen=True)
@@ -33,20 +85,13 @@ class SamplingParams:
     def problems(self) -> list[str]:
         """Everything wrong with these values, as messages a user can act on."""
         out = []
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
-            out.append(f"max_tokens must be an integer >= 0, not {self.max_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            out.append(f"temperature must be a number >= 0, not {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
-            out.append(f"top_p must be in (0, 1], not {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            out.append(f"top_k must be an integer >= 0 (0 = off), not {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            out.append(f"seed must be an integer, not {self.seed!r}")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            out.append(f"logprobs must be an integer >= 0, not {self.logprobs!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            out.append(f"stop must be a list of non-empty strings, not {list(self.stop)!r}")
+        for name, check in _CHECKS.items():
+            value = getattr(self, name)
+            if value is None and name in _UNSET_ALLOWED:
+                continue
+            why = check(value)
+            if why is not None:
+                out.append(f"{name} {why}")
         return out
 
     def to_dict(self) -> dict:

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from apcscore.records import Record
+from apcscore.io.schemas import Record
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
 
 COMMON_FIELDS = [

@@ -6,11 +6,11 @@ import pyarrow as pa
 
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
-from apcscore.records import Record
-from apcscore.engine.sampling_params import SamplingParams
+from apcscore.io.schemas import Record
+from apcscore.engine.sampling_params import RECORD_FIELDS, SamplingParams
 from apcscore.engine.sequence import Request, RequestOutput
 
-SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+SAMPLING_KEYS = tuple(RECORD_FIELDS)  # the per-record overrides
 
 COMPLETION_LOGPROB_FIELDS = [
     pa.field("completion_logprobs", pa.list_(pa.float32())),

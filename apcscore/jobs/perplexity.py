@@ -38,7 +38,7 @@ import pyarrow as pa
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
-from apcscore.records import Record
+from apcscore.io.schemas import Record
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 
 DEFAULT_MAX_WINDOW = 4096

@@ -18,8 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.base import Job
-from apcscore.records import LoadedDataset, Record
-from apcscore.results import ResultsWriter
+from apcscore.io.reader import LoadedDataset
+from apcscore.io.schemas import Record
+from apcscore.io.writer import ResultsWriter
 from apcscore.engine.sequence import Request, RequestOutput
 
 

@@ -121,8 +121,6 @@ def read_run_metadata(path: str | Path) -> dict:
 class _Part:
     path: Path
     first: int  # smallest index in the part
-    last: int  # largest index in the part
-    num_rows: int
 
 
 class ResultsWriter:
@@ -166,8 +164,6 @@ class ResultsWriter:
         self._closed = False
         self._next_part = 0
         self.done_indices: set[int] = set()
-        self.done_ids: set[str] = set()
-        self.resumed_metadata: dict | None = None  # the partial's metadata, when resuming one
 
         if self.out_path.is_dir():
             raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
@@ -189,10 +185,6 @@ class ResultsWriter:
         self._write_run_file()
 
     # ------------------------------------------------------------------ public interface
-
-    @property
-    def metadata(self) -> dict:
-        return self._metadata
 
     def add(self, index: int, row: dict) -> None:
         """Buffer the row of record `index` (rows come in completion order; each index exactly once)."""
@@ -230,9 +222,7 @@ class ResultsWriter:
             tmp = path.with_name(path.name + ".tmp")
             pq.write_table(table, tmp)
             os.replace(tmp, path)
-            self._parts.append(_Part(path, buffered[0][0], buffered[-1][0], len(buffered)))
-            if "id" in self.schema.names:
-                self.done_ids.update(str(row.get("id")) for _, row in buffered)
+            self._parts.append(_Part(path, buffered[0][0]))
         finally:
             self._flushing = False
 
@@ -267,16 +257,6 @@ class ResultsWriter:
         shutil.rmtree(self.partial_path)
         self._closed = True
         return self.out_path
-
-    def __enter__(self) -> "ResultsWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        """On an exception keep the partial (flushed) for --resume; otherwise close."""
-        if exc_type is None:
-            self.close()
-        else:
-            self.flush()
 
     # ------------------------------------------------------------------ internals
 
@@ -328,7 +308,6 @@ class ResultsWriter:
             return
         run = json.loads(run_file.read_text(encoding="utf-8"))
         old_meta = run["metadata"]
-        self.resumed_metadata = old_meta
         differ = [k for k in resume_keys if old_meta.get(k) != self._metadata.get(k)]
         if differ:
             def short(v: Any) -> str:
@@ -344,11 +323,9 @@ class ResultsWriter:
                                 f"({', '.join(old_schema.names)}); pass --overwrite to start over")
         for leftover in self.partial_path.glob("*.tmp"):
             leftover.unlink()
-        has_id = "id" in self.schema.names
         for path in sorted(self.partial_path.glob(_PART_GLOB)):
-            columns = [INDEX_COLUMN, "id"] if has_id else [INDEX_COLUMN]
             try:
-                table = pq.read_table(path, columns=columns)
+                table = pq.read_table(path, columns=[INDEX_COLUMN])
             except (pa.ArrowInvalid, OSError) as e:
                 raise ApcscoreError(f"cannot resume: {path} is damaged ({e}); pass --overwrite to start over")
             indices = table.column(INDEX_COLUMN).to_pylist()
@@ -362,7 +339,5 @@ class ResultsWriter:
                 raise ApcscoreError(f"cannot resume {self.partial_path}: rows {sorted(clash)[:10]} appear twice; "
                                     "pass --overwrite to start over")
             self.done_indices.update(indices)
-            if has_id:
-                self.done_ids.update(str(i) for i in table.column("id").to_pylist())
-            self._parts.append(_Part(path, indices[0], indices[-1], len(indices)))
+            self._parts.append(_Part(path, indices[0]))
             self._next_part = max(self._next_part, int(path.stem.split("-")[1]) + 1)
