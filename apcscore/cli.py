@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from apcscore import __version__
-from apcscore.cli_compare import compare
+from apcscore.compare.command import compare
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 

@@ -20,15 +20,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from apcscore.cli_compare import compare
-from apcscore.compare import (
-    Thresholds,
-    TopKLogprobs,
-    compare_files,
-    kl_divergence_topk,
-    load_thresholds,
-    solve_unknown_masses,
-)
+from apcscore.compare.command import compare
+from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
+from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk, solve_unknown_masses
 from apcscore.errors import ApcscoreError
 
 VOCAB = 50

@@ -10,7 +10,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from apcscore.compare import Comparison, KldSummary
+from apcscore.compare.gate import Comparison
+from apcscore.compare.metrics import KldSummary
 from apcscore.errors import ApcscoreError
 
 Row = tuple[str, ...]

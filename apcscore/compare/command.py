@@ -2,7 +2,7 @@
 `app.command("compare")(compare)`).
 
 Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared).
-The metrics live in apcscore.compare and are imported when the command runs, so importing this module
+The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this module
 (and `apcscore --help`) stays fast.
 """
 
@@ -45,8 +45,8 @@ def compare(
 ) -> None:
     """Compare two result files of the same dataset; the exit code says whether the thresholds hold."""
     try:
-        from apcscore.compare import Thresholds, compare_files, load_thresholds
-        from apcscore.compare_report import render_console, to_json, to_markdown, write_report
+        from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
+        from apcscore.compare.report import render_console, to_json, to_markdown, write_report
 
         thresholds = load_thresholds(config) if config is not None else Thresholds()
         thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,

@@ -1,0 +1,251 @@
+"""`apcscore compare`: regression metrics between two result files of the same dataset (no CLI code here).
+
+Two parquet files written by `apcscore score` or `apcscore perplexity` are matched record by record on
+`id`; every figure is computed on the token positions both files scored:
+
+- mean NLL of each side, the perplexity ratio, and the mean of ln(PPL_new / PPL_base) with its standard
+  error (over positions, as llama.cpp's `llama-perplexity --kl-divergence` reports it);
+- KL(base || new) per position, a lower bound computed from the stored top-K (see `apcscore.compare.kl_bound` and
+  docs/compare.md), with its mean, max and percentiles;
+- top-1 agreement, the change of the target token's probability (mean and RMS), max |delta logprob|;
+- for multiple-choice records: accuracy of each side and the records whose prediction flipped.
+
+`compare_files` returns a `Comparison`; thresholds turn it into pass/fail `Check`s. Files that cannot be
+compared raise `ApcscoreError` (exit code 2).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from apcscore.compare.inputs import (Excluded, FileInfo, align, check_same_run_kind, check_token_ids, examples,
+                                     file_info, load_result_file, split_excluded)
+from apcscore.compare.metrics import (Flip, Metrics, RecordMetrics, flips, position_data, record_level,
+                                      record_rows, token_summary)
+from apcscore.errors import ApcscoreError
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Thresholds
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """Pass/fail limits; None = not checked. Fractions, not percent (0.02 = 2 points of accuracy)."""
+
+    max_ppl_ratio: float | None = None  # PPL_new / PPL_base <= this
+    max_mean_kld: float | None = None  # mean KL(base || new) per position, nats, <= this
+    min_top1_agreement: float | None = None  # share of positions with the same argmax >= this
+    max_abs_logprob_diff: float | None = None  # max |logprob_new - logprob_base| of a target token <= this
+    max_accuracy_drop: float | None = None  # accuracy_base - accuracy_new (and the same for acc_norm) <= this
+
+    def __post_init__(self) -> None:
+        ranges = {"max_ppl_ratio": (0.0, math.inf, False), "max_mean_kld": (0.0, math.inf, True),
+                  "min_top1_agreement": (0.0, 1.0, True), "max_abs_logprob_diff": (0.0, math.inf, True),
+                  "max_accuracy_drop": (-1.0, 1.0, True)}
+        for name, (lo, hi, lo_ok) in ranges.items():
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if not (math.isfinite(v) and (v >= lo if lo_ok else v > lo) and v <= hi):
+                bound = f"{'>=' if lo_ok else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
+                raise ApcscoreError(f"--{name.replace('_', '-')} must be {bound}, not {v}")
+
+    def override(self, other: "Thresholds") -> "Thresholds":
+        """These thresholds with every value `other` sets (not None) taking precedence."""
+        return Thresholds(**{f.name: getattr(other, f.name) if getattr(other, f.name) is not None
+                             else getattr(self, f.name) for f in fields(self)})
+
+
+def load_thresholds(path: Path) -> Thresholds:
+    """Read thresholds from the `[thresholds]` table of a TOML file (see configs/compare.toml)."""
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ApcscoreError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ApcscoreError(f"cannot read config file {path}: {e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ApcscoreError(f"{path}: not valid TOML: {e}") from None
+    known = {f.name for f in fields(Thresholds)}
+    extra = set(data) - {"thresholds"}
+    if extra:
+        raise ApcscoreError(f"{path}: unknown table or key {sorted(extra)}; put the limits under [thresholds]")
+    table = data.get("thresholds", {})
+    if not isinstance(table, dict):
+        raise ApcscoreError(f"{path}: 'thresholds' must be a table ([thresholds])")
+    values: dict[str, float] = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ApcscoreError(f"{path}: unknown threshold {key!r} in [thresholds]; known: {', '.join(sorted(known))}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ApcscoreError(f"{path}: [thresholds] {key} must be a finite number, not {value!r}")
+        values[key] = float(value)
+    return Thresholds(**values)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The comparison and its gate
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Check:
+    """One threshold: the figure it reads, the limit, and whether it holds."""
+
+    option: str  # e.g. "--max-ppl-ratio"
+    metric: str  # what was measured, e.g. "PPL ratio"
+    value: float
+    op: str  # "<=" | ">="
+    threshold: float
+    passed: bool
+
+
+@dataclass
+class Comparison:
+    """Everything `apcscore compare` found; `passed` is the gate."""
+
+    base: FileInfo
+    new: FileInfo
+    vocab_size: int | None  # from the metadata, or a lower bound (largest token id + 1)
+    vocab_size_inferred: bool
+    num_records: int
+    num_compared: int  # records with status "ok" in both
+    metrics: Metrics
+    records: list[RecordMetrics] = field(default_factory=list)  # sorted by mean KL (or |ln PPL ratio|), worst first
+    flips: list[Flip] = field(default_factory=list)
+    excluded: list[Excluded] = field(default_factory=list)
+    checks: list[Check] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every figure as JSON-ready data (NaN and infinities become null)."""
+
+        def clean(v: Any) -> Any:
+            if isinstance(v, float):
+                return v if math.isfinite(v) else None
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+
+        return clean({"passed": self.passed, **asdict(self)})
+
+
+_KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
+
+
+def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
+    """Turn thresholds into checks; a threshold whose figure cannot be computed is a usage error (exit 2)."""
+    m = c.metrics
+    checks = []
+
+    def need(value: float | None, option: str, why: str) -> float:
+        if value is None:
+            raise ApcscoreError(f"{option} cannot be checked: {why}")
+        return value
+
+    def add(option: str, metric: str, value: float, op: str, limit: float) -> None:
+        ok = value <= limit if op == "<=" else value >= limit
+        checks.append(Check(option, metric, value, op, limit, bool(ok)))
+
+    if t.max_ppl_ratio is not None:
+        v = need(m.ppl_ratio, "--max-ppl-ratio", "the files have no token_logprobs and no per-record sum_logprob "
+                 "with a token count")
+        add("--max-ppl-ratio", "PPL ratio (new / base)", v, "<=", t.max_ppl_ratio)
+    if t.max_mean_kld is not None:
+        v = need(m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both files "
+                 f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
+        add("--max-mean-kld", "mean KL(base || new)", v, "<=", t.max_mean_kld)
+    if t.min_top1_agreement is not None:
+        v = need(m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files (baseline K = "
+                 f"{c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
+        add("--min-top1-agreement", "top-1 agreement", v, ">=", t.min_top1_agreement)
+    if t.max_abs_logprob_diff is not None:
+        v = need(m.max_abs_logprob_diff, "--max-abs-logprob-diff", "it needs token_logprobs in both files; "
+                 "score with `apcscore score` (per-token logprobs are written for prompt records)")
+        add("--max-abs-logprob-diff", "max |delta logprob|", v, "<=", t.max_abs_logprob_diff)
+    if t.max_accuracy_drop is not None:
+        base_acc = need(m.accuracy_base, "--max-accuracy-drop", "the files have no multiple-choice records "
+                        "(columns pred and correct) scored in both")
+        add("--max-accuracy-drop", "accuracy drop (base - new)", base_acc - m.accuracy_new, "<=", t.max_accuracy_drop)
+        if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
+            add("--max-accuracy-drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
+                "<=", t.max_accuracy_drop)
+    return checks
+
+
+def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None = None) -> Comparison:
+    """Compare two apcscore result files of the same dataset; raise ApcscoreError when they are not comparable."""
+    base, new = load_result_file(baseline, "baseline"), load_result_file(candidate, "candidate")
+    check_same_run_kind(base, new)
+    order = align(base, new)
+    same_order = np.array_equal(order, np.arange(len(order)))
+    bt, nt = base.table, new.table if same_order else new.table.take(order)
+    ok, excluded = split_excluded(bt, nt)
+    if not ok.all():
+        bt, nt = bt.filter(ok), nt.filter(ok)
+    notes = []
+    has_ids = base.has("token_ids") and new.has("token_ids")
+    if has_ids:
+        check_token_ids(bt, nt)
+    elif "num_tokens" in bt.column_names and "num_tokens" in nt.column_names:
+        diff = pc.not_equal(bt["num_tokens"], nt["num_tokens"]).to_numpy(zero_copy_only=False)
+        if np.any(diff):
+            ids = bt["id"].filter(pa.array(diff)).to_pylist()
+            raise ApcscoreError(f"the files were tokenized differently (another tokenizer?): num_tokens differs in "
+                                f"{len(ids)} record(s) ({examples(ids)})")
+        notes.append("no token_ids in the files: the tokenizers were compared by token counts only")
+    vocab = base.vocab_size or new.vocab_size
+    tokens = has_ids and base.has("token_logprobs") and new.has("token_logprobs")
+    topk = tokens and all(f.has(c) for f in (base, new) for c in ("top_ids", "top_logprobs"))
+    pos, kb, kn = position_data(bt, nt, topk, vocab) if tokens else (None, 0, 0)
+    inferred = False
+    if vocab is None and tokens:
+        ids_max = [pc.max(pc.list_flatten(t["token_ids"])).as_py() for t in (bt, nt) if len(t)]
+        if topk:
+            ids_max += [pc.max(pc.list_flatten(pc.list_flatten(t["top_ids"]))).as_py() for t in (bt, nt) if len(t)]
+        ids_max = [v for v in ids_max if v is not None]
+        if ids_max:
+            vocab, inferred = max(ids_max) + 1, True
+            notes.append(f"vocab size not in the metadata (model.vocab_size): at least {vocab} (largest token id + 1); "
+                         f"the KL bound is then exact only up to float32 rounding when K covers the vocabulary")
+    m = Metrics()
+    records: list[RecordMetrics] = []
+    if pos is not None and len(pos.record):
+        token_summary(m, pos)
+        records = record_rows(bt["id"].to_pylist(), pos)
+        if topk and m.kld is None:
+            notes.append(f"KL and top-1 agreement need top-K on both sides (baseline K = {kb}, candidate K = {kn}): "
+                         f"not computed; {_KLD_HINT}")
+    elif tokens:
+        notes.append("no position was scored in both files (multiple-choice records carry no per-token logprobs)")
+    if tokens and not topk:
+        where = "one file" if base.has("top_ids") or new.has("top_ids") else "either file"
+        notes.append(f"no top_ids/top_logprobs in {where}: KL and top-1 agreement not computed; {_KLD_HINT}")
+    notes += record_level(m, bt, nt)
+    if excluded:
+        notes.append(f"{len(excluded)} record(s) with status 'error' left out of every figure (listed)")
+    c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred, bt.num_rows + len(excluded),
+                   bt.num_rows, m, records, flips(bt, nt), excluded, [], notes)
+    c.checks = evaluate(c, thresholds or Thresholds())
+    return c
