@@ -100,7 +100,7 @@ def default_out(dataset: Path, command: str) -> Path:
 
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None) -> None:
     """Shared flow of score / generate / perplexity: validate everything, load, run, write, summarise."""
-    from apcscore.models.loader import check_model_spec
+    from apcscore.models.locate import check_model_spec
     from apcscore.io.reader import load_dataset
 
     opts = resolve_options(cli_opts, config_path)

@@ -143,7 +143,7 @@ def check_generations(outputs: dict[str, str], baseline: str) -> dict[str, dict[
 def build_scenarios(args: argparse.Namespace, work: Path) -> tuple[list[Scenario], dict[str, Any]]:
     from transformers import AutoTokenizer
 
-    from apcscore.models.loader import resolve_model
+    from apcscore.models.locate import resolve_model
 
     model_path = resolve_model(args.model).path
     tokenizer = AutoTokenizer.from_pretrained(model_path)

@@ -71,7 +71,9 @@ def load_side(side: str, model: str, device: str, dtype: str) -> Any:
         return Engine.from_model(model, EngineConfig(device=device, dtype=dtype))
     from transformers import AutoModelForCausalLM
 
-    from apcscore.models.loader import load_tokenizer, resolve_model
+    from apcscore.models.loading import load_tokenizer
+
+    from apcscore.models.locate import resolve_model
 
     path = resolve_model(model).path
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
@@ -302,7 +304,8 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
     from harness import Contender, Scenario
 
     from apcscore.jobs.loglikelihood import encode_pair, prefix_token_id
-    from apcscore.models.loader import load_tokenizer, resolve_model
+    from apcscore.models.loading import load_tokenizer
+    from apcscore.models.locate import resolve_model
 
     tok = load_tokenizer(resolve_model(args.model).path)
     py, me = sys.executable, str(Path(__file__).resolve())

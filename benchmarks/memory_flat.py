@@ -35,7 +35,9 @@ def make_tiny_model(path: Path) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from apcscore.models.loader import load_tokenizer, resolve_model
+    from apcscore.models.loading import load_tokenizer
+
+    from apcscore.models.locate import resolve_model
 
     tokenizer = load_tokenizer(resolve_model("smollm2-135m").path)
     torch.manual_seed(0)

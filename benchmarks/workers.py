@@ -85,7 +85,7 @@ def apcscore_generate(engine: Any, records: list[dict], max_new: int) -> list[li
 def transformers_load(model: str) -> Any:
     from transformers import AutoModelForCausalLM
 
-    from apcscore.models.loader import resolve_model
+    from apcscore.models.locate import resolve_model
 
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(model).path, dtype=torch.float32)
     return hf.eval()

@@ -112,7 +112,7 @@ def build_tiny_model(arch: str, out_dir: Path, tokenizer) -> Path:
 @pytest.fixture(scope="session")
 def default_model_files():
     """ModelFiles of "smollm2-135m", converted into the persistent cache on first use."""
-    from apcscore.models.loader import resolve_model
+    from apcscore.models.locate import resolve_model
 
     return resolve_model(DEFAULT_MODEL)
 
@@ -120,7 +120,7 @@ def default_model_files():
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_files):
     """The default model's tokenizer, loaded from its cached Hugging Face copy."""
-    from apcscore.models.loader import load_tokenizer
+    from apcscore.models.loading import load_tokenizer
 
     return load_tokenizer(default_model_files.path)
 

@@ -32,7 +32,7 @@ def synthetic_tokenizer(vocab_size: int = VOCAB_SIZE):
 def default_model_available() -> bool:
     """True when the default model resolves here (converting its GGUF on first use, as conftest does)."""
     try:
-        from apcscore.models.loader import resolve_model
+        from apcscore.models.locate import resolve_model
 
         resolve_model("smollm2-135m")
         return True

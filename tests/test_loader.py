@@ -16,18 +16,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from apcscore.errors import ApcscoreError
-from apcscore.models import loader
-from apcscore.models.loader import (
-    MODEL_ALIASES,
-    ModelFiles,
-    cache_root,
-    check_model_spec,
-    load_config,
-    load_state_dict,
-    load_tokenizer,
-    resolve_model,
-    weights_fingerprint,
-)
+from apcscore.models import gguf_cache, loading, locate
+from apcscore.models.gguf_cache import cache_root
+from apcscore.models.loading import load_config, load_state_dict, load_tokenizer, weights_fingerprint
+from apcscore.models.locate import MODEL_ALIASES, ModelFiles, check_model_spec, resolve_model
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
@@ -191,7 +183,7 @@ def test_fingerprint_is_the_sha256_cached_and_follows_the_weights(tiny_model_dir
     assert weights_fingerprint(d) == first
 
     # The second call reads the cache file (keyed by size, mtime, inode) instead of hashing again.
-    cache_file = d / loader.FINGERPRINT_FILE
+    cache_file = d / loading.FINGERPRINT_FILE
     cached = json.loads(cache_file.read_text())
     cache_file.write_text(json.dumps({**cached, "sha256": "f" * 64}))
     assert weights_fingerprint(d) == "f" * 16
@@ -225,7 +217,7 @@ def fake_convert(monkeypatch, tiny_model_dir):
         shutil.copytree(tiny_model_dir("llama"), out_dir, dirs_exist_ok=True)
         os.chmod(out_dir / "model.safetensors", 0o600)  # as transformers writes the dequantized weights
 
-    monkeypatch.setattr(loader, "_write_hf_copy", convert)
+    monkeypatch.setattr(gguf_cache, "_write_hf_copy", convert)
     return calls
 
 
@@ -244,7 +236,7 @@ def test_gguf_is_converted_once_into_apcscore_cache(tmp_path, monkeypatch, fake_
     assert first.source == "gguf" and first.name == str(gguf)
     assert first.path.parent == tmp_path / "cache" / "models"
     assert first.path.name.startswith("My_Model.Q8_0-")
-    assert (first.path / "config.json").is_file() and (first.path / loader.CACHE_MARKER).is_file()
+    assert (first.path / "config.json").is_file() and (first.path / gguf_cache.CACHE_MARKER).is_file()
     umask = os.umask(0o22)
     os.umask(umask)
     assert (first.path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shared caches stay readable
@@ -266,7 +258,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
         (out_dir / "config.json").write_text("{}")
         raise RuntimeError("killed half way")
 
-    monkeypatch.setattr(loader, "_write_hf_copy", crash)
+    monkeypatch.setattr(gguf_cache, "_write_hf_copy", crash)
     with pytest.raises(RuntimeError, match="killed half way"):
         resolve_model(str(gguf))
     assert list((tmp_path / "cache" / "models").iterdir()) == []
@@ -276,7 +268,7 @@ def test_incomplete_cache_dir_is_rebuilt(tmp_path, monkeypatch, fake_convert):
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     gguf = _fake_gguf(tmp_path / "m.gguf")
     dest = resolve_model(str(gguf)).path
-    (dest / loader.CACHE_MARKER).unlink()  # e.g. a copy someone made by hand, or an older layout
+    (dest / gguf_cache.CACHE_MARKER).unlink()  # e.g. a copy someone made by hand, or an older layout
     (dest / "model.safetensors").unlink()
     assert resolve_model(str(gguf)).path == dest
     assert (dest / "model.safetensors").is_file() and len(fake_convert) == 2
@@ -291,7 +283,7 @@ def test_racing_conversions_both_get_a_valid_dir(tmp_path, monkeypatch, tiny_mod
         both_converting.wait()  # neither publishes before both have started: a real race
         shutil.copytree(tiny_model_dir("llama"), out_dir, dirs_exist_ok=True)
 
-    monkeypatch.setattr(loader, "_write_hf_copy", convert)
+    monkeypatch.setattr(gguf_cache, "_write_hf_copy", convert)
     results: list[ModelFiles | BaseException] = []
 
     def run() -> None:
@@ -347,7 +339,7 @@ def test_cached_tokenizer(default_tokenizer):
 def test_cached_tokenizer_matches_the_gguf_tokenizer(default_tokenizer):
     from transformers import AutoTokenizer
 
-    gguf = loader._alias_gguf("smollm2-135m")
+    gguf = locate._alias_gguf("smollm2-135m")
     ref = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     texts = [
         PROMPT,
@@ -363,7 +355,7 @@ def test_cached_copy_gives_bitwise_the_logits_of_the_gguf_model(hf_default_model
     """The saved safetensors reload to exactly the model transformers builds from the GGUF (~25 s)."""
     from transformers import AutoModelForCausalLM
 
-    gguf = loader._alias_gguf("smollm2-135m")
+    gguf = locate._alias_gguf("smollm2-135m")
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     gguf_model.eval()
     ids = default_tokenizer(PROMPT, return_tensors="pt").input_ids  # [1, seq]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from apcscore.models.llama import LlamaDecoder
-from apcscore.models.loader import load_config, load_tokenizer
+from apcscore.models.loading import load_config, load_tokenizer
 from apcscore.models.resolved import resolve_model_parts
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")

@@ -95,7 +95,8 @@ class Engine:
     @classmethod
     def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
         """Load a model by alias, Hugging Face directory or .gguf path, and build the engine around it."""
-        from apcscore.models.loader import load_state_dict, resolve_model, weights_fingerprint
+        from apcscore.models.loading import load_state_dict, weights_fingerprint
+        from apcscore.models.locate import resolve_model
         from apcscore.models.resolved import resolve_model_parts
 
         config = config or EngineConfig()

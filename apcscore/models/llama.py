@@ -15,29 +15,8 @@ from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
-
-SUPPORTED_ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
-
-
-def check_architecture(hf_config: Any) -> str:
-    """The supported architecture name of hf_config, or a clear error."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    for arch in archs:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return arch
-    by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
-    if not archs and getattr(hf_config, "model_type", None) in by_type:
-        return by_type[hf_config.model_type]
-    name = ", ".join(archs) or getattr(hf_config, "model_type", "unknown")
-    raise ApcscoreError(
-        f"unsupported architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
-
+from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
+from apcscore.models.rope import rope_frequencies
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
                    residual: torch.Tensor | None = None) -> Any:
@@ -198,8 +177,6 @@ class LlamaDecoder(nn.Module):
         """
         positions = torch.arange(self.max_positions)
         if rope is None:
-            from apcscore.models.resolved import rope_frequencies
-
             rope = rope_frequencies(self.config)
         if rope is None:  # a rope type that depends on the length: transformers' module computes the tables
             from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding

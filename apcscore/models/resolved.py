@@ -24,8 +24,10 @@ from typing import Any
 
 import torch
 
-from apcscore.models.llama import check_architecture
-from apcscore.models.loader import cache_root, load_config, load_tokenizer
+from apcscore.models.architecture import check_architecture
+from apcscore.models.gguf_cache import cache_root
+from apcscore.models.loading import load_config, load_tokenizer
+from apcscore.models.rope import RopeFrequencies, rope_frequencies
 
 FORMAT = 1  # bump when what is stored changes
 KEY_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",  # the key's files
@@ -33,31 +35,11 @@ KEY_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "
              "vocab.json", "merges.txt", "tokenizer.model")
 
 
-@dataclass(frozen=True)
-class RopeFrequencies:
-    """Rotary inverse frequencies [head_dim / 2] (fp32) and the cos/sin scale, as transformers computes them."""
-
-    inv_freq: torch.Tensor
-    attention_scaling: float
-
-
 @dataclass
 class ResolvedModel:
     config: Any  # a transformers config, or a namespace with the same attributes (config.to_dict())
     tokenizer: Any
     rope: RopeFrequencies | None  # None: let transformers' rotary module compute the tables
-
-
-def rope_frequencies(config: Any) -> RopeFrequencies | None:
-    """transformers' rotary frequencies for config; None for rope types that change with sequence length."""
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if "dynamic" in rope_type or rope_type == "longrope":
-        return None
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    with torch.device("cpu"):
-        rotary = LlamaRotaryEmbedding(config)
-    return RopeFrequencies(rotary.inv_freq.float().clone(), float(rotary.attention_scaling))
 
 
 def _key(path: Path) -> str:

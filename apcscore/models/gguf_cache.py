@@ -1,0 +1,154 @@
+"""The GGUF conversion cache: a GGUF file is dequantized once through transformers and kept as a Hugging Face
+copy (fp32 safetensors + tokenizer) under `cache_root()/models/<name>-<key>`, so every later run loads plain
+safetensors in well under a second.
+
+The key is a content hash of the GGUF file; a marker file written last says a copy is complete; conversion
+goes into a temp dir renamed into place (atomic; racing processes both end with a valid copy), and temp
+dirs of conversions that died long ago are swept. transformers and torch are imported only to convert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from pathlib import Path
+
+from apcscore.errors import ApcscoreError
+
+logger = logging.getLogger(__name__)
+
+# Bump when the layout or content of a converted cache entry changes: older entries are then ignored.
+CACHE_FORMAT = 1
+CACHE_MARKER = "apcscore-cache.json"  # written last into a converted copy: its presence means "complete"
+_KEY_SAMPLE_BYTES = 4 << 20  # the GGUF cache key hashes this many bytes from each end of the file
+_STALE_TMP_SECONDS = 24 * 3600
+
+
+def cache_root() -> Path:
+    """The apcscore cache folder: $APCSCORE_CACHE if set, else ~/.cache/apcscore (not created here)."""
+    env = os.environ.get("APCSCORE_CACHE")
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "apcscore"
+
+
+def gguf_key(path: Path) -> str:
+    """Short content key of a GGUF file: sha256 of its size and first and last 4 MiB (milliseconds for any size).
+
+    Content-based rather than mtime-based, so reinstalling the same package keeps the cache valid.
+    """
+    size = path.stat().st_size
+    h = hashlib.sha256(f"apcscore-cache-v{CACHE_FORMAT}:{size}:".encode())
+    with path.open("rb") as f:
+        h.update(f.read(_KEY_SAMPLE_BYTES))
+        if size > 2 * _KEY_SAMPLE_BYTES:
+            f.seek(size - _KEY_SAMPLE_BYTES)
+        h.update(f.read(_KEY_SAMPLE_BYTES))
+    return h.hexdigest()[:12]
+
+
+def cache_dir_name(name: str, key: str) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{key}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / CACHE_MARKER).is_file()
+
+
+def _write_hf_copy(gguf: Path, out_dir: Path) -> None:
+    """Dequantize `gguf` through transformers and save it in `out_dir` as fp32 safetensors + tokenizer."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {}
+    if hasattr(transformers, "GgufConfig"):
+        # Newer transformers may keep the weights packed in GGUF blocks; we want a plain dense copy.
+        kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
+    folder, file = str(gguf.parent), gguf.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32, **kwargs)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
+    except Exception as e:  # transformers raises many types for unreadable or unsupported files
+        raise ApcscoreError(
+            f"Could not load the GGUF file {gguf} through transformers ({type(e).__name__}: {e}). "
+            "Check that the file is complete and its architecture is one transformers can read from GGUF.",
+            exit_code=1,
+        ) from e
+    # A GGUF-loaded model carries a quantizer marker that makes save_pretrained refuse ("not serializable");
+    # with dequantize=True transformers drops it itself, older versions need it cleared by hand.
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.is_quantized = False
+    if "quantization_config" in model.config.to_dict():
+        raise RuntimeError("the dequantized config still has a quantization_config; refusing to cache it")
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give the files in `folder` the mode a new file gets under the umask (some writers use 0600),
+    so a cache shared between users stays readable."""
+    probe = folder / ".umask-probe"
+    probe.touch()
+    mode = probe.stat().st_mode & 0o777
+    probe.unlink()
+    for file in folder.iterdir():
+        if file.is_file():
+            os.chmod(file, mode)
+
+
+def _sweep_stale_tmp(models_dir: Path) -> None:
+    """Remove temp dirs of conversions that died long ago (a crash or kill leaves them behind)."""
+    now = time.time()
+    for tmp in models_dir.glob(".tmp-*"):
+        try:
+            if now - tmp.stat().st_mtime > _STALE_TMP_SECONDS:
+                shutil.rmtree(tmp, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def convert_gguf(gguf: Path, dest: Path) -> None:
+    """Build the cached copy of `gguf` at `dest` atomically: convert into a temp dir, then rename it.
+
+    A crash never leaves a half-written `dest`; when two processes race, the first rename wins and the
+    other discards its own copy and uses the winner's.
+    """
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale_tmp(dest.parent)
+    if dest.exists() and not is_complete(dest):
+        logger.warning("Removing an incomplete model cache at %s", dest)
+        shutil.rmtree(dest, ignore_errors=True)
+    tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()  # unlike tempfile.mkdtemp (0700) this follows the umask, so a shared cache stays readable
+    try:
+        logger.info("Converting %s to a Hugging Face copy in %s (once; later runs reuse it)", gguf, dest)
+        start = time.perf_counter()
+        _write_hf_copy(gguf, tmp)
+        _follow_umask(tmp)
+        marker = {
+            "format": CACHE_FORMAT,
+            "gguf": str(gguf),
+            "gguf_size": gguf.stat().st_size,
+            "key": dest.name.rsplit("-", 1)[-1],
+            "convert_seconds": round(time.perf_counter() - start, 3),
+        }
+        (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not is_complete(dest):  # not a lost race: a real failure
+                raise
+            logger.info("Another process cached %s first; using its copy", dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,116 @@
+"""Load a Hugging Face model directory's parts: weights (safetensors), tokenizer and config, never from the
+network; and the weights' fingerprint for the run metadata. transformers and safetensors are imported
+inside the functions that need them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from apcscore.errors import ApcscoreError
+from apcscore.models.locate import safetensors_files
+
+if TYPE_CHECKING:
+    import torch
+
+FINGERPRINT_FILE = ".apcscore-fingerprint.json"
+
+
+def load_state_dict(
+    path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory's safetensors files, under their Hugging Face names.
+
+    Floating tensors are cast to `dtype` (None keeps the stored dtype), one tensor at a time. Tied weights
+    are stored once: with `tie_word_embeddings`, "lm_head.weight" is usually absent and the decoder must
+    reuse "model.embed_tokens.weight".
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    files = safetensors_files(path)
+    if not files:
+        raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name in state:
+                    raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point():
+                    tensor = tensor.to(dtype)
+                state[name] = tensor
+    return state
+
+
+def load_tokenizer(path: Path):
+    """The model's tokenizer (`AutoTokenizer`) from a Hugging Face directory, never from the network."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        raise ApcscoreError(
+            f"Could not load a tokenizer from {path} ({type(e).__name__}: {e}). A model directory needs its "
+            "tokenizer files (tokenizer.json and tokenizer_config.json, as save_pretrained writes them).",
+            exit_code=1,
+        ) from e
+
+
+def load_config(path: Path):
+    """The model's config (`AutoConfig`) from a Hugging Face directory, never from the network."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:
+        config_file = Path(path) / "config.json"
+        raise ApcscoreError(f"Could not read the model config {config_file} ({type(e).__name__}: {e}).") from e
+
+
+def _file_stamps(files: list[Path]) -> list[list]:
+    stamps = []
+    for file in files:
+        st = file.stat()
+        stamps.append([file.name, st.st_size, st.st_mtime_ns, st.st_ino])
+    return stamps
+
+
+def weights_fingerprint(path: Path) -> str:
+    """sha256 (first 16 hex chars) of the directory's safetensors bytes, files concatenated in name order.
+
+    For a single model.safetensors this is the start of `sha256sum model.safetensors`. The value is kept in
+    .apcscore-fingerprint.json next to the weights, keyed by each file's size, mtime and inode, so a second
+    call is instant; a directory that cannot be written is simply hashed every time.
+    """
+    path = Path(path)
+    files = safetensors_files(path)
+    if not files:
+        raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
+    stamps = _file_stamps(files)
+    cache_file = path / FINGERPRINT_FILE
+    try:
+        cached = json.loads(cache_file.read_text())
+        if cached.get("files") == stamps and isinstance(cached.get("sha256"), str):
+            return cached["sha256"][:16]
+    except (OSError, ValueError, AttributeError):
+        pass
+    h = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    digest = h.hexdigest()
+    try:
+        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"sha256": digest, "files": stamps}) + "\n")
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass
+    return digest[:16]
