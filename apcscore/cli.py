@@ -182,7 +182,7 @@ def _job_class(command: str):
 
 
 def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: EngineConfig) -> dict:
-    """The run metadata stored under the parquet key `apcscore` (design.md section 5)."""
+    """The run metadata stored under the parquet key `apcscore` (io/writer.METADATA_KEY)."""
     import torch
     import transformers
 

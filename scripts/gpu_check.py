@@ -112,7 +112,7 @@ def make_engine(cfg, state: dict, device: str, dtype: str, backend: str, **overr
     """Engine.from_parts on these weights; on CUDA with the Triton backend, decode steps replay CUDA graphs."""
     from apcscore.config import EngineConfig
     from apcscore.engine.cuda_graphs import attach
-    from apcscore.engine import Engine
+    from apcscore.engine.engine import Engine
 
     config = dict(device=device, dtype=dtype, attention_backend=backend, max_model_len=4096, num_kv_blocks=4096,
                   block_size=16, max_batch_tokens=8192, max_num_seqs=256, logprobs_chunk_size=2048)
@@ -264,7 +264,9 @@ def part_env(args) -> bool:
     t0 = time.perf_counter()
     import apcscore.engine.cuda_graphs  # noqa: F401
     import apcscore.engine.engine  # noqa: F401
-    import apcscore.kernels  # noqa: F401
+    import apcscore.models.backend
+
+    apcscore.models.backend.select_backend("triton")  # the attention backend and every Triton kernel it uses
 
     info["apcscore_import_s"] = round(time.perf_counter() - t0, 2)
     info["apcscore_loaded_datasets_or_gguf"] = sorted(m for m in ("datasets", "gguf") if sys.modules.get(m))

@@ -182,8 +182,8 @@ def paged_batch(specs: list[tuple[int, int]], num_heads: int, num_kv_heads: int,
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=dev), block_tables=tables.to(dev),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), max_seqlen_q=max(n for _, n in specs),
-        max_seqlen_k=max(lens), cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=block_size)
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), cu_seqlens_q_list=cu, seq_lens_list=lens,
+        block_size=block_size)
     return q, k, v, k_cache, v_cache, meta
 
 

@@ -22,8 +22,10 @@ import torch
 from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
-from apcscore.kernels import paged_attention, rms_norm, store_kv, token_logprobs, token_logprobs_torch
-from apcscore.engine.logprobs import Scratch
+from apcscore.kernels import rms_norm, token_logprobs, token_logprobs_torch
+from apcscore.kernels.paged_attention import paged_attention
+from apcscore.kernels.store_kv import store_kv
+from apcscore.kernels.logprobs_ref import Scratch
 from apcscore.kernels._checks import interpreting
 
 INTERPRET = interpreting()
@@ -117,7 +119,6 @@ def build_batch(seqs: list[tuple[SeqContent, int, int]], block_size: int, pad_ro
         block_tables=block_tables.to(DEVICE),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        max_seqlen_q=max(new for _, _, new in seqs), max_seqlen_k=max(lens),
         cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=block_size)
     return Batch(query.to(DEVICE), key.to(DEVICE), value.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta)
 
@@ -129,11 +130,16 @@ def random_batch(shape: list[tuple[int, int]], *, num_kv_heads: int, group: int,
     return build_batch(seqs, block_size, pad_rows)
 
 
+def kernel_meta(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The metadata tensors the paged_attention kernel takes."""
+    return meta.block_tables, meta.cu_seqlens_q, meta.seq_lens
+
+
 def triton_forward(batch: Batch, scale: float, **tiles: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """store_kv + paged_attention kernels on fresh copies of the caches: (out, k_cache, v_cache)."""
     k_cache, v_cache = batch.clone_caches()
     store_kv(batch.key, batch.value, k_cache, v_cache, batch.meta.slot_mapping)
-    return paged_attention(batch.query, k_cache, v_cache, batch.meta, scale, **tiles), k_cache, v_cache
+    return paged_attention(batch.query, k_cache, v_cache, *kernel_meta(batch.meta), scale, **tiles), k_cache, v_cache
 
 
 def torch_forward(batch: Batch, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -360,12 +366,12 @@ def test_wrappers_reject_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="slot_mapping must have dtype"):
         store_kv(batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping.float())
     with pytest.raises(ValueError, match="must match"):
-        paged_attention(batch.query.half(), batch.k_cache, batch.v_cache, batch.meta)
+        paged_attention(batch.query.half(), batch.k_cache, batch.v_cache, *kernel_meta(batch.meta))
     with pytest.raises(ValueError, match="last dimension of query must be contiguous"):
         paged_attention(batch.query.transpose(1, 2).contiguous().transpose(1, 2), batch.k_cache, batch.v_cache,
-                        batch.meta)
+                        *kernel_meta(batch.meta))
     with pytest.raises(ValueError, match="not a multiple"):
-        paged_attention(batch.query[:, :3], batch.k_cache[:, :, :2], batch.v_cache[:, :, :2], batch.meta)
+        paged_attention(batch.query[:, :3], batch.k_cache[:, :, :2], batch.v_cache[:, :, :2], *kernel_meta(batch.meta))
     with pytest.raises(ValueError, match="weight has 7 entries"):
         rms_norm(torch.randn(2, 8, device=DEVICE), torch.ones(7, device=DEVICE), 1e-5)
     with pytest.raises(ValueError, match="k must be an int"):

@@ -22,8 +22,6 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     cu_seqlens_q: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
-    max_seqlen_q: int
-    max_seqlen_k: int
     # The same as Python lists, for the torch backend's per-sequence loop (no device sync).
     cu_seqlens_q_list: list[int]
     seq_lens_list: list[int]
@@ -45,16 +43,11 @@ class AttentionMetadata:
             block_tables[i, :len(table)] = torch.tensor(table)
         return cls(slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=block_tables,
                    cu_seqlens_q=torch.tensor(cu), seq_lens=torch.tensor(lens),
-                   max_seqlen_q=max(q for q, _ in items), max_seqlen_k=max(lens),
                    cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=block_size)
 
     @property
     def num_seqs(self) -> int:
         return len(self.seq_lens_list)
-
-    @property
-    def is_decode_only(self) -> bool:
-        return self.max_seqlen_q == 1
 
 
 _current: AttentionMetadata | None = None

@@ -1,6 +1,6 @@
 """KV cache manager: a pool of fixed-size blocks with automatic prefix caching. Torch-free.
 
-Prefix caching hashes each *full* block as hash(parent_hash, block_token_ids, extra_keys). A lookup walks
+Prefix caching hashes each *full* block as hash(parent_hash, block_token_ids). A lookup walks
 a sequence's chain of block hashes from the start and stops at the first miss; a hit also compares the
 block's stored token ids and parent hash, so a hash collision can never hand out wrong KV. Blocks carry
 ref counts. A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
@@ -26,9 +26,9 @@ class BlockSequence(Protocol):
 NONE_HASH = 0  # parent hash of the first block
 
 
-def hash_block(parent_hash: int, token_ids: Seq[int], extra_keys: tuple = ()) -> int:
+def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
     """Hash of one full block, chained on its parent's hash."""
-    return hash((parent_hash, tuple(token_ids), extra_keys))
+    return hash((parent_hash, tuple(token_ids)))
 
 
 @dataclass
@@ -53,14 +53,12 @@ class PrefixCacheStats:
 class BlockManager:
     """Hands out KV blocks to sequences and finds cached prefixes."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 extra_keys: tuple = ()) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.extra_keys = extra_keys
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently freed first. Cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
@@ -87,7 +85,7 @@ class BlockManager:
         hashes = seq.block_hashes
         for i in range(len(hashes), len(seq.token_ids) // bs):
             parent = hashes[i - 1] if i else NONE_HASH
-            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs], self.extra_keys))
+            hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, seq: BlockSequence, record_stats: bool = True) -> list[int]:
@@ -208,5 +206,5 @@ class BlockManager:
             block = self.blocks[b]
             assert block.block_hash == h, f"cached hash points at block {b} with another hash"
             assert len(block.token_ids) == self.block_size
-            assert hash_block(block.parent_hash, block.token_ids, self.extra_keys) == h
+            assert hash_block(block.parent_hash, block.token_ids) == h
         assert len(self.free_queue) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks

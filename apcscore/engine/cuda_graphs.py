@@ -148,7 +148,6 @@ class DecodeGraphRunner:
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :bs], block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.lens[0, :bs + 1], seq_lens=self.lens[1, :bs],
-            max_seqlen_q=1, max_seqlen_k=max(seq_lens) if inp is not None else self.model.max_positions,
             cu_seqlens_q_list=[min(i, n) for i in range(bs + 1)], seq_lens_list=seq_lens,
             block_size=self.block_size,
         )

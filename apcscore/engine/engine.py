@@ -18,8 +18,11 @@ import torch
 from apcscore.engine.block_manager import BlockManager
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
-from apcscore.engine.model_runner import ModelRunner, StepOutput, default_num_kv_blocks
-from apcscore.models.llama import LlamaDecoder, check_architecture, rms_norm_torch
+from apcscore.engine.kv_cache import default_num_kv_blocks
+from apcscore.engine.model_runner import ModelRunner, StepOutput
+from apcscore.models.architecture import check_architecture
+from apcscore.models.backend import Backend, select_backend
+from apcscore.models.llama import LlamaDecoder
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
 
@@ -72,20 +75,21 @@ class Engine:
     """One model, one KV pool, one scheduler. Build it with `Engine.from_model`."""
 
     def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo,
-                 device: torch.device, dtype: torch.dtype, attention_backend: str, logprob_fn: Callable) -> None:
+                 device: torch.device, dtype: torch.dtype, backend: Backend) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.info = info
         self.device = device
         self.dtype = dtype
-        self.attention_backend = attention_backend
+        self.backend = backend
+        self.attention_backend = backend.name  # "torch" | "triton", as the run metadata records it
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
             model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  config.logprobs_chunk_size, config.seed, logprob_fn,
+                                  config.logprobs_chunk_size, config.seed, backend.token_logprobs,
                                   use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs)
         self.eos_token_ids = self._eos_ids()
         self.stats = EngineStats()
@@ -122,16 +126,13 @@ class Engine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
-        backend_name = config.attention_backend
-        if backend_name == "auto":
-            backend_name = "triton" if device.type == "cuda" else "torch"
-        backend, norm_fn, logprob_fn = _backend(backend_name)
+        backend = select_backend(config.attention_backend, device.type)
         max_len = hf_config.max_position_embeddings
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
             max_len = min(max_len, hf_config.sliding_window)  # full attention equals sliding inside the window
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
-        model = LlamaDecoder(hf_config, backend, norm_fn, max_positions=max_len, device="meta")
+        model = LlamaDecoder(hf_config, backend, max_positions=max_len, device="meta")
         model = model.materialize(device, dtype)
         model.load_hf_weights(state_dict, rope, consume=consume_state)
         model.eval()
@@ -142,7 +143,7 @@ class Engine:
             max_model_len=max_len, fingerprint=fingerprint,
             num_parameters=sum(p.numel() for p in model.parameters()),
         )
-        return cls(model, tokenizer, config, info, device, dtype, backend_name, logprob_fn)
+        return cls(model, tokenizer, config, info, device, dtype, backend)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -276,16 +277,3 @@ class Engine:
             finish_reason=reason, num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
-
-def _backend(name: str) -> tuple[Any, Callable, Callable]:
-    """(attention backend, RMSNorm function, logprob function) for a backend name."""
-    if name == "torch":
-        from apcscore.attention.torch_backend import TorchAttentionBackend
-        from apcscore.engine.logprobs import token_logprobs_torch
-
-        return TorchAttentionBackend(), rms_norm_torch, token_logprobs_torch
-    from apcscore.attention.triton_backend import TritonAttentionBackend
-    from apcscore.kernels.logprobs import token_logprobs
-    from apcscore.kernels.rmsnorm import rms_norm
-
-    return TritonAttentionBackend(), rms_norm, token_logprobs

@@ -2,10 +2,10 @@
 
 By default glibc serves a large request with a fresh memory map (or trims freed memory off the top of its
 heap), so each engine step's activations (a [2048, 3072] fp32 MLP intermediate is 25 MB) come back as new
-pages: the kernel faults in and zeroes every 4 KiB page again. A 4,096-token perplexity run took about
-630,000 page faults and 1.3 s of system time more without this (getrusage; docs/benchmarks.md). Requests
-up to 32 MiB (glibc's ceiling for this setting on 64-bit) are served from the heap instead, and up to
-1 GiB of free heap is kept. Larger buffers (the logprob chunks) are reused by `logprobs.Scratch`.
+pages: the kernel faults in and zeroes every 4 KiB page again (what that costs: docs/benchmarks.md,
+"Numbers that used to live in docstrings"). Requests up to 32 MiB (glibc's ceiling for this setting on
+64-bit) are served from the heap instead, and up to 1 GiB of free heap is kept. Larger buffers (the
+logprob chunks) are reused by `apcscore.kernels.logprobs_ref.Scratch`.
 
 This changes the whole process's malloc, once. It is done for CPU engines only; elsewhere (not glibc: macOS,
 musl) it does nothing.

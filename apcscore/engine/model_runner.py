@@ -6,9 +6,6 @@ and the last position of each sequence that samples its next token.
 
 from __future__ import annotations
 
-import math
-import mmap
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,11 +13,13 @@ import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine.host_memory import keep_freed_memory
-from apcscore.engine.logprobs import LogprobFn, Scratch, chunked_token_logprobs, token_logprobs_torch
-from apcscore.models.llama import LlamaDecoder
+from apcscore.engine.kv_cache import allocate_kv_cache
+from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import PromptLogprobs, Sequence, TokenLogprobs
+from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
+from apcscore.models.llama import LlamaDecoder
 
 # CPU GEMMs (MKL/oneDNN) round rows differently when a matrix has fewer than ~12 rows (measured here: 1-3, 5-7
 # and 9-11 rows differ from the same rows inside a larger matrix). Padding every row block to at least 16 rows
@@ -32,39 +31,6 @@ MIN_ROWS = 16
 class StepOutput:
     prompt_logprobs: list[tuple[Sequence, PromptLogprobs]]
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
-
-
-def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
-    heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return 2 * hf_config.num_hidden_layers * block_size * heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device: torch.device,
-                          fraction: float | None) -> int:
-    """KV pool size from free memory: a share of free host memory on CPU (at most 4 GiB), of GPU memory on CUDA."""
-    per_block = kv_bytes_per_block(hf_config, block_size, dtype)
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * (fraction or 0.85)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(free * (fraction or 0.25), 4 * 2**30)
-    return max(16, int(budget // per_block))
-
-
-def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zero-filled tensor. On the CPU an anonymous memory map: zero pages the OS hands out only when written,
-    so a large KV pool costs memory only as it is used.
-
-    The KV pool must hold finite values everywhere: attention multiplies masked (zero) probabilities with
-    whatever sits past a sequence's end, and 0 * NaN would be NaN. Zeros, then real K/V, keep it finite.
-    """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    nbytes = math.prod(shape) * torch.finfo(dtype).bits // 8
-    buffer = mmap.mmap(-1, max(nbytes, 1))
-    return torch.frombuffer(buffer, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:
@@ -84,20 +50,7 @@ class ModelRunner:
         self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
         if device.type == "cpu":
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
-        cfg = model.config
-        attn0 = model.layers[0].self_attn
-        # per layer [num_blocks, block_size, Hkv, D] caches; a backend may lay the pool out its own way
-        allocate = getattr(attn0.backend, "allocate_kv_cache", None)
-        if allocate is not None:
-            caches = allocate(cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim,
-                              lambda shape: allocate_zeroed(shape, dtype, device))
-        else:
-            shape = (2, cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim)
-            pool = allocate_zeroed(shape, dtype, device)
-            caches = [(pool[0, i], pool[1, i]) for i in range(cfg.num_hidden_layers)]
-        for layer, (k_cache, v_cache) in zip(model.layers, caches):
-            layer.self_attn.k_cache = k_cache
-            layer.self_attn.v_cache = v_cache
+        allocate_kv_cache(model, num_kv_blocks, block_size, dtype, device)
         self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.engine.cuda_graphs), captured now
         if device.type == "cuda" and use_cuda_graphs:
             from apcscore.engine.cuda_graphs import DecodeGraphRunner
@@ -133,8 +86,6 @@ class ModelRunner:
             block_tables=torch.from_numpy(tables).to(dev),
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(n for _, n in batch.items),
-            max_seqlen_k=max(seq_lens),
             cu_seqlens_q_list=cu,
             seq_lens_list=seq_lens,
             block_size=bs,

@@ -5,10 +5,10 @@ waiting ones while the budget, the sequence cap and the KV pool allow. When bloc
 recently admitted running sequence is preempted: its blocks are freed and it is prefilled again later.
 Deterministic: the same inputs and config give the same schedule.
 
-Prefix caching (design.md section 2): only sequences without prompt logprobs read the cache; every sequence
-writes its full blocks. A reading sequence whose next uncached block is being prefilled right now by
-another sequence waits a step instead of computing it twice, so prompts that share a prefix and arrive
-together still hit.
+Prefix caching (docs/architecture.md, "The prefix-caching rule"): only sequences without prompt logprobs
+read the cache; every sequence writes its full blocks. A reading sequence whose next uncached block is being
+prefilled right now by another sequence waits a step instead of computing it twice, so prompts that share a
+prefix and arrive together still hit.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending: dict[int, Sequence] = {}  # block hash -> sequence computing that block now
-        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -121,7 +120,6 @@ class Scheduler:
         self.bm.free(seq)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
 
     # ---- after the step ------------------------------------------------------------------------
     def finish_step(self, batch: ScheduledBatch) -> None:

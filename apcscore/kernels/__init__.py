@@ -1,14 +1,34 @@
-"""Triton kernels for CUDA (also run on the CPU under TRITON_INTERPRET=1 in tests).
+"""Compute kernels: Triton kernels for CUDA (also run on the CPU under TRITON_INTERPRET=1 in tests), each
+with its torch reference beside it. Kernels are leaves: they import nothing from apcscore but each other.
 
-Each kernel has a Python wrapper that checks shapes, dtypes, strides and devices and raises ValueError:
-store_kv (paged cache write), paged_attention (prefill and decode, batch-invariant), rms_norm (optionally
-fused with the residual add) and token_logprobs (fused over the vocabulary; token_logprobs_torch is the
-torch reference the CPU engine uses).
+Each Triton kernel has a Python wrapper that checks shapes, dtypes, strides and devices and raises
+ValueError: store_kv (paged cache write), paged_attention (prefill and decode, batch-invariant), rms_norm
+(optionally fused with the residual add), token_logprobs (fused over the vocabulary) and invariant_linear
+(matmul: a batch-invariant linear). The torch references the CPU engine runs, rms_norm_torch (rmsnorm_ref)
+and token_logprobs_torch (logprobs_ref), import no Triton.
+
+Names are imported lazily (`from apcscore.kernels import rms_norm` loads only that kernel's module), so
+importing one module of this package does not pull in Triton for the others. paged_attention and store_kv
+are imported from their modules (apcscore.kernels.paged_attention, apcscore.kernels.store_kv): a lazy name
+equal to a submodule's would turn into the submodule once anything imported it.
 """
 
-from apcscore.kernels.logprobs import token_logprobs, token_logprobs_torch
-from apcscore.kernels.paged_attention import paged_attention
-from apcscore.kernels.rmsnorm import rms_norm
-from apcscore.kernels.store_kv import store_kv
+from __future__ import annotations
 
-__all__ = ["paged_attention", "rms_norm", "store_kv", "token_logprobs", "token_logprobs_torch"]
+import importlib
+
+_MODULES = {
+    "rms_norm": "rmsnorm",
+    "rms_norm_torch": "rmsnorm_ref",
+    "token_logprobs": "logprobs",
+    "token_logprobs_torch": "logprobs_ref",
+}
+
+__all__ = sorted(_MODULES)
+
+
+def __getattr__(name: str):
+    module = _MODULES.get(name)
+    if module is None:
+        raise AttributeError(f"module 'apcscore.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"apcscore.kernels.{module}"), name)

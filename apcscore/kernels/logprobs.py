@@ -1,4 +1,4 @@
-"""Per-token logprobs over the vocabulary: a fused Triton kernel and the exact torch reference.
+"""Per-token logprobs over the vocabulary: a fused Triton kernel (its exact torch reference: logprobs_ref).
 
 For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
 (1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
@@ -12,10 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.engine.logprobs import token_logprobs_torch, top_k  # the torch reference lives with the engine
-
 from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
                                       check_tensors)
+from apcscore.kernels.logprobs_ref import top_k
 
 BLOCK_V = 4096  # vocabulary entries per chunk of the kernel's loop (untuned)
 NUM_WARPS = 8

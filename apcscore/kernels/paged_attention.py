@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.attention.metadata import AttentionMetadata
 from apcscore.kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_last_dim_contiguous,
                                       check_shape, check_tensors)
 
@@ -122,22 +121,23 @@ def _paged_attention_kernel(
              mask=row_ok[:, None] & d_ok[None, :])
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float | None = None, *, block_m: int | None = None, block_n: int | None = None,
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
+                    block_m: int | None = None, block_n: int | None = None,
                     num_warps: int | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache (torch_backend semantics).
 
     query: [T, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
-    num_kv_heads, head_dim], contiguous, same dtype as query; meta: block_tables [B, max_blocks],
-    cu_seqlens_q [B + 1], seq_lens [B] on the query's device. Returns [T, num_heads, head_dim] in query.dtype;
-    rows past cu_seqlens_q[-1] are zero. Query head h reads KV head h // (num_heads // num_kv_heads).
+    num_kv_heads, head_dim], contiguous, same dtype as query; block_tables [B, max_blocks], cu_seqlens_q
+    [B + 1], seq_lens [B] (the step's AttentionMetadata fields) on the query's device. Returns [T, num_heads,
+    head_dim] in query.dtype; rows past cu_seqlens_q[-1] are zero. Query head h reads KV head h // (num_heads // num_kv_heads).
     scale defaults to 1 / sqrt(head_dim). block_m (query rows = tokens x group heads per program, >= the
     group size) and block_n (keys per tile) set the reduction order; their defaults (tile_config) depend on
     the model only, never on the batch, which keeps results batch-invariant.
     """
     name = "paged_attention"
-    check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=meta.block_tables,
-                  cu_seqlens_q=meta.cu_seqlens_q, seq_lens=meta.seq_lens)
+    check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+                  cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
     check_shape(name, "query", query, 3)
     check_dtype(name, "query", query, FLOAT_DTYPES)
     check_last_dim_contiguous(name, "query", query)
@@ -149,28 +149,25 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             raise ValueError(f"{name}: {arg} has dtype {t.dtype} but query has {query.dtype}; they must match")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    check_shape(name, "meta.block_tables", meta.block_tables, 2)
-    check_shape(name, "meta.cu_seqlens_q", meta.cu_seqlens_q, 1)
-    check_shape(name, "meta.seq_lens", meta.seq_lens, 1)
-    for arg in ("block_tables", "cu_seqlens_q", "seq_lens"):
-        check_dtype(name, f"meta.{arg}", getattr(meta, arg), INDEX_DTYPES)
-    if meta.block_tables.shape[1] > 1 and meta.block_tables.stride(1) != 1:
-        raise ValueError(f"{name}: meta.block_tables rows must be contiguous, got strides "
-                         f"{meta.block_tables.stride()}")
+    check_shape(name, "block_tables", block_tables, 2)
+    check_shape(name, "cu_seqlens_q", cu_seqlens_q, 1)
+    check_shape(name, "seq_lens", seq_lens, 1)
+    for arg, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        check_dtype(name, arg, t, INDEX_DTYPES)
+    if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
+        raise ValueError(f"{name}: block_tables rows must be contiguous, got strides {block_tables.stride()}")
     num_tokens, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    num_seqs = meta.seq_lens.shape[0]
+    num_seqs = seq_lens.shape[0]
     if cache_head_dim != head_dim:
         raise ValueError(f"{name}: query head_dim {head_dim} differs from the cache's {cache_head_dim}")
     if head_dim > MAX_HEAD_DIM:
         raise ValueError(f"{name}: head_dim {head_dim} is above the supported {MAX_HEAD_DIM}")
     if num_heads % num_kv_heads:
         raise ValueError(f"{name}: {num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
-    if meta.cu_seqlens_q.shape[0] != num_seqs + 1 or meta.block_tables.shape[0] < num_seqs:
-        raise ValueError(f"{name}: meta has cu_seqlens_q {tuple(meta.cu_seqlens_q.shape)}, block_tables "
-                         f"{tuple(meta.block_tables.shape)} for {num_seqs} sequences; want [B + 1] and [B, *]")
-    if block_size != meta.block_size:
-        raise ValueError(f"{name}: the cache has block_size {block_size} but meta says {meta.block_size}")
+    if cu_seqlens_q.shape[0] != num_seqs + 1 or block_tables.shape[0] < num_seqs:
+        raise ValueError(f"{name}: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
+                         f"{tuple(block_tables.shape)} for {num_seqs} sequences; want [B + 1] and [B, *]")
     group = num_heads // num_kv_heads
     default_m, default_n, default_warps = tile_config(head_dim, group)
     block_m = block_m if block_m is not None else default_m
@@ -187,11 +184,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     # Sequence i needs ceil(q_len_i / block_q) tiles, all inside [cu_i // block_q + i, cu_{i+1} // block_q + i + 1).
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens,
+        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
         scale * math.log2(math.e), num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), meta.block_tables.stride(0),
+        v_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps,

@@ -16,19 +16,8 @@ from torch import nn
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
+from apcscore.models.backend import Backend
 from apcscore.models.rope import rope_frequencies
-
-def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                   residual: torch.Tensor | None = None) -> Any:
-    """Hugging Face LlamaRMSNorm; with `residual`: x += residual first and also return the new residual."""
-    if residual is not None:
-        x = x + residual
-        residual = x
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(x.dtype)
-    return out if residual is None else (out, residual)
-
 
 RmsNormFn = Callable[..., Any]
 Device = torch.device | str | None
@@ -127,10 +116,13 @@ class DecoderLayer(nn.Module):
 class LlamaDecoder(nn.Module):
     """Decoder-only transformer of the Llama family over a flattened, paged batch."""
 
-    def __init__(self, hf_config: Any, backend: Any, norm_fn: RmsNormFn = rms_norm_torch,
-                 max_positions: int | None = None, device: Device = None) -> None:
-        """device "meta" builds it without memory (then `to_empty` and `load_hf_weights`)."""
+    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+                 device: Device = None) -> None:
+        """backend: attention and RMSNorm (apcscore.models.backend.select_backend). device "meta" builds it
+        without memory (then `materialize` and `load_hf_weights`)."""
         super().__init__()
+        self.backend = backend
+        attention, norm_fn = backend.attention, backend.rms_norm
         arch = check_architecture(hf_config)
         family = SUPPORTED_ARCHITECTURES[arch]
         cfg = hf_config
@@ -143,7 +135,7 @@ class LlamaDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, norm_fn, qk_norm, qkv_bias, o_bias, device)
+            DecoderLayer(cfg, i, attention, norm_fn, qk_norm, qkv_bias, o_bias, device)
             for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))

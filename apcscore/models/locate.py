@@ -172,7 +172,7 @@ def resolve_model(spec: str) -> ModelFiles:
     """Turn a model spec into a Hugging Face directory, converting (and caching) a GGUF file on first use.
 
     Alias or .gguf: the dequantized fp32 copy lives in cache_root()/models/<name>-<key>, where key is a
-    short content hash of the GGUF file; the first call converts (~25 s for the default model), later
+    short content hash of the GGUF file; the first call converts (seconds: docs/benchmarks.md), later
     calls return the cached directory in milliseconds. HF directory: returned as is.
     """
     source, path = _locate(spec)

@@ -1,0 +1,83 @@
+"""The torch reference of the logprob kernel (apcscore.kernels.logprobs), and the path the CPU engine runs.
+
+For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
+(1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
+and the top-k token ids with their logprobs, sorted by descending logit. Imports no Triton.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class Scratch:
+    """Reusable flat buffers for the [rows, vocab] temporaries of the logprob path on the CPU.
+
+    A fresh tensor of more than 32 MiB comes from its own mmap, so the kernel faults in and zeroes every 4 KiB
+    page of it each time: a [1024, 49152] fp32 chunk is 50,000 page faults. Reusing buffers gives the same
+    bits, faster (measured: docs/benchmarks.md). The buffers stay allocated for the engine's life (a few
+    [chunk, vocab] fp32 buffers).
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised `shape` view of buffer `name` (grown when too small)."""
+        size = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < size:
+            buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
+        return buf[:size].view(shape)
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k values (input dtype) and ids of each row, sorted by descending logit: [N, k], [N, k] int64."""
+    if k == 0:
+        empty = logits.new_empty((logits.shape[0], 0))
+        return empty, torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
+    return torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+
+
+def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = True,
+                         scratch: Scratch | None = None) -> tuple[torch.Tensor, ...]:
+    """logits [N, V] (any float dtype), targets [N] int64 -> logprobs [N] f32, ranks [N] i64, top ids [N, k] i64,
+    top logprobs [N, k] f32. The reference the fused Triton kernel is tested against.
+
+    Materialises [N, V] fp32 logprobs, so the caller passes row chunks. Ranks compare the input logits; a
+    target outside [0, V) gets logprob NaN and rank 0 (checking would cost a device sync). ranks=False skips
+    counting them (all 0). scratch: reuse its buffers for the [N, V] temporaries (same bits).
+    """
+    if logits.ndim != 2 or targets.shape != (logits.shape[0],):
+        raise ValueError(f"token_logprobs_torch: logits must be [N, V] and targets [N], got "
+                         f"{tuple(logits.shape)} and {tuple(targets.shape)}")
+    if targets.dtype != torch.int64 or not logits.is_floating_point() or k < 0 or k > logits.shape[1]:
+        raise ValueError(f"token_logprobs_torch: needs float logits, int64 targets and 0 <= k <= V; got "
+                         f"{logits.dtype}, {targets.dtype}, k={k}")
+    vocab = logits.shape[1]
+    valid = (targets >= 0) & (targets < vocab)  # [N]
+    safe = torch.where(valid, targets, 0)[:, None]  # [N, 1]
+    if scratch is None:
+        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
+    else:
+        log_probs = torch._log_softmax(logits.float(), -1, False,
+                                       out=scratch.get("log_probs", logits.shape, torch.float32, logits.device))
+    logprobs = torch.where(valid, log_probs.gather(1, safe).squeeze(1), float("nan"))
+    if ranks:
+        if scratch is None:
+            greater = (logits > logits.gather(1, safe)).sum(dim=1, dtype=torch.int32).long()  # [N]
+        else:
+            # 0/1 as fp32 into a reused buffer, summed in fp32: exact (counts < 2^24). Summing the bool
+            # comparison instead first casts it to a fresh [N, V] integer tensor (a new mmap each chunk;
+            # the cost: docs/benchmarks.md).
+            if logits.shape[1] >= 2 ** 24:
+                raise ValueError("token_logprobs_torch: fp32 rank counts need a vocabulary below 2^24")
+            above = torch.gt(logits, logits.gather(1, safe),
+                             out=scratch.get("above", logits.shape, torch.float32, logits.device))  # [N, V]
+            greater = above.sum(dim=1).long()  # [N]
+        rank = torch.where(valid, greater + 1, 0)
+    else:
+        rank = torch.zeros_like(targets)
+    _, top_ids = top_k(logits, k)
+    return logprobs, rank, top_ids, log_probs.gather(1, top_ids)
