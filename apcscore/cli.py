@@ -100,8 +100,8 @@ def default_out(dataset: Path, command: str) -> Path:
 
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None) -> None:
     """Shared flow of score / generate / perplexity: validate everything, load, run, write, summarise."""
-    from apcscore.models.locate import check_model_spec
     from apcscore.io.reader import load_dataset
+    from apcscore.models.locate import check_model_spec
 
     opts = resolve_options(cli_opts, config_path)
     if command == "score" and opts["prompt_logprobs"] is None:
@@ -122,8 +122,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         console.print(f"[yellow]warning:[/] {warning}", highlight=False)
 
     from apcscore.engine.engine import Engine
-    from apcscore.jobs.runner import run_job
     from apcscore.io.writer import ResultsWriter
+    from apcscore.jobs.runner import run_job
 
     quiet = opts["quiet"]
     load_start = time.perf_counter()

@@ -15,9 +15,9 @@ from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine.cuda_graphs import (DecodeGraphRunner, attach, capture_sizes, decode_inputs, pad_decode_inputs,
                                   padded_size)
 from apcscore.engine import Engine
-from apcscore.kernels._checks import interpreting
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import Sequence
+from apcscore.kernels._checks import interpreting
 
 
 def test_capture_sizes_cover_every_batch_up_to_max_num_seqs() -> None:

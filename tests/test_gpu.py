@@ -22,11 +22,11 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
-from apcscore.engine.cuda_graphs import DecodeGraphRunner, attach, decode_inputs
 from apcscore.engine import Engine
-from apcscore.kernels._checks import interpreting
+from apcscore.engine.cuda_graphs import DecodeGraphRunner, attach, decode_inputs
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import Sequence
+from apcscore.kernels._checks import interpreting
 from portable_models import VOCAB_SIZE, tiny_dir  # noqa: F401  (fixture)
 
 DEVICE = "cuda"  # a module constant so that a CPU dry run of the helpers can swap it

@@ -23,10 +23,10 @@ from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
 from apcscore.kernels import rms_norm, token_logprobs, token_logprobs_torch
+from apcscore.kernels._checks import interpreting
+from apcscore.kernels.logprobs_ref import Scratch
 from apcscore.kernels.paged_attention import paged_attention
 from apcscore.kernels.store_kv import store_kv
-from apcscore.kernels.logprobs_ref import Scratch
-from apcscore.kernels._checks import interpreting
 
 INTERPRET = interpreting()
 HAS_CUDA = torch.cuda.is_available()

@@ -20,8 +20,8 @@ from apcscore.engine import Engine
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, encode_pair, mean_stderr,
                                          prefix_token_id)
-from apcscore.jobs.score import ScoreJob
 from apcscore.io.schemas import Record
+from apcscore.jobs.score import ScoreJob
 
 
 def enc(tok, text):

@@ -30,8 +30,8 @@ from apcscore import EngineConfig
 from apcscore.cli import app
 from apcscore.engine import Engine
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.perplexity import PerplexityJob, count_words, default_window, rolling_windows
 from apcscore.io.schemas import Record
+from apcscore.jobs.perplexity import PerplexityJob, count_words, default_window, rolling_windows
 
 SAMPLE_TEXTS = Path(__file__).resolve().parents[1] / "datasets" / "sample_texts.jsonl"
 

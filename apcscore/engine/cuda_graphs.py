@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
-from apcscore.models.llama import LlamaDecoder
 from apcscore.engine.scheduler import ScheduledBatch
+from apcscore.models.llama import LlamaDecoder
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 

@@ -15,16 +15,16 @@ from typing import Any, Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from apcscore.engine.block_manager import BlockManager
 from apcscore.config import EngineConfig
-from apcscore.errors import ApcscoreError
+from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.kv_cache import default_num_kv_blocks
 from apcscore.engine.model_runner import ModelRunner, StepOutput
+from apcscore.engine.scheduler import Scheduler
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
+from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import check_architecture
 from apcscore.models.backend import Backend, select_backend
 from apcscore.models.llama import LlamaDecoder
-from apcscore.engine.scheduler import Scheduler
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

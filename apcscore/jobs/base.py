@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from apcscore.io.schemas import Record
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
+from apcscore.io.schemas import Record
 
 COMMON_FIELDS = [
     pa.field("id", pa.string()),

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from apcscore.errors import ApcscoreError
-from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
-from apcscore.io.schemas import Record
 from apcscore.engine.sampling_params import RECORD_FIELDS, SamplingParams
 from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.errors import ApcscoreError
+from apcscore.io.schemas import Record
+from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
 
 SAMPLING_KEYS = tuple(RECORD_FIELDS)  # the per-record overrides
 

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from apcscore.errors import ApcscoreError
 from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.errors import ApcscoreError
 
 # Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.
 LOGLIKELIHOOD_FIELDS = [

@@ -35,11 +35,11 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pyarrow as pa
 
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
+from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
-from apcscore.io.schemas import Record
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 
 DEFAULT_MAX_WINDOW = 4096
 

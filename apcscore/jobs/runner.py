@@ -16,12 +16,12 @@ from typing import Any, Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.base import Job
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.io.writer import ResultsWriter
-from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.jobs.base import Job
 
 
 class Interrupted(Exception):

@@ -23,8 +23,8 @@ import pyarrow as pa
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, nll_summary, sum_logprobs, token_columns
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, mean_stderr, prefix_token_id)
-from apcscore.io.schemas import Record
 from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.io.schemas import Record
 
 
 class ScoreJob(Job):
