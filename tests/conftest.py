@@ -34,6 +34,38 @@ os.environ.setdefault("APCSCORE_CACHE", str(Path.home() / ".cache" / "apcscore")
 
 DEFAULT_MODEL = "smollm2-135m"
 
+
+def _row_exact_interpreter_dot() -> None:
+    """Make the Triton interpreter's `tl.dot` give each output row bits that do not depend on the row's
+    position inside the tile, as a GPU's tensor-core MMA does.
+
+    The interpreter computes `tl.dot` with `np.matmul`, i.e. OpenBLAS, whose kernels (chosen per CPU at run
+    time: DYNAMIC_ARCH) may round a row differently depending on where it sits in the matrix. Measured on
+    numpy 2.4 / OpenBLAS 0.3.31 on an AMD EPYC: 11 of 15 row shifts of a [16, 64] @ [64, 32] product change
+    bits. Our kernels' invariance tests (fixed key tiles, fixed query blocking) would then test OpenBLAS, not
+    our blocking. `np.einsum(..., optimize=False)` sums each output element over k in one fixed order.
+    """
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return
+    try:
+        import numpy as np
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        product = np.einsum("...mk,...kn->...mn", a.data, b.data, dtype=d.data.dtype, optimize=False)
+        return interpreter.TensorHandle(product + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+
+_row_exact_interpreter_dot()
+
 # Architectures `tiny_model_dir` builds. "gpt2" is deliberately unsupported by our decoder (error tests).
 TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2")
 
