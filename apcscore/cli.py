@@ -57,6 +57,7 @@ NumKvBlocksOpt = Annotated[Optional[int], typer.Option("--num-kv-blocks", help="
 MaxBatchTokensOpt = Annotated[Optional[int], typer.Option("--max-batch-tokens", help="Token budget of one engine step. \\[default: 2048]")]
 MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Sequences running at once. \\[default: 64]")]
 NoPrefixCachingOpt = Annotated[bool, typer.Option("--no-prefix-caching", help="Turn automatic prefix caching off.")]
+NoBatchInvariantOpt = Annotated[bool, typer.Option("--no-batch-invariant", help="Library GEMMs instead of batch-invariant ones: faster, but a record's last bits may then depend on what shares its steps.")]
 MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="Cap on --prompt-logprobs / --logprobs. \\[default: 20]")]
 BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
@@ -108,6 +109,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         opts["prompt_logprobs"] = 0  # score always scores: own logprob and rank
     if opts.pop("no_prefix_caching", None):
         opts["enable_prefix_caching"] = False
+    if opts.pop("no_batch_invariant", None):
+        opts["batch_invariant"] = False
     cfg = engine_config(opts)
     if opts.get("truncate") not in (None, "left"):
         raise ApcscoreError(f"--truncate must be 'left' (drop a too-long prompt's oldest tokens), not {opts['truncate']!r}")
@@ -205,8 +208,22 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: EngineConf
         "job": job.metadata(),
         "dataset": {"path": str(data.path), "sha256": data.sha256,
                     "num_records": len(data.records) + len(data.invalid)},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "triton": _package_version("triton")},
+        # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
+        "numerics": {"batch_invariant": cfg.batch_invariant, "torch_threads": torch.get_num_threads(),
+                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
     }
+
+
+def _package_version(name: str) -> str | None:
+    """An installed distribution's version without importing it (None when absent)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
 
 
 def _print_summary(command: str, out: Path, data: Any, result: Any, timings: dict,
@@ -254,6 +271,7 @@ def score(
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+    no_batch_invariant: NoBatchInvariantOpt = False,
 ) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
 
@@ -282,6 +300,7 @@ def generate(
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+    no_batch_invariant: NoBatchInvariantOpt = False,
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
@@ -303,6 +322,7 @@ def perplexity(
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+    no_batch_invariant: NoBatchInvariantOpt = False,
 ) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
 

@@ -29,6 +29,8 @@ class EngineConfig:
     seed: int = 0  # base seed for requests that do not set their own
     max_model_len: int | None = None  # None = the model's context length
     use_cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs
+    # a record's results do not depend on what shares its steps (docs/architecture.md); False trades it for speed
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:

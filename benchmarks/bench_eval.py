@@ -44,6 +44,7 @@ sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(ROOT))
 
 REPORT_PREFIX = "BENCH_REPORT "
+NO_INVARIANCE = "apcscore --no-batch-invariant"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -61,14 +62,14 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 # ================================================================================================
 # worker: one side, one task, in one process
 # ================================================================================================
-def load_side(side: str, model: str, device: str, dtype: str) -> Any:
+def load_side(side: str, model: str, device: str, dtype: str, batch_invariant: bool = True) -> Any:
     import torch
 
     if side == "apcscore":
         from apcscore.config import EngineConfig
         from apcscore.engine import Engine
 
-        return Engine.from_model(model, EngineConfig(device=device, dtype=dtype))
+        return Engine.from_model(model, EngineConfig(device=device, dtype=dtype, batch_invariant=batch_invariant))
     from transformers import AutoModelForCausalLM
 
     from apcscore.models.loading import load_tokenizer
@@ -191,13 +192,14 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--no-batch-invariant", action="store_true", help="apcscore: library GEMMs (the tax contender)")
     args = ap.parse_args(argv)
     import torch
 
     import_s = time.perf_counter() - T_START
     records = read_jsonl(args.data)
     t0 = time.perf_counter()
-    side = load_side(args.side, args.model, args.device, args.dtype)
+    side = load_side(args.side, args.model, args.device, args.dtype, batch_invariant=not args.no_batch_invariant)
     load_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     if args.side == "apcscore":
@@ -249,6 +251,30 @@ def perplexity_text(tokenizer: Any, tokens: int) -> tuple[str, int]:
 def choice_records(n: int) -> list[dict]:
     base = read_jsonl(ROOT / "datasets" / "sample_choices.jsonl")
     return [{**base[i % len(base)], "id": f"{base[i % len(base)]['id']}-{i // len(base)}"} for i in range(n)]
+
+
+def fewshot_records(tokenizer: Any, n: int, prefix_tokens: int = 330) -> tuple[list[dict], int]:
+    """A 5-shot multiple-choice set built like MMLU's: a description plus five worked examples, the same
+    for every question, then the question; 4 choices each. The description is sample prose cut so that the
+    shared prefix is about `prefix_tokens` tokens. Returns the records and the prefix's token count."""
+    base = read_jsonl(ROOT / "datasets" / "sample_choices.jsonl")
+    shots = "".join(f"{q['context']}{q['choices'][q['answer']]}\n\n" for q in base[:5])
+    header = "The following are multiple choice questions (with answers) about general knowledge.\n\n"
+    prose = read_jsonl(ROOT / "datasets" / "sample_texts.jsonl")[0]["text"]
+    words = prose.split()
+    budget = prefix_tokens - len(tokenizer(header + shots, add_special_tokens=False).input_ids)
+    lo, hi = 0, len(words)  # most words of prose that keep the prefix within `prefix_tokens`
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer(" ".join(words[:mid]) + "\n\n", add_special_tokens=False).input_ids) <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    prefix = header + " ".join(words[:lo]) + "\n\n" + shots
+    questions = base[5:]
+    recs = [{**q, "id": f"{q['id']}-{i // len(questions)}", "context": prefix + q["context"]}
+            for i, q in enumerate(questions[i % len(questions)] for i in range(n))]
+    return recs, len(tokenizer(prefix, add_special_tokens=False).input_ids)
 
 
 def _load(path: str) -> dict[str, np.ndarray]:
@@ -311,19 +337,23 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
     py, me = sys.executable, str(Path(__file__).resolve())
     dev = ["--device", args.device, "--dtype", args.dtype]
     wanted = set(args.scenarios.split(","))
-    unknown = wanted - {"perplexity", "choices"}
+    unknown = wanted - {"perplexity", "choices", "fewshot"}
     if unknown:
-        raise SystemExit(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: perplexity, choices")
+        raise SystemExit(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: perplexity, choices, fewshot")
     scenarios = []
 
-    def contenders(task: str, data: Path, extra: list[str], cli: list[str]) -> list[Any]:
+    def contenders(task: str, data: Path, extra: list[str], cli: list[str], name: str = "") -> list[Any]:
         common = ["--task", task, "--data", str(data), "--model", args.model, *dev, *extra]
+        task = name or task  # file names
         cli_out = work / f"{task}_cli.parquet"
         return [
             Contender("transformers", [py, me, "worker", "--side", "transformers", *common,
                                        "--output", str(work / f"{task}_transformers.npz")], baseline=True),
             Contender("apcscore", [py, me, "worker", "--side", "apcscore", *common,
                                    "--output", str(work / f"{task}_apcscore.npz")]),
+            # the invariance tax: the same worker with library GEMMs (issue 12 asks for <= 10%)
+            Contender(NO_INVARIANCE, [py, me, "worker", "--side", "apcscore", *common, "--no-batch-invariant",
+                                      "--output", str(work / f"{task}_apcscore_plain.npz")]),
             Contender("apcscore CLI", [py, "-m", "apcscore", *cli, str(data), "--model", args.model,
                                        "--out", str(cli_out), "--overwrite", "--quiet", *dev], output=str(cli_out)),
         ]
@@ -357,13 +387,31 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
             check=check_choices,
             info={"questions": len(recs), "requests": nchoices, "tokens": fed, "transformers_batch": args.batch_size},
         ))
+    if "fewshot" in wanted:
+        recs, prefix_len = fewshot_records(tok, args.questions)
+        data = work / "fewshot.jsonl"
+        write_jsonl(data, recs)
+        prefix = prefix_token_id(tok)
+        fed = sum(sum(len(a) + len(b) for a, b in (encode_pair(tok, r["context"], c, prefix) for c in r["choices"]))
+                  for r in recs)
+        nchoices = sum(len(r["choices"]) for r in recs)
+        scenarios.append(Scenario(
+            name="fewshot", work_tokens=fed, work_unit="prompt tokens", target_ratio=1.0,
+            description=(f"5-shot multiple choice: {len(recs)} questions behind one {prefix_len}-token prefix, "
+                         f"{nchoices} choices (one request each, full recompute), {fed:,} tokens fed"),
+            contenders=contenders("choices", data, ["--batch-size", str(args.batch_size)], ["score"], "fewshot"),
+            check=check_choices,
+            info={"questions": len(recs), "requests": nchoices, "tokens": fed, "prefix_tokens": prefix_len,
+                  "transformers_batch": args.batch_size},
+        ))
     return scenarios
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="apcscore perplexity / multiple choice vs plain transformers.")
     ap.add_argument("--quick", action="store_true", help="dry run: 1,000 tokens, 12 questions, 1 repeat")
-    ap.add_argument("--scenarios", default="perplexity,choices", help="comma-separated: perplexity,choices")
+    ap.add_argument("--scenarios", default="perplexity,choices,fewshot",
+                    help="comma-separated: perplexity,choices,fewshot")
     ap.add_argument("--repeats", type=int, help="runs per contender, interleaved (default 3; --quick 1)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, help="tokens of the perplexity text (default 20,000; --quick 1,000)")
@@ -387,7 +435,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["worker"]:
         return worker(argv[1:])
-    from harness import format_checks, format_table, machine_info, run_scenario, write_json
+    from harness import format_checks, format_table, format_taxes, machine_info, run_scenario, write_json
 
     args = parse_args(argv)
     started = time.perf_counter()
@@ -406,7 +454,8 @@ def main(argv: list[str]) -> None:
         f"model: {args.model} ({args.dtype}, {args.device}); transformers batch {args.batch_size}; "
         f"{args.repeats} repeats per contender, interleaved; medians",
         "", *[f"- {r['scenario']}: {r['description']}" for r in results], "",
-        format_table(results), "", "Same work on both sides:", format_checks(results),
+        format_table(results), "", "Same work on both sides:", format_checks(results), "",
+        "Batch-invariance tax (apcscore over apcscore --no-batch-invariant, medians):", format_taxes(results),
     ])
     print("\n" + text)
     write_json(args.out, {"command": command, "quick": args.quick, "model": args.model, "device": args.device,

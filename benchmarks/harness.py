@@ -217,6 +217,21 @@ def format_checks(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def format_taxes(results: list[dict[str, Any]], ours: str = "apcscore",
+                 plain: str = "apcscore --no-batch-invariant") -> str:
+    """The batch-invariance tax per scenario: median times of `ours` over `plain` (the same worker with library
+    GEMMs), whole process and compute, as percentages; empty when no scenario has both contenders."""
+    out = []
+    for res in results:
+        rows = {r["contender"]: r for r in res["rows"]}
+        if ours in rows and plain in rows:
+            a, b = rows[ours], rows[plain]
+            compute = (f", compute {a['compute_s'] / b['compute_s'] - 1:+.1%}"
+                       if a["compute_s"] and b["compute_s"] else "")
+            out.append(f"- {res['scenario']}: whole process {a['wall_s'] / b['wall_s'] - 1:+.1%}{compute}")
+    return "\n".join(out)
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")

@@ -46,11 +46,11 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 
 
 # ---- apcscore -----------------------------------------------------------------------------------
-def apcscore_load(model: str) -> Any:
+def apcscore_load(model: str, batch_invariant: bool = True) -> Any:
     from apcscore.config import EngineConfig
     from apcscore.engine import Engine
 
-    return Engine.from_model(model, EngineConfig(device="cpu", dtype="float32"))
+    return Engine.from_model(model, EngineConfig(device="cpu", dtype="float32", batch_invariant=batch_invariant))
 
 
 def apcscore_score(engine: Any, records: list[dict], k: int) -> list[Scored]:
@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--no-batch-invariant", action="store_true", help="apcscore: library GEMMs (the tax contender)")
     ap.add_argument("--profile", type=Path, help="cProfile the compute phase into this file")
     args = ap.parse_args(argv)
 
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     records = read_records(args.data)
     t0 = time.perf_counter()
     if args.side == "apcscore":
-        engine = apcscore_load(args.model)
+        engine = apcscore_load(args.model, batch_invariant=not args.no_batch_invariant)
         pad_id = 0
     else:
         engine = transformers_load(args.model)

@@ -23,7 +23,9 @@ import torch
 from apcscore.attention.metadata import AttentionMetadata
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
-MIN_QUERY_ROWS = 16  # CPU GEMMs switch kernels (and rounding) below a few rows: pad small query blocks
+# Query rows of every attention matmul come in multiples of this: CPU GEMMs round a row by the shape of its call
+# (below 4 rows, measured; see apcscore.kernels.matmul_ref), so each call gets a fixed-shape row count
+QUERY_ROW_TILE = 16
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -114,9 +116,9 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     i: int, scale: float, out: torch.Tensor) -> None:
     """Attention of one sequence's prefill chunk, skipping the work the causal mask would zero.
 
-    Query rows are ordered by position, so for each key tile only the rows that can see some key of it
-    (at least MIN_QUERY_ROWS of them) are multiplied, and only tiles that cross the diagonal are masked.
-    Skipped rows would have had their running state left exactly unchanged: the bits are the same.
+    Query rows are ordered by position, so for each key tile only the rows that can see some key of it are
+    multiplied (rounded out to whole QUERY_ROW_TILE blocks), and only tiles that cross the diagonal are
+    masked. Skipped rows would have had their running state left exactly unchanged: the bits are the same.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     hkv = k_cache.shape[2]
@@ -136,9 +138,10 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         hkv, q_len * group, head_dim).float()
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).repeat_interleave(group)
     num_real = q.shape[1]
-    if num_real < MIN_QUERY_ROWS:
-        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - num_real))
-        q_pos = torch.nn.functional.pad(q_pos, (0, MIN_QUERY_ROWS - num_real), value=seq_len - 1)
+    num_pad = max(QUERY_ROW_TILE, -(-num_real // QUERY_ROW_TILE) * QUERY_ROW_TILE) - num_real
+    if num_pad:
+        q = torch.nn.functional.pad(q, (0, 0, 0, num_pad))
+        q_pos = torch.nn.functional.pad(q_pos, (0, num_pad), value=seq_len - 1)
     q = q * scale
     n_rows = q.shape[1]
     m = torch.full((hkv, n_rows), float("-inf"), device=query.device)  # running max
@@ -147,7 +150,8 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     first = seq_len - q_len
     for t0 in range(0, seq_len, KV_TILE):
         t1 = t0 + KV_TILE
-        r0 = max(0, min(group * max(0, t0 - first), n_rows - MIN_QUERY_ROWS))  # rows < r0 see no key here
+        r0 = group * max(0, t0 - first)  # rows < r0 see no key here
+        r0 = min(r0 - r0 % QUERY_ROW_TILE, n_rows - QUERY_ROW_TILE)  # whole row tiles (n_rows is a multiple)
         scores = q[:, r0:] @ k[:, t0:t1].transpose(1, 2)  # [Hkv, R - r0, tile]
         # rows [r0, r_end) have a position below t1 - 1: they cannot see every key of the tile (the padding
         # rows sit at seq_len - 1, after the real ones); the rows after them see it all, unmasked
@@ -225,25 +229,25 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     group = num_heads // num_kv_heads
     num_seqs = len(seqs)
 
-    # queries: [Hkv, B, R, D] (row g < G: query head g of the kv group; rows padded to MIN_QUERY_ROWS)
+    # queries: [Hkv, B, R, D] (row g < G: query head g of the kv group; rows padded to QUERY_ROW_TILE)
     q = query[plan.rows].view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).float() * scale
     state = None
     if plan.shared_rows is not None:
         k = _gather(k_cache, plan.shared_rows, plan.tail_start)  # [Hkv, Ls, D]
         v = _gather(v_cache, plan.shared_rows, plan.tail_start)
-        # only the real rows of every sequence: [Hkv, B*G, D] (at least MIN_QUERY_ROWS rows)
+        # only the real rows of every sequence: [Hkv, B*G, D] (a multiple of QUERY_ROW_TILE rows)
         q_all = q.reshape(num_kv_heads, num_seqs * group, head_dim)
         real = q_all.shape[1]
-        if real < MIN_QUERY_ROWS:
-            q_all = torch.nn.functional.pad(q_all, (0, 0, 0, MIN_QUERY_ROWS - real))
+        if real % QUERY_ROW_TILE:
+            q_all = torch.nn.functional.pad(q_all, (0, 0, 0, QUERY_ROW_TILE - real % QUERY_ROW_TILE))
         m, s_, acc = (x[:, :real] for x in _tiled_softmax(q_all, k, v, None, 0, plan.tail_start))
         # back to [Hkv, B, R, ...]; padding rows start empty (max -inf, sum 0), as before any tile
-        pad_rows = max(0, MIN_QUERY_ROWS - group)
+        pad_rows = -group % QUERY_ROW_TILE
         state = (torch.nn.functional.pad(m.view(num_kv_heads, num_seqs, group), (0, pad_rows), value=float("-inf")),
                  torch.nn.functional.pad(s_.view(num_kv_heads, num_seqs, group), (0, pad_rows)),
                  torch.nn.functional.pad(acc.view(num_kv_heads, num_seqs, group, head_dim), (0, 0, 0, pad_rows)))
-    if group < MIN_QUERY_ROWS:  # same kernel, same rounding, whatever the batch
-        q = torch.nn.functional.pad(q, (0, 0, 0, MIN_QUERY_ROWS - group))
+    if group % QUERY_ROW_TILE:  # same kernel, same rounding, whatever the batch
+        q = torch.nn.functional.pad(q, (0, 0, 0, -group % QUERY_ROW_TILE))
 
     # the remaining tiles, per sequence: [Hkv, B, L', D]
     k = _gather(k_cache, plan.tail_rows, *plan.past_end.shape)

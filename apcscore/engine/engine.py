@@ -126,7 +126,7 @@ class Engine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
-        backend = select_backend(config.attention_backend, device.type)
+        backend = select_backend(config.attention_backend, device.type, config.batch_invariant)
         max_len = hf_config.max_position_embeddings
         if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
             max_len = min(max_len, hf_config.sliding_window)  # full attention equals sliding inside the window

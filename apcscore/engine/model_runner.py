@@ -19,12 +19,9 @@ from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import PromptLogprobs, Sequence, TokenLogprobs
 from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
+from apcscore.kernels.matmul_ref import padded_rows
 from apcscore.models.llama import LlamaDecoder
 
-# CPU GEMMs (MKL/oneDNN) round rows differently when a matrix has fewer than ~12 rows (measured here: 1-3, 5-7
-# and 9-11 rows differ from the same rows inside a larger matrix). Padding every row block to at least 16 rows
-# keeps results bitwise independent of chunking and batch composition.
-MIN_ROWS = 16
 
 
 @dataclass
@@ -72,7 +69,9 @@ class ModelRunner:
             slots += (seq.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
             cu.append(cu[-1] + n)
             seq_lens.append(start + n)
-        pad = max(0, MIN_ROWS - len(input_ids)) if self.device.type == "cpu" else 0
+        # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
+        # (apcscore.kernels.matmul_ref), with no per-layer padding copy
+        pad = padded_rows(len(input_ids)) - len(input_ids) if self.device.type == "cpu" else 0
         input_ids += [0] * pad
         positions += [0] * pad
         slots += [-1] * pad
@@ -104,15 +103,12 @@ class ModelRunner:
         return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden))
 
     def _logits(self, hidden: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
-        """[N, H] -> [N, V]; on CPU, padded to MIN_ROWS rows for batch-invariant rounding (into scratch if given)."""
-        n = hidden.shape[0]
-        if self.device.type == "cpu" and n < MIN_ROWS:
-            hidden = torch.nn.functional.pad(hidden, (0, 0, 0, MIN_ROWS - n))
+        """[N, H] -> fp32 logits [N, V], batch-invariant (see LlamaDecoder.compute_logits); into scratch if given."""
         out = None
         if scratch is not None:
             vocab = self.model.lm_head_weight.shape[0]
-            out = scratch.get("logits", (hidden.shape[0], vocab), self.dtype, hidden.device)
-        return self.model.compute_logits(hidden, out)[:n]
+            out = scratch.get("logits", (padded_rows(hidden.shape[0]), vocab), torch.float32, hidden.device)
+        return self.model.compute_logits(hidden, out)
 
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
         """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see."""

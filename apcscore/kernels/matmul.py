@@ -57,12 +57,12 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def invariant_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] @ weight[N, K].T -> [M, N] (out_dtype, default x's), fp32 accumulation, batch-invariant.
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                     out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] (out_dtype, default x's), fp32 accumulation, batch-invariant.
 
-    x and weight share a dtype; rows may be strided, the K dimension must be contiguous. `out` ([M, N],
-    row-contiguous) receives the result if given.
+    x and weight share a dtype; rows may be strided, the K dimension must be contiguous. `out` ([M, N] or
+    more rows, row-contiguous) receives the result if given. The bias is added afterwards, element by element.
     """
     name = "invariant_linear"
     check_tensors(name, x=x, weight=weight)
@@ -78,12 +78,13 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dty
         raise ValueError(f"{name}: x has {k} columns but weight rows have {k_w}")
     if out is None:
         out = torch.empty(m, n, device=x.device, dtype=out_dtype or x.dtype)
-    elif out.shape != (m, n) or (n > 1 and out.stride(1) != 1):
-        raise ValueError(f"{name}: out must be [{m}, {n}] with contiguous rows, got {tuple(out.shape)}")
+    elif out.dim() != 2 or out.shape[0] < m or out.shape[1] != n or (n > 1 and out.stride(1) != 1):
+        raise ValueError(f"{name}: out must be [>={m}, {n}] with contiguous rows, got {tuple(out.shape)}")
+    out = out[:m]
     if m == 0:
         return out
     grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
     _linear_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                          IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                          GROUP_M=GROUP_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
-    return out
+    return out if bias is None else out.add_(bias)

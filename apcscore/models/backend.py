@@ -1,8 +1,13 @@
-"""The compute backend a model runs on, chosen in one place: attention, RMSNorm and logprobs.
+"""The compute backend a model runs on, chosen in one place: linear layers, attention, RMSNorm and logprobs.
 
 "torch" runs anywhere (the CPU engine, and CUDA as a reference); "triton" runs the Triton kernels of
 apcscore.kernels on CUDA (and on the CPU under TRITON_INTERPRET=1 in tests). The backends' modules are
-imported only when one is selected, so choosing "torch" never imports Triton.
+imported only when one is selected, so choosing "torch" on a CPU never imports Triton.
+
+Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
+on how many rows share the GEMM. On the CPU that is torch's GEMM on rows padded to a multiple of 16
+(apcscore.kernels.matmul_ref); on CUDA the fixed-configuration Triton matmul (apcscore.kernels.matmul),
+whichever attention backend runs. batch_invariant=False (`--no-batch-invariant`) takes the library GEMM.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ class Backend:
     """What a model computes with.
 
     name: "torch" | "triton".
+    linear: (x [M, K], weight [N, K], bias=None, out=None) -> [M, N]; `out` (a reused buffer, rows >= M) is
+        written when given. Batch-invariant unless batch_invariant is False.
     attention: the attention backend: forward(query, key, value, k_cache, v_cache, meta, scale) -> out
         (write-then-read over the paged KV cache; apcscore.attention), optionally allocate_kv_cache(...).
     rms_norm: (x, weight, eps, residual=None) -> out, or (out, new residual) when residual is given.
@@ -25,25 +32,42 @@ class Backend:
     """
 
     name: str
+    linear: Callable[..., Any]
+    batch_invariant: bool
     attention: Any
     rms_norm: Callable[..., Any]
     token_logprobs: Callable[..., tuple[Any, ...]]
 
 
-def select_backend(name: str, device_type: str = "cpu") -> Backend:
+def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]:
+    """The linear layer of a device: see the module doc."""
+    from apcscore.kernels.matmul_ref import invariant_linear_torch, plain_linear
+
+    if not batch_invariant:
+        return plain_linear
+    if device_type == "cuda":
+        from apcscore.kernels.matmul import invariant_linear
+
+        return invariant_linear
+    return invariant_linear_torch
+
+
+def select_backend(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Backend:
     """The backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch elsewhere."""
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; one of auto, {', '.join(BACKENDS)}")
+    linear = select_linear(device_type, batch_invariant)
     if name == "torch":
         from apcscore.attention.torch_backend import TorchAttentionBackend
         from apcscore.kernels.logprobs_ref import token_logprobs_torch
         from apcscore.kernels.rmsnorm_ref import rms_norm_torch
 
-        return Backend("torch", TorchAttentionBackend(), rms_norm_torch, token_logprobs_torch)
-    if name == "triton":
-        from apcscore.attention.triton_backend import TritonAttentionBackend
-        from apcscore.kernels.logprobs import token_logprobs
-        from apcscore.kernels.rmsnorm import rms_norm
+        return Backend("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm_torch,
+                       token_logprobs_torch)
+    from apcscore.attention.triton_backend import TritonAttentionBackend
+    from apcscore.kernels.logprobs import token_logprobs
+    from apcscore.kernels.rmsnorm import rms_norm
 
-        return Backend("triton", TritonAttentionBackend(), rms_norm, token_logprobs)
-    raise ValueError(f"unknown backend {name!r}; one of auto, {', '.join(BACKENDS)}")
+    return Backend("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs)

@@ -23,6 +23,20 @@ RmsNormFn = Callable[..., Any]
 Device = torch.device | str | None
 
 
+class Linear(nn.Module):
+    """y = x @ weight.T (+ bias) through the backend's linear layer (batch-invariant unless turned off)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
+                 device: Device = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features, device=device), requires_grad=False) if bias else None
+        self.linear_fn = linear_fn
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fn(x, self.weight, self.bias)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, norm_fn: RmsNormFn, device: Device = None) -> None:
         super().__init__()
@@ -40,8 +54,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, backend: Any, norm_fn: RmsNormFn, qk_norm: bool,
-                 qkv_bias: bool, o_bias: bool, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 device: Device = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -49,13 +63,13 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias,
-                                  device=device)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=o_bias, device=device)
+        linear, norm_fn = backend.linear, backend.rms_norm
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, linear, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, linear, device)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.layer_idx = layer_idx
-        self.backend = backend
+        self.backend = backend.attention
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
         self.v_cache = torch.empty(0)
 
@@ -78,14 +92,14 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, device: Device = None) -> None:
+    def __init__(self, cfg: Any, linear: Callable[..., torch.Tensor], device: Device = None) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ApcscoreError(f"unsupported activation {cfg.hidden_act!r}; only silu is supported")
         bias = getattr(cfg, "mlp_bias", False)
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias, device=device)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias, device=device)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias, linear, device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, linear, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -93,13 +107,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, backend: Any, norm_fn: RmsNormFn, qk_norm: bool,
-                 qkv_bias: bool, o_bias: bool, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+                 device: Device = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, backend, norm_fn, qk_norm, qkv_bias, o_bias, device)
-        self.mlp = MLP(cfg, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
+        self.self_attn = Attention(cfg, layer_idx, backend, qk_norm, qkv_bias, o_bias, device)
+        self.mlp = MLP(cfg, backend.linear, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +132,10 @@ class LlamaDecoder(nn.Module):
 
     def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
                  device: Device = None) -> None:
-        """backend: attention and RMSNorm (apcscore.models.backend.select_backend). device "meta" builds it
-        without memory (then `materialize` and `load_hf_weights`)."""
+        """backend: linear layers, attention and RMSNorm (apcscore.models.backend.select_backend). device
+        "meta" builds it without memory (then `materialize` and `load_hf_weights`)."""
         super().__init__()
         self.backend = backend
-        attention, norm_fn = backend.attention, backend.rms_norm
         arch = check_architecture(hf_config)
         family = SUPPORTED_ARCHITECTURES[arch]
         cfg = hf_config
@@ -135,12 +148,12 @@ class LlamaDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, attention, norm_fn, qk_norm, qkv_bias, o_bias, device)
-            for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, norm_fn, device)
+            DecoderLayer(cfg, i, backend, qk_norm, qkv_bias, o_bias, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.lm_head = (None if self.tie_word_embeddings
-                        else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device))
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
+        self._lm_head_fp32: torch.Tensor | None = None  # CPU, half-precision models: fp32 copy for the logits
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
@@ -196,10 +209,23 @@ class LlamaDecoder(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """[N, H] -> [N, vocab] in the model dtype (into `out` [N, vocab] if given: the same GEMM)."""
-        if out is None:
-            return nn.functional.linear(hidden, self.lm_head_weight)
-        return torch.mm(hidden, self.lm_head_weight.t(), out=out)
+        """[N, H] -> fp32 logits [N, vocab], whatever the model dtype, through a batch-invariant GEMM.
+
+        A bf16 logit is rounded by up to 2^-8 of its size: ~0.06 nats at |logit| 20, too coarse to score with.
+        On CUDA the Triton matmul reads bf16 and accumulates and writes fp32; on the CPU a half-precision
+        model's hidden states and LM head are upcast (the fp32 head is kept: vocab x hidden x 4 bytes).
+        `out` (fp32, rows: see Backend.linear) receives the logits if given.
+        """
+        weight = self.lm_head_weight
+        if weight.device.type == "cuda":
+            from apcscore.kernels.matmul import invariant_linear
+
+            return invariant_linear(hidden, weight, out=out, out_dtype=torch.float32)
+        if weight.dtype != torch.float32:
+            if self._lm_head_fp32 is None:
+                self._lm_head_fp32 = weight.float()
+            weight, hidden = self._lm_head_fp32, hidden.float()
+        return self.backend.linear(hidden, weight, out=out)
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
@@ -213,6 +239,7 @@ class LlamaDecoder(nn.Module):
         build_rotary_tables).
         """
         used: set[str] = set()
+        self._lm_head_fp32 = None
 
         def take(name: str) -> torch.Tensor:
             if name not in state:

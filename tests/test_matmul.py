@@ -1,0 +1,92 @@
+"""Batch-invariant linear layers (apcscore.kernels.matmul_ref on the CPU, apcscore.kernels.matmul in Triton):
+a row's bits must not depend on how many rows share the GEMM, nor on where the row sits among them.
+
+The CPU construction rests on a measured property of torch's GEMM (rows padded to a multiple of 16 give each
+row the bits it gets in any such call). It is checked here on the default model's real projection shapes, so
+a torch or BLAS upgrade that breaks it fails CI instead of silently changing scores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from apcscore.kernels.matmul_ref import ROW_TILE, invariant_linear_torch, padded_rows, plain_linear
+
+# SmolLM2-135M: qkv, o, gate_up, down, LM head ([in, out])
+DEFAULT_MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
+ROW_COUNTS = (1, 2, 7, 15, 16, 17, 31, 57, 64, 100, 128, 191, 257, 1000)
+SHIFTS = (0, 5, 16, 37)  # where the rows sit inside the reference call
+
+
+def rows_differing(linear, x: torch.Tensor, weight: torch.Tensor, reference: torch.Tensor,
+                   counts: tuple[int, ...] = ROW_COUNTS) -> list[tuple[int, int]]:
+    """(M, shift) pairs where linear(x[shift:shift + M]) is not bitwise reference[shift:shift + M]."""
+    bad = []
+    for m in counts:
+        for shift in SHIFTS:
+            if shift + m <= reference.shape[0] and not torch.equal(linear(x[shift:shift + m], weight),
+                                                                    reference[shift:shift + m]):
+                bad.append((m, shift))
+    return bad
+
+
+def test_padded_rows() -> None:
+    assert [padded_rows(m) for m in (0, 1, 15, 16, 17, 32, 33)] == [16, 16, 16, 16, 32, 32, 48]
+    assert ROW_TILE == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k,n", DEFAULT_MODEL_SHAPES)
+def test_cpu_linear_rows_are_batch_invariant(k: int, n: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(k * n)
+    weight = (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype)
+    ref_rows = 2048 if n < 10_000 else 1088  # the LM head: a logprob chunk's worth
+    x = torch.randn(ref_rows, k, generator=gen).to(dtype)
+    reference = invariant_linear_torch(x, weight)  # [ref_rows, n]
+    assert rows_differing(invariant_linear_torch, x, weight, reference) == []
+    bias = torch.randn(n, generator=gen).to(dtype)
+    with_bias = invariant_linear_torch(x[3:60], weight, bias)
+    assert torch.equal(with_bias, reference[3:60] + bias)
+
+
+def test_plain_cpu_linear_is_not_batch_invariant() -> None:
+    """What the padding is for: a plain GEMM of a few fp32 rows rounds them otherwise (so the test above is
+    not vacuous on this machine's BLAS)."""
+    gen = torch.Generator().manual_seed(1)
+    weight = torch.randn(576, 1536, generator=gen) * 1536 ** -0.5
+    x = torch.randn(256, 1536, generator=gen)
+    reference = invariant_linear_torch(x, weight)
+    assert rows_differing(plain_linear, x, weight, reference, counts=(1, 2, 7)) != []
+
+
+def test_cpu_linear_writes_into_a_reused_buffer() -> None:
+    gen = torch.Generator().manual_seed(2)
+    weight, x = torch.randn(96, 64, generator=gen), torch.randn(40, 64, generator=gen)
+    out = torch.full((padded_rows(40), 96), float("nan"))
+    got = invariant_linear_torch(x, weight, out=out)
+    assert got.shape == (40, 96) and got.data_ptr() == out.data_ptr()
+    assert torch.equal(got, invariant_linear_torch(x, weight))
+
+
+@pytest.mark.triton
+def test_triton_linear_matches_torch_and_is_batch_invariant() -> None:
+    """The fixed-configuration Triton matmul (CUDA's invariant linear), fp32, under the interpreter."""
+    from apcscore.kernels.matmul import invariant_linear
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(200, 96, generator=gen) * 0.1  # N = 200: two column tiles, the second partial
+    bias = torch.randn(200, generator=gen)
+    x = torch.randn(300, 96, generator=gen)  # K = 96: two K steps, the second partial
+    reference = invariant_linear(x, weight)
+    torch.testing.assert_close(reference, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert rows_differing(invariant_linear, x, weight, reference, counts=(1, 7, 57, 129, 257)) == []
+    assert torch.equal(invariant_linear(x[5:70], weight, bias), reference[5:70] + bias)
+    out = torch.empty(128, 200)
+    got = invariant_linear(x[:100], weight, out=out)
+    assert got.data_ptr() == out.data_ptr() and torch.equal(got, reference[:100])
+    half = invariant_linear(x[:40].half(), weight.half(), out_dtype=torch.float32)
+    assert half.dtype == torch.float32
+    torch.testing.assert_close(half, reference[:40], rtol=2e-2, atol=2e-2)
+    with pytest.raises(ValueError, match="x is torch.float16 but weight is torch.float32"):
+        invariant_linear(x.half(), weight)
