@@ -297,11 +297,17 @@ def independent_reference(logits: torch.Tensor, targets: torch.Tensor) -> tuple[
     return logprobs, above + 1
 
 
+def stable_top_ids(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The defined top-k order: descending logit, equal logits by ascending token id (a stable sort)."""
+    return torch.sort(-logits.float(), dim=-1, stable=True).indices[:, :k]
+
+
 def make_logits(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     logits = 4 * torch.randn(7, 1000, generator=g)
     logits[2, :300] = float("-inf")  # masked vocabulary covering whole leading chunks
     logits[3, 10:20] = logits[3, 5]  # ties with the target
+    logits[5, [900, 59, 452, 3, 600, 7]] = 20.0  # a tie at the top that crosses the k-th place (k=5)
     logits = logits.to(dtype)
     targets = torch.randint(0, 1000, (7,), generator=g)
     targets[1] = logits[1].float().argmax()
@@ -319,6 +325,9 @@ def test_token_logprobs_matches_reference(dtype: torch.dtype, k: int) -> None:
     torch.testing.assert_close(ref_lp.double(), ind_lp, rtol=0, atol=1e-5)
     assert torch.equal(ref_rank, ind_rank)
     assert ref_rank[1] == 1 and ref_rank[3] == int((logits[3] > logits[3, 5]).sum()) + 1
+    assert torch.equal(ref_ids, stable_top_ids(logits, k))  # ties in id order, whatever torch.topk does
+    if k:
+        assert ref_ids[5].tolist() == [3, 7, 59, 452, 600]
 
     wide = torch.cat([logits, torch.zeros(7, 24, dtype=dtype)], dim=1).to(DEVICE)  # strided rows
     lp, rank, ids, top = token_logprobs(wide[:, :1000], targets.to(DEVICE), k, block_v=128)
