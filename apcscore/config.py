@@ -11,7 +11,9 @@ MAX_LOGPROBS_DEFAULT = 20
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores)."""
+    """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores) on
+    score, generate and perplexity (`seed` on generate only), and a key of the same name in a `--config` file;
+    the two switches that default to on are turned off with --no-prefix-caching and --no-cuda-graphs."""
 
     device: str = "auto"  # auto | cpu | cuda (auto = cuda if available)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA)

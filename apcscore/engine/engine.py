@@ -40,6 +40,9 @@ class ModelInfo:
     max_model_len: int
     fingerprint: str
     num_parameters: int
+    # the model's sliding attention window where it capped max_model_len (the window itself is not implemented:
+    # inside it, full causal attention is the same thing), else None
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -128,8 +131,10 @@ class Engine:
         arch = check_architecture(hf_config)
         backend = select_backend(config.attention_backend, device.type)
         max_len = hf_config.max_position_embeddings
-        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
-            max_len = min(max_len, hf_config.sliding_window)  # full attention equals sliding inside the window
+        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+        window = window if window and window < max_len else None
+        if window:
+            max_len = window  # full attention equals sliding inside the window; longer prompts are refused
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         model = LlamaDecoder(hf_config, backend, max_positions=max_len, device="meta")
@@ -142,6 +147,7 @@ class Engine:
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,
             num_parameters=sum(p.numel() for p in model.parameters()),
+            sliding_window=window if window and (not config.max_model_len or config.max_model_len > window) else None,
         )
         return cls(model, tokenizer, config, info, device, dtype, backend)
 
