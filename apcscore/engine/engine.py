@@ -17,6 +17,7 @@ import torch
 
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
+from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
 from apcscore.engine.kv_cache import default_num_kv_blocks
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
@@ -252,11 +253,14 @@ class Engine:
         params = seq.request.sampling
         if (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
             return "stop"
-        if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                seq.output_text = text[:min(hits)]
+        if params.stop:  # decode only the new tokens' window (engine/detokenizer.py): O(n) per completion
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            searched = len(seq.detokenizer.text)
+            seq.detokenizer.update(seq.token_ids, start=seq.prompt_len)
+            cut = find_stop(seq.detokenizer.text, params.stop, searched)
+            if cut is not None:
+                seq.output_text = seq.detokenizer.text[:cut]
                 return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.info.max_model_len:
             return "length"
