@@ -25,8 +25,8 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS_DEFAULT  # cap on --prompt-logprobs / --logprobs
     logprobs_chunk_size: int = 1024  # rows of the vocabulary projection computed at once
     attention_backend: str = "auto"  # auto | torch | triton (auto = triton on CUDA, torch elsewhere)
-    # share of free memory for the KV pool when num_kv_blocks is None (None: 0.25 of host memory, at most
-    # 4 GiB, on CPU; 0.85 of GPU memory after the weights on CUDA)
+    # share of memory for the KV pool when num_kv_blocks is None (None: 0.25 of free host memory, at most
+    # 4 GiB, on CPU; on CUDA 0.85 of the card's total, minus the peak of a profile run of the largest step)
     kv_cache_memory_fraction: float | None = None
     seed: int = 0  # base seed for requests that do not set their own
     max_model_len: int | None = None  # None = the model's context length

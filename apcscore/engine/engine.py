@@ -18,7 +18,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.kv_cache import default_num_kv_blocks
+from apcscore.engine.kv_cache import default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
@@ -88,8 +88,15 @@ class Engine:
         self.dtype = dtype
         self.backend = backend
         self.attention_backend = backend.name  # "torch" | "triton", as the run metadata records it
+        profile = None
+        if device.type == "cuda":  # the pool takes what the largest step leaves (kv_cache.profile_peak_memory)
+            step = dict(max_batch_tokens=config.max_batch_tokens, max_model_len=info.max_model_len,
+                        block_size=config.block_size, dtype=dtype, device=device,
+                        logits_rows=config.logprobs_chunk_size, logprob_fn=backend.token_logprobs,
+                        k=min(config.max_logprobs, info.vocab_size))
+            profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
-            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction)
+            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
