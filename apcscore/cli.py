@@ -62,6 +62,10 @@ MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="C
 BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
 TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
+MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Cap on the context length in tokens. \\[default: the model's]")]
+LogprobsChunkOpt = Annotated[Optional[int], typer.Option("--logprobs-chunk-size", help="Rows of the vocabulary projection computed at once. \\[default: 1024]")]
+KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-cache-memory-fraction", help="Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, at most 4 GiB; CUDA: of the GPU's total, after weights and the largest step). \\[default: 0.25 CPU, 0.85 CUDA]")]
+NoCudaGraphsOpt = Annotated[bool, typer.Option("--no-cuda-graphs", help="Run decode steps on CUDA eagerly instead of replaying captured CUDA graphs.")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
 
 
@@ -109,6 +113,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         opts["prompt_logprobs"] = 0  # score always scores: own logprob and rank
     if opts.pop("no_prefix_caching", None):
         opts["enable_prefix_caching"] = False
+    if opts.pop("no_cuda_graphs", None):
+        opts["use_cuda_graphs"] = False
     if opts.pop("no_batch_invariant", None):
         opts["batch_invariant"] = False
     cfg = engine_config(opts)
@@ -133,6 +139,9 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     with console.status(f"loading {opts['model']} ...", spinner="dots") if not quiet else _nullcontext():
         engine = Engine.from_model(opts["model"], cfg)
     load_seconds = time.perf_counter() - load_start
+    if engine.info.sliding_window:
+        console.print(f"[yellow]warning:[/] the model's sliding attention window is not implemented: the context is "
+                      f"capped at its {engine.info.sliding_window} tokens (longer prompts are refused or truncated)", highlight=False)
     job = _job_class(command)(engine, opts)
     metadata = run_metadata(command, engine, job, data, cfg)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -198,7 +207,8 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: EngineConf
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "model": {"name": info.name, "path": info.path, "architecture": info.architecture,
                   "fingerprint": info.fingerprint, "vocab_size": info.vocab_size,
-                  "max_model_len": info.max_model_len, "num_parameters": info.num_parameters},
+                  "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
+                  "context_capped_by_sliding_window": info.sliding_window},
         "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
                       "vocab_size": len(tok)},
         "dtype": str(engine.dtype).removeprefix("torch."),
@@ -271,6 +281,8 @@ def score(
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+    max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
+    kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False,
 ) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
@@ -300,6 +312,8 @@ def generate(
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+    max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
+    kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False,
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
@@ -322,6 +336,8 @@ def perplexity(
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
+    max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
+    kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False,
 ) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.

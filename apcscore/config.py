@@ -11,7 +11,9 @@ MAX_LOGPROBS_DEFAULT = 20
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores)."""
+    """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores) on
+    score, generate and perplexity (`seed` on generate only), and a key of the same name in a `--config` file;
+    the two switches that default to on are turned off with --no-prefix-caching and --no-cuda-graphs."""
 
     device: str = "auto"  # auto | cpu | cuda (auto = cuda if available)
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA)
@@ -23,8 +25,8 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS_DEFAULT  # cap on --prompt-logprobs / --logprobs
     logprobs_chunk_size: int = 1024  # rows of the vocabulary projection computed at once
     attention_backend: str = "auto"  # auto | torch | triton (auto = triton on CUDA, torch elsewhere)
-    # share of free memory for the KV pool when num_kv_blocks is None (None: 0.25 of host memory, at most
-    # 4 GiB, on CPU; 0.85 of GPU memory after the weights on CUDA)
+    # share of memory for the KV pool when num_kv_blocks is None (None: 0.25 of free host memory, at most
+    # 4 GiB, on CPU; on CUDA 0.85 of the card's total, minus the peak of a profile run of the largest step)
     kv_cache_memory_fraction: float | None = None
     seed: int = 0  # base seed for requests that do not set their own
     max_model_len: int | None = None  # None = the model's context length

@@ -212,3 +212,18 @@ def test_fused_logprobs_bf16_on_a_llama_vocabulary() -> None:
     torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=0)
     assert torch.equal(got[1], ref[1]) and torch.equal(got[2], ref[2])
     torch.testing.assert_close(got[3], ref[3], atol=1e-4, rtol=0)
+
+
+def test_kv_pool_leaves_room_for_the_largest_step(tiny_dir) -> None:
+    """The pool sized from the profile of the largest step (engine/kv_cache.py): that step then runs inside
+    fraction x total, its peak within 5% of the profiled one."""
+    torch.cuda.empty_cache()
+    engine = cuda_engine(tiny_dir, dtype="bfloat16", num_kv_blocks=None, max_batch_tokens=2048,
+                         logprobs_chunk_size=2048, kv_cache_memory_fraction=0.3, graphs=False)
+    _, total = torch.cuda.mem_get_info()
+    pool = engine.block_manager.num_blocks * engine.config.block_size  # tokens
+    assert pool > 2048
+    torch.cuda.reset_peak_memory_stats()
+    (out,) = engine.run([Request(0, prompts([2048], seed=9)[0], prompt_logprobs=engine.config.max_logprobs)])
+    assert out.error is None
+    assert torch.cuda.max_memory_allocated() <= 0.3 * total * 1.05

@@ -18,8 +18,9 @@ from apcscore import EngineConfig
 from apcscore.cli import app
 from apcscore.engine import Engine
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, encode_pair, mean_stderr,
-                                         prefix_token_id)
+from apcscore.engine.sequence import Request
+from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, continuation_score, encode_pair,
+                                         mean_stderr, prefix_token_id)
 from apcscore.io.schemas import Record
 from apcscore.jobs.score import ScoreJob
 
@@ -225,3 +226,29 @@ def test_score_command_mixes_record_kinds_in_one_schema(tmp_path, write_jsonl, t
     assert m["choice_logprobs_norm"] == pytest.approx([lp / len(ch) for lp, ch in
                                                       zip(m["choice_logprobs"], [" yes", " no", " maybe"])])
     assert "accuracy" in res.output and "acc_norm" in res.output and "(1 question)" in res.output
+
+
+# ---- is_greedy with tied logits: lm-eval's argmax (the first of the tied maxima) ---------------------------
+def test_is_greedy_with_tied_logits_is_lm_evals_argmax(tiny_model_dir, default_tokenizer):
+    """All logits tied (a zero vocabulary projection): every token has rank 1, but lm-eval's
+    `logits.argmax(-1) == tokens` holds for token 0 only, the first maximum."""
+    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", dtype="float32",
+                                                                          num_kv_blocks=64, block_size=4))
+    with torch.no_grad():
+        engine.model.lm_head_weight.zero_()
+    tok = default_tokenizer
+    context = "The capital of France is"
+    cont = enc(tok, context + " Paris")[len(enc(tok, context)):]
+    assert min(cont) > 0
+    records = [Record(0, 1, "paris", "continuation", {"context": context, "continuation": " Paris"})]
+    for k in (0, 2):
+        rows, _ = run_score(engine, records, k=k)
+        row = rows[0]
+        assert row["token_ranks"][-len(cont):] == [1] * len(cont)  # tied with the maximum: rank 1
+        assert row["is_greedy"] is False  # but not the argmax
+        assert all(len(t) == k for t in row["top_ids"][-len(cont):])  # top-K as asked (0: none)
+    # a continuation of token 0 (the first of the tied maxima) is greedy
+    outs = list(engine.run([Request("zero", [5, 0, 0], prompt_logprobs=1, score_from=1),
+                            Request("nine", [5, 0, 9], prompt_logprobs=1, score_from=1)]))
+    got = {o.request_id: continuation_score(o).is_greedy for o in outs}
+    assert got == {"zero": True, "nine": False}

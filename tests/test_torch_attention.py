@@ -104,3 +104,29 @@ def test_decode_with_a_shared_prefix_equals_decode_alone_and_chunks_equal_the_wh
         got = tb.paged_attention(chunk, k, v, meta_for([(1, lens[1]), (1, lens[2]), (1, lens[3]), (b - a, b)],
                                                        [tables[1], tables[2], tables[3], tables[0]]), D ** -0.5)
         assert torch.equal(got[3:], whole[a:b]), (a, b)
+
+
+def test_no_zero_fill_of_the_whole_output(monkeypatch) -> None:
+    """Each real row is written by the decode or the prefill path, so only the padding rows are zeroed (issue 15,
+    item 3): the output is not zero-filled first, and no stale value reaches a real row or a padding row."""
+    k, v = caches(8, seed=5)
+    q = torch.randn(1 + 1 + 6 + 2, HQ, D, generator=torch.Generator().manual_seed(6))  # decode, decode, prefill, pad
+    meta = meta_for([(1, 9), (1, 20), (6, 6)], [[1], [2, 3], [4]])
+    want = tb.paged_attention(q, k, v, meta, D ** -0.5)
+    real = torch.zeros_like  # the real zeros_like
+    filled = []
+
+    def zeros_like(t, *args, **kwargs):
+        filled.append(tuple(t.shape))
+        return real(t, *args, **kwargs)
+
+    def stale_empty_like(t, *args, **kwargs):
+        return torch.full_like(t, float("nan"))
+
+    monkeypatch.setattr(tb.torch, "zeros_like", zeros_like)
+    monkeypatch.setattr(tb.torch, "empty_like", stale_empty_like)
+    got = tb.paged_attention(q, k, v, meta, D ** -0.5)
+    monkeypatch.undo()
+    assert tuple(q.shape) not in filled
+    assert torch.equal(got, want) and not torch.isnan(got).any()
+    assert torch.count_nonzero(got[meta.cu_seqlens_q_list[-1]:]) == 0

@@ -15,7 +15,8 @@ class AttentionMetadata:
 
     The batch holds B sequences' new tokens, flattened: sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1].
     Its context after this step has seq_lens[i] tokens, so its query j sits at position
-    seq_lens[i] - q_len_i + j. Rows past cu_seqlens_q[-1] are padding (slot -1): never stored, output zero.
+    seq_lens[i] - q_len_i + j. Rows past cu_seqlens_q[-1] are padding (slot -1): never stored; their attention
+    output is dropped by the caller (the torch backend zeroes it, the Triton kernel leaves it unwritten).
     """
 
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; -1 = do not store

@@ -95,14 +95,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache.
 
-    query: [T, num_heads, head_dim] -> out: [T, num_heads, head_dim] (padding rows zero).
+    query: [T, num_heads, head_dim] -> out: [T, num_heads, head_dim]. Every real row is written by one of the
+    two paths, so only the padding rows past cu_seqlens_q[-1] are zeroed (a few rows), not the whole output.
     Grouped-query heads: query head h reads kv head h // (num_heads // num_kv_heads).
     Decode rows (one query per sequence) of all sequences are computed together in one batched call;
     each prefill chunk on its own. Either way a query's keys are reduced in the same fixed tiles.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[2])
-    out = torch.zeros_like(query)
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
+    out = torch.empty_like(query)
+    out[cu[-1]:].zero_()  # padding rows: dropped by the caller, zero so that no stale memory flows on
     decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     if decode:
         _attend_decode(query, k_cache, v_cache, meta, decode, scale, out)

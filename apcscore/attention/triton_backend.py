@@ -16,7 +16,7 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D] (rows past cu_seqlens_q[-1] zero)."""
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D] (rows past cu_seqlens_q[-1] not written)."""
         if k_cache.shape[1] != meta.block_size:
             raise ValueError(f"paged_attention: the cache has block_size {k_cache.shape[1]} but meta says "
                              f"{meta.block_size}")

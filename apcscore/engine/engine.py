@@ -17,7 +17,8 @@ import torch
 
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
-from apcscore.engine.kv_cache import default_num_kv_blocks
+from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
+from apcscore.engine.kv_cache import default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
@@ -40,6 +41,9 @@ class ModelInfo:
     max_model_len: int
     fingerprint: str
     num_parameters: int
+    # the model's sliding attention window where it capped max_model_len (the window itself is not implemented:
+    # inside it, full causal attention is the same thing), else None
+    sliding_window: int | None = None
 
 
 @dataclass
@@ -84,8 +88,15 @@ class Engine:
         self.dtype = dtype
         self.backend = backend
         self.attention_backend = backend.name  # "torch" | "triton", as the run metadata records it
+        profile = None
+        if device.type == "cuda":  # the pool takes what the largest step leaves (kv_cache.profile_peak_memory)
+            step = dict(max_batch_tokens=config.max_batch_tokens, max_model_len=info.max_model_len,
+                        block_size=config.block_size, dtype=dtype, device=device,
+                        logits_rows=config.logprobs_chunk_size, logprob_fn=backend.token_logprobs,
+                        k=min(config.max_logprobs, info.vocab_size))
+            profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
-            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction)
+            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
@@ -128,8 +139,10 @@ class Engine:
         arch = check_architecture(hf_config)
         backend = select_backend(config.attention_backend, device.type, config.batch_invariant)
         max_len = hf_config.max_position_embeddings
-        if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True):
-            max_len = min(max_len, hf_config.sliding_window)  # full attention equals sliding inside the window
+        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+        window = window if window and window < max_len else None
+        if window:
+            max_len = window  # full attention equals sliding inside the window; longer prompts are refused
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
         model = LlamaDecoder(hf_config, backend, max_positions=max_len, device="meta")
@@ -142,6 +155,7 @@ class Engine:
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,
             num_parameters=sum(p.numel() for p in model.parameters()),
+            sliding_window=window if window and (not config.max_model_len or config.max_model_len > window) else None,
         )
         return cls(model, tokenizer, config, info, device, dtype, backend)
 
@@ -246,11 +260,14 @@ class Engine:
         params = seq.request.sampling
         if (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
             return "stop"
-        if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            hits = [i for i in (text.find(s) for s in params.stop) if i >= 0]
-            if hits:
-                seq.output_text = text[:min(hits)]
+        if params.stop:  # decode only the new tokens' window (engine/detokenizer.py): O(n) per completion
+            if seq.detokenizer is None:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            searched = len(seq.detokenizer.text)
+            seq.detokenizer.update(seq.token_ids, start=seq.prompt_len)
+            cut = find_stop(seq.detokenizer.text, params.stop, searched)
+            if cut is not None:
+                seq.output_text = seq.detokenizer.text[:cut]
                 return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.info.max_model_len:
             return "length"

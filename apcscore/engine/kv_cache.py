@@ -1,5 +1,6 @@
-"""The KV cache pool: how many blocks fit (`default_num_kv_blocks`) and its allocation, one (K, V) pair of
-[num_blocks, block_size, Hkv, D] caches per layer, attached to the model's attention layers."""
+"""The KV cache pool: how many blocks fit (`default_num_kv_blocks`; on CUDA after a profile of the largest step,
+`profile_peak_memory`) and its allocation, one (K, V) pair of [num_blocks, block_size, Hkv, D] caches per
+layer, attached to the model's attention layers."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import math
 import mmap
 import os
 
+from typing import Any, Callable
+
 import torch
 
+from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.models.llama import LlamaDecoder
 
 
@@ -18,17 +22,86 @@ def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
     return 2 * hf_config.num_hidden_layers * block_size * heads * head_dim * torch.finfo(dtype).bits // 8
 
 
+def cuda_pool_bytes(total: int, fraction: float, peak_allocated: int, non_torch: int) -> int:
+    """Bytes for the KV pool on CUDA, vLLM's rule: the engine may use `fraction` of the card's `total`; the pool
+    gets what is left after `peak_allocated` (torch's peak over the profile of the largest step: the weights
+    plus that step's activations and logprob temporaries) and `non_torch` (memory outside torch's allocator:
+    the CUDA context, other processes). Never negative."""
+    return max(0, int(fraction * total) - peak_allocated - non_torch)
+
+
 def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device: torch.device,
-                          fraction: float | None) -> int:
-    """KV pool size from free memory: a share of free host memory on CPU (at most 4 GiB), of GPU memory on CUDA."""
+                          fraction: float | None, profile: Callable[[], int] | None = None) -> int:
+    """KV pool size: on CPU a share of free host memory (default 0.25, at most 4 GiB); on CUDA `fraction`
+    (default 0.85) of the card's total memory minus the peak of `profile()` (which runs the largest step and
+    returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch."""
     per_block = kv_bytes_per_block(hf_config, block_size, dtype)
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = free * (fraction or 0.85)
+        peak = profile() if profile is not None else torch.cuda.memory_allocated(device)
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+        budget = cuda_pool_bytes(total, fraction or 0.85, peak, non_torch)
     else:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(free * (fraction or 0.25), 4 * 2**30)
     return max(16, int(budget // per_block))
+
+
+def run_largest_step(model: LlamaDecoder, max_batch_tokens: int, max_model_len: int, block_size: int,
+                     dtype: torch.dtype, device: torch.device, logits_rows: int, logprob_fn: Callable[..., Any],
+                     k: int) -> None:
+    """The largest step an engine can run, on dummy tokens: a prefill of `max_batch_tokens` tokens (sequences of
+    at most `max_model_len`) over a temporary KV pool just big enough, then the logprobs (top-`k`) of
+    `logits_rows` rows. For profiling its peak memory; the model's KV caches are detached afterwards."""
+    lengths = step_lengths(max_batch_tokens, max_model_len)
+    blocks = [-(-n // block_size) for n in lengths]
+    allocate_kv_cache(model, sum(blocks), block_size, dtype, device)
+    tables = torch.zeros(len(lengths), max(blocks), dtype=torch.int32)
+    slots, first = [], 0
+    for i, (n, b) in enumerate(zip(lengths, blocks)):
+        tables[i, :b] = torch.arange(first, first + b, dtype=torch.int32)
+        slots.append(torch.arange(n) + first * block_size)
+        first += b
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+        cu_seqlens_q_list=cu, seq_lens_list=lengths, block_size=block_size)
+    try:
+        with torch.inference_mode(), set_attention_metadata(meta):
+            positions = torch.cat([torch.arange(n) for n in lengths]).to(device)
+            hidden = model(torch.zeros(cu[-1], dtype=torch.int64, device=device), positions)
+            rows = hidden[:min(logits_rows, cu[-1])]
+            logits = model.compute_logits(rows)
+            logprob_fn(logits, torch.zeros(rows.shape[0], dtype=torch.int64, device=device), k)
+    finally:
+        for layer in model.layers:
+            layer.self_attn.k_cache = layer.self_attn.v_cache = torch.empty(0)
+
+
+def profile_peak_memory(model: LlamaDecoder, **step: Any) -> int:
+    """torch's peak allocated bytes on CUDA over `run_largest_step(model, **step)`, without its temporary KV
+    pool (the real pool takes its place)."""
+    device = step["device"]
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    run_largest_step(model, **step)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    blocks = sum(-(-n // step["block_size"]) for n in step_lengths(step["max_batch_tokens"], step["max_model_len"]))
+    pool = blocks * kv_bytes_per_block(model.config, step["block_size"], step["dtype"])
+    torch.cuda.empty_cache()
+    return max(before, peak - pool)
+
+
+def step_lengths(max_batch_tokens: int, max_model_len: int) -> list[int]:
+    """The sequence lengths of the largest step: the token budget cut into sequences of at most max_model_len."""
+    return [min(max_model_len, max_batch_tokens - start) for start in range(0, max_batch_tokens, max_model_len)]
 
 
 def allocate_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

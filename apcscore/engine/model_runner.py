@@ -168,13 +168,14 @@ class ModelRunner:
                 seed = p.seed if p.seed is not None else hash((self.base_seed, seq.arrival))
                 seq.generator = make_generator(seed, dev)
             gens.append(seq.generator)
-        tokens = sample_rows(logits, params, gens)
+        sampled = sample_rows(logits, params, gens)  # [S] on the device
         want = [p.logprobs for p in params]
         lps = None
         if any(w is not None for w in want):
             k = max(w or 0 for w in want)
-            lps = self.logprob_fn(logits, torch.tensor(tokens, device=dev), k)
+            lps = self.logprob_fn(logits, sampled, k)
             lps = [t.cpu().numpy() for t in lps]
+        tokens = sampled.tolist()  # the step's one read of the sampled tokens
         out = []
         for i, (seq, tok) in enumerate(zip(seqs, tokens)):
             tl = None

@@ -17,13 +17,16 @@ def make_generator(seed: int, device: torch.device) -> torch.Generator:
     return gen
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
-    """logits [B, V] (fp32) -> one token id per row."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+                ) -> torch.Tensor:
+    """logits [B, V] (fp32) -> one token id per row, [B] int64 on the logits' device.
+
+    Nothing here waits for the device: sampled rows are written into the greedy result as tensors, so the
+    caller reads all B tokens with one transfer (`.tolist()`) instead of one `.item()` per row.
+    """
+    tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep theirs
     for i, p in enumerate(params):
         if p.temperature == 0:
-            out.append(greedy[i])
             continue
         row = logits[i].float() / p.temperature  # [V]
         if p.top_k > 0 and p.top_k < row.shape[0]:
@@ -34,7 +37,7 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
             probs = sorted_logits.softmax(-1)
             # drop a token when the mass before it already reaches top_p (the first token always stays)
             drop = (probs.cumsum(-1) - probs) >= p.top_p
-            row = row.scatter(0, order[drop], float("-inf"))
+            row = torch.empty_like(row).scatter_(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = row.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
-    return out
+        tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
+    return tokens

@@ -110,6 +110,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the completion
         self.generator: Any = None  # torch.Generator of a sampled request, made by the sampler
+        self.detokenizer: Any = None  # IncrementalDetokenizer of a request with stop strings, made by the engine
 
     @property
     def request_id(self) -> Any:

@@ -9,7 +9,9 @@ token. An empty context (also one that was only whitespace) is the prefix token:
 EOS where there is none (lm-eval's `prefix_token_id`), so the first continuation token has a context.
 
 A continuation's loglikelihood is the sum of its tokens' logprobs; `is_greedy` says every one of its tokens
-is the model's argmax (rank 1, which the engine reports with every prompt logprob). A multiple-choice
+is the model's argmax as lm-eval defines it (`logits.argmax(-1) == tokens`): with tied top logits only the
+lowest token id is greedy, so a rank of 1 (ties share it) is not enough. The request asks for at least the
+top-1 id, whose ties the engine orders by token id (`apcscore.kernels.logprobs_ref.top_k`). A multiple-choice
 record scores each choice as the continuation of the context, one request per choice; `pred` is the
 argmax of the loglikelihoods and `pred_norm` the argmax of the loglikelihoods divided by each choice's length
 in characters (lm-eval's `acc` and `acc_norm`). Ties go to the first choice (`numpy.argmax`).
@@ -17,13 +19,14 @@ in characters (lm-eval's `acc` and `acc_norm`). Ties go to the first choice (`nu
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 
 # Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.
@@ -71,13 +74,14 @@ def encode_pair(tokenizer, context: str, continuation: str, prefix_id: int) -> t
 
 
 def continuation_request(tokenizer, context: str, continuation: str, prefix_id: int, k: int) -> Request:
-    """The scoring request of `continuation` after `context`: its tokens are scored, with top-`k`."""
+    """The scoring request of `continuation` after `context`: its tokens are scored, with top-max(`k`, 1) (the
+    top-1 id decides `is_greedy`; `trim_top` drops it again where k is 0)."""
     context_ids, cont_ids = encode_pair(tokenizer, context, continuation, prefix_id)
     if not cont_ids:
         raise ApcscoreError(f"the continuation {continuation[:40]!r} has no tokens of its own: tokenized together "
                             "with the context it merges into the context's last token (end the context at a "
                             "token boundary, e.g. before a space)")
-    return Request(None, context_ids + cont_ids, prompt_logprobs=k, score_from=len(context_ids))
+    return Request(None, context_ids + cont_ids, prompt_logprobs=max(k, 1), score_from=len(context_ids))
 
 
 @dataclass(frozen=True)
@@ -86,7 +90,7 @@ class ContinuationScore:
 
     logprob: float  # sum over its tokens (float64)
     num_tokens: int
-    is_greedy: bool  # every token is the argmax (rank 1)
+    is_greedy: bool  # every token is the argmax (lm-eval: the first of tied maxima)
 
 
 def continuation_score(out: RequestOutput) -> ContinuationScore:
@@ -94,8 +98,17 @@ def continuation_score(out: RequestOutput) -> ContinuationScore:
     lps = out.prompt_logprobs
     if lps is None:
         raise ValueError("a continuation request must ask for prompt logprobs")
+    if lps.top_ids.shape[1] == 0:
+        raise ValueError("a continuation request must ask for at least the top-1 logprob")
     return ContinuationScore(float(np.sum(lps.token_logprobs, dtype=np.float64)), len(lps),
-                             bool(np.all(lps.ranks == 1)))
+                             bool(np.all(lps.top_ids[:, 0] == lps.token_ids)))
+
+
+def trim_top(lps: PromptLogprobs | None, k: int) -> PromptLogprobs | None:
+    """`lps` with its top-K columns cut to k (the continuation request asked for at least 1)."""
+    if lps is None or lps.top_ids.shape[1] <= k:
+        return lps
+    return dataclasses.replace(lps, top_ids=lps.top_ids[:, :k], top_logprobs=lps.top_logprobs[:, :k])
 
 
 def choice_columns(logprobs: list[float], choices: list[str], answer: int) -> dict:

@@ -22,7 +22,7 @@ import pyarrow as pa
 
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, nll_summary, sum_logprobs, token_columns
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
-                                         continuation_score, mean_stderr, prefix_token_id)
+                                         continuation_score, mean_stderr, prefix_token_id, trim_top)
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.io.schemas import Record
 
@@ -77,7 +77,7 @@ class ScoreJob(Job):
                     "num_scored": sum(s.num_tokens for s in scores),
                     **choice_columns([s.logprob for s in scores], record.fields["choices"], record.fields["answer"])}
         out = outputs[0]
-        lps = out.prompt_logprobs
+        lps = trim_top(out.prompt_logprobs, self.k)
         total = sum_logprobs(lps)
         n_scored = len(lps) if lps is not None else 0
         row = {**base, "num_tokens": len(out.prompt_token_ids), "num_scored": n_scored,

@@ -2,8 +2,9 @@
 
 For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
 (1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
-and the top-k token ids with their logprobs, sorted by descending logit. A target outside [0, V) gives
-logprob NaN and rank 0 in both implementations (no device sync is spent on checking it).
+and the top-k token ids with their logprobs, sorted by descending logit, equal logits by ascending token id
+(logprobs_ref.top_k). A target outside [0, V) gives logprob NaN and rank 0 in both implementations (no device
+sync is spent on checking it).
 """
 
 from __future__ import annotations

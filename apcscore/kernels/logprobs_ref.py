@@ -2,7 +2,8 @@
 
 For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
 (1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
-and the top-k token ids with their logprobs, sorted by descending logit. Imports no Triton.
+and the top-k token ids with their logprobs, sorted by descending logit, equal logits by ascending token id
+(`top_k`). Imports no Triton.
 """
 
 from __future__ import annotations
@@ -33,11 +34,32 @@ class Scratch:
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k values (input dtype) and ids of each row, sorted by descending logit: [N, k], [N, k] int64."""
+    """Top-k values (input dtype) and ids of each row, sorted by descending logit: [N, k], [N, k] int64.
+
+    Ties are ordered by token id, lowest first (a stable sort by descending logit), also where a tie crosses
+    the k-th place: the k entries kept are the first k of that order. So top_ids[:, 0] is torch.argmax (its
+    first maximum), on every device. torch.topk alone leaves the order of equal values unspecified (CUDA and
+    CPU differ). A row with a tie across the k-th place costs a device sync and a pass over its row.
+    """
+    num_rows, vocab = logits.shape
     if k == 0:
-        empty = logits.new_empty((logits.shape[0], 0))
-        return empty, torch.empty((logits.shape[0], 0), dtype=torch.int64, device=logits.device)
-    return torch.topk(logits, k, dim=-1, largest=True, sorted=True)
+        empty = logits.new_empty((num_rows, 0))
+        return empty, torch.empty((num_rows, 0), dtype=torch.int64, device=logits.device)
+    values, ids = torch.topk(logits, min(k + 1, vocab), dim=-1, largest=True, sorted=True)
+    if k < vocab:
+        crossing = values[:, k - 1] == values[:, k]  # the k-th value also lies outside the kept k
+        values, ids = values[:, :k], ids[:, :k]
+        if bool(crossing.any()):
+            values, ids = values.clone(), ids.clone()
+            for row in crossing.nonzero().flatten().tolist():
+                kth = values[row, k - 1]
+                above = (logits[row] > kth).nonzero().flatten()  # fewer than k entries
+                tied = (logits[row] == kth).nonzero().flatten()[:k - above.shape[0]]  # lowest ids (ascending)
+                ids[row] = torch.cat([above, tied])
+                values[row] = logits[row, ids[row]]
+    by_id, order = ids.sort(dim=-1)  # then a stable sort by value keeps equal values in id order
+    values, order2 = values.gather(-1, order).sort(dim=-1, descending=True, stable=True)
+    return values, by_id.gather(-1, order2)
 
 
 def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = True,

@@ -124,13 +124,15 @@ def _paged_attention_kernel(
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
                     block_m: int | None = None, block_n: int | None = None,
-                    num_warps: int | None = None) -> torch.Tensor:
+                    num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache (torch_backend semantics).
 
     query: [T, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
     num_kv_heads, head_dim], contiguous, same dtype as query; block_tables [B, max_blocks], cu_seqlens_q
     [B + 1], seq_lens [B] (the step's AttentionMetadata fields) on the query's device. Returns [T, num_heads,
-    head_dim] in query.dtype; rows past cu_seqlens_q[-1] are zero. Query head h reads KV head h // (num_heads // num_kv_heads).
+    head_dim] in query.dtype (into `out` if given, contiguous, query's shape and dtype); rows past cu_seqlens_q[-1]
+    are padding and not written (no zero-fill: the caller drops them). Query head h reads KV head
+    h // (num_heads // num_kv_heads).
     scale defaults to 1 / sqrt(head_dim). block_m (query rows = tokens x group heads per program, >= the
     group size) and block_n (keys per tile) set the reduction order; their defaults (tile_config) depend on
     the model only, never on the batch, which keeps results batch-invariant.
@@ -176,7 +178,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if block_m < max(16, group) or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, "
                          f"and block_m >= the query-head group ({group})")
-    out = torch.zeros(query.shape, dtype=query.dtype, device=query.device)  # padding rows stay zero
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # padding rows: never written
+    elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
+        raise ValueError(f"{name}: out must be contiguous {tuple(query.shape)} {query.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     if num_seqs == 0 or num_tokens == 0:
         return out
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
