@@ -93,7 +93,7 @@ def check_kv_pool(hf_config: Any, num_blocks: int, block_size: int, dtype: torch
         raise ApcscoreError(
             f"the KV pool of {num_blocks:,} blocks of {block_size} tokens needs {max(pool, host) / 2**30:,.1f} GiB, "
             f"more than the {free / 2**30:,.1f} GiB of free {'GPU' if device.type == 'cuda' else 'host'} memory — "
-            f"use --num-kv-blocks {max(fit, 1):,} or fewer" + (", or a smaller --block-size" if block_size > 16 else ""))
+            f"use --num-kv-blocks {max(fit, 1)} or fewer" + (", or a smaller --block-size" if block_size > 16 else ""))
 
 
 def _host_available_bytes() -> int:
