@@ -119,9 +119,8 @@ class ScoreJob(Job):
             for label, values in (("accuracy", self._correct), ("acc_norm", self._correct_norm)):
                 mean, err = mean_stderr(values)
                 n = len(values)
-                spread = f" ± {err:.4f}" if math.isfinite(err) else ""
-                lines.append((label, f"{mean:.4f}{spread} ({n:,} question{'s' if n != 1 else ''}"
-                                     f"{'; no standard error from one question' if n == 1 else ''})"))
+                spread = f" ± {err:.4f}" if math.isfinite(err) else ""  # no standard error from one question
+                lines.append((label, f"{mean:.4f}{spread} ({n:,} question{'s' if n != 1 else ''})"))
         return lines
 
     def metadata(self) -> dict:
