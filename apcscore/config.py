@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, shown
 
 MAX_LOGPROBS_DEFAULT = 20
 
@@ -39,6 +39,12 @@ class EngineConfig:
             if not cond:
                 raise ApcscoreError(msg)
 
+        for f in fields(self):  # types first, so that the range checks below cannot raise TypeError
+            value, kinds = getattr(self, f.name), _KINDS[f.name]
+            need((value is None and type(None) in kinds) or
+                 (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)),
+                 f"--{f.name.replace('_', '-')} must be {_WHAT[kinds]}, not {shown(value)}")
+
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be auto, cpu or cuda, not {self.device!r}")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
@@ -70,3 +76,15 @@ class EngineConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+_KINDS: dict[str, tuple[type, ...]] = {
+    "device": (str,), "dtype": (str,), "attention_backend": (str,),
+    "block_size": (int,), "max_batch_tokens": (int,), "max_num_seqs": (int,), "max_logprobs": (int,),
+    "logprobs_chunk_size": (int,), "seed": (int,),
+    "num_kv_blocks": (int, type(None)), "max_model_len": (int, type(None)),
+    "enable_prefix_caching": (bool,), "use_cuda_graphs": (bool,), "batch_invariant": (bool,),
+    "kv_cache_memory_fraction": (int, float, type(None)),
+}
+_WHAT = {(str,): "a string", (int,): "an integer", (int, type(None)): "an integer or unset",
+         (bool,): "true or false", (int, float, type(None)): "a number or unset"}

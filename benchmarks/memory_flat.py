@@ -18,6 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 WORDS = "the of and to in is was for on that with as by at from his an were are which this be".split()
 
 
@@ -60,19 +62,29 @@ def measure(records: int, model: str | None, workdir: Path, interval: float = 0.
            "--out", str(out), "--quiet", "--overwrite", "--num-kv-blocks", "512"]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    samples: list[tuple[float, float, int]] = []  # (seconds, rss MB, part files written)
+    samples: list[tuple[float, float, int]] = []  # (seconds, rss MB, rows in part files)
     partial = out.with_name(out.name + ".partial")
+    part_rows: dict[Path, int] = {}
     while proc.poll() is None:
         rss = rss_mb(proc.pid)
         if rss is not None:
-            parts = len(list(partial.glob("part-*.parquet"))) if partial.is_dir() else -1
-            samples.append((time.perf_counter() - started, rss, parts))
+            rows = -1
+            if partial.is_dir():
+                for part in partial.glob("part-*.parquet"):
+                    if part not in part_rows:
+                        try:
+                            part_rows[part] = pq.read_metadata(part).num_rows
+                        except OSError:  # renamed away by the final assembly
+                            part_rows[part] = 0
+                rows = sum(part_rows.values())
+            samples.append((time.perf_counter() - started, rss, rows))
         time.sleep(interval)
     output = proc.stdout.read()
     if proc.returncode != 0:
         raise RuntimeError(f"apcscore failed ({proc.returncode}):\n{output}")
-    # the scoring phase: from the first part file written to the last sample before the final assembly
-    running = [s for s in samples if s[2] >= 1]
+    # the scoring phase: from 256 rows on disk (past the warm-up; the writer now writes a part every second,
+    # so "the first part file" would fall inside the warm-up) to the last sample before the final assembly
+    running = [s for s in samples if s[2] >= min(256, records // 4)]
     if len(running) < 4:
         running = samples[len(samples) // 4:]
     at = lambda q: running[min(len(running) - 1, int(q * (len(running) - 1)))][1]
@@ -87,7 +99,7 @@ def measure(records: int, model: str | None, workdir: Path, interval: float = 0.
         # add spikes on top; a leak raises the floor; the first quarter includes the warm-up)
         "floor_by_quarter_mb": [round(min(r[1] for r in running[q * len(running) // 4:(q + 1) * len(running) // 4]), 1)
                                 for q in range(4)],
-        "rows_written": __import__("pyarrow.parquet", fromlist=["x"]).read_metadata(out).num_rows,
+        "rows_written": pq.read_metadata(out).num_rows,
     }
 
 

@@ -44,10 +44,15 @@ def test_run_time_problems_become_error_rows(tmp_path, write_jsonl, tiny):
         {"id": "empty", "prompt": ""},
     ])
     out = tmp_path / "o.parquet"
+    # an empty prompt has no tokens with this tokenizer: found before the weights load, like any invalid record
     res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet"])
+    assert res.exit_code == 2 and f"{data}:3: 'prompt' is empty" in res.output, res.output
+    assert not out.exists()
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--quiet", "--skip-invalid"])
     assert res.exit_code == 0, res.output
     rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
     assert rows["long"]["status"] == "error" and "2048" in rows["long"]["error"]
+    assert "--truncate left" in rows["long"]["error"]  # the message names the way out
     assert rows["ok"]["status"] == "ok"
     assert rows["empty"]["status"] == "error" and "no tokens" in rows["empty"]["error"]
 

@@ -353,7 +353,7 @@ def test_fp32_vs_bf16_gate(fp32_bf16, tmp_path) -> None:
                 "--max-abs-logprob-diff", 2, "--report-md", md, "--report-json", js)
     assert r.exit_code == 0, r.output
     data = json.loads(js.read_text())
-    assert data["passed"] is True and len(data["checks"]) == 4
+    assert data["passed"] is True and len(data["checks"]) == 5  # 4 given + --max-new-errors 0 (the default)
     assert 0 < data["metrics"]["kld"]["mean"] < 0.05
     assert set(data["metrics"]["kld"]["percentiles"]) == {"99.9", "99", "95", "90", "50"}
     assert len(data["records"]) == 8 and data["records"][0]["mean_kld"] >= data["records"][-1]["mean_kld"]
@@ -471,8 +471,14 @@ def test_error_records_are_listed_and_excluded(tiny, tmp_path) -> None:
     nll = [sum(-rows[i]["sum_logprob"] for i in kept) / sum(rows[i]["num_scored"] for i in kept) for rows in
            (score_rows(*tiny, torch.float32, 0), rows16)]
     assert c.metrics.mean_nll_base == pytest.approx(nll[0]) and c.metrics.mean_nll_new == pytest.approx(nll[1])
+    # r5 is ok in the baseline and an error in the candidate: that alone fails the gate by default
     r = run_cli(tmp_path / "a.parquet", tmp_path / "b.parquet")
-    assert r.exit_code == 0 and "Excluded records" in r.output and "bad field 'text'" in r.output
+    assert r.exit_code == 1 and "Excluded records" in r.output and "bad field 'text'" in r.output
+    assert "--max-new-errors" in r.output and "FAIL" in r.output
+    r = run_cli(tmp_path / "a.parquet", tmp_path / "b.parquet", "--max-new-errors", 1)
+    assert r.exit_code == 0, r.output
+    r = run_cli(tmp_path / "a.parquet", tmp_path / "b.parquet", "--max-new-errors", 1, "--max-excluded-fraction", 0.25)
+    assert r.exit_code == 1 and "--max-excluded-fraction" in r.output  # 3 of 8 excluded
 
 
 def mc_rows(preds: list[int], preds_norm: list[int], answers: list[int]) -> list[dict]:

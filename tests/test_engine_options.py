@@ -16,7 +16,8 @@ from apcscore import EngineConfig
 from apcscore.cli import app
 from apcscore.engine import Engine
 
-SWITCHES = {"enable_prefix_caching": "--no-prefix-caching", "use_cuda_graphs": "--no-cuda-graphs"}
+SWITCHES = {"enable_prefix_caching": "--no-prefix-caching", "use_cuda_graphs": "--no-cuda-graphs",
+            "batch_invariant": "--no-batch-invariant"}
 
 
 @pytest.mark.parametrize("command", ["score", "generate", "perplexity"])

@@ -251,11 +251,16 @@ def test_perplexity_command_writes_rows_and_the_lm_eval_aggregates(tmp_path, wri
     out = tmp_path / "ppl.parquet"
     res = CliRunner().invoke(app, ["perplexity", str(data), "--model", str(tiny_model_dir("llama")), "--window", "8",
                                    "--stride", "5", "--prompt-logprobs", "2", "--out", str(out), "--device", "cpu"])
+    # an empty text is refused before the weights load; --skip-invalid makes it an error row
+    assert res.exit_code == 2 and f"{data}:2: 'text' is empty" in res.output, res.output
+    res = CliRunner().invoke(app, ["perplexity", str(data), "--model", str(tiny_model_dir("llama")), "--window", "8",
+                                   "--stride", "5", "--prompt-logprobs", "2", "--out", str(out), "--device", "cpu",
+                                   "--skip-invalid"])
     assert res.exit_code == 0, res.output
     table = pq.read_table(out)
     rows = table.to_pylist()
     assert [r["id"] for r in rows] == ["fox", "2", "utf8"]
-    assert rows[1]["status"] == "error" and "the text is empty" in rows[1]["error"]
+    assert rows[1]["status"] == "error" and "'text' is empty" in rows[1]["error"]
     for row, text in ((rows[0], texts[0]), (rows[2], texts[1])):
         assert row["status"] == "ok"
         n, slp = row["num_tokens"], row["sum_logprob"]
@@ -278,7 +283,7 @@ def test_perplexity_command_writes_rows_and_the_lm_eval_aggregates(tmp_path, wri
     assert f"{-total / nbytes / math.log(2):.4f}" in res.output  # bits per byte
     # per-token columns only when asked for
     res = CliRunner().invoke(app, ["perplexity", str(data), "--model", str(tiny_model_dir("llama")), "--window", "8",
-                                   "--out", str(out), "--overwrite", "--device", "cpu", "--quiet"])
+                                   "--out", str(out), "--overwrite", "--device", "cpu", "--quiet", "--skip-invalid"])
     assert res.exit_code == 0, res.output
     assert "token_ids" not in pq.read_schema(out).names
 

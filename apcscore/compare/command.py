@@ -2,6 +2,8 @@
 `app.command("compare")(compare)`).
 
 Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared).
+By default one record that is ok in the baseline and an error in the candidate fails the gate
+(`--max-new-errors 0`).
 The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this module
 (and `apcscore --help`) stays fast.
 """
@@ -41,23 +43,34 @@ def compare(
         help="Also write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(
         help="Also write every figure, per record included, as JSON here.")] = None,
+    max_new_errors: Annotated[Optional[int], typer.Option(
+        min=0, help="Fail when more records than this are ok in the baseline and an error in the candidate. "
+                    "\\[default: 0]")] = None,
+    max_excluded_fraction: Annotated[Optional[float], typer.Option(
+        help="Fail when a larger share of records failed on either side (0..1) and so left every figure.")] = None,
     worst: Annotated[int, typer.Option(min=0, help="How many of the worst records (by KL) to list.")] = 10,
 ) -> None:
     """Compare two result files of the same dataset; the exit code says whether the thresholds hold."""
     try:
+        import pyarrow as pa
+
         from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
         from apcscore.compare.report import render_console, to_json, to_markdown, write_report
 
         thresholds = load_thresholds(config) if config is not None else Thresholds()
         thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,
-                                                    max_abs_logprob_diff, max_accuracy_drop))
-        result = compare_files(baseline, candidate, thresholds)
+                                                    max_abs_logprob_diff, max_accuracy_drop, max_new_errors,
+                                                    max_excluded_fraction))
+        try:
+            result = compare_files(baseline, candidate, thresholds)
+        except (pa.ArrowException, OSError) as e:  # a file damaged past its footer
+            raise ApcscoreError(f"cannot read the result files: {e} — write them again") from None
         render_console(result, Console(), worst)
         if report_md is not None:
             write_report(report_md, to_markdown(result, worst))
         if report_json is not None:
             write_report(report_json, to_json(result))
     except ApcscoreError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}")
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     raise typer.Exit(0 if result.passed else 1)

@@ -52,18 +52,24 @@ class Thresholds:
     min_top1_agreement: float | None = None  # share of positions with the same argmax >= this
     max_abs_logprob_diff: float | None = None  # max |logprob_new - logprob_base| of a target token <= this
     max_accuracy_drop: float | None = None  # accuracy_base - accuracy_new (and the same for acc_norm) <= this
+    # records ok in the baseline and an error in the candidate; checked by default: one new error fails the gate
+    max_new_errors: float | None = 0
+    # share of records left out of every figure because they failed on either side
+    max_excluded_fraction: float | None = None
 
     def __post_init__(self) -> None:
         ranges = {"max_ppl_ratio": (0.0, math.inf, False), "max_mean_kld": (0.0, math.inf, True),
                   "min_top1_agreement": (0.0, 1.0, True), "max_abs_logprob_diff": (0.0, math.inf, True),
-                  "max_accuracy_drop": (-1.0, 1.0, True)}
+                  "max_accuracy_drop": (-1.0, 1.0, True), "max_new_errors": (0.0, math.inf, True),
+                  "max_excluded_fraction": (0.0, 1.0, True)}
         for name, (lo, hi, lo_ok) in ranges.items():
             v = getattr(self, name)
             if v is None:
                 continue
             if not (math.isfinite(v) and (v >= lo if lo_ok else v > lo) and v <= hi):
                 bound = f"{'>=' if lo_ok else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
-                raise ApcscoreError(f"--{name.replace('_', '-')} must be {bound}, not {v}")
+                what = "a finite number " if not math.isfinite(v) else ""
+                raise ApcscoreError(f"--{name.replace('_', '-')} must be {what}{bound}, not {v}")
 
     def override(self, other: "Thresholds") -> "Thresholds":
         """These thresholds with every value `other` sets (not None) taking precedence."""
@@ -157,7 +163,7 @@ _KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
 def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
     """Turn thresholds into checks; a threshold whose figure cannot be computed is a usage error (exit 2)."""
     m = c.metrics
-    checks = []
+    checks: list[Check] = []
 
     def need(value: float | None, option: str, why: str) -> float:
         if value is None:
@@ -168,6 +174,18 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         ok = value <= limit if op == "<=" else value >= limit
         checks.append(Check(option, metric, value, op, limit, bool(ok)))
 
+    if t.max_new_errors is not None:
+        new_errors = sum(e.side == "candidate" for e in c.excluded)
+        add("--max-new-errors", "records ok in baseline, error in candidate", new_errors, "<=", t.max_new_errors)
+    if t.max_excluded_fraction is not None:
+        add("--max-excluded-fraction", "share of records excluded (error on either side)",
+            len(c.excluded) / c.num_records if c.num_records else 0.0, "<=", t.max_excluded_fraction)
+    if c.num_compared == 0:  # no figure exists; the error checks above decide, or nothing can be compared
+        if checks and not all(ch.passed for ch in checks):
+            c.notes.append("no record is ok in both files: the other thresholds were not evaluated")
+            return checks
+        raise ApcscoreError(f"no record is ok in both files ({len(c.excluded)} of {c.num_records} failed on one side "
+                            "or both): there is nothing to compare — look at the 'error' column of the files")
     if t.max_ppl_ratio is not None:
         v = need(m.ppl_ratio, "--max-ppl-ratio", "the files have no token_logprobs and no per-record sum_logprob "
                  "with a token count")

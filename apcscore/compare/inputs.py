@@ -57,6 +57,9 @@ class ResultFile:
 def load_result_file(path: Path, role: str) -> ResultFile:
     """Open a parquet file written by `apcscore score` / `perplexity`, or refuse with a clear message."""
     path = Path(path)
+    if path.is_dir():
+        raise ApcscoreError(f"{role} file {path} is a directory — give the parquet file written by apcscore score "
+                            "or perplexity")
     if not path.is_file():
         raise ApcscoreError(f"{role} file {path} does not exist")
     try:
@@ -76,7 +79,10 @@ def load_result_file(path: Path, role: str) -> ResultFile:
     missing = [c for c in ("id", "status") if c not in schema.names]
     if missing:
         raise ApcscoreError(f"{role} file {path} is not apcscore output: no column {', '.join(missing)}")
-    table = pq.read_table(path, columns=[c for c in _COLUMNS if c in schema.names])
+    try:
+        table = pq.read_table(path, columns=[c for c in _COLUMNS if c in schema.names])
+    except (pa.ArrowException, OSError) as e:
+        raise ApcscoreError(f"{role} file {path} is damaged: its data cannot be read ({e}) — write it again") from None
     ids = table["id"]
     if ids.null_count:
         raise ApcscoreError(f"{role} file {path}: {ids.null_count} record(s) have no id")

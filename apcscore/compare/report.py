@@ -142,7 +142,7 @@ def _md_table(head: Row, rows: list[Row]) -> str:
     def cell(x: str) -> str:
         return x.replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines = ["| " + " | ".join(cell(x) for x in head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
 

@@ -8,6 +8,7 @@ bad values) become an output with `error` set; they never stop the run.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
@@ -18,7 +19,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.kv_cache import default_num_kv_blocks, profile_peak_memory
+from apcscore.engine.kv_cache import default_num_kv_blocks, kv_bytes_per_block, profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
@@ -69,6 +70,48 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def check_backend_device(config: EngineConfig) -> None:
+    """Refuse --attention-backend triton where no GPU runs it (the Triton interpreter, for tests, excepted)."""
+    if config.attention_backend == "triton" and resolve_device(config.device).type != "cuda" \
+            and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ApcscoreError("--attention-backend triton needs a CUDA GPU, and this run is on the CPU — use "
+                            "--attention-backend torch (or auto, which picks torch on a CPU)")
+
+
+BLOCK_HOST_BYTES = 256  # the block manager's Python objects per KV block (measured ~200 bytes)
+
+
+def check_kv_pool(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a KV pool that cannot fit in free memory (it would fail to allocate, or be killed when used)."""
+    per_block = kv_bytes_per_block(hf_config, block_size, dtype)
+    host = num_blocks * (BLOCK_HOST_BYTES + (per_block if device.type == "cpu" else 0))
+    pool = num_blocks * per_block
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        too_big = pool > free
+    else:
+        free = _host_available_bytes()
+        too_big = host > free
+    if too_big:
+        fit = int(free // (per_block + (BLOCK_HOST_BYTES if device.type == "cpu" else 0)))
+        raise ApcscoreError(
+            f"the KV pool of {num_blocks:,} blocks of {block_size} tokens needs {max(pool, host) / 2**30:,.1f} GiB, "
+            f"more than the {free / 2**30:,.1f} GiB of free {'GPU' if device.type == 'cuda' else 'host'} memory — "
+            f"use --num-kv-blocks {max(fit, 1)} or fewer" + (", or a smaller --block-size" if block_size > 16 else ""))
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free plus reclaimable), else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -97,6 +140,7 @@ class Engine:
             profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
             model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile)
+        check_kv_pool(model.config, num_blocks, config.block_size, dtype, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
@@ -108,17 +152,23 @@ class Engine:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_model(cls, spec: str, config: EngineConfig | None = None) -> "Engine":
-        """Load a model by alias, Hugging Face directory or .gguf path, and build the engine around it."""
+    def from_model(cls, spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
+                   ) -> "Engine":
+        """Load a model by alias, Hugging Face directory or .gguf path, and build the engine around it.
+
+        resolved: `(resolve_model(spec), resolve_model_parts(files.path))` when the caller already has them.
+        """
         from apcscore.models.loading import load_state_dict, weights_fingerprint
         from apcscore.models.locate import resolve_model
         from apcscore.models.resolved import resolve_model_parts
 
         config = config or EngineConfig()
+        check_backend_device(config)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        files = resolve_model(spec)
-        parts = resolve_model_parts(files.path)
+        files, parts = resolved if resolved is not None else (None, None)
+        files = files or resolve_model(spec)
+        parts = parts or resolve_model_parts(files.path)
         state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
         return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
                               fingerprint=weights_fingerprint(files.path), rope=parts.rope, consume_state=True)
@@ -137,6 +187,7 @@ class Engine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
+        check_backend_device(config)
         backend = select_backend(config.attention_backend, device.type, config.batch_invariant)
         max_len = hf_config.max_position_embeddings
         window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
@@ -215,7 +266,8 @@ class Engine:
         if n == 0:
             return "the prompt has no tokens"
         if n > max_len:
-            return f"the prompt has {n} tokens, more than the model's context of {max_len} tokens"
+            return (f"the prompt has {n} tokens, more than the model's context of {max_len} tokens — shorten it, "
+                    f"or pass --truncate left to drop its oldest tokens")
         vocab = self.info.vocab_size
         bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
         if bad:

@@ -56,7 +56,8 @@ RECORD_FIELDS: dict[str, Check] = {
     "stop": _stop,
 }
 _CHECKS: dict[str, Check] = {**RECORD_FIELDS, "logprobs": _int_at_least_0}
-_UNSET_ALLOWED = ("seed", "logprobs")  # None = no seed, no logprobs
+_UNSET_ALLOWED = ("seed", "logprobs")
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily  # None = no seed, no logprobs
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,9 @@ class SamplingParams:
 
     `seed` makes a sampled completion reproducible whatever else is in the batch. `logprobs` asks for the
     sampled tokens' logprobs (0 = the token's own logprob and rank, K > 0 adds the top-K).
+
+    A temperature below GREEDY_BELOW (1e-5, vLLM's `_SAMPLING_EPS`) is greedy: dividing logits by it can
+    overflow to inf (NaN probabilities), and the distribution is the argmax anyway but for exact ties.
     """
 
     max_tokens: int = 16
@@ -81,6 +85,8 @@ class SamplingParams:
         problems = self.problems()
         if problems:
             raise ApcscoreError("; ".join(problems))
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
 
     def problems(self) -> list[str]:
         """Everything wrong with these values, as messages a user can act on."""

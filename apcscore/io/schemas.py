@@ -15,6 +15,7 @@ from apcscore.engine.sampling_params import RECORD_FIELDS
 from apcscore.errors import shown as _show
 
 COMMANDS = ("score", "generate", "perplexity")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles of OpenAI-style chat messages
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +98,9 @@ def _messages(v: Any) -> str | None:
             return f"item {i} must be an object {{\"role\": str, \"content\": str}}, got {_show(m)}"
         if not isinstance(m.get("role"), str) or not m["role"]:
             return f"item {i} needs a non-empty string 'role', got {_show(m.get('role'))}"
+        if m["role"] not in CHAT_ROLES:
+            return (f"item {i} has the role {_show(m['role'])}, which chat templates do not know "
+                    f"(use one of {', '.join(CHAT_ROLES)})")
         if not isinstance(m.get("content"), str):
             return f"item {i} needs a string 'content', got {_show(m.get('content'))}"
     return None

@@ -11,7 +11,9 @@ While a run goes, rows are written to ``<out>.partial/``, a directory of part fi
 
 Each part file is written under a temporary name and renamed into place, so at any moment (also after
 ``kill -9``) every ``part-*.parquet`` is complete and readable; a crash loses only the rows still buffered
-in memory (at most `row_group_size` rows, or `max_buffer_seconds` of work). A single growing
+in memory: a part is written when `row_group_size` rows are buffered or the oldest buffered row is
+`max_buffer_seconds` (1 s) old, checked at every `add` and at every `flush_if_due` (the runner calls it after
+each engine step), so a crash loses at most about a second of finished rows. A single growing
 ``ParquetWriter`` file would be unreadable without its footer after a crash, so we do not use one.
 Nothing is fsynced: this survives a crash of the process, not of the machine.
 
@@ -31,90 +33,23 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 import os
 import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
+from apcscore.io.tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
+                                 read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
-METADATA_KEY = b"apcscore"
 INDEX_COLUMN = "index"
-_RUN_FILE = "run.json"
 _PART_GLOB = "part-*.parquet"
 _FINAL_TMP = "final.parquet.tmp"
-
-
-def _jsonable(value: Any) -> Any:
-    """`value` with non-finite floats replaced by None, tuples by lists (what JSON can hold)."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    return value
-
-
-def _dumps(metadata: dict) -> str:
-    try:
-        return json.dumps(_jsonable(metadata), allow_nan=False, ensure_ascii=False)
-    except TypeError as e:
-        raise TypeError(f"run metadata must be JSON-serializable: {e}") from None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def records_to_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
-    """Rows (dicts keyed by column name; a missing key is null) as a table of `schema`.
-
-    Raises ValueError naming the row and column when a value does not fit its column, and for keys that
-    are not columns of the schema.
-    """
-    names = set(schema.names)
-    for i, row in enumerate(rows):
-        extra = row.keys() - names
-        if extra:
-            raise ValueError(f"row {i} has keys that are not columns of the schema: {sorted(extra)}")
-    try:
-        return pa.Table.from_pylist(rows, schema=schema)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
-        for i, row in enumerate(rows):  # find the culprit for the message
-            for f in schema:
-                try:
-                    pa.array([row.get(f.name)], type=f.type)
-                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as cell:
-                    raise ValueError(f"row {i}, column {f.name!r} ({f.type}): {cell}") from e
-        raise ValueError(f"rows do not fit the schema: {e}") from e
-
-
-def read_run_metadata(path: str | Path) -> dict:
-    """The run metadata (JSON under schema metadata key ``apcscore``) of a results file or partial dir."""
-    path = Path(path)
-    if path.is_dir():
-        run = path / _RUN_FILE
-        if not run.exists():
-            raise ApcscoreError(f"{path} is a directory but not an apcscore partial (no {_RUN_FILE})")
-        return json.loads(run.read_text(encoding="utf-8"))["metadata"]
-    try:
-        meta = pq.read_schema(path).metadata or {}
-    except FileNotFoundError:
-        raise ApcscoreError(f"{path} does not exist") from None
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ApcscoreError(f"{path} is not a readable parquet file: {e}") from None
-    if METADATA_KEY not in meta:
-        raise ApcscoreError(f"{path} has no apcscore run metadata (was it written by apcscore?)")
-    return json.loads(meta[METADATA_KEY])
 
 
 @dataclass(frozen=True)
@@ -144,7 +79,8 @@ class ResultsWriter:
 
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
                  resume: bool = False, resume_keys: Iterable[str] = (), row_group_size: int = 256,
-                 num_rows: int | None = None, max_buffer_seconds: float = 60.0) -> None:
+                 num_rows: int | None = None, max_buffer_seconds: float = 1.0,
+                 resume_compare: dict[str, Callable[[Any, Any], bool]] | None = None) -> None:
         if INDEX_COLUMN in schema.names:
             raise ValueError(f"the schema may not have a column named {INDEX_COLUMN!r} (the writer's own)")
         if row_group_size < 1:
@@ -164,6 +100,8 @@ class ResultsWriter:
         self._closed = False
         self._next_part = 0
         self.done_indices: set[int] = set()
+        self.previous_metadata: dict | None = None  # the resumed partial's metadata (None: a fresh run)
+        self._resume_compare = resume_compare or {}
 
         if self.out_path.is_dir():
             raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
@@ -198,9 +136,27 @@ class ResultsWriter:
         if not self._buffer:
             self._buffer_since = time.monotonic()
         self._buffer.append((index, row))
-        if len(self._buffer) >= self.row_group_size or \
-                time.monotonic() - self._buffer_since >= self.max_buffer_seconds:
+        if len(self._buffer) >= self.row_group_size:
             self.flush()
+        else:
+            self.flush_if_due()
+
+    def flush_if_due(self) -> None:
+        """Flush when the oldest buffered row has waited `max_buffer_seconds` (cheap to call after every step)."""
+        if self._buffer and time.monotonic() - self._buffer_since >= self.max_buffer_seconds:
+            self.flush()
+
+    def previous_rows(self, columns: list[str]) -> Iterator[dict]:
+        """The rows a resumed partial already holds (only `columns` of them), in no particular order."""
+        for part in self._parts:
+            names = [c for c in columns if c in self.schema.names]
+            yield from pq.read_table(part.path, columns=names).to_pylist()
+
+    def abandon(self) -> None:
+        """Remove the partial when it holds no finished row (a run that failed before any), so that it does not
+        block the next run; keep it otherwise."""
+        if not self._closed and not self.done_indices and self.partial_path.is_dir():
+            shutil.rmtree(self.partial_path, ignore_errors=True)
 
     def flush(self) -> None:
         """Write the buffered rows as one part file (safe to call from a signal handler between adds)."""
@@ -308,7 +264,14 @@ class ResultsWriter:
             return
         run = json.loads(run_file.read_text(encoding="utf-8"))
         old_meta = run["metadata"]
-        differ = [k for k in resume_keys if old_meta.get(k) != self._metadata.get(k)]
+        self.previous_metadata = old_meta
+
+        def same(key: str) -> bool:
+            compare = self._resume_compare.get(key)
+            old, new = old_meta.get(key), self._metadata.get(key)
+            return compare(old, new) if compare is not None and old is not None and new is not None else old == new
+
+        differ = [k for k in resume_keys if not same(k)]
         if differ:
             def short(v: Any) -> str:
                 text = json.dumps(v, ensure_ascii=False)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
+from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 
 COMMON_FIELDS = [
@@ -69,15 +71,37 @@ class Job:
         return schema
 
     def fit_context(self, record: Record, ids: list[int], reserve: int = 0) -> list[int]:
-        """With --truncate left, drop the oldest tokens so the prompt leaves `reserve` tokens of the context.
+        """A prompt that fits the model's context stays whole. One longer than the context is an error (raised
+        here, so the message can name the option), or with --truncate left keeps its newest tokens, leaving
+        `reserve` of the context for generated tokens where it can (at least one prompt token stays)."""
+        max_len = self.engine.info.max_model_len
+        if len(ids) <= max_len:
+            return ids
+        if self.truncate != "left":
+            raise ApcscoreError(f"the prompt has {len(ids)} tokens, more than the model's context of {max_len} "
+                                "tokens — shorten it, or pass --truncate left to drop its oldest tokens")
+        keep = max(1, max_len - reserve)
+        self._truncated[record.index] = len(ids) - keep
+        return ids[len(ids) - keep:]
 
-        Without it a prompt longer than the context stays as it is, and the engine makes it an error row.
-        """
-        limit = max(1, self.engine.info.max_model_len - reserve)
-        if self.truncate == "left" and len(ids) > limit:
-            self._truncated[record.index] = len(ids) - limit
-            return ids[len(ids) - limit:]
-        return ids
+    def fit_scoring(self, record: Record, request: Request) -> Request:
+        """A continuation request (context + scored tokens from `score_from`) that fits the context: with
+        --truncate left the context loses its oldest tokens; the scored tokens are never cut. For a record of
+        several requests (choices) `num_truncated_tokens` is the most any of them dropped."""
+        ids, max_len = request.prompt_token_ids, self.engine.info.max_model_len
+        drop = len(ids) - max_len
+        if drop <= 0:
+            return request
+        if self.truncate != "left":
+            raise ApcscoreError(f"context and continuation have {len(ids)} tokens, more than the model's context "
+                                f"of {max_len} tokens — shorten the context, or pass --truncate left to drop "
+                                "its oldest tokens")
+        if drop >= request.score_from:
+            raise ApcscoreError(f"the continuation alone has {len(ids) - request.score_from:,} tokens: with at least "
+                                f"one token of context it cannot fit the model's context of {max_len:,} tokens, "
+                                "even with --truncate left — shorten the continuation")
+        self._truncated[record.index] = max(drop, self._truncated.get(record.index, 0))
+        return replace(request, prompt_token_ids=ids[drop:], score_from=request.score_from - drop)
 
     def finish_row(self, record: Record, row: dict) -> dict:
         """Add the common columns to a job's row."""
@@ -111,10 +135,12 @@ def token_columns(token_ids: list[int], lps: PromptLogprobs | None) -> dict:
 
 
 def nll_summary(sum_logprob: float, count: int) -> dict:
-    """sum_logprob, mean_nll and perplexity of `count` scored tokens (NaN when nothing was scored)."""
-    mean_nll = -sum_logprob / count if count else math.nan
-    return {"sum_logprob": sum_logprob, "mean_nll": mean_nll,
-            "perplexity": math.exp(mean_nll) if count else math.nan}
+    """sum_logprob, mean_nll and perplexity of `count` scored tokens (null when nothing was scored, e.g. a
+    one-token prompt: its only token has no context)."""
+    if not count:
+        return {"sum_logprob": sum_logprob, "mean_nll": None, "perplexity": None}
+    mean_nll = -sum_logprob / count
+    return {"sum_logprob": sum_logprob, "mean_nll": mean_nll, "perplexity": math.exp(mean_nll)}
 
 
 def sum_logprobs(lps: PromptLogprobs | None) -> float:

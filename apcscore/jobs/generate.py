@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import pyarrow as pa
 
 from apcscore.engine.sampling_params import RECORD_FIELDS, SamplingParams
@@ -25,8 +27,9 @@ class GenerateJob(Job):
 
     def __init__(self, engine, options: dict) -> None:
         super().__init__(engine, options)
-        # --seed is the engine's base seed: a record without its own seed gets one derived from it and its
-        # arrival number (not the same seed for every record)
+        # --seed is the base seed: a record without its own seed gets one derived from it and the record's
+        # position in the dataset (so a resumed or --limit run samples each record as a whole run does)
+        self.base_seed = int(options.get("seed") or 0)
         self.defaults = {k: options[k] for k in SAMPLING_KEYS if k != "seed" and options.get(k) is not None}
         self.logprobs = options.get("logprobs")
         self.prompt_logprobs = options.get("prompt_logprobs")
@@ -54,6 +57,8 @@ class GenerateJob(Job):
         values.update({k: record.fields[k] for k in SAMPLING_KEYS if record.fields.get(k) is not None})
         stop = values.get("stop", ())
         values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
+        if values.get("seed") is None:
+            values["seed"] = record_seed(self.base_seed, record.index)
         return SamplingParams(**values, logprobs=self.logprobs)
 
     def prompt_ids(self, record: Record) -> list[int]:
@@ -75,7 +80,9 @@ class GenerateJob(Job):
     def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
         out = outputs[0]
         row = {"id": record.id, "status": "ok", "error": None, "completion": out.output_text,
-               "completion_token_ids": out.output_token_ids, "finish_reason": out.finish_reason,
+               "completion_token_ids": out.output_token_ids,
+               # max_tokens 0 generates nothing: it stopped at its length limit
+               "finish_reason": out.finish_reason or "length",
                "num_prompt_tokens": len(out.prompt_token_ids), "num_cached_tokens": out.num_cached_tokens}
         if self.logprobs is not None:
             lps = out.output_logprobs
@@ -97,8 +104,17 @@ class GenerateJob(Job):
         lines = [("completion tokens", f"{self._completion_tokens:,}"),
                  ("prompt tokens (cached)", f"{self._prompt_tokens:,} ({self._cached:,})")]
         if self._finish:
-            lines.append(("finish reasons", ", ".join(f"{k}: {v}" for k, v in sorted(self._finish.items()))))
+            lines.append(("finish reasons", ", ".join(f"{k}: {v}" for k, v in sorted(self._finish.items(),
+                                                                                     key=lambda kv: str(kv[0])))))
         return lines
 
     def metadata(self) -> dict:
-        return {"sampling": self.defaults, "logprobs": self.logprobs, "prompt_logprobs": self.prompt_logprobs}
+        return {"sampling": self.defaults, "seed": self.base_seed, "logprobs": self.logprobs,
+                "prompt_logprobs": self.prompt_logprobs}
+
+
+def record_seed(base_seed: int, index: int) -> int:
+    """The sampling seed of the record at dataset position `index` without a seed of its own: a 63-bit hash of
+    (--seed, index), independent of arrival order, batch, --limit, error rows and resumption."""
+    digest = hashlib.blake2b(f"{base_seed}/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

@@ -79,6 +79,7 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
                 yield req
 
     def on_step(_engine: Any) -> None:
+        writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
         stats = _engine.stats
         bm = _engine.block_manager
         progress.update(task, tok_s=stats.tokens_per_second, hit=bm.stats.hit_rate,

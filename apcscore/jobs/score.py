@@ -60,9 +60,11 @@ class ScoreJob(Job):
     def requests(self, record: Record) -> list[Request]:
         f = record.fields
         if record.kind == "continuation":
-            return [continuation_request(self.tokenizer, f["context"], f["continuation"], self.prefix_id, self.k)]
+            return [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], f["continuation"],
+                                                                  self.prefix_id, self.k))]
         if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
-            return [continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0) for c in f["choices"]]
+            return [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0))
+                    for c in f["choices"]]
         if record.kind == "prompt_token_ids":
             ids = list(f["prompt_token_ids"])
         else:
@@ -117,7 +119,8 @@ class ScoreJob(Job):
             for label, values in (("accuracy", self._correct), ("acc_norm", self._correct_norm)):
                 mean, err = mean_stderr(values)
                 n = len(values)
-                lines.append((label, f"{mean:.4f} ± {err:.4f} ({n:,} question{'s' if n != 1 else ''})"))
+                spread = f" ± {err:.4f}" if math.isfinite(err) else ""  # no standard error from one question
+                lines.append((label, f"{mean:.4f}{spread} ({n:,} question{'s' if n != 1 else ''})"))
         return lines
 
     def metadata(self) -> dict:

@@ -79,7 +79,6 @@ def _write_hf_copy(gguf: Path, out_dir: Path) -> None:
         raise ApcscoreError(
             f"Could not load the GGUF file {gguf} through transformers ({type(e).__name__}: {e}). "
             "Check that the file is complete and its architecture is one transformers can read from GGUF.",
-            exit_code=1,
         ) from e
     # A GGUF-loaded model carries a quantizer marker that makes save_pretrained refuse ("not serializable");
     # with dequantize=True transformers drops it itself, older versions need it cleared by hand.

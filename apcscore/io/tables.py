@@ -1,0 +1,83 @@
+"""Parquet and metadata helpers of the results writer: rows -> table, strict JSON metadata, atomic writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from apcscore.errors import ApcscoreError
+
+METADATA_KEY = b"apcscore"
+RUN_FILE = "run.json"
+
+
+def jsonable(value: Any) -> Any:
+    """`value` with non-finite floats replaced by None, tuples by lists (what JSON can hold)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [jsonable(v) for v in value]
+    return value
+
+
+def dumps_metadata(metadata: dict) -> str:
+    try:
+        return json.dumps(jsonable(metadata), allow_nan=False, ensure_ascii=False)
+    except TypeError as e:
+        raise TypeError(f"run metadata must be JSON-serializable: {e}") from None
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def records_to_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
+    """Rows (dicts keyed by column name; a missing key is null) as a table of `schema`.
+
+    Raises ValueError naming the row and column when a value does not fit its column, and for keys that
+    are not columns of the schema.
+    """
+    names = set(schema.names)
+    for i, row in enumerate(rows):
+        extra = row.keys() - names
+        if extra:
+            raise ValueError(f"row {i} has keys that are not columns of the schema: {sorted(extra)}")
+    try:
+        return pa.Table.from_pylist(rows, schema=schema)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as e:
+        for i, row in enumerate(rows):  # find the culprit for the message
+            for f in schema:
+                try:
+                    pa.array([row.get(f.name)], type=f.type)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError) as cell:
+                    raise ValueError(f"row {i}, column {f.name!r} ({f.type}): {cell}") from e
+        raise ValueError(f"rows do not fit the schema: {e}") from e
+
+
+def read_run_metadata(path: str | Path) -> dict:
+    """The run metadata (JSON under schema metadata key ``apcscore``) of a results file or partial dir."""
+    path = Path(path)
+    if path.is_dir():
+        run = path / RUN_FILE
+        if not run.exists():
+            raise ApcscoreError(f"{path} is a directory but not an apcscore partial (no {RUN_FILE})")
+        return json.loads(run.read_text(encoding="utf-8"))["metadata"]
+    try:
+        meta = pq.read_schema(path).metadata or {}
+    except FileNotFoundError:
+        raise ApcscoreError(f"{path} does not exist") from None
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ApcscoreError(f"{path} is not a readable parquet file: {e}") from None
+    if METADATA_KEY not in meta:
+        raise ApcscoreError(f"{path} has no apcscore run metadata (was it written by apcscore?)")
+    return json.loads(meta[METADATA_KEY])

@@ -1,0 +1,113 @@
+"""Checks that run before the model's weights load: where the output goes, what the model can take.
+
+- `check_output`: the output file is a writable file path that is not the dataset, and `--resume` /
+  `--overwrite` say what to do with what is already there.
+- `check_against_model`: with the model's config and tokenizer (read before its weights), records that
+  cannot run (token ids outside the vocabulary, prompts without tokens) are refused like any other invalid
+  record, and top-K requests above the vocabulary are refused.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from apcscore.errors import ApcscoreError, shown
+from apcscore.io.reader import MAX_LISTED_PROBLEMS, LoadedDataset
+from apcscore.io.schemas import InvalidRecord
+
+
+def default_out(dataset: Path, command: str) -> Path:
+    """results/<dataset stem>.<command>.parquet"""
+    return Path("results") / f"{dataset.stem}.{command}.parquet"
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
+    except OSError:
+        return False
+
+
+def check_output(out_option: str | None, dataset: Path, command: str, *, overwrite: bool,
+                 resume: bool) -> tuple[Path, str | None]:
+    """The output path, and a warning to show (or None); raise ApcscoreError when it cannot be written.
+
+    Refuses: an empty `--out`, `--out -`, the dataset itself, a directory, a path under a file or in a
+    folder that is not writable, an existing file without --overwrite, `--resume` of a finished run.
+    """
+    if out_option is not None and not out_option.strip():
+        raise ApcscoreError("--out is empty — give a file name such as results/out.parquet, or leave --out out for "
+                            f"the default {default_out(dataset, command)}")
+    if out_option == "-":
+        raise ApcscoreError("--out -: results cannot go to standard output (a parquet file needs a seekable file) "
+                            "— give a file name such as results/out.parquet")
+    out = Path(out_option) if out_option is not None else default_out(dataset, command)
+    if _same_file(out, dataset):
+        raise ApcscoreError(f"--out {out} is the dataset itself; writing results there would replace the data — "
+                            "choose another --out")
+    if out.is_dir():
+        raise ApcscoreError(f"--out {out} is a directory — give a file name such as {out / 'results.parquet'}")
+    _check_writable_folder(out)
+    partial = out.with_name(out.name + ".partial")
+    warning = None
+    if out.exists() and not overwrite:
+        if resume and not partial.exists():
+            raise ApcscoreError(f"{out} is a finished run (there is no {partial.name} to resume) — pass --overwrite "
+                                "to run it again, or choose another --out")
+        if not resume:
+            raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another --out")
+    if resume and not partial.exists():
+        warning = f"nothing to resume: {partial} does not exist; starting a fresh run"
+    return out, warning
+
+
+def _check_writable_folder(out: Path) -> None:
+    """The nearest existing folder above `out` must be a writable directory (the rest is created)."""
+    folder = out.absolute().parent
+    while not folder.exists():
+        folder = folder.parent
+    if not folder.is_dir():
+        raise ApcscoreError(f"--out {out}: {folder} is a file, not a folder — choose another --out")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ApcscoreError(f"--out {out}: the folder {folder} is not writable — choose another --out, "
+                            "or fix the folder's permissions")
+
+
+def check_against_model(command: str, opts: dict[str, Any], data: LoadedDataset, vocab_size: int,
+                        tokenizer: Any) -> LoadedDataset:
+    """`data` with the records the model cannot run moved to `invalid` (or ApcscoreError without --skip-invalid)."""
+    for key in ("prompt_logprobs", "logprobs"):
+        k = opts.get(key)
+        if k is not None and k > vocab_size:
+            raise ApcscoreError(f"--{key.replace('_', '-')} {k} is more than the model's vocabulary of {vocab_size} "
+                                f"tokens — ask for at most {vocab_size} alternatives")
+    empty_has_tokens = bool(list(tokenizer("").input_ids))
+    name = str(data.path)
+    bad: dict[int, str] = {}
+    for r in data.records:
+        f = r.fields
+        if r.kind == "prompt_token_ids":
+            outside = next((t for t in f["prompt_token_ids"] if t >= vocab_size), None)
+            if outside is not None:
+                bad[r.index] = (f"{name}:{r.line}: 'prompt_token_ids' holds token id {shown(outside)}, outside the "
+                                f"model's vocabulary [0, {vocab_size}) — use ids of this model's tokenizer")
+        elif r.kind == "prompt" and f["prompt"] == "" and not empty_has_tokens:
+            bad[r.index] = (f"{name}:{r.line}: 'prompt' is empty, and the model's tokenizer gives an empty text no "
+                            "tokens — give the record some text or remove it")
+        elif r.kind == "text" and f["text"] == "":
+            bad[r.index] = (f"{name}:{r.line}: 'text' is empty: it has no tokens to score — give the record some "
+                            "text or remove it")
+    if not bad:
+        return data
+    invalid = [InvalidRecord(r.index, r.line, r.id, bad[r.index]) for r in data.records if r.index in bad]
+    if not opts["skip_invalid"]:
+        listed = "\n".join("  " + r.message for r in invalid[:MAX_LISTED_PROBLEMS])
+        more = len(invalid) - MAX_LISTED_PROBLEMS
+        raise ApcscoreError(f"{name}: {len(invalid)} of {data.num_records} records cannot run on this model; "
+                            f"nothing was run:\n{listed}" + (f"\n  ... and {more} more" if more > 0 else "")
+                            + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest.")
+    return replace(data, records=[r for r in data.records if r.index not in bad],
+                   invalid=sorted([*data.invalid, *invalid], key=lambda r: r.index))
