@@ -38,10 +38,11 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 TOTAL_LIMIT_S = 530  # the whole check stays under 9 minutes
-PART_LIMITS_S = {"env": 20, "tests": 170, "compare": 75, "bench:smollm2-135m": 65, "bench:llama-3.2-1b": 130,
-                 "invariance": 60}
+# run 1 on the H200 took env 9, tests 55, compare 23, bench 28 and 26, invariance 22 s (docs/gpu_runs/)
+PART_LIMITS_S = {"env": 20, "tests": 150, "compare": 50, "bench:smollm2-135m": 45, "bench:llama-3.2-1b": 85,
+                 "invariance": 170}
 SMALL_LIMITS_S = {"env": 60, "tests": 180, "compare": 240, "bench:smollm2-135m": 120, "bench:llama-3.2-1b": 120,
-                  "invariance": 120}
+                  "invariance": 240}
 
 # Llama-3.2-1B and SmolLM2-135M shapes (transformers LlamaConfig arguments).
 SHAPES: dict[str, dict[str, Any]] = {
@@ -506,28 +507,110 @@ def part_invariance(args) -> bool:
         emit(row)
         del w, x
 
-    # -- the engine as it is: budgets change bits?
-    cfg = llama_config("smollm2-135m", small)
-    hf = random_hf_model(cfg, torch.float32, device)
+    engine_matrix(small)
+    return ok
+
+
+def engine_matrix(small: bool) -> None:
+    """The invariance matrix on CUDA (tests/test_invariance.py's, smaller): the same requests alone, under
+    token budgets, shuffled, in a warm prefix cache and under preemption, every logprob compared bitwise to
+    the big-budget run; greedy generation with CUDA graphs alone vs batched. On the Llama-3.2-1B shape in
+    bf16 with the Triton backend, batch-invariant (the default), then the same budgets with
+    --no-batch-invariant (what cuBLAS does), and the invariance tax: score and generate time, invariant over
+    not (medians of 3). On the CPU (--small) the tiny shape, torch backend."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from apcscore.engine.sampling_params import SamplingParams
+    from apcscore.engine.sequence import Request
+
+    device = "cpu" if small else "cuda"
+    precision, backend = ("float32", "torch") if small else ("bfloat16", "triton")
+    cfg = llama_config("smollm2-135m" if small else "llama-3.2-1b", small)
+    hf = random_hf_model(cfg, torch.float32 if small else torch.bfloat16, device)
     state = {k: v.detach() for k, v in hf.state_dict().items()}
+    del hf
     lengths = [16, 40, 23, 70] if small else [64, 130, 300, 700, 1500, 90, 33, 500]
     prompts = random_prompts(lengths, cfg.vocab_size, seed=21)
     budgets = [57, 64, 100, 191] + ([] if small else [1000])
     big = 8192
-    runs = {}
-    precision, backend = ("float32", "torch") if small else ("bfloat16", "triton")
-    for budget in budgets + [big]:  # scoring never decodes: no CUDA graphs to capture
-        engine = make_engine(cfg, state, device, precision, backend, max_batch_tokens=budget, max_num_seqs=8,
-                             use_cuda_graphs=False)
-        runs[budget] = np.concatenate([s.token_logprobs for s in engine_score(engine, prompts, 5)])
-    alone = np.concatenate([engine_score(engine, [p], 5)[0].token_logprobs for p in prompts])  # budget 8192
-    runs["alone"] = alone
-    ref = runs[big]
-    emit({"part": "invariance", "engine": "smollm2-135m" + ("-tiny" if small else "-shape"),
-          "backend": "torch" if small else "triton", "scored": int(ref.size),
-          "differing_logprobs_vs_budget_8192": {str(b): int((r != ref).sum()) for b, r in runs.items() if b != big},
-          "max_abs_diff": {str(b): rounded(float(np.abs(r - ref).max())) for b, r in runs.items() if b != big}})
-    return ok
+
+    def scores(invariant: bool = True, order: list[int] | None = None, engine=None, **overrides) -> np.ndarray:
+        settings = dict(max_batch_tokens=big, max_num_seqs=8, use_cuda_graphs=False, batch_invariant=invariant)
+        engine = engine or make_engine(cfg, state, device, precision, backend, **{**settings, **overrides})
+        order = order or list(range(len(prompts)))
+        got = engine_score(engine, [prompts[i] for i in order], 5)
+        by_id = {i: g for i, g in zip(order, got)}
+        return np.concatenate([np.concatenate([by_id[i].token_logprobs, by_id[i].top_logprobs.ravel()])
+                               for i in range(len(prompts))])
+
+    for invariant in (True, False):
+        engine = make_engine(cfg, state, device, precision, backend, max_batch_tokens=big, max_num_seqs=8,
+                             use_cuda_graphs=False, batch_invariant=invariant)
+        ref = scores(engine=engine)
+        runs = {str(b): scores(invariant, max_batch_tokens=b) for b in budgets}
+        if invariant:
+            alone = [engine_score(engine, [p], 5)[0] for p in prompts]
+            runs["alone"] = np.concatenate([np.concatenate([a.token_logprobs, a.top_logprobs.ravel()]) for a in alone])
+            runs["warm_cache"] = scores(engine=engine)
+            shuffled = list(range(len(prompts)))
+            random.Random(7).shuffle(shuffled)
+            runs["shuffled"] = scores(order=shuffled)
+        emit({"part": "invariance", "engine": ("tiny" if small else "llama-3.2-1b-shape") + f"-{precision}",
+              "backend": backend, "batch_invariant": invariant, "values": int(ref.size),
+              "differing_vs_budget_8192": {k: int((r != ref).sum()) for k, r in runs.items()},
+              "max_abs_diff": {k: rounded(float(np.abs(r - ref).max())) for k, r in runs.items()}})
+
+    # greedy generation: CUDA graphs (on CUDA), alone vs batched vs a small budget vs preempted
+    gen_prompts = random_prompts([5, 17, 40, 64, 100, 300], cfg.vocab_size, seed=22, prefix=32)
+    params = SamplingParams(max_tokens=8 if small else 16, logprobs=2, ignore_eos=True)
+
+    def generate(engine, which: list[int]) -> dict[int, tuple]:
+        outs = engine.run(Request(i, gen_prompts[i], sampling=params) for i in which)
+        return {o.request_id: (list(o.output_token_ids), o.output_logprobs.token_logprobs.tolist()) for o in outs}
+
+    base = dict(max_batch_tokens=big, max_num_seqs=8)
+    ref_gen = generate(make_engine(cfg, state, device, precision, backend, **base), list(range(len(gen_prompts))))
+    alone_engine = make_engine(cfg, state, device, precision, backend, **base)
+    gen_runs = {"alone": {i: generate(alone_engine, [i])[i] for i in range(len(gen_prompts))},
+                "budget_64": generate(make_engine(cfg, state, device, precision, backend, max_batch_tokens=64,
+                                                  max_num_seqs=8), list(range(len(gen_prompts))))}
+    longest = max(len(p) for p in gen_prompts) + params.max_tokens
+    tight = make_engine(cfg, state, device, precision, backend, max_batch_tokens=256, max_num_seqs=8,
+                        num_kv_blocks=-(-longest // 16) + 2)
+    gen_runs["preemption"] = generate(tight, list(range(len(gen_prompts))))
+    emit({"part": "invariance", "engine": ("tiny" if small else "llama-3.2-1b-shape") + f"-{precision}",
+          "task": "greedy generate", "prompts": len(gen_prompts), "preemptions": tight.stats.preemptions,
+          "differing_requests": {k: sum(r[i] != ref_gen[i] for i in ref_gen) for k, r in gen_runs.items()}})
+
+    # the tax: invariant over library GEMMs, same work, medians of 3
+    def timed(fn) -> float:
+        times = []
+        for _ in range(1 if small else 3):  # the dry run only checks that this runs
+            if device == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    row: dict[str, Any] = {"part": "invariance", "task": "tax", "engine": "tiny" if small else "llama-3.2-1b-shape"}
+    for invariant in (True, False):
+        e_score = make_engine(cfg, state, device, precision, backend, max_batch_tokens=big, max_num_seqs=8,
+                              use_cuda_graphs=False, batch_invariant=invariant)
+        e_gen = make_engine(cfg, state, device, precision, backend, max_batch_tokens=big, max_num_seqs=8,
+                            batch_invariant=invariant)
+        key = "invariant" if invariant else "library_gemms"
+        row[f"score_s_{key}"] = rounded(timed(lambda: engine_score(e_score, prompts, 5)))
+        row[f"generate_s_{key}"] = rounded(timed(lambda: generate(e_gen, list(range(len(gen_prompts))))))
+        del e_score, e_gen
+    row["score_tax"] = rounded(row["score_s_invariant"] / row["score_s_library_gemms"] - 1, 3)
+    row["generate_tax"] = rounded(row["generate_s_invariant"] / row["generate_s_library_gemms"] - 1, 3)
+    emit(row)
 
 
 # ---- orchestration ------------------------------------------------------------------------------------------

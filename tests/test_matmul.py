@@ -69,20 +69,31 @@ def test_cpu_linear_writes_into_a_reused_buffer() -> None:
     assert torch.equal(got, invariant_linear_torch(x, weight))
 
 
+def _triton_device() -> str | None:
+    """Where the Triton kernel can run: CUDA, or the CPU under TRITON_INTERPRET=1; None: nowhere here."""
+    from apcscore.kernels._checks import interpreting
+
+    if interpreting():
+        return "cpu"
+    return "cuda" if torch.cuda.is_available() else None
+
+
 @pytest.mark.triton
+@pytest.mark.skipif(_triton_device() is None, reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU")
 def test_triton_linear_matches_torch_and_is_batch_invariant() -> None:
-    """The fixed-configuration Triton matmul (CUDA's invariant linear), fp32, under the interpreter."""
+    """The fixed-configuration Triton matmul (CUDA's invariant linear), fp32 (IEEE products on CUDA)."""
     from apcscore.kernels.matmul import invariant_linear
 
     gen = torch.Generator().manual_seed(3)
-    weight = torch.randn(200, 96, generator=gen) * 0.1  # N = 200: two column tiles, the second partial
-    bias = torch.randn(200, generator=gen)
-    x = torch.randn(300, 96, generator=gen)  # K = 96: two K steps, the second partial
+    device = _triton_device()
+    weight = (torch.randn(200, 96, generator=gen) * 0.1).to(device)  # N = 200: two column tiles, one partial
+    bias = torch.randn(200, generator=gen).to(device)
+    x = torch.randn(300, 96, generator=gen).to(device)  # K = 96: two K steps, the second partial
     reference = invariant_linear(x, weight)
     torch.testing.assert_close(reference, x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert rows_differing(invariant_linear, x, weight, reference, counts=(1, 7, 57, 129, 257)) == []
     assert torch.equal(invariant_linear(x[5:70], weight, bias), reference[5:70] + bias)
-    out = torch.empty(128, 200)
+    out = torch.empty(128, 200, device=device)
     got = invariant_linear(x[:100], weight, out=out)
     assert got.data_ptr() == out.data_ptr() and torch.equal(got, reference[:100])
     half = invariant_linear(x[:40].half(), weight.half(), out_dtype=torch.float32)
