@@ -129,7 +129,7 @@ TINY_LENGTHS = [1, 2, 15, 16, 17, 40, 63, 64, 65, 130, 333, 700, 1500]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "neox"])
 def test_tiny_model_scores_are_batch_invariant(tiny_model_dir, arch: str, dtype: str) -> None:
     matrix = Matrix(str(tiny_model_dir(arch)), dtype)
     prompts = make_prompts(TINY_LENGTHS, 49152, seed=1)

@@ -27,6 +27,7 @@ from apcscore.engine.sequence import (PromptLogprobs, Request, RequestOutput, Se
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import check_architecture, choose_model_backend
 from apcscore.models.backend import Backend, select_backend
+from apcscore.models.decoders import decoder_class
 from apcscore.models.llama import LlamaDecoder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -212,7 +213,7 @@ class Engine:
             max_len = window  # full attention equals sliding inside the window; longer prompts are refused
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
-        model = LlamaDecoder(hf_config, backend, max_positions=max_len, device="meta")
+        model = decoder_class(hf_config)(hf_config, backend, max_positions=max_len, device="meta")
         model = model.materialize(device, dtype)
         model.load_hf_weights(state_dict, rope, consume=consume_state)
         model.eval()

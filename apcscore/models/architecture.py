@@ -12,7 +12,9 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GPTNeoXForCausalLM": "gpt_neox",  # apcscore.models.gpt_neox
 }
+LLAMA_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # apcscore.models.llama
 
 MODEL_BACKENDS = ("auto", "native", "transformers")
 

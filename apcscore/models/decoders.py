@@ -1,0 +1,15 @@
+"""Which of our decoder classes runs a natively supported architecture (apcscore.models.architecture)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
+from apcscore.models.gpt_neox import GPTNeoXDecoder
+from apcscore.models.llama import LlamaDecoder
+
+
+def decoder_class(hf_config: Any) -> type[LlamaDecoder]:
+    """The decoder class of hf_config's architecture (an ApcscoreError when none is native)."""
+    family = SUPPORTED_ARCHITECTURES[check_architecture(hf_config)]
+    return GPTNeoXDecoder if family == "gpt_neox" else LlamaDecoder
