@@ -13,8 +13,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "GPTNeoXForCausalLM": "gpt_neox",  # apcscore.models.gpt_neox
+    "Olmo2ForCausalLM": "olmo2",  # apcscore.models.olmo2
+    "Phi3ForCausalLM": "phi3",  # apcscore.models.phi3 (no long-rope: native_problem)
 }
-LLAMA_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})  # apcscore.models.llama
+# the families whose rotary tables are Llama's (apcscore.models.rope; resolved and remembered ahead)
+LLAMA_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"})
 
 MODEL_BACKENDS = ("auto", "native", "transformers")
 
@@ -36,9 +39,24 @@ def native_architecture(hf_config: Any) -> str | None:
     return None
 
 
+def native_problem(hf_config: Any) -> str | None:
+    """Why our decoder of a native architecture cannot run this particular config exactly, or None."""
+    if SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "") == "phi3":
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            return f"Phi-3 with rope type {rope['rope_type']!r} (long-rope scaling) is not implemented natively"
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            return "Phi-3 with partial rotary is not implemented natively"
+    return None
+
+
 def check_architecture(hf_config: Any) -> str:
     """The native architecture name of hf_config, or a clear error (the native decoder cannot run it)."""
     arch = native_architecture(hf_config)
+    problem = native_problem(hf_config) if arch is not None else None
+    if problem:
+        raise ApcscoreError(f"{problem} — use --model-backend transformers (or auto) to run it through "
+                            f"transformers, without the prefix cache")
     if arch is None:
         raise ApcscoreError(
             f"unsupported architecture {_name(hf_config)} for the native decoder; native: "
@@ -62,7 +80,7 @@ def choose_model_backend(hf_config: Any, model_backend: str = "auto") -> str:
     """
     if model_backend not in MODEL_BACKENDS:
         raise ApcscoreError(f"--model-backend must be auto, native or transformers, not {model_backend!r}")
-    native = native_architecture(hf_config) is not None
+    native = native_architecture(hf_config) is not None and native_problem(hf_config) is None
     if model_backend == "native" or (model_backend == "auto" and native):
         check_architecture(hf_config)
         return "native"
