@@ -207,3 +207,39 @@ def test_a_native_family_config_we_cannot_run_exactly_goes_to_the_fallback():
     plain = Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                        intermediate_size=128, vocab_size=100, pad_token_id=0, architectures=["Phi3ForCausalLM"])
     assert choose_model_backend(plain, "auto") == "native"
+
+
+class _IdsTokenizer:
+    """A tokenizer stand-in: decodes ids to their numbers (generation tests that need no vocabulary)."""
+
+    def __init__(self, eos: int) -> None:
+        self.eos_token_id = eos
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return " ".join(map(str, ids))
+
+
+def test_eos_stops_generation_unless_ignored_and_stop_token_ids_stop():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    def engine(eos: int) -> TransformersEngine:
+        cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, vocab_size=1000, bos_token_id=1,
+                         eos_token_id=eos, architectures=["GPT2LMHeadModel"])
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg).eval()
+        return Engine.from_parts(cfg, model.state_dict(), _IdsTokenizer(eos), EngineConfig(device="cpu"))
+
+    def gen(e, **params):
+        return next(iter(e.run([Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params))])))
+
+    free = gen(engine(999), ignore_eos=True).output_token_ids  # the greedy continuation, 6 tokens
+    assert len(free) == 6
+    eos = free[3]  # make the 4th greedy token the model's eos (the weights are the same: same seed)
+    e = engine(eos)
+    first = free.index(eos)
+    stopped = gen(e)
+    assert stopped.output_token_ids == free[:first + 1] and stopped.finish_reason == "stop"
+    ignored = gen(e, ignore_eos=True)
+    assert ignored.output_token_ids == free and ignored.finish_reason == "length"
+    by_id = gen(e, ignore_eos=True, stop_token_ids=(free[0],))
+    assert by_id.output_token_ids == free[:1] and by_id.finish_reason == "stop"
