@@ -79,6 +79,7 @@ KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-cache-memory-fract
 NoCudaGraphsOpt = Annotated[bool, _flag("--no-cuda-graphs", help="Run decode steps on CUDA eagerly instead of replaying captured CUDA graphs.")]
 MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="Cap on --prompt-logprobs / --logprobs. \\[default: 20]")]
 BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
+ModelBackendOpt = Annotated[Optional[str], typer.Option("--model-backend", "--backend", help="auto | native | transformers: our decoder (paged KV, prefix cache, batch invariant) or the model's own transformers code (full recompute, no cache); auto = native where the architecture is supported. \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
 TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
@@ -117,7 +118,7 @@ def score(
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
     max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
-    no_batch_invariant: NoBatchInvariantOpt = False,
+    no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
 ) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
 
@@ -148,7 +149,7 @@ def generate(
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
     max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
-    no_batch_invariant: NoBatchInvariantOpt = False,
+    no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
@@ -172,7 +173,7 @@ def perplexity(
     max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
     max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
-    no_batch_invariant: NoBatchInvariantOpt = False,
+    no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
 ) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
 

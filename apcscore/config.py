@@ -33,6 +33,10 @@ class EngineConfig:
     use_cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs
     # a record's results do not depend on what shares its steps (docs/architecture.md); False trades it for speed
     batch_invariant: bool = True
+    # auto | native | transformers: our decoder (paged KV, prefix cache, batch invariance) or the model's own
+    # transformers forward and generate() (full recompute, no cache); auto = native where it implements the
+    # architecture, else transformers (apcscore.models.architecture.choose_model_backend)
+    model_backend: str = "auto"
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -59,6 +63,8 @@ class EngineConfig:
         need(self.logprobs_chunk_size >= 1, "logprobs_chunk_size must be at least 1")
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, not {self.attention_backend!r}")
+        need(self.model_backend in ("auto", "native", "transformers"),
+             f"--model-backend must be auto, native or transformers, not {self.model_backend!r}")
         need(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
              "kv_cache_memory_fraction must be in (0, 0.95]")
 
@@ -79,7 +85,7 @@ class EngineConfig:
 
 
 _KINDS: dict[str, tuple[type, ...]] = {
-    "device": (str,), "dtype": (str,), "attention_backend": (str,),
+    "device": (str,), "dtype": (str,), "attention_backend": (str,), "model_backend": (str,),
     "block_size": (int,), "max_batch_tokens": (int,), "max_num_seqs": (int,), "max_logprobs": (int,),
     "logprobs_chunk_size": (int,), "seed": (int,),
     "num_kv_blocks": (int, type(None)), "max_model_len": (int, type(None)),

@@ -66,8 +66,9 @@ def _row_exact_interpreter_dot() -> None:
 
 _row_exact_interpreter_dot()
 
-# Architectures `tiny_model_dir` builds. "gpt2" is deliberately unsupported by our decoder (error tests).
-TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2")
+# Architectures `tiny_model_dir` builds. "gpt2" and "falcon" are not implemented by our decoder: they run
+# through the transformers fallback (apcscore.engine.hf_engine; tests/test_transformers_fallback.py).
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "gpt2", "falcon")
 
 # Shared shape of the tiny models: hidden 64, 2 layers, 4 query heads, 2 kv heads (GQA), context 2048.
 _TINY_COMMON = dict(
@@ -95,7 +96,8 @@ _LLAMA3_ROPE = {
 
 def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
     """The small transformers config of `arch` (see TINY_ARCHS)."""
-    from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (FalconConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                              Phi3Config, Qwen2Config, Qwen3Config)
 
     ids = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
     if arch == "llama":
@@ -110,10 +112,21 @@ def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
     if arch == "qwen3":
         # q/k RMSNorm; head_dim 32 != hidden 64 / 4 heads; tied embeddings.
         return Qwen3Config(**_TINY_COMMON, **ids, head_dim=32, tie_word_embeddings=True)
+    if arch == "neox":  # Pythia's shape: rotary on a quarter of each head, parallel residual, LayerNorm + bias
+        return GPTNeoXConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                             max_position_embeddings=2048, initializer_range=0.2, rotary_pct=0.25,
+                             use_parallel_residual=True, tie_word_embeddings=False, **ids)
+    if arch == "olmo2":  # post-norms, q/k RMSNorm over the whole projection
+        return Olmo2Config(**_TINY_COMMON, **ids, tie_word_embeddings=False)
+    if arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; default rope (no long-rope)
+        return Phi3Config(**_TINY_COMMON, **ids, tie_word_embeddings=False, sliding_window=None, pad_token_id=0)
     if arch == "gpt2":
         return GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.2, **ids
         )
+    if arch == "falcon":  # multi-query attention, parallel attention + MLP, rotary, LayerNorm with bias
+        return FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2048,
+                            initializer_range=0.2, bias=True, **ids)
     raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
 
 

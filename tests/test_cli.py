@@ -130,8 +130,11 @@ def test_usage_errors_are_clear_and_come_before_loading(tmp_path, write_jsonl):
 
 
 def test_unsupported_architecture(tmp_path, write_jsonl, tiny_model_dir):
+    # GPT-2 runs through the transformers fallback under the default --model-backend auto
+    # (tests/test_transformers_fallback.py); the native decoder, asked for explicitly, refuses it clearly
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
-    res = invoke("score", data, "--model", tiny_model_dir("gpt2"), "--out", tmp_path / "x.parquet")
+    res = invoke("score", data, "--model", tiny_model_dir("gpt2"), "--model-backend", "native",
+                 "--out", tmp_path / "x.parquet")
     assert res.exit_code == 2 and "unsupported architecture GPT2LMHeadModel" in res.output
     assert "LlamaForCausalLM" in res.output
 

@@ -14,7 +14,7 @@ import torch
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3"]
 
 
 def make_engine(model_dir, **overrides) -> Engine:

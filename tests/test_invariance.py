@@ -136,6 +136,16 @@ def test_tiny_model_scores_are_batch_invariant(tiny_model_dir, arch: str, dtype:
     matrix.check(score_requests, prompts, BUDGETS, long_budget_limit=130)
 
 
+@pytest.mark.parametrize("arch", ["neox", "olmo2", "phi3"])
+def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> None:
+    """The decoders beyond the Llama family (issue 18): the same matrix (alone, batches, shuffled, warm cache,
+    preemption, one thread) on fewer prompt lengths and budgets, fp32, to bound CI time. The full matrix
+    (TINY_LENGTHS, BUDGETS) was run once on GPT-NeoX (fp32, bf16) and OLMo 2 (fp32): green."""
+    matrix = Matrix(str(tiny_model_dir(arch)), "float32")
+    prompts = make_prompts([1, 16, 17, 65, 333], 49152, seed=3)
+    matrix.check(score_requests, prompts, (1, 16, 57, 257, 4096), long_budget_limit=17)
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_generation_is_batch_invariant(tiny_model_dir, dtype: str, sampled: bool) -> None:

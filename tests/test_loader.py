@@ -160,7 +160,7 @@ def test_load_state_dict_reads_shards_from_the_index(tiny_model_dir, tmp_path):
 
 
 def test_tiny_models_are_what_the_fixture_promises(tiny_model_dir, default_tokenizer):
-    for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2"):
+    for arch in ("llama", "llama3", "mistral", "qwen2", "qwen3", "gpt2", "falcon"):
         config = load_config(tiny_model_dir(arch))
         assert config.vocab_size == len(default_tokenizer) == 49152
     assert load_config(tiny_model_dir("llama")).tie_word_embeddings is False

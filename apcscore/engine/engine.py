@@ -22,10 +22,12 @@ from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
 from apcscore.engine.kv_cache import default_num_kv_blocks, kv_bytes_per_block, profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs
+from apcscore.engine.sequence import (PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs,
+                                      request_problem)
 from apcscore.errors import ApcscoreError
-from apcscore.models.architecture import check_architecture
+from apcscore.models.architecture import check_architecture, choose_model_backend
 from apcscore.models.backend import Backend, select_backend
+from apcscore.models.decoders import decoder_class
 from apcscore.models.llama import LlamaDecoder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -119,7 +121,13 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 class Engine:
-    """One model, one KV pool, one scheduler. Build it with `Engine.from_model`."""
+    """One model, one KV pool, one scheduler. Build it with `Engine.from_model`.
+
+    from_model / from_parts return a `TransformersEngine` (apcscore.engine.hf_engine: the same interface,
+    without the cache) when the config's --model-backend (auto: an architecture we do not implement) says so.
+    """
+
+    model_backend = "native"
 
     def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo,
                  device: torch.device, dtype: torch.dtype, backend: Backend) -> None:
@@ -169,6 +177,10 @@ class Engine:
         files, parts = resolved if resolved is not None else (None, None)
         files = files or resolve_model(spec)
         parts = parts or resolve_model_parts(files.path)
+        if choose_model_backend(parts.config, config.model_backend) == "transformers":
+            from apcscore.engine.hf_engine import TransformersEngine
+
+            return TransformersEngine.from_model(spec, config, resolved=(files, parts))  # type: ignore[return-value]
         state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
         return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
                               fingerprint=weights_fingerprint(files.path), rope=parts.rope, consume_state=True)
@@ -184,6 +196,11 @@ class Engine:
         rope: the config's RopeFrequencies if already known (apcscore.models.resolved), else None.
         """
         config = config or EngineConfig()
+        if choose_model_backend(hf_config, config.model_backend) == "transformers":
+            from apcscore.engine.hf_engine import TransformersEngine
+
+            return TransformersEngine.from_parts(  # type: ignore[return-value]
+                hf_config, state_dict, tokenizer, config, name=name, path=path, fingerprint=fingerprint)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
@@ -196,7 +213,7 @@ class Engine:
             max_len = window  # full attention equals sliding inside the window; longer prompts are refused
         if config.max_model_len:
             max_len = min(max_len, config.max_model_len)
-        model = LlamaDecoder(hf_config, backend, max_positions=max_len, device="meta")
+        model = decoder_class(hf_config)(hf_config, backend, max_positions=max_len, device="meta")
         model = model.materialize(device, dtype)
         model.load_hf_weights(state_dict, rope, consume=consume_state)
         model.eval()
@@ -261,26 +278,10 @@ class Engine:
 
     def _check(self, request: Request) -> str | None:
         """Why this request cannot run, or None."""
-        n = len(request.prompt_token_ids)
-        max_len = self.info.max_model_len
-        if n == 0:
-            return "the prompt has no tokens"
-        if n > max_len:
-            return (f"the prompt has {n} tokens, more than the model's context of {max_len} tokens — shorten it, "
-                    f"or pass --truncate left to drop its oldest tokens")
-        vocab = self.info.vocab_size
-        bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
-        k = request.prompt_logprobs
-        if k is not None and k > self.config.max_logprobs:
-            return f"prompt_logprobs {k} is above max_logprobs {self.config.max_logprobs}"
-        if request.sampling is not None:
-            problems = request.sampling.problems()
-            if problems:
-                return "; ".join(problems)
-            if request.sampling.logprobs is not None and request.sampling.logprobs > self.config.max_logprobs:
-                return f"logprobs {request.sampling.logprobs} is above max_logprobs {self.config.max_logprobs}"
+        problem = request_problem(request, self.info.max_model_len, self.info.vocab_size, self.config.max_logprobs)
+        if problem:
+            return problem
+        n, max_len = len(request.prompt_token_ids), self.info.max_model_len
         need = self.block_manager.blocks_needed(min(n + request.max_tokens, max_len))
         if need > self.block_manager.num_blocks:
             return (f"the request needs {need} KV blocks, more than the whole pool of "

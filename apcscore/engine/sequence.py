@@ -86,6 +86,30 @@ class RequestOutput:
     error: str | None = None
 
 
+def request_problem(request: Request, max_len: int, vocab: int, max_logprobs: int) -> str | None:
+    """Why this request cannot run on a model of context max_len and vocabulary vocab, or None (the checks
+    every model path shares; the native engine adds its KV pool's)."""
+    n = len(request.prompt_token_ids)
+    if n == 0:
+        return "the prompt has no tokens"
+    if n > max_len:
+        return (f"the prompt has {n} tokens, more than the model's context of {max_len} tokens — shorten it, "
+                f"or pass --truncate left to drop its oldest tokens")
+    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+    k = request.prompt_logprobs
+    if k is not None and k > max_logprobs:
+        return f"prompt_logprobs {k} is above max_logprobs {max_logprobs}"
+    if request.sampling is not None:
+        problems = request.sampling.problems()
+        if problems:
+            return "; ".join(problems)
+        if request.sampling.logprobs is not None and request.sampling.logprobs > max_logprobs:
+            return f"logprobs {request.sampling.logprobs} is above max_logprobs {max_logprobs}"
+    return None
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

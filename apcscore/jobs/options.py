@@ -59,7 +59,7 @@ _TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
        for k in ("overwrite", "resume", "skip_invalid", "quiet", "no_prefix_caching", "enable_prefix_caching",
                  "use_cuda_graphs", "no_cuda_graphs", "batch_invariant", "no_batch_invariant")},
     **{k: ("a string", lambda v: isinstance(v, str))
-       for k in ("model", "out", "device", "dtype", "attention_backend", "truncate")},
+       for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate")},
     **{k: ("an integer", _is_int)
        for k in ("limit", "prompt_logprobs", "logprobs", "max_tokens", "top_k", "seed", "window", "stride",
                  "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs", "max_logprobs",

@@ -73,6 +73,10 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
     load_seconds = time.perf_counter() - load_start
+    if getattr(engine, "model_backend", "native") == "transformers" and not quiet:
+        from apcscore.engine.hf_engine import NO_CACHE_WARNING
+
+        console.print(f"[yellow]warning:[/] {escape(NO_CACHE_WARNING)}", highlight=False, soft_wrap=True)
     if engine.info.sliding_window and not quiet:
         console.print(f"[yellow]warning:[/] the model's sliding attention window is not implemented: the context is "
                       f"capped at its {engine.info.sliding_window} tokens (longer prompts are refused or truncated)",
@@ -194,6 +198,7 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts:
         "dtype": str(engine.dtype).removeprefix("torch."),
         "device": str(engine.device),
         "attention_backend": engine.attention_backend,
+        "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
         "engine": {**cfg.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
         "job": job_meta,
         "dataset": {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records},

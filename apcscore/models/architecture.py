@@ -1,4 +1,5 @@
-"""The model architectures our decoder implements (apcscore.models.llama), and the check that a config is one."""
+"""The model architectures our decoder implements (apcscore.models.llama), which other causal LMs the
+transformers fallback runs (apcscore.engine.hf_engine), and the checks that pick between them."""
 
 from __future__ import annotations
 
@@ -11,11 +12,23 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "GPTNeoXForCausalLM": "gpt_neox",  # apcscore.models.gpt_neox
+    "Olmo2ForCausalLM": "olmo2",  # apcscore.models.olmo2
+    "Phi3ForCausalLM": "phi3",  # apcscore.models.phi3 (no long-rope: native_problem)
 }
+# the families whose rotary tables are Llama's (apcscore.models.rope; resolved and remembered ahead)
+LLAMA_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"})
+
+MODEL_BACKENDS = ("auto", "native", "transformers")
 
 
-def check_architecture(hf_config: Any) -> str:
-    """The supported architecture name of hf_config, or a clear error."""
+def _name(hf_config: Any) -> str:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return ", ".join(archs) or str(getattr(hf_config, "model_type", "unknown"))
+
+
+def native_architecture(hf_config: Any) -> str | None:
+    """The architecture name of hf_config if our own decoder runs it, else None."""
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in SUPPORTED_ARCHITECTURES:
@@ -23,7 +36,58 @@ def check_architecture(hf_config: Any) -> str:
     by_type = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}
     if not archs and getattr(hf_config, "model_type", None) in by_type:
         return by_type[hf_config.model_type]
-    name = ", ".join(archs) or getattr(hf_config, "model_type", "unknown")
-    raise ApcscoreError(
-        f"unsupported architecture {name}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-    )
+    return None
+
+
+def native_problem(hf_config: Any) -> str | None:
+    """Why our decoder of a native architecture cannot run this particular config exactly, or None."""
+    if SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "") == "phi3":
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        if rope.get("rope_type", "default") != "default":
+            return f"Phi-3 with rope type {rope['rope_type']!r} (long-rope scaling) is not implemented natively"
+        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
+            return "Phi-3 with partial rotary is not implemented natively"
+    return None
+
+
+def check_architecture(hf_config: Any) -> str:
+    """The native architecture name of hf_config, or a clear error (the native decoder cannot run it)."""
+    arch = native_architecture(hf_config)
+    problem = native_problem(hf_config) if arch is not None else None
+    if problem:
+        raise ApcscoreError(f"{problem} — use --model-backend transformers (or auto) to run it through "
+                            f"transformers, without the prefix cache")
+    if arch is None:
+        raise ApcscoreError(
+            f"unsupported architecture {_name(hf_config)} for the native decoder; native: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} — use --model-backend transformers (or auto) to run it "
+            f"through transformers, without the prefix cache"
+        )
+    return arch
+
+
+def is_causal_lm(hf_config: Any) -> bool:
+    """Whether transformers has a causal-LM class for hf_config's model type (what the fallback needs)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(hf_config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+
+def choose_model_backend(hf_config: Any, model_backend: str = "auto") -> str:
+    """"native" or "transformers": the path that runs hf_config under --model-backend; a clear error if none can.
+
+    auto: native when our decoder implements the architecture, else transformers when it is a causal LM.
+    """
+    if model_backend not in MODEL_BACKENDS:
+        raise ApcscoreError(f"--model-backend must be auto, native or transformers, not {model_backend!r}")
+    native = native_architecture(hf_config) is not None and native_problem(hf_config) is None
+    if model_backend == "native" or (model_backend == "auto" and native):
+        check_architecture(hf_config)
+        return "native"
+    if not is_causal_lm(hf_config):
+        raise ApcscoreError(
+            f"unsupported architecture {_name(hf_config)}: not a causal language model (transformers has no "
+            f"AutoModelForCausalLM class for model type {getattr(hf_config, 'model_type', None)!r}); natively "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}, and any causal LM through transformers"
+        )
+    return "transformers"

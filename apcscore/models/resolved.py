@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from apcscore.models.architecture import check_architecture
+from apcscore.models.architecture import (LLAMA_FAMILIES, SUPPORTED_ARCHITECTURES, choose_model_backend,
+                                          native_architecture)
 from apcscore.models.gguf_cache import cache_root
 from apcscore.models.loading import load_config, load_tokenizer
 from apcscore.models.rope import RopeFrequencies, rope_frequencies
@@ -97,8 +98,11 @@ def resolve_model_parts(path: Path) -> ResolvedModel:
         if resolved is not None:
             return resolved
     config = load_config(path)
-    check_architecture(config)
-    resolved = ResolvedModel(config, load_tokenizer(path), rope_frequencies(config))
+    choose_model_backend(config)  # a clear error for what no path runs (not a causal LM)
+    # the Llama-family rotary tables (other families build their own from transformers' module)
+    family = SUPPORTED_ARCHITECTURES.get(native_architecture(config) or "")
+    rope = rope_frequencies(config) if family in LLAMA_FAMILIES else None
+    resolved = ResolvedModel(config, load_tokenizer(path), rope)
     if entry is not None:
         _write(entry, resolved)
     return resolved

@@ -1,0 +1,243 @@
+"""The transformers fallback (`--model-backend transformers`): any causal LM that transformers runs, through
+its own forward and `generate()`, with the same requests in and the same outputs out as `Engine`.
+
+What it does not have: the paged KV cache, the prefix cache, chunked prefill, continuous batching and the
+batch-invariance contract. Every request runs alone, in arrival order, with a full recompute of its prompt:
+- prompt logprobs (score, perplexity, loglikelihood, `generate --prompt-logprobs`): one forward over the
+  whole prompt, fp32 logits, the same logprob/rank/top-K function as the native CPU path
+  (`apcscore.kernels.logprobs_ref.token_logprobs_torch`: ranks = 1 + strictly greater logits, ties in the
+  top-K by token id);
+- generation: `model.generate()` with the request's temperature, top-k, top-p, max_tokens and stop tokens;
+  a sampled request's RNG is seeded like the native path's (its own seed, or the engine seed and its arrival);
+  stop strings cut the completion where the native engine would (the same incremental detokenizer), and
+  `--logprobs` scores each generated token under the raw logits `generate()` returns.
+Requests run one at a time, so outputs come in arrival order. `--exact-reuse` (issue 13) relies on the KV
+cache and must be refused on this path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+import torch
+
+from apcscore.config import EngineConfig
+from apcscore.engine.block_manager import PrefixCacheStats
+from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
+from apcscore.engine.engine import EngineStats, ModelInfo, resolve_device, resolve_dtype
+from apcscore.engine.logprobs import chunked_token_logprobs
+from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
+from apcscore.errors import ApcscoreError
+from apcscore.kernels.logprobs_ref import token_logprobs_torch
+
+NO_CACHE_WARNING = ("this model runs through the transformers fallback (--model-backend transformers): full "
+                    "recompute per request, without the prefix cache or the batch-invariance guarantee")
+
+
+@dataclass
+class NoBlockManager:
+    """Stands in for the block manager where the run metadata and progress read it: no blocks, no hits."""
+
+    num_blocks: int = 0
+    num_used_blocks: int = 0
+    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+
+
+def _max_len(hf_config: Any, config: EngineConfig) -> int:
+    max_len = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if not max_len and not config.max_model_len:
+        raise ApcscoreError("the model's config gives no context length (max_position_embeddings); "
+                            "pass --max-model-len")
+    return min(v for v in (max_len, config.max_model_len) if v)
+
+
+class TransformersEngine:
+    """`Engine`'s interface (run, info, tokenizer, stats, ...) over a transformers AutoModelForCausalLM."""
+
+    model_backend = "transformers"
+    attention_backend = "transformers"  # what the run metadata's attention_backend records
+
+    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, info: ModelInfo,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.info = info
+        self.device = device
+        self.dtype = dtype
+        self.block_manager = NoBlockManager()
+        self.stats = EngineStats()
+        self._arrivals = 0
+        self.eos_token_ids = self._eos_ids()
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_model(cls, spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
+                   ) -> "TransformersEngine":
+        """Load a model directory (alias, Hugging Face directory, .gguf) with transformers' own model class."""
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        from apcscore.models.loading import weights_fingerprint
+        from apcscore.models.locate import resolve_model
+        from apcscore.models.resolved import resolve_model_parts
+
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        files, parts = resolved if resolved is not None else (None, None)
+        files = files or resolve_model(spec)
+        parts = parts or resolve_model_parts(files.path)
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
+        model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)
+        return cls._build(model, parts.tokenizer, config, device, dtype, files.name, str(files.path),
+                          weights_fingerprint(files.path))
+
+    @classmethod
+    def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
+                   config: EngineConfig | None = None, name: str = "custom", path: str = "",
+                   fingerprint: str = "", rope: Any = None, consume_state: bool = False) -> "TransformersEngine":
+        """Build from a transformers config and state dict (tests, random weights); rope is ignored."""
+        from transformers import AutoModelForCausalLM
+
+        config = config or EngineConfig()
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        missing, unexpected = model.load_state_dict(state_dict, strict=False)
+        tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(
+            hf_config, "tie_word_embeddings", False) else set()
+        if set(missing) - tied or unexpected:
+            raise ApcscoreError(f"the weights do not fit the {type(model).__name__}: missing "
+                                f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        model.tie_weights()
+        return cls._build(model, tokenizer, config, device, dtype, name, path, fingerprint)
+
+    @classmethod
+    def _build(cls, model: Any, tokenizer: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+               name: str, path: str, fingerprint: str) -> "TransformersEngine":
+        model = model.to(device).eval()
+        hf_config = model.config
+        archs = list(getattr(hf_config, "architectures", None) or [type(model).__name__])
+        info = ModelInfo(name=name, path=path, architecture=archs[0], vocab_size=int(hf_config.vocab_size),
+                         max_model_len=_max_len(hf_config, config), fingerprint=fingerprint,
+                         num_parameters=sum(p.numel() for p in model.parameters()))
+        return cls(model, tokenizer, config, info, device, dtype)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(v for v in value if isinstance(v, int))
+        return ids
+
+    # ---- running -------------------------------------------------------------------------------
+    def run(self, requests: Iterable[Request], on_step: Callable[[Any], None] | None = None
+            ) -> Iterator[RequestOutput]:
+        """Run every request, one at a time; yield one RequestOutput per request, in arrival order."""
+        started = time.perf_counter()
+        try:
+            for request in requests:
+                problem = request_problem(request, self.info.max_model_len, self.info.vocab_size,
+                                          self.config.max_logprobs)
+                arrival = self._arrivals
+                self._arrivals += 1
+                if problem:
+                    self.stats.errors += 1
+                    yield RequestOutput(request.request_id, list(request.prompt_token_ids),
+                                        finish_reason="error", error=problem)
+                    continue
+                out = self._run_one(request, arrival)
+                self.stats.steps += 1
+                self.stats.finished += 1
+                self.stats.seconds = time.perf_counter() - started
+                yield out
+                if on_step is not None:
+                    on_step(self)
+        finally:
+            self.stats.seconds = time.perf_counter() - started
+
+    @torch.inference_mode()
+    def _run_one(self, request: Request, arrival: int) -> RequestOutput:
+        ids = list(request.prompt_token_ids)
+        self.stats.prompt_tokens += len(ids)
+        prompt_lps = self._prompt_logprobs(request) if request.prompt_logprobs is not None else None
+        out = RequestOutput(request.request_id, ids, prompt_logprobs=prompt_lps, finish_reason=None)
+        if request.max_tokens:
+            self._generate(request, arrival, out)
+        return out
+
+    def _prompt_logprobs(self, request: Request) -> PromptLogprobs:
+        """Row q of the prompt's logits predicts token q + 1; rows score_from - 1 .. n - 2 are scored."""
+        ids = request.prompt_token_ids
+        n, k = len(ids), request.prompt_logprobs
+        first = max(request.score_from, 1)
+        if first >= n:
+            lps = TokenLogprobs.concat([], k)
+        else:
+            x = torch.tensor([ids], dtype=torch.int64, device=self.device)
+            logits = self.model(input_ids=x, use_cache=False).logits[0, first - 1:n - 1].float()  # [m, V]
+            targets = torch.tensor(ids[first:], dtype=torch.int64, device=self.device)
+            lps = chunked_token_logprobs(lambda rows: rows, logits, targets, k, self.config.logprobs_chunk_size,
+                                         token_logprobs_torch, ranks=request.prompt_logprob_ranks)
+        return PromptLogprobs(**vars(lps), positions=np.arange(first, first + len(lps), dtype=np.int64))
+
+    def _generate(self, request: Request, arrival: int, out: RequestOutput) -> None:
+        p = request.sampling
+        ids = list(request.prompt_token_ids)
+        budget = min(p.max_tokens, self.info.max_model_len - len(ids))
+        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        kwargs: dict[str, Any] = dict(max_new_tokens=budget, min_new_tokens=0, do_sample=p.temperature > 0,
+                                      output_logits=True, return_dict_in_generate=True,
+                                      eos_token_id=stop_ids or None,
+                                      pad_token_id=(stop_ids or [0])[0], num_beams=1)
+        if p.temperature > 0:
+            kwargs.update(temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        else:
+            kwargs.update(temperature=None, top_k=None, top_p=None)
+        x = torch.tensor([ids], dtype=torch.int64, device=self.device)
+        seed = p.seed if p.seed is not None else hash((self.config.seed, arrival))
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            torch.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            result = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
+        tokens = result.sequences[0, len(ids):].tolist()
+        raw = [step[0] for step in result.logits]  # [V] each, the model's logits before any processing
+        reason, tokens, text = self._finish(ids, tokens, request)
+        raw = raw[:len(tokens)]
+        self.stats.generated_tokens += len(tokens)
+        out.output_token_ids, out.output_text, out.finish_reason = tokens, text, reason
+        if p.logprobs is not None:
+            if tokens:
+                lp = token_logprobs_torch(torch.stack(raw).float(), torch.tensor(tokens, device=self.device),
+                                          p.logprobs)
+                out.output_logprobs = TokenLogprobs(np.asarray(tokens, np.int64), lp[0].cpu().numpy(),
+                                                    lp[1].cpu().numpy().astype(np.int64),
+                                                    lp[2].cpu().numpy().astype(np.int64), lp[3].cpu().numpy())
+            else:
+                out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
+
+    def _finish(self, prompt: list[int], tokens: list[int], request: Request) -> tuple[str, list[int], str]:
+        """The finish reason, tokens and text of the completion, cut where the native engine would stop."""
+        p = request.sampling
+        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        detok = IncrementalDetokenizer(self.tokenizer) if p.stop else None
+        seq = list(prompt)
+        for i, tok in enumerate(tokens):
+            seq.append(tok)
+            if tok in stops:
+                return "stop", tokens[:i + 1], self._decode(tokens[:i + 1])
+            if detok is not None:
+                searched = len(detok.text)
+                detok.update(seq, start=len(prompt))
+                cut = find_stop(detok.text, p.stop, searched)
+                if cut is not None:
+                    return "stop", tokens[:i + 1], detok.text[:cut]
+        return "length", tokens, self._decode(tokens)
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)

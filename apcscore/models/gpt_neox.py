@@ -1,0 +1,175 @@
+"""Our GPT-NeoX decoder (Pythia, GPT-NeoX-20B), fed Hugging Face weights.
+
+What differs from the Llama family: LayerNorm with bias (not RMSNorm), a fused query_key_value projection
+whose rows are per head [q | k | v] (reordered at load time into [all q | all k | all v]), rotary embedding
+on the first `partial_rotary_factor` of each head's dimensions only, a GELU MLP with biases, and the parallel
+residual (x + attn(ln1(x)) + mlp(ln2(x))) when `use_parallel_residual`, else the sequential one.
+
+The batch-invariance contract holds as for Llama: every projection and the LM head go through the backend's
+`linear`, attention is the same paged fixed-tile backend, and LayerNorm, rotary and GELU are row-wise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from apcscore.attention.metadata import get_attention_metadata
+from apcscore.errors import ApcscoreError
+from apcscore.models.backend import Backend
+from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
+
+
+class LayerNorm(nn.Module):
+    """torch's layer_norm (row-wise) with weight and bias."""
+
+    def __init__(self, size: int, eps: float, device: Device = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(size, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+class NeoXAttention(nn.Module):
+    """Multi-head attention with partial rotary over the paged KV cache (the attributes the KV pool reads:
+    num_kv_heads, head_dim, backend, k_cache, v_cache)."""
+
+    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+        super().__init__()
+        self.num_heads = self.num_kv_heads = cfg.num_attention_heads
+        self.head_dim = cfg.hidden_size // self.num_heads
+        self.rotary_dim = int(self.head_dim * rope_parameters(cfg).get("partial_rotary_factor", 1.0))
+        self.scale = self.head_dim ** -0.5
+        bias = bool(getattr(cfg, "attention_bias", True))
+        self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, backend.linear, device)
+        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, backend.linear, device)
+        self.layer_idx = layer_idx
+        self.backend = backend.attention
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t, h, d, r = hidden.shape[0], self.num_heads, self.head_dim, self.rotary_dim
+        q, k, v = (x.reshape(t, h, d) for x in self.qkv_proj(hidden).split(h * d, dim=-1))
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, r]
+        q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+        k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+                                   get_attention_metadata(), self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(t, h * d))
+
+
+class NeoXLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        self.self_attn = NeoXAttention(cfg, layer_idx, backend, device)
+        self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
+        self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
+        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, True, backend.linear, device)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, True, backend.linear, device)
+        self.act = ACT2FN[cfg.hidden_act]  # elementwise
+        self.parallel = bool(cfg.use_parallel_residual)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(x), cos, sin)
+        if self.parallel:  # transformers' order of the sums: mlp + attn + x
+            return self.down(self.act(self.up(self.post_attention_layernorm(x)))) + attn + x
+        x = attn + x
+        return self.down(self.act(self.up(self.post_attention_layernorm(x)))) + x
+
+
+def rope_parameters(cfg: Any) -> dict:
+    return dict(getattr(cfg, "rope_parameters", None) or {})
+
+
+class GPTNeoXDecoder(LlamaDecoder):
+    """GPT-NeoX over a flattened, paged batch; the engine-facing interface of LlamaDecoder (forward,
+    compute_logits, lm_head_weight, materialize, load_hf_weights)."""
+
+    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+                 device: Device = None) -> None:
+        nn.Module.__init__(self)
+        cfg = self.config = hf_config
+        self.backend = backend
+        if rope_parameters(cfg).get("rope_type", "default") != "default":
+            raise ApcscoreError(f"GPT-NeoX with rope type {rope_parameters(cfg)['rope_type']!r} is not implemented "
+                                f"natively; use --model-backend transformers")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
+        self.layers = nn.ModuleList(NeoXLayer(cfg, i, backend, device) for i in range(cfg.num_hidden_layers))
+        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = (None if self.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
+        self._lm_head_fp32: torch.Tensor | None = None
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+
+    def build_rotary_tables(self, rope: Any = None) -> None:
+        """cos/sin [P, rotary_dim] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
+        from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
+
+        with torch.device("cpu"):
+            rotary = GPTNeoXRotaryEmbedding(self.config)
+        cos, sin = rotary(torch.zeros(1, dtype=torch.float32), torch.arange(self.max_positions)[None, :])
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        self.cos_table = cos[0].to(device=device, dtype=dtype)
+        self.sin_table = sin[0].to(device=device, dtype=dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+    @torch.no_grad()
+    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
+        """Copy GPTNeoXForCausalLM weights into place (query_key_value rows regrouped); every weight must be used."""
+        used: set[str] = set()
+        self._lm_head_fp32 = None
+
+        def copy(param: torch.Tensor, name: str, regroup: bool = False) -> None:
+            if name not in state:
+                raise ApcscoreError(f"weight {name} is missing from the checkpoint")
+            used.add(name)
+            src = state.pop(name) if consume else state[name]  # type: ignore[attr-defined]
+            if regroup:  # rows per head [q | k | v] -> [all q | all k | all v]
+                heads = self.layers[0].self_attn.num_heads
+                src = src.reshape(heads, 3, -1, *src.shape[1:]).transpose(0, 1).reshape(src.shape)
+            if tuple(src.shape) != tuple(param.shape):
+                raise ApcscoreError(f"weight {name} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
+            param.copy_(src)
+
+        copy(self.embed_tokens.weight, "gpt_neox.embed_in.weight")
+        copy(self.norm.weight, "gpt_neox.final_layer_norm.weight")
+        copy(self.norm.bias, "gpt_neox.final_layer_norm.bias")
+        if self.lm_head is not None:
+            copy(self.lm_head.weight, "embed_out.weight" if "embed_out.weight" in state else "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"gpt_neox.layers.{i}."
+            attn = layer.self_attn
+            for param, name in ((attn.qkv_proj.weight, "attention.query_key_value.weight"),
+                                (attn.qkv_proj.bias, "attention.query_key_value.bias")):
+                if param is not None:
+                    copy(param, p + name, regroup=True)
+            for module, name in ((attn.o_proj, "attention.dense"), (layer.up, "mlp.dense_h_to_4h"),
+                                 (layer.down, "mlp.dense_4h_to_h"), (layer.input_layernorm, "input_layernorm"),
+                                 (layer.post_attention_layernorm, "post_attention_layernorm")):
+                copy(module.weight, p + name + ".weight")
+                if module.bias is not None:
+                    copy(module.bias, p + name + ".bias")
+        unused = {n for n in set(state) - used - {"embed_out.weight", "lm_head.weight"}
+                  if not n.endswith(("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias"))}
+        if unused:
+            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        self.build_rotary_tables()

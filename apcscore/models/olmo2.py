@@ -1,0 +1,140 @@
+"""Our OLMo 2 decoder, fed Hugging Face weights.
+
+What differs from Llama: no pre-norms; each sublayer's output is normed before the residual add
+(x = x + post_attention_layernorm(attn(x)); x = x + post_feedforward_layernorm(mlp(x))), and q and k are
+RMS-normed over the whole projection (all heads together) before the rotary embedding. Rotary tables,
+the SiLU MLP, the LM head and the paged fixed-tile attention are Llama's (apcscore.models.llama), so the
+batch-invariance contract holds the same way: projections through the backend's `linear`, the rest row-wise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from apcscore.attention.metadata import get_attention_metadata
+from apcscore.errors import ApcscoreError
+from apcscore.models.backend import Backend
+from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm, rotate_half
+
+
+class Olmo2Attention(nn.Module):
+    """Attention with q/k RMSNorm over the full projection; the KV pool's attributes as Llama's Attention."""
+
+    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim ** -0.5
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, backend.linear, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, backend.linear, device)
+        self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.layer_idx = layer_idx
+        self.backend = backend.attention
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.contiguous()).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_norm(k.contiguous()).reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+                                   get_attention_metadata(), self.scale)
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class Olmo2Layer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+        super().__init__()
+        self.self_attn = Olmo2Attention(cfg, layer_idx, backend, device)
+        self.mlp = MLP(cfg, backend.linear, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin))
+        return x + self.post_feedforward_layernorm(self.mlp(x))
+
+
+class Olmo2Decoder(LlamaDecoder):
+    """OLMo 2 over a flattened, paged batch (LlamaDecoder's engine-facing interface and rotary tables)."""
+
+    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+                 device: Device = None) -> None:
+        nn.Module.__init__(self)
+        cfg = self.config = hf_config
+        self.backend = backend
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
+        self.layers = nn.ModuleList(Olmo2Layer(cfg, i, backend, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = (None if self.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
+        self._lm_head_fp32: torch.Tensor | None = None
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.cos_table[positions], self.sin_table[positions]
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin)
+        return self.norm(hidden)
+
+    @torch.no_grad()
+    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
+        """Copy Olmo2ForCausalLM weights into place (q/k/v and gate/up fused); every weight must be used."""
+        used: set[str] = set()
+        self._lm_head_fp32 = None
+
+        def copy(param: torch.Tensor, *names: str) -> None:
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ApcscoreError(f"weight {missing[0]} is missing from the checkpoint")
+            used.update(names)
+            sources = [state.pop(n) if consume else state[n] for n in names]  # type: ignore[attr-defined]
+            if sum(s.shape[0] for s in sources) != param.shape[0] or sources[0].shape[1:] != param.shape[1:]:
+                raise ApcscoreError(f"weight {names[0]} has shape {tuple(sources[0].shape)}, expected "
+                                    f"{tuple(param.shape)}")
+            row = 0
+            for src in sources:
+                param[row:row + src.shape[0]].copy_(src)
+                row += src.shape[0]
+
+        copy(self.embed_tokens.weight, "model.embed_tokens.weight")
+        copy(self.norm.weight, "model.norm.weight")
+        if self.lm_head is not None:
+            copy(self.lm_head.weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            copy(attn.qkv_proj.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            if attn.qkv_proj.bias is not None:
+                copy(attn.qkv_proj.bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+            copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
+            if attn.o_proj.bias is not None:
+                copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
+            copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
+            copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+            copy(layer.mlp.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            copy(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
+            copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            copy(layer.post_feedforward_layernorm.weight, p + "post_feedforward_layernorm.weight")
+        unused = {n for n in set(state) - used - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        self.build_rotary_tables(rope)
