@@ -183,6 +183,40 @@ def perplexity(
     _run("perplexity", locals())
 
 
+@app.command("eval", cls=Command)
+def eval_(
+    tasks: Annotated[str, typer.Option("--tasks", "-t", help="lm-eval task names, comma-separated (T1,T2).", show_default=False)],
+    include_path: Annotated[Optional[Path], typer.Option("--include-path", help="Folder of extra lm-eval task YAML files.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples per prompt. \\[default: the task's]")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N documents of each task.")] = None,
+    apply_chat_template: Annotated[bool, _flag("--apply-chat-template", help="Wrap prompts in the model's chat template (few-shot as multi-turn), as lm-eval does.")] = False,
+    exact_reuse: Annotated[bool, _flag("--exact-reuse", help="Reuse cached KV for scoring where it is bitwise exact (needs engine support).")] = False,
+    max_length: Annotated[Optional[int], typer.Option("--max-length", min=1, help="Most tokens a scored sequence feeds the model. \\[default: the model's context length - 1]")] = None,
+    seed: SeedOpt = None,
+    model: ModelOpt = None,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder (results.json, requests.parquet). \\[default: results/eval-<time>]")] = None,
+    overwrite: OverwriteOpt = False, quiet: QuietOpt = False,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
+    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
+    attention_backend: BackendOpt = None, max_model_len: MaxModelLenOpt = None,
+    logprobs_chunk_size: LogprobsChunkOpt = None, kv_cache_memory_fraction: KvFractionOpt = None,
+    no_cuda_graphs: NoCudaGraphsOpt = False, no_batch_invariant: NoBatchInvariantOpt = False,
+) -> None:
+    """Run lm-evaluation-harness tasks with apcscore's engine as the model (lm-eval's `--model apcscore`).
+
+    Writes lm-eval's results JSON and a per-request parquet to --out and prints lm-eval's table. Needs the
+    `lmeval` extra (pip install 'apcscore[lmeval]').
+    """
+    params = dict(locals())
+    from apcscore.lmeval.run import run_eval
+
+    try:
+        run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False))
+    except ApcscoreError as exc:
+        raise _error(exc) from None
+
+
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model
 
 
