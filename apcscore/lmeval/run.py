@@ -53,7 +53,7 @@ def _is_hub_failure(exc: BaseException) -> bool:
 def load_tasks(names: list[str], include_path: Path | None) -> Any:
     """lm-eval's TaskManager, after checking every task name and loading every task's data."""
     _import_lm_eval()
-    from lm_eval.tasks import TaskManager, get_task_dict
+    from lm_eval.tasks import TaskManager
 
     if include_path is not None and not include_path.is_dir():
         raise ApcscoreError(f"--include-path {include_path}: not a directory")
@@ -63,7 +63,7 @@ def load_tasks(names: list[str], include_path: Path | None) -> Any:
         raise ApcscoreError(f"unknown lm-eval task(s): {', '.join(unknown)} (check the names, or add the folder "
                             "of their YAML files with --include-path)")
     try:
-        get_task_dict(names, manager)
+        manager.load(names)
     except Exception as exc:  # lm-eval and datasets raise many kinds; say which problem it is
         if _is_hub_failure(exc):
             raise ApcscoreError(f"could not load the data of task(s) {', '.join(names)}: {exc}. {HUB_HELP}") from None
