@@ -55,7 +55,7 @@ def _flag(*names: str, help: str) -> Any:
 
 
 # ---- shared option types ------------------------------------------------------------------------
-DatasetArg = Annotated[Path, typer.Argument(help="JSONL dataset, one record per line.", metavar="DATASET",
+DatasetArg = Annotated[Path, typer.Argument(help="Dataset: JSONL (one record per line), parquet, CSV, or a datasets save_to_disk directory.", metavar="DATASET",
                                             show_default=False)]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model alias (smollm2-135m), Hugging Face model directory, or .gguf file. \\[default: smollm2-135m]")]
 OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output parquet file. \\[default: results/<dataset>.<command>.parquet]")]
@@ -81,6 +81,7 @@ MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="C
 BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
 TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Read record fields from other columns: FIELD=COLUMN,... (e.g. prompt=text,id=doc_id).")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
 
 
@@ -111,6 +112,7 @@ def score(
     truncate: TruncateOpt = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
+    columns: ColumnsOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
@@ -142,6 +144,7 @@ def generate(
     truncate: TruncateOpt = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
+    columns: ColumnsOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
@@ -166,6 +169,7 @@ def perplexity(
     prompt_logprobs: Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Also write per-token columns, with top-K alternatives (0 = own logprob and rank only).")] = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
+    columns: ColumnsOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
