@@ -211,8 +211,8 @@ def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, invalid: 
     utf8_errors = 0
     index = 0
     if path.is_dir():
-        raise ApcscoreError(f"{name} is a directory; give a JSONL, parquet or CSV file, or a directory written "
-                            "by datasets' save_to_disk")
+        raise ApcscoreError(f"{name} is a directory; give a JSONL file (one JSON object per line), a parquet or "
+                            "CSV file, or a directory written by datasets' save_to_disk")
     try:
         f = path.open("rb")
     except FileNotFoundError:
