@@ -55,7 +55,7 @@ def _flag(*names: str, help: str) -> Any:
 
 
 # ---- shared option types ------------------------------------------------------------------------
-DatasetArg = Annotated[Path, typer.Argument(help="JSONL dataset, one record per line.", metavar="DATASET",
+DatasetArg = Annotated[Path, typer.Argument(help="Dataset: JSONL (one record per line), parquet, CSV, or a datasets save_to_disk directory.", metavar="DATASET",
                                             show_default=False)]
 ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model alias (smollm2-135m), Hugging Face model directory, or .gguf file. \\[default: smollm2-135m]")]
 OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output parquet file. \\[default: results/<dataset>.<command>.parquet]")]
@@ -82,6 +82,7 @@ BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="
 ModelBackendOpt = Annotated[Optional[str], typer.Option("--model-backend", "--backend", help="auto | native | transformers: our decoder (paged KV, prefix cache, batch invariant) or the model's own transformers code (full recompute, no cache); auto = native where the architecture is supported. \\[default: auto]")]
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
 TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
+ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Read record fields from other columns: FIELD=COLUMN,... (e.g. prompt=text,id=doc_id).")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
 
 
@@ -112,6 +113,7 @@ def score(
     truncate: TruncateOpt = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
+    columns: ColumnsOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
@@ -143,6 +145,7 @@ def generate(
     truncate: TruncateOpt = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
+    columns: ColumnsOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
@@ -167,6 +170,7 @@ def perplexity(
     prompt_logprobs: Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Also write per-token columns, with top-K alternatives (0 = own logprob and rank only).")] = None,
     model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
     limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
+    columns: ColumnsOpt = None,
     device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
     num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
     max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
@@ -182,6 +186,40 @@ def perplexity(
     (--stride = --window is lm-eval's rolling loglikelihood).
     """
     _run("perplexity", locals())
+
+
+@app.command("eval", cls=Command)
+def eval_(
+    tasks: Annotated[str, typer.Option("--tasks", "-t", help="lm-eval task names, comma-separated (T1,T2).", show_default=False)],
+    include_path: Annotated[Optional[Path], typer.Option("--include-path", help="Folder of extra lm-eval task YAML files.")] = None,
+    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples per prompt. \\[default: the task's]")] = None,
+    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N documents of each task.")] = None,
+    apply_chat_template: Annotated[bool, _flag("--apply-chat-template", help="Wrap prompts in the model's chat template (few-shot as multi-turn), as lm-eval does.")] = False,
+    exact_reuse: Annotated[bool, _flag("--exact-reuse", help="Reuse cached KV for scoring where it is bitwise exact (needs engine support).")] = False,
+    max_length: Annotated[Optional[int], typer.Option("--max-length", min=1, help="Most tokens a scored sequence feeds the model. \\[default: the model's context length - 1]")] = None,
+    seed: SeedOpt = None,
+    model: ModelOpt = None,
+    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder (results.json, requests.parquet). \\[default: results/eval-<time>]")] = None,
+    overwrite: OverwriteOpt = False, quiet: QuietOpt = False,
+    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
+    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
+    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
+    attention_backend: BackendOpt = None, max_model_len: MaxModelLenOpt = None,
+    logprobs_chunk_size: LogprobsChunkOpt = None, kv_cache_memory_fraction: KvFractionOpt = None,
+    no_cuda_graphs: NoCudaGraphsOpt = False, no_batch_invariant: NoBatchInvariantOpt = False,
+) -> None:
+    """Run lm-evaluation-harness tasks with apcscore's engine as the model (lm-eval's `--model apcscore`).
+
+    Writes lm-eval's results JSON and a per-request parquet to --out and prints lm-eval's table. Needs the
+    `lmeval` extra (pip install 'apcscore[lmeval]').
+    """
+    params = dict(locals())
+    from apcscore.lmeval.run import run_eval
+
+    try:
+        run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False))
+    except ApcscoreError as exc:
+        raise _error(exc) from None
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model

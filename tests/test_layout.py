@@ -84,7 +84,7 @@ def test_top_level_holds_only_the_package_face_cli_config_and_errors() -> None:
     files = {p.name for p in PACKAGE.glob("*.py")}
     assert files == TOP_LEVEL, f"unexpected top-level modules: {sorted(files - TOP_LEVEL)}"
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "models"}
+    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models"}
 
 
 def test_the_module_level_import_graph_has_no_cycle() -> None:
@@ -118,3 +118,25 @@ def test_kernels_import_nothing_from_apcscore_but_kernels() -> None:
                for m in kernels}
     outside = {m: found for m, found in outside.items() if found}
     assert not outside, f"kernels must be leaves, but: {outside}"
+
+
+def test_only_the_lmeval_package_imports_lm_eval() -> None:
+    """lm-eval is an optional extra: no module outside apcscore.lmeval imports it, and nothing at module level
+    imports apcscore.lmeval (cli.py's eval command imports it when it runs)."""
+    offenders = []
+    for name, path in MODULES.items():
+        if name.startswith("apcscore.lmeval"):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            if any(n.split(".")[0] == "lm_eval" for n in names):
+                offenders.append(name)
+        if any(m.startswith("apcscore.lmeval") for m in imports(name, module_level_only=True)):
+            offenders.append(name)
+    assert not offenders, f"modules that import lm_eval or apcscore.lmeval at load: {sorted(set(offenders))}"

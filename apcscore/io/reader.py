@@ -43,6 +43,7 @@ from typing import Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record
+from apcscore.io.tabular import is_tabular, read_table_records, rename
 
 MAX_LISTED_PROBLEMS = 20
 
@@ -132,8 +133,11 @@ def _too_many(lines: list[str], indent: str = "  ") -> str:
 
 
 def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
-                 limit: int | None = None) -> LoadedDataset:
-    """Read and validate the JSONL dataset at `path` for `command` ("score", "generate" or "perplexity").
+                 limit: int | None = None, columns: dict[str, str] | None = None) -> LoadedDataset:
+    """Read and validate the dataset at `path` for `command` ("score", "generate" or "perplexity").
+
+    JSONL, or parquet / CSV / a `save_to_disk` directory (`io/tabular.py`); `columns` maps a record field to
+    the column (or JSON key) it is read from.
 
     `limit` keeps the first N records (valid or invalid) of the file. Raises `ApcscoreError` (exit code 2)
     listing every problem (up to 20, then "... and N more") unless `skip_invalid`; file-level problems
@@ -145,16 +149,70 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         raise ApcscoreError(f"--limit must be at least 1, not {limit}")
     path = Path(path)
     name = str(path)
-    if path.is_dir():
-        raise ApcscoreError(f"{name} is a directory; give a JSONL file (one JSON object per line)")
 
-    sha = hashlib.sha256()
     records: list[Record] = []
     invalid: list[InvalidRecord] = []
     unknown_seen: dict[str, list[int]] = {}  # field -> [first line, count]
     first_line_of_id: dict[str, int] = {}
+    columns = columns or {}
+
+    def accept(obj: Any, lineno: int, where: str) -> None:
+        """Check one parsed record (`where`: `FILE:LINE` or `FILE:row N`) into records or invalid."""
+        checked = check_record(rename(obj, columns), command)
+        for key in checked.unknown:
+            seen = unknown_seen.setdefault(key, [lineno, 0])
+            seen[1] += 1
+        rid = checked.id if checked.id is not None else str(lineno)
+        problems = checked.problems
+        if rid in first_line_of_id:
+            problems = [*problems, f"duplicate id {rid!r}: line {first_line_of_id[rid]} has the same id "
+                                   "(give every record a unique id; a record without one gets its line "
+                                   "number)"]
+        else:
+            first_line_of_id[rid] = lineno
+        if problems:
+            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid,
+                                         f"{where}: " + "; ".join(problems)))
+        else:
+            records.append(Record(len(records) + len(invalid), lineno, rid, checked.kind, checked.fields))
+
+    if is_tabular(path):
+        digest, rows = read_table_records(path)
+        for row_number, obj in rows:
+            if limit is not None and row_number > limit:
+                break
+            accept(obj, row_number, f"{name}:row {row_number}")
+        index, utf8_errors = len(records) + len(invalid), 0
+    else:
+        digest, index, utf8_errors = _read_jsonl(path, name, limit, accept, invalid)
+    if index == 0:
+        raise ApcscoreError(f"{name} has no records (it is empty or holds only blank lines); "
+                            f"a {command} dataset is JSONL with one record per line: {accepted_kinds(command)}")
+    if utf8_errors and utf8_errors == index:
+        raise ApcscoreError(f"{name} is not UTF-8 text (no line decodes as UTF-8); save it as UTF-8 JSONL")
+    warnings = [
+        f"{name}:{first}: unknown field {key!r} ignored" + (f" (in {count} records)" if count > 1 else "")
+        + f" ({command} reads {accepted_kinds(command)})"
+        for key, (first, count) in unknown_seen.items()
+    ]
+    if invalid and not skip_invalid:
+        raise ApcscoreError(
+            f"{name}: {len(invalid)} of {index} records are invalid; nothing was run:\n"
+            + _too_many([r.message for r in invalid])
+            + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest."
+        )
+    return LoadedDataset(path, digest, records, invalid, warnings)
+
+
+def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, invalid: list[InvalidRecord]
+                ) -> tuple[str, int, int]:
+    """Stream the JSONL file: (sha256 of the whole file, records read, lines that are not UTF-8)."""
+    sha = hashlib.sha256()
     utf8_errors = 0
     index = 0
+    if path.is_dir():
+        raise ApcscoreError(f"{name} is a directory; give a JSONL file (one JSON object per line), a parquet or "
+                            "CSV file, or a directory written by datasets' save_to_disk")
     try:
         f = path.open("rb")
     except FileNotFoundError:
@@ -184,40 +242,8 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                     invalid.append(InvalidRecord(index, lineno, str(lineno), f"{name}:{lineno}: {e}"))
                     index += 1
                     continue
-                checked = check_record(obj, command)
-                for key in checked.unknown:
-                    seen = unknown_seen.setdefault(key, [lineno, 0])
-                    seen[1] += 1
-                rid = checked.id if checked.id is not None else str(lineno)
-                problems = checked.problems
-                if rid in first_line_of_id:
-                    problems = [*problems, f"duplicate id {rid!r}: line {first_line_of_id[rid]} has the same id "
-                                           "(give every record a unique id; a record without one gets its line "
-                                           "number)"]
-                else:
-                    first_line_of_id[rid] = lineno
-                if problems:
-                    invalid.append(InvalidRecord(index, lineno, rid, f"{name}:{lineno}: " + "; ".join(problems)))
-                else:
-                    records.append(Record(index, lineno, rid, checked.kind, checked.fields))
+                accept(obj, lineno, f"{name}:{lineno}")
                 index += 1
         except OSError as e:
             raise ApcscoreError(f"cannot read {name}: {e.strerror or e}") from None
-
-    if index == 0:
-        raise ApcscoreError(f"{name} has no records (it is empty or holds only blank lines); "
-                            f"a {command} dataset is JSONL with one record per line: {accepted_kinds(command)}")
-    if utf8_errors and utf8_errors == index:
-        raise ApcscoreError(f"{name} is not UTF-8 text (no line decodes as UTF-8); save it as UTF-8 JSONL")
-    warnings = [
-        f"{name}:{first}: unknown field {key!r} ignored" + (f" (in {count} records)" if count > 1 else "")
-        + f" ({command} reads {accepted_kinds(command)})"
-        for key, (first, count) in unknown_seen.items()
-    ]
-    if invalid and not skip_invalid:
-        raise ApcscoreError(
-            f"{name}: {len(invalid)} of {index} records are invalid; nothing was run:\n"
-            + _too_many([r.message for r in invalid])
-            + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest."
-        )
-    return LoadedDataset(path, sha.hexdigest(), records, invalid, warnings)
+    return sha.hexdigest(), index, utf8_errors

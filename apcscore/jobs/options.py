@@ -30,11 +30,11 @@ DEFAULTS: dict[str, Any] = {
     "skip_invalid": False, "quiet": False, "no_prefix_caching": False, "no_cuda_graphs": False,
     "no_batch_invariant": False, "prompt_logprobs": None, "logprobs": None,
     "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": None,
-    "window": None, "stride": None, "truncate": None,
+    "window": None, "stride": None, "truncate": None, "columns": None,
     **EngineConfig().to_dict(),
 }
 
-_COMMON = frozenset({"model", "out", "overwrite", "resume", "limit", "skip_invalid", "quiet",
+_COMMON = frozenset({"model", "out", "overwrite", "resume", "limit", "skip_invalid", "quiet", "columns",
                      "no_prefix_caching", "no_cuda_graphs", "no_batch_invariant"}) | ENGINE_KEYS
 # the options only one or two commands read; a config file may not set another command's option
 COMMAND_KEYS: dict[str, frozenset[str]] = {
@@ -59,7 +59,7 @@ _TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
        for k in ("overwrite", "resume", "skip_invalid", "quiet", "no_prefix_caching", "enable_prefix_caching",
                  "use_cuda_graphs", "no_cuda_graphs", "batch_invariant", "no_batch_invariant")},
     **{k: ("a string", lambda v: isinstance(v, str))
-       for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate")},
+       for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate", "columns")},
     **{k: ("an integer", _is_int)
        for k in ("limit", "prompt_logprobs", "logprobs", "max_tokens", "top_k", "seed", "window", "stride",
                  "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs", "max_logprobs",

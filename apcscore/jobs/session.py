@@ -42,6 +42,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                 console: Console) -> int:
     """Run `command`; return the exit code (0 done, 1 every record failed, 130 interrupted)."""
     from apcscore.io.reader import load_dataset
+    from apcscore.io.tabular import parse_columns
     from apcscore.models.locate import check_model_spec
 
     opts = resolve_options(command, cli_opts, config_path)
@@ -52,7 +53,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     cfg.check_logprobs(opts.get("logprobs"), "--logprobs")
     check_model_spec(opts["model"])
     out, note = check_output(opts["out"], dataset, command, overwrite=opts["overwrite"], resume=opts["resume"])
-    data = load_dataset(dataset, command, skip_invalid=opts["skip_invalid"], limit=opts["limit"])
+    data = load_dataset(dataset, command, skip_invalid=opts["skip_invalid"], limit=opts["limit"],
+                        columns=parse_columns(opts.get("columns")))
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if note:

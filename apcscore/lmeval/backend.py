@@ -1,0 +1,238 @@
+"""The lm-eval model backend "apcscore": lm-eval's requests through apcscore's Engine.
+
+Importing this module registers `ApcscoreLM` as lm-eval model "apcscore". lm-eval imports its built-in
+models (`hf`, `vllm`, ...) only while its model registry is empty, so this module imports `lm_eval.models`
+first: registering into an empty registry would hide `--model hf` afterwards.
+
+Everything that decides numbers is HFLM's (lm-eval's `hf` backend), reused or copied, so the two agree:
+- tokenization: `tok_encode` is HFLM's (the tokenizer's own special tokens unless `add_bos_token` says
+  otherwise, none where the string already starts with BOS); `loglikelihood` is TemplateLM's (the
+  context/continuation split, an empty context becomes `prefix_token_id`: BOS, else EOS);
+- a scored sequence longer than `max_length + 1` tokens loses tokens on the left, as in HFLM;
+- `is_greedy`: every continuation token is the argmax (ties: lowest id, `torch.argmax`'s);
+- `loglikelihood_rolling`: lm-eval's `get_rolling_token_windows` + `make_disjoint_window`, summed per request;
+- `generate_until`: `normalize_gen_kwargs`, `handle_stop_sequences` (EOS text added), the context
+  left-truncated to `max_length - max_gen_toks`, the text cut at the first stop string.
+Results come back in input order (lm-eval zips them with its requests).
+"""
+
+from __future__ import annotations
+
+import lm_eval.models  # noqa: F401  (fills the registry with the built-ins before ours is added)
+from typing import Any
+
+import jinja2
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from apcscore.engine.sampling_params import SamplingParams
+from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.errors import ApcscoreError
+from apcscore.jobs.generate import record_seed
+from apcscore.jobs.loglikelihood import continuation_score
+from apcscore.lmeval.engine_options import build_engine_config
+
+DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
+# generation kwargs lm-eval tasks set that change nothing here (HF generate's own switches)
+_IGNORED_GEN_KWARGS = frozenset({"do_sample", "use_cache", "num_beams"})
+
+
+@register_model("apcscore")
+class ApcscoreLM(TemplateLM):
+    """An lm-eval model backed by apcscore's Engine (paged KV cache, prefix caching, batch invariance).
+
+    pretrained: model alias, Hugging Face directory or .gguf file (default: smollm2-135m).
+    max_length: most tokens a scored sequence feeds the model (default: the engine's context length - 1).
+    max_gen_toks: default generation length (256, HFLM's). add_bos_token: as HFLM's.
+    seed: base seed of sampled generations (each request gets one derived from it and its position).
+    engine: an already built Engine (tests, benchmarks); otherwise the remaining keyword arguments are
+    engine settings (EngineConfig field names, `no_*` flags, `exact_reuse`). batch_size is accepted and
+    ignored: the engine batches by its token budget.
+    """
+
+    def __init__(self, pretrained: str = "smollm2-135m", max_length: int | None = None,
+                 max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, seed: int = 0,
+                 engine: Any = None, batch_size: Any = None, progress: bool = True, **engine_options: Any) -> None:
+        super().__init__()
+        if engine is None:
+            from apcscore.engine.engine import Engine
+
+            engine = Engine.from_model(str(pretrained), build_engine_config(engine_options))
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        limit = engine.info.max_model_len - 1  # the engine holds the last (only predicted) token too
+        if max_length is not None and not 1 <= int(max_length) <= limit:
+            raise ApcscoreError(f"max_length must be between 1 and {limit} for this model, not {max_length}")
+        self._max_length = int(max_length) if max_length is not None else limit
+        self._max_gen_toks = int(max_gen_toks)
+        self.add_bos_token = add_bos_token
+        self.seed = int(seed)
+        self.progress = progress
+        self.chat_template_args: dict[str, Any] = {}
+        self._generation_index = 0
+
+    # ---- what lm-eval asks of a model ---------------------------------------------------------------
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_token_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """BOS, else EOS (HFLM's): the context of an empty context and of the first rolling window."""
+        bos = self.tokenizer.bos_token_id
+        return bos if bos is not None else self.tokenizer.eos_token_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(self.tokenizer.name_or_path).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None,
+                   left_truncate_len: int | None = None, **kwargs: Any) -> list[int]:
+        """HFLM's `tok_encode`: the tokenizer's default special tokens unless told (or `add_bos_token`), none
+        when the string already starts with the BOS text."""
+        special: dict[str, bool] = {}
+        if add_special_tokens is not None:
+            special["add_special_tokens"] = add_special_tokens
+        elif self.add_bos_token is not None:
+            special["add_special_tokens"] = self.add_bos_token
+        if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
+            special["add_special_tokens"] = False
+        ids = list(self.tokenizer.encode(string, **special))
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def generation_prompt(self, context: str) -> list[int]:
+        """A generation context's tokens as HFLM's `tok_batch_encode` makes them (BOS checked by its text)."""
+        bos = self.tokenizer.bos_token
+        if bos is not None and context.startswith(bos):
+            return list(self.tokenizer.encode(context, add_special_tokens=False))
+        if self.add_bos_token is not None:
+            return list(self.tokenizer.encode(context, add_special_tokens=self.add_bos_token))
+        return list(self.tokenizer.encode(context))
+
+    def tok_decode(self, tokens: Any, skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """HFLM's: the tokenizer's chat template as text; without the system turn if the template refuses it."""
+        kwargs = dict(tokenize=False, add_generation_prompt=add_generation_prompt,
+                      continue_final_message=not add_generation_prompt, **self.chat_template_args)
+        try:
+            return self.tokenizer.apply_chat_template(chat_history, **kwargs)
+        except jinja2.exceptions.TemplateError:
+            history = [m for m in chat_history if m["role"] != "system"]
+            return self.tokenizer.apply_chat_template(history, **kwargs)
+
+    # ---- running requests ---------------------------------------------------------------------------
+    def _run(self, requests: list[Request], desc: str, disable_tqdm: bool) -> list[RequestOutput]:
+        """Run `requests` (request_id = position) through the engine; outputs in input order."""
+        outputs: list[RequestOutput | None] = [None] * len(requests)
+        with tqdm(total=len(requests), desc=desc, disable=disable_tqdm or not self.progress) as bar:
+            for out in self.engine.run(requests):
+                if out.error is not None:
+                    raise ApcscoreError(f"{desc}: request {out.request_id} failed in the engine: {out.error}")
+                outputs[out.request_id] = out
+                bar.update(1)
+        missing = [i for i, o in enumerate(outputs) if o is None]
+        if missing:
+            raise RuntimeError(f"the engine returned no output for requests {missing[:5]}: this is a bug")
+        return outputs  # type: ignore[return-value]
+
+    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
+                              **kwargs: Any) -> list[tuple[float, bool]]:
+        """(loglikelihood, is_greedy) of each (_, context tokens, continuation tokens), in input order."""
+        engine_requests = []
+        for i, (_, context, continuation) in enumerate(requests):
+            if not context or not continuation:
+                raise ApcscoreError("a loglikelihood request needs context and continuation tokens")
+            if len(continuation) > self.max_length:
+                raise ApcscoreError(f"a continuation of {len(continuation)} tokens is longer than max_length "
+                                    f"{self.max_length}")
+            tokens = (context + continuation)[-(self.max_length + 1):]  # HFLM's left truncation
+            engine_requests.append(Request(i, tokens, prompt_logprobs=1, score_from=len(tokens) - len(continuation),
+                                           prompt_logprob_ranks=False))
+        results = []
+        for out in self._run(engine_requests, "apcscore loglikelihood", disable_tqdm):
+            score = continuation_score(out)
+            results.append((score.logprob, score.is_greedy))
+        return results
+
+    def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
+        """Sum of the loglikelihoods of lm-eval's disjoint rolling windows over each text; one float each."""
+        windows: list[tuple[Any, list[int], list[int]]] = []
+        counts = []
+        for req in requests:
+            (text,) = req.args
+            pairs = [make_disjoint_window(w) for w in get_rolling_token_windows(
+                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)]
+            windows.extend((None, ctx, pred) for ctx, pred in pairs)
+            counts.append(len(pairs))
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm) if windows else []
+        totals, at = [], 0
+        for n in counts:
+            totals.append(float(sum(s for s, _ in scores[at:at + n])))
+            at += n
+        for req, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
+        return totals
+
+    def sampling_params(self, gen_kwargs: dict[str, Any], index: int) -> tuple[SamplingParams, list[str]]:
+        """SamplingParams and stop strings of one request's generation kwargs (lm-eval's normalisation)."""
+        kwargs = dict(normalize_gen_kwargs(gen_kwargs, self.max_gen_toks))
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=self.tok_decode(self.eot_token_id,
+                                                                                     skip_special_tokens=False))
+        max_gen_toks = int(kwargs.pop("max_gen_toks"))
+        sample = bool(kwargs.get("do_sample"))
+        temperature = float(kwargs.pop("temperature", 0.0) or 0.0) if sample else 0.0
+        kwargs.pop("temperature", None)
+        top_p = float(kwargs.pop("top_p", 1.0) or 1.0)
+        top_k = int(kwargs.pop("top_k", 0) or 0)
+        seed = kwargs.pop("seed", None)
+        unknown = sorted(set(kwargs) - _IGNORED_GEN_KWARGS)
+        if unknown:
+            raise ApcscoreError(f"generation kwargs the apcscore backend does not support: {unknown}")
+        if sample and "temperature" not in gen_kwargs:
+            temperature = 1.0  # transformers' generate default when sampling
+        params = SamplingParams(max_tokens=max_gen_toks, temperature=temperature, top_p=top_p, top_k=top_k,
+                                seed=int(seed) if seed is not None else record_seed(self.seed, index),
+                                stop=tuple(s for s in until if s))
+        return params, until
+
+    def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
+        """Completions of each (context, gen_kwargs), cut at the first `until` string; in input order."""
+        engine_requests, stops = [], []
+        for i, req in enumerate(requests):
+            context, gen_kwargs = req.args
+            params, until = self.sampling_params(gen_kwargs, self._generation_index + i)
+            max_ctx = self.max_length - params.max_tokens
+            if max_ctx <= 0:
+                raise ApcscoreError(f"max_gen_toks {params.max_tokens} leaves no room for a context within "
+                                    f"max_length {self.max_length}")
+            prompt = self.generation_prompt(context)[-max_ctx:]
+            engine_requests.append(Request(i, prompt, sampling=params))
+            stops.append(until)
+        self._generation_index += len(requests)
+        outs = self._run(engine_requests, "apcscore generate_until", disable_tqdm)
+        results = []
+        for req, out, until in zip(requests, outs, stops):
+            text = postprocess_generated_text(self.tok_decode(out.output_token_ids), until, None)
+            self.cache_hook.add_partial("generate_until", req.args, text)
+            results.append(text)
+        return results
+
+    def get_model_info(self) -> dict[str, Any]:
+        """What lm-eval records about the model in its results."""
+        info = self.engine.info
+        return {"model_name": info.name, "model_path": info.path, "model_num_parameters": info.num_parameters,
+                "model_dtype": str(self.engine.dtype), "model_fingerprint": info.fingerprint}

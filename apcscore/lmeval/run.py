@@ -1,0 +1,157 @@
+"""`apcscore eval`: lm-eval's `simple_evaluate` with the apcscore backend; results JSON, per-request parquet.
+
+Order: the tasks are resolved and their data loaded first (a task whose data needs the hub fails here, with
+how to point it at local files), then the model loads, then lm-eval runs. `<out>/results.json` is lm-eval's
+results (without the samples); `<out>/requests.parquet` has one row per request (see `requests.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from apcscore.errors import ApcscoreError
+
+HUB_HELP = (
+    "lm-eval loads a task's `dataset_path` from the Hugging Face hub, which cannot be reached from here and "
+    "has no local copy of it. Point the task at local files: copy its YAML into a folder you pass with "
+    "--include-path and set `dataset_path: json` (or `csv`, `parquet`) with `dataset_kwargs: {data_files: "
+    "{test: path/to/test.jsonl, train: path/to/train.jsonl}}` (paths relative to where you run the command)")
+
+_HUB_MARKERS = ("hub", "huggingface", "offline", "not cached", "couldn't reach", "connection", "datasetnotfound",
+                "repositorynotfound", "localentrynotfound")
+
+
+def _import_lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ModuleNotFoundError:
+        raise ApcscoreError("apcscore eval needs lm-evaluation-harness: pip install 'apcscore[lmeval]' "
+                            "(or `make install`)") from None
+    return lm_eval
+
+
+def split_tasks(tasks: str) -> list[str]:
+    """`T1,T2` -> ["T1", "T2"] (blanks dropped); at least one name."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise ApcscoreError("--tasks needs at least one task name, e.g. --tasks arc_easy,hellaswag")
+    return names
+
+
+def _is_hub_failure(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = f"{type(seen).__name__} {seen}".lower()
+        if isinstance(seen, ConnectionError) or any(m in text for m in _HUB_MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def load_tasks(names: list[str], include_path: Path | None) -> Any:
+    """lm-eval's TaskManager, after checking every task name and loading every task's data."""
+    _import_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not include_path.is_dir():
+        raise ApcscoreError(f"--include-path {include_path}: not a directory")
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
+    if unknown:
+        raise ApcscoreError(f"unknown lm-eval task(s): {', '.join(unknown)} (check the names, or add the folder "
+                            "of their YAML files with --include-path)")
+    try:
+        manager.load(names)
+    except Exception as exc:  # lm-eval and datasets raise many kinds; say which problem it is
+        if _is_hub_failure(exc):
+            raise ApcscoreError(f"could not load the data of task(s) {', '.join(names)}: {exc}. {HUB_HELP}") from None
+        raise ApcscoreError(f"lm-eval could not load task(s) {', '.join(names)}: {type(exc).__name__}: {exc}") from None
+    return manager
+
+
+def run_eval(opts: dict[str, Any], echo: Any) -> dict[str, Any]:
+    """Run `apcscore eval` with merged options; return lm-eval's results (samples included).
+
+    opts: tasks, include_path, num_fewshot, limit, apply_chat_template, out, model, seed, max_length,
+    quiet, and engine options (EngineConfig fields, `no_*` flags, exact_reuse). echo: prints a line.
+    """
+    lm_eval = _import_lm_eval()
+    from apcscore.lmeval.backend import ApcscoreLM
+    from apcscore.lmeval.engine_options import build_engine_config
+    from apcscore.lmeval.requests import write_outputs
+
+    names = split_tasks(opts["tasks"])
+    out = Path(opts.get("out") or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():
+        raise ApcscoreError(f"--out {out}: exists and is not a directory")
+    if out.is_dir() and (out / "results.json").exists() and not opts.get("overwrite"):
+        raise ApcscoreError(f"--out {out} already holds results.json; pass --overwrite or choose another folder")
+    config = build_engine_config(opts)  # checked before anything loads
+    manager = load_tasks(names, opts.get("include_path"))
+    started = time.perf_counter()
+    lm = ApcscoreLM(pretrained=opts.get("model") or "smollm2-135m", max_length=opts.get("max_length"),
+                    seed=opts.get("seed") or 0, progress=not opts.get("quiet"), engine=_engine(opts, config))
+    load_seconds = time.perf_counter() - started
+    results = lm_eval.simple_evaluate(
+        model=lm, tasks=names, task_manager=manager, num_fewshot=opts.get("num_fewshot"),
+        limit=opts.get("limit"), apply_chat_template=bool(opts.get("apply_chat_template")),
+        fewshot_as_multiturn=bool(opts.get("apply_chat_template")), log_samples=True)
+    if results is None:
+        raise ApcscoreError("lm-eval returned no results")
+    run_seconds = time.perf_counter() - started - load_seconds
+    meta = run_info(lm, config, opts, names, load_seconds, run_seconds)
+    write_outputs(out, results, meta)
+    if not opts.get("quiet"):
+        from lm_eval.utils import make_table
+
+        echo(make_table(results))
+        if results.get("groups"):
+            echo(make_table(results, "groups"))
+        echo(f"wrote {out / 'results.json'} and {out / 'requests.parquet'}")
+    return results
+
+
+def _engine(opts: dict[str, Any], config: Any) -> Any:
+    from apcscore.engine.engine import Engine
+
+    return Engine.from_model(opts.get("model") or "smollm2-135m", config)
+
+
+def run_info(lm: Any, config: Any, opts: dict[str, Any], names: list[str], load_seconds: float,
+             run_seconds: float) -> dict[str, Any]:
+    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`)."""
+    import sys
+
+    import torch
+    import transformers
+
+    from apcscore import __version__
+
+    engine = lm.engine
+    info = engine.info
+    return {
+        "apcscore_version": __version__, "command": "eval", "argv": sys.argv,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "tasks": names, "num_fewshot": opts.get("num_fewshot"), "limit": opts.get("limit"),
+        "apply_chat_template": bool(opts.get("apply_chat_template")), "max_length": lm.max_length,
+        "model": {"name": info.name, "path": info.path, "architecture": info.architecture,
+                  "fingerprint": info.fingerprint, "max_model_len": info.max_model_len},
+        "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+        "attention_backend": engine.attention_backend,
+        "engine": {**config.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "lm_eval": _version("lm_eval")},
+        "timing": {"load_seconds": round(load_seconds, 3), "run_seconds": round(run_seconds, 3)},
+    }
+
+
+def _version(name: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+

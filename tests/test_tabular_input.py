@@ -1,0 +1,101 @@
+"""Datasets beyond JSONL: parquet, CSV and save_to_disk directories read into the same records; --columns."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from apcscore.cli import app
+from apcscore.errors import ApcscoreError
+from apcscore.io.reader import load_dataset
+from apcscore.io.tabular import parse_columns, rename
+
+ROWS = [
+    {"id": "a", "context": "The capital of France is", "choices": ["Paris", "Rome"], "answer": 0},
+    {"id": "b", "context": "Two plus two is", "choices": ["four", "five", "six"], "answer": 0},
+    {"id": "c", "prompt": "Hello there"},
+]
+
+
+def _table(rows: list[dict]) -> pa.Table:
+    """rows as a table with every key of any row (pyarrow's from_pylist takes the first row's keys only)."""
+    keys = list(dict.fromkeys(k for r in rows for k in r))
+    return pa.Table.from_pylist([{k: r.get(k) for k in keys} for r in rows])
+
+
+def _fields(data) -> list[tuple]:
+    return [(r.id, r.kind, r.fields) for r in data.records]
+
+
+@pytest.fixture
+def jsonl(tmp_path, write_jsonl):
+    return load_dataset(write_jsonl(tmp_path / "d.jsonl", ROWS), "score")
+
+
+def test_parquet_equals_jsonl(tmp_path, jsonl):
+    path = tmp_path / "d.parquet"
+    pq.write_table(_table(ROWS), path)  # missing keys become nulls: absent again
+    data = load_dataset(path, "score")
+    assert _fields(data) == _fields(jsonl)
+    assert len(data.sha256) == 64
+
+
+def test_csv_with_json_list_cells_equals_jsonl(tmp_path, jsonl):
+    path = tmp_path / "d.csv"
+    table = _table([{**r, "choices": json.dumps(r["choices"]) if "choices" in r else None}
+                                  for r in ROWS])
+    pacsv.write_csv(table, path)
+    assert _fields(load_dataset(path, "score")) == _fields(jsonl)
+
+
+def test_save_to_disk_directory_equals_jsonl(tmp_path, jsonl):
+    datasets = pytest.importorskip("datasets")
+    ds = datasets.Dataset.from_list(_table(ROWS).to_pylist())
+    ds.save_to_disk(str(tmp_path / "saved"))
+    assert _fields(load_dataset(tmp_path / "saved", "score")) == _fields(jsonl)
+    datasets.DatasetDict({"test": ds}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(ApcscoreError, match="DatasetDict"):
+        load_dataset(tmp_path / "dd", "score")
+
+
+def test_columns_map_fields(tmp_path):
+    path = tmp_path / "t.parquet"
+    pq.write_table(pa.Table.from_pylist([{"doc_id": 7, "body": "Some text."}, {"doc_id": 8, "body": "More."}]), path)
+    data = load_dataset(path, "perplexity", columns=parse_columns("text=body,id=doc_id"))
+    assert [(r.id, r.fields["text"]) for r in data.records] == [("7", "Some text."), ("8", "More.")]
+    assert parse_columns("prompt=text, id=doc_id") == {"prompt": "text", "id": "doc_id"}
+    assert rename({"text": "x", "other": 1}, {"prompt": "text"}) == {"prompt": "x", "other": 1}
+    for bad in ("prompt", "=text", "prompt=a,prompt=b"):
+        with pytest.raises(ApcscoreError, match="--columns"):
+            parse_columns(bad)
+
+
+def test_errors_name_file_and_row(tmp_path):
+    path = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist([{"text": "fine"}, {"text": None}, {"text": "also fine"}]), path)
+    with pytest.raises(ApcscoreError, match=rf"{path}:row 2: ") as err:
+        load_dataset(path, "perplexity")
+    assert "1 of 3 records are invalid" in str(err.value)
+    data = load_dataset(path, "perplexity", skip_invalid=True, limit=2)
+    assert [r.line for r in data.records] == [1] and [r.line for r in data.invalid] == [2]
+    with pytest.raises(ApcscoreError, match="cannot read"):
+        (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+        load_dataset(tmp_path / "broken.parquet", "perplexity")
+
+
+def test_perplexity_command_reads_csv_with_columns(tmp_path, tiny_model_dir):
+    path = tmp_path / "texts.csv"
+    pacsv.write_csv(pa.Table.from_pylist([{"name": "one", "body": "A short text to score."},
+                                          {"name": "two", "body": "Another one, a bit longer than that."}]), path)
+    out = tmp_path / "ppl.parquet"
+    result = CliRunner().invoke(app, ["perplexity", str(path), "--columns", "text=body,id=name", "--model",
+                                      str(tiny_model_dir("llama")), "--out", str(out), "--quiet"])
+    assert result.exit_code == 0, result.output
+    table = pq.read_table(out)
+    assert table.column("id").to_pylist() == ["one", "two"]
+    assert table.column("status").to_pylist() == ["ok", "ok"]
