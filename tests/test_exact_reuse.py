@@ -129,3 +129,97 @@ def test_a_crafted_hash_collision_is_refused(model: str, reference: dict, monkey
     monkeypatch.setattr(block_manager, "hash_block", lambda parent, tokens: b"\0" * 32)
     eng = engine(model, exact_reuse=True)
     assert_same(run(eng, fewshot_requests()), reference, "colliding hashes")
+
+
+# ---- the command line: every record kind, every column ------------------------------------------------------
+FEWSHOT = ("The following are multiple choice questions about everyday facts. Answer with the right option. "
+           "Question: What colour is the sky on a clear day? Answer: blue. Question: How many legs has a cat? "
+           "Answer: four. Question: What do bees make? Answer: honey.\n\n")
+
+
+def score_records() -> list[dict]:
+    recs: list[dict] = []
+    for i, q in enumerate(["What is frozen water?", "Which animal barks?", "What do we breathe?"]):
+        recs.append({"id": f"mc{i}", "context": FEWSHOT + f"Question: {q} Answer:",
+                     "choices": [" ice", " a dog", " air", " the moon"], "answer": i})
+        recs.append({"id": f"cont{i}", "context": FEWSHOT + f"Question: {q} Answer:", "continuation": " ice"})
+    recs.append({"id": "prompt", "prompt": FEWSHOT + "A plain prompt, scored at every position."})
+    recs.append({"id": "ids", "prompt_token_ids": list(range(100, 150))})
+    return recs
+
+
+def cli_run(model: str, tmp_path, command: str, records: list[dict], write_jsonl, *flags: str) -> tuple:
+    import json
+
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    data = write_jsonl(tmp_path / f"{command}.jsonl", records)
+    out = tmp_path / f"{command}{'-'.join(flags).replace('/', '_')}.parquet"
+    res = CliRunner().invoke(app, [command, str(data), "--model", model, "--out", str(out), "--device", "cpu",
+                                   "--num-kv-blocks", "256", *flags])
+    if res.exit_code != 0 or not out.exists():
+        return res, None, None
+    table = pq.read_table(out)
+    return res, table, json.loads(table.schema.metadata[b"apcscore"])
+
+
+def assert_tables_equal(a, b) -> None:
+    """Every column but the run's own timings, value for value (floats compared by their bits through Arrow)."""
+    assert a.schema.names == b.schema.names
+    for name in a.schema.names:
+        assert a.column(name).equals(b.column(name)), f"column {name} differs"
+
+
+@pytest.mark.parametrize("command,flags", [("score", ("--prompt-logprobs", "3")),
+                                           ("perplexity", ("--window", "40", "--stride", "17",
+                                                           "--prompt-logprobs", "2")),
+                                           ("generate", ("--prompt-logprobs", "2", "--max-tokens", "3"))])
+def test_cli_exact_reuse_writes_the_recompute_file(model: str, tmp_path, write_jsonl, command: str,
+                                                   flags: tuple) -> None:
+    if command == "score":
+        records = score_records()
+    else:
+        records = [{"id": f"t{i}", "prompt" if command == "generate" else "text": FEWSHOT * 2 + tail}
+                   for i, tail in enumerate(["Once upon a time.", "The end of the story came soon.", "Again."])]
+    res, want, meta = cli_run(model, tmp_path, command, records, write_jsonl, *flags)
+    assert res.exit_code == 0, res.output
+    reusable = meta["timings"]["prefix_cache"]["reusable_tokens"]
+    res, got, meta2 = cli_run(model, tmp_path, command, records, write_jsonl, *flags, "--exact-reuse",
+                              "--max-batch-tokens", "100")
+    assert res.exit_code == 0, res.output
+    assert_tables_equal(got, want)
+    assert meta2["engine"]["exact_reuse"] is True
+    if command == "score":  # the contexts share a few-shot prefix: reuse happened, and was announced
+        assert reusable > 0 and "--exact-reuse would have served" in cli_run(
+            model, tmp_path, command, records, write_jsonl, *flags, "--overwrite")[0].output
+        assert meta2["timings"]["prefix_cache"]["hit_tokens"] > 0
+        assert meta2["timings"]["prompt_tokens"] < meta["timings"]["prompt_tokens"]
+
+
+def test_cli_refuses_exact_reuse_without_batch_invariance(model: str, tmp_path, write_jsonl) -> None:
+    res, _, _ = cli_run(model, tmp_path, "score", score_records(), write_jsonl, "--exact-reuse",
+                        "--no-batch-invariant")
+    assert res.exit_code == 2 and "--exact-reuse needs batch invariance" in res.output
+    res, _, _ = cli_run(model, tmp_path, "score", score_records(), write_jsonl, "--verify-reuse", "0.5")
+    assert res.exit_code == 2 and "pass --exact-reuse too" in res.output
+
+
+def test_verify_reuse_passes_and_catches_a_wrong_reuse(model: str, tmp_path, write_jsonl, monkeypatch) -> None:
+    res, _, meta = cli_run(model, tmp_path, "score", score_records(), write_jsonl, "--exact-reuse",
+                           "--verify-reuse", "1")
+    assert res.exit_code == 0, res.output
+    report = meta["verify_reuse"]
+    assert report["mismatches"] == [] and report["records"] == len(score_records())
+    # a reuse that takes one block too many skips positions it must score: the verification must fail the run
+    from apcscore.engine.sequence import Sequence
+
+    right = Sequence.reusable_blocks
+    monkeypatch.setattr(Sequence, "reusable_blocks", lambda self, bs: right(self, bs) + 1)
+    res, _, _ = cli_run(model, tmp_path, "score", score_records(), write_jsonl, "--exact-reuse",
+                        "--verify-reuse", "1", "--overwrite")
+    assert res.exit_code == 1, res.output
+    # the full-prompt record reads the few-shot prefix's first block, whose positions it must score
+    assert "differ from full recompute" in res.output and "prompt (request 0): prompt_positions" in res.output
