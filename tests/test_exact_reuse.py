@@ -148,7 +148,8 @@ def score_records() -> list[dict]:
     return recs
 
 
-def cli_run(model: str, tmp_path, command: str, records: list[dict], write_jsonl, *flags: str) -> tuple:
+def cli_run(model: str, tmp_path, command: str, records: list[dict], write_jsonl, *flags: str,
+            name: str | None = None) -> tuple:
     import json
 
     import pyarrow.parquet as pq
@@ -157,7 +158,7 @@ def cli_run(model: str, tmp_path, command: str, records: list[dict], write_jsonl
     from apcscore.cli import app
 
     data = write_jsonl(tmp_path / f"{command}.jsonl", records)
-    out = tmp_path / f"{command}{'-'.join(flags).replace('/', '_')}.parquet"
+    out = tmp_path / f"{name or command + '-'.join(flags).replace('/', '_')}.parquet"
     res = CliRunner().invoke(app, [command, str(data), "--model", model, "--out", str(out), "--device", "cpu",
                                    "--num-kv-blocks", "256", *flags])
     if res.exit_code != 0 or not out.exists():
@@ -223,3 +224,32 @@ def test_verify_reuse_passes_and_catches_a_wrong_reuse(model: str, tmp_path, wri
     assert res.exit_code == 1, res.output
     # the full-prompt record reads the few-shot prefix's first block, whose positions it must score
     assert "differ from full recompute" in res.output and "prompt (request 0): prompt_positions" in res.output
+
+
+def test_interrupted_exact_reuse_run_resumes_to_the_recompute_file(model: str, tmp_path, write_jsonl,
+                                                                   monkeypatch) -> None:
+    import os
+    import signal
+
+    from apcscore.jobs.base import Job
+
+    records = [{**r, "id": f"{r['id']}-{k}"} for k in range(3) for r in score_records()]
+    res, want, _ = cli_run(model, tmp_path, "score", records, write_jsonl, "--prompt-logprobs", "2")
+    assert res.exit_code == 0, res.output
+    finish, seen = Job.finish_row, []
+
+    def interrupting(self, record, row):  # SIGINT to ourselves after the 7th row: the runner stops after the step
+        seen.append(record.index)
+        if len(seen) == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+        return finish(self, record, row)
+
+    monkeypatch.setattr(Job, "finish_row", interrupting)
+    flags = ("--prompt-logprobs", "2", "--exact-reuse", "--max-num-seqs", "2", "--max-batch-tokens", "64")
+    res, _, _ = cli_run(model, tmp_path, "score", records, write_jsonl, *flags, name="resumed")
+    assert res.exit_code == 130, res.output
+    monkeypatch.setattr(Job, "finish_row", finish)
+    res, got, meta = cli_run(model, tmp_path, "score", records, write_jsonl, *flags, "--resume", name="resumed")
+    assert res.exit_code == 0, res.output
+    assert meta["sessions"] == 2 and 7 <= len(seen) < len(records)
+    assert_tables_equal(got, want)
