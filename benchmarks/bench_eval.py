@@ -457,6 +457,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="transformers batch size")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (both sides)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both sides)")
+    ap.add_argument("--only", help="comma-separated contender names to run besides the baseline (transformers), "
+                                   "e.g. 'apcscore --exact-reuse,apcscore CLI --exact-reuse' (default: all)")
     ap.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench_eval_work")
     ap.add_argument("--out", type=Path, help="results JSON (default results/bench_eval.json; --quick: "
                                              "results/bench_eval.quick.json)")
@@ -478,6 +480,10 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     machine = machine_info()
     scenarios = build_scenarios(args, args.work_dir)
+    if args.only:
+        keep = set(args.only.split(","))
+        for sc in scenarios:
+            sc.contenders = [c for c in sc.contenders if c.baseline or c.name in keep]
     results = []
     for sc in scenarios:
         print(f"{sc.name}: {sc.description}", flush=True)

@@ -253,3 +253,22 @@ def test_interrupted_exact_reuse_run_resumes_to_the_recompute_file(model: str, t
     assert res.exit_code == 0, res.output
     assert meta["sessions"] == 2 and 7 <= len(seen) < len(records)
     assert_tables_equal(got, want)
+
+
+def test_a_shared_prefix_is_computed_once_wherever_its_questions_sit(model: str) -> None:
+    """Questions behind one 160-token prefix, scattered among unrelated prompts in a file far longer than the
+    look-ahead (max_num_seqs 2: 8 waiting requests): the prefix's 10 blocks are prefilled once."""
+    rng = np.random.default_rng(11)
+    prefix = rng.integers(3, 49152, 160).tolist()
+    reqs: list[Request] = []
+    for i in range(40):
+        if i % 5 == 2:
+            ctx = prefix + rng.integers(3, 49152, 7).tolist()
+            reqs.append(Request(("q", i), ctx + [42, 43], prompt_logprobs=0, score_from=len(ctx)))
+        else:
+            reqs.append(Request(("x", i), rng.integers(3, 49152, 30).tolist(), prompt_logprobs=0))
+    eng = engine(model, exact_reuse=True, max_num_seqs=2)
+    got = run(eng, reqs)
+    questions = sum(1 for r in reqs if r.request_id[0] == "q")
+    assert eng.stats.prompt_tokens == sum(len(r.prompt_token_ids) for r in reqs) - (questions - 1) * 160
+    assert_same(got, run(engine(model), reqs), "scattered")
