@@ -206,7 +206,7 @@ def worker(argv: list[str]) -> None:
     side = load_side(args.side, args.model, args.device, args.dtype, batch_invariant=not args.no_batch_invariant,
                      exact_reuse=args.exact_reuse)
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if args.side == "apcscore":
         # prompt_logprobs 0: per-token logprobs (and ranks) for the check; the CLI contender writes sums only
         options = {"window": args.window, "prompt_logprobs": 0} if args.task == "perplexity" else {"prompt_logprobs": 0}
@@ -217,10 +217,12 @@ def worker(argv: list[str]) -> None:
         rows = transformers_choices(side, records, args.batch_size, args.device)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
-    compute_s = time.perf_counter() - t0
+    compute_s, compute_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     save(args.output, args.task, rows)
     report = {"side": args.side, "task": args.task, "import_s": round(import_s, 3), "load_s": round(load_s, 3),
               "compute_s": round(compute_s, 3), "threads": torch.get_num_threads(),
+              # CPU seconds of the compute (all threads): less sensitive than wall time to a shared machine's load
+              "compute_cpu_s": round(compute_cpu_s, 3),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
               "output": str(args.output)}
     if args.side == "apcscore":

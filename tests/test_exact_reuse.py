@@ -272,3 +272,29 @@ def test_a_shared_prefix_is_computed_once_wherever_its_questions_sit(model: str)
     questions = sum(1 for r in reqs if r.request_id[0] == "q")
     assert eng.stats.prompt_tokens == sum(len(r.prompt_token_ids) for r in reqs) - (questions - 1) * 160
     assert_same(got, run(engine(model), reqs), "scattered")
+
+
+@pytest.mark.triton
+def test_exact_reuse_with_the_triton_backend(model: str) -> None:
+    """The Triton attention kernel reads its keys in the same fixed tiles: reuse is bitwise there too (runs under
+    TRITON_INTERPRET=1 on a CPU, or on CUDA)."""
+    import torch
+
+    from apcscore.kernels._checks import interpreting
+
+    if not interpreting() and not torch.cuda.is_available():
+        pytest.skip("the Triton backend needs CUDA or TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+    rng = np.random.default_rng(8)
+    prefix = rng.integers(3, 49152, 12).tolist()
+    reqs = [Request(i, prefix + rng.integers(3, 49152, 3).tolist() + [11 + i, 12], prompt_logprobs=2, score_from=15)
+            for i in range(3)]
+
+    def triton(**kw) -> Engine:
+        return Engine.from_model(model, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
+                                                     max_batch_tokens=8, attention_backend="triton",
+                                                     use_cuda_graphs=False, **kw))
+
+    reused = triton(exact_reuse=True)
+    assert_same(run(reused, reqs), run(triton(), reqs), "triton")
+    assert reused.block_manager.stats.hit_tokens == 2 * 12
