@@ -274,7 +274,7 @@ def test_a_shared_prefix_is_computed_once_wherever_its_questions_sit(model: str)
     assert_same(got, run(engine(model), reqs), "scattered")
 
 
-@pytest.mark.triton
+# not marked `triton`: scripts/gpu_check.py selects those, and this test needs the default model's tokenizer
 def test_exact_reuse_with_the_triton_backend(model: str) -> None:
     """The Triton attention kernel reads its keys in the same fixed tiles: reuse is bitwise there too (runs under
     TRITON_INTERPRET=1 on a CPU, or on CUDA)."""
