@@ -73,6 +73,8 @@ MaxBatchTokensOpt = Annotated[Optional[int], typer.Option("--max-batch-tokens", 
 MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Sequences running at once. \\[default: 64]")]
 NoPrefixCachingOpt = Annotated[bool, _flag("--no-prefix-caching", help="Turn automatic prefix caching off.")]
 NoBatchInvariantOpt = Annotated[bool, _flag("--no-batch-invariant", help="Library GEMMs instead of batch-invariant ones: faster, but a record's last bits may then depend on what shares its steps.")]
+ExactReuseOpt = Annotated[bool, _flag("--exact-reuse", help="Scoring reads cached KV of the blocks before each record's first scored position (shared contexts, few-shot prefixes computed once); results stay bitwise those of a full recompute. Needs batch invariance.")]
+VerifyReuseOpt = Annotated[Optional[float], typer.Option("--verify-reuse", help="With --exact-reuse: re-score this fraction of the records (0..1, a seeded sample) by full recompute at the end of the run; any bit differing fails the run (exit 1) naming ids and columns.")]
 MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Cap on the context length in tokens. \\[default: the model's]")]
 LogprobsChunkOpt = Annotated[Optional[int], typer.Option("--logprobs-chunk-size", help="Rows of the vocabulary projection computed at once. \\[default: 1024]")]
 KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-cache-memory-fraction", help="Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, at most 4 GiB; CUDA: of the GPU's total, after weights and the largest step). \\[default: 0.25 CPU, 0.85 CUDA]")]
@@ -121,6 +123,7 @@ def score(
     max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
+    exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
 ) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
 
@@ -153,6 +156,7 @@ def generate(
     max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
+    exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
@@ -178,6 +182,7 @@ def perplexity(
     max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
+    exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
 ) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
 

@@ -37,6 +37,9 @@ class EngineConfig:
     # transformers forward and generate() (full recompute, no cache); auto = native where it implements the
     # architecture, else transformers (apcscore.models.architecture.choose_model_backend)
     model_backend: str = "auto"
+    # scoring requests read cached KV of the blocks before their first scored position (needs batch_invariant:
+    # then the results are bitwise those of a full recompute, docs/architecture.md "Exact reuse")
+    exact_reuse: bool = False
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -67,6 +70,12 @@ class EngineConfig:
              f"--model-backend must be auto, native or transformers, not {self.model_backend!r}")
         need(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
              "kv_cache_memory_fraction must be in (0, 0.95]")
+        need(not self.exact_reuse or self.batch_invariant,
+             "--exact-reuse needs batch invariance: without it a cached block's KV is not bitwise what a fresh "
+             "prefill writes, so reused scores could differ from a full recompute — drop --no-batch-invariant "
+             "(or --exact-reuse)")
+        need(not self.exact_reuse or self.enable_prefix_caching,
+             "--exact-reuse reads the prefix cache, which --no-prefix-caching turns off — drop one of the two")
 
     def check_logprobs(self, k: int | None, option: str) -> None:
         """Refuse a top-K request above `max_logprobs` with a message that says how to raise the cap."""
@@ -89,7 +98,7 @@ _KINDS: dict[str, tuple[type, ...]] = {
     "block_size": (int,), "max_batch_tokens": (int,), "max_num_seqs": (int,), "max_logprobs": (int,),
     "logprobs_chunk_size": (int,), "seed": (int,),
     "num_kv_blocks": (int, type(None)), "max_model_len": (int, type(None)),
-    "enable_prefix_caching": (bool,), "use_cuda_graphs": (bool,), "batch_invariant": (bool,),
+    "enable_prefix_caching": (bool,), "use_cuda_graphs": (bool,), "batch_invariant": (bool,), "exact_reuse": (bool,),
     "kv_cache_memory_fraction": (int, float, type(None)),
 }
 _WHAT = {(str,): "a string", (int,): "an integer", (int, type(None)): "an integer or unset",

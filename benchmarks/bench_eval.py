@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 REPORT_PREFIX = "BENCH_REPORT "
 NO_INVARIANCE = "apcscore --no-batch-invariant"
+EXACT_REUSE = "apcscore --exact-reuse"
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -62,14 +63,16 @@ def write_jsonl(path: Path, records: list[dict]) -> None:
 # ================================================================================================
 # worker: one side, one task, in one process
 # ================================================================================================
-def load_side(side: str, model: str, device: str, dtype: str, batch_invariant: bool = True) -> Any:
+def load_side(side: str, model: str, device: str, dtype: str, batch_invariant: bool = True,
+              exact_reuse: bool = False) -> Any:
     import torch
 
     if side == "apcscore":
         from apcscore.config import EngineConfig
         from apcscore.engine import Engine
 
-        return Engine.from_model(model, EngineConfig(device=device, dtype=dtype, batch_invariant=batch_invariant))
+        return Engine.from_model(model, EngineConfig(device=device, dtype=dtype, batch_invariant=batch_invariant,
+                                                     exact_reuse=exact_reuse))
     from transformers import AutoModelForCausalLM
 
     from apcscore.models.loading import load_tokenizer
@@ -193,15 +196,17 @@ def worker(argv: list[str]) -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-batch-invariant", action="store_true", help="apcscore: library GEMMs (the tax contender)")
+    ap.add_argument("--exact-reuse", action="store_true", help="apcscore: scoring reads the prefix cache (issue 13)")
     args = ap.parse_args(argv)
     import torch
 
     import_s = time.perf_counter() - T_START
     records = read_jsonl(args.data)
     t0 = time.perf_counter()
-    side = load_side(args.side, args.model, args.device, args.dtype, batch_invariant=not args.no_batch_invariant)
+    side = load_side(args.side, args.model, args.device, args.dtype, batch_invariant=not args.no_batch_invariant,
+                     exact_reuse=args.exact_reuse)
     load_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     if args.side == "apcscore":
         # prompt_logprobs 0: per-token logprobs (and ranks) for the check; the CLI contender writes sums only
         options = {"window": args.window, "prompt_logprobs": 0} if args.task == "perplexity" else {"prompt_logprobs": 0}
@@ -212,16 +217,19 @@ def worker(argv: list[str]) -> None:
         rows = transformers_choices(side, records, args.batch_size, args.device)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
-    compute_s = time.perf_counter() - t0
+    compute_s, compute_cpu_s = time.perf_counter() - t0, time.process_time() - cpu0
     save(args.output, args.task, rows)
     report = {"side": args.side, "task": args.task, "import_s": round(import_s, 3), "load_s": round(load_s, 3),
               "compute_s": round(compute_s, 3), "threads": torch.get_num_threads(),
+              # CPU seconds of the compute (all threads): less sensitive than wall time to a shared machine's load
+              "compute_cpu_s": round(compute_cpu_s, 3),
               "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
               "output": str(args.output)}
     if args.side == "apcscore":
         s = side.stats
-        report["engine"] = {"steps": s.steps, "prompt_tokens": s.prompt_tokens,
-                            "num_kv_blocks": side.block_manager.num_blocks}
+        pc = side.block_manager.stats
+        report["engine"] = {"steps": s.steps, "prompt_tokens": s.prompt_tokens, "cache_hit_tokens": pc.hit_tokens,
+                            "reusable_tokens": pc.reusable_tokens, "num_kv_blocks": side.block_manager.num_blocks}
     print(REPORT_PREFIX + json.dumps(report), flush=True)
 
 
@@ -323,7 +331,26 @@ def check_choices(outputs: dict[str, str]) -> dict[str, Any]:
         out[f"{name}: pred equal"] = f"{np.mean(got['pred'] == ref['pred']):.2%}"
         out[f"{name}: acc"] = f"{got['correct'].mean():.4f}"
         out[f"{name}: acc_norm"] = f"{got['correct_norm'].mean():.4f}"
+    for reuse, recompute in ((EXACT_REUSE, "apcscore"), ("apcscore CLI --exact-reuse", "apcscore CLI")):
+        if reuse in outputs and recompute in outputs:  # issue 13: not close, the same bits
+            a, b = _load(outputs[reuse]), _load(outputs[recompute])
+            out[f"{reuse}: bitwise equal to {recompute}"] = all(np.array_equal(a[k], b[k]) for k in b)
     return out
+
+
+def format_prefill(results: list[dict]) -> str:
+    """Prefill token counts of the apcscore workers beside their times (issue 13)."""
+    lines = []
+    for res in results:
+        for row in res["rows"]:
+            eng = (row.get("report") or {}).get("engine")
+            if eng:
+                lines.append(f"- {res['scenario']} / {row['contender']}: {eng['prompt_tokens']:,} tokens prefilled, "
+                             f"{eng.get('cache_hit_tokens', 0):,} served from the cache"
+                             + (f" ({eng['reusable_tokens']:,} reusable with --exact-reuse)"
+                                if eng.get("reusable_tokens") else "")
+                             + f"; {row['wall_s']:.2f} s whole process, {row['compute_s']:.2f} s compute")
+    return "\n".join(lines)
 
 
 def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
@@ -342,13 +369,24 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
         raise SystemExit(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: perplexity, choices, fewshot")
     scenarios = []
 
-    def contenders(task: str, data: Path, extra: list[str], cli: list[str], name: str = "") -> list[Any]:
+    def contenders(task: str, data: Path, extra: list[str], cli: list[str], name: str = "",
+                   exact: bool = False) -> list[Any]:
         common = ["--task", task, "--data", str(data), "--model", args.model, *dev, *extra]
         task = name or task  # file names
         cli_out = work / f"{task}_cli.parquet"
+        exact_out = work / f"{task}_cli_exact.parquet"
+        # issue 13: scoring reads cached contexts, bitwise equal to recompute (first of ours: the target's row)
+        reuse = [
+            Contender(EXACT_REUSE, [py, me, "worker", "--side", "apcscore", *common, "--exact-reuse",
+                                    "--output", str(work / f"{task}_apcscore_exact.npz")]),
+            Contender("apcscore CLI --exact-reuse", [py, "-m", "apcscore", *cli, str(data), "--model", args.model,
+                                                     "--out", str(exact_out), "--overwrite", "--quiet",
+                                                     "--exact-reuse", *dev], output=str(exact_out)),
+        ] if exact else []
         return [
             Contender("transformers", [py, me, "worker", "--side", "transformers", *common,
                                        "--output", str(work / f"{task}_transformers.npz")], baseline=True),
+            *reuse,
             Contender("apcscore", [py, me, "worker", "--side", "apcscore", *common,
                                    "--output", str(work / f"{task}_apcscore.npz")]),
             # the invariance tax: the same worker with library GEMMs (issue 12 asks for <= 10%)
@@ -396,10 +434,11 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
                   for r in recs)
         nchoices = sum(len(r["choices"]) for r in recs)
         scenarios.append(Scenario(
-            name="fewshot", work_tokens=fed, work_unit="prompt tokens", target_ratio=1.0,
+            name="fewshot", work_tokens=fed, work_unit="prompt tokens", target_ratio=0.1,  # issue 13: >= 10x
             description=(f"5-shot multiple choice: {len(recs)} questions behind one {prefix_len}-token prefix, "
-                         f"{nchoices} choices (one request each, full recompute), {fed:,} tokens fed"),
-            contenders=contenders("choices", data, ["--batch-size", str(args.batch_size)], ["score"], "fewshot"),
+                         f"{nchoices} choices (one request each; recompute, and --exact-reuse), {fed:,} tokens fed"),
+            contenders=contenders("choices", data, ["--batch-size", str(args.batch_size)], ["score"], "fewshot",
+                                  exact=True),
             check=check_choices,
             info={"questions": len(recs), "requests": nchoices, "tokens": fed, "prefix_tokens": prefix_len,
                   "transformers_batch": args.batch_size},
@@ -420,6 +459,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="transformers batch size")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (both sides)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both sides)")
+    ap.add_argument("--only", help="comma-separated contender names to run besides the baseline (transformers), "
+                                   "e.g. 'apcscore --exact-reuse,apcscore CLI --exact-reuse' (default: all)")
     ap.add_argument("--work-dir", type=Path, default=ROOT / "results" / "bench_eval_work")
     ap.add_argument("--out", type=Path, help="results JSON (default results/bench_eval.json; --quick: "
                                              "results/bench_eval.quick.json)")
@@ -441,6 +482,10 @@ def main(argv: list[str]) -> None:
     started = time.perf_counter()
     machine = machine_info()
     scenarios = build_scenarios(args, args.work_dir)
+    if args.only:
+        keep = set(args.only.split(","))
+        for sc in scenarios:
+            sc.contenders = [c for c in sc.contenders if c.baseline or c.name in keep]
     results = []
     for sc in scenarios:
         print(f"{sc.name}: {sc.description}", flush=True)
@@ -456,6 +501,7 @@ def main(argv: list[str]) -> None:
         "", *[f"- {r['scenario']}: {r['description']}" for r in results], "",
         format_table(results), "", "Same work on both sides:", format_checks(results), "",
         "Batch-invariance tax (apcscore over apcscore --no-batch-invariant, medians):", format_taxes(results),
+        "", "Prefill work:", format_prefill(results),
     ])
     print("\n" + text)
     write_json(args.out, {"command": command, "quick": args.quick, "model": args.model, "device": args.device,

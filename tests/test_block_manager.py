@@ -13,7 +13,7 @@ from apcscore.engine.block_manager import NONE_HASH, BlockManager, hash_block
 class Seq:
     token_ids: list[int]
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_computed_tokens: int = 0
 
 
@@ -69,6 +69,30 @@ def test_hash_collision_is_caught_by_token_check(monkeypatch):
     bm.update_block_hashes(other)
     bm.cached[other.block_hashes[0]] = next(iter(bm.cached.values()))
     assert bm.find_cached_prefix(other) == []
+
+
+def test_hash_is_a_sha256_chain():
+    h1 = hash_block(NONE_HASH, [1, 2])
+    assert isinstance(h1, bytes) and len(h1) == 32
+    assert hash_block(h1, [3, 4]) != hash_block(hash_block(NONE_HASH, [9, 9]), [3, 4])
+    assert hash_block(NONE_HASH, [1, 2]) != hash_block(NONE_HASH, [1 + 2**32, 2])  # ids are not truncated
+
+
+def test_hash_collision_with_the_wrong_parent_is_refused(monkeypatch):
+    """A hash that ignores the parent makes block [3, 4] after [5, 6] collide with block [3, 4] at position 0.
+    Its tokens match, so only the parent check stops a hit that would hand out KV computed at other positions."""
+    import hashlib
+
+    import apcscore.engine.block_manager as module
+
+    monkeypatch.setattr(module, "hash_block", lambda parent, tokens: hashlib.sha256(bytes(tokens)).digest())
+    bm = BlockManager(num_blocks=16, block_size=2)
+    first, _ = run_prefill(bm, [3, 4, 1])  # caches [3, 4] at position 0
+    run_prefill(bm, [5, 6, 9])  # caches [5, 6] at position 0
+    probe = Seq([5, 6, 3, 4, 1])
+    hit = bm.find_cached_prefix(probe)
+    assert probe.block_hashes[1] in bm.cached and bm.cached[probe.block_hashes[1]] == first.block_ids[0]
+    assert len(hit) == 1, "[3, 4] at position 2 must not hit the block cached at position 0"
 
 
 def test_free_keeps_content_cached_until_evicted_lru():

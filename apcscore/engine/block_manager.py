@@ -1,14 +1,17 @@
 """KV cache manager: a pool of fixed-size blocks with automatic prefix caching. Torch-free.
 
-Prefix caching hashes each *full* block as hash(parent_hash, block_token_ids). A lookup walks
-a sequence's chain of block hashes from the start and stops at the first miss; a hit also compares the
-block's stored token ids and parent hash, so a hash collision can never hand out wrong KV. Blocks carry
+Prefix caching hashes each *full* block as SHA-256(parent digest, block token ids): a cryptographic chain
+(vLLM moved there after CVE-2025-25183), since with --exact-reuse a false hit would silently change scores.
+A lookup walks a sequence's chain of block hashes from the start and stops at the first miss; a hit also
+compares the block's stored token ids and parent digest, so even a collision can never hand out wrong KV. Blocks carry
 ref counts. A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
 until it is handed out again, at which point its hash is evicted. Partial blocks are never cached.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol, Sequence as Seq
@@ -19,24 +22,24 @@ class BlockSequence(Protocol):
 
     token_ids: list[int]
     block_ids: list[int]
-    block_hashes: list[int]
+    block_hashes: list[bytes]
     num_computed_tokens: int
 
 
-NONE_HASH = 0  # parent hash of the first block
+NONE_HASH = bytes(32)  # parent digest of the first block
 
 
-def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
-    """Hash of one full block, chained on its parent's hash."""
-    return hash((parent_hash, tuple(token_ids)))
+def hash_block(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
+    """SHA-256 digest of one full block: its parent's digest, then its token ids as little-endian int64."""
+    return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
 @dataclass
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None  # set once the block is full, computed and registered in the cache
-    parent_hash: int = NONE_HASH
+    block_hash: bytes | None = None  # set once the block is full, computed and registered in the cache
+    parent_hash: bytes = NONE_HASH
     token_ids: tuple[int, ...] = ()
 
 
@@ -44,6 +47,9 @@ class Block:
 class PrefixCacheStats:
     queried_tokens: int = 0  # prompt tokens of requests that read the cache
     hit_tokens: int = 0  # of those, tokens served from the cache
+    # prompt tokens of scoring requests (recompute mode) that --exact-reuse could have served from the cache:
+    # blocks before the first scored position that were cached or being prefilled when the request started
+    reusable_tokens: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -62,7 +68,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Blocks with ref_count 0, least recently freed first. Cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.cached: dict[bytes, int] = {}  # block digest -> block id
         self.stats = PrefixCacheStats()
         self._num_registered: dict[int, int] = {}  # id(seq) -> leading blocks already registered
 
@@ -79,7 +85,7 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def update_block_hashes(self, seq: BlockSequence) -> list[int]:
+    def update_block_hashes(self, seq: BlockSequence) -> list[bytes]:
         """Extend seq.block_hashes to cover every full block of seq.token_ids; returns them."""
         bs = self.block_size
         hashes = seq.block_hashes
@@ -88,8 +94,9 @@ class BlockManager:
             hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
-    def find_cached_prefix(self, seq: BlockSequence, record_stats: bool = True) -> list[int]:
-        """Block ids of the longest cached prefix of seq (full blocks only).
+    def find_cached_prefix(self, seq: BlockSequence, record_stats: bool = True,
+                           max_blocks: int | None = None) -> list[int]:
+        """Block ids of the longest cached prefix of seq (full blocks only, at most `max_blocks` of them).
 
         At least one token is always left to compute, since the last position's logits are needed.
         """
@@ -97,7 +104,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hashes = self.update_block_hashes(seq)
-        max_blocks = (len(seq.token_ids) - 1) // bs
+        max_blocks = min((len(seq.token_ids) - 1) // bs, len(hashes) if max_blocks is None else max_blocks)
         hit: list[int] = []
         parent = NONE_HASH
         for i in range(min(max_blocks, len(hashes))):

@@ -150,7 +150,8 @@ class Engine:
             model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile)
         check_kv_pool(model.config, num_blocks, config.block_size, dtype, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,
+                                   config.exact_reuse)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
                                   config.logprobs_chunk_size, config.seed, backend.token_logprobs,
                                   use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs)

@@ -62,6 +62,10 @@ class TransformersEngine:
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, info: ModelInfo,
                  device: torch.device, dtype: torch.dtype) -> None:
+        if getattr(config, "exact_reuse", False):
+            raise ApcscoreError(f"--exact-reuse needs our native decoder (a paged KV cache to reuse); "
+                                f"{info.architecture} runs on the transformers fallback, which recomputes every "
+                                f"prompt: drop --exact-reuse")
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

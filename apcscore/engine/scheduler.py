@@ -8,7 +8,9 @@ Deterministic: the same inputs and config give the same schedule.
 Prefix caching (docs/architecture.md, "The prefix-caching rule"): only sequences without prompt logprobs
 read the cache; every sequence writes its full blocks. A reading sequence whose next uncached block is being
 prefilled right now by another sequence waits a step instead of computing it twice, so prompts that share a
-prefix and arrive together still hit.
+prefix and arrive together still hit. With exact reuse (`--exact-reuse`) scoring sequences read the cache too,
+up to their first scored position (`Sequence.reusable_blocks`), and wait for pending blocks the same way;
+without it, the tokens they could have read are counted (`PrefixCacheStats.reusable_tokens`).
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
+                 exact_reuse: bool = False) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
+        self.exact_reuse = exact_reuse  # scoring sequences read the cache before their first scored position
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self._pending: dict[int, Sequence] = {}  # block hash -> sequence computing that block now
+        self._pending: dict[bytes, Sequence] = {}  # block digest -> sequence computing that block now
 
     @property
     def has_work(self) -> bool:
@@ -74,8 +78,10 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
             seq = self.waiting.popleft()
-            cached = self.bm.find_cached_prefix(seq, record_stats=False) if seq.reads_prefix_cache else []
-            if seq.reads_prefix_cache and self._next_block_pending(seq, len(cached)):
+            limit = self._read_limit(seq)
+            reads = limit != 0
+            cached = self.bm.find_cached_prefix(seq, False, limit) if reads else []
+            if reads and self._next_block_pending(seq, len(cached), limit):
                 skipped.append(seq)
                 continue
             n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
@@ -84,9 +90,11 @@ class Scheduler:
                 break
             if seq.num_cached_tokens is None:  # first admission: this is the request's hit
                 seq.num_cached_tokens = seq.num_computed_tokens
-                if seq.reads_prefix_cache and self.bm.enable_prefix_caching:
+                if reads and self.bm.enable_prefix_caching:
                     self.bm.stats.queried_tokens += seq.prompt_len
                     self.bm.stats.hit_tokens += seq.num_computed_tokens
+                elif not seq.reads_prefix_cache and self.bm.enable_prefix_caching:
+                    self.bm.stats.reusable_tokens += self._reusable_tokens(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._mark_pending(seq)
@@ -95,12 +103,28 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return batch
 
-    def _next_block_pending(self, seq: Sequence, num_cached_blocks: int) -> bool:
+    def _read_limit(self, seq: Sequence) -> int | None:
+        """How many leading blocks seq may take from the cache: None = as many as hit, 0 = none."""
+        if seq.reads_prefix_cache:
+            return None
+        return seq.reusable_blocks(self.bm.block_size) if self.exact_reuse else 0
+
+    def _next_block_pending(self, seq: Sequence, num_cached_blocks: int, limit: int | None) -> bool:
         hashes = seq.block_hashes  # filled by find_cached_prefix
-        if num_cached_blocks >= min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size):
+        end = min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size, len(hashes) if limit is None else limit)
+        if num_cached_blocks >= end:
             return False
         owner = self._pending.get(hashes[num_cached_blocks])
         return owner is not None and owner is not seq
+
+    def _reusable_tokens(self, seq: Sequence) -> int:
+        """Recompute mode: the tokens exact reuse would have taken from the cache (cached or pending blocks)."""
+        limit = seq.reusable_blocks(self.bm.block_size)
+        hashes = self.bm.update_block_hashes(seq)
+        n = len(self.bm.find_cached_prefix(seq, False, limit))
+        while n < min(limit, len(hashes)) and self._pending.get(hashes[n], seq) is not seq:
+            n += 1
+        return n * self.bm.block_size
 
     def _mark_pending(self, seq: Sequence) -> None:
         if not self.bm.enable_prefix_caching:

@@ -127,7 +127,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # hash of each full block of token_ids, computed lazily
+        self.block_hashes: list[bytes] = []  # SHA-256 chain digest of each full block of token_ids, computed lazily
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.prompt_logprob_parts: list[PromptLogprobs] = []
         self.output_logprob_parts: list[TokenLogprobs] = []
@@ -150,8 +150,14 @@ class Sequence:
 
     @property
     def reads_prefix_cache(self) -> bool:
-        """Design rule: a request that wants prompt logprobs never reads the prefix cache."""
+        """Design rule: a request that wants prompt logprobs never reads the prefix cache, unless the engine runs
+        with exact reuse (then `reusable_blocks` says how much of it it may read)."""
         return self.request.prompt_logprobs is None
+
+    def reusable_blocks(self, block_size: int) -> int:
+        """Exact reuse: the full blocks lying entirely before position score_from - 1, the first row whose logits
+        are needed; their KV (bitwise what a fresh prefill writes) is all a scoring request may take from the cache."""
+        return max(0, min(self.request.score_from - 1, self.prompt_len - 1)) // block_size
 
     def reset_for_recompute(self) -> None:
         """Preemption: drop the KV; prompt (and output so far) are prefilled again later."""

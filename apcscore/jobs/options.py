@@ -30,12 +30,12 @@ DEFAULTS: dict[str, Any] = {
     "skip_invalid": False, "quiet": False, "no_prefix_caching": False, "no_cuda_graphs": False,
     "no_batch_invariant": False, "prompt_logprobs": None, "logprobs": None,
     "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": None,
-    "window": None, "stride": None, "truncate": None, "columns": None,
+    "window": None, "stride": None, "truncate": None, "columns": None, "verify_reuse": None,
     **EngineConfig().to_dict(),
 }
 
 _COMMON = frozenset({"model", "out", "overwrite", "resume", "limit", "skip_invalid", "quiet", "columns",
-                     "no_prefix_caching", "no_cuda_graphs", "no_batch_invariant"}) | ENGINE_KEYS
+                     "no_prefix_caching", "no_cuda_graphs", "no_batch_invariant", "verify_reuse"}) | ENGINE_KEYS
 # the options only one or two commands read; a config file may not set another command's option
 COMMAND_KEYS: dict[str, frozenset[str]] = {
     "score": _COMMON | {"prompt_logprobs", "truncate"},
@@ -57,14 +57,15 @@ def _is_number(v: Any) -> bool:
 _TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     **{k: ("true or false", lambda v: isinstance(v, bool))
        for k in ("overwrite", "resume", "skip_invalid", "quiet", "no_prefix_caching", "enable_prefix_caching",
-                 "use_cuda_graphs", "no_cuda_graphs", "batch_invariant", "no_batch_invariant")},
+                 "use_cuda_graphs", "no_cuda_graphs", "batch_invariant", "no_batch_invariant",
+                 "exact_reuse")},
     **{k: ("a string", lambda v: isinstance(v, str))
        for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate", "columns")},
     **{k: ("an integer", _is_int)
        for k in ("limit", "prompt_logprobs", "logprobs", "max_tokens", "top_k", "seed", "window", "stride",
                  "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs", "max_logprobs",
                  "logprobs_chunk_size", "max_model_len")},
-    **{k: ("a number", _is_number) for k in ("temperature", "top_p", "kv_cache_memory_fraction")},
+    **{k: ("a number", _is_number) for k in ("temperature", "top_p", "kv_cache_memory_fraction", "verify_reuse")},
     "stop": ("a string or a list of strings",
              lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))),
 }
@@ -149,6 +150,11 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
     if opts.get("truncate") not in (None, "left"):
         raise ApcscoreError(f"--truncate must be 'left' (drop a too-long prompt's oldest tokens), "
                             f"not {shown(opts['truncate'])}")
+    if opts.get("verify_reuse") is not None:
+        if not 0 <= opts["verify_reuse"] <= 1:
+            raise ApcscoreError(f"--verify-reuse must be a fraction of the records in [0, 1], not {opts['verify_reuse']}")
+        if not opts.get("exact_reuse"):
+            raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass --exact-reuse too")
     if opts["overwrite"] and opts["resume"]:
         raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues <out>.partial, "
                             "--overwrite discards it — pass only one")

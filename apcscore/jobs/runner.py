@@ -48,7 +48,8 @@ class _RecordGroup:
 
 
 def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Console,
-            show_progress: bool) -> RunResult:
+            show_progress: bool, verifier: Any = None) -> RunResult:
+    """Run every record not done yet; `verifier` (jobs/verify.ReuseVerifier) sees each request and output."""
     engine = job.engine
     done = set(getattr(writer, "done_indices", set()))
     todo = [r for r in dataset.records if r.index not in done]
@@ -76,6 +77,8 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
             groups[record.index] = _RecordGroup(record, len(reqs))
             for j, req in enumerate(reqs):
                 req.request_id = (record.index, j)
+                if verifier is not None:
+                    verifier.observe_request(record.index, record.id, req)
                 yield req
 
     def on_step(_engine: Any) -> None:
@@ -105,6 +108,8 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
                 emit(record, job.error_row(record.id, record.message))
             for out in engine.run(requests(), on_step=on_step):
                 index, j = out.request_id
+                if verifier is not None:
+                    verifier.observe_output(out)
                 group = groups[index]
                 group.outputs[j] = out
                 group.remaining -= 1

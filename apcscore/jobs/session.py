@@ -93,8 +93,14 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     writer.update_metadata({"sessions": sessions, "resumed": sessions > 1,
                             "created": previous.get("created", metadata["created"])})
     before = _observe_previous(job, writer)
+    verifier = None
+    if opts.get("verify_reuse"):
+        from apcscore.jobs.verify import ReuseVerifier
+
+        verifier = ReuseVerifier(opts["verify_reuse"], cfg.seed)
     try:
-        result = run_job(job, data, writer, console, show_progress=not quiet and console.is_terminal)
+        result = run_job(job, data, writer, console, show_progress=not quiet and console.is_terminal,
+                         verifier=verifier)
     except BaseException:
         writer.abandon()  # a run that failed before its first row leaves no partial to block the next one
         raise
@@ -105,15 +111,36 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                       f"{escape(str(writer.partial_path))}; continue with the same command plus --resume",
                       highlight=False)
         return 130
+    verified = _verify(verifier, engine, writer, None if quiet else console)
     final = writer.close()
     rows, errors = before[0] + result.num_rows, before[1] + result.num_errors
     if not quiet:
         print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
+    if verified is not None and verified["mismatches"]:
+        from apcscore.jobs.verify import describe
+
+        console.print(f"[bold red]error:[/] --verify-reuse: {len(verified['mismatches'])} of {verified['requests']} "
+                      f"re-scored requests differ from full recompute:\n{escape(describe(verified))}",
+                      highlight=False, soft_wrap=True)
+        return 1
     if rows and errors == rows:
         console.print(f"[bold red]error:[/] every record failed ({errors} of {rows} rows are errors); see the "
                       f"'error' column of {escape(str(final))}", highlight=False, soft_wrap=True)
         return 1
     return 0
+
+
+def _verify(verifier: Any, engine: Any, writer: Any, console: Console | None) -> dict | None:
+    """Run --verify-reuse's recompute of the sample; its report goes into the metadata (`verify_reuse`)."""
+    if verifier is None:
+        return None
+    from apcscore.jobs.verify import describe
+
+    report = verifier.check(engine)
+    writer.update_metadata({"verify_reuse": report})
+    if console is not None and not report["mismatches"]:
+        console.print(f"verify-reuse: {escape(describe(report))}", highlight=False)
+    return report
 
 
 def _observe_previous(job: Any, writer: Any) -> tuple[int, int]:
@@ -157,7 +184,8 @@ def session_timings(engine: Any, load_seconds: float, run_seconds: float) -> dic
     stats, bm = engine.stats, engine.block_manager
     return {"load_seconds": load_seconds, "run_seconds": run_seconds, "prompt_tokens": stats.prompt_tokens,
             "generated_tokens": stats.generated_tokens, "steps": stats.steps, "preemptions": stats.preemptions,
-            "prefix_cache": {"queried_tokens": bm.stats.queried_tokens, "hit_tokens": bm.stats.hit_tokens}}
+            "prefix_cache": {"queried_tokens": bm.stats.queried_tokens, "hit_tokens": bm.stats.hit_tokens,
+                             "reusable_tokens": bm.stats.reusable_tokens}}
 
 
 def add_timings(previous: dict | None, now: dict) -> dict:
@@ -237,9 +265,17 @@ def print_summary(console: Console, command: str, out: Path, rows: int, errors: 
     table.add_row("tokens", f"{timings['prompt_tokens']:,} prefilled, {timings['generated_tokens']:,} generated")
     table.add_row("time", f"{timings['run_seconds']:.1f} s run ({timings['tokens_per_second']:,.0f} tok/s), "
                           f"{timings['load_seconds']:.1f} s load")
+    reusable = pc.get("reusable_tokens") or 0
     if pc["queried_tokens"]:
         table.add_row("prefix cache", f"{pc['hit_rate']:.1%} hit ({pc['hit_tokens']:,} of {pc['queried_tokens']:,} "
                                       f"prompt tokens served from the cache)")
+        if reusable:
+            table.add_row("exact reuse", f"--exact-reuse would also have served {reusable:,} prefill tokens of "
+                                         f"scored requests from the cache")
+    elif reusable:
+        table.add_row("prefix cache", f"not read by scoring (full recompute, the default); --exact-reuse would have "
+                                      f"served {reusable:,} of the {timings['prompt_tokens']:,} prefill tokens from "
+                                      f"the cache, with bitwise the same results")
     else:
         table.add_row("prefix cache", "not read (prompt logprobs need full prefills); blocks written for later requests")
     if timings["preemptions"]:
