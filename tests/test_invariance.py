@@ -169,7 +169,7 @@ def test_default_model_scores_are_batch_invariant(default_model_files, dtype: st
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 def test_default_model_generation_is_batch_invariant(default_model_files, sampled: bool) -> None:
     matrix = Matrix("smollm2-135m", "float32")
-    prompts = make_prompts([3, 20, 48, 90, 200], 49152, seed=4, shared=32)
+    prompts = make_prompts([3, 20, 48, 90, 400], 49152, seed=4, shared=32)  # 400: the tight pool preempts
     matrix.check(lambda p: generate_requests(p, sampled), prompts, (1, 7, 57, 64, 100, 191, 1000),
                  long_budget_limit=48)
 
