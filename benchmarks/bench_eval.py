@@ -410,14 +410,18 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
             check=check_perplexity,
             info={"tokens": n, "window": args.window, "windows": windows, "transformers_batch": args.batch_size},
         ))
+    def choice_work(recs: list[dict]) -> tuple[int, int]:
+        """Tokens fed (context + continuation of every choice, lm-eval's encoding) and the number of choices."""
+        prefix = prefix_token_id(tok)
+        fed = sum(len(a) + len(b) for r in recs for a, b in (encode_pair(tok, r["context"], c, prefix)
+                                                               for c in r["choices"]))
+        return fed, sum(len(r["choices"]) for r in recs)
+
     if "choices" in wanted:
         recs = choice_records(args.questions)
         data = work / "choices.jsonl"
         write_jsonl(data, recs)
-        prefix = prefix_token_id(tok)
-        fed = sum(sum(len(a) + len(b) for a, b in (encode_pair(tok, r["context"], c, prefix) for c in r["choices"]))
-                  for r in recs)
-        nchoices = sum(len(r["choices"]) for r in recs)
+        fed, nchoices = choice_work(recs)
         scenarios.append(Scenario(
             name="choices", work_tokens=fed, work_unit="prompt tokens",
             description=f"{len(recs)} questions, {nchoices} choices (one request each), {fed:,} tokens fed",
@@ -429,10 +433,7 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
         recs, prefix_len = fewshot_records(tok, args.questions)
         data = work / "fewshot.jsonl"
         write_jsonl(data, recs)
-        prefix = prefix_token_id(tok)
-        fed = sum(sum(len(a) + len(b) for a, b in (encode_pair(tok, r["context"], c, prefix) for c in r["choices"]))
-                  for r in recs)
-        nchoices = sum(len(r["choices"]) for r in recs)
+        fed, nchoices = choice_work(recs)
         scenarios.append(Scenario(
             name="fewshot", work_tokens=fed, work_unit="prompt tokens", target_ratio=0.1,  # issue 13: >= 10x
             description=(f"5-shot multiple choice: {len(recs)} questions behind one {prefix_len}-token prefix, "

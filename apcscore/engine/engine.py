@@ -29,6 +29,7 @@ from apcscore.models.architecture import check_architecture, choose_model_backen
 from apcscore.models.backend import Backend, select_backend
 from apcscore.models.decoders import decoder_class
 from apcscore.models.llama import LlamaDecoder
+from apcscore.models.loading import eos_token_ids
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -155,7 +156,7 @@ class Engine:
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
                                   config.logprobs_chunk_size, config.seed, backend.token_logprobs,
                                   use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
         self.stats = EngineStats()
         self._arrivals = 0
 
@@ -227,15 +228,6 @@ class Engine:
             sliding_window=window if window and (not config.max_model_len or config.max_model_len > window) else None,
         )
         return cls(model, tokenizer, config, info, device, dtype, backend)
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for value in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_step: Callable[["Engine"], None] | None = None

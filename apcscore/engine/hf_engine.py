@@ -28,6 +28,7 @@ from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import PrefixCacheStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
 from apcscore.engine.engine import EngineStats, ModelInfo, resolve_device, resolve_dtype
+from apcscore.models.loading import eos_token_ids
 from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
@@ -75,7 +76,7 @@ class TransformersEngine:
         self.block_manager = NoBlockManager()
         self.stats = EngineStats()
         self._arrivals = 0
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -130,15 +131,6 @@ class TransformersEngine:
                          max_model_len=_max_len(hf_config, config), fingerprint=fingerprint,
                          num_parameters=sum(p.numel() for p in model.parameters()))
         return cls(model, tokenizer, config, info, device, dtype)
-
-    def _eos_ids(self) -> set[int]:
-        ids: set[int] = set()
-        for value in (getattr(self.model.config, "eos_token_id", None), getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_step: Callable[[Any], None] | None = None

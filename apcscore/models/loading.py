@@ -8,7 +8,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.models.locate import safetensors_files
@@ -114,3 +114,14 @@ def weights_fingerprint(path: Path) -> str:
     except OSError:
         pass
     return digest[:16]
+
+
+def eos_token_ids(model_config: Any, tokenizer: Any) -> set[int]:
+    """Every end-of-sequence id the model config and the tokenizer name (an int or a list each)."""
+    ids: set[int] = set()
+    for value in (getattr(model_config, "eos_token_id", None), getattr(tokenizer, "eos_token_id", None)):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
