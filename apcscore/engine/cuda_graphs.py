@@ -16,20 +16,20 @@ shapes only (bs tokens, bs sequences) and reads cu_seqlens_q / seq_lens on the d
 serves every step of that size. The torch backend reads Python lists (cu_seqlens_q_list, seq_lens_list)
 and syncs in store_kv, so it is never captured; the same padded path runs it eagerly (CPU tests).
 
-Step inputs travel host -> device from pinned memory with non_blocking copies: a replayed step has no
-host-device synchronisation until the caller reads the sampled tokens.
+Step inputs are built like an eager step's (apcscore.engine.step_inputs) and travel host -> device in one
+non-blocking copy from a persistent pinned buffer: a replayed step has no host-device synchronisation until
+the caller reads the sampled tokens.
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine.scheduler import ScheduledBatch
+from apcscore.engine.step_inputs import InputStager, StepInputs, build_step_inputs
 from apcscore.models.llama import LlamaDecoder
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -52,35 +52,12 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if n >= 1 and i < len(sizes) else None
 
 
-@dataclass
-class DecodeInputs:
-    """One decode step of n sequences (one new token each), as host arrays."""
-
-    input_ids: np.ndarray  # [n] int64
-    positions: np.ndarray  # [n] int64
-    slot_mapping: np.ndarray  # [n] int64
-    seq_lens: np.ndarray  # [n] int32: context length including the new token (position + 1)
-    block_tables: np.ndarray  # [n, width] int32, rows padded with 0
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.input_ids)
-
-
-def decode_inputs(batch: ScheduledBatch, block_size: int) -> DecodeInputs | None:
-    """The inputs of a batch whose every sequence computes one token (as ModelRunner._prepare builds
-    them), or None for an empty, prefill or mixed batch."""
+def decode_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs | None:
+    """The inputs of a batch whose every sequence computes one token (build_step_inputs, as the eager
+    model runner builds them, unpadded), or None for an empty, prefill or mixed batch."""
     if not batch.items or any(n != 1 for _, n in batch.items):
         return None
-    seqs = [seq for seq, _ in batch.items]
-    positions = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)
-    width = max(len(seq.block_ids) for seq in seqs)
-    tables = np.zeros((len(seqs), width), dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        tables[i, :len(seq.block_ids)] = seq.block_ids
-    slots = tables[np.arange(len(seqs)), positions // block_size].astype(np.int64) * block_size + positions % block_size
-    ids = np.array([seq.token_ids[p] for seq, p in zip(seqs, positions.tolist())], dtype=np.int64)
-    return DecodeInputs(ids, positions, slots, (positions + 1).astype(np.int32), tables)
+    return build_step_inputs(batch, block_size)
 
 
 def lens_stride(max_bs: int) -> int:
@@ -89,7 +66,7 @@ def lens_stride(max_bs: int) -> int:
     return -(-(max_bs + 1) // 4) * 4
 
 
-def pad_decode_inputs(inp: DecodeInputs, max_bs: int) -> tuple[np.ndarray, np.ndarray]:
+def pad_decode_inputs(inp: StepInputs, max_bs: int) -> tuple[np.ndarray, np.ndarray]:
     """Host images of the static `tokens` [3, max_bs] and `lens` [2, lens_stride(max_bs)] buffers for these
     inputs: rows past n are padding (token 0, position 0, slot -1; an empty sequence: cu stays at n, seq_len 0)."""
     n = inp.num_seqs
@@ -129,6 +106,7 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, hidden], written by each replay
         self.num_replays = 0
         self.num_eager = 0
+        self.stager = InputStager(self.device)
         if capture:
             self.capture()
 
@@ -140,7 +118,7 @@ class DecodeGraphRunner:
             return None
         return cls(model, block_size, max_num_seqs, device)
 
-    def _meta(self, bs: int, inp: DecodeInputs | None) -> AttentionMetadata:
+    def _meta(self, bs: int, inp: StepInputs | None) -> AttentionMetadata:
         """Metadata of a bs-row step over the static buffers. The Python lists (read by the torch backend
         only, never by a captured graph) describe `inp`, or padding only when inp is None (capture)."""
         n = inp.num_seqs if inp is not None else 0
@@ -179,14 +157,14 @@ class DecodeGraphRunner:
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
 
-    def _load(self, inp: DecodeInputs) -> None:
-        """Copy the step's inputs into the static buffers (pinned, non-blocking on CUDA: no sync)."""
+    def _load(self, inp: StepInputs) -> None:
+        """Copy the step's inputs into the static buffers (one non-blocking copy from pinned memory on CUDA,
+        then on-device copies: no sync)."""
         tokens, lens = pad_decode_inputs(inp, self.max_bs)
         n, width = inp.block_tables.shape
-        pin = self.device.type == "cuda"
-        for dst, src in ((self.tokens, tokens), (self.lens, lens), (self.block_tables[:n, :width], inp.block_tables)):
-            host = torch.from_numpy(np.ascontiguousarray(src))
-            dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
+        staged = self.stager.to_device(tokens, lens, inp.block_tables)
+        for dst, src in zip((self.tokens, self.lens, self.block_tables[:n, :width]), staged):
+            dst.copy_(src)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Final hidden states [n, hidden] of a decode-only batch of a padded size, or None: run it eagerly."""
@@ -196,7 +174,7 @@ class DecodeGraphRunner:
         return self.forward_inputs(inp)
 
     @torch.inference_mode()
-    def forward_inputs(self, inp: DecodeInputs, eager: bool = False) -> torch.Tensor | None:
+    def forward_inputs(self, inp: StepInputs, eager: bool = False) -> torch.Tensor | None:
         """Hidden states [n, hidden] of prepared inputs (eager=True: the padded forward without the graph)."""
         n = inp.num_seqs
         bs = padded_size(n, self.sizes)

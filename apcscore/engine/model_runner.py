@@ -18,10 +18,10 @@ from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import PromptLogprobs, Sequence, TokenLogprobs
+from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
 from apcscore.kernels.matmul_ref import padded_rows
 from apcscore.models.llama import LlamaDecoder
-
 
 
 @dataclass
@@ -48,6 +48,7 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
         allocate_kv_cache(model, num_kv_blocks, block_size, dtype, device)
+        self.stager = InputStager(device)  # step inputs: one non-blocking copy from pinned memory on CUDA
         self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.engine.cuda_graphs), captured now
         if device.type == "cuda" and use_cuda_graphs:
             from apcscore.engine.cuda_graphs import DecodeGraphRunner
@@ -56,41 +57,17 @@ class ModelRunner:
 
     # ---- batch preparation ---------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        cu = [0]
-        seq_lens: list[int] = []
-        for seq, n in batch.items:
-            start = seq.num_computed_tokens
-            input_ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += (seq.block_ids[p // bs] * bs + p % bs for p in range(start, start + n))
-            cu.append(cu[-1] + n)
-            seq_lens.append(start + n)
+        """input_ids [T], positions [T] and the attention metadata of a step, on the device."""
         # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
         # (apcscore.kernels.matmul_ref), with no per-layer padding copy
-        pad = padded_rows(len(input_ids)) - len(input_ids) if self.device.type == "cpu" else 0
-        input_ids += [0] * pad
-        positions += [0] * pad
-        slots += [-1] * pad
-        max_blocks = max(len(seq.block_ids) for seq, _ in batch.items)
-        tables = np.zeros((len(batch.items), max_blocks), dtype=np.int32)
-        for i, (seq, _) in enumerate(batch.items):
-            tables[i, :len(seq.block_ids)] = seq.block_ids
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            block_tables=torch.from_numpy(tables).to(dev),
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            cu_seqlens_q_list=cu,
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        )
-        return (torch.tensor(input_ids, dtype=torch.int64, device=dev),
-                torch.tensor(positions, dtype=torch.int64, device=dev), meta)
+        num_rows = padded_rows(sum(n for _, n in batch.items)) if self.device.type == "cpu" else None
+        inp = build_step_inputs(batch, self.block_size, num_rows)
+        input_ids, positions, slots, cu, seq_lens, tables = self.stager.to_device(
+            inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q, inp.seq_lens, inp.block_tables)
+        meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
+                                 cu_seqlens_q_list=inp.cu_seqlens_q.tolist(), seq_lens_list=inp.seq_lens.tolist(),
+                                 block_size=self.block_size)
+        return input_ids, positions, meta
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
