@@ -1,8 +1,10 @@
 """lm-eval `hf` (batch size 8) against `apcscore eval`, whole process, on two local tasks.
 
 Tasks (written to a temporary folder from the repository's sample datasets, no hub):
-- `bench_mc`: 5-shot multiple choice, few-shot examples from a train split (the first 10 questions of
-  datasets/sample_choices.jsonl), 30 test questions x 4 choices = 120 loglikelihood requests;
+- `bench_mc`: 5-shot multiple choice built like lm-eval's MMLU tasks: a task `description` (a header plus
+  sample prose, ~330 tokens with the shots) and the same 5 worked examples for every question
+  (`fewshot_config: sampler: first_n`, from a dev split of the first 5 questions of
+  datasets/sample_choices.jsonl), then `--questions` test questions (the other 35, repeated) x 4 choices;
 - `bench_ppl`: rolling perplexity (like wikitext) of the texts of datasets/sample_texts.jsonl, max_length 1024.
 
 Each command runs as its own process (python start, imports, model load, evaluation), `--repeats` times,
@@ -32,10 +34,12 @@ dataset_path: json
 dataset_kwargs:
   data_files: {{train: {train}, test: {test}}}
 output_type: multiple_choice
-training_split: train
 fewshot_split: train
+fewshot_config:
+  sampler: first_n
 test_split: test
 num_fewshot: 5
+description: {description}
 doc_to_text: "{{{{context.rstrip()}}}}"
 doc_to_choice: "{{{{choices}}}}"
 doc_to_target: "{{{{answer}}}}"
@@ -53,12 +57,22 @@ metric_list: [{{metric: word_perplexity}}, {{metric: byte_perplexity}}, {{metric
 """
 
 
-def write_tasks(folder: Path) -> None:
+def description(words: int = 150) -> str:
+    """MMLU-style header plus the first `words` words of sample prose (~330 tokens together with the shots)."""
+    prose = json.loads((REPO / "datasets/sample_texts.jsonl").read_text().splitlines()[0])["text"].split()
+    header = "The following are multiple choice questions (with answers) about general knowledge."
+    return f"{header}\n\n{' '.join(prose[:words])}\n\n"
+
+
+def write_tasks(folder: Path, questions: int) -> None:
     rows = [json.loads(line) for line in (REPO / "datasets/sample_choices.jsonl").read_text().splitlines()]
-    (folder / "mc_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:10]))
-    (folder / "mc_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[10:]))
-    (folder / "bench_mc.yaml").write_text(MC_YAML.format(train=folder / "mc_train.jsonl",
-                                                         test=folder / "mc_test.jsonl"))
+    rest = rows[5:]
+    test = [{**rest[i % len(rest)], "id": f"{rest[i % len(rest)]['id']}-{i // len(rest)}"} for i in range(questions)]
+    (folder / "mc_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
+    (folder / "mc_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
+    # a JSON string is a valid YAML double-quoted scalar
+    (folder / "bench_mc.yaml").write_text(MC_YAML.format(train=folder / "mc_train.jsonl", test=folder / "mc_test.jsonl",
+                                                         description=json.dumps(description())))
     (folder / "bench_ppl.yaml").write_text(PPL_YAML.format(test=REPO / "datasets/sample_texts.jsonl"))
 
 
@@ -77,6 +91,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tasks", default="bench_mc,bench_ppl")
     parser.add_argument("--exact-reuse", action="store_true")
+    parser.add_argument("--questions", type=int, default=100, help="bench_mc test questions (4 choices each)")
     args = parser.parse_args()
     if args.model is None:
         sys.path.insert(0, str(REPO))
@@ -86,7 +101,7 @@ def main() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        write_tasks(folder)
+        write_tasks(folder, args.questions)
         for task in args.tasks.split(","):
             max_len = ",max_length=1024" if task == "bench_ppl" else ""
             cmds = {
