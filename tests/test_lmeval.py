@@ -228,3 +228,35 @@ def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_mod
     again = CliRunner().invoke(app, ["eval", "--tasks", "apc_ll", "--include-path", str(TASK_DIR),
                                      "--out", str(out)])
     assert again.exit_code == 2 and "--overwrite" in again.output
+
+
+@pytest.fixture(scope="module")
+def both_chat(in_repo, default_model_files, engine):
+    """lm-eval results with `apply_chat_template=True` (the model's own template), 4 documents per task."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    from apcscore.lmeval.backend import ApcscoreLM
+
+    manager = TaskManager(include_path=str(TASK_DIR))
+    common = dict(tasks=["apc_mc", "apc_gen"], task_manager=manager, log_samples=True, limit=4,
+                  apply_chat_template=True)
+    ours = lm_eval.simple_evaluate(model=ApcscoreLM(engine=engine, max_length=MAX_LENGTH, progress=False), **common)
+    hf = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={default_model_files.path},dtype=float32,device=cpu,"
+                               f"max_length={MAX_LENGTH}", batch_size=8, **common)
+    return ours, hf
+
+
+def test_chat_template_runs_agree_with_hf(both_chat):
+    """The same rendered chat prompts as HFLM, the same greedy generations, loglikelihoods within 1e-4."""
+    for a, b in _pairs(both_chat, "apc_gen"):
+        assert a["arguments"] == b["arguments"]
+        assert "<|im_start|>" in a["arguments"][0][0]  # the template was applied
+        assert a["resps"] == b["resps"]
+    for a, b in _pairs(both_chat, "apc_mc"):
+        assert a["arguments"] == b["arguments"]
+        assert "<|im_start|>" in a["arguments"][0][0]
+        for (ll_a, greedy_a), (ll_b, greedy_b) in zip([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]):
+            assert abs(ll_a - ll_b) < 1e-4
+            assert greedy_a == greedy_b
