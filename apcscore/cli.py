@@ -200,7 +200,7 @@ def eval_(
     num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples per prompt. \\[default: the task's]")] = None,
     limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N documents of each task.")] = None,
     apply_chat_template: Annotated[bool, _flag("--apply-chat-template", help="Wrap prompts in the model's chat template (few-shot as multi-turn), as lm-eval does.")] = False,
-    exact_reuse: Annotated[bool, _flag("--exact-reuse", help="Reuse cached KV for scoring where it is bitwise exact (needs engine support).")] = False,
+    exact_reuse: ExactReuseOpt = False,
     max_length: Annotated[Optional[int], typer.Option("--max-length", min=1, help="Most tokens a scored sequence feeds the model. \\[default: the model's context length - 1]")] = None,
     seed: SeedOpt = None,
     model: ModelOpt = None,

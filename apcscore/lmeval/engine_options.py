@@ -1,7 +1,6 @@
 """EngineConfig from a dict of engine options (no lm_eval import: the CLI and the backend share it).
 
-Only keys that are fields of EngineConfig are passed; `exact_reuse` (issue 13) is passed through once
-EngineConfig has that field, and asking for it before then is a clear error instead of a silent no-op.
+Only keys that are fields of EngineConfig are passed (`exact_reuse` among them); other keys are ignored.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from dataclasses import fields
 from typing import Any
 
 from apcscore.config import EngineConfig
-from apcscore.errors import ApcscoreError
 
 # on/off flags of the command line that turn an EngineConfig switch off
 _NEGATIONS = {"no_prefix_caching": "enable_prefix_caching", "no_cuda_graphs": "use_cuda_graphs",
@@ -25,8 +23,7 @@ def engine_fields() -> frozenset[str]:
 def build_engine_config(options: dict[str, Any]) -> EngineConfig:
     """EngineConfig from `options` (None values are "not given"; `no_*` flags turn their setting off).
 
-    Keys that are not engine settings are ignored, except `exact_reuse`: True is refused while EngineConfig
-    has no such field.
+    Keys that are not engine settings are ignored.
     """
     known = engine_fields()
     values: dict[str, Any] = {}
@@ -38,7 +35,4 @@ def build_engine_config(options: dict[str, Any]) -> EngineConfig:
                 values[_NEGATIONS[key]] = False
         elif key in known:
             values[key] = value
-        elif key == "exact_reuse" and value:
-            raise ApcscoreError("--exact-reuse is not available in this build of apcscore (EngineConfig has no "
-                                "exact_reuse setting yet); run without it")
     return EngineConfig(**values)
