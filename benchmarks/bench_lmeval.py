@@ -105,7 +105,7 @@ def main() -> None:
         for task in args.tasks.split(","):
             max_len = ",max_length=1024" if task == "bench_ppl" else ""
             cmds = {
-                "hf": [str(BIN / "lm_eval"), "--model", "hf", "--model_args",
+                "hf": [str(BIN / "python"), "-m", "lm_eval", "--model", "hf", "--model_args",
                        f"pretrained={args.model},dtype=float32{max_len}", "--batch_size", "8", "--device", "cpu",
                        "--tasks", task, "--include_path", str(folder)],
                 "apcscore": [str(BIN / "python"), "-m", "apcscore", "eval", "--model", args.model, "--dtype",
