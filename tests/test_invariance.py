@@ -136,7 +136,7 @@ def test_tiny_model_scores_are_batch_invariant(tiny_model_dir, arch: str, dtype:
     matrix.check(score_requests, prompts, BUDGETS, long_budget_limit=130)
 
 
-@pytest.mark.parametrize("arch", ["neox", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["neox", "olmo2", "phi3", "mixtral", "qwen2_moe", "gemma2", "gemma3"])
 def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> None:
     """The decoders beyond the Llama family (issue 18): the same matrix (alone, batches, shuffled, warm cache,
     preemption, one thread) on fewer prompt lengths and budgets, fp32, to bound CI time. The full matrix
