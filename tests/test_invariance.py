@@ -146,6 +146,14 @@ def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> 
     matrix.check(score_requests, prompts, (1, 16, 57, 257, 4096), long_budget_limit=17)
 
 
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gemma3"])
+def test_more_families_generation_is_batch_invariant(tiny_model_dir, arch: str) -> None:
+    """Greedy generation on the shared-expert MoE and on Gemma 3's windowed decode (window 70, prompts past it)."""
+    matrix = Matrix(str(tiny_model_dir(arch)), "float32")
+    prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)
+    matrix.check(lambda p: generate_requests(p, False), prompts, (1, 16, 57, 4096), long_budget_limit=57)
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_generation_is_batch_invariant(tiny_model_dir, dtype: str, sampled: bool) -> None:

@@ -82,8 +82,18 @@ class SparseMoe(nn.Module):
             y = self.linear(self.act(gate) * up, self.down_proj[e])  # [n_e, H]
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + sigmoid_rows(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def sigmoid_rows(g: torch.Tensor) -> torch.Tensor:
+    """sigmoid of g [T, 1], each row's bits independent of T.
+
+    torch's CPU elementwise kernels run whole SIMD vectors (32 floats at a time) and finish a tensor's last
+    numel % 32 elements with a scalar loop whose exp may round differently: on [T, 1] which rows take the
+    scalar path would depend on T. Padded to 32 columns, every element is computed by the vector path.
+    """
+    return torch.sigmoid(nn.functional.pad(g, (0, 31)))[:, :1]
 
 
 def is_sparse_layer(cfg: Any, family: str, layer_idx: int) -> bool:
