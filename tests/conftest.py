@@ -68,7 +68,8 @@ _row_exact_interpreter_dot()
 
 # Architectures `tiny_model_dir` builds. "gpt2" and "falcon" are not implemented by our decoder: they run
 # through the transformers fallback (apcscore.engine.hf_engine; tests/test_transformers_fallback.py).
-TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "gpt2", "falcon")
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "mixtral", "qwen2_moe",
+              "gemma2", "gemma3", "gpt2", "falcon")
 
 # Shared shape of the tiny models: hidden 64, 2 layers, 4 query heads, 2 kv heads (GQA), context 2048.
 _TINY_COMMON = dict(
@@ -96,8 +97,9 @@ _LLAMA3_ROPE = {
 
 def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
     """The small transformers config of `arch` (see TINY_ARCHS)."""
-    from transformers import (FalconConfig, GPT2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
-                              Phi3Config, Qwen2Config, Qwen3Config)
+    from transformers import (FalconConfig, Gemma2Config, Gemma3TextConfig, GPT2Config, GPTNeoXConfig, LlamaConfig,
+                              MistralConfig, MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config)
 
     ids = dict(vocab_size=vocab_size, bos_token_id=bos, eos_token_id=eos)
     if arch == "llama":
@@ -120,6 +122,22 @@ def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
         return Olmo2Config(**_TINY_COMMON, **ids, tie_word_embeddings=False)
     if arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; default rope (no long-rope)
         return Phi3Config(**_TINY_COMMON, **ids, tie_word_embeddings=False, sliding_window=None, pad_token_id=0)
+    if arch == "mixtral":  # 4 experts, top-2, weights renormalised
+        return MixtralConfig(**_TINY_COMMON, **ids, num_local_experts=4, num_experts_per_tok=2,
+                             tie_word_embeddings=False, sliding_window=None)
+    if arch == "qwen2_moe":  # layer 0 sparse (4 experts, top-2, not renormalised, a gated shared expert), 1 dense
+        return Qwen2MoeConfig(**_TINY_COMMON, **ids, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=96, norm_topk_prob=False, mlp_only_layers=[1],
+                              tie_word_embeddings=False)
+    # Gemma: head_dim 16 with query_pre_attn_scalar 24 (not head_dim), layer 0 sliding and layer 1 global; the
+    # windows (24: inside one key tile; 70: across a tile boundary) are far below the prompts tests use
+    if arch == "gemma2":  # attention and final logit soft-capping at values small enough to matter
+        return Gemma2Config(**_TINY_COMMON, **ids, head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                            attn_logit_softcapping=5.0, final_logit_softcapping=10.0, pad_token_id=0)
+    if arch == "gemma3":  # q/k norms, local rope base 10k vs global 1M, final soft-capping
+        return Gemma3TextConfig(**_TINY_COMMON, **ids, head_dim=16, query_pre_attn_scalar=24, sliding_window=70,
+                                layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=10.0,
+                                pad_token_id=0)
     if arch == "gpt2":
         return GPT2Config(
             n_embd=64, n_layer=2, n_head=4, n_positions=2048, initializer_range=0.2, **ids

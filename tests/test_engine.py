@@ -14,7 +14,8 @@ import torch
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "mixtral", "qwen2_moe", "gemma2",
+         "gemma3"]
 
 
 def make_engine(model_dir, **overrides) -> Engine:

@@ -136,7 +136,7 @@ def test_tiny_model_scores_are_batch_invariant(tiny_model_dir, arch: str, dtype:
     matrix.check(score_requests, prompts, BUDGETS, long_budget_limit=130)
 
 
-@pytest.mark.parametrize("arch", ["neox", "olmo2", "phi3"])
+@pytest.mark.parametrize("arch", ["neox", "olmo2", "phi3", "mixtral", "qwen2_moe", "gemma2", "gemma3"])
 def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> None:
     """The decoders beyond the Llama family (issue 18): the same matrix (alone, batches, shuffled, warm cache,
     preemption, one thread) on fewer prompt lengths and budgets, fp32, to bound CI time. The full matrix
@@ -144,6 +144,14 @@ def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> 
     matrix = Matrix(str(tiny_model_dir(arch)), "float32")
     prompts = make_prompts([1, 16, 17, 65, 333], 49152, seed=3)
     matrix.check(score_requests, prompts, (1, 16, 57, 257, 4096), long_budget_limit=17)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "gemma3"])
+def test_more_families_generation_is_batch_invariant(tiny_model_dir, arch: str) -> None:
+    """Greedy generation on the shared-expert MoE and on Gemma 3's windowed decode (window 70, prompts past it)."""
+    matrix = Matrix(str(tiny_model_dir(arch)), "float32")
+    prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)
+    matrix.check(lambda p: generate_requests(p, False), prompts, (1, 16, 57, 4096), long_budget_limit=57)
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])

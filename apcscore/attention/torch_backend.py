@@ -91,8 +91,9 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         v_flat.index_copy_(0, slots, value[:num_tokens][valid].to(v_cache.dtype))
 
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float | None = None) -> torch.Tensor:
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float | None = None, window: int | None = None, softcap: float | None = None
+                    ) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache.
 
     query: [T, num_heads, head_dim] -> out: [T, num_heads, head_dim]. Every real row is written by one of the
@@ -100,6 +101,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Grouped-query heads: query head h reads kv head h // (num_heads // num_kv_heads).
     Decode rows (one query per sequence) of all sequences are computed together in one batched call;
     each prefill chunk on its own. Either way a query's keys are reduced in the same fixed tiles.
+    window: a query at position p sees only keys > p - window (sliding-window layers; transformers' rule): the
+    others are masked to -inf inside the same fixed tiles, and a row's running max stays -inf (its state
+    exactly the initial one) until its first visible tile, so the bits do not depend on the batch either.
+    softcap: scores become tanh(scores / softcap) * softcap before masking (Gemma 2's attention soft-capping).
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[2])
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
@@ -107,15 +112,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out[cu[-1]:].zero_()  # padding rows: dropped by the caller, zero so that no stale memory flows on
     decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     if decode:
-        _attend_decode(query, k_cache, v_cache, meta, decode, scale, out)
+        _attend_decode(query, k_cache, v_cache, meta, decode, scale, out, window, softcap)
     for i in range(len(lens)):
         if cu[i + 1] - cu[i] > 1:
-            _attend_prefill(query, k_cache, v_cache, meta, i, scale, out)
+            _attend_prefill(query, k_cache, v_cache, meta, i, scale, out, window, softcap)
     return out
 
 
 def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    i: int, scale: float, out: torch.Tensor) -> None:
+                    i: int, scale: float, out: torch.Tensor, window: int | None = None,
+                    softcap: float | None = None) -> None:
     """Attention of one sequence's prefill chunk, skipping the work the causal mask would zero.
 
     Query rows are ordered by position, so for each key tile only the rows that can see some key of it are
@@ -150,24 +156,33 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     s = torch.zeros(hkv, n_rows, device=query.device)  # running sum of exp
     acc = torch.zeros_like(q)  # [Hkv, R, D]
     first = seq_len - q_len
-    for t0 in range(0, seq_len, KV_TILE):
+    # tiles wholly before every row's window are skipped: they would leave each row's state as it was
+    for t0 in range(max(0, first - window + 1) // KV_TILE * KV_TILE if window else 0, seq_len, KV_TILE):
         t1 = t0 + KV_TILE
         r0 = group * max(0, t0 - first)  # rows < r0 see no key here
         r0 = min(r0 - r0 % QUERY_ROW_TILE, n_rows - QUERY_ROW_TILE)  # whole row tiles (n_rows is a multiple)
         scores = q[:, r0:] @ k[:, t0:t1].transpose(1, 2)  # [Hkv, R - r0, tile]
+        if softcap:
+            scores.div_(softcap).tanh_().mul_(softcap)
         # rows [r0, r_end) have a position below t1 - 1: they cannot see every key of the tile (the padding
         # rows sit at seq_len - 1, after the real ones); the rows after them see it all, unmasked
         r_end = group * min(max(t1 - 1 - first, 0), q_len) + (n_rows - num_real) * (seq_len < t1)
+        if window and t0 + window <= seq_len - 1:  # some rows have keys of this tile outside their window
+            r_end = n_rows
         if r_end > r0:
-            mask = meta.plans.get(("mask", i, t0))
+            mask = meta.plans.get(("mask", i, t0, window))
             if mask is None:  # the same in every layer
                 k_pos = torch.arange(t0, t1, device=query.device)
-                mask = meta.plans[("mask", i, t0)] = k_pos[None, None, :] > q_pos[None, r0:r_end, None]
+                mask = k_pos[None, None, :] > q_pos[None, r0:r_end, None]
+                if window:
+                    mask |= k_pos[None, None, :] <= q_pos[None, r0:r_end, None] - window
+                meta.plans[("mask", i, t0, window)] = mask
             scores[:, :r_end - r0].masked_fill_(mask, float("-inf"))
         m_old, s_old, acc_old = m[:, r0:], s[:, r0:], acc[:, r0:]  # views: updated in place
         m_new = torch.maximum(m_old, scores.amax(-1))
-        alpha = torch.exp(m_old - m_new)
-        p = scores.sub_(m_new[..., None]).exp_()
+        m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0) if window else m_new  # no -inf - -inf = NaN
+        alpha = torch.exp(m_old - m_sub)
+        p = scores.sub_(m_sub[..., None]).exp_()
         s_old.mul_(alpha).add_(p.sum(-1))
         acc_old.mul_(alpha[..., None]).add_(p @ v[:, t0:t1])
         m_old.copy_(m_new)
@@ -188,7 +203,7 @@ class _DecodePlan:
     past_end: torch.Tensor  # [B, L'] True past a sequence's end: the mask of its single query
 
 
-def _decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor) -> _DecodePlan:
+def _decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, window: int | None) -> _DecodePlan:
     device, block_size = meta.block_tables.device, cache.shape[1]
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
     seq_lens = [lens[i] for i in seqs]
@@ -201,31 +216,36 @@ def _decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor) 
     tables = tables[:, :num_blocks]
     # tiles every sequence shares: below every query position, the same blocks in every table
     shared_tiles = 0
-    if len(seqs) > 1:
+    if len(seqs) > 1 and not window:  # (a windowed layer masks per query: no shared tiles)
         same = (tables == tables[:1]).all(dim=0).tolist()
         shared_blocks = same.index(False) if False in same else len(same)
         shared_tiles = min(shared_blocks * block_size, min_len - 1) // KV_TILE
     first = shared_tiles * KV_TILE
     slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, padded]
     k_pos = torch.arange(first, padded_len, device=device)  # [L']
-    past_end = k_pos[None, :] >= torch.tensor(seq_lens, device=device)[:, None]  # [B, L']
+    ends = torch.tensor(seq_lens, device=device)[:, None]
+    past_end = k_pos[None, :] >= ends  # [B, L']
+    tail_rows = _head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache)
+    if window:  # the query sits at ends - 1: keys <= ends - 1 - window are outside its window
+        past_end = past_end | (k_pos[None, :] <= ends - 1 - window)
     return _DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first,
                        shared_rows=_head_rows(slots[0, :first], cache) if shared_tiles else None,
-                       tail_rows=_head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache),
-                       past_end=past_end)
+                       tail_rows=tail_rows, past_end=past_end)
 
 
 def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                   seqs: list[int], scale: float, out: torch.Tensor) -> None:
+                   seqs: list[int], scale: float, out: torch.Tensor, window: int | None = None,
+                   softcap: float | None = None) -> None:
     """Attention of the single queries of sequences `seqs` in one batch; writes their rows of `out`.
 
     Key tiles that every sequence shares (the same KV blocks: a prefix-cache hit) are read once and
     multiplied against all sequences' queries together; the rest per sequence. A query's tiles and their
     order are the same either way, so this changes no result, only how often shared keys are read.
     """
-    plan = meta.plans.get("decode")
+    key = ("decode", window) if window else "decode"
+    plan = meta.plans.get(key)
     if plan is None:
-        plan = meta.plans["decode"] = _decode_plan(meta, seqs, k_cache)
+        plan = meta.plans[key] = _decode_plan(meta, seqs, k_cache, window)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -242,7 +262,7 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         real = q_all.shape[1]
         if real % QUERY_ROW_TILE:
             q_all = torch.nn.functional.pad(q_all, (0, 0, 0, QUERY_ROW_TILE - real % QUERY_ROW_TILE))
-        m, s_, acc = (x[:, :real] for x in _tiled_softmax(q_all, k, v, None, 0, plan.tail_start))
+        m, s_, acc = (x[:, :real] for x in _tiled_softmax(q_all, k, v, None, 0, plan.tail_start, softcap=softcap))
         # back to [Hkv, B, R, ...]; padding rows start empty (max -inf, sum 0), as before any tile
         pad_rows = -group % QUERY_ROW_TILE
         state = (torch.nn.functional.pad(m.view(num_kv_heads, num_seqs, group), (0, pad_rows), value=float("-inf")),
@@ -254,17 +274,20 @@ def _attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     # the remaining tiles, per sequence: [Hkv, B, L', D]
     k = _gather(k_cache, plan.tail_rows, *plan.past_end.shape)
     v = _gather(v_cache, plan.tail_rows, *plan.past_end.shape)
-    m, s_, acc = _tiled_softmax(q, k, v, plan.past_end[None, :, None, :], plan.tail_start, max(plan.seq_lens), state)
+    m, s_, acc = _tiled_softmax(q, k, v, plan.past_end[None, :, None, :], plan.tail_start, max(plan.seq_lens), state,
+                                softcap, bool(window))
     res = (acc / s_[..., None])[:, :, :group]  # [Hkv, B, G, D]
     out[plan.rows] = res.transpose(0, 1).reshape(num_seqs, num_heads, head_dim).to(query.dtype)
 
 
 def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.Tensor | None, start: int,
-                   end: int, state: tuple[torch.Tensor, ...] | None = None) -> tuple[torch.Tensor, ...]:
+                   end: int, state: tuple[torch.Tensor, ...] | None = None, softcap: float | None = None,
+                   windowed: bool = False) -> tuple[torch.Tensor, ...]:
     """Online softmax over the fixed key tiles [start, end) (start a multiple of KV_TILE), in fp32.
 
     q: [..., M, D] (pre-scaled); k, v: [..., Lp, D] holding keys from `start`, Lp a multiple of KV_TILE;
-    masked: broadcastable to [..., M, Lp] or None; state: (running max, sum, accumulator) of earlier tiles.
+    masked: broadcastable to [..., M, Lp] or None; state: (running max, sum, accumulator) of earlier tiles;
+    softcap, windowed: see paged_attention (windowed: a row's first tiles may be wholly masked).
     Returns the new state. A tile fully masked for a row leaves that row's state exactly unchanged, so a
     row's result does not depend on how many tiles its batch needed.
 
@@ -275,6 +298,8 @@ def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: to
     num_tiles = -(-(end - start) // KV_TILE)
     length = num_tiles * KV_TILE
     scores = q @ k[..., :length, :].transpose(-1, -2)  # [..., M, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if masked is not None:
         scores = scores.masked_fill(masked[..., :length], float("-inf"))
     scores = scores.unflatten(-1, (num_tiles, KV_TILE))  # [..., M, T, tile]
@@ -284,7 +309,10 @@ def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: to
     for t in range(num_tiles):
         m = tile_max[..., t] if m is None else torch.maximum(m, tile_max[..., t])
         maxes.append(m)
-    p = torch.exp(scores - torch.stack(maxes, -1)[..., None])  # [..., M, T, tile]
+    subs = torch.stack(maxes, -1)  # [..., M, T]
+    if windowed:  # a running max still -inf (nothing seen yet) subtracts 0: p = 0, not NaN
+        subs = subs.masked_fill(subs == float("-inf"), 0.0)
+    p = torch.exp(scores - subs[..., None])  # [..., M, T, tile]
     p_sums = p.sum(-1)  # [..., M, T]
     pv = p.transpose(-2, -3) @ v[..., :length, :].unflatten(-2, (num_tiles, KV_TILE))  # [..., T, M, D]
     prev = state[0] if state is not None else None
@@ -292,7 +320,7 @@ def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: to
         if s is None:  # first tile: the same arithmetic as the general step with m = -inf, s = acc = 0
             s, acc = p_sums[..., t], pv[..., t, :, :]
         else:
-            alpha = torch.exp(prev - maxes[t])
+            alpha = torch.exp(prev - subs[..., t])
             s = s * alpha + p_sums[..., t]
             acc = acc * alpha[..., None] + pv[..., t, :, :]
         prev = maxes[t]
@@ -306,7 +334,8 @@ class TorchAttentionBackend:
     allocate_kv_cache = staticmethod(allocate_kv_cache)
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D]; window, softcap: see paged_attention."""
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(query, k_cache, v_cache, meta, scale)
+        return paged_attention(query, k_cache, v_cache, meta, scale, window, softcap)

@@ -211,6 +211,7 @@ class Engine:
         max_len = hf_config.max_position_embeddings
         window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
         window = window if window and window < max_len else None
+        window = None if decoder_class(hf_config).implements_sliding_window else window  # (Gemma masks it)
         if window:
             max_len = window  # full attention equals sliding inside the window; longer prompts are refused
         if config.max_model_len:

@@ -15,9 +15,13 @@ SUPPORTED_ARCHITECTURES = {
     "GPTNeoXForCausalLM": "gpt_neox",  # apcscore.models.gpt_neox
     "Olmo2ForCausalLM": "olmo2",  # apcscore.models.olmo2
     "Phi3ForCausalLM": "phi3",  # apcscore.models.phi3 (no long-rope: native_problem)
+    "MixtralForCausalLM": "mixtral",  # apcscore.models.moe
+    "Qwen2MoeForCausalLM": "qwen2_moe",  # apcscore.models.moe
+    "Gemma2ForCausalLM": "gemma2",  # apcscore.models.gemma
+    "Gemma3ForCausalLM": "gemma3",  # apcscore.models.gemma (text only)
 }
 # the families whose rotary tables are Llama's (apcscore.models.rope; resolved and remembered ahead)
-LLAMA_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3"})
+LLAMA_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "olmo2", "phi3", "mixtral", "qwen2_moe"})
 
 MODEL_BACKENDS = ("auto", "native", "transformers")
 
@@ -47,6 +51,15 @@ def native_problem(hf_config: Any) -> str | None:
             return f"Phi-3 with rope type {rope['rope_type']!r} (long-rope scaling) is not implemented natively"
         if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
             return "Phi-3 with partial rotary is not implemented natively"
+    if SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "") in ("gemma2", "gemma3"):
+        if getattr(hf_config, "use_bidirectional_attention", False):
+            return "Gemma with bidirectional attention is not implemented natively"
+        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        kinds = [r.get("rope_type", "default") for r in rope.values() if isinstance(r, dict)] or [
+            rope.get("rope_type", "default")]  # Gemma 3: one entry per layer type; Gemma 2: one rope
+        for kind in kinds:
+            if "dynamic" in kind or kind == "longrope":
+                return f"Gemma with rope type {kind!r} is not implemented natively"
     return None
 
 

@@ -130,6 +130,9 @@ class DecoderLayer(nn.Module):
 class LlamaDecoder(nn.Module):
     """Decoder-only transformer of the Llama family over a flattened, paged batch."""
 
+    # whether the decoder masks a config's sliding window itself (else the engine caps the context at it)
+    implements_sliding_window = False
+
     def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
                  device: Device = None) -> None:
         """backend: linear layers, attention and RMSNorm (apcscore.models.backend.select_backend). device
@@ -142,7 +145,7 @@ class LlamaDecoder(nn.Module):
         self.config = cfg
         qk_norm = family == "qwen3"
         attention_bias = bool(getattr(cfg, "attention_bias", False))
-        qkv_bias = family == "qwen2" or attention_bias
+        qkv_bias = family == "qwen2" or attention_bias or bool(getattr(cfg, "qkv_bias", False))  # (Qwen2-MoE)
         o_bias = attention_bias and family != "qwen2"  # Qwen2: bias on q/k/v only
         # _weight skips the random init (on "meta" it would import torch._dynamo: ~1 s)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
@@ -274,12 +277,7 @@ class LlamaDecoder(nn.Module):
             if attn.q_norm is not None:
                 copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
                 copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-            copy(layer.mlp.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            if layer.mlp.gate_up_proj.bias is not None:
-                copy(layer.mlp.gate_up_proj.bias, p + "mlp.gate_proj.bias", p + "mlp.up_proj.bias")
-            copy(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
-            if layer.mlp.down_proj.bias is not None:
-                copy(layer.mlp.down_proj.bias, p + "mlp.down_proj.bias")
+            self.load_mlp(layer.mlp, p + "mlp.", state, copy)
             copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
         unused = set(state) - used - {"lm_head.weight"}  # tied checkpoints may still carry lm_head
@@ -287,3 +285,14 @@ class LlamaDecoder(nn.Module):
         if unused:
             raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
         self.build_rotary_tables(rope)
+
+    def load_mlp(self, mlp: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
+                 copy: Callable[..., None]) -> None:
+        """Load one layer's MLP (`prefix` "model.layers.N.mlp."); copy(param, *names) fills fused rows in order.
+        Sparse-MoE decoders override it (apcscore.models.moe)."""
+        copy(mlp.gate_up_proj.weight, prefix + "gate_proj.weight", prefix + "up_proj.weight")
+        if mlp.gate_up_proj.bias is not None:
+            copy(mlp.gate_up_proj.bias, prefix + "gate_proj.bias", prefix + "up_proj.bias")
+        copy(mlp.down_proj.weight, prefix + "down_proj.weight")
+        if mlp.down_proj.bias is not None:
+            copy(mlp.down_proj.bias, prefix + "down_proj.bias")

@@ -1,0 +1,225 @@
+"""Our Gemma 2 and Gemma 3 (text-only, Gemma3ForCausalLM) decoders, fed Hugging Face weights.
+
+What differs from Llama, each as transformers computes it:
+- the embeddings are scaled by sqrt(hidden_size), the factor rounded to the model dtype first;
+- RMSNorm computes in fp32 and scales by (1 + weight), then casts (Gemma's norm, not Llama's);
+- every layer norms its sublayers' inputs and outputs: x = x + post_attn_norm(attn(input_norm(x))),
+  x = x + post_ffw_norm(mlp(pre_ffw_norm(x))); the MLP is GeGLU (GELU, tanh approximation, as configured);
+- attention scales by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
+- layers alternate sliding-window attention (a query sees the last `sliding_window` positions) and global
+  attention, per `config.layer_types`; the window is masked inside the torch backend's fixed key tiles;
+- Gemma 2: attention logits soft-capped (tanh(s / c) * c, c = attn_logit_softcapping), and the final logits
+  too (final_logit_softcapping);
+- Gemma 3: q and k RMS-normed per head before the rotary embedding, and the sliding layers' rotary tables use
+  their own base (rope_parameters["sliding_attention"]); final logit soft-capping when configured.
+
+The sliding window and attention soft-capping are implemented in the torch attention backend only (the
+Triton paged-attention kernel has neither), so these models refuse the Triton backend with a clear error.
+The batch-invariance contract holds as for Llama: projections and the LM head through the backend's `linear`,
+attention in the same fixed tiles, and norms, GELU, scaling and soft-capping row by row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from apcscore.attention.metadata import get_attention_metadata
+from apcscore.errors import ApcscoreError
+from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
+from apcscore.models.backend import Backend
+from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
+
+SLIDING = "sliding_attention"
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + weight), in fp32, cast back (row-wise)."""
+
+    def __init__(self, size: int, eps: float, device: Device = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size, device=device), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.float()
+        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (out * (1.0 + self.weight.float())).type_as(x)
+
+
+class GemmaAttention(nn.Module):
+    """Attention of one layer: its window (sliding layers), soft-cap (Gemma 2) and q/k norms (Gemma 3); the
+    attributes the KV pool reads (num_kv_heads, head_dim, backend, k_cache, v_cache) as Llama's Attention."""
+
+    def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, backend: Backend, device: Device = None) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.scale = cfg.query_pre_attn_scalar ** -0.5
+        self.sliding = cfg.layer_types[layer_idx] == SLIDING
+        self.window = cfg.sliding_window if self.sliding else None
+        self.softcap = None if gemma3 else getattr(cfg, "attn_logit_softcapping", None)  # Gemma 3 ignores it
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, backend.linear, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, backend.linear, device)
+        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
+        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
+        self.layer_idx = layer_idx
+        self.backend = backend.attention
+        self.k_cache = torch.empty(0)
+        self.v_cache = torch.empty(0)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        extra = {name: value for name, value in (("window", self.window), ("softcap", self.softcap)) if value}
+        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+                                   get_attention_metadata(), self.scale, **extra)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.q_size))
+
+
+class GemmaLayer(nn.Module):
+    def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, backend: Backend, device: Device = None) -> None:
+        super().__init__()
+        from transformers.activations import ACT2FN
+
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = GemmaAttention(cfg, layer_idx, gemma3, backend, device)
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, backend.linear, device)
+        self.down_proj = Linear(cfg.intermediate_size, h, False, backend.linear, device)
+        self.act = ACT2FN[cfg.hidden_activation]  # elementwise (gelu_pytorch_tanh)
+        self.input_layernorm = GemmaRMSNorm(h, eps, device)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps, device)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin))
+        gate, up = self.gate_up_proj(self.pre_feedforward_layernorm(x)).split(self.intermediate, dim=-1)
+        return x + self.post_feedforward_layernorm(self.down_proj(self.act(gate) * up))
+
+
+class GemmaDecoder(LlamaDecoder):
+    """Gemma2ForCausalLM and Gemma3ForCausalLM over a flattened, paged batch (LlamaDecoder's interface)."""
+
+    implements_sliding_window = True  # the engine need not cap the context at the window
+
+    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+                 device: Device = None) -> None:
+        nn.Module.__init__(self)
+        cfg = self.config = hf_config
+        self.backend = backend
+        self.gemma3 = SUPPORTED_ARCHITECTURES[check_architecture(cfg)] == "gemma3"
+        layers = [GemmaLayer(cfg, i, self.gemma3, backend, device) for i in range(cfg.num_hidden_layers)]
+        if backend.attention.name != "torch" and any(x.self_attn.window or x.self_attn.softcap for x in layers):
+            raise ApcscoreError("Gemma's sliding-window and soft-capped attention run only on the torch attention "
+                                "backend — use --attention-backend torch, or --model-backend transformers")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
+        self.layers = nn.ModuleList(layers)
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
+        self.lm_head = (None if self.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
+        self._lm_head_fp32: torch.Tensor | None = None
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        for name in ("cos_table", "sin_table", "cos_local", "sin_local"):  # global and sliding layers' tables
+            self.register_buffer(name, torch.empty(0), persistent=False)
+
+    def build_rotary_tables(self, rope: Any = None) -> None:
+        """cos/sin [P, D] from transformers' own Gemma rotary module (Gemma 3: one table per layer type)."""
+        positions = torch.arange(self.max_positions)[None, :]
+        x = torch.zeros(1, dtype=torch.float32)
+        with torch.device("cpu"):
+            if self.gemma3:
+                from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+                rotary = Gemma3RotaryEmbedding(self.config)
+                tables = {kind: rotary(x, positions, kind) for kind in sorted(set(self.config.layer_types))}
+            else:
+                from transformers.models.gemma2.modeling_gemma2 import Gemma2RotaryEmbedding
+
+                both = Gemma2RotaryEmbedding(self.config)(x, positions)
+                tables = {"full_attention": both, SLIDING: both}
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        full = tables.get("full_attention", tables.get(SLIDING))
+        local = tables.get(SLIDING, full)
+        self.cos_table, self.sin_table = (t[0].to(device=device, dtype=dtype) for t in full)
+        self.cos_local, self.sin_local = (t[0].to(device=device, dtype=dtype) for t in local)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
+        weight = self.embed_tokens.weight
+        hidden = self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size ** 0.5).to(weight.dtype)
+        rotary = {False: (self.cos_table[positions], self.sin_table[positions]),
+                  True: (self.cos_local[positions], self.sin_local[positions])}  # [T, D] each
+        for layer in self.layers:
+            hidden = layer(hidden, *rotary[layer.self_attn.sliding])
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits as LlamaDecoder.compute_logits, then soft-capped (tanh(l / c) * c) when configured."""
+        logits = super().compute_logits(hidden, out)
+        if self.final_softcap:
+            logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
+        return logits
+
+    @torch.no_grad()
+    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
+        """Copy Gemma2/Gemma3ForCausalLM weights into place (q/k/v and gate/up fused); every weight must be used."""
+        used: set[str] = set()
+        self._lm_head_fp32 = None
+
+        def copy(param: torch.Tensor, *names: str) -> None:
+            missing = [n for n in names if n not in state]
+            if missing:
+                raise ApcscoreError(f"weight {missing[0]} is missing from the checkpoint")
+            used.update(names)
+            sources = [state.pop(n) if consume else state[n] for n in names]  # type: ignore[attr-defined]
+            if sum(s.shape[0] for s in sources) != param.shape[0] or sources[0].shape[1:] != param.shape[1:]:
+                raise ApcscoreError(f"weight {names[0]} has shape {tuple(sources[0].shape)}, expected "
+                                    f"{tuple(param.shape)}")
+            row = 0
+            for src in sources:
+                param[row:row + src.shape[0]].copy_(src)
+                row += src.shape[0]
+
+        copy(self.embed_tokens.weight, "model.embed_tokens.weight")
+        copy(self.norm.weight, "model.norm.weight")
+        if self.lm_head is not None:
+            copy(self.lm_head.weight, "lm_head.weight")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            copy(attn.qkv_proj.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
+            if attn.qkv_proj.bias is not None:
+                copy(attn.qkv_proj.bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
+            copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
+            if attn.o_proj.bias is not None:
+                copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
+            if attn.q_norm is not None:
+                copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
+                copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
+            copy(layer.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
+            copy(layer.down_proj.weight, p + "mlp.down_proj.weight")
+            for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                copy(getattr(layer, norm).weight, p + norm + ".weight")
+        unused = {n for n in set(state) - used - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        self.build_rotary_tables()
