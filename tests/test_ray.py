@@ -66,6 +66,8 @@ def test_two_replicas_equal_one_process(tmp_path, write_jsonl, tiny, cluster) ->
     assert res.exit_code == 0, res.output
     assert_same_rows(two, single)
     m1, m2 = meta(single), meta(two)
+    for m in (m1, m2):  # Ray gives a replica as many threads as CPUs; the thread count does not change bits
+        m["numerics"].pop("torch_threads")
     assert {k: v for k, v in m2.items() if k not in PROVENANCE | {"ray"}} == \
         {k: v for k, v in m1.items() if k not in PROVENANCE}
     info = m2["ray"]
@@ -105,36 +107,71 @@ def _replica_pids() -> list[int]:
     return pids
 
 
-def test_a_replica_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, write_jsonl, tiny, cluster) -> None:
+SLOW = ["--num-kv-blocks", 256, "--prompt-logprobs", 1, "-q", "--max-num-seqs", 2, "--max-batch-tokens", 32]
+
+
+@pytest.fixture(scope="module")
+def slow_case(tmp_path_factory, tiny) -> tuple:
+    """400 score records run slowly enough (2 sequences, 32 tokens a step) for a kill or an interrupt to land
+    mid-run, and the single-process file they must equal."""
+    from conftest import _write_jsonl
+
+    folder = tmp_path_factory.mktemp("slow")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
     records = [{"id": f"r{i}", "prompt": " ".join(words[(i + j) % 10] for j in range(i % 29 + 4))} for i in range(400)]
-    data = write_jsonl(tmp_path / "d.jsonl", records)
-    common = ["score", data, "--model", tiny, "--num-kv-blocks", 256, "--prompt-logprobs", 1, "-q",
-              "--max-num-seqs", 2, "--max-batch-tokens", 32]  # slow enough for the kill to land mid-run
+    data = _write_jsonl(folder / "d.jsonl", records)
+    single = folder / "one.parquet"
+    assert run("score", data, "--model", tiny, *SLOW, "--out", single).exit_code == 0
+    return data, single, [r["id"] for r in records]
+
+
+def _when_rows_appear(partial, action) -> threading.Thread:
+    """A thread that runs `action()` once the first part file of `partial` exists (replicas loaded and running)."""
+    def watch() -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline and not list(partial.glob("part-*.parquet")):
+            time.sleep(0.2)
+        action()
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
+def test_a_replica_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, tiny, cluster, slow_case) -> None:
+    data, single, ids = slow_case
     out = tmp_path / "ray.parquet"
     killed: list[int] = []
 
-    def killer() -> None:
-        partial = tmp_path / "ray.parquet.partial"
-        deadline = time.time() + 240
-        while time.time() < deadline and not list(partial.glob("part-*.parquet")):
-            time.sleep(0.2)  # wait for the first rows: the replicas are loaded and running
+    def kill() -> None:
         pids = _replica_pids()
         if pids:
             os.kill(pids[0], signal.SIGKILL)
             killed.append(pids[0])
 
-    thread = threading.Thread(target=killer)
-    thread.start()
-    res = run(*common, "--ray", "auto", "--replicas", 2, "--out", out)
+    thread = _when_rows_appear(tmp_path / "ray.parquet.partial", kill)
+    res = run("score", data, "--model", tiny, *SLOW, "--ray", "auto", "--replicas", 2, "--out", out)
     thread.join()
     assert res.exit_code == 0, res.output
     assert killed, "no replica process was found to kill"
-    assert not (tmp_path / "ray.parquet.partial").exists()
-    single = tmp_path / "one.parquet"
-    assert run(*common, "--out", single).exit_code == 0
-    table = pq.read_table(out)
-    assert table.column("id").to_pylist() == [r["id"] for r in records]  # none lost, none twice
+    assert pq.read_table(out).column("id").to_pylist() == ids  # none lost, none twice
     assert_same_rows(out, single)
     pids = {r["pid"] for r in meta(out)["ray"]["per_replica"]}
     assert killed[0] not in pids  # the stats come from the restarted process
+
+
+def test_interrupt_then_resume_on_ray_equals_one_process(tmp_path, tiny, cluster, slow_case) -> None:
+    data, single, ids = slow_case
+    out, partial = tmp_path / "ray.parquet", tmp_path / "ray.parquet.partial"
+    common = ["score", data, "--model", tiny, *SLOW, "--ray", "auto", "--replicas", 2, "--out", out]
+    thread = _when_rows_appear(partial, lambda: os.kill(os.getpid(), signal.SIGINT))
+    res = run(*common)
+    thread.join()
+    assert res.exit_code == 130, res.output
+    saved = sum(pq.read_metadata(p).num_rows for p in partial.glob("part-*.parquet"))
+    assert 0 < saved < len(ids) and not out.exists()
+    res = run(*common, "--resume")
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(out).column("id").to_pylist() == ids
+    assert_same_rows(out, single)
+    assert meta(out)["sessions"] == 2

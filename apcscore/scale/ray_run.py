@@ -152,10 +152,11 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         counts["rows"] += 1
         counts["errors"] += row.get("status") == "error"
 
-    queues: list[list[list[Any]]] = [[] for _ in actors]
-    for r, _ in enumerate(actors):
-        mine = [rec for rec in data.records if split.part_of[rec.index] == r and rec.index not in done]
-        queues[r] = [mine[i:i + CHUNK_RECORDS] for i in range(0, len(mine), CHUNK_RECORDS)]
+    mine: list[list[Any]] = [[] for _ in actors]  # each replica's records not done yet, in dataset order
+    for rec in data.records:
+        if rec.index not in done:
+            mine[split.part_of[rec.index]].append(rec)
+    queues = [[m[i:i + CHUNK_RECORDS] for i in range(0, len(m), CHUNK_RECORDS)] for m in mine]
     pending: dict[Any, int] = {}
 
     def submit(r: int) -> None:
