@@ -194,11 +194,15 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         for s, h in old.items():
             signal.signal(s, h)
     run_seconds = time.perf_counter() - run_start
-    stats = [_get(ray, a.stats.remote()) for a in actors]
-    load_seconds = max(s["timings"]["load_seconds"] for s in stats)
-    timings = add_timings(previous.get("timings"), _sum_timings(stats, load_seconds, run_seconds))
+    refs = [a.stats.remote() for a in actors]  # after an interrupt, a replica busy with a chunk is not waited for
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if stop["signal"] is None else 2.0)
+    stats = [_get(ray, ref) if ref in ready else None for ref in refs]
+    got = [s for s in stats if s is not None]
+    load_seconds = max((s["timings"]["load_seconds"] for s in got), default=0.0)
+    timings = add_timings(previous.get("timings"), _sum_timings(got, load_seconds, run_seconds))
     per_replica = [{"replica": r, "records_assigned": split.records[r], "load_assigned": split.loads[r],
-                    "records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["timings"])}
+                    **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["timings"])}
+                       if s is not None else {"stats": "not available (interrupted while busy)"})}
                    for r, s in enumerate(stats)]
     writer.update_metadata({"timings": timings, "ray": {
         "address": opts["ray"], "replicas": len(actors), **resources,
