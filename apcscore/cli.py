@@ -36,8 +36,9 @@ class Command(TyperCommand):
     """Typer's command with a plain usage line: `DATASET`, not `{dataset}`."""
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
-        return [p[1:-1].upper() if p.startswith("{") and p.endswith("}") else p
-                for p in super().collect_usage_pieces(ctx)]
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:p.index("}")].upper() + p[p.index("}") + 1:] if p.startswith("{") and "}" in p else p
+                for p in pieces]
 
     def get_help_option(self, ctx: click.Context) -> click.Option | None:
         return _plain_help_option(super().get_help_option(ctx))
@@ -243,7 +244,7 @@ def eval_(
 def merge(
     out: Annotated[Path, typer.Argument(help="The merged parquet file.", metavar="OUT", show_default=False)],
     shards: Annotated[list[Path], typer.Argument(help="The shard files of one --shard 0/N .. N-1/N run.",
-                                                 metavar="SHARD...", show_default=False)],
+                                                 metavar="SHARD", show_default=False)],
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Join the files of `--shard I/N` runs into the file one run would have written (checks they are the shards
