@@ -189,3 +189,14 @@ def test_a_group_too_heavy_for_one_part_is_split_by_its_next_block() -> None:
         assert len(set(parts[5 * s:5 * s + 5])) == 1  # the second-block groups stay whole
     same = [[1, 2, 3, 4, 5, 6, 7, 8]] * 6  # identical prompts: cut into runs, still balanced
     assert sorted(assign(items_of(same), 2)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_ray_without_the_extra_is_a_clear_error(monkeypatch) -> None:
+    import sys
+
+    from apcscore.errors import ApcscoreError
+    from apcscore.scale.ray_run import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ApcscoreError, match=r"pip install 'apcscore\[ray\]'"):
+        import_ray()
