@@ -84,7 +84,11 @@ def _get(ray: Any, ref: Any) -> Any:
         cause = getattr(exc, "cause", None)
         if isinstance(cause, ApcscoreError):
             raise ApcscoreError(f"a Ray replica refused the run: {cause}", exit_code=cause.exit_code) from None
-        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        text = str(exc)
+        at = text.rfind("ApcscoreError: ")  # raised in a replica's creation task: only its text comes back
+        if at >= 0:
+            raise ApcscoreError(f"a Ray replica refused the run: {text[at + 15:].strip()}") from None
+        lines = [line for line in text.strip().splitlines() if line.strip()]
         raise ApcscoreError(f"a Ray replica failed: {lines[-1] if lines else type(exc).__name__}", exit_code=1) from None
 
 
