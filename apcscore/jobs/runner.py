@@ -48,8 +48,9 @@ class _RecordGroup:
 
 
 def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Console,
-            show_progress: bool, verifier: Any = None) -> RunResult:
-    """Run every record not done yet; `verifier` (jobs/verify.ReuseVerifier) sees each request and output."""
+            show_progress: bool, verifier: Any = None, handle_signals: bool = True) -> RunResult:
+    """Run every record not done yet; `verifier` (jobs/verify.ReuseVerifier) sees each request and output.
+    `handle_signals=False` leaves SIGINT/SIGTERM alone (a Ray replica: its driver handles them)."""
     engine = job.engine
     done = set(getattr(writer, "done_indices", set()))
     todo = [r for r in dataset.records if r.index not in done]
@@ -93,7 +94,7 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
     def handler(signum, _frame) -> None:
         stop["signal"] = signum
 
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)} if handle_signals else {}
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[tok_s]:,.0f} tok/s  prefix hit {task.fields[hit]:.0%}  KV {task.fields[kv]}"),

@@ -27,7 +27,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.options import engine_config, resolve_options
 from apcscore.jobs.preflight import check_against_model, check_output
 
-RESUME_KEYS = ["command", "model", "dtype", "device", "attention_backend", "job", "dataset"]
+RESUME_KEYS = ["command", "model", "dtype", "device", "attention_backend", "job", "dataset", "shard"]
 # columns too big to read back for the summary of a resumed run (no job's summary reads them)
 _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "completion_logprobs",
           "completion_ranks", "completion_top_ids", "completion_top_logprobs"}
@@ -60,6 +60,11 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     if note:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
+    if opts.get("ray"):  # the engines run in Ray replicas (apcscore/scale/); this process writes the file
+        from apcscore.scale.ray_run import run_on_ray
+
+        return run_on_ray(command, data, opts, out, console)
+
     from apcscore.engine.engine import Engine, check_backend_device
     from apcscore.io.writer import ResultsWriter
     from apcscore.jobs.runner import run_job
@@ -85,13 +90,17 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                       highlight=False)
     job = _job_class(command)(engine, opts)
     metadata = run_metadata(command, engine, job, data, cfg, opts)
-    writer = ResultsWriter(out, job.output_schema(), metadata, overwrite=opts["overwrite"], resume=opts["resume"],
-                           resume_keys=RESUME_KEYS, resume_compare={"dataset": same_dataset},
-                           num_rows=data.num_records)
-    previous = writer.previous_metadata or {}
-    sessions = int(previous.get("sessions", 1)) + 1 if writer.previous_metadata is not None else 1
-    writer.update_metadata({"sessions": sessions, "resumed": sessions > 1,
-                            "created": previous.get("created", metadata["created"])})
+    writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
+                   resume_compare={"dataset": same_dataset})
+    if opts.get("shard"):  # one part of the dataset; its file has the extra column record_index
+        from apcscore.scale.shard import ShardWriter, select_shard
+
+        data, metadata["shard"], indices = select_shard(lambda: _job_class(command)(engine, opts), data,
+                                                        opts["shard"], cfg.block_size, opts.get("partition") or "prefix")
+        writer: Any = ShardWriter(out, job.output_schema(), metadata, indices, **writing)
+    else:
+        writer = ResultsWriter(out, job.output_schema(), metadata, num_rows=data.num_records, **writing)
+    sessions, previous = start_session(writer, metadata["created"])
     before = _observe_previous(job, writer)
     verifier = None
     if opts.get("verify_reuse"):
@@ -123,11 +132,24 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                       f"re-scored requests differ from full recompute:\n{escape(describe(verified))}",
                       highlight=False, soft_wrap=True)
         return 1
+    return exit_code(console, final, rows, errors)
+
+
+def exit_code(console: Console, final: Path, rows: int, errors: int) -> int:
+    """0, or 1 (said on the console) when every record of the finished file failed."""
     if rows and errors == rows:
         console.print(f"[bold red]error:[/] every record failed ({errors} of {rows} rows are errors); see the "
                       f"'error' column of {escape(str(final))}", highlight=False, soft_wrap=True)
         return 1
     return 0
+
+
+def start_session(writer: Any, created: str) -> tuple[int, dict]:
+    """Count this session in the writer's metadata (`sessions`, `resumed`); return (sessions, previous metadata)."""
+    previous = writer.previous_metadata or {}
+    sessions = int(previous.get("sessions", 1)) + 1 if writer.previous_metadata is not None else 1
+    writer.update_metadata({"sessions": sessions, "resumed": sessions > 1, "created": previous.get("created", created)})
+    return sessions, previous
 
 
 def _verify(verifier: Any, engine: Any, writer: Any, console: Console | None) -> dict | None:

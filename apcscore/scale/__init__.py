@@ -1,0 +1,1 @@
+"""Beyond one process: prefix-aware partitioning, `--shard I/N` with `apcscore merge`, and `--ray` replicas."""

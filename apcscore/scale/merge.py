@@ -1,0 +1,137 @@
+"""`apcscore merge OUT SHARD...`: join the files of `--shard I/N` runs into the file one run would have written.
+
+Checks, before anything is written (each refusal is an ApcscoreError, exit 2, naming the files):
+- every file is a finished apcscore shard file (metadata `shard`, the `record_index` column);
+- all are shards of one dataset (content hash and record count), split the same way (count, partitioning,
+  block size, fingerprint of the assignment), under one configuration (`SAME_KEYS` of the metadata, the
+  engine settings but the auto-sized KV pool, the numerics but the thread count, which do not change bits);
+- no shard is given twice and none is missing; their rows cover the dataset exactly once.
+
+The output: the shards' rows in dataset order without `record_index`, the command's schema, row groups of 256
+rows, and the metadata of the shard 0 run without `shard`, plus `merged` (the shard files, every shard's
+timings) and `timings` summed over the shards (seconds add up machine time, not wall time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from apcscore.errors import ApcscoreError
+from apcscore.io.tables import METADATA_KEY, dumps_metadata, read_run_metadata
+from apcscore.scale.shard import SHARD_COLUMN
+
+# metadata that must be equal in every shard (the run's configuration); "engine" and "numerics" are compared
+# without the fields that differ between machines without changing bits
+SAME_KEYS = ("apcscore_version", "command", "model", "tokenizer", "dtype", "device", "attention_backend",
+             "model_backend", "job", "versions")
+_SPLIT_KEYS = ("count", "partition", "block_size", "fingerprint")
+ROW_GROUP_SIZE = 256
+
+
+def _config(meta: dict) -> dict:
+    engine = {k: v for k, v in (meta.get("engine") or {}).items() if k != "num_kv_blocks"}
+    numerics = {k: v for k, v in (meta.get("numerics") or {}).items() if k != "torch_threads"}
+    dataset = {k: (meta.get("dataset") or {}).get(k) for k in ("sha256", "num_records")}
+    return {**{k: meta.get(k) for k in SAME_KEYS}, "engine": engine, "numerics": numerics, "dataset": dataset}
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
+    return text if len(text) <= 100 else text[:97] + "..."
+
+
+def check_shards(paths: list[Path]) -> list[dict]:
+    """The shards' metadata, ordered by shard index; ApcscoreError when they are not one complete split."""
+    if not paths:
+        raise ApcscoreError("merge needs the shard files to join: apcscore merge OUT SHARD...")
+    metas = []
+    for path in paths:
+        if not path.is_file():
+            partial = path.with_name(path.name + ".partial")
+            hint = f" ({partial} holds an unfinished shard: finish it with --resume)" if partial.exists() else ""
+            raise ApcscoreError(f"{path}: no such shard file{hint}")
+        meta = read_run_metadata(path)
+        if "shard" not in meta or SHARD_COLUMN not in pq.read_schema(path).names:
+            raise ApcscoreError(f"{path} is not a shard file (written without --shard I/N); merge joins the files "
+                                "of one --shard 0/N .. N-1/N run")
+        metas.append(meta)
+    first, first_path = metas[0], paths[0]
+    for path, meta in zip(paths[1:], metas[1:]):
+        a, b = _config(first), _config(meta)
+        differ = [k for k in a if a[k] != b[k]]
+        if differ:
+            details = "; ".join(f"{k}: {first_path.name} {_short(a[k])}, {path.name} {_short(b[k])}" for k in differ)
+            raise ApcscoreError(f"{path} and {first_path} are not shards of one dataset under one configuration "
+                                f"({details}); rerun the odd shard with the others' settings")
+        split_a = {k: first["shard"].get(k) for k in _SPLIT_KEYS}
+        split_b = {k: meta["shard"].get(k) for k in _SPLIT_KEYS}
+        if split_a != split_b:
+            differ = [k for k in _SPLIT_KEYS if split_a[k] != split_b[k]]
+            raise ApcscoreError(f"{path} and {first_path} split the dataset differently ("
+                                + "; ".join(f"{k}: {split_a[k]} vs {split_b[k]}" for k in differ)
+                                + "); every shard must come from the same --shard I/N split")
+    by_index: dict[int, Path] = {}
+    for path, meta in zip(paths, metas):
+        i = meta["shard"]["index"]
+        if i in by_index:
+            raise ApcscoreError(f"overlap: {by_index[i]} and {path} are both shard {i}/{meta['shard']['count']}; "
+                                "give each shard once")
+        by_index[i] = path
+    count = first["shard"]["count"]
+    missing = sorted(set(range(count)) - set(by_index))
+    if missing:
+        raise ApcscoreError(f"gap: shard{'s' if len(missing) > 1 else ''} "
+                            f"{', '.join(f'{i}/{count}' for i in missing)} of {count} "
+                            f"{'are' if len(missing) > 1 else 'is'} missing; run "
+                            f"{'them' if len(missing) > 1 else 'it'} and pass every shard file")
+    order = sorted(range(len(metas)), key=lambda k: metas[k]["shard"]["index"])
+    return [dict(metas[k], _path=str(paths[k])) for k in order]
+
+
+def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple[Path, int]:
+    """Check the shards and write `out`; return (out, rows)."""
+    if out.exists() and not overwrite:
+        raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another OUT")
+    if any(out.resolve() == p.resolve() for p in paths):
+        raise ApcscoreError(f"OUT {out} is one of the shard files; choose another OUT")
+    metas = check_shards(paths)
+    total = metas[0]["dataset"]["num_records"]
+    tables = [pq.read_table(m["_path"]) for m in metas]
+    table = pa.concat_tables(tables).sort_by(SHARD_COLUMN)
+    got = table.column(SHARD_COLUMN).to_numpy()
+    if len(got) != total or (total and (got[0] != 0 or (got[1:] - got[:-1] != 1).any())):
+        seen = set(got.tolist())
+        dup = len(got) - len(seen)
+        absent = sorted(set(range(total)) - seen)
+        raise ApcscoreError(f"the shards' rows do not cover the dataset's {total} records exactly once ("
+                            f"{dup} rows twice, {len(absent)} missing, e.g. {absent[:5]}); rerun the shards")
+    from apcscore.jobs.session import add_timings
+
+    timings = None
+    for m in metas:
+        if m.get("timings"):
+            timings = add_timings(timings, m["timings"])
+    meta = {k: v for k, v in metas[0].items() if k not in ("shard", "_path")}
+    meta.update({"timings": timings, "merged": {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "shards": [{"file": m["_path"], "index": m["shard"]["index"], "num_rows": m["shard"]["num_rows"],
+                    "load": m["shard"]["loads"][m["shard"]["index"]], "timings": m.get("timings")} for m in metas],
+        "partition": {k: metas[0]["shard"][k] for k in ("count", "partition", "block_size", "fingerprint")}}})
+    table = table.drop_columns([SHARD_COLUMN])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".merge.tmp")
+    try:
+        pq.write_table(table.replace_schema_metadata({METADATA_KEY: dumps_metadata(meta).encode()}), tmp,
+                       row_group_size=ROW_GROUP_SIZE)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out, table.num_rows

@@ -1,0 +1,143 @@
+"""Prefix-aware partitioning of a dataset's records into N parts (shards or Ray replicas), deterministically.
+
+Records whose first KV blocks of tokens are equal go to the same part, so one engine computes a shared prefix
+once and the others read it from its prefix cache; the load (prompt tokens plus the tokens a record may
+generate) is otherwise balanced. The same function serves `--shard I/N` (each array task computes the whole
+assignment and keeps its part) and `--ray` (the driver computes it once).
+
+How:
+1. Each record's key is the chain of its first full blocks: digest_d = BLAKE2b(digest_{d-1} + block d's token
+   ids), d = 1..MAX_DEPTH, over the token ids of its first engine request (what the job would send, with the
+   model's tokenizer and context length). A record shorter than one block, or whose requests cannot be
+   built, or that is invalid, has no full block and is a group of its own.
+2. Records are grouped by digest_1. A group heavier than a fair share (total load / N) is split by its next
+   block (digest_2, ...), up to MAX_DEPTH blocks; a group still too heavy (the same first MAX_DEPTH blocks) is
+   cut into consecutive runs of at most a fair share, in dataset order.
+3. Groups go to parts by longest-processing-time first: heaviest group first (ties: smallest first record
+   index) to the least-loaded part (ties: lowest part number).
+
+Everything depends only on the records' token ids, their loads and N, never on dict or set order or on the
+process, so every array task computes the same assignment. `random` partitioning (a record's part is a hash of
+its index) exists to measure what prefix-awareness buys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from apcscore.errors import ApcscoreError
+
+MAX_DEPTH = 8  # blocks of a record's prefix that can decide its group
+METHODS = ("prefix", "random")
+
+
+@dataclass(frozen=True)
+class Item:
+    """One record as the partitioner sees it."""
+
+    index: int  # the record's position in the dataset
+    digests: tuple[bytes, ...]  # chained digests of its first full blocks (at most MAX_DEPTH)
+    load: int  # prompt tokens of its requests plus the tokens it may generate (at least 1)
+
+
+def block_digests(ids: Sequence[int], block_size: int, depth: int = MAX_DEPTH) -> tuple[bytes, ...]:
+    """The chained digests of the first `depth` full blocks of `ids` (fewer when `ids` is shorter)."""
+    digests, parent = [], b""
+    for d in range(min(depth, len(ids) // block_size)):
+        block = ids[d * block_size:(d + 1) * block_size]
+        parent = hashlib.blake2b(parent + b"".join(int(t).to_bytes(8, "little", signed=True) for t in block),
+                                 digest_size=16).digest()
+        digests.append(parent)
+    return tuple(digests)
+
+
+def record_items(job: Any, records: Iterable[Any], invalid: Iterable[Any], block_size: int) -> list[Item]:
+    """The partitioner's view of every record (valid and invalid), from the requests `job` would send (give it a
+    job of its own: building requests may leave per-record notes in a job, e.g. truncation counts)."""
+    items = []
+    for record in records:
+        try:
+            requests = job.requests(record)
+        except ApcscoreError:  # it becomes an error row wherever it runs
+            requests = []
+        if not requests:
+            items.append(Item(record.index, (), 1))
+            continue
+        load = 0
+        for req in requests:
+            load += len(req.prompt_token_ids)
+            if req.sampling is not None:
+                load += int(req.sampling.max_tokens)
+        items.append(Item(record.index, block_digests(requests[0].prompt_token_ids, block_size), max(load, 1)))
+    items.extend(Item(r.index, (), 1) for r in invalid)
+    items.sort(key=lambda it: it.index)
+    return items
+
+
+def _groups(items: list[Item], cap: int, depth: int) -> list[list[Item]]:
+    """Items grouped by their first `depth` blocks; heavy groups split deeper, then cut (see module doc)."""
+    buckets: dict[Any, list[Item]] = {}
+    for it in items:  # dicts keep insertion order: buckets come in order of their first record
+        key = it.digests[depth - 1] if len(it.digests) >= depth else ("alone", it.index)
+        buckets.setdefault(key, []).append(it)
+    out: list[list[Item]] = []
+    for bucket in buckets.values():
+        load = sum(it.load for it in bucket)
+        if load <= cap or len(bucket) == 1:
+            out.append(bucket)
+        elif depth < MAX_DEPTH and any(len(it.digests) > depth for it in bucket):
+            out.extend(_groups(bucket, cap, depth + 1))
+        else:
+            run: list[Item] = []
+            for it in bucket:
+                if run and sum(x.load for x in run) + it.load > cap:
+                    out.append(run)
+                    run = []
+                run.append(it)
+            out.append(run)
+    return out
+
+
+def assign(items: list[Item], parts: int, method: str = "prefix") -> list[int]:
+    """The part (0..parts-1) of every item, in the order of `items`."""
+    if method not in METHODS:
+        raise ValueError(f"unknown partitioning {method!r}; choose from {METHODS}")
+    if method == "random":
+        return [int.from_bytes(hashlib.blake2b(str(it.index).encode(), digest_size=8).digest(), "little") % parts
+                for it in items]
+    total = sum(it.load for it in items)
+    cap = max(1, -(-total // parts))
+    groups = _groups(items, cap, 1)
+    groups.sort(key=lambda g: (-sum(it.load for it in g), g[0].index))
+    loads = [0] * parts
+    part_of: dict[int, int] = {}
+    for group in groups:
+        target = min(range(parts), key=lambda p: (loads[p], p))
+        loads[target] += sum(it.load for it in group)
+        for it in group:
+            part_of[it.index] = target
+    return [part_of[it.index] for it in items]
+
+
+def fingerprint(items: list[Item], parts: list[int]) -> str:
+    """SHA-256 of the assignment (record index -> part): equal for every task that split the same dataset
+    the same way."""
+    h = hashlib.sha256()
+    for it, p in zip(items, parts):
+        h.update(f"{it.index}:{p};".encode())
+    return h.hexdigest()
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """`--shard I/N` -> (I, N); I is 0-based (0 <= I < N), as Slurm's and Kubernetes' array indices usually are."""
+    try:
+        i_text, n_text = value.split("/")
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        raise ApcscoreError(f"--shard must be I/N (e.g. 0/4: the first of 4 shards), not {value!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise ApcscoreError(f"--shard {value}: need N >= 1 and 0 <= I < N (shards are numbered from 0, so "
+                            f"the shards of {max(n, 1)} are 0/{max(n, 1)} .. {max(n, 1) - 1}/{max(n, 1)})")
+    return i, n

@@ -1,0 +1,193 @@
+"""`--ray` (issue 17) on a local Ray cluster (ray.init(num_cpus=2)) with a tiny random model: 2 replicas write
+bitwise the file one process writes; prefix-aware partitioning keeps the prefix-cache hit rate of one process
+and random partitioning does not (so the hit-rate test can fail); a replica killed mid-run is restarted and the
+file is still complete and exact. Skipped when Ray (the `ray` extra) is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from apcscore.cli import app
+from tests.test_shard_merge import PROVENANCE, score_records, shared_prefix_records
+
+try:
+    import ray
+except ImportError:  # pragma: no cover - the extra is installed by `make install`
+    ray = None
+
+pytestmark = [pytest.mark.ray,
+              pytest.mark.skipif(ray is None, reason="Ray is not installed (pip install 'apcscore[ray]')")]
+runner = CliRunner()
+
+
+def run(*args) -> object:
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster of 2 CPUs for the module; its workers inherit this process's environment."""
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+def meta(path) -> dict:
+    return json.loads(pq.read_schema(path).metadata[b"apcscore"])
+
+
+def assert_same_rows(a_path, b_path, skip: tuple[str, ...] = ()) -> None:
+    a, b = pq.read_table(a_path), pq.read_table(b_path)
+    assert a.schema.remove_metadata().equals(b.schema.remove_metadata())
+    for name in b.column_names:
+        if name not in skip:
+            assert a.column(name).equals(b.column(name)), name
+
+
+def test_two_replicas_equal_one_process(tmp_path, write_jsonl, tiny, cluster) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", score_records())
+    common = ["score", data, "--model", tiny, "--num-kv-blocks", 256, "--prompt-logprobs", 2, "--skip-invalid", "-q"]
+    single, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
+    assert run(*common, "--out", single).exit_code == 0
+    res = run(*common, "--ray", "auto", "--replicas", 2, "--out", two)
+    assert res.exit_code == 0, res.output
+    assert_same_rows(two, single)
+    m1, m2 = meta(single), meta(two)
+    for m in (m1, m2):  # Ray gives a replica as many threads as CPUs; the thread count does not change bits
+        m["numerics"].pop("torch_threads")
+    assert {k: v for k, v in m2.items() if k not in PROVENANCE | {"ray"}} == \
+        {k: v for k, v in m1.items() if k not in PROVENANCE}
+    info = m2["ray"]
+    assert info["replicas"] == 2 and len(info["per_replica"]) == 2
+    assert all(r["records_run"] > 0 for r in info["per_replica"])  # both replicas worked
+    invalid = 1  # the invalid record's error row is written by the driver
+    assert sum(r["records_run"] for r in info["per_replica"]) + invalid == m1["dataset"]["num_records"]
+    assert m2["timings"]["prompt_tokens"] == m1["timings"]["prompt_tokens"]
+
+
+def test_prefix_aware_partitioning_keeps_the_hit_rate_and_random_does_not(tmp_path, write_jsonl, tiny, cluster):
+    data = write_jsonl(tmp_path / "g.jsonl", shared_prefix_records(groups=8, per_group=4, seed=11))
+    common = ["generate", data, "--model", tiny, "--num-kv-blocks", 256, "--max-tokens", 2, "-q"]
+    files = {k: tmp_path / f"{k}.parquet" for k in ("one", "prefix", "random")}
+    assert run(*common, "--out", files["one"]).exit_code == 0
+    for method in ("prefix", "random"):
+        res = run(*common, "--ray", "auto", "--replicas", 2, "--partition", method, "--out", files[method])
+        assert res.exit_code == 0, res.output
+    rate = {k: meta(f)["timings"]["prefix_cache"]["hit_rate"] for k, f in files.items()}
+    assert rate["one"] > 0.4, rate  # the workload shares prefixes at all
+    assert abs(rate["prefix"] - rate["one"]) <= 0.1 * rate["one"], rate
+    assert rate["random"] < 0.9 * rate["one"], rate
+    # the completions do not depend on the split; num_cached_tokens is what the split changes
+    for method in ("prefix", "random"):
+        assert_same_rows(files[method], files["one"], skip=("num_cached_tokens",))
+
+
+def _replica_pids() -> list[int]:
+    """Processes of live Replica actors (Ray titles them `ray::Replica...`)."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if cmd.startswith("ray::Replica"):
+            pids.append(proc.pid)
+    return pids
+
+
+SLOW = ["--num-kv-blocks", 256, "--prompt-logprobs", 1, "-q", "--max-num-seqs", 2, "--max-batch-tokens", 32]
+
+
+@pytest.fixture(scope="module")
+def slow_case(tmp_path_factory, tiny) -> tuple:
+    """400 score records run slowly enough (2 sequences, 32 tokens a step) for a kill or an interrupt to land
+    mid-run, and the single-process file they must equal."""
+    from conftest import _write_jsonl
+
+    folder = tmp_path_factory.mktemp("slow")
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    records = [{"id": f"r{i}", "prompt": " ".join(words[(i + j) % 10] for j in range(i % 29 + 4))} for i in range(400)]
+    data = _write_jsonl(folder / "d.jsonl", records)
+    single = folder / "one.parquet"
+    assert run("score", data, "--model", tiny, *SLOW, "--out", single).exit_code == 0
+    return data, single, [r["id"] for r in records]
+
+
+def _when_rows_appear(partial, action) -> threading.Thread:
+    """A thread that runs `action()` once the first part file of `partial` exists (replicas loaded and running)."""
+    def watch() -> None:
+        deadline = time.time() + 240
+        while time.time() < deadline and not list(partial.glob("part-*.parquet")):
+            time.sleep(0.2)
+        action()
+
+    thread = threading.Thread(target=watch)
+    thread.start()
+    return thread
+
+
+def test_a_replica_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, tiny, cluster, slow_case) -> None:
+    data, single, ids = slow_case
+    out = tmp_path / "ray.parquet"
+    killed: list[int] = []
+
+    def kill() -> None:
+        pids = _replica_pids()
+        if pids:
+            os.kill(pids[0], signal.SIGKILL)
+            killed.append(pids[0])
+
+    thread = _when_rows_appear(tmp_path / "ray.parquet.partial", kill)
+    res = run("score", data, "--model", tiny, *SLOW, "--ray", "auto", "--replicas", 2, "--out", out)
+    thread.join()
+    assert res.exit_code == 0, res.output
+    assert killed, "no replica process was found to kill"
+    assert pq.read_table(out).column("id").to_pylist() == ids  # none lost, none twice
+    assert_same_rows(out, single)
+    pids = {r["pid"] for r in meta(out)["ray"]["per_replica"]}
+    assert killed[0] not in pids  # the stats come from the restarted process
+
+
+def test_interrupt_then_resume_on_ray_equals_one_process(tmp_path, tiny, cluster, slow_case) -> None:
+    data, single, ids = slow_case
+    out, partial = tmp_path / "ray.parquet", tmp_path / "ray.parquet.partial"
+    common = ["score", data, "--model", tiny, *SLOW, "--ray", "auto", "--replicas", 2, "--out", out]
+    thread = _when_rows_appear(partial, lambda: os.kill(os.getpid(), signal.SIGINT))
+    res = run(*common)
+    thread.join()
+    assert res.exit_code == 130, res.output
+    saved = sum(pq.read_metadata(p).num_rows for p in partial.glob("part-*.parquet"))
+    assert 0 < saved < len(ids) and not out.exists()
+    res = run(*common, "--resume")
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(out).column("id").to_pylist() == ids
+    assert_same_rows(out, single)
+    assert meta(out)["sessions"] == 2
+
+
+def test_a_replica_that_refuses_the_run_is_one_clear_error(tiny, cluster) -> None:
+    """An ApcscoreError raised in a replica's constructor comes back as one message, not Ray's traceback. (The
+    driver's own checks refuse a bad --block-size first; the replica is given it directly here.)"""
+    from apcscore.errors import ApcscoreError
+    from apcscore.jobs.options import DEFAULTS
+    from apcscore.scale.ray_run import _get
+    from apcscore.scale.replica import Replica
+
+    opts = dict(DEFAULTS, model=tiny, block_size=12)
+    actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote("score", opts)
+    with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: --block-size must be a power of two, "
+                                            r"not 12$"):
+        _get(ray, actor.describe.remote())
+    ray.kill(actor)

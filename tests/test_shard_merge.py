@@ -1,0 +1,202 @@
+"""`--shard I/N` and `apcscore merge` (issue 17): the shards of a prefix-aware split, merged, equal a single run
+bitwise (every column; metadata but timings and provenance); merge refuses gaps, overlaps, other splits and
+other configurations. Plus the partitioner's own properties (deterministic, prefix groups kept together,
+balanced, heavy groups split)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from apcscore.cli import app
+from apcscore.scale.partition import Item, assign, block_digests
+
+runner = CliRunner()
+# fields that say when and how a file was made, not what it holds
+PROVENANCE = {"timings", "created", "argv", "merged", "sessions", "resumed"}
+
+
+def run(*args) -> object:
+    return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+def shared_prefix_records(groups: int = 5, per_group: int = 4, seed: int = 3) -> list[dict]:
+    """Token-id prompts in `groups` groups sharing a 40-token prefix (2 full blocks of 16), shuffled."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(groups):
+        prefix = [rng.randrange(3, 49152) for _ in range(40)]
+        for k in range(per_group):
+            out.append({"id": f"g{g}-{k}", "prompt_token_ids": prefix + [rng.randrange(3, 49152)
+                                                                          for _ in range(rng.randrange(1, 12))]})
+    rng.shuffle(out)
+    return out
+
+
+def score_records() -> list[dict]:
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    text = [{"id": f"p{i}", "prompt": " ".join(words[j % 10] for j in range(i % 23 + 2))} for i in range(12)]
+    ll = [{"id": "c1", "context": "The sky is", "continuation": " blue"},
+          {"id": "m1", "context": "Two plus two is", "choices": [" four", " five"], "answer": 0}]
+    return shared_prefix_records() + text + ll + [{"id": "bad", "prompt_token_ids": []}]
+
+
+def meta(path) -> dict:
+    return json.loads(pq.read_schema(path).metadata[b"apcscore"])
+
+
+def assert_same_file(merged, single) -> None:
+    a, b = pq.read_table(merged), pq.read_table(single)
+    assert a.schema.remove_metadata().equals(b.schema.remove_metadata())
+    for name in b.column_names:  # every column, bitwise (nulls in place)
+        assert a.column(name).equals(b.column(name)), name
+    ma, mb = meta(merged), meta(single)
+    assert {k: v for k, v in ma.items() if k not in PROVENANCE} == {k: v for k, v in mb.items() if k not in PROVENANCE}
+
+
+def shards_and_merge(tmp_path, command, data, common, n, name="s") -> tuple[list, object]:
+    parts = []
+    for i in range(n):
+        part = tmp_path / f"{name}{i}.parquet"
+        res = run(command, data, *common, "--shard", f"{i}/{n}", "--out", part)
+        assert res.exit_code == 0, res.output
+        parts.append(part)
+    merged = tmp_path / f"{name}-merged.parquet"
+    res = run("merge", merged, *reversed(parts))  # any order
+    assert res.exit_code == 0, res.output
+    return parts, merged
+
+
+@pytest.mark.parametrize("command", ["score", "generate"])
+def test_shards_plus_merge_equal_a_single_run(tmp_path, write_jsonl, tiny, command) -> None:
+    records = score_records() if command == "score" else [
+        {k: v for k, v in r.items()} for r in shared_prefix_records()] + [{"id": "t", "prompt": "Hello", "seed": 7}]
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    common = ["--model", tiny, "--num-kv-blocks", 256, "--skip-invalid", "-q"]
+    common += ["--prompt-logprobs", 2] if command == "score" else ["--temperature", 0.9, "--max-tokens", 5,
+                                                                   "--logprobs", 1]
+    single = tmp_path / "single.parquet"
+    res = run(command, data, *common, "--out", single)
+    assert res.exit_code == 0, res.output
+    parts, merged = shards_and_merge(tmp_path, command, data, common, 3)
+    sizes = [meta(p)["shard"]["num_rows"] for p in parts]
+    assert sum(sizes) == len(records) and all(sizes)
+    # the prefix groups were kept together: each group's rows are in one shard
+    where = {}
+    for i, p in enumerate(parts):
+        for rid in pq.read_table(p, columns=["id"]).column("id").to_pylist():
+            where.setdefault(rid.split("-")[0], set()).add(i)
+    assert all(len(where[f"g{g}"]) == 1 for g in range(5))
+    assert_same_file(merged, single)
+    m = meta(merged)
+    assert len(m["merged"]["shards"]) == 3 and "shard" not in m
+    assert m["timings"]["prompt_tokens"] == sum(meta(p)["timings"]["prompt_tokens"] for p in parts)
+
+
+def test_perplexity_shards_plus_merge_equal_a_single_run(tmp_path, write_jsonl, tiny) -> None:
+    body = "the quick brown fox jumps over the lazy dog " * 12
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"t{i}", "text": body[: 40 + 37 * i]} for i in range(7)])
+    common = ["--model", tiny, "--num-kv-blocks", 256, "--window", 64, "--stride", 32, "-q"]
+    single = tmp_path / "single.parquet"
+    assert run("perplexity", data, *common, "--out", single).exit_code == 0
+    _, merged = shards_and_merge(tmp_path, "perplexity", data, common, 2)
+    assert_same_file(merged, single)
+
+
+def test_merge_refuses_gaps_overlaps_other_splits_and_configurations(tmp_path, write_jsonl, tiny) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", shared_prefix_records(groups=3, per_group=2))
+    common = ["score", data, "--model", tiny, "--num-kv-blocks", 128, "-q"]
+    files = {}
+    for key, extra in {"0/3": [], "1/3": [], "2/3": [], "0/2": [], "k1": ["--prompt-logprobs", 1]}.items():
+        shard = key if "/" in key else "1/3"
+        files[key] = tmp_path / f"{key.replace('/', 'of')}.parquet"
+        res = run(*common, *extra, "--shard", shard, "--out", files[key])
+        assert res.exit_code == 0, res.output
+    plain = tmp_path / "plain.parquet"
+    assert run(*common, "--out", plain).exit_code == 0
+
+    def refused(*parts) -> str:
+        out = tmp_path / "m.parquet"
+        res = run("merge", out, *parts)
+        assert res.exit_code == 2 and not out.exists(), res.output
+        assert "Traceback" not in res.output
+        return " ".join(res.output.split())
+
+    assert "gap: shard 2/3 of 3 is missing" in refused(files["0/3"], files["1/3"])
+    assert "overlap" in refused(files["0/3"], files["1/3"], files["1/3"], files["2/3"])
+    assert "split the dataset differently" in refused(files["0/3"], files["1/3"], files["2/3"], files["0/2"])
+    assert "not shards of one dataset under one configuration" in refused(files["0/3"], files["k1"], files["2/3"])
+    assert "not a shard file" in refused(files["0/3"], plain)
+    assert "no such shard file" in refused(files["0/3"], tmp_path / "nope.parquet")
+    res = run("merge", tmp_path / "ok.parquet", files["2/3"], files["0/3"], files["1/3"])
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "ok.parquet").equals(pq.read_table(plain))
+
+
+def test_bad_shard_options_are_refused(tmp_path, write_jsonl, tiny) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    for value, text in (("3/3", "0 <= I < N"), ("1-3", "must be I/N"), ("0/0", "N >= 1")):
+        res = run("score", data, "--model", tiny, "--shard", value)
+        assert res.exit_code == 2 and text in res.output, res.output
+    res = run("score", data, "--model", tiny, "--replicas", 2)
+    assert res.exit_code == 2 and "--ray" in res.output
+    res = run("score", data, "--model", tiny, "--ray", "local", "--shard", "0/2")
+    assert res.exit_code == 2 and "contradict" in res.output
+
+
+# ---- the partitioner ---------------------------------------------------------------------------------------
+def items_of(prompts: list[list[int]], block_size: int = 4) -> list[Item]:
+    return [Item(i, block_digests(p, block_size), len(p)) for i, p in enumerate(prompts)]
+
+
+def test_partition_keeps_prefix_groups_together_and_balances() -> None:
+    rng = random.Random(0)
+    prompts, group = [], []
+    for g in range(12):
+        prefix = [rng.randrange(1000) for _ in range(8)]
+        for _ in range(rng.randrange(2, 7)):
+            prompts.append(prefix + [rng.randrange(1000) for _ in range(rng.randrange(0, 9))])
+            group.append(g)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    prompts, group = [prompts[i] for i in order], [group[i] for i in order]
+    items = items_of(prompts)
+    parts = assign(items, 3)
+    assert parts == assign(items_of(prompts), 3)  # deterministic
+    for g in range(12):
+        assert len({p for p, gg in zip(parts, group) if gg == g}) == 1
+    loads = [sum(it.load for it, p in zip(items, parts) if p == k) for k in range(3)]
+    assert max(loads) - min(loads) <= max(sum(it.load for it, gg in zip(items, group) if gg == g) for g in range(12))
+    rand = assign(items, 3, "random")
+    assert any(len({p for p, gg in zip(rand, group) if gg == g}) > 1 for g in range(12))  # the test can fail
+
+
+def test_a_group_too_heavy_for_one_part_is_split_by_its_next_block() -> None:
+    # every prompt shares the first block; 4 sub-groups share the second
+    prompts = [[1, 2, 3, 4] + [10 * s + 1, 10 * s + 2, 10 * s + 3, 10 * s + 4] + [k] for s in range(4) for k in range(5)]
+    parts = assign(items_of(prompts), 2)
+    assert sorted(parts.count(p) for p in (0, 1)) == [10, 10]
+    for s in range(4):
+        assert len(set(parts[5 * s:5 * s + 5])) == 1  # the second-block groups stay whole
+    same = [[1, 2, 3, 4, 5, 6, 7, 8]] * 6  # identical prompts: cut into runs, still balanced
+    assert sorted(assign(items_of(same), 2)) == [0, 0, 0, 1, 1, 1]
+
+
+def test_ray_without_the_extra_is_a_clear_error(monkeypatch) -> None:
+    import sys
+
+    from apcscore.errors import ApcscoreError
+    from apcscore.scale.ray_run import import_ray
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
+    with pytest.raises(ApcscoreError, match=r"pip install 'apcscore\[ray\]'"):
+        import_ray()
