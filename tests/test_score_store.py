@@ -8,6 +8,7 @@ prefilled), or it would compare recompute with recompute."""
 from __future__ import annotations
 
 import random
+import re
 
 import numpy as np
 import pytest
@@ -265,4 +266,6 @@ def test_cli_store_reuse_writes_the_recompute_file(model: str, tmp_path, write_j
     pc = meta2["timings"]["prefix_cache"]
     assert pc["score_store_hits"] > 0 and pc["hit_tokens"] > 0
     assert meta2["timings"]["prompt_tokens"] < meta["timings"]["prompt_tokens"]
-    assert "served from the score store" in res.output
+    assert "served from the score store" in re.sub(r"[\s│]+", " ", res.output)  # the summary table may wrap it
+    if command == "generate":  # the one column that may differ: it says how much of each prompt was read
+        assert sum(got.column("num_cached_tokens").to_pylist()) > 0
