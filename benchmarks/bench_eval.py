@@ -307,7 +307,7 @@ def _load(path: str) -> dict[str, np.ndarray]:
         import pyarrow.parquet as pq
 
         t = pq.read_table(path).to_pydict()
-        if "top_ids" in t and "choice_logprobs" not in t:  # score on prompts
+        if "top_ids" in t and all(x is None for x in t.get("choice_logprobs") or []):  # score on prompts
             return prompt_arrays([dict(zip(t, vals)) for vals in zip(*t.values())])
         if "choice_logprobs" in t:
             return {"choice_logprobs": np.array([x for r in t["choice_logprobs"] for x in r]),
