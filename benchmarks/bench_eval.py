@@ -13,6 +13,10 @@ Scenarios (inputs from datasets/, see datasets/README.md):
               transformers: lm-eval's `_loglikelihood_tokens` batching: requests sorted by length, longest
               first, batches of `--batch-size`, right padding, log_softmax, sum over the continuation.
               apcscore: the ScoreJob through the Engine, and the CLI.
+  fewshot     5-shot multiple choice behind one ~330-token prefix (issue 13 (a)): recompute, --exact-reuse.
+  sysprompt   `--prompts` prompts (default 200) sharing one `--system-tokens` (500) system prompt, scored at
+              every position with `--prompt-logprobs 5` (issue 13 (b)): apcscore recompute is the baseline,
+              --exact-reuse (the score store) the contender, goal >= 5x; the check: bitwise equal outputs.
 
 Each contender runs as its own process (harness.py), repeated and interleaved; the table shows medians of
 whole-process and compute time, tokens/s and ours / transformers. A check compares what the sides computed
@@ -93,7 +97,7 @@ def run_job(engine: Any, job_name: str, options: dict, records: list[dict]) -> l
     from apcscore.jobs.score import ScoreJob
 
     job = (PerplexityJob if job_name == "perplexity" else ScoreJob)(engine, options)
-    kind = "text" if job_name == "perplexity" else "choices"
+    kind = {"perplexity": "text", "prompts": "prompt"}.get(job_name, "choices")
     recs = [Record(i, i + 1, r["id"], kind, {k: v for k, v in r.items() if k != "id"})
             for i, r in enumerate(records)]
     counts, requests = [], []
@@ -174,7 +178,9 @@ def transformers_choices(model: Any, records: list[dict], batch_size: int, devic
 
 
 def save(path: Path, task: str, rows: list[dict]) -> None:
-    if task == "perplexity":
+    if task == "prompts":  # every scored position's logprob, rank and top-K (position 0 is never scored)
+        np.savez(path, **prompt_arrays(rows))
+    elif task == "perplexity":
         lps = [np.asarray([x for x in r["token_logprobs"] if x is not None], np.float32) for r in rows]
         np.savez(path, lengths=np.array([len(x) for x in lps]), logprobs=np.concatenate(lps))
     else:
@@ -184,10 +190,19 @@ def save(path: Path, task: str, rows: list[dict]) -> None:
                  correct_norm=np.array([r["correct_norm"] for r in rows]))
 
 
+def prompt_arrays(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The per-token columns of `score` rows on prompts, concatenated (for a bitwise check)."""
+    return {"lengths": np.array([len(r["token_ids"]) for r in rows]),
+            "logprobs": np.array([x for r in rows for x in r["token_logprobs"][1:]], np.float32),
+            "ranks": np.array([x for r in rows for x in r["token_ranks"][1:]], np.int64),
+            "top_ids": np.array([x for r in rows for x in r["top_ids"][1:]], np.int64),
+            "top_logprobs": np.array([x for r in rows for x in r["top_logprobs"][1:]], np.float32)}
+
+
 def worker(argv: list[str]) -> None:
     ap = argparse.ArgumentParser(prog="bench_eval.py worker")
     ap.add_argument("--side", choices=["apcscore", "transformers"], required=True)
-    ap.add_argument("--task", choices=["perplexity", "choices"], required=True)
+    ap.add_argument("--task", choices=["perplexity", "choices", "prompts"], required=True)
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--output", type=Path, required=True)
     ap.add_argument("--model", default="smollm2-135m")
@@ -209,7 +224,8 @@ def worker(argv: list[str]) -> None:
     t0, cpu0 = time.perf_counter(), time.process_time()
     if args.side == "apcscore":
         # prompt_logprobs 0: per-token logprobs (and ranks) for the check; the CLI contender writes sums only
-        options = {"window": args.window, "prompt_logprobs": 0} if args.task == "perplexity" else {"prompt_logprobs": 0}
+        options = {"window": args.window, "prompt_logprobs": 0} if args.task == "perplexity" else \
+            {"prompt_logprobs": 5 if args.task == "prompts" else 0}
         rows = run_job(side, args.task, options, records)
     elif args.task == "perplexity":
         rows = transformers_perplexity(side, records, args.window, args.batch_size, args.device)
@@ -229,7 +245,8 @@ def worker(argv: list[str]) -> None:
         s = side.stats
         pc = side.block_manager.stats
         report["engine"] = {"steps": s.steps, "prompt_tokens": s.prompt_tokens, "cache_hit_tokens": pc.hit_tokens,
-                            "reusable_tokens": pc.reusable_tokens, "num_kv_blocks": side.block_manager.num_blocks}
+                            "reusable_tokens": pc.reusable_tokens, "score_store_hits": pc.score_store_hits,
+                            "num_kv_blocks": side.block_manager.num_blocks}
     print(REPORT_PREFIX + json.dumps(report), flush=True)
 
 
@@ -290,6 +307,8 @@ def _load(path: str) -> dict[str, np.ndarray]:
         import pyarrow.parquet as pq
 
         t = pq.read_table(path).to_pydict()
+        if "top_ids" in t and all(x is None for x in t.get("choice_logprobs") or []):  # score on prompts
+            return prompt_arrays([dict(zip(t, vals)) for vals in zip(*t.values())])
         if "choice_logprobs" in t:
             return {"choice_logprobs": np.array([x for r in t["choice_logprobs"] for x in r]),
                     **{k: np.array(t[k]) for k in ("pred", "pred_norm", "correct", "correct_norm")}}
@@ -338,6 +357,37 @@ def check_choices(outputs: dict[str, str]) -> dict[str, Any]:
     return out
 
 
+def check_prompts(outputs: dict[str, str]) -> dict[str, Any]:
+    """Every contender against the recompute baseline: the same bits in every per-token column."""
+    ref = _load(outputs["apcscore"])
+    out: dict[str, Any] = {"scored positions": int(len(ref["logprobs"]))}
+    for name, path in outputs.items():
+        if name != "apcscore":
+            got = _load(path)
+            out[f"{name}: bitwise equal to apcscore (recompute)"] = all(
+                got[k].shape == ref[k].shape and np.array_equal(got[k], ref[k]) for k in ref)
+    return out
+
+
+def sysprompt_records(tokenizer: Any, n: int, system_tokens: int) -> tuple[list[dict], int]:
+    """`n` prompts behind one system prompt of about `system_tokens` tokens (sample prose), each then a
+    distinct question (the sample questions, numbered). Returns the records and the system prompt's tokens."""
+    prose = " ".join(r["text"] for r in read_jsonl(ROOT / "datasets" / "sample_texts.jsonl")).split()
+    lo, hi = 0, len(prose)  # most words within `system_tokens` tokens
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if len(tokenizer("System: " + " ".join(prose[:mid]) + "\n\n", add_special_tokens=False).input_ids) \
+                <= system_tokens:
+            lo = mid
+        else:
+            hi = mid - 1
+    system = "System: " + " ".join(prose[:lo]) + "\n\n"
+    questions = read_jsonl(ROOT / "datasets" / "sample_choices.jsonl")
+    recs = [{"id": f"p{i}", "prompt": f"{system}User {i}: {questions[i % len(questions)]['context']}"}
+            for i in range(n)]
+    return recs, len(tokenizer(system, add_special_tokens=False).input_ids)
+
+
 def format_prefill(results: list[dict]) -> str:
     """Prefill token counts of the apcscore workers beside their times (issue 13)."""
     lines = []
@@ -349,6 +399,8 @@ def format_prefill(results: list[dict]) -> str:
                              f"{eng.get('cache_hit_tokens', 0):,} served from the cache"
                              + (f" ({eng['reusable_tokens']:,} reusable with --exact-reuse)"
                                 if eng.get("reusable_tokens") else "")
+                             + (f", {eng['score_store_hits']:,} scored positions from the score store"
+                                if eng.get("score_store_hits") else "")
                              + f"; {row['wall_s']:.2f} s whole process, {row['compute_s']:.2f} s compute")
     return "\n".join(lines)
 
@@ -364,9 +416,10 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
     py, me = sys.executable, str(Path(__file__).resolve())
     dev = ["--device", args.device, "--dtype", args.dtype]
     wanted = set(args.scenarios.split(","))
-    unknown = wanted - {"perplexity", "choices", "fewshot"}
+    unknown = wanted - {"perplexity", "choices", "fewshot", "sysprompt"}
     if unknown:
-        raise SystemExit(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: perplexity, choices, fewshot")
+        raise SystemExit(f"unknown scenario(s) {', '.join(sorted(unknown))}; known: perplexity, choices, fewshot, "
+                         f"sysprompt")
     scenarios = []
 
     def contenders(task: str, data: Path, extra: list[str], cli: list[str], name: str = "",
@@ -444,20 +497,49 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
             info={"questions": len(recs), "requests": nchoices, "tokens": fed, "prefix_tokens": prefix_len,
                   "transformers_batch": args.batch_size},
         ))
+    if "sysprompt" in wanted:
+        recs, system_len = sysprompt_records(tok, args.prompts, args.system_tokens)
+        data = work / "sysprompt.jsonl"
+        write_jsonl(data, recs)
+        fed = sum(len(tok(r["prompt"], add_special_tokens=False).input_ids) for r in recs)
+        common = ["--task", "prompts", "--data", str(data), "--model", args.model, *dev]
+        cli = [py, "-m", "apcscore", "score", str(data), "--model", args.model, "--prompt-logprobs", "5",
+               "--overwrite", "--quiet", *dev]
+        scenarios.append(Scenario(
+            name="sysprompt", work_tokens=fed, work_unit="prompt tokens", target_ratio=0.2,  # issue 13 (b): >= 5x
+            description=(f"{len(recs)} prompts behind one {system_len}-token system prompt, --prompt-logprobs 5 at "
+                         f"every position, {fed:,} tokens; baseline: apcscore recompute"),
+            contenders=[
+                Contender("apcscore", [py, me, "worker", "--side", "apcscore", *common,
+                                       "--output", str(work / "sysprompt_apcscore.npz")], baseline=True),
+                Contender(EXACT_REUSE, [py, me, "worker", "--side", "apcscore", *common, "--exact-reuse",
+                                        "--output", str(work / "sysprompt_apcscore_exact.npz")]),
+                Contender("apcscore CLI --exact-reuse", [*cli, "--exact-reuse", "--out",
+                                                         str(work / "sysprompt_cli_exact.parquet")],
+                          output=str(work / "sysprompt_cli_exact.parquet")),
+                Contender("apcscore CLI", [*cli, "--out", str(work / "sysprompt_cli.parquet")],
+                          output=str(work / "sysprompt_cli.parquet")),
+            ],
+            check=check_prompts,
+            info={"prompts": len(recs), "system_tokens": system_len, "tokens": fed, "prompt_logprobs": 5},
+        ))
     return scenarios
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="apcscore perplexity / multiple choice vs plain transformers.")
     ap.add_argument("--quick", action="store_true", help="dry run: 1,000 tokens, 12 questions, 1 repeat")
-    ap.add_argument("--scenarios", default="perplexity,choices,fewshot",
-                    help="comma-separated: perplexity,choices,fewshot")
+    ap.add_argument("--scenarios", default="perplexity,choices,fewshot,sysprompt",
+                    help="comma-separated: perplexity,choices,fewshot,sysprompt")
     ap.add_argument("--repeats", type=int, help="runs per contender, interleaved (default 3; --quick 1)")
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--tokens", type=int, help="tokens of the perplexity text (default 20,000; --quick 1,000)")
     ap.add_argument("--window", type=int, default=512, help="perplexity window (= stride)")
     ap.add_argument("--questions", type=int, help="multiple-choice questions (default 200; --quick 12)")
     ap.add_argument("--batch-size", type=int, default=8, help="transformers batch size")
+    ap.add_argument("--prompts", type=int, help="sysprompt: prompts behind the system prompt (default 200; "
+                                                "--quick 12)")
+    ap.add_argument("--system-tokens", type=int, default=500, help="sysprompt: tokens of the shared system prompt")
     ap.add_argument("--device", default="cpu", help="cpu | cuda (both sides)")
     ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16 (both sides)")
     ap.add_argument("--only", help="comma-separated contender names to run besides the baseline (transformers), "
@@ -470,6 +552,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.repeats = args.repeats or (1 if q else 3)
     args.tokens = args.tokens or (1000 if q else 20000)
     args.questions = args.questions or (12 if q else 200)
+    args.prompts = args.prompts or (12 if q else 200)
     args.out = args.out or ROOT / "results" / ("bench_eval.quick.json" if q else "bench_eval.json")
     return args
 

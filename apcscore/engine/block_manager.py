@@ -14,7 +14,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Protocol, Sequence as Seq
+from typing import Callable, Protocol, Sequence as Seq
 
 
 class BlockSequence(Protocol):
@@ -50,6 +50,8 @@ class PrefixCacheStats:
     # prompt tokens of scoring requests (recompute mode) that --exact-reuse could have served from the cache:
     # blocks before the first scored position that were cached or being prefilled when the request started
     reusable_tokens: int = 0
+    # exact reuse: scored prompt positions whose results came from the score store (engine/score_store.py)
+    score_store_hits: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -71,6 +73,7 @@ class BlockManager:
         self.cached: dict[bytes, int] = {}  # block digest -> block id
         self.stats = PrefixCacheStats()
         self._num_registered: dict[int, int] = {}  # id(seq) -> leading blocks already registered
+        self.on_evict: Callable[[bytes], None] | None = None  # called with a digest leaving the cache (score store)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -160,6 +163,8 @@ class BlockManager:
         if block.block_hash is not None:  # evict: its content is about to be overwritten
             if self.cached.get(block.block_hash) == block_id:
                 del self.cached[block.block_hash]
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash)
             block.block_hash, block.parent_hash, block.token_ids = None, NONE_HASH, ()
         block.ref_count = 1
         return block_id

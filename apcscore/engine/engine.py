@@ -19,9 +19,10 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.kv_cache import default_num_kv_blocks, kv_bytes_per_block, profile_peak_memory
+from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
+from apcscore.engine.score_store import ScoreStore, store_bytes_per_block
 from apcscore.engine.sequence import (PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs,
                                       request_problem)
 from apcscore.errors import ApcscoreError
@@ -81,40 +82,6 @@ def check_backend_device(config: EngineConfig) -> None:
                             "--attention-backend torch (or auto, which picks torch on a CPU)")
 
 
-BLOCK_HOST_BYTES = 256  # the block manager's Python objects per KV block (measured ~200 bytes)
-
-
-def check_kv_pool(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a KV pool that cannot fit in free memory (it would fail to allocate, or be killed when used)."""
-    per_block = kv_bytes_per_block(hf_config, block_size, dtype)
-    host = num_blocks * (BLOCK_HOST_BYTES + (per_block if device.type == "cpu" else 0))
-    pool = num_blocks * per_block
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        too_big = pool > free
-    else:
-        free = _host_available_bytes()
-        too_big = host > free
-    if too_big:
-        fit = int(free // (per_block + (BLOCK_HOST_BYTES if device.type == "cpu" else 0)))
-        raise ApcscoreError(
-            f"the KV pool of {num_blocks:,} blocks of {block_size} tokens needs {max(pool, host) / 2**30:,.1f} GiB, "
-            f"more than the {free / 2**30:,.1f} GiB of free {'GPU' if device.type == 'cuda' else 'host'} memory — "
-            f"use --num-kv-blocks {max(fit, 1)} or fewer" + (", or a smaller --block-size" if block_size > 16 else ""))
-
-
-def _host_available_bytes() -> int:
-    """MemAvailable from /proc/meminfo (free plus reclaimable), else the free pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -147,15 +114,25 @@ class Engine:
                         logits_rows=config.logprobs_chunk_size, logprob_fn=backend.token_logprobs,
                         k=min(config.max_logprobs, info.vocab_size))
             profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
+        # exact reuse keeps a score-store entry per cached block (engine/score_store.py) in host memory: on the CPU
+        # the pool's share of memory pays for it, on CUDA it is checked against free host memory
+        store_per_block = store_bytes_per_block(config.block_size, model.config.hidden_size,
+                                                torch.finfo(dtype).bits // 8, config.max_logprobs) \
+            if config.exact_reuse else 0
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
-            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile)
-        check_kv_pool(model.config, num_blocks, config.block_size, dtype, device)
+            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile,
+            host_bytes_per_block=store_per_block)
+        check_kv_pool(model.config, num_blocks, config.block_size, dtype, device, store_per_block)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.store = ScoreStore() if config.exact_reuse else None
+        if self.store is not None:
+            self.block_manager.on_evict = self.store.discard  # entries live and die with their KV block
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,
-                                   config.exact_reuse)
+                                   config.exact_reuse, self.store)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
                                   config.logprobs_chunk_size, config.seed, backend.token_logprobs,
-                                  use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs)
+                                  use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
+                                  capture_block_hidden=self.store is not None)
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
         self.stats = EngineStats()
         self._arrivals = 0
@@ -286,6 +263,9 @@ class Engine:
         for seq, lps in step.prompt_logprobs:
             seq.prompt_logprob_parts.append(lps)
         self.scheduler.finish_step(batch)
+        if self.store is not None:  # after finish_step: the completed blocks are in the cache now
+            for seq, hidden in step.block_hidden:
+                self.store.publish(seq, hidden, self.block_manager.cached, self.block_manager.block_size)
         for seq, n in batch.items:
             if seq.num_computed_tokens <= seq.prompt_len:
                 self.stats.prompt_tokens += n

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.errors import ApcscoreError
 from apcscore.models.llama import LlamaDecoder
 
 
@@ -31,11 +32,16 @@ def cuda_pool_bytes(total: int, fraction: float, peak_allocated: int, non_torch:
 
 
 def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device: torch.device,
-                          fraction: float | None, profile: Callable[[], int] | None = None) -> int:
+                          fraction: float | None, profile: Callable[[], int] | None = None,
+                          host_bytes_per_block: int = 0) -> int:
     """KV pool size: on CPU a share of free host memory (default 0.25, at most 4 GiB); on CUDA `fraction`
     (default 0.85) of the card's total memory minus the peak of `profile()` (which runs the largest step and
-    returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch."""
+    returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch.
+    host_bytes_per_block: host memory that lives and dies with each block (exact reuse's score store); on the
+    CPU it is paid from the same share (on CUDA it is host memory, outside the card's budget)."""
     per_block = kv_bytes_per_block(hf_config, block_size, dtype)
+    if device.type == "cpu":
+        per_block += host_bytes_per_block
     if device.type == "cuda":
         peak = profile() if profile is not None else torch.cuda.memory_allocated(device)
         free, total = torch.cuda.mem_get_info(device)
@@ -45,6 +51,39 @@ def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         budget = min(free * (fraction or 0.25), 4 * 2**30)
     return max(16, int(budget // per_block))
+
+
+BLOCK_HOST_BYTES = 256  # the block manager's Python objects per KV block (measured ~200 bytes)
+
+
+def check_kv_pool(hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                  store_per_block: int = 0) -> None:
+    """Refuse a KV pool that cannot fit in free memory (it would fail to allocate, or be killed when used).
+    store_per_block: host bytes per block of exact reuse's score store when full (score_store.store_bytes_per_block)."""
+    per_block = kv_bytes_per_block(hf_config, block_size, dtype)
+    host_block = BLOCK_HOST_BYTES + store_per_block + (per_block if device.type == "cpu" else 0)
+    checks = [(num_blocks * per_block, torch.cuda.mem_get_info(device)[0], per_block, "GPU")] \
+        if device.type == "cuda" else []
+    # on CUDA the block manager's objects and the score store still live in host memory
+    checks.append((num_blocks * host_block, _host_available_bytes(), host_block, "host"))
+    for need, free, each, where in checks:
+        if need > free:
+            raise ApcscoreError(
+                f"the KV pool of {num_blocks:,} blocks of {block_size} tokens needs {need / 2**30:,.1f} GiB, "
+                f"more than the {free / 2**30:,.1f} GiB of free {where} memory — use --num-kv-blocks "
+                f"{max(int(free // each), 1)} or fewer" + (", or a smaller --block-size" if block_size > 16 else ""))
+
+
+def _host_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (free plus reclaimable), else the free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def run_largest_step(model: LlamaDecoder, max_batch_tokens: int, max_model_len: int, block_size: int,

@@ -1,12 +1,14 @@
 """Model runner: turns a scheduled batch into flat tensors, runs the model, scores and samples.
 
 Logits are computed only for the rows that need them: every scored prompt position (prompt logprobs)
-and the last position of each sequence that samples its next token.
+and the last position of each sequence that samples its next token. With exact reuse's score store, a sequence
+that read stored results also scores its boundary row from the stored hidden state (`Sequence.boundary_hidden`),
+and the final hidden state of each block's last position is captured for the store (`StepOutput.block_hidden`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -17,6 +19,7 @@ from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.scheduler import ScheduledBatch
+from apcscore.engine.score_store import publishes
 from apcscore.engine.sequence import PromptLogprobs, Sequence, TokenLogprobs
 from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
@@ -28,13 +31,15 @@ from apcscore.models.llama import LlamaDecoder
 class StepOutput:
     prompt_logprobs: list[tuple[Sequence, PromptLogprobs]]
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
+    # score store: per sequence, block index -> final hidden state [H] (host) of the block's last position
+    block_hidden: list[tuple[Sequence, dict[int, torch.Tensor]]] = field(default_factory=list)
 
 
 class ModelRunner:
     def __init__(self, model: LlamaDecoder, num_kv_blocks: int, block_size: int, device: torch.device,
                  dtype: torch.dtype, logprobs_chunk_size: int, base_seed: int,
                  logprob_fn: LogprobFn = token_logprobs_torch, use_cuda_graphs: bool = False,
-                 max_num_seqs: int = 64) -> None:
+                 max_num_seqs: int = 64, capture_block_hidden: bool = False) -> None:
         self.model = model
         self.device = device
         self.dtype = dtype
@@ -43,6 +48,7 @@ class ModelRunner:
         self.logprobs_chunk_size = logprobs_chunk_size
         self.base_seed = base_seed
         self.logprob_fn = logprob_fn
+        self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
         # big logprob temporaries are reused on the CPU (the torch fn); CUDA's caching allocator reuses them anyway
         self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
         if device.type == "cpu":
@@ -77,7 +83,28 @@ class ModelRunner:
             input_ids, positions, meta = self._prepare(batch)
             with set_attention_metadata(meta):
                 hidden = self.model(input_ids, positions)  # [T, H]
-        return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden))
+        captured = self._block_hidden(batch, hidden) if self.capture_block_hidden else []
+        return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden), captured)
+
+    def _block_hidden(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, dict[int, torch.Tensor]]]:
+        """The final hidden states of the block-ending positions this step computed, for blocks whose score-store
+        entry the sequence writes (score_store.publishes), copied to host memory in one transfer."""
+        bs = self.block_size
+        picks: list[tuple[Sequence, int, int]] = []  # seq, block index, row in hidden
+        offset = 0
+        for seq, n in batch.items:
+            start = seq.num_computed_tokens
+            for j in range(start // bs, (start + n) // bs):  # blocks whose last position is in [start, start + n)
+                if publishes(seq.request, j, bs, seq.prompt_len):
+                    picks.append((seq, j, offset + (j + 1) * bs - 1 - start))
+            offset += n
+        if not picks:
+            return []
+        rows = hidden[torch.tensor([r for *_, r in picks], device=hidden.device)].cpu()  # [P, H]
+        out: dict[int, tuple[Sequence, dict[int, torch.Tensor]]] = {}
+        for i, (seq, j, _) in enumerate(picks):
+            out.setdefault(id(seq), (seq, {}))[1][j] = rows[i].clone()
+        return list(out.values())
 
     def _logits(self, hidden: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
         """[N, H] -> fp32 logits [N, V], batch-invariant (see LlamaDecoder.compute_logits); into scratch if given."""
@@ -92,20 +119,27 @@ class ModelRunner:
         rows: list[int] = []
         targets: list[int] = []
         spans: list[tuple[Sequence, int, int, int]] = []  # seq, first row in `rows`, count, first target pos
+        extra: list[torch.Tensor] = []  # stored boundary hidden states, rows hidden.shape[0] + i of the source
         offset = 0
         for seq, n in batch.items:
             req = seq.request
             start = seq.num_computed_tokens
             if req.prompt_logprobs is not None:
-                q0 = max(start, req.score_from - 1)
+                boundary = seq.boundary_hidden is not None  # row start - 1, from the score store
+                q0 = start - 1 if boundary else max(start, req.score_from - 1)
                 q1 = min(start + n, seq.prompt_len - 1)
                 if q1 > q0:
                     spans.append((seq, len(rows), q1 - q0, q0 + 1))
-                    rows += range(offset + q0 - start, offset + q1 - start)
+                    if boundary:
+                        rows.append(hidden.shape[0] + len(extra))
+                        extra.append(seq.boundary_hidden)
+                    rows += range(offset + max(q0, start) - start, offset + q1 - start)
                     targets += seq.token_ids[q0 + 1:q1 + 1]
             offset += n
         if not rows:
             return []
+        if extra:
+            hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
         k = max(seq.request.prompt_logprobs for seq, *_ in spans)
         dev = hidden.device
         lps = chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],

@@ -9,8 +9,9 @@ Prefix caching (docs/architecture.md, "The prefix-caching rule"): only sequences
 read the cache; every sequence writes its full blocks. A reading sequence whose next uncached block is being
 prefilled right now by another sequence waits a step instead of computing it twice, so prompts that share a
 prefix and arrive together still hit. With exact reuse (`--exact-reuse`) scoring sequences read the cache too,
-up to their first scored position (`Sequence.reusable_blocks`), and wait for pending blocks the same way;
-without it, the tokens they could have read are counted (`PrefixCacheStats.reusable_tokens`).
+up to their first scored position (`Sequence.reusable_blocks`), and beyond it the blocks whose score-store
+entries cover them (engine/score_store.py), and wait for pending blocks the same way; without it, the tokens
+they could have read before their first scored position are counted (`PrefixCacheStats.reusable_tokens`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from apcscore.engine.block_manager import BlockManager
+from apcscore.engine.score_store import ScoreStore, writes_entry_for
 from apcscore.engine.sequence import Sequence, SequenceStatus
 
 
@@ -39,11 +41,12 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
-                 exact_reuse: bool = False) -> None:
+                 exact_reuse: bool = False, store: ScoreStore | None = None) -> None:
         self.bm = block_manager
         self.max_batch_tokens = max_batch_tokens
         self.max_num_seqs = max_num_seqs
         self.exact_reuse = exact_reuse  # scoring sequences read the cache before their first scored position
+        self.store = store  # exact reuse's score store: scoring sequences also read blocks they score
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._pending: dict[bytes, Sequence] = {}  # block digest -> sequence computing that block now
@@ -78,21 +81,22 @@ class Scheduler:
         skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
             seq = self.waiting.popleft()
-            limit = self._read_limit(seq)
+            cached, limit, context = self._cached_prefix(seq)
             reads = limit != 0
-            cached = self.bm.find_cached_prefix(seq, False, limit) if reads else []
-            if reads and self._next_block_pending(seq, len(cached), limit):
+            if reads and self._next_block_pending(seq, len(cached), limit, context):
                 skipped.append(seq)
                 continue
             n = min(seq.num_tokens - len(cached) * self.bm.block_size, budget)
             if not self.bm.allocate(seq, n, cached):
                 self.waiting.appendleft(seq)
                 break
+            served = self.store.serve(seq, len(cached), context, self.bm.block_size) if context is not None else 0
             if seq.num_cached_tokens is None:  # first admission: this is the request's hit
                 seq.num_cached_tokens = seq.num_computed_tokens
                 if reads and self.bm.enable_prefix_caching:
                     self.bm.stats.queried_tokens += seq.prompt_len
                     self.bm.stats.hit_tokens += seq.num_computed_tokens
+                    self.bm.stats.score_store_hits += served
                 elif not seq.reads_prefix_cache and self.bm.enable_prefix_caching:
                     self.bm.stats.reusable_tokens += self._reusable_tokens(seq)
             seq.status = SequenceStatus.RUNNING
@@ -103,19 +107,35 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return batch
 
-    def _read_limit(self, seq: Sequence) -> int | None:
-        """How many leading blocks seq may take from the cache: None = as many as hit, 0 = none."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], int | None, int | None]:
+        """What seq takes from the cache at admission: its cached blocks; how many leading blocks it may wait for
+        while another sequence computes them (None = any, 0 = it reads nothing); and, for a scoring sequence that
+        reads the score store, its context blocks (`Sequence.reusable_blocks`: beyond them each block it reads
+        needs a covering store entry), else None."""
         if seq.reads_prefix_cache:
-            return None
-        return seq.reusable_blocks(self.bm.block_size) if self.exact_reuse else 0
+            return self.bm.find_cached_prefix(seq, False), None, None
+        if not self.exact_reuse:
+            return [], 0, None
+        context = seq.reusable_blocks(self.bm.block_size)
+        if self.store is None:
+            return self.bm.find_cached_prefix(seq, False, context), context, None
+        cached = self.bm.find_cached_prefix(seq, False)
+        return cached[:self.store.usable_blocks(seq, len(cached), context)], None, context
 
-    def _next_block_pending(self, seq: Sequence, num_cached_blocks: int, limit: int | None) -> bool:
+    def _next_block_pending(self, seq: Sequence, num_cached_blocks: int, limit: int | None,
+                            context: int | None) -> bool:
+        """Whether seq's next block is being computed by another sequence that will make it readable for seq."""
         hashes = seq.block_hashes  # filled by find_cached_prefix
         end = min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size, len(hashes) if limit is None else limit)
         if num_cached_blocks >= end:
             return False
         owner = self._pending.get(hashes[num_cached_blocks])
-        return owner is not None and owner is not seq
+        if owner is None or owner is seq:
+            return False
+        if context is None or num_cached_blocks < context:
+            return True
+        # beyond its context seq needs the block's store entry: worth waiting only for an owner that writes one
+        return writes_entry_for(owner, seq, num_cached_blocks, self.bm.block_size)
 
     def _reusable_tokens(self, seq: Sequence) -> int:
         """Recompute mode: the tokens exact reuse would have taken from the cache (cached or pending blocks)."""
@@ -150,6 +170,7 @@ class Scheduler:
         """Account the computed tokens and publish newly full blocks to the prefix cache."""
         for seq, n in batch.items:
             seq.num_computed_tokens += n
+            seq.boundary_hidden = None  # scored by this step's runner
             self.bm.cache_full_blocks(seq)
             self._unmark_pending(seq, seq.num_computed_tokens // self.bm.block_size)
 

@@ -135,6 +135,9 @@ class Sequence:
         self.output_text: str | None = None  # set when a stop string cut the completion
         self.generator: Any = None  # torch.Generator of a sampled request, made by the sampler
         self.detokenizer: Any = None  # IncrementalDetokenizer of a request with stop strings, made by the engine
+        # exact reuse, score store: the stored final hidden state [H] of the last row of the last block read at
+        # admission (its target is the first prefilled token); scored in the admission step, then dropped
+        self.boundary_hidden: Any = None
 
     @property
     def request_id(self) -> Any:
@@ -164,4 +167,5 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_ids = []
         self.prompt_logprob_parts = []
+        self.boundary_hidden = None
         self.status = SequenceStatus.WAITING

@@ -207,7 +207,8 @@ def session_timings(engine: Any, load_seconds: float, run_seconds: float) -> dic
     return {"load_seconds": load_seconds, "run_seconds": run_seconds, "prompt_tokens": stats.prompt_tokens,
             "generated_tokens": stats.generated_tokens, "steps": stats.steps, "preemptions": stats.preemptions,
             "prefix_cache": {"queried_tokens": bm.stats.queried_tokens, "hit_tokens": bm.stats.hit_tokens,
-                             "reusable_tokens": bm.stats.reusable_tokens}}
+                             "reusable_tokens": bm.stats.reusable_tokens,
+                             "score_store_hits": bm.stats.score_store_hits}}
 
 
 def add_timings(previous: dict | None, now: dict) -> dict:
@@ -289,8 +290,10 @@ def print_summary(console: Console, command: str, out: Path, rows: int, errors: 
                           f"{timings['load_seconds']:.1f} s load")
     reusable = pc.get("reusable_tokens") or 0
     if pc["queried_tokens"]:
+        store = pc.get("score_store_hits") or 0
         table.add_row("prefix cache", f"{pc['hit_rate']:.1%} hit ({pc['hit_tokens']:,} of {pc['queried_tokens']:,} "
-                                      f"prompt tokens served from the cache)")
+                                      f"prompt tokens served from the cache)"
+                      + (f"; {store:,} scored positions served from the score store" if store else ""))
         if reusable:
             table.add_row("exact reuse", f"--exact-reuse would also have served {reusable:,} prefill tokens of "
                                          f"scored requests from the cache")
