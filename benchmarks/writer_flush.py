@@ -1,4 +1,4 @@
-"""Cost of the results writer's part files (docs: NOTE-issue16.md): 2,000 score rows of 60 tokens with top-5,
+"""Cost of the results writer's part files: 2,000 score rows of 60 tokens with top-5,
 written with parts of 256, 16 and 1 rows. Run: PYTHONPATH=. python benchmarks/writer_flush.py"""
 import shutil
 import sys
