@@ -19,6 +19,7 @@ from torch import nn
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.backend import Backend
+from apcscore.models.weights import WeightCopier
 from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
 
 
@@ -135,14 +136,11 @@ class GPTNeoXDecoder(LlamaDecoder):
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
         """Copy GPTNeoXForCausalLM weights into place (query_key_value rows regrouped); every weight must be used."""
-        used: set[str] = set()
         self._lm_head_fp32 = None
+        copier = WeightCopier(state, consume)
 
         def copy(param: torch.Tensor, name: str, regroup: bool = False) -> None:
-            if name not in state:
-                raise ApcscoreError(f"weight {name} is missing from the checkpoint")
-            used.add(name)
-            src = state.pop(name) if consume else state[name]  # type: ignore[attr-defined]
+            src = copier.take(name)
             if regroup:  # rows per head [q | k | v] -> [all q | all k | all v]
                 heads = self.layers[0].self_attn.num_heads
                 src = src.reshape(heads, 3, -1, *src.shape[1:]).transpose(0, 1).reshape(src.shape)
@@ -168,8 +166,6 @@ class GPTNeoXDecoder(LlamaDecoder):
                 copy(module.weight, p + name + ".weight")
                 if module.bias is not None:
                     copy(module.bias, p + name + ".bias")
-        unused = {n for n in set(state) - used - {"embed_out.weight", "lm_head.weight"}
-                  if not n.endswith(("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias"))}
-        if unused:
-            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        copier.check_all_used(optional=("embed_out.weight", "lm_head.weight"),
+                              ignored_suffixes=("rotary_emb.inv_freq", ".attention.bias", ".attention.masked_bias"))
         self.build_rotary_tables()

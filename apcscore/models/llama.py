@@ -18,6 +18,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.backend import Backend
 from apcscore.models.rope import rope_frequencies
+from apcscore.models.weights import WeightCopier
 
 RmsNormFn = Callable[..., Any]
 Device = torch.device | str | None
@@ -235,32 +236,11 @@ class LlamaDecoder(nn.Module):
         """Copy Hugging Face weights into place, tensor by tensor (q/k/v and gate/up are fused here). Every
         weight must be used.
 
-        Each source tensor may sit on any device in any dtype: `copy_` converts it while writing into the
-        parameter, so peak device memory is the parameters plus nothing (no second copy of the weights).
-        consume=True removes each entry from `state` once copied (a caller that owns a big CPU dict frees it
-        as it goes); by default `state` is left as it was. Then builds the rotary tables (`rope`: see
-        build_rotary_tables).
+        Sources may sit on any device in any dtype and consume=True frees `state` as it goes (see
+        apcscore.models.weights.WeightCopier). Then builds the rotary tables (`rope`: see build_rotary_tables).
         """
-        used: set[str] = set()
         self._lm_head_fp32 = None
-
-        def take(name: str) -> torch.Tensor:
-            if name not in state:
-                raise ApcscoreError(f"weight {name} is missing from the checkpoint")
-            used.add(name)
-            return state.pop(name) if consume else state[name]  # type: ignore[attr-defined]
-
-        def copy(param: torch.Tensor, *names: str) -> None:
-            sources = [take(n) for n in names]
-            shape = (sum(s.shape[0] for s in sources), *sources[0].shape[1:])
-            if any(s.shape[1:] != sources[0].shape[1:] for s in sources) or shape != tuple(param.shape):
-                raise ApcscoreError(f"weight {names[0]} has shape {tuple(sources[0].shape)}, expected "
-                                    f"{tuple(param.shape)}")
-            row = 0
-            for src in sources:  # fused parameters: each source fills its own rows, no concatenated copy
-                param[row:row + src.shape[0]].copy_(src)
-                row += src.shape[0]
-
+        copy = WeightCopier(state, consume)
         copy(self.embed_tokens.weight, "model.embed_tokens.weight")
         copy(self.norm.weight, "model.norm.weight")
         if self.lm_head is not None:
@@ -280,10 +260,7 @@ class LlamaDecoder(nn.Module):
             self.load_mlp(layer.mlp, p + "mlp.", state, copy)
             copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
             copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-        unused = set(state) - used - {"lm_head.weight"}  # tied checkpoints may still carry lm_head
-        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
-        if unused:
-            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        copy.check_all_used()
         self.build_rotary_tables(rope)
 
     def load_mlp(self, mlp: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],

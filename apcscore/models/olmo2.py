@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
-from apcscore.errors import ApcscoreError
 from apcscore.models.backend import Backend
+from apcscore.models.weights import WeightCopier
 from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm, rotate_half
 
 
@@ -98,23 +98,8 @@ class Olmo2Decoder(LlamaDecoder):
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
         """Copy Olmo2ForCausalLM weights into place (q/k/v and gate/up fused); every weight must be used."""
-        used: set[str] = set()
         self._lm_head_fp32 = None
-
-        def copy(param: torch.Tensor, *names: str) -> None:
-            missing = [n for n in names if n not in state]
-            if missing:
-                raise ApcscoreError(f"weight {missing[0]} is missing from the checkpoint")
-            used.update(names)
-            sources = [state.pop(n) if consume else state[n] for n in names]  # type: ignore[attr-defined]
-            if sum(s.shape[0] for s in sources) != param.shape[0] or sources[0].shape[1:] != param.shape[1:]:
-                raise ApcscoreError(f"weight {names[0]} has shape {tuple(sources[0].shape)}, expected "
-                                    f"{tuple(param.shape)}")
-            row = 0
-            for src in sources:
-                param[row:row + src.shape[0]].copy_(src)
-                row += src.shape[0]
-
+        copy = WeightCopier(state, consume)
         copy(self.embed_tokens.weight, "model.embed_tokens.weight")
         copy(self.norm.weight, "model.norm.weight")
         if self.lm_head is not None:
@@ -134,7 +119,5 @@ class Olmo2Decoder(LlamaDecoder):
             copy(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
             copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
             copy(layer.post_feedforward_layernorm.weight, p + "post_feedforward_layernorm.weight")
-        unused = {n for n in set(state) - used - {"lm_head.weight"} if not n.endswith("rotary_emb.inv_freq")}
-        if unused:
-            raise ApcscoreError(f"checkpoint has weights this model does not use: {sorted(unused)[:5]}")
+        copy.check_all_used()
         self.build_rotary_tables(rope)
