@@ -21,7 +21,7 @@ attention in the same fixed tiles, and norms, GELU, scaling and soft-capping row
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
@@ -30,7 +30,6 @@ from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.backend import Backend
-from apcscore.models.weights import WeightCopier
 from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
 
 SLIDING = "sliding_attention"
@@ -179,31 +178,12 @@ class GemmaDecoder(LlamaDecoder):
             logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
         return logits
 
-    @torch.no_grad()
-    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
-        """Copy Gemma2/Gemma3ForCausalLM weights into place (q/k/v and gate/up fused); every weight must be used."""
-        self._lm_head_fp32 = None
-        copy = WeightCopier(state, consume)
-        copy(self.embed_tokens.weight, "model.embed_tokens.weight")
-        copy(self.norm.weight, "model.norm.weight")
-        if self.lm_head is not None:
-            copy(self.lm_head.weight, "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = layer.self_attn
-            copy(attn.qkv_proj.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
-            if attn.qkv_proj.bias is not None:
-                copy(attn.qkv_proj.bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
-            copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
-            if attn.o_proj.bias is not None:
-                copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
-            if attn.q_norm is not None:
-                copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
-                copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-            copy(layer.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            copy(layer.down_proj.weight, p + "mlp.down_proj.weight")
-            for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
-                         "post_feedforward_layernorm"):
-                copy(getattr(layer, norm).weight, p + norm + ".weight")
-        copy.check_all_used()
-        self.build_rotary_tables()
+    def load_layer(self, layer: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
+                   copy: Callable[..., None]) -> None:
+        """Gemma's layer: attention, GeGLU MLP stored on the layer, four norms (pre/post attention and MLP)."""
+        self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
+        copy(layer.gate_up_proj.weight, prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
+        copy(layer.down_proj.weight, prefix + "mlp.down_proj.weight")
+        for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            copy(getattr(layer, norm).weight, prefix + norm + ".weight")

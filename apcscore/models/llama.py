@@ -246,22 +246,31 @@ class LlamaDecoder(nn.Module):
         if self.lm_head is not None:
             copy(self.lm_head.weight, "lm_head.weight")
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = layer.self_attn
-            copy(attn.qkv_proj.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
-            if attn.qkv_proj.bias is not None:
-                copy(attn.qkv_proj.bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
-            copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
-            if attn.o_proj.bias is not None:
-                copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
-            if attn.q_norm is not None:
-                copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
-                copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-            self.load_mlp(layer.mlp, p + "mlp.", state, copy)
-            copy(layer.input_layernorm.weight, p + "input_layernorm.weight")
-            copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
+            self.load_layer(layer, f"model.layers.{i}.", state, copy)
         copy.check_all_used()
         self.build_rotary_tables(rope)
+
+    def load_layer(self, layer: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
+                   copy: Callable[..., None]) -> None:
+        """Load decoder layer `prefix` ("model.layers.N."): attention, MLP and the two norms. Families with other
+        norms or MLPs override it (apcscore.models.gemma, olmo2)."""
+        self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
+        self.load_mlp(layer.mlp, prefix + "mlp.", state, copy)
+        copy(layer.input_layernorm.weight, prefix + "input_layernorm.weight")
+        copy(layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight")
+
+    @staticmethod
+    def load_attention(attn: nn.Module, prefix: str, copy: Callable[..., None]) -> None:
+        """q/k/v fused into qkv_proj, o_proj, optional biases and q/k norms (`prefix` "model.layers.N.self_attn.")."""
+        copy(attn.qkv_proj.weight, *(prefix + f"{x}_proj.weight" for x in "qkv"))
+        if attn.qkv_proj.bias is not None:
+            copy(attn.qkv_proj.bias, *(prefix + f"{x}_proj.bias" for x in "qkv"))
+        copy(attn.o_proj.weight, prefix + "o_proj.weight")
+        if attn.o_proj.bias is not None:
+            copy(attn.o_proj.bias, prefix + "o_proj.bias")
+        if getattr(attn, "q_norm", None) is not None:
+            copy(attn.q_norm.weight, prefix + "q_norm.weight")
+            copy(attn.k_norm.weight, prefix + "k_norm.weight")
 
     def load_mlp(self, mlp: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
                  copy: Callable[..., None]) -> None:

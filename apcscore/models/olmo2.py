@@ -9,14 +9,13 @@ batch-invariance contract holds the same way: projections through the backend's 
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.backend import Backend
-from apcscore.models.weights import WeightCopier
 from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm, rotate_half
 
 
@@ -95,29 +94,11 @@ class Olmo2Decoder(LlamaDecoder):
             hidden = layer(hidden, cos, sin)
         return self.norm(hidden)
 
-    @torch.no_grad()
-    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
-        """Copy Olmo2ForCausalLM weights into place (q/k/v and gate/up fused); every weight must be used."""
-        self._lm_head_fp32 = None
-        copy = WeightCopier(state, consume)
-        copy(self.embed_tokens.weight, "model.embed_tokens.weight")
-        copy(self.norm.weight, "model.norm.weight")
-        if self.lm_head is not None:
-            copy(self.lm_head.weight, "lm_head.weight")
-        for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            attn = layer.self_attn
-            copy(attn.qkv_proj.weight, *(p + f"self_attn.{x}_proj.weight" for x in "qkv"))
-            if attn.qkv_proj.bias is not None:
-                copy(attn.qkv_proj.bias, *(p + f"self_attn.{x}_proj.bias" for x in "qkv"))
-            copy(attn.o_proj.weight, p + "self_attn.o_proj.weight")
-            if attn.o_proj.bias is not None:
-                copy(attn.o_proj.bias, p + "self_attn.o_proj.bias")
-            copy(attn.q_norm.weight, p + "self_attn.q_norm.weight")
-            copy(attn.k_norm.weight, p + "self_attn.k_norm.weight")
-            copy(layer.mlp.gate_up_proj.weight, p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight")
-            copy(layer.mlp.down_proj.weight, p + "mlp.down_proj.weight")
-            copy(layer.post_attention_layernorm.weight, p + "post_attention_layernorm.weight")
-            copy(layer.post_feedforward_layernorm.weight, p + "post_feedforward_layernorm.weight")
-        copy.check_all_used()
-        self.build_rotary_tables(rope)
+    def load_layer(self, layer: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
+                   copy: Callable[..., None]) -> None:
+        """OLMo 2's layer: attention with q/k norms, MLP, and norms after attention and MLP (no pre-norms)."""
+        self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
+        copy(layer.mlp.gate_up_proj.weight, prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
+        copy(layer.mlp.down_proj.weight, prefix + "mlp.down_proj.weight")
+        copy(layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight")
+        copy(layer.post_feedforward_layernorm.weight, prefix + "post_feedforward_layernorm.weight")
