@@ -131,13 +131,9 @@ class GemmaDecoder(LlamaDecoder):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", True))
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
-        self._lm_head_fp32: torch.Tensor | None = None
+        self.init_head(cfg, backend, device, max_positions, tie_default=True)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        self.max_positions = max_positions or cfg.max_position_embeddings
-        for name in ("cos_table", "sin_table", "cos_local", "sin_local"):  # global and sliding layers' tables
+        for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_head made the global ones)
             self.register_buffer(name, torch.empty(0), persistent=False)
 
     def build_rotary_tables(self, rope: Any = None) -> None:

@@ -106,13 +106,7 @@ class GPTNeoXDecoder(LlamaDecoder):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(NeoXLayer(cfg, i, backend, device) for i in range(cfg.num_hidden_layers))
         self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
-        self._lm_head_fp32: torch.Tensor | None = None
-        self.max_positions = max_positions or cfg.max_position_embeddings
-        self.register_buffer("cos_table", torch.empty(0), persistent=False)
-        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        self.init_head(cfg, backend, device, max_positions)
 
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, rotary_dim] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""

@@ -154,13 +154,7 @@ class LlamaDecoder(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, backend, qk_norm, qkv_bias, o_bias, device) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
-        self._lm_head_fp32: torch.Tensor | None = None  # CPU, half-precision models: fp32 copy for the logits
-        self.max_positions = max_positions or cfg.max_position_embeddings
-        self.register_buffer("cos_table", torch.empty(0), persistent=False)
-        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        self.init_head(cfg, backend, device, max_positions)
 
     def materialize(self, device: Device, dtype: torch.dtype) -> "LlamaDecoder":
         """Give a model built on "meta" uninitialised parameters of `dtype` on `device` (pages untouched until
@@ -177,6 +171,18 @@ class LlamaDecoder(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_head(self, cfg: Any, backend: Backend, device: Device, max_positions: int | None,
+                  tie_default: bool = False) -> None:
+        """What every decoder sets up after its layers: the LM head (None when tied to the embedding), the slot
+        for its fp32 copy (CPU, half-precision models), the context length and the empty rotary tables."""
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", tie_default))
+        self.lm_head = (None if self.tie_word_embeddings
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
+        self._lm_head_fp32: torch.Tensor | None = None
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.register_buffer("cos_table", torch.empty(0), persistent=False)
+        self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin for every position, exactly transformers' values.

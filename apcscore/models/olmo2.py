@@ -78,13 +78,7 @@ class Olmo2Decoder(LlamaDecoder):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(Olmo2Layer(cfg, i, backend, device) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
-        self._lm_head_fp32: torch.Tensor | None = None
-        self.max_positions = max_positions or cfg.max_position_embeddings
-        self.register_buffer("cos_table", torch.empty(0), persistent=False)
-        self.register_buffer("sin_table", torch.empty(0), persistent=False)
+        self.init_head(cfg, backend, device, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""
