@@ -262,6 +262,8 @@ class Engine:
     def _postprocess(self, batch, step: StepOutput) -> Iterator[RequestOutput]:
         for seq, lps in step.prompt_logprobs:
             seq.prompt_logprob_parts.append(lps)
+        for seq, alternatives in step.alternatives:
+            seq.alternative_logprobs = alternatives
         self.scheduler.finish_step(batch)
         if self.store is not None:  # after finish_step: the completed blocks are in the cache now
             for seq, hidden in step.block_hidden:
@@ -319,5 +321,6 @@ class Engine:
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), prompt_logprobs=prompt_lps,
             output_token_ids=list(seq.output_token_ids), output_text=text, output_logprobs=out_lps,
             finish_reason=reason, num_cached_tokens=seq.num_cached_tokens or 0,
+            last_token_alternatives=seq.alternative_logprobs,
         )
 

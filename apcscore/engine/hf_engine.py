@@ -162,26 +162,33 @@ class TransformersEngine:
     def _run_one(self, request: Request, arrival: int) -> RequestOutput:
         ids = list(request.prompt_token_ids)
         self.stats.prompt_tokens += len(ids)
-        prompt_lps = self._prompt_logprobs(request) if request.prompt_logprobs is not None else None
-        out = RequestOutput(request.request_id, ids, prompt_logprobs=prompt_lps, finish_reason=None)
+        prompt_lps, alternatives = self._prompt_logprobs(request) if request.prompt_logprobs is not None \
+            else (None, None)
+        out = RequestOutput(request.request_id, ids, prompt_logprobs=prompt_lps, finish_reason=None,
+                            last_token_alternatives=alternatives)
         if request.max_tokens:
             self._generate(request, arrival, out)
         return out
 
-    def _prompt_logprobs(self, request: Request) -> PromptLogprobs:
-        """Row q of the prompt's logits predicts token q + 1; rows score_from - 1 .. n - 2 are scored."""
+    def _prompt_logprobs(self, request: Request) -> tuple[PromptLogprobs, TokenLogprobs | None]:
+        """Row q of the prompt's logits predicts token q + 1: rows score_from - 1 .. n - 2 are scored, and the
+        last row again for each of the request's last-token alternatives."""
         ids = request.prompt_token_ids
         n, k = len(ids), request.prompt_logprobs
         first = max(request.score_from, 1)
+        alts = list(request.last_token_alternatives)
         if first >= n:
             lps = TokenLogprobs.concat([], k)
         else:
             x = torch.tensor([ids], dtype=torch.int64, device=self.device)
             logits = self.model(input_ids=x, use_cache=False).logits[0, first - 1:n - 1].float()  # [m, V]
-            targets = torch.tensor(ids[first:], dtype=torch.int64, device=self.device)
+            logits = torch.cat([logits, logits[-1:].expand(len(alts), -1)])  # [m + alternatives, V]
+            targets = torch.tensor(ids[first:] + alts, dtype=torch.int64, device=self.device)
             lps = chunked_token_logprobs(lambda rows: rows, logits, targets, k, self.config.logprobs_chunk_size,
                                          token_logprobs_torch, ranks=request.prompt_logprob_ranks)
-        return PromptLogprobs(**vars(lps), positions=np.arange(first, first + len(lps), dtype=np.int64))
+        m = max(0, n - first)  # scored prompt rows; the alternatives' rows follow
+        prompt = PromptLogprobs(**vars(lps.rows(0, m)), positions=np.arange(first, first + m, dtype=np.int64))
+        return prompt, (lps.rows(m, len(lps)) if alts else None)
 
     def _generate(self, request: Request, arrival: int, out: RequestOutput) -> None:
         p = request.sampling

@@ -33,6 +33,8 @@ class StepOutput:
     sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
     # score store: per sequence, block index -> final hidden state [H] (host) of the block's last position
     block_hidden: list[tuple[Sequence, dict[int, torch.Tensor]]] = field(default_factory=list)
+    # Request.last_token_alternatives scored this step (the step that scored the last prompt token)
+    alternatives: list[tuple[Sequence, TokenLogprobs]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -84,7 +86,8 @@ class ModelRunner:
             with set_attention_metadata(meta):
                 hidden = self.model(input_ids, positions)  # [T, H]
         captured = self._block_hidden(batch, hidden) if self.capture_block_hidden else []
-        return StepOutput(self._score_prompts(batch, hidden), self._sample(batch, hidden), captured)
+        prompt_lps, alternatives = self._score_prompts(batch, hidden)
+        return StepOutput(prompt_lps, self._sample(batch, hidden), captured, alternatives)
 
     def _block_hidden(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, dict[int, torch.Tensor]]]:
         """The final hidden states of the block-ending positions this step computed, for blocks whose score-store
@@ -114,11 +117,16 @@ class ModelRunner:
             out = scratch.get("logits", (padded_rows(hidden.shape[0]), vocab), torch.float32, hidden.device)
         return self.model.compute_logits(hidden, out)
 
-    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, PromptLogprobs]]:
-        """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see."""
+    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor
+                       ) -> tuple[list[tuple[Sequence, PromptLogprobs]], list[tuple[Sequence, TokenLogprobs]]]:
+        """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see, and a
+        sequence's last-token alternatives once its last prompt token is scored: more rows of the same hidden
+        state with other targets (the LM head and the logprob function are row-wise: bitwise the same values
+        as separate requests)."""
         rows: list[int] = []
         targets: list[int] = []
         spans: list[tuple[Sequence, int, int, int]] = []  # seq, first row in `rows`, count, first target pos
+        alt_spans: list[tuple[Sequence, int, int]] = []  # seq, first row in `rows`, count
         extra: list[torch.Tensor] = []  # stored boundary hidden states, rows hidden.shape[0] + i of the source
         offset = 0
         for seq, n in batch.items:
@@ -135,9 +143,14 @@ class ModelRunner:
                         extra.append(seq.boundary_hidden)
                     rows += range(offset + max(q0, start) - start, offset + q1 - start)
                     targets += seq.token_ids[q0 + 1:q1 + 1]
+                    alts = req.last_token_alternatives
+                    if alts and q1 == seq.prompt_len - 1:  # rows[-1] is row prompt_len - 2: the last token's
+                        alt_spans.append((seq, len(rows), len(alts)))
+                        rows += [rows[-1]] * len(alts)
+                        targets += alts
             offset += n
         if not rows:
-            return []
+            return [], []
         if extra:
             hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
         k = max(seq.request.prompt_logprobs for seq, *_ in spans)
@@ -147,15 +160,12 @@ class ModelRunner:
                                      self.logprobs_chunk_size, self.logprob_fn,
                                      ranks=any(seq.request.prompt_logprob_ranks for seq, *_ in spans),
                                      scratch=self.scratch)
-        out = []
-        for seq, first, count, pos0 in spans:
-            kk = seq.request.prompt_logprobs
-            sl = slice(first, first + count)
-            out.append((seq, PromptLogprobs(
-                token_ids=lps.token_ids[sl], token_logprobs=lps.token_logprobs[sl], ranks=lps.ranks[sl],
-                top_ids=lps.top_ids[sl, :kk], top_logprobs=lps.top_logprobs[sl, :kk],
-                positions=np.arange(pos0, pos0 + count, dtype=np.int64))))
-        return out
+        out = [(seq, PromptLogprobs(**vars(lps.rows(first, first + count, seq.request.prompt_logprobs)),
+                                    positions=np.arange(pos0, pos0 + count, dtype=np.int64)))
+               for seq, first, count, pos0 in spans]
+        alternatives = [(seq, lps.rows(first, first + count, seq.request.prompt_logprobs))
+                        for seq, first, count in alt_spans]
+        return out, alternatives
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
         rows: list[int] = []

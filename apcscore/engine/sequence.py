@@ -22,6 +22,11 @@ class Request:
     prompt_logprob_ranks: False lets the engine skip counting ranks (a pass over the vocabulary per token) for
         a job that only sums logprobs; ranks then read 0 unless another request of the step needed them.
     sampling: None for a scoring-only request (nothing is generated).
+    last_token_alternatives: other tokens to score in place of the last prompt token (which must be scored):
+        each gets the logprob, rank and top-K that the last prompt position gives it, in
+        `RequestOutput.last_token_alternatives`. Their context is the same, so they are read from the same
+        hidden-state row: one forward pass serves one-token continuations of one context (lm-eval's hf groups
+        them the same way), bitwise equal to separate requests under the batch-invariance contract.
     """
 
     request_id: Any
@@ -30,6 +35,7 @@ class Request:
     prompt_logprobs: int | None = None
     score_from: int = 1
     prompt_logprob_ranks: bool = True
+    last_token_alternatives: tuple[int, ...] = ()
 
     @property
     def max_tokens(self) -> int:
@@ -63,6 +69,11 @@ class TokenLogprobs:
     def __len__(self) -> int:
         return len(self.token_ids)
 
+    def rows(self, start: int, stop: int, k: int | None = None) -> "TokenLogprobs":
+        """Rows start..stop-1, their top-K columns cut to k when given."""
+        return TokenLogprobs(self.token_ids[start:stop], self.token_logprobs[start:stop], self.ranks[start:stop],
+                             self.top_ids[start:stop, :k], self.top_logprobs[start:stop, :k])
+
 
 @dataclass
 class PromptLogprobs(TokenLogprobs):
@@ -84,6 +95,7 @@ class RequestOutput:
     finish_reason: str | None = None  # stop | length | error
     num_cached_tokens: int = 0
     error: str | None = None
+    last_token_alternatives: TokenLogprobs | None = None  # the request's alternatives, in its order
 
 
 def request_problem(request: Request, max_len: int, vocab: int, max_logprobs: int) -> str | None:
@@ -95,10 +107,12 @@ def request_problem(request: Request, max_len: int, vocab: int, max_logprobs: in
     if n > max_len:
         return (f"the prompt has {n} tokens, more than the model's context of {max_len} tokens — shorten it, "
                 f"or pass --truncate left to drop its oldest tokens")
-    bad = [t for t in request.prompt_token_ids if not 0 <= t < vocab]
+    bad = [t for t in (*request.prompt_token_ids, *request.last_token_alternatives) if not 0 <= t < vocab]
     if bad:
         return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
     k = request.prompt_logprobs
+    if request.last_token_alternatives and (k is None or not 1 <= request.score_from <= n - 1):
+        return "last_token_alternatives need prompt logprobs that score the last prompt token"
     if k is not None and k > max_logprobs:
         return f"prompt_logprobs {k} is above max_logprobs {max_logprobs}"
     if request.sampling is not None:
@@ -130,6 +144,7 @@ class Sequence:
         self.block_hashes: list[bytes] = []  # SHA-256 chain digest of each full block of token_ids, computed lazily
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
         self.prompt_logprob_parts: list[PromptLogprobs] = []
+        self.alternative_logprobs: TokenLogprobs | None = None  # of request.last_token_alternatives, once scored
         self.output_logprob_parts: list[TokenLogprobs] = []
         self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the completion
@@ -167,5 +182,6 @@ class Sequence:
         self.num_computed_tokens = 0
         self.block_ids = []
         self.prompt_logprob_parts = []
+        self.alternative_logprobs = None
         self.boundary_hidden = None
         self.status = SequenceStatus.WAITING

@@ -12,7 +12,8 @@ A continuation's loglikelihood is the sum of its tokens' logprobs; `is_greedy` s
 is the model's argmax as lm-eval defines it (`logits.argmax(-1) == tokens`): with tied top logits only the
 lowest token id is greedy, so a rank of 1 (ties share it) is not enough. The request asks for at least the
 top-1 id, whose ties the engine orders by token id (`apcscore.kernels.logprobs_ref.top_k`). A multiple-choice
-record scores each choice as the continuation of the context, one request per choice; `pred` is the
+record scores each choice as the continuation of the context, one request per choice, except that choices whose
+tokens differ only in the last one share a request (`group_by_last_token`); `pred` is the
 argmax of the loglikelihoods and `pred_norm` the argmax of the loglikelihoods divided by each choice's length
 in characters (lm-eval's `acc` and `acc_norm`). Ties go to the first choice (`numpy.argmax`).
 """
@@ -84,6 +85,31 @@ def continuation_request(tokenizer, context: str, continuation: str, prefix_id: 
     return Request(None, context_ids + cont_ids, prompt_logprobs=max(k, 1), score_from=len(context_ids))
 
 
+def group_by_last_token(requests: list[Request]) -> tuple[list[Request], list[int]]:
+    """Merge scoring requests whose prompts differ only in their last token (same score_from): the first of
+    each group keeps its prompt and takes the others' last tokens as `last_token_alternatives`, so one
+    forward pass serves one-token answer choices of a context (lm-eval's hf groups them alike). Returns the
+    merged requests (request_id None) and, per input request, the index of the merged request that scores
+    it (read it with `continuation_score(out, last_token=its last token)`). Bitwise the same scores as the
+    separate requests: alternatives are rows of the same hidden state (see `Request`)."""
+    merged: list[Request] = []
+    where: dict[tuple[tuple[int, ...], int], int] = {}
+    owner: list[int] = []
+    for r in requests:
+        key = (tuple(r.prompt_token_ids[:-1]), r.score_from)
+        if key not in where:
+            where[key] = len(merged)
+            merged.append(Request(None, list(r.prompt_token_ids), prompt_logprobs=r.prompt_logprobs,
+                                  score_from=r.score_from, prompt_logprob_ranks=r.prompt_logprob_ranks))
+        owner.append(where[key])
+        first = merged[owner[-1]]
+        last = r.prompt_token_ids[-1]
+        if last != first.prompt_token_ids[-1] and last not in first.last_token_alternatives:
+            first.last_token_alternatives += (last,)
+        first.prompt_logprobs = max(first.prompt_logprobs or 0, r.prompt_logprobs or 0)
+    return merged, owner
+
+
 @dataclass(frozen=True)
 class ContinuationScore:
     """The loglikelihood of one continuation."""
@@ -93,15 +119,21 @@ class ContinuationScore:
     is_greedy: bool  # every token is the argmax (lm-eval: the first of tied maxima)
 
 
-def continuation_score(out: RequestOutput) -> ContinuationScore:
-    """Score of the continuation request `out` (scored from the continuation's first token)."""
+def continuation_score(out: RequestOutput, last_token: int | None = None) -> ContinuationScore:
+    """Score of the continuation request `out` (scored from the continuation's first token); with last_token,
+    of the continuation that ends in that token instead, one of the request's `last_token_alternatives`."""
     lps = out.prompt_logprobs
     if lps is None:
         raise ValueError("a continuation request must ask for prompt logprobs")
     if lps.top_ids.shape[1] == 0:
         raise ValueError("a continuation request must ask for at least the top-1 logprob")
-    return ContinuationScore(float(np.sum(lps.token_logprobs, dtype=np.float64)), len(lps),
-                             bool(np.all(lps.top_ids[:, 0] == lps.token_ids)))
+    ids, logprobs, top1 = lps.token_ids, lps.token_logprobs, lps.top_ids[:, 0]
+    if last_token is not None and last_token != ids[-1]:
+        alts = out.last_token_alternatives
+        i = int(np.flatnonzero(alts.token_ids == last_token)[0])  # the request must have listed it
+        ids, logprobs, top1 = (np.concatenate([a[:-1], b[i:i + 1]]) for a, b in (
+            (ids, alts.token_ids), (logprobs, alts.token_logprobs), (top1, alts.top_ids[:, 0])))
+    return ContinuationScore(float(np.sum(logprobs, dtype=np.float64)), len(ids), bool(np.all(top1 == ids)))
 
 
 def trim_top(lps: PromptLogprobs | None, k: int) -> PromptLogprobs | None:

@@ -22,7 +22,8 @@ import pyarrow as pa
 
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, nll_summary, sum_logprobs, token_columns
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
-                                         continuation_score, mean_stderr, prefix_token_id, trim_top)
+                                         continuation_score, group_by_last_token, mean_stderr,
+                                         prefix_token_id, trim_top)
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.io.schemas import Record
 
@@ -41,6 +42,7 @@ class ScoreJob(Job):
         self._cont_greedy: list[float] = []
         self._correct: list[float] = []
         self._correct_norm: list[float] = []
+        self._choice_requests: dict[int, list[tuple[int, int]]] = {}  # record index -> (request, last token)
 
     def schema(self) -> pa.Schema:
         return pa.schema(COMMON_FIELDS + [
@@ -63,8 +65,11 @@ class ScoreJob(Job):
             return [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], f["continuation"],
                                                                   self.prefix_id, self.k))]
         if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
-            return [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0))
-                    for c in f["choices"]]
+            separate = [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], c, self.prefix_id,
+                                                                      0)) for c in f["choices"]]
+            merged, owner = group_by_last_token(separate)  # one-token choices of the context share a request
+            self._choice_requests[record.index] = [(o, r.prompt_token_ids[-1]) for o, r in zip(owner, separate)]
+            return merged
         if record.kind == "prompt_token_ids":
             ids = list(f["prompt_token_ids"])
         else:
@@ -74,8 +79,9 @@ class ScoreJob(Job):
     def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
         base = {"id": record.id, "status": "ok", "error": None}
         if record.kind == "choices":
-            scores = [continuation_score(o) for o in outputs]
-            return {**base, "num_tokens": sum(len(o.prompt_token_ids) for o in outputs),
+            choices = self._choice_requests.pop(record.index)  # (its request, its last token) per choice
+            scores = [continuation_score(outputs[o], last_token=last) for o, last in choices]
+            return {**base, "num_tokens": sum(len(outputs[o].prompt_token_ids) for o, _ in choices),
                     "num_scored": sum(s.num_tokens for s in scores),
                     **choice_columns([s.logprob for s in scores], record.fields["choices"], record.fields["answer"])}
         out = outputs[0]

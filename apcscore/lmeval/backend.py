@@ -22,6 +22,7 @@ import lm_eval.models  # noqa: F401  (fills the registry with the built-ins befo
 from typing import Any
 
 import jinja2
+import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -32,7 +33,7 @@ from apcscore.engine.sampling_params import SamplingParams
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
-from apcscore.jobs.loglikelihood import continuation_score
+from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
 from apcscore.lmeval.engine_options import build_engine_config
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
@@ -134,15 +135,18 @@ class ApcscoreLM(TemplateLM):
             return self.tokenizer.apply_chat_template(history, **kwargs)
 
     # ---- running requests ---------------------------------------------------------------------------
-    def _run(self, requests: list[Request], desc: str, disable_tqdm: bool) -> list[RequestOutput]:
-        """Run `requests` (request_id = position) through the engine; outputs in input order."""
+    def _run(self, requests: list[Request], desc: str, disable_tqdm: bool,
+             sizes: list[int] | None = None) -> list[RequestOutput]:
+        """Run `requests` (request_id = position) through the engine; outputs in input order. The progress bar
+        counts lm-eval requests: engine request i stands for sizes[i] of them (default 1)."""
+        sizes = sizes or [1] * len(requests)
         outputs: list[RequestOutput | None] = [None] * len(requests)
-        with tqdm(total=len(requests), desc=desc, disable=disable_tqdm or not self.progress) as bar:
+        with tqdm(total=sum(sizes), desc=desc, disable=disable_tqdm or not self.progress) as bar:
             for out in self.engine.run(requests):
                 if out.error is not None:
                     raise ApcscoreError(f"{desc}: request {out.request_id} failed in the engine: {out.error}")
                 outputs[out.request_id] = out
-                bar.update(1)
+                bar.update(sizes[out.request_id])
         missing = [i for i, o in enumerate(outputs) if o is None]
         if missing:
             raise RuntimeError(f"the engine returned no output for requests {missing[:5]}: this is a bug")
@@ -150,22 +154,30 @@ class ApcscoreLM(TemplateLM):
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
-        """(loglikelihood, is_greedy) of each (_, context tokens, continuation tokens), in input order."""
-        engine_requests = []
-        for i, (_, context, continuation) in enumerate(requests):
+        """(loglikelihood, is_greedy) of each (_, context tokens, continuation tokens), in input order.
+
+        Requests whose scored sequences differ only in their last token (one-token answer choices of one
+        context) share one engine request: the others' last tokens are its `last_token_alternatives`, read
+        from the same hidden state, so the context is computed once (HFLM groups them likewise). The values
+        are bitwise those of separate requests (the LM head and logprob rows are batch invariant).
+        """
+        separate, last_tokens = [], []
+        for _, context, continuation in requests:
             if not context or not continuation:
                 raise ApcscoreError("a loglikelihood request needs context and continuation tokens")
             if len(continuation) > self.max_length:
                 raise ApcscoreError(f"a continuation of {len(continuation)} tokens is longer than max_length "
                                     f"{self.max_length}")
             tokens = (context + continuation)[-(self.max_length + 1):]  # HFLM's left truncation
-            engine_requests.append(Request(i, tokens, prompt_logprobs=1, score_from=len(tokens) - len(continuation),
-                                           prompt_logprob_ranks=False))
-        results = []
-        for out in self._run(engine_requests, "apcscore loglikelihood", disable_tqdm):
-            score = continuation_score(out)
-            results.append((score.logprob, score.is_greedy))
-        return results
+            separate.append(Request(None, tokens, prompt_logprobs=1, score_from=len(tokens) - len(continuation),
+                                    prompt_logprob_ranks=False))
+            last_tokens.append(tokens[-1])
+        merged, owner = group_by_last_token(separate)
+        for i, r in enumerate(merged):
+            r.request_id = i
+        outputs = self._run(merged, "apcscore loglikelihood", disable_tqdm, np.bincount(owner).tolist())
+        scores = [continuation_score(outputs[o], last_token=t) for o, t in zip(owner, last_tokens)]
+        return [(s.logprob, s.is_greedy) for s in scores]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Sum of the loglikelihoods of lm-eval's disjoint rolling windows over each text; one float each."""
