@@ -189,7 +189,9 @@ def test_task_errors_are_clear(in_repo, monkeypatch):
     from apcscore.lmeval.run import load_tasks
 
     with pytest.raises(ApcscoreError, match="unknown lm-eval task"):
-        load_tasks(["no_such_task_xyz"], TASK_DIR)
+        load_tasks(["no_such_task_xyz"], TASK_DIR)  # not in the folder: the full index is searched too
+    local = load_tasks(["apc_mc", "apc_ll"], TASK_DIR)  # all in the folder: lm-eval's built-ins are not indexed
+    assert "apc_mc" in local.all_tasks and "hellaswag" not in local.all_tasks
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

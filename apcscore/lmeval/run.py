@@ -51,14 +51,26 @@ def _is_hub_failure(exc: BaseException) -> bool:
 
 
 def load_tasks(names: list[str], include_path: Path | None) -> Any:
-    """lm-eval's TaskManager, after checking every task name and loading every task's data."""
+    """lm-eval's TaskManager, after checking every task name and loading every task's data.
+
+    When --include-path holds every named task, only that folder is indexed first (indexing lm-eval's thousands
+    of built-in YAML files takes seconds of every run); the full index is built when a name is not there or
+    the tasks need something from it (e.g. a group of built-in tasks)."""
     _import_lm_eval()
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not include_path.is_dir():
         raise ApcscoreError(f"--include-path {include_path}: not a directory")
+    if include_path is not None:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if not _unknown(local, names):
+            try:
+                local.load(names)
+                return local
+            except Exception:  # noqa: BLE001  (retried with the full index below, which reports the error)
+                pass
     manager = TaskManager(include_path=str(include_path) if include_path else None)
-    unknown = [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
+    unknown = _unknown(manager, names)
     if unknown:
         raise ApcscoreError(f"unknown lm-eval task(s): {', '.join(unknown)} (check the names, or add the folder "
                             "of their YAML files with --include-path)")
@@ -69,6 +81,10 @@ def load_tasks(names: list[str], include_path: Path | None) -> Any:
             raise ApcscoreError(f"could not load the data of task(s) {', '.join(names)}: {exc}. {HUB_HELP}") from None
         raise ApcscoreError(f"lm-eval could not load task(s) {', '.join(names)}: {type(exc).__name__}: {exc}") from None
     return manager
+
+
+def _unknown(manager: Any, names: list[str]) -> list[str]:
+    return [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
 
 
 def run_eval(opts: dict[str, Any], echo: Any) -> dict[str, Any]:
