@@ -4,14 +4,16 @@ Tasks (written to a temporary folder from the repository's sample datasets, no h
 - `bench_mc`: 5-shot multiple choice built like lm-eval's MMLU tasks: a task `description` (a header plus
   sample prose, ~330 tokens with the shots) and the same 5 worked examples for every question
   (`fewshot_config: sampler: first_n`, from a dev split of the first 5 questions of
-  datasets/sample_choices.jsonl), then `--questions` test questions (the other 35, repeated) x 4 choices;
+  datasets/sample_choices.jsonl), then `--questions` test questions (the other 35, repeated with a round
+  number in "Question N:" so that every question is distinct) x 4 choices;
 - `bench_ppl`: rolling perplexity (like wikitext) of the texts of datasets/sample_texts.jsonl, max_length 1024.
 
 Each command runs as its own process (python start, imports, model load, evaluation), `--repeats` times,
 alternating hf and apcscore; the script prints each wall time, the medians, the ratio apcscore / hf and the
 load average. `--exact-reuse` adds apcscore runs with that option (needs the engine support of issue 13).
 
-    python benchmarks/bench_lmeval.py [--model DIR] [--repeats 3] [--exact-reuse]
+    python benchmarks/bench_lmeval.py [--model DIR] [--repeats 3] [--exact-reuse [--skip-recompute]]
+                                      [--tasks bench_mc,bench_ppl] [--questions 100]
 """
 
 from __future__ import annotations
@@ -67,7 +69,11 @@ def description(words: int = 150) -> str:
 def write_tasks(folder: Path, questions: int) -> None:
     rows = [json.loads(line) for line in (REPO / "datasets/sample_choices.jsonl").read_text().splitlines()]
     rest = rows[5:]
-    test = [{**rest[i % len(rest)], "id": f"{rest[i % len(rest)]['id']}-{i // len(rest)}"} for i in range(questions)]
+    test = []
+    for i in range(questions):  # every question distinct (a repeat would be one cached context for both sides)
+        row, rnd = rest[i % len(rest)], i // len(rest)
+        context = row["context"].replace("Question:", f"Question {rnd + 1}:", 1) if rnd else row["context"]
+        test.append({**row, "id": f"{row['id']}-{rnd}", "context": context})
     (folder / "mc_train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:5]))
     (folder / "mc_test.jsonl").write_text("".join(json.dumps(r) + "\n" for r in test))
     # a JSON string is a valid YAML double-quoted scalar
@@ -91,6 +97,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tasks", default="bench_mc,bench_ppl")
     parser.add_argument("--exact-reuse", action="store_true")
+    parser.add_argument("--skip-recompute", action="store_true",
+                        help="run apcscore only with --exact-reuse (large --questions: saves the slowest runs)")
     parser.add_argument("--questions", type=int, default=100, help="bench_mc test questions (4 choices each)")
     args = parser.parse_args()
     if args.model is None:
@@ -115,6 +123,8 @@ def main() -> None:
             }
             if args.exact_reuse:
                 cmds["apcscore --exact-reuse"] = cmds["apcscore"] + ["--exact-reuse"]
+                if args.skip_recompute:
+                    del cmds["apcscore"]
             times: dict[str, list[float]] = {name: [] for name in cmds}
             for _ in range(args.repeats):
                 for name, cmd in cmds.items():

@@ -11,8 +11,8 @@ batch-invariance contract. Every request runs alone, in arrival order, with a fu
   a sampled request's RNG is seeded like the native path's (its own seed, or the engine seed and its arrival);
   stop strings cut the completion where the native engine would (the same incremental detokenizer), and
   `--logprobs` scores each generated token under the raw logits `generate()` returns.
-Requests run one at a time, so outputs come in arrival order. `--exact-reuse` (issue 13) relies on the KV
-cache and must be refused on this path.
+Requests run one at a time, so outputs come in arrival order. `--exact-reuse` relies on the KV cache and is
+refused on this path. A request's last-token alternatives are more rows of its last logits row.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class TransformersEngine:
 
     def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, info: ModelInfo,
                  device: torch.device, dtype: torch.dtype) -> None:
-        if getattr(config, "exact_reuse", False):
+        if config.exact_reuse:
             raise ApcscoreError(f"--exact-reuse needs our native decoder (a paged KV cache to reuse); "
                                 f"{info.architecture} runs on the transformers fallback, which recomputes every "
                                 f"prompt: drop --exact-reuse")
