@@ -34,6 +34,9 @@ SCALE = 0.5  # scores of unit-variance q, k have a spread of ~3: a soft-cap of 2
 # (cached, new) per sequence: prefills from 0 and after a cached prefix, decodes at several positions
 SHAPE = [(0, 40), (23, 30), (60, 1), (37, 1), (0, 1), (5, 9)]
 WIDE_TILES = dict(block_m=64, block_n=16)  # 32 query positions x 2 heads per program: wider than the window
+# vs float64: fp32 under the interpreter (numpy's exp2 and division); CUDA's exp2 and division are the
+# approximate PTX ones (as in the causal kernel, whose tests allow 1e-4 against the torch backend)
+ATOL = 2e-5 if INTERPRET else 1e-4
 
 
 def make_seqs(shape: list[tuple[int, int]]) -> list[tuple[SeqContent, int, int]]:
@@ -79,12 +82,12 @@ def test_windowed_soft_capped_attention_matches_dense_float64(window, softcap, t
     got = run_kernel(batch, window, softcap, **tiles)
     want = dense_reference(seqs, window, softcap)
     assert torch.isfinite(got).all()
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=ATOL)
     # the torch backend (the CPU engine's path) agrees with the same window and soft-cap
     k_cache, v_cache = batch.clone_caches()
     ref = TorchAttentionBackend().forward(batch.query, batch.key, batch.value, k_cache, v_cache, batch.meta, SCALE,
                                           window, softcap)[:got.shape[0]].cpu()
-    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
+    torch.testing.assert_close(got, ref, rtol=0, atol=ATOL)
     if window or softcap:  # the masks matter at these shapes: plain causal attention is far off
         causal = dense_reference(seqs, None, None)
         assert (causal - want).abs().max() > 1e-2
@@ -108,7 +111,7 @@ def test_windowed_attention_is_batch_and_chunking_invariant(window, softcap, til
     whole = rows([(target, 0, length)], 0, seed=1)
     assert torch.isfinite(whole).all()  # rows whose first visible tile follows wholly masked ones: no NaN
     torch.testing.assert_close(whole.double(), dense_reference([(target, 0, length)], window, softcap),
-                               rtol=0, atol=2e-5)
+                               rtol=0, atol=ATOL)
     chunk = rows([(others[0], 3, 6), (target, 25, 40), (others[1], 29, 1)], 1, seed=2)  # positions 25..64
     assert torch.equal(chunk, whole[25:65])
     alone = rows([(target, length - 1, 1)], 0, seed=3)
