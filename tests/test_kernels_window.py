@@ -119,6 +119,16 @@ def test_windowed_attention_is_batch_and_chunking_invariant(window, softcap, til
     assert torch.equal(alone, batched) and torch.equal(alone, whole[-1:])
 
 
+def test_windowed_soft_capped_attention_in_fp16() -> None:
+    """The non-IEEE tl.dot path (P rounded to the cache dtype before P @ V), as the causal fp16 test allows."""
+    seqs = [(random_seq(c + n, HKV, GROUP, HEAD_DIM, seed=300 + i, dtype=torch.float16), c, n)
+            for i, (c, n) in enumerate(SHAPE)]
+    batch = build_batch(seqs, BLOCK, pad_rows=2, seed=5)
+    got = run_kernel(batch, 23, 2.0, **SMALL_TILES)
+    assert got.dtype == torch.float16
+    torch.testing.assert_close(got.double(), dense_reference(seqs, 23, 2.0), rtol=5e-3, atol=5e-3)
+
+
 def test_a_window_longer_than_every_sequence_gives_the_causal_bits() -> None:
     """WINDOW on with nothing outside the window: the same bits as the causal kernel (WINDOW off)."""
     batch = build_batch(make_seqs(SHAPE), BLOCK, pad_rows=2, seed=5)
