@@ -5,7 +5,8 @@ every family (logits within 1e-4 of transformers, prompt logprobs, greedy genera
   layouts (per-expert tensors, transformers 5's stacked experts) load to the same bits;
 - Gemma against transformers on prompts many times its window (the window crossing key tiles), in chunks, and
   greedy generation well past the window; the engine does not cap Gemma's context at the window;
-- what the native path refuses (Triton attention for Gemma; bidirectional or dynamic-rope Gemma configs).
+- Gemma builds on the Triton attention backend; what the native path refuses (bidirectional or dynamic-rope
+  Gemma configs).
 """
 
 from __future__ import annotations
@@ -129,16 +130,23 @@ def test_gemma_long_prompts_match_transformers_across_windows(tiny_model_dir, ar
         assert gen[i] == ref
 
 
-def test_gemma_refuses_the_triton_attention_backend(tiny_model_dir):
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_gemma_builds_on_the_triton_attention_backend(tiny_model_dir, arch):
+    """No refusal (docs/errors.md row 80, retired): the Triton kernel masks the window and soft-caps, and each
+    layer hands its window / soft-cap to the backend (tests/test_triton_engine.py runs it against transformers)."""
     from transformers import AutoConfig
 
     from apcscore.models.backend import Backend
     from apcscore.models.gemma import GemmaDecoder
 
-    config = AutoConfig.from_pretrained(tiny_model_dir("gemma3"))
+    config = AutoConfig.from_pretrained(tiny_model_dir(arch))
     triton = Backend("triton", lambda *a, **k: None, True, SimpleNamespace(name="triton"), None, None)
-    with pytest.raises(ApcscoreError, match="attention-backend torch"):
-        GemmaDecoder(config, triton, device="meta")
+    model = GemmaDecoder(config, triton, device="meta")
+    attn = [layer.self_attn for layer in model.layers]
+    assert all(a.backend is triton.attention for a in attn)
+    assert [a.window for a in attn] == [config.sliding_window if t == "sliding_attention" else None
+                                        for t in config.layer_types]
+    assert [a.softcap for a in attn] == ([5.0, 5.0] if arch == "gemma2" else [None, None])
 
 
 def test_gemma_configs_we_do_not_run_natively_go_to_transformers():

@@ -420,13 +420,16 @@ AOT_SCRIPT = textwrap.dedent("""
         print("compiled", module, consts)
 
     pa = importlib.import_module("apcscore.kernels.paged_attention")
-    for dt, head_dim, group in (("bf16", 64, 3), ("fp16", 128, 4), ("fp32", 48, 1)):
+    # causal (the three dtypes), then Gemma's sliding window and soft-cap (bf16, head_dim 256 like Gemma 2/3)
+    for dt, head_dim, group, masks in (("bf16", 64, 3, False), ("fp16", 128, 4, False), ("fp32", 48, 1, False),
+                                       ("bf16", 256, 2, True)):
         block_m, block_n, warps = pa.tile_config(head_dim, group)
         ptrs = dict(out_ptr=dt, q_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt, block_tables_ptr="i32",
                     cu_seqlens_q_ptr="i32", seq_lens_ptr="i32")
-        build("paged_attention", "_paged_attention_kernel", ptrs, {"scale_log2"},
+        build("paged_attention", "_paged_attention_kernel", ptrs, {"scale_log2", "softcap_log2"},
               dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
-                   BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, IEEE_DOT=dt == "fp32"), warps)
+                   BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, IEEE_DOT=dt == "fp32",
+                   WINDOW=masks, SOFTCAP=masks), warps)
     build("store_kv", "_store_kv_kernel", dict(key_ptr="fp32", value_ptr="fp32", k_cache_ptr="bf16",
           v_cache_ptr="bf16", slot_mapping_ptr="i64"), set(),
           dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64), 4)
@@ -447,7 +450,7 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 6
+    assert result.stdout.count("compiled") == 7
 
 
 def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:

@@ -15,10 +15,16 @@ class TritonAttentionBackend:
     name = "triton"
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D] (rows past cu_seqlens_q[-1] not written)."""
+                v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D] -> [T, Hq, D] (rows past cu_seqlens_q[-1] not written).
+
+        window (a query at p sees keys > p - window) and softcap (scores -> tanh(s / c) * c before masking):
+        Gemma's sliding-window and soft-capped layers, as in TorchAttentionBackend; None: plain causal.
+        """
         if k_cache.shape[1] != meta.block_size:
             raise ValueError(f"paged_attention: the cache has block_size {k_cache.shape[1]} but meta says "
                              f"{meta.block_size}")
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        return paged_attention(query, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale)
+        return paged_attention(query, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.seq_lens, scale,
+                               window=window, softcap=softcap)

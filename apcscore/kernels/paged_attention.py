@@ -8,6 +8,16 @@ BLOCK_N positions counted from position 0, with an online softmax in fp32, and s
 A query's reduction therefore runs over the same tiles in the same order whatever the batch holds, however
 its prompt was chunked and whatever was cached: the result is bitwise the same for fixed BLOCK_M/BLOCK_N.
 There is no split-K: one program reduces a query's whole context.
+
+Two optional masks for Gemma 2/3, each behind a constexpr flag (off: the compiled code is the causal kernel's):
+- a sliding window (WINDOW): a query at position p sees keys k with p - window < k <= p (transformers' rule).
+  Keys outside are masked to -inf inside the same fixed key tiles; the loop starts at the tile holding the
+  tile's first query's first visible key. A row's running max stays -inf until its first visible tile, and
+  the exponent then subtracts 0 instead (no -inf - -inf = NaN), so its state stays exactly the initial one
+  (-inf, 0, 0): how many wholly masked tiles a row's program walks first (which depends on the chunking)
+  changes no bit.
+- soft-capping (SOFTCAP): scores become tanh(s / c) * c before masking, tanh written with exp2
+  (tanh |x| = (1 - e) / (1 + e), e = 2^(-2 |x| log2 e)): neither tl.math nor the interpreter has a tanh.
 """
 
 from __future__ import annotations
@@ -50,7 +60,18 @@ def _find_seq_idx(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
+LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2
+
+
+@triton.jit
+def _soft_cap(s, softcap_log2):
+    """tanh(s / c) * c of base-2 scores s (softcap_log2 = c * log2(e)), the tanh made of exp2."""
+    e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / softcap_log2))  # exp(-2 |s / c|) in (0, 1]
+    t = (1.0 - e) / (1.0 + e)  # tanh |s / c|
+    return tl.where(s < 0, -t, t) * softcap_log2
+
+
+@triton.jit(do_not_specialize=["num_seqs", "window"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         scale_log2,  # softmax scale * log2(e): scores are kept in base 2
@@ -58,9 +79,12 @@ def _paged_attention_kernel(
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,  # cache strides (head_dim contiguous)
         stride_bt,  # block_tables row stride
+        softcap_log2,  # soft-cap c * log2(e), read only with SOFTCAP (last: the other arguments keep their slots)
+        window,  # a query at p sees keys > p - window (read only with WINDOW)
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr):
+        BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
+        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq_idx(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q)
@@ -77,6 +101,8 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
     row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
     q_pos = context_len + tok  # [BLOCK_M] absolute position (rows that are not ok see every key: no NaN)
+    if WINDOW:  # ... and with a window, the tile's last key (they would see none past the sequence's end)
+        q_pos = tl.where(row_ok, q_pos, context_len + tl.minimum((tile + 1) * BLOCK_Q, q_len) - 1)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     q_row = (q_start + tok).to(tl.int64) * stride_qt + head * stride_qh  # [BLOCK_M]
@@ -87,7 +113,10 @@ def _paged_attention_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # Causal limit of the tile's last query; key tiles past a row's own limit are exact no-ops for that row.
     kv_end = context_len + tl.minimum((tile + 1) * BLOCK_Q, q_len)
-    for start_n in range(0, kv_end, BLOCK_N):
+    kv_start = 0
+    if WINDOW:  # tiles wholly before the tile's first query's window: exact no-ops for every row, skipped
+        kv_start = tl.maximum(context_len + tile * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(kv_start, kv_end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_ok = n < kv_end
         block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
@@ -100,11 +129,20 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, k)
         s = s * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+        if SOFTCAP:
+            s = _soft_cap(s, softcap_log2)
         causal = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
+        if WINDOW:
+            causal = causal & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: key 0 is visible to every row in the first tile
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # causal only: finite (key 0 is in every row's first tile)
+        if WINDOW:  # -inf until a row's first visible key: subtract 0 then (p = 0, alpha = 0, no NaN)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            p = tl.exp2(s - m_sub[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
         v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
@@ -123,8 +161,9 @@ def _paged_attention_kernel(
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
-                    block_m: int | None = None, block_n: int | None = None,
-                    num_warps: int | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None, softcap: float | None = None,
+                    block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache (torch_backend semantics).
 
     query: [T, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
@@ -136,6 +175,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     scale defaults to 1 / sqrt(head_dim). block_m (query rows = tokens x group heads per program, >= the
     group size) and block_n (keys per tile) set the reduction order; their defaults (tile_config) depend on
     the model only, never on the batch, which keeps results batch-invariant.
+    window: a query at position p sees only keys > p - window (sliding-window layers); softcap: scores become
+    tanh(scores / softcap) * softcap before masking (Gemma 2). None (the default): plain causal attention,
+    the same compiled kernel as without these arguments.
     """
     name = "paged_attention"
     check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -178,6 +220,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if block_m < max(16, group) or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, "
                          f"and block_m >= the query-head group ({group})")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"{name}: window must be a positive int or None, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"{name}: softcap must be positive or None, got {softcap!r}")
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)  # padding rows: never written
     elif out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
@@ -191,12 +237,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
         out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
-        scale * math.log2(math.e), num_seqs,
+        scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0),
+        v_cache.stride(2), block_tables.stride(0), (softcap or 1.0) * LOG2E, window or 0,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
-        IEEE_DOT=query.dtype == torch.float32, num_warps=num_warps,
+        IEEE_DOT=query.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
+        num_warps=num_warps,
     )
     return out

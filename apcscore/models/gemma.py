@@ -7,14 +7,13 @@ What differs from Llama, each as transformers computes it:
   x = x + post_ffw_norm(mlp(pre_ffw_norm(x))); the MLP is GeGLU (GELU, tanh approximation, as configured);
 - attention scales by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
 - layers alternate sliding-window attention (a query sees the last `sliding_window` positions) and global
-  attention, per `config.layer_types`; the window is masked inside the torch backend's fixed key tiles;
+  attention, per `config.layer_types`; the window is masked inside the attention backend's fixed key tiles
+  (the torch backend's and the Triton kernel's alike: `window=` and `softcap=` of their forward);
 - Gemma 2: attention logits soft-capped (tanh(s / c) * c, c = attn_logit_softcapping), and the final logits
   too (final_logit_softcapping);
 - Gemma 3: q and k RMS-normed per head before the rotary embedding, and the sliding layers' rotary tables use
   their own base (rope_parameters["sliding_attention"]); final logit soft-capping when configured.
 
-The sliding window and attention soft-capping are implemented in the torch attention backend only (the
-Triton paged-attention kernel has neither), so these models refuse the Triton backend with a clear error.
 The batch-invariance contract holds as for Llama: projections and the LM head through the backend's `linear`,
 attention in the same fixed tiles, and norms, GELU, scaling and soft-capping row by row.
 """
@@ -27,7 +26,6 @@ import torch
 from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
-from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.backend import Backend
 from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
@@ -124,9 +122,6 @@ class GemmaDecoder(LlamaDecoder):
         self.backend = backend
         self.gemma3 = SUPPORTED_ARCHITECTURES[check_architecture(cfg)] == "gemma3"
         layers = [GemmaLayer(cfg, i, self.gemma3, backend, device) for i in range(cfg.num_hidden_layers)]
-        if backend.attention.name != "torch" and any(x.self_attn.window or x.self_attn.softcap for x in layers):
-            raise ApcscoreError("Gemma's sliding-window and soft-capped attention run only on the torch attention "
-                                "backend — use --attention-backend torch, or --model-backend transformers")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(layers)
