@@ -8,7 +8,10 @@ from typing import Any
 
 import numpy as np
 
+from apcscore.engine.block_manager import NONE_HASH, variant_root
 from apcscore.engine.sampling_params import SamplingParams
+
+LONG_ROPE_ROOT = variant_root("long-rope: long frequencies")  # hash_root of a Sequence.rope_long sequence
 
 
 @dataclass
@@ -138,6 +141,11 @@ class Sequence:
         # exact reuse, score store: the stored final hidden state [H] of the last row of the last block read at
         # admission (its target is the first prefilled token); scored in the admission step, then dropped
         self.boundary_hidden: Any = None
+        # long-rope models (apcscore.models.phi3): whether this sequence is rotated with the long frequencies at
+        # every position, which changes its KV, hence its blocks' digests (hash_root: their first parent)
+        self.rope_long = False
+        self.hash_root = NONE_HASH
+        self.kv_only = False  # re-prefilled for its KV only (a long-rope switch): its prompt is already scored
 
     @property
     def request_id(self) -> Any:
@@ -152,10 +160,21 @@ class Sequence:
         return self.token_ids[self.prompt_len:]
 
     @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill computes prompt logprobs (not once they are all done: kv_only)."""
+        return self.request.prompt_logprobs is not None and not self.kv_only
+
+    @property
     def reads_prefix_cache(self) -> bool:
-        """Design rule: a request that wants prompt logprobs never reads the prefix cache, unless the engine runs
-        with exact reuse (then `reusable_blocks` says how much of it it may read)."""
-        return self.request.prompt_logprobs is None
+        """Design rule: a sequence that computes prompt logprobs never reads the prefix cache, unless the engine
+        runs with exact reuse (then `reusable_blocks` says how much of it it may read)."""
+        return not self.scores_prompt
+
+    def use_long_rope(self) -> None:
+        """From now on every position is rotated with the long-rope frequencies; the block digests follow."""
+        self.rope_long = True
+        self.hash_root = LONG_ROPE_ROOT
+        self.block_hashes = []
 
     def reusable_blocks(self, block_size: int) -> int:
         """Exact reuse: the full blocks lying entirely before position score_from - 1, the first row whose logits
@@ -166,6 +185,7 @@ class Sequence:
         """Preemption: drop the KV; prompt (and output so far) are prefilled again later."""
         self.num_computed_tokens = 0
         self.block_ids = []
-        self.prompt_logprob_parts = []
+        if not self.kv_only:  # (kv_only: the prompt was scored before, and is not scored again)
+            self.prompt_logprob_parts = []
         self.boundary_hidden = None
         self.status = SequenceStatus.WAITING
