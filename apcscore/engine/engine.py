@@ -229,10 +229,7 @@ class Engine:
                         yield RequestOutput(request.request_id, list(request.prompt_token_ids),
                                             finish_reason="error", error=problem)
                         continue
-                    seq = Sequence(request, self._arrivals)
-                    if self.long_rope_after is not None and seq.num_tokens > self.long_rope_after:
-                        seq.use_long_rope()  # (apcscore.models.phi3)
-                    self.scheduler.add(seq)
+                    self.scheduler.add(Sequence(request, self._arrivals, self.long_rope_after))
                     self._arrivals += 1
                 if not self.scheduler.has_work:
                     if exhausted:

@@ -122,7 +122,9 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """The engine's state of one request: its tokens, blocks, progress and collected results."""
 
-    def __init__(self, request: Request, arrival: int) -> None:
+    def __init__(self, request: Request, arrival: int, long_rope_after: int | None = None) -> None:
+        """long_rope_after: the model's long-rope threshold (LlamaDecoder.long_rope_after): a longer prompt is
+        rotated with the long frequencies from the start."""
         self.request = request
         self.arrival = arrival  # admission order; ties broken deterministically
         self.prompt_len = len(request.prompt_token_ids)
@@ -146,6 +148,8 @@ class Sequence:
         self.rope_long = False
         self.hash_root = NONE_HASH
         self.kv_only = False  # re-prefilled for its KV only (a long-rope switch): its prompt is already scored
+        if long_rope_after is not None and self.prompt_len > long_rope_after:
+            self.use_long_rope()
 
     @property
     def request_id(self) -> Any:
