@@ -204,3 +204,25 @@ def test_a_long_rope_config_of_another_family_is_refused_natively():
     assert choose_model_backend(cfg, "auto") == "transformers"
     with pytest.raises(ApcscoreError, match="longrope.*only Phi-3"):
         choose_model_backend(cfg, "native")
+
+
+def test_partial_rotary_with_default_rope_matches_transformers(tmp_path, default_tokenizer):
+    """Partial rotary without long-rope (Phi-3's own default frequencies over the rotated dimensions), loaded twice:
+    the second load reads the remembered config (apcscore.models.resolved) and must give the same bits."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    cfg = Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=128, max_position_embeddings=256, initializer_range=0.2,
+                     vocab_size=len(default_tokenizer), pad_token_id=0, sliding_window=None,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path)
+    default_tokenizer.save_pretrained(tmp_path)
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ps = prompts([9, 60], seed=9)
+    first = run(engine(tmp_path), [Request(i, p, prompt_logprobs=0) for i, p in enumerate(ps)])
+    for i, p in enumerate(ps):
+        assert np.abs(first[i].prompt_logprobs.token_logprobs - ref_logprobs(hf, p)).max() < TOL
+    again = run(engine(tmp_path), [Request(i, p, prompt_logprobs=0) for i, p in enumerate(ps)])
+    for i in range(len(ps)):
+        assert_bitwise(again[i], first[i], "second load")
