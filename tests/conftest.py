@@ -68,8 +68,8 @@ _row_exact_interpreter_dot()
 
 # Architectures `tiny_model_dir` builds. "gpt2" and "falcon" are not implemented by our decoder: they run
 # through the transformers fallback (apcscore.engine.hf_engine; tests/test_transformers_fallback.py).
-TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "mixtral", "qwen2_moe",
-              "gemma2", "gemma3", "gpt2", "falcon")
+TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope",
+              "phi3_partial", "mixtral", "qwen2_moe", "gemma2", "gemma3", "gpt2", "falcon")
 
 # Shared shape of the tiny models: hidden 64, 2 layers, 4 query heads, 2 kv heads (GQA), context 2048.
 _TINY_COMMON = dict(
@@ -122,6 +122,18 @@ def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
         return Olmo2Config(**_TINY_COMMON, **ids, tie_word_embeddings=False)
     if arch == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; default rope (no long-rope)
         return Phi3Config(**_TINY_COMMON, **ids, tie_word_embeddings=False, sliding_window=None, pad_token_id=0)
+    if arch in ("phi3_longrope", "phi3_partial"):
+        # Phi-3-mini-128k / Phi-3.5-mini's long-rope with original context 32 (real: 4096) and context 256, so that
+        # prompts and generations cross it; distinct short and long factors per frequency. "phi3_partial" adds
+        # Phi-4-mini's partial rotary (half of each head here; real: 0.75) and tied embeddings.
+        partial = arch == "phi3_partial"
+        half = (8 if partial else 16) // 2  # rotary dimensions / 2 (head_dim 16)
+        rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5 if partial else 1.0,
+                    short_factor=[1.0 + 0.05 * i for i in range(half)],
+                    long_factor=[1.5 + 0.75 * i for i in range(half)])
+        common = {**_TINY_COMMON, "max_position_embeddings": 256}
+        return Phi3Config(**common, **ids, tie_word_embeddings=partial, sliding_window=None, pad_token_id=0,
+                          original_max_position_embeddings=32, rope_parameters=rope)
     if arch == "mixtral":  # 4 experts, top-2, weights renormalised
         return MixtralConfig(**_TINY_COMMON, **ids, num_local_experts=4, num_experts_per_tok=2,
                              tie_word_embeddings=False, sliding_window=None)

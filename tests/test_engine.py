@@ -14,8 +14,8 @@ import torch
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "mixtral", "qwen2_moe", "gemma2",
-         "gemma3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope", "phi3_partial",
+         "mixtral", "qwen2_moe", "gemma2", "gemma3"]
 
 
 def make_engine(model_dir, **overrides) -> Engine:
@@ -63,7 +63,7 @@ def test_logits_match_transformers(arch_pair):
     from apcscore.engine.scheduler import ScheduledBatch
     from apcscore.engine.sequence import Sequence
 
-    seq = Sequence(Request(0, ids), 0)
+    seq = Sequence(Request(0, ids), 0, engine.long_rope_after)  # (long-rope Phi-3: 37 > 32, the long tables)
     assert engine.block_manager.allocate(seq, len(ids))
     input_ids, positions, meta = engine.runner._prepare(ScheduledBatch([(seq, len(ids))]))
     with torch.no_grad(), set_attention_metadata(meta):

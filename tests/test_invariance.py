@@ -154,6 +154,21 @@ def test_more_families_generation_is_batch_invariant(tiny_model_dir, arch: str) 
     matrix.check(lambda p: generate_requests(p, False), prompts, (1, 16, 57, 4096), long_budget_limit=57)
 
 
+@pytest.mark.parametrize("task", ["score", "generate"])
+def test_long_rope_phi3_is_batch_invariant(tiny_model_dir, task: str) -> None:
+    """Phi-3 long-rope (original context 32, context 256; apcscore.models.phi3), the reduced matrix, fp32. Scoring:
+    prompts below, at and above 32 tokens (the preemption scenario's 8 decoded tokens carry the short ones past
+    32: a long re-prefill that keeps their prompt columns). Generation: 6 greedy tokens after a shared 8-token
+    prefix, the 28-token prompt crossing 32 while decoding, next to long ones."""
+    matrix = Matrix(str(tiny_model_dir("phi3_longrope")), "float32")
+    if task == "score":
+        prompts = make_prompts([1, 16, 31, 32, 33, 47, 63, 79, 95], 49152, seed=3)  # (the tight pool preempts)
+        matrix.check(score_requests, prompts, (1, 16, 57, 257, 4096), long_budget_limit=17)
+    else:
+        prompts = make_prompts([1, 9, 20, 40, 39, 38, 70], 49152, seed=5, shared=8)
+        matrix.check(lambda p: generate_requests(p, False), prompts, (1, 16, 57, 4096), long_budget_limit=17)
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_generation_is_batch_invariant(tiny_model_dir, dtype: str, sampled: bool) -> None:

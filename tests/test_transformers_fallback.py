@@ -191,21 +191,27 @@ def test_the_warning_names_what_is_missing():
 
 
 def test_a_native_family_config_we_cannot_run_exactly_goes_to_the_fallback():
-    from transformers import Phi3Config
+    """Long-rope is native for Phi-3 (with partial rotary too: tests/test_longrope.py), not for other families."""
+    from transformers import MistralConfig, Phi3Config
 
     from apcscore.errors import ApcscoreError
     from apcscore.models.architecture import choose_model_backend
 
     longrope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0] * 8, long_factor=[2.0] * 8,
                     original_max_position_embeddings=256)
-    cfg = Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=128, vocab_size=100, max_position_embeddings=2048, pad_token_id=0,
-                     rope_parameters=longrope, architectures=["Phi3ForCausalLM"])
-    assert choose_model_backend(cfg, "auto") == "transformers"
+    shape = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=100, max_position_embeddings=2048)
+    other = MistralConfig(**shape, rope_parameters=dict(longrope), architectures=["MistralForCausalLM"])
+    assert choose_model_backend(other, "auto") == "transformers"
     with pytest.raises(ApcscoreError, match="longrope.*--model-backend transformers"):
-        choose_model_backend(cfg, "native")
-    plain = Phi3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                       intermediate_size=128, vocab_size=100, pad_token_id=0, architectures=["Phi3ForCausalLM"])
+        choose_model_backend(other, "native")
+    phi3 = Phi3Config(**shape, pad_token_id=0, rope_parameters=dict(longrope), architectures=["Phi3ForCausalLM"])
+    assert choose_model_backend(phi3, "auto") == "native"
+    partial = Phi3Config(**shape, pad_token_id=0, architectures=["Phi3ForCausalLM"],
+                         rope_parameters={**longrope, "partial_rotary_factor": 0.5, "short_factor": [1.0] * 4,
+                                          "long_factor": [2.0] * 4})
+    assert choose_model_backend(partial, "auto") == "native"
+    plain = Phi3Config(**{**shape, "max_position_embeddings": 4096}, pad_token_id=0, architectures=["Phi3ForCausalLM"])
     assert choose_model_backend(plain, "auto") == "native"
 
 

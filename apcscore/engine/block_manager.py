@@ -2,6 +2,8 @@
 
 Prefix caching hashes each *full* block as SHA-256(parent digest, block token ids): a cryptographic chain
 (vLLM moved there after CVE-2025-25183), since with --exact-reuse a false hit would silently change scores.
+The first block's parent is NONE_HASH, or a sequence's own `hash_root` when the same tokens give other KV for it
+(`variant_root`: Phi-3 long-rope sequences rotated with the long frequencies).
 A lookup walks a sequence's chain of block hashes from the start and stops at the first miss; a hit also
 compares the block's stored token ids and parent digest, so even a collision can never hand out wrong KV. Blocks carry
 ref counts. A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
@@ -18,7 +20,8 @@ from typing import Callable, Protocol, Sequence as Seq
 
 
 class BlockSequence(Protocol):
-    """What the manager needs of a sequence (the engine's Sequence satisfies it)."""
+    """What the manager needs of a sequence (the engine's Sequence satisfies it). A sequence may also carry
+    `hash_root` (bytes): the parent digest of its first block, NONE_HASH when absent (see variant_root)."""
 
     token_ids: list[int]
     block_ids: list[int]
@@ -27,6 +30,16 @@ class BlockSequence(Protocol):
 
 
 NONE_HASH = bytes(32)  # parent digest of the first block
+
+
+def variant_root(name: str) -> bytes:
+    """The first block's parent digest for sequences whose KV is computed another way than the default for the same
+    tokens (e.g. Phi-3 long-rope's long frequencies): their chains never meet the default one's or each other's."""
+    return hashlib.sha256(b"apcscore KV variant: " + name.encode()).digest()
+
+
+def _root(seq: BlockSequence) -> bytes:
+    return getattr(seq, "hash_root", NONE_HASH)
 
 
 def hash_block(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
@@ -93,7 +106,7 @@ class BlockManager:
         bs = self.block_size
         hashes = seq.block_hashes
         for i in range(len(hashes), len(seq.token_ids) // bs):
-            parent = hashes[i - 1] if i else NONE_HASH
+            parent = hashes[i - 1] if i else _root(seq)
             hashes.append(hash_block(parent, seq.token_ids[i * bs:(i + 1) * bs]))
         return hashes
 
@@ -109,7 +122,7 @@ class BlockManager:
         hashes = self.update_block_hashes(seq)
         max_blocks = min((len(seq.token_ids) - 1) // bs, len(hashes) if max_blocks is None else max_blocks)
         hit: list[int] = []
-        parent = NONE_HASH
+        parent = _root(seq)
         for i in range(min(max_blocks, len(hashes))):
             block_id = self.cached.get(hashes[i])
             if block_id is None:
@@ -183,7 +196,7 @@ class BlockManager:
             block = self.blocks[seq.block_ids[i]]
             if block.block_hash is None and hashes[i] not in self.cached:
                 block.block_hash = hashes[i]
-                block.parent_hash = hashes[i - 1] if i else NONE_HASH
+                block.parent_hash = hashes[i - 1] if i else _root(seq)
                 block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
                 self.cached[hashes[i]] = block.block_id
             # else: the same content is cached in another block already; this copy stays private

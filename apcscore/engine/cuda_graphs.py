@@ -52,12 +52,12 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
     return sizes[i] if n >= 1 and i < len(sizes) else None
 
 
-def decode_inputs(batch: ScheduledBatch, block_size: int) -> StepInputs | None:
+def decode_inputs(batch: ScheduledBatch, block_size: int, rope_offset: int = 0) -> StepInputs | None:
     """The inputs of a batch whose every sequence computes one token (build_step_inputs, as the eager
     model runner builds them, unpadded), or None for an empty, prefill or mixed batch."""
     if not batch.items or any(n != 1 for _, n in batch.items):
         return None
-    return build_step_inputs(batch, block_size)
+    return build_step_inputs(batch, block_size, rope_offset=rope_offset)
 
 
 def lens_stride(max_bs: int) -> int:
@@ -168,7 +168,7 @@ class DecodeGraphRunner:
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Final hidden states [n, hidden] of a decode-only batch of a padded size, or None: run it eagerly."""
-        inp = decode_inputs(batch, self.block_size)
+        inp = decode_inputs(batch, self.block_size, self.model.long_rope_after or 0)
         if inp is None:
             return None
         return self.forward_inputs(inp)

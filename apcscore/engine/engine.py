@@ -134,6 +134,7 @@ class Engine:
                                   use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
                                   capture_block_hidden=self.store is not None)
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
+        self.long_rope_after = model.long_rope_after  # long-rope: longer sequences use the long frequencies
         self.stats = EngineStats()
         self._arrivals = 0
 
@@ -228,7 +229,7 @@ class Engine:
                         yield RequestOutput(request.request_id, list(request.prompt_token_ids),
                                             finish_reason="error", error=problem)
                         continue
-                    self.scheduler.add(Sequence(request, self._arrivals))
+                    self.scheduler.add(Sequence(request, self._arrivals, self.long_rope_after))
                     self._arrivals += 1
                 if not self.scheduler.has_work:
                     if exhausted:
@@ -282,6 +283,8 @@ class Engine:
                 reason = self._stop_reason(seq, tok)
                 if reason:
                     yield self._finish(seq, reason)
+                elif self.long_rope_after is not None and not seq.rope_long and seq.num_tokens > self.long_rope_after:
+                    self.scheduler.switch_to_long_rope(seq)
             elif seq.num_computed_tokens >= seq.num_tokens and seq.request.max_tokens <= len(seq.output_token_ids):
                 yield self._finish(seq, "length" if seq.request.max_tokens else None)
 

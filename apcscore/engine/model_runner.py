@@ -51,6 +51,7 @@ class ModelRunner:
         self.base_seed = base_seed
         self.logprob_fn = logprob_fn
         self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
+        self.rope_offset = model.long_rope_after or 0  # long-rope sequences' table rows (step_inputs)
         # big logprob temporaries are reused on the CPU (the torch fn); CUDA's caching allocator reuses them anyway
         self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
         if device.type == "cpu":
@@ -69,7 +70,7 @@ class ModelRunner:
         # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
         # (apcscore.kernels.matmul_ref), with no per-layer padding copy
         num_rows = padded_rows(sum(n for _, n in batch.items)) if self.device.type == "cpu" else None
-        inp = build_step_inputs(batch, self.block_size, num_rows)
+        inp = build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
         input_ids, positions, slots, cu, seq_lens, tables = self.stager.to_device(
             inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q, inp.seq_lens, inp.block_tables)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
@@ -98,7 +99,7 @@ class ModelRunner:
         for seq, n in batch.items:
             start = seq.num_computed_tokens
             for j in range(start // bs, (start + n) // bs):  # blocks whose last position is in [start, start + n)
-                if publishes(seq.request, j, bs, seq.prompt_len):
+                if seq.scores_prompt and publishes(seq.request, j, bs, seq.prompt_len):
                     picks.append((seq, j, offset + (j + 1) * bs - 1 - start))
             offset += n
         if not picks:
@@ -132,7 +133,7 @@ class ModelRunner:
         for seq, n in batch.items:
             req = seq.request
             start = seq.num_computed_tokens
-            if req.prompt_logprobs is not None:
+            if seq.scores_prompt:
                 boundary = seq.boundary_hidden is not None  # row start - 1, from the score store
                 q0 = start - 1 if boundary else max(start, req.score_from - 1)
                 q1 = min(start + n, seq.prompt_len - 1)

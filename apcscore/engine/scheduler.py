@@ -165,6 +165,19 @@ class Scheduler:
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
 
+    def switch_to_long_rope(self, seq: Sequence) -> None:
+        """Long-rope (apcscore.models.phi3): running seq has just grown past the model's original context, so every
+        position is recomputed with the long frequencies, as transformers' generate() does. Like a preemption:
+        its blocks are freed and it is prefilled again (first in line), under its long-rope digests, for its KV
+        only: its prompt logprobs were computed over the prompt alone, short, and stay."""
+        self._unmark_pending(seq)
+        self.bm.free(seq)
+        self.running.remove(seq)
+        seq.kv_only = True
+        seq.reset_for_recompute()
+        seq.use_long_rope()
+        self.waiting.appendleft(seq)
+
     # ---- after the step ------------------------------------------------------------------------
     def finish_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens and publish newly full blocks to the prefix cache."""

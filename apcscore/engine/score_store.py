@@ -74,7 +74,7 @@ def publishes(request: Request, block: int, block_size: int, prompt_len: int) ->
 def writes_entry_for(writer: Sequence, reader: Sequence, block: int, block_size: int) -> bool:
     """Whether `writer`, computing its block `block`, publishes an entry that covers `reader`'s request."""
     w, r = writer.request, reader.request
-    return (publishes(w, block, block_size, writer.prompt_len) and r.prompt_logprobs is not None
+    return (writer.scores_prompt and publishes(w, block, block_size, writer.prompt_len) and r.prompt_logprobs is not None
             and w.prompt_logprobs >= r.prompt_logprobs and (w.prompt_logprob_ranks or not r.prompt_logprob_ranks))
 
 
@@ -159,7 +159,8 @@ class ScoreStore:
         req = seq.request
         for j, h in hidden.items():
             digest = seq.block_hashes[j] if j < len(seq.block_hashes) else None
-            if digest is None or digest not in cached or not publishes(req, j, block_size, seq.prompt_len):
+            if digest is None or digest not in cached or not seq.scores_prompt \
+                    or not publishes(req, j, block_size, seq.prompt_len):
                 continue
             first, end = max(j * block_size, 1), (j + 1) * block_size
             rows = _targets(seq.prompt_logprob_parts, first, end)

@@ -24,7 +24,7 @@ class StepInputs:
     """Flat host arrays of one step: B sequences, T token rows (rows past cu_seqlens_q[-1] are padding)."""
 
     input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64: rotary-table rows = positions (+ rope_offset for a long-rope sequence)
     slot_mapping: np.ndarray  # [T] int64, -1 on padding rows (nothing stored)
     cu_seqlens_q: np.ndarray  # [B + 1] int32
     seq_lens: np.ndarray  # [B] int32: context length including this step's tokens
@@ -40,9 +40,11 @@ class StepInputs:
         return self.num_seqs > 0 and int(self.cu_seqlens_q[-1]) == self.num_seqs
 
 
-def build_step_inputs(batch: ScheduledBatch, block_size: int, num_rows: int | None = None) -> StepInputs:
+def build_step_inputs(batch: ScheduledBatch, block_size: int, num_rows: int | None = None,
+                      rope_offset: int = 0) -> StepInputs:
     """The inputs of `batch` (each item: a sequence and how many of its tokens this step computes, from its
-    num_computed_tokens on), padded with empty rows up to num_rows when given."""
+    num_computed_tokens on), padded with empty rows up to num_rows when given. rope_offset: added to the
+    positions of sequences that use the long rotary table (`Sequence.rope_long`; LlamaDecoder.long_rope_after)."""
     seqs = [seq for seq, _ in batch.items]
     counts = np.array([n for _, n in batch.items], dtype=np.int64)  # [B]
     starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)  # [B]
@@ -63,6 +65,9 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, num_rows: int | No
     slots = np.full(rows, -1, dtype=np.int64)
     real = positions[:total]
     slots[:total] = tables[owner, real // block_size].astype(np.int64) * block_size + real % block_size
+    if rope_offset:  # after the slots: they address the cache by the true positions
+        long = np.array([seq.rope_long for seq in seqs], dtype=np.int64)  # [B]
+        positions[:total] += rope_offset * np.repeat(long, counts)
     input_ids = np.zeros(rows, dtype=np.int64)
     input_ids[:total] = ids
     return StepInputs(input_ids, positions, slots, cu, (starts + counts).astype(np.int32), tables)

@@ -14,7 +14,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "GPTNeoXForCausalLM": "gpt_neox",  # apcscore.models.gpt_neox
     "Olmo2ForCausalLM": "olmo2",  # apcscore.models.olmo2
-    "Phi3ForCausalLM": "phi3",  # apcscore.models.phi3 (no long-rope: native_problem)
+    "Phi3ForCausalLM": "phi3",  # apcscore.models.phi3 (long-rope, partial rotary)
     "MixtralForCausalLM": "mixtral",  # apcscore.models.moe
     "Qwen2MoeForCausalLM": "qwen2_moe",  # apcscore.models.moe
     "Gemma2ForCausalLM": "gemma2",  # apcscore.models.gemma
@@ -45,12 +45,13 @@ def native_architecture(hf_config: Any) -> str | None:
 
 def native_problem(hf_config: Any) -> str | None:
     """Why our decoder of a native architecture cannot run this particular config exactly, or None."""
-    if SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "") == "phi3":
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
-        if rope.get("rope_type", "default") != "default":
-            return f"Phi-3 with rope type {rope['rope_type']!r} (long-rope scaling) is not implemented natively"
-        if float(rope.get("partial_rotary_factor", 1.0)) != 1.0:
-            return "Phi-3 with partial rotary is not implemented natively"
+    family = SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "")
+    if family in LLAMA_FAMILIES:
+        kind = dict(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+        if family == "phi3" and kind not in ("default", "longrope"):
+            return f"Phi-3 with rope type {kind!r} is not implemented natively"
+        if family != "phi3" and kind == "longrope":  # the length switch lives in apcscore.models.phi3
+            return f"{_name(hf_config)} with rope type 'longrope' is not implemented natively (only Phi-3's is)"
     if SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "") in ("gemma2", "gemma3"):
         if getattr(hf_config, "use_bidirectional_attention", False):
             return "Gemma with bidirectional attention is not implemented natively"

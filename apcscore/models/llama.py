@@ -17,7 +17,7 @@ from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.backend import Backend
-from apcscore.models.rope import rope_frequencies
+from apcscore.models.rope import rope_frequencies, rotary_tables
 from apcscore.models.weights import WeightCopier
 
 RmsNormFn = Callable[..., Any]
@@ -84,9 +84,14 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]: R = D, or fewer with partial rotary
+        r = cos.shape[-1]
+        if r == self.head_dim:
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+        else:  # partial rotary (Phi-4-mini): the first R dimensions of each head, as transformers' Phi-3
+            q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
+            k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
         out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
@@ -133,6 +138,10 @@ class LlamaDecoder(nn.Module):
 
     # whether the decoder masks a config's sliding window itself (else the engine caps the context at it)
     implements_sliding_window = False
+    # long-rope (Phi-3): a sequence longer than this many tokens uses the long rotary frequencies at every
+    # position; their cos/sin rows follow the short ones, at table row position + long_rope_after (the engine
+    # offsets such a sequence's positions: apcscore.engine.step_inputs). None: one table, rows = positions.
+    long_rope_after: int | None = None
 
     def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
                  device: Device = None) -> None:
@@ -201,9 +210,7 @@ class LlamaDecoder(nn.Module):
             cos, sin = rotary(torch.zeros(1, dtype=torch.float32), positions[None, :])  # [1, P, D] fp32
             cos, sin = cos[0], sin[0]
         else:  # LlamaRotaryEmbedding.forward's arithmetic
-            freqs = positions[:, None].float() * rope.inv_freq.float()  # [P, D / 2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-            cos, sin = emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
+            cos, sin = rotary_tables(rope, self.max_positions)
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
         self.cos_table = cos.to(device=device, dtype=dtype)
         self.sin_table = sin.to(device=device, dtype=dtype)
