@@ -11,8 +11,9 @@ so the tests make their own GGUF files.
   tokens), merges, bos/eos/unk/pad ids, add_bos_token), like the default SmolLM2 GGUF;
 - tensors under gguf-py's names (`gguf.get_tensor_name_map`), with the transforms llama.cpp applies (and
   transformers' loader undoes): Llama's q/k rows permuted for its interleaved rotary, Gemma's norm weights
-  stored as `1 + w`, per-expert MoE weights stacked into `ffn_{gate,up,down}_exps`, Qwen2-MoE's shared-expert
-  gate as a vector; no `output.weight` when the embeddings are tied.
+  stored as `1 + w`, GPT-2's Conv1D weights transposed, per-expert MoE weights stacked into `ffn_{gate,up,down}_exps`, Qwen2-MoE's shared-expert
+  gate as a vector; no `output.weight` when the embeddings are tied; a "llama3" rope as llama.cpp's
+  `rope_freqs.weight` factors (which transformers' loader ignores).
 
 Tensors are float32, or float16 for 2-D ones with `f16=True` (norms and biases stay float32, as llama.cpp
 keeps 1-D tensors). Not a general converter: only the families and checkpoint layouts of conftest's tiny models.
@@ -21,6 +22,7 @@ keeps 1-D tensors). Not a general converter: only the families and checkpoint la
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -29,9 +31,10 @@ import numpy as np
 # transformers model_type -> GGUF general.architecture (llama.cpp writes Mistral and Mixtral as "llama")
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
              "qwen2_moe": "qwen2moe", "phi3": "phi3", "gemma2": "gemma2", "gemma3_text": "gemma3",
-             "gpt_neox": "gptneox", "olmo2": "olmo2"}
+             "gpt_neox": "gptneox", "olmo2": "olmo2", "gpt2": "gpt2"}
 _PERMUTED_QK = {"llama"}  # llama.cpp reorders q/k rows for these GGUF architectures
 _NORM_PLUS_ONE = {"gemma2", "gemma3"}  # llama.cpp stores Gemma's RMSNorm weights as 1 + w
+_TRANSPOSED = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")  # GPT-2 Conv1D
 _EXPERT = re.compile(r"(model\.layers\.\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 _EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", "down_proj": "down", "w2": "down"}
 
@@ -39,6 +42,26 @@ _EXPERT_GGUF = {"gate_proj": "gate", "w1": "gate", "up_proj": "up", "w3": "up", 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's LlamaModel.permute: rotary pairs (i, i + d/2) of each head become adjacent rows."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_rope_factors(config: dict, head_dim: int) -> np.ndarray | None:
+    """llama.cpp's `rope_freqs` tensor for a "llama3" rope: each frequency's divisor (LlamaModel.generate_extra_tensors)."""
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") != "llama3":
+        return None
+    factor, low, high = rope["factor"], rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    factors = []
+    for freq in 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
 
 
 def _rope_theta(config: dict) -> float:
@@ -50,6 +73,14 @@ def _rope_theta(config: dict) -> float:
 
 def _add_hparams(w, arch: str, config: dict) -> None:
     """The `<arch>.*` keys llama.cpp writes for this family (and transformers reads)."""
+    if arch == "gpt2":
+        w.add_context_length(config["n_positions"])
+        w.add_embedding_length(config["n_embd"])
+        w.add_feed_forward_length(config.get("n_inner") or 4 * config["n_embd"])
+        w.add_block_count(config["n_layer"])
+        w.add_head_count(config["n_head"])
+        w.add_layer_norm_eps(config["layer_norm_epsilon"])
+        return
     heads = config["num_attention_heads"]
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
     w.add_context_length(config["max_position_embeddings"])
@@ -115,12 +146,14 @@ def _gguf_tensors(state: dict[str, np.ndarray], model_type: str, arch: str, conf
     import gguf
 
     name_map = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
-                                        config["num_hidden_layers"])
+                                        config.get("num_hidden_layers") or config["n_layer"])
     out: dict[str, np.ndarray] = {}
     experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
     for hf_name, value in state.items():
-        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings"):
+        if hf_name == "lm_head.weight" and config.get("tie_word_embeddings", True):
             continue
+        if hf_name.endswith(_TRANSPOSED):
+            value = value.T  # llama.cpp stores GPT-2's Conv1D weights as [out, in]
         if m := _EXPERT.fullmatch(hf_name):
             experts.setdefault((m[1], _EXPERT_GGUF[m[3]]), {})[int(m[2])] = value
             continue
@@ -139,6 +172,10 @@ def _gguf_tensors(state: dict[str, np.ndarray], model_type: str, arch: str, conf
     for (layer, kind), by_index in experts.items():
         block = name_map.get_name(f"{layer}.mlp.gate").rsplit(".", 1)[0]  # blk.N
         out[f"{block}.ffn_{kind}_exps.weight"] = np.stack([by_index[i] for i in sorted(by_index)])
+    heads = config.get("num_attention_heads") or config["n_head"]
+    rope_factors = _llama3_rope_factors(config, config.get("head_dim") or (config.get("hidden_size") or 0) // heads)
+    if rope_factors is not None:
+        out["rope_freqs.weight"] = rope_factors
     return out
 
 

@@ -33,10 +33,15 @@ from gguf_files import small_bpe_tokenizer, write_gguf
 SUPPORTED = {"llama": "LlamaForCausalLM", "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
              "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
              "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-GGUF_OVERRIDES = {
+GGUF_OVERRIDES = {  # what transformers' GGUF loader takes from the class defaults instead of the file
     "qwen3": {"head_dim": 128},
     "qwen2_moe": {"mlp_only_layers": [], "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632},
 }
+# the settings each tiny GGUF states that transformers' reading leaves out: the user is warned of each
+# (conftest's Gemma 2 soft-caps 5 / 10; transformers runs Gemma2Config's 50 / 30)
+DROPPED = {"gemma2": ["gemma2.attn_logit_softcapping = 5.0: transformers runs attn_logit_softcapping = 50.0",
+                      "gemma2.final_logit_softcapping = 10.0: transformers runs final_logit_softcapping = 30.0"],
+           "llama3": ["rope_freqs.weight (per-frequency rope factors"]}
 TOL = 1e-4
 TEXT = "The quick brown fox jumps over the lazy dog. GGUF files: 3 tensors, 2 layers, émigré!"
 
@@ -66,15 +71,21 @@ def reference(gguf: Path):
     return model.eval(), AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-def assert_scores_match(gguf: Path, hf, hf_tokenizer, native: str) -> None:
-    """Our engine on the GGUF: native decoder, transformers' tokens, prompt logprobs within TOL of transformers."""
+def assert_scores_match(gguf: Path, hf, hf_tokenizer, native: str | None, dropped: list[str] = ()) -> None:
+    """Our engine on the GGUF: the `native` decoder (None: the transformers fallback), transformers' token ids,
+    prompt logprobs and top-3 within TOL of transformers; a warning for each `dropped` setting, no other."""
     files = resolve_model(str(gguf))
     assert files.source == "gguf"
+    assert len(files.warnings) == len(dropped)
+    for warning, setting in zip(files.warnings, dropped):
+        assert warning.startswith(f"{gguf.name} states {setting}")
     config = load_config(files.path)
-    assert native_architecture(config) == native and choose_model_backend(config) == "native"
+    assert native_architecture(config) == native
+    assert choose_model_backend(config) == ("native" if native else "transformers")
     engine = Engine.from_model(str(gguf), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=128,
                                                        block_size=4, max_batch_tokens=32))
-    assert type(engine).__name__ == "Engine"  # not the transformers fallback
+    assert type(engine).__name__ == ("Engine" if native else "TransformersEngine")
+    # the copy's tokenizer gives transformers' ids for the GGUF (Qwen2 and Gemma: not so when loaded as their class)
     text_ids = engine.tokenizer.encode(TEXT, add_special_tokens=False)
     assert text_ids == hf_tokenizer.encode(TEXT, add_special_tokens=False)
     g = torch.Generator().manual_seed(0)
@@ -90,18 +101,40 @@ def assert_scores_match(gguf: Path, hf, hf_tokenizer, native: str) -> None:
         assert np.abs(lps.top_logprobs - ref.topk(3, -1).values.numpy()).max() < TOL
 
 
-@pytest.mark.parametrize("arch", list(SUPPORTED))
-def test_gguf_of_a_native_family_scores_like_transformers(arch, tmp_path, tokenizer):
+def assert_weights_read_back(hf, model_dir: Path) -> None:
+    """The test's writer: transformers reads back exactly the tiny model's weights (Gemma's 1 + w: within 1e-6)."""
     from transformers import AutoModelForCausalLM
 
-    gguf = tiny_gguf(tmp_path, tokenizer, arch, GGUF_OVERRIDES.get(arch))
-    hf, hf_tokenizer = reference(gguf)
-    # the test's writer: transformers reads back exactly the tiny model's weights
-    original = AutoModelForCausalLM.from_pretrained(tmp_path / f"hf-{arch}", dtype=torch.float32).state_dict()
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
     read = hf.state_dict()
     assert set(read) == set(original)
     assert max((read[k] - original[k]).abs().max().item() for k in original) < 1e-6
-    assert_scores_match(gguf, hf, hf_tokenizer, SUPPORTED[arch])
+
+
+@pytest.mark.parametrize("arch", list(SUPPORTED))
+def test_gguf_of_a_native_family_scores_like_transformers(arch, tmp_path, tokenizer):
+    gguf = tiny_gguf(tmp_path, tokenizer, arch, GGUF_OVERRIDES.get(arch))
+    hf, hf_tokenizer = reference(gguf)
+    assert_weights_read_back(hf, tmp_path / f"hf-{arch}")
+    assert_scores_match(gguf, hf, hf_tokenizer, SUPPORTED[arch], DROPPED.get(arch, []))
+
+
+def test_llama3_rope_factors_are_dropped_by_transformers_and_we_warn(tmp_path, tokenizer):
+    """llama.cpp keeps a "llama3" rope (Llama 3.1+) as rope_freqs.weight factors; transformers' loader ignores
+    them and runs plain rope. We follow its reading (the reference) and warn."""
+    gguf = tiny_gguf(tmp_path, tokenizer, "llama3")
+    hf, hf_tokenizer = reference(gguf)
+    assert dict(hf.config.rope_parameters).get("rope_type", "default") == "default"
+    assert_weights_read_back(hf, tmp_path / "hf-llama3")
+    assert_scores_match(gguf, hf, hf_tokenizer, "LlamaForCausalLM", DROPPED["llama3"])
+
+
+def test_gguf_of_a_family_we_do_not_run_natively_runs_on_the_fallback(tmp_path, tokenizer):
+    """GPT-2 (GGUF "gpt2"; transformers reads its context length as n_ctx, so wpe must have 1024 rows)."""
+    gguf = tiny_gguf(tmp_path, tokenizer, "gpt2", {"n_positions": 1024})
+    hf, hf_tokenizer = reference(gguf)
+    assert_weights_read_back(hf, tmp_path / "hf-gpt2")
+    assert_scores_match(gguf, hf, hf_tokenizer, None)
 
 
 def test_f16_gguf_scores_like_transformers(tmp_path, tokenizer):

@@ -20,6 +20,7 @@ import uuid
 from pathlib import Path
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.gguf_check import dropped_settings, transformers_gguf_architectures
 
 logger = logging.getLogger(__name__)
 
@@ -133,22 +134,6 @@ def _save_tokenizer(tokenizer, out_dir: Path, gguf: Path) -> None:
         )
 
 
-def transformers_gguf_architectures() -> list[str]:
-    """The GGUF `general.architecture` values the installed transformers can load (best effort: [] if unknown)."""
-    try:
-        from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
-    except ImportError:
-        return []
-    names = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # key groups of the same table
-    try:
-        from transformers.integrations.gguf import GGUF_CONFIG_ARCHS  # newer transformers' second GGUF path
-
-        names |= set(GGUF_CONFIG_ARCHS)
-    except ImportError:
-        pass
-    return sorted(names)
-
-
 def _follow_umask(folder: Path) -> None:
     """Give the files in `folder` the mode a new file gets under the umask (some writers use 0600),
     so a cache shared between users stays readable."""
@@ -170,6 +155,26 @@ def _sweep_stale_tmp(models_dir: Path) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
         except OSError:
             pass
+
+
+def _dropped(gguf: Path, copy: Path) -> list[str]:
+    """The GGUF's settings that transformers' reading (the copy's config.json) leaves out; logged as warnings."""
+    try:
+        dropped = dropped_settings(gguf, json.loads((copy / "config.json").read_text()))
+    except Exception as e:  # a check for a warning: never the reason a conversion fails
+        logger.info("Could not compare %s's settings with transformers' reading of it: %s", gguf, e)
+        return []
+    for setting in dropped:
+        logger.warning("%s states %s", gguf.name, setting)
+    return dropped
+
+
+def ignored_settings(copy: Path) -> list[str]:
+    """What the GGUF behind a converted copy states and transformers' reading of it (so our model) ignores."""
+    try:
+        return list(json.loads((copy / CACHE_MARKER).read_text()).get("transformers_ignored") or [])
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -196,6 +201,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
             "gguf_size": gguf.stat().st_size,
             "key": dest.name.rsplit("-", 1)[-1],
             "convert_seconds": round(time.perf_counter() - start, 3),
+            "transformers_ignored": _dropped(gguf, tmp),
         }
         (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         try:
