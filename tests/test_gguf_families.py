@@ -175,3 +175,23 @@ def test_unreadable_settings_give_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(ApcscoreError) as err:
         resolve_model(str(gguf))
     assert f"Could not load the GGUF file {gguf}" in str(err.value) and "mismatch" in str(err.value)
+
+
+def test_cli_warns_of_each_dropped_setting_on_every_run(tmp_path, tokenizer, write_jsonl):
+    """score on a Gemma 2 GGUF: one warning line per soft-cap transformers replaces, on the converting run and on
+    a run from the cache; none with --quiet."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    gguf = tiny_gguf(tmp_path, tokenizer, "gemma2")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt": TEXT}, {"id": "b", "prompt": "x y z"}])
+    for run, quiet in enumerate((False, False, True)):
+        args = ["score", str(data), "--model", str(gguf), "--out", str(tmp_path / f"o{run}.parquet")]
+        res = CliRunner().invoke(app, args + (["--quiet"] if quiet else []), env={"COLUMNS": "300"})
+        assert res.exit_code == 0, res.output
+        text = " ".join(res.output.split())
+        for setting in DROPPED["gemma2"]:
+            assert (f"warning: {gguf.name} states {setting}" in text) != quiet, res.output
+        assert pq.read_table(tmp_path / f"o{run}.parquet").num_rows == 2
