@@ -10,10 +10,11 @@ so the tests make their own GGUF files.
   `tokenizer.ggml.*` (a "gpt2" byte-level BPE: tokens in id order, token types (3 = control for special added
   tokens), merges, bos/eos/unk/pad ids, add_bos_token), like the default SmolLM2 GGUF;
 - tensors under gguf-py's names (`gguf.get_tensor_name_map`), with the transforms llama.cpp applies (and
-  transformers' loader undoes): Llama's q/k rows permuted for its interleaved rotary, Gemma's norm weights
-  stored as `1 + w`, GPT-2's Conv1D weights transposed, per-expert MoE weights stacked into `ffn_{gate,up,down}_exps`, Qwen2-MoE's shared-expert
-  gate as a vector; no `output.weight` when the embeddings are tied; a "llama3" rope as llama.cpp's
-  `rope_freqs.weight` factors (which transformers' loader ignores).
+  transformers' loader undoes): Llama's q/k rows permuted for its interleaved rotary; Gemma's norm weights
+  stored as `1 + w`; GPT-2's Conv1D weights transposed; per-expert MoE weights stacked into
+  `ffn_{gate,up,down}_exps`; Qwen2-MoE's shared-expert gate as a vector; no `output.weight` when the embeddings
+  are tied; a "llama3" rope as llama.cpp's `rope_freqs.weight` factors and a Phi-3 long-rope as
+  `rope_factors_{long,short}.weight` (transformers' loader ignores both).
 
 Tensors are float32, or float16 for 2-D ones with `f16=True` (norms and biases stay float32, as llama.cpp
 keeps 1-D tensors). Not a general converter: only the families and checkpoint layouts of conftest's tiny models.
@@ -45,7 +46,7 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _llama3_rope_factors(config: dict, head_dim: int) -> np.ndarray | None:
-    """llama.cpp's `rope_freqs` tensor for a "llama3" rope: each frequency's divisor (LlamaModel.generate_extra_tensors)."""
+    """llama.cpp's `rope_freqs` tensor for a "llama3" rope: each frequency's divisor (its generate_extra_tensors)."""
     rope = config.get("rope_parameters") or {}
     if rope.get("rope_type") != "llama3":
         return None
@@ -176,6 +177,10 @@ def _gguf_tensors(state: dict[str, np.ndarray], model_type: str, arch: str, conf
     rope_factors = _llama3_rope_factors(config, config.get("head_dim") or (config.get("hidden_size") or 0) // heads)
     if rope_factors is not None:
         out["rope_freqs.weight"] = rope_factors
+    rope = config.get("rope_parameters") or {}
+    if rope.get("rope_type") == "longrope":  # Phi-3's long-rope factors, as llama.cpp's Phi3MiniModel writes them
+        out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
     return out
 
 

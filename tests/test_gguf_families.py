@@ -1,11 +1,13 @@
 """GGUF files of the native families: where transformers' GGUF loader reads a family, the file loads, runs on our
-native decoder and scores like transformers; where it does not, the user gets a clear error.
+native decoder and scores like transformers; where it does not, the user gets a clear error; where it reads the
+file but leaves out a setting the file states, the user is warned.
 
 Every GGUF here is written by the test itself (tests/gguf_files.py, llama.cpp's layout) from a tiny random model
-of conftest's `build_tiny_model` with a 1024-token cut of the default model's byte-level BPE tokenizer. The
-REFERENCE is transformers loading that same GGUF (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`): our prompt logprobs must match its log-softmax
-within 1e-4 (fp32, CPU). As a check on the test's own writer, the weights transformers reads back must equal the
-tiny model's (within 1e-6: Gemma's norms are stored as 1 + w).
+of conftest's `build_tiny_model`, with a 1024-token cut of the default model's byte-level BPE tokenizer. The
+REFERENCE is transformers loading that same GGUF (`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`):
+our prompt logprobs and top-3 must match its log-softmax within 1e-4 (fp32, CPU), and our tokenizer must give its
+token ids. As a check on the test's own writer, the weights transformers reads back must equal the tiny model's
+(within 1e-6: Gemma's norms are stored as 1 + w).
 
 Some tiny configs are changed so that transformers' GGUF loader can read them back (`GGUF_OVERRIDES`): it does
 not read Qwen3's head_dim (it takes the class default, 128) nor Qwen2-MoE's expert widths or dense layers (class
@@ -41,7 +43,8 @@ GGUF_OVERRIDES = {  # what transformers' GGUF loader takes from the class defaul
 # (conftest's Gemma 2 soft-caps 5 / 10; transformers runs Gemma2Config's 50 / 30)
 DROPPED = {"gemma2": ["gemma2.attn_logit_softcapping = 5.0: transformers runs attn_logit_softcapping = 50.0",
                       "gemma2.final_logit_softcapping = 10.0: transformers runs final_logit_softcapping = 30.0"],
-           "llama3": ["rope_freqs.weight (per-frequency rope factors"]}
+           "llama3": ["rope_freqs.weight (per-frequency rope factors"],
+           "phi3-longrope": ["rope_factors_long.weight / rope_factors_short.weight (Phi-3 long-rope)"]}
 TOL = 1e-4
 TEXT = "The quick brown fox jumps over the lazy dog. GGUF files: 3 tensors, 2 layers, émigré!"
 
@@ -175,6 +178,21 @@ def test_unreadable_settings_give_a_clear_error(tmp_path, tokenizer):
     with pytest.raises(ApcscoreError) as err:
         resolve_model(str(gguf))
     assert f"Could not load the GGUF file {gguf}" in str(err.value) and "mismatch" in str(err.value)
+
+
+def test_phi3_long_rope_factors_are_dropped_by_transformers_and_we_warn(tmp_path, tokenizer):
+    """A long-rope Phi-3 (128k) runs on our fallback from its HF directory (tests/test_transformers_fallback.py);
+    its GGUF keeps the factors as rope_factors_{long,short}.weight, which transformers ignores: plain rope, so
+    the model transformers reads is one our native decoder runs. We follow that reading and warn."""
+    half = 8  # head_dim 16
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+            "original_max_position_embeddings": 512, "short_factor": [1.0 + 0.1 * i for i in range(half)],
+            "long_factor": [2.0 + 0.5 * i for i in range(half)]}
+    gguf = tiny_gguf(tmp_path, tokenizer, "phi3", {"rope_parameters": rope})
+    hf, hf_tokenizer = reference(gguf)
+    assert dict(hf.config.rope_parameters).get("rope_type", "default") == "default"
+    assert_weights_read_back(hf, tmp_path / "hf-phi3")
+    assert_scores_match(gguf, hf, hf_tokenizer, "Phi3ForCausalLM", DROPPED["phi3-longrope"])
 
 
 def test_cli_warns_of_each_dropped_setting_on_every_run(tmp_path, tokenizer, write_jsonl):

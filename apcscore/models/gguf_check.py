@@ -69,6 +69,9 @@ def dropped_settings(gguf: Path, config: dict[str, Any]) -> list[str]:
     if "rope_freqs.weight" in tensor_names:
         dropped.append("rope_freqs.weight (per-frequency rope factors, e.g. Llama 3.1+ 'llama3' rope scaling): "
                        "transformers runs plain rope")
+    if "rope_factors_long.weight" in tensor_names:
+        dropped.append("rope_factors_long.weight / rope_factors_short.weight (Phi-3 long-rope): transformers "
+                       "runs plain rope")
     scaling = metadata.get(f"{arch}.rope.scaling.type")
     rope = config.get("rope_parameters") or {}
     kinds = {r.get("rope_type") for r in rope.values() if isinstance(r, dict)} | {rope.get("rope_type")}
