@@ -160,8 +160,10 @@ def _tiny_config(arch: str, vocab_size: int, bos: int, eos: int):
     raise ValueError(f"unknown tiny arch {arch!r}; choose from {TINY_ARCHS}")
 
 
-def build_tiny_model(arch: str, out_dir: Path, tokenizer) -> Path:
+def build_tiny_model(arch: str, out_dir: Path, tokenizer, overrides: dict[str, Any] | None = None) -> Path:
     """Save a deterministic random-weight model of `arch` plus `tokenizer` into `out_dir`; return it.
+
+    `overrides` sets config attributes after the tiny config is made (e.g. {"head_dim": 128}).
 
     Weights come from the config's initializer under torch.manual_seed(0); then norm weights are drawn
     around 1 and biases around 0 (they initialize to exactly 1 and 0, which would hide a decoder that
@@ -171,6 +173,8 @@ def build_tiny_model(arch: str, out_dir: Path, tokenizer) -> Path:
     from transformers import AutoModelForCausalLM
 
     config = _tiny_config(arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id)
+    for key, value in (overrides or {}).items():
+        setattr(config, key, value)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():

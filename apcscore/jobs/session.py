@@ -80,6 +80,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
     load_seconds = time.perf_counter() - load_start
+    for warning in files.warnings if not quiet else ():  # what transformers' GGUF reading left out
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     if getattr(engine, "model_backend", "native") == "transformers" and not quiet:
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 

@@ -20,11 +20,12 @@ import uuid
 from pathlib import Path
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.gguf_check import dropped_settings, transformers_gguf_architectures
 
 logger = logging.getLogger(__name__)
 
 # Bump when the layout or content of a converted cache entry changes: older entries are then ignored.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: the tokenizer is saved as TokenizersBackend and checked; no randomly filled weights
 CACHE_MARKER = "apcscore-cache.json"  # written last into a converted copy: its presence means "complete"
 _KEY_SAMPLE_BYTES = 4 << 20  # the GGUF cache key hashes this many bytes from each end of the file
 _STALE_TMP_SECONDS = 24 * 3600
@@ -73,13 +74,26 @@ def _write_hf_copy(gguf: Path, out_dir: Path) -> None:
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
     folder, file = str(gguf.parent), gguf.name
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=file, dtype=torch.float32, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=file, dtype=torch.float32, output_loading_info=True, **kwargs
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=file)
     except Exception as e:  # transformers raises many types for unreadable or unsupported files
         raise ApcscoreError(
             f"Could not load the GGUF file {gguf} through transformers ({type(e).__name__}: {e}). "
-            "Check that the file is complete and its architecture is one transformers can read from GGUF.",
+            "Check that the file is complete and its architecture is one transformers can read from GGUF "
+            f"({', '.join(transformers_gguf_architectures())}); for another architecture, or a file whose "
+            "settings transformers does not read, pass the original Hugging Face model directory instead.",
         ) from e
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        # transformers only warns, and fills them with random values: never cache such a model.
+        raise ApcscoreError(
+            f"transformers' GGUF loader read {gguf} as {type(model).__name__} but found no tensors in it for "
+            f"{len(missing)} of its weights ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}), so "
+            "this file's layout is not one transformers can read (e.g. a Mixtral GGUF, which llama.cpp writes "
+            "as 'llama' with expert tensors). Pass the original Hugging Face model directory instead."
+        )
     # A GGUF-loaded model carries a quantizer marker that makes save_pretrained refuse ("not serializable");
     # with dequantize=True transformers drops it itself, older versions need it cleared by hand.
     if getattr(model, "hf_quantizer", None) is not None:
@@ -90,7 +104,34 @@ def _write_hf_copy(gguf: Path, out_dir: Path) -> None:
     if "quantization_config" in model.config.to_dict():
         raise RuntimeError("the dequantized config still has a quantization_config; refusing to cache it")
     model.save_pretrained(out_dir)
+    _save_tokenizer(tokenizer, out_dir, gguf)
+
+
+def load_converted_tokenizer(path: Path):
+    """The tokenizer of a converted copy, exactly as its tokenizer.json says (transformers' TokenizersBackend).
+
+    transformers builds a GGUF's tokenizer from the file's vocabulary, merges and pre-tokenizer type, but
+    AutoTokenizer would load the saved copy as the model family's class (e.g. Qwen2Tokenizer, GemmaTokenizer,
+    LlamaTokenizer), which puts the family's own normalizer / pre-tokenizer back in place of the file's:
+    different token ids than transformers gives for the GGUF itself. So a converted copy is read as it is.
+    """
+    from transformers import PreTrainedTokenizerFast  # = TokenizersBackend in transformers 5
+
+    return PreTrainedTokenizerFast.from_pretrained(str(path), local_files_only=True)
+
+
+def _save_tokenizer(tokenizer, out_dir: Path, gguf: Path) -> None:
+    """Save the GGUF's tokenizer so that load_converted_tokenizer gives back the same pipeline, or refuse."""
     tokenizer.save_pretrained(out_dir)
+    config_file = out_dir / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = "TokenizersBackend"  # what it is; AutoTokenizer may still pick the family's class
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    if load_converted_tokenizer(out_dir).backend_tokenizer.to_str() != tokenizer.backend_tokenizer.to_str():
+        raise ApcscoreError(
+            f"The tokenizer transformers builds from {gguf} does not load back the same from a saved copy, so "
+            "apcscore cannot cache it. Pass the original Hugging Face model directory instead."
+        )
 
 
 def _follow_umask(folder: Path) -> None:
@@ -114,6 +155,26 @@ def _sweep_stale_tmp(models_dir: Path) -> None:
                 shutil.rmtree(tmp, ignore_errors=True)
         except OSError:
             pass
+
+
+def _dropped(gguf: Path, copy: Path) -> list[str]:
+    """The GGUF's settings that transformers' reading (the copy's config.json) leaves out; logged as warnings."""
+    try:
+        dropped = dropped_settings(gguf, json.loads((copy / "config.json").read_text()))
+    except Exception as e:  # a check for a warning: never the reason a conversion fails
+        logger.info("Could not compare %s's settings with transformers' reading of it: %s", gguf, e)
+        return []
+    for setting in dropped:
+        logger.warning("%s states %s", gguf.name, setting)
+    return dropped
+
+
+def ignored_settings(copy: Path) -> list[str]:
+    """What the GGUF behind a converted copy states and transformers' reading of it (so our model) ignores."""
+    try:
+        return list(json.loads((copy / CACHE_MARKER).read_text()).get("transformers_ignored") or [])
+    except (OSError, ValueError, AttributeError):
+        return []
 
 
 def convert_gguf(gguf: Path, dest: Path) -> None:
@@ -140,6 +201,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
             "gguf_size": gguf.stat().st_size,
             "key": dest.name.rsplit("-", 1)[-1],
             "convert_seconds": round(time.perf_counter() - start, 3),
+            "transformers_ignored": _dropped(gguf, tmp),
         }
         (tmp / CACHE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
         try:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.gguf_cache import CACHE_MARKER, load_converted_tokenizer
 from apcscore.models.locate import safetensors_files
 
 if TYPE_CHECKING:
@@ -50,10 +51,16 @@ def load_state_dict(
 
 
 def load_tokenizer(path: Path):
-    """The model's tokenizer (`AutoTokenizer`) from a Hugging Face directory, never from the network."""
+    """The model's tokenizer (`AutoTokenizer`) from a Hugging Face directory, never from the network.
+
+    A GGUF file's converted copy (it has the cache marker) is read as its tokenizer.json says
+    (`gguf_cache.load_converted_tokenizer`): the tokenizer transformers builds from the GGUF file itself.
+    """
     from transformers import AutoTokenizer
 
     try:
+        if (Path(path) / CACHE_MARKER).is_file():
+            return load_converted_tokenizer(Path(path))
         return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except Exception as e:
         raise ApcscoreError(

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 from apcscore.errors import ApcscoreError
-from apcscore.models.gguf_cache import cache_dir_name, cache_root, convert_gguf, gguf_key, is_complete
+from apcscore.models.gguf_cache import (cache_dir_name, cache_root, convert_gguf, gguf_key, ignored_settings,
+                                        is_complete)
 
 ModelSource = Literal["alias", "hf-dir", "gguf"]
 
@@ -54,11 +55,13 @@ class ModelFiles:
     name: the model as the user gave it (alias or path).
     path: a Hugging Face model directory: config.json, *.safetensors, tokenizer files.
     source: "alias" | "hf-dir" | "gguf" (alias and gguf point at the converted cache copy).
+    warnings: settings the GGUF file states that transformers' reading of it (so the model run) leaves out.
     """
 
     name: str
     path: Path
     source: ModelSource
+    warnings: tuple[str, ...] = ()
 
 
 def _valid_values() -> str:
@@ -182,4 +185,5 @@ def resolve_model(spec: str) -> ModelFiles:
     dest = cache_root() / "models" / cache_dir_name(name, gguf_key(path))
     if not is_complete(dest):
         convert_gguf(path, dest)
-    return ModelFiles(name=spec, path=dest, source=source)
+    warnings = tuple(f"{path.name} states {setting}" for setting in ignored_settings(dest))
+    return ModelFiles(name=spec, path=dest, source=source, warnings=warnings)
