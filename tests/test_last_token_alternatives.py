@@ -13,6 +13,7 @@ import pytest
 from apcscore import Engine, EngineConfig, Request, SamplingParams
 from apcscore.engine.sequence import request_problem
 from apcscore.jobs.loglikelihood import continuation_score
+from tests.test_exact_reuse import engine, model  # noqa: F401  (the tiny Llama fixture and engine set-up)
 
 K = 3
 PREFIX_LEN = 70
@@ -81,16 +82,6 @@ def assert_bitwise(got: dict, want: dict, what: str) -> None:
     for key in want:
         for name, a, b in zip(("ids", "logprobs", "ranks", "top_ids", "top_logprobs"), got[key], want[key]):
             assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b), f"{what}: {key} {name}"
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-def engine(model: str, **overrides) -> Engine:
-    base = dict(device="cpu", dtype="float32", max_batch_tokens=2048, max_num_seqs=16, num_kv_blocks=512)
-    return Engine.from_model(model, EngineConfig(**{**base, **overrides}))
 
 
 @pytest.fixture(scope="module")
