@@ -219,11 +219,16 @@ def test_cli_records_the_contract_and_can_turn_it_off(tmp_path, write_jsonl, tin
         return json.loads(table.schema.metadata[b"apcscore"]), table.column("token_logprobs").to_pylist()
 
     meta, whole = score("default")
-    assert meta["numerics"] == {"batch_invariant": True, "torch_threads": torch.get_num_threads(),
-                                "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    numerics = meta["numerics"]
+    assert numerics["batch_invariant"] is True and numerics["reason"] is None and numerics["probe"]["passed"]
+    assert numerics["torch_threads"] == torch.get_num_threads()
+    assert numerics["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert numerics["linear"].startswith("apcscore fixed-order fma chain")
+    assert numerics["hardware"]["cpu"]["vendor"] in open("/proc/cpuinfo").read()
     assert meta["engine"]["batch_invariant"] is True and "triton" in meta["versions"]
     _, chunked = score("chunked", "--max-batch-tokens", "57")
     assert chunked == whole
     meta, plain = score("plain", "--no-batch-invariant")
     assert meta["numerics"]["batch_invariant"] is False and meta["engine"]["batch_invariant"] is False
+    assert meta["numerics"]["probe"] is None and "--no-batch-invariant" in meta["numerics"]["reason"]
     np.testing.assert_allclose([x for r in plain for x in r[1:]], [x for r in whole for x in r[1:]], atol=1e-4)

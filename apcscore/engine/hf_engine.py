@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from apcscore.config import EngineConfig
+from apcscore.engine.numerics import describe_numerics
 from apcscore.engine.block_manager import PrefixCacheStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
 from apcscore.engine.engine import EngineStats, ModelInfo, resolve_device, resolve_dtype
@@ -74,6 +75,9 @@ class TransformersEngine:
         self.device = device
         self.dtype = dtype
         self.block_manager = NoBlockManager()
+        self.numerics = describe_numerics(device, False, "the model's own transformers forward",
+                                          None, "the transformers fallback path (one request at a time, library GEMM)")
+        self.batch_invariant = False
         self.stats = EngineStats()
         self._arrivals = 0
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,9 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         files = resolve_model(opts["model"])
         parts = resolve_model_parts(files.path)
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
-        engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
+        with warnings.catch_warnings():  # the probe's warning is printed below, as one line
+            warnings.filterwarnings("ignore", message="the start-up probe")
+            engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
     load_seconds = time.perf_counter() - load_start
     for warning in files.warnings if not quiet else ():  # what transformers' GGUF reading left out
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
@@ -86,6 +89,11 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
         console.print(f"[yellow]warning:[/] {escape(NO_CACHE_WARNING)}", highlight=False, soft_wrap=True)
+    if cfg.batch_invariant and not engine.batch_invariant and getattr(engine, "model_backend", "native") == "native":
+        if not quiet:  # (--exact-reuse, which --verify-reuse needs, was refused by the engine)
+            console.print(f"[yellow]warning:[/] {escape(engine.numerics['reason'])}: a record's scores may depend on "
+                          "what shares its steps (metadata numerics.batch_invariant = false)", highlight=False,
+                          soft_wrap=True)
     if engine.info.sliding_window and not quiet:
         console.print(f"[yellow]warning:[/] the model's sliding attention window is not implemented: the context is "
                       f"capped at its {engine.info.sliding_window} tokens (longer prompts are refused or truncated)",
@@ -260,8 +268,7 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts:
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "triton": _package_version("triton")},
         # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
-        "numerics": {"batch_invariant": cfg.batch_invariant, "torch_threads": torch.get_num_threads(),
-                     "cpu_capability": torch.backends.cpu.get_cpu_capability()},
+        "numerics": engine.numerics,
     }
 
 

@@ -5,13 +5,17 @@ apcscore.kernels on CUDA (and on the CPU under TRITON_INTERPRET=1 in tests). The
 imported only when one is selected, so choosing "torch" on a CPU never imports Triton.
 
 Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
-on how many rows share the GEMM. On the CPU that is torch's GEMM on rows padded to a multiple of 16
-(apcscore.kernels.matmul_ref); on CUDA the fixed-configuration Triton matmul (apcscore.kernels.matmul),
-whichever attention backend runs. batch_invariant=False (`--no-batch-invariant`) takes the library GEMM.
+on how many rows share the GEMM. On the CPU that is our fixed-order GEMM (apcscore.kernels.cpu_gemm: every
+element one fma chain over k, by construction); where it cannot be built (no C compiler) torch's GEMM on rows
+padded to a multiple of 16 (apcscore.kernels.matmul_ref), which holds on some CPUs only, so the engine's
+start-up probe (apcscore.engine.gemm_probe) decides and the run metadata says. On CUDA the
+fixed-configuration Triton matmul (apcscore.kernels.matmul), whichever attention backend runs.
+batch_invariant=False (`--no-batch-invariant`) takes the library GEMM.
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -33,7 +37,7 @@ class Backend:
 
     name: str
     linear: Callable[..., Any]
-    batch_invariant: bool
+    batch_invariant: bool  # asked for; whether it holds on this machine is the engine's probe's to say
     attention: Any
     rms_norm: Callable[..., Any]
     token_logprobs: Callable[..., tuple[Any, ...]]
@@ -49,7 +53,30 @@ def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]
         from apcscore.kernels.matmul import invariant_linear
 
         return invariant_linear
-    return invariant_linear_torch
+    try:
+        from apcscore.kernels.cpu_gemm import CpuGemmUnavailable, FixedOrderLinear, library
+
+        library()  # compiled (once per machine) and loaded now, so a failure is seen here
+        return FixedOrderLinear()
+    except CpuGemmUnavailable as e:
+        warnings.warn(f"the fixed-order CPU GEMM is unavailable ({e}); falling back to torch's GEMM on rows "
+                      "padded to 16, whose batch invariance the engine's start-up probe checks", stacklevel=2)
+        return invariant_linear_torch
+
+
+def linear_construction(linear: Callable[..., Any]) -> str:
+    """How a linear layer fixes its reduction order, as the run metadata records it."""
+    from apcscore.kernels.matmul_ref import invariant_linear_torch, plain_linear
+
+    if linear is plain_linear:
+        return "library GEMM (not batch-invariant)"
+    if linear is invariant_linear_torch:
+        return "library GEMM on rows padded to 16 (probed, not by construction)"
+    if type(linear).__name__ == "FixedOrderLinear":
+        from apcscore.kernels.cpu_gemm import simd_level
+
+        return f"apcscore fixed-order fma chain ({simd_level()})"
+    return "Triton matmul, one fixed configuration"
 
 
 def select_backend(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Backend:

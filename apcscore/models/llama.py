@@ -238,6 +238,8 @@ class LlamaDecoder(nn.Module):
             from apcscore.kernels.matmul import invariant_linear
 
             return invariant_linear(hidden, weight, out=out, out_dtype=torch.float32)
+        if weight.dtype != torch.float32 and getattr(self.backend.linear, "mixed_dtypes", False):
+            return self.backend.linear(hidden.float(), weight, out=out)  # fp32 rows x half weights: exact upcast
         if weight.dtype != torch.float32:
             if self._lm_head_fp32 is None:
                 self._lm_head_fp32 = weight.float()

@@ -23,6 +23,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from apcscore.engine.numerics import bits_part
 from apcscore.errors import ApcscoreError
 from apcscore.io.tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.scale.shard import SHARD_COLUMN
@@ -37,9 +38,16 @@ ROW_GROUP_SIZE = 256
 
 def _config(meta: dict) -> dict:
     engine = {k: v for k, v in (meta.get("engine") or {}).items() if k != "num_kv_blocks"}
-    numerics = {k: v for k, v in (meta.get("numerics") or {}).items() if k != "torch_threads"}
+    numerics = bits_part(meta.get("numerics"))
     dataset = {k: (meta.get("dataset") or {}).get(k) for k in ("sha256", "num_records")}
     return {**{k: meta.get(k) for k in SAME_KEYS}, "engine": engine, "numerics": numerics, "dataset": dataset}
+
+
+def _probe_failure(meta: dict) -> str | None:
+    """The reason a shard's engine found batch invariance broken at start-up (None: it held, or was not asked)."""
+    numerics = meta.get("numerics") or {}
+    probe = numerics.get("probe") or {}
+    return numerics.get("reason") if probe and not probe.get("passed", True) else None
 
 
 def _short(value: Any) -> str:
@@ -61,6 +69,11 @@ def check_shards(paths: list[Path]) -> list[dict]:
         if "shard" not in meta or SHARD_COLUMN not in pq.read_schema(path).names:
             raise ApcscoreError(f"{path} is not a shard file (written without --shard I/N); merge joins the files "
                                 "of one --shard 0/N .. N-1/N run")
+        failed = _probe_failure(meta)
+        if failed:
+            raise ApcscoreError(f"{path} was computed where batch invariance does not hold ({failed}), so the "
+                                "merged file would not be what one process writes; rerun that shard on a machine "
+                                "whose start-up probe passes")
         metas.append(meta)
     first, first_path = metas[0], paths[0]
     for path, meta in zip(paths[1:], metas[1:]):

@@ -1,0 +1,119 @@
+"""The start-up probe: does this machine's linear layer give a row the same bits whatever shares its call?
+
+The construction is what makes batch invariance hold (apcscore.kernels.cpu_gemm on the CPU, the fixed-config
+Triton matmul on CUDA); the probe checks it where the engine runs, at the model's own weights (real K; the
+real N where the time budget allows, else the weight's first output rows, a multiple of 16) and at the row
+counts the scheduler produces: 1, 15, 16, 57, 64, 100, 191 and the step budget. Each row of a call of M rows
+must equal, bit for bit, the same row inside the largest call; and the rows of a call that starts at another
+row offset must equal theirs too. A failure (a library GEMM that changes its path with M, as MKL does on some
+Intel CPUs) turns the run's batch invariance off with the reason (docs/architecture.md, "The contract").
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+ROW_COUNTS = (1, 15, 16, 57, 64, 100, 191)
+OFFSETS = (1, 7, 33)  # extra calls of OFFSET_ROWS rows starting at these rows of the reference
+OFFSET_ROWS = 64
+MAC_BUDGET = 2.5e8  # multiply-adds per weight shape (~5 ms on 2 idle CPU cores); above it N is cut to fit, never K
+
+
+@dataclass
+class ProbeResult:
+    """What the probe checked and found; `reason` says what differed (None when it passed)."""
+
+    passed: bool
+    reason: str | None = None
+    shapes: list[list[int]] = field(default_factory=list)  # [K, N, N probed] per distinct weight shape
+    row_counts: list[int] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def probe_rows(budget: int) -> list[int]:
+    """The row counts probed: ROW_COUNTS and the step's token budget."""
+    return sorted(set(ROW_COUNTS) | {budget})
+
+
+def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Tensor], budget: int,
+                 dtype: torch.dtype | None = None, seed: int = 0) -> ProbeResult:
+    """Check `linear` (x [M, K], weight [N, K]) -> [M, N] for row-count and row-offset invariance.
+
+    weights: the model's weight matrices (one per distinct shape is probed); dtype: of the probe inputs
+    (default each weight's). Inputs are seeded normal values.
+    """
+    started = time.perf_counter()
+    rows = probe_rows(budget)
+    result = ProbeResult(passed=True, row_counts=rows, offsets=list(OFFSETS))
+    seen: set[tuple] = set()
+    gen = torch.Generator().manual_seed(seed)
+    for weight in weights:
+        n, k = weight.shape
+        key = (n, k, weight.dtype, weight.device)
+        if key in seen:
+            continue
+        seen.add(key)
+        m_ref = max(rows[-1], OFFSETS[-1] + OFFSET_ROWS)
+        total_rows = sum(rows[:-1]) + m_ref + len(OFFSETS) * OFFSET_ROWS
+        n_probe = n if total_rows * n * k <= MAC_BUDGET else min(n, max(16, int(MAC_BUDGET / (total_rows * k)) // 16 * 16))
+        w = weight[:n_probe]
+        result.shapes.append([k, n, n_probe])
+        x = torch.randn(m_ref, k, generator=gen).to(device=weight.device, dtype=dtype or weight.dtype)
+        ref = linear(x, w)
+        for m in rows[:-1]:
+            if not torch.equal(linear(x[:m], w), ref[:m]):
+                return _failed(result, started, f"a {m}-row call gives other bits than the same rows of a "
+                                                f"{m_ref}-row call ([{k} -> {n}] weight)")
+        for off in OFFSETS:
+            if not torch.equal(linear(x[off:off + OFFSET_ROWS], w), ref[off:off + OFFSET_ROWS]):
+                return _failed(result, started, f"rows give other bits when a call starts {off} rows later "
+                                                f"([{k} -> {n}] weight)")
+    result.seconds = round(time.perf_counter() - started, 4)
+    return result
+
+
+def _failed(result: ProbeResult, started: float, reason: str) -> ProbeResult:
+    result.passed, result.reason = False, reason
+    result.seconds = round(time.perf_counter() - started, 4)
+    return result
+
+
+def model_weights(model: torch.nn.Module, lm_head: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The weight matrices a model's linear layers multiply by: every `Linear`'s, each expert's of a 3-D MoE
+    parameter, and the LM head as compute_logits uses it (`lm_head`)."""
+    from apcscore.models.llama import Linear
+
+    out: list[torch.Tensor] = []
+    for module in model.modules():
+        if isinstance(module, Linear):
+            out.append(module.weight)
+    for name, param in model.named_parameters():
+        if param.dim() == 3 and name.endswith("_proj"):  # stacked experts [E, N, K]
+            out.append(param[0])
+    if lm_head is not None:
+        out.append(lm_head)
+    return out
+
+
+def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> ProbeResult:
+    """probe_linear over a decoder's weights, the LM head included as compute_logits multiplies it (fp32 rows;
+    a CPU half-precision head as its fp32 copy unless the linear reads mixed dtypes)."""
+    weights = model_weights(model)
+    head = model.lm_head_weight
+    if head.device.type == "cpu" and head.dtype != torch.float32 and not getattr(linear, "mixed_dtypes", False):
+        head = head.float()
+    result = probe_linear(linear, weights, budget)
+    if result.passed:
+        head_result = probe_linear(linear, [head], budget, dtype=torch.float32, seed=1)
+        head_result.shapes = result.shapes + head_result.shapes
+        head_result.seconds = round(result.seconds + head_result.seconds, 4)
+        result = head_result
+    return result

@@ -1,0 +1,273 @@
+/* apcscore's CPU GEMM: C[M, N] (fp32) = A[M, K] . B[N, K]^T with a reduction order fixed by construction.
+ *
+ * Every output element is ONE chain of fused multiply-adds over k in ascending order, starting from +0:
+ *     c = +0;  for k = 0 .. K-1:  c = fma(a[m, k], b[n, k], c)
+ * IEEE 754 defines fma as the exact a*b + c rounded once (round-to-nearest-even, which is fixed here, with
+ * denormals kept: MXCSR is set to its power-on value for the call). So an element's bits depend on its row of
+ * A, its row of B and K only: not on M, on the row's position in the call, on N, on the thread count, on the
+ * tiling, on the instruction set (the AVX2 kernel and the scalar fmaf() kernel give the same bits), or on
+ * the CPU vendor. Tiles and K blocks only change *which* register holds a chain, never its order: a K block
+ * resumes its chains from the fp32 values the previous block stored, bit for bit what an uninterrupted
+ * chain holds. Edge tiles run the same micro-kernel on zero-padded copies.
+ *
+ * Layouts: B is packed once per weight into panels of NR columns, [ceil(N/NR)][K][NR], in B's own dtype
+ * (fp32, bf16 or fp16; zero-padded columns); A is packed per call into [ceil(M/MR)][K][MR] fp32 (converted
+ * exactly: bf16 and fp16 values are fp32 values). Threads (OpenMP: torch's own runtime once torch is loaded)
+ * split the panels of N. Build: gcc -O2 -fopenmp -ffp-contract=off (see cpu_gemm.py); never -ffast-math.
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define APC_X86 1
+#endif
+
+#define MR 6
+#define NR 16
+#define KC 256 /* k block: a B micro-panel [KC][NR] fp32 is 16 KiB (L1) */
+#define MC 96  /* rows of A per block: [MC][KC] fp32 is 96 KiB (L2) */
+
+enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float f16_to_f32(uint16_t h) { /* exact IEEE half -> single (normals, subnormals, inf, nan) */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
+    if (exp == 0x1f) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else if (exp == 0) {
+        if (man == 0) {
+            u = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { man <<= 1; e++; } while (!(man & 0x400));
+            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
+        }
+    } else {
+        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float load_elem(const void *p, int dtype, int64_t i) {
+    if (dtype == DT_F32) return ((const float *)p)[i];
+    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    return f16_to_f32(((const uint16_t *)p)[i]);
+}
+
+static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
+
+/* ---- packing ------------------------------------------------------------------------------------- */
+
+/* Size in bytes of B packed: ceil(N/NR) * K * NR elements of its dtype. */
+int64_t apc_packed_b_bytes(int64_t n, int64_t k, int dtype) { return ((n + NR - 1) / NR) * k * NR * elem_size(dtype); }
+
+/* B [N, K] (strides in elements) -> panels [ceil(N/NR)][K][NR], same dtype, padding columns zero. */
+void apc_pack_b(const void *b, int dtype, int64_t n, int64_t k, int64_t stride_n, int64_t stride_k, void *packed,
+                int nthreads) {
+    int64_t panels = (n + NR - 1) / NR, es = elem_size(dtype);
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        char *dst = (char *)packed + p * k * NR * es;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t col = p * NR + j;
+                char *d = dst + (kk * NR + j) * es;
+                if (col < n) memcpy(d, (const char *)b + (col * stride_n + kk * stride_k) * es, (size_t)es);
+                else memset(d, 0, (size_t)es);
+            }
+        }
+    }
+}
+
+/* A rows [m0, m0 + rows) -> micro-panels [ceil(rows/MR)][K][MR] fp32, padding rows zero. */
+static void pack_a(const void *a, int dtype, int64_t m0, int64_t rows, int64_t k, int64_t stride_m,
+                   int64_t stride_k, float *dst) {
+    int64_t panels = (rows + MR - 1) / MR;
+    for (int64_t p = 0; p < panels; p++) {
+        float *d = dst + p * k * MR;
+        for (int64_t i = 0; i < MR; i++) {
+            int64_t r = p * MR + i;
+            if (r < rows) {
+                const int64_t base = (m0 + r) * stride_m;
+                if (dtype == DT_F32 && stride_k == 1) {
+                    const float *src = (const float *)a + base;
+                    for (int64_t kk = 0; kk < k; kk++) d[kk * MR + i] = src[kk];
+                } else {
+                    for (int64_t kk = 0; kk < k; kk++) d[kk * MR + i] = load_elem(a, dtype, base + kk * stride_k);
+                }
+            } else {
+                for (int64_t kk = 0; kk < k; kk++) d[kk * MR + i] = 0.0f;
+            }
+        }
+    }
+}
+
+/* ---- micro-kernels: c[MR][NR] (row stride ldc) continues its chains over kc steps -------------------- */
+
+static void ukernel_scalar(int64_t kc, const float *ap, const void *bp, int bdtype, float *c, int64_t ldc) {
+    for (int64_t i = 0; i < MR; i++) {
+        for (int64_t j = 0; j < NR; j++) {
+            float acc = c[i * ldc + j];
+            for (int64_t kk = 0; kk < kc; kk++) acc = fmaf(ap[kk * MR + i], load_elem(bp, bdtype, kk * NR + j), acc);
+            c[i * ldc + j] = acc;
+        }
+    }
+}
+
+#ifdef APC_X86
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void load_b16(const void *bp, int bdtype, int64_t kk, __m256 *b0,
+                                                                 __m256 *b1) {
+    if (bdtype == DT_F32) {
+        const float *p = (const float *)bp + kk * NR;
+        *b0 = _mm256_loadu_ps(p);
+        *b1 = _mm256_loadu_ps(p + 8);
+    } else if (bdtype == DT_BF16) {
+        const uint16_t *p = (const uint16_t *)bp + kk * NR;
+        __m256i lo = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        __m256i hi = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8)));
+        *b0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16));
+        *b1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16));
+    } else {
+        const uint16_t *p = (const uint16_t *)bp + kk * NR;
+        *b0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        *b1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 8)));
+    }
+}
+
+__attribute__((target("avx2,fma,f16c"), always_inline)) static inline void ukernel_avx2(
+    int64_t kc, const float *ap, const void *bp, int bdtype, float *c, int64_t ldc) {
+    __m256 c00 = _mm256_loadu_ps(c + 0 * ldc), c01 = _mm256_loadu_ps(c + 0 * ldc + 8);
+    __m256 c10 = _mm256_loadu_ps(c + 1 * ldc), c11 = _mm256_loadu_ps(c + 1 * ldc + 8);
+    __m256 c20 = _mm256_loadu_ps(c + 2 * ldc), c21 = _mm256_loadu_ps(c + 2 * ldc + 8);
+    __m256 c30 = _mm256_loadu_ps(c + 3 * ldc), c31 = _mm256_loadu_ps(c + 3 * ldc + 8);
+    __m256 c40 = _mm256_loadu_ps(c + 4 * ldc), c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
+    __m256 c50 = _mm256_loadu_ps(c + 5 * ldc), c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
+    for (int64_t kk = 0; kk < kc; kk++) {
+        __m256 b0, b1, a;
+        load_b16(bp, bdtype, kk, &b0, &b1);
+        const float *ak = ap + kk * MR;
+        a = _mm256_broadcast_ss(ak + 0); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
+        a = _mm256_broadcast_ss(ak + 1); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
+        a = _mm256_broadcast_ss(ak + 2); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
+        a = _mm256_broadcast_ss(ak + 3); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
+        a = _mm256_broadcast_ss(ak + 4); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
+        a = _mm256_broadcast_ss(ak + 5); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+    }
+    _mm256_storeu_ps(c + 0 * ldc, c00); _mm256_storeu_ps(c + 0 * ldc + 8, c01);
+    _mm256_storeu_ps(c + 1 * ldc, c10); _mm256_storeu_ps(c + 1 * ldc + 8, c11);
+    _mm256_storeu_ps(c + 2 * ldc, c20); _mm256_storeu_ps(c + 2 * ldc + 8, c21);
+    _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
+    _mm256_storeu_ps(c + 4 * ldc, c40); _mm256_storeu_ps(c + 4 * ldc + 8, c41);
+    _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51);
+}
+
+/* one copy of the kernel per B dtype (the dtype branch leaves the k loop) */
+__attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_f32(int64_t kc, const float *ap, const void *bp,
+                                                                       float *c, int64_t ldc) {
+    ukernel_avx2(kc, ap, bp, DT_F32, c, ldc);
+}
+__attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_bf16(int64_t kc, const float *ap, const void *bp,
+                                                                        float *c, int64_t ldc) {
+    ukernel_avx2(kc, ap, bp, DT_BF16, c, ldc);
+}
+__attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_f16(int64_t kc, const float *ap, const void *bp,
+                                                                       float *c, int64_t ldc) {
+    ukernel_avx2(kc, ap, bp, DT_F16, c, ldc);
+}
+#endif
+
+/* Which micro-kernel runs: 1 = AVX2+FMA, 0 = portable scalar fmaf(). Both give the same bits (see the top). */
+int apc_simd_level(void) {
+#ifdef APC_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+    return 0;
+#endif
+}
+
+/* Bytes of workspace apc_gemm needs per thread: one packed A block [MC][K] fp32. */
+int64_t apc_workspace_bytes(int64_t k, int nthreads) { return (int64_t)nthreads * MC * k * 4 + 64; }
+
+/* Panels [p0, p1) of N for every row: one thread's share of apc_gemm (apack: its packed-A buffer). */
+static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dtype, int64_t sa_m, int64_t sa_k,
+                        const void *bpacked, int b_dtype, float *c, int64_t ldc, float *apack, int64_t p0, int64_t p1,
+                        int simd) {
+    int64_t bes = elem_size(b_dtype);
+    float tile[MR * NR];
+#ifdef APC_X86
+    unsigned int csr = _mm_getcsr();
+    _mm_setcsr(0x1F80); /* round to nearest even, no flush-to-zero, no denormals-are-zero, all masked */
+#endif
+    for (int64_t ic = 0; ic < m && p0 < p1; ic += MC) {
+        int64_t rows = m - ic < MC ? m - ic : MC;
+        pack_a(a, a_dtype, ic, rows, k, sa_m, sa_k, apack);
+        for (int64_t pc = 0; pc < k; pc += KC) {
+            int64_t kc = k - pc < KC ? k - pc : KC;
+            for (int64_t p = p0; p < p1; p++) {
+                const char *bp = (const char *)bpacked + (p * k + pc) * NR * bes;
+                int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+                for (int64_t ir = 0; ir < rows; ir += MR) {
+                    const float *ap = apack + (ir / MR) * k * MR + pc * MR;
+                    int64_t r = rows - ir < MR ? rows - ir : MR;
+                    float *cc = c + (ic + ir) * ldc + p * NR;
+                    float *dst = cc;
+                    int64_t ld = ldc;
+                    if (r < MR || cols < NR) { /* edge tile: the same kernel on a zero-padded copy */
+                        memset(tile, 0, sizeof tile);
+                        if (pc > 0)
+                            for (int64_t i = 0; i < r; i++) memcpy(tile + i * NR, cc + i * ldc, (size_t)cols * 4);
+                        dst = tile;
+                        ld = NR;
+                    } else if (pc == 0) { /* every chain starts from +0 */
+                        for (int64_t i = 0; i < MR; i++) memset(cc + i * ldc, 0, NR * 4);
+                    }
+#ifdef APC_X86
+                    if (simd)
+                        (b_dtype == DT_F32 ? ukernel_avx2_f32 : b_dtype == DT_BF16 ? ukernel_avx2_bf16 : ukernel_avx2_f16)(
+                            kc, ap, bp, dst, ld);
+                    else
+#endif
+                        ukernel_scalar(kc, ap, bp, b_dtype, dst, ld);
+                    if (dst == tile)
+                        for (int64_t i = 0; i < r; i++) memcpy(cc + i * ldc, tile + i * NR, (size_t)cols * 4);
+                }
+            }
+        }
+    }
+#ifdef APC_X86
+    _mm_setcsr(csr);
+#endif
+}
+
+/* C[m, n] (fp32, row stride ldc) = A[M, K] (dtype a_dtype, strides sa_m, sa_k) . Bpacked^T.
+ * workspace: apc_workspace_bytes(k, nthreads) bytes. simd: -1 = best available, 0 = scalar. Thread t computes
+ * panels [P*t/T, P*(t+1)/T) of N: which thread computes an element changes nothing in its chain. */
+void apc_gemm(int64_t m, int64_t n, int64_t k, const void *a, int a_dtype, int64_t sa_m, int64_t sa_k,
+              const void *bpacked, int b_dtype, float *c, int64_t ldc, void *workspace, int nthreads, int simd) {
+    if (simd < 0) simd = apc_simd_level();
+    int64_t panels = (n + NR - 1) / NR;
+    float *base = (float *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    if (nthreads > panels) nthreads = (int)panels;
+    if (nthreads <= 1) {
+        gemm_panels(m, n, k, a, a_dtype, sa_m, sa_k, bpacked, b_dtype, c, ldc, base, 0, panels, simd);
+        return;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        gemm_panels(m, n, k, a, a_dtype, sa_m, sa_k, bpacked, b_dtype, c, ldc, base + (int64_t)t * MC * k,
+                    panels * t / nt, panels * (t + 1) / nt, simd);
+    }
+}

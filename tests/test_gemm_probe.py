@@ -1,0 +1,130 @@
+"""The engine's start-up probe (apcscore.engine.gemm_probe): it passes for the CPU's fixed-order GEMM at the
+model's real shapes, and a linear layer whose reduction order changes with the row count (as a BLAS library's
+may) is caught: one warning, `numerics.batch_invariant` false with the reason in the metadata, --exact-reuse
+and --verify-reuse refused, and shards of such a run refused by merge.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from apcscore import Engine, EngineConfig
+from apcscore.cli import app
+from apcscore.engine.gemm_probe import probe_linear
+from apcscore.errors import ApcscoreError
+from apcscore.kernels.cpu_gemm import FixedOrderLinear
+from apcscore.models import backend as backend_module
+from apcscore.models.loading import load_state_dict
+from apcscore.models.resolved import resolve_model_parts
+
+
+class SplitKAboveRows:
+    """A row-count-dependent linear: above `rows` rows it sums two halves of K (a split-K kernel), below it runs
+    one chain. Exactly the kind of choice a BLAS makes by M."""
+
+    def __init__(self, rows: int = 64) -> None:
+        self.rows, self.inner = rows, FixedOrderLinear()
+
+    def __call__(self, x, weight, bias=None, out=None):
+        if x.shape[0] <= self.rows:
+            y = self.inner(x, weight)
+        else:
+            h = x.shape[1] // 2
+            y = self.inner(x[:, :h], weight[:, :h]) + self.inner(x[:, h:], weight[:, h:])
+        if out is not None:
+            out[:y.shape[0]].copy_(y)
+            y = out[:y.shape[0]]
+        return y if bias is None else y + bias
+
+
+@pytest.fixture
+def row_dependent_linear(monkeypatch):
+    """Every CPU engine built in the test gets the split-K linear instead of the fixed-order one."""
+    real = backend_module.select_linear
+    monkeypatch.setattr(backend_module, "select_linear",
+                        lambda device, invariant: SplitKAboveRows() if invariant else real(device, invariant))
+
+
+def test_probe_passes_the_fixed_order_gemm_at_real_shapes() -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) for k, n in ((576, 960), (1536, 576), (576, 49152))]
+    result = probe_linear(FixedOrderLinear(), weights, budget=2048)
+    assert result.passed and result.reason is None
+    assert [s[:2] for s in result.shapes] == [[576, 960], [1536, 576], [576, 49152]]
+    assert all(16 <= s[2] <= s[1] and s[2] % 16 == 0 for s in result.shapes)  # N cut to the time budget, never K
+    assert result.row_counts == [1, 15, 16, 57, 64, 100, 191, 2048]
+
+
+@pytest.mark.parametrize("rows", [1, 15, 57, 191])
+def test_probe_catches_a_row_count_dependent_linear(rows: int) -> None:
+    weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(1))
+    result = probe_linear(SplitKAboveRows(rows), [weight], budget=512)
+    assert not result.passed and "[128 -> 96]" in result.reason
+
+
+def _tiny_parts(tiny_model_dir):
+    path = tiny_model_dir("llama")
+    parts = resolve_model_parts(path)
+    return parts, load_state_dict(path, dtype=torch.float32, device="cpu")
+
+
+def test_engine_reports_and_refuses_on_failure(tiny_model_dir, row_dependent_linear) -> None:
+    parts, state = _tiny_parts(tiny_model_dir)
+    with pytest.warns(UserWarning, match="start-up probe found this machine's linear layer not batch-invariant"):
+        engine = Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
+    assert engine.batch_invariant is False
+    assert engine.numerics["batch_invariant"] is False and engine.numerics["probe"]["passed"] is False
+    assert "rows give other bits" in engine.numerics["reason"] or "-row call" in engine.numerics["reason"]
+    with pytest.raises(ApcscoreError, match="--exact-reuse needs batch invariance"):
+        Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu", exact_reuse=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # --no-batch-invariant asks for nothing, so nothing is probed or warned
+        plain = Engine.from_parts(parts.config, state, parts.tokenizer,
+                                  EngineConfig(device="cpu", batch_invariant=False))
+    assert plain.numerics["probe"] is None and plain.numerics["reason"].startswith("turned off")
+
+
+def test_engine_records_a_passing_probe(tiny_model_dir) -> None:
+    parts, state = _tiny_parts(tiny_model_dir)
+    engine = Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
+    n = engine.numerics
+    assert engine.batch_invariant and n["batch_invariant"] and n["reason"] is None and n["probe"]["passed"]
+    assert n["linear"].startswith("apcscore fixed-order fma chain")
+    assert n["hardware"]["cpu"]["vendor"] and n["blas"]["library"]
+    assert {s[0] for s in n["probe"]["shapes"]} == {parts.config.hidden_size, parts.config.intermediate_size}
+
+
+def _score(tmp_path, data, model, name, *flags):
+    out = tmp_path / f"{name}.parquet"
+    res = CliRunner().invoke(app, ["score", str(data), "--model", str(model), "--out", str(out),
+                                   "--prompt-logprobs", "2", *flags])
+    return res, out
+
+
+def test_cli_warns_records_and_refuses(tmp_path, write_jsonl, tiny_model_dir, row_dependent_linear) -> None:
+    model = tiny_model_dir("llama")
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "The quick brown fox. " * n} for n in (1, 4, 9, 2)])
+    res, out = _score(tmp_path, data, model, "run")
+    assert res.exit_code == 0, res.output
+    assert "warning:" in res.output and "not batch-invariant" in res.output
+    numerics = json.loads(pq.read_schema(out).metadata[b"apcscore"])["numerics"]
+    assert numerics["batch_invariant"] is False and "start-up probe" in numerics["reason"]
+
+    res, verify_out = _score(tmp_path, data, model, "verify", "--exact-reuse", "--verify-reuse", "0.5")
+    assert res.exit_code == 2 and "needs batch invariance" in res.output and "drop --exact-reuse" in res.output
+    assert not verify_out.exists() and not verify_out.with_name(verify_out.name + ".partial").exists()
+
+    parts = []
+    for i in range(2):
+        res, part = _score(tmp_path, data, model, f"s{i}", "--quiet", "--shard", f"{i}/2")
+        assert res.exit_code == 0, res.output
+        parts.append(str(part))
+    res = CliRunner().invoke(app, ["merge", str(tmp_path / "merged.parquet"), *parts])
+    assert res.exit_code == 2 and "batch invariance does not hold" in res.output
+    assert not (tmp_path / "merged.parquet").exists()
