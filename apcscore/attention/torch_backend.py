@@ -23,9 +23,41 @@ import torch
 from apcscore.attention.metadata import AttentionMetadata
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
-# Query rows of every attention matmul come in multiples of this: CPU GEMMs round a row by the shape of its call
-# (below 4 rows, measured; see apcscore.kernels.matmul_ref), so each call gets a fixed-shape row count
+# Query rows of every attention product come in multiples of this. With the fixed-order CPU kernel (_products)
+# the row count cannot change a row's bits; the tiles remain for torch.matmul (CUDA, or no C compiler), where a
+# GEMM may round a row by the shape of its call
 QUERY_ROW_TILE = 16
+
+
+def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b[..., N, K].T -> fp32 [..., M, N] (the same leading dims; `x.transpose(-1, -2)` as b for
+    a @ x). On the CPU every score and weighted value is one fma chain over k in order, whatever the rows or
+    keys of the call (apcscore.kernels.cpu_gemm, the linear layers' construction); elsewhere torch.matmul."""
+    if a.device.type != "cpu" or not _fixed_order_available():
+        return a @ b.transpose(-1, -2)
+    from apcscore.kernels.cpu_gemm import fixed_order_bmm
+
+    lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
+    if len(lead) > 2:  # the kernel takes two batch dims: merge the first ones (a view where strides allow)
+        a, b = a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
+    return fixed_order_bmm(a, b).view(*lead, m, n)
+
+
+_FIXED_ORDER: bool | None = None
+
+
+def _fixed_order_available() -> bool:
+    """Whether the fixed-order CPU kernel builds here (else torch.matmul, and the engine's probe says so)."""
+    global _FIXED_ORDER
+    if _FIXED_ORDER is None:
+        from apcscore.kernels.cpu_gemm import CpuGemmUnavailable, library
+
+        try:
+            library()
+            _FIXED_ORDER = True
+        except CpuGemmUnavailable:
+            _FIXED_ORDER = False
+    return _FIXED_ORDER
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -161,7 +193,7 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         t1 = t0 + KV_TILE
         r0 = group * max(0, t0 - first)  # rows < r0 see no key here
         r0 = min(r0 - r0 % QUERY_ROW_TILE, n_rows - QUERY_ROW_TILE)  # whole row tiles (n_rows is a multiple)
-        scores = q[:, r0:] @ k[:, t0:t1].transpose(1, 2)  # [Hkv, R - r0, tile]
+        scores = _products(q[:, r0:], k[:, t0:t1])  # [Hkv, R - r0, tile]
         if softcap:
             scores.div_(softcap).tanh_().mul_(softcap)
         # rows [r0, r_end) have a position below t1 - 1: they cannot see every key of the tile (the padding
@@ -184,7 +216,7 @@ def _attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         alpha = torch.exp(m_old - m_sub)
         p = scores.sub_(m_sub[..., None]).exp_()
         s_old.mul_(alpha).add_(p.sum(-1))
-        acc_old.mul_(alpha[..., None]).add_(p @ v[:, t0:t1])
+        acc_old.mul_(alpha[..., None]).add_(_products(p, v[:, t0:t1].transpose(1, 2)))
         m_old.copy_(m_new)
     o = (acc / s[..., None])[:, :num_real]  # [Hkv, q_len * G, D]
     out[start:end] = o.view(hkv, q_len, group, head_dim).permute(1, 0, 2, 3).reshape(
@@ -297,7 +329,7 @@ def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: to
     """
     num_tiles = -(-(end - start) // KV_TILE)
     length = num_tiles * KV_TILE
-    scores = q @ k[..., :length, :].transpose(-1, -2)  # [..., M, L]
+    scores = _products(q, k[..., :length, :])  # [..., M, L]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     if masked is not None:
@@ -314,7 +346,8 @@ def _tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: to
         subs = subs.masked_fill(subs == float("-inf"), 0.0)
     p = torch.exp(scores - subs[..., None])  # [..., M, T, tile]
     p_sums = p.sum(-1)  # [..., M, T]
-    pv = p.transpose(-2, -3) @ v[..., :length, :].unflatten(-2, (num_tiles, KV_TILE))  # [..., T, M, D]
+    v_tiles = v[..., :length, :].unflatten(-2, (num_tiles, KV_TILE))  # [..., T, tile, D]
+    pv = _products(p.transpose(-2, -3), v_tiles.transpose(-1, -2))  # [..., T, M, D]
     prev = state[0] if state is not None else None
     for t in range(num_tiles):
         if s is None:  # first tile: the same arithmetic as the general step with m = -inf, s = acc = 0

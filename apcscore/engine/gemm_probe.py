@@ -63,7 +63,8 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
         seen.add(key)
         m_ref = max(rows[-1], OFFSETS[-1] + OFFSET_ROWS)
         total_rows = sum(rows[:-1]) + m_ref + len(OFFSETS) * OFFSET_ROWS
-        n_probe = n if total_rows * n * k <= MAC_BUDGET else min(n, max(16, int(MAC_BUDGET / (total_rows * k)) // 16 * 16))
+        fit = max(16, int(MAC_BUDGET / (total_rows * k)) // 16 * 16)  # columns within the budget
+        n_probe = n if total_rows * n * k <= MAC_BUDGET else min(n, fit)
         w = weight[:n_probe]
         result.shapes.append([k, n, n_probe])
         x = torch.randn(m_ref, k, generator=gen).to(device=weight.device, dtype=dtype or weight.dtype)

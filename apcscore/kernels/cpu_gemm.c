@@ -271,3 +271,71 @@ void apc_gemm(int64_t m, int64_t n, int64_t k, const void *a, int a_dtype, int64
                     panels * t / nt, panels * (t + 1) / nt, simd);
     }
 }
+
+/* B [N, K] (strides in elements) -> panels, one thread (apc_bmm packs each product's B itself). */
+static void pack_b_serial(const void *b, int dtype, int64_t n, int64_t k, int64_t stride_n, int64_t stride_k,
+                          void *packed) {
+    int64_t panels = (n + NR - 1) / NR, es = elem_size(dtype);
+    if (dtype == DT_F32) { /* the attention operands: typed copies, contiguous runs where a stride is 1 */
+        const float *src = (const float *)b;
+        float *dst = (float *)packed;
+        for (int64_t p = 0; p < panels; p++) {
+            int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+            float *d = dst + p * k * NR;
+            if (stride_n == 1) {
+                for (int64_t kk = 0; kk < k; kk++) {
+                    memcpy(d + kk * NR, src + kk * stride_k + p * NR, (size_t)cols * 4);
+                    if (cols < NR) memset(d + kk * NR + cols, 0, (size_t)(NR - cols) * 4);
+                }
+            } else {
+                if (cols < NR) memset(d, 0, (size_t)k * NR * 4);
+                for (int64_t j = 0; j < cols; j++) {
+                    const float *col = src + (p * NR + j) * stride_n;
+                    for (int64_t kk = 0; kk < k; kk++) d[kk * NR + j] = col[kk * stride_k];
+                }
+            }
+        }
+        return;
+    }
+    for (int64_t p = 0; p < panels; p++) {
+        char *dst = (char *)packed + p * k * NR * es;
+        for (int64_t kk = 0; kk < k; kk++) {
+            for (int64_t j = 0; j < NR; j++) {
+                int64_t col = p * NR + j;
+                char *d = dst + (kk * NR + j) * es;
+                if (col < n) memcpy(d, (const char *)b + (col * stride_n + kk * stride_k) * es, (size_t)es);
+                else memset(d, 0, (size_t)es);
+            }
+        }
+    }
+}
+
+/* Bytes of workspace apc_bmm needs: per thread a packed A block and one product's packed B. */
+int64_t apc_bmm_workspace_bytes(int64_t n, int64_t k, int b_dtype, int nthreads) {
+    return (int64_t)nthreads * (MC * k * 4 + apc_packed_b_bytes(n, k, b_dtype) + 64) + 64;
+}
+
+/* Batched products over two batch dimensions (i0 < b0, i1 < b1; strides in elements, per operand):
+ * C[i0, i1] (fp32, [M, N], row stride ldc) = A[i0, i1] [M, K] . B[i0, i1]^T, B given as [N, K] through
+ * (sb_n, sb_k) strides (a transposed view works). The same chains as apc_gemm: each product runs on one
+ * thread, products are spread over the threads. */
+void apc_bmm(int64_t b0, int64_t b1, int64_t m, int64_t n, int64_t k,
+             const void *a, int a_dtype, int64_t sa0, int64_t sa1, int64_t sa_m, int64_t sa_k,
+             const void *b, int b_dtype, int64_t sb0, int64_t sb1, int64_t sb_n, int64_t sb_k,
+             float *c, int64_t sc0, int64_t sc1, int64_t ldc, void *workspace, int nthreads, int simd) {
+    if (simd < 0) simd = apc_simd_level();
+    int64_t items = b0 * b1, panels = (n + NR - 1) / NR, aes = elem_size(a_dtype), bes = elem_size(b_dtype);
+    int64_t per_thread = (MC * k * 4 + apc_packed_b_bytes(n, k, b_dtype) + 64) & ~(int64_t)63;
+    char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    if (nthreads > items) nthreads = (int)items;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t i0 = it / b1, i1 = it % b1;
+        char *ws = base + (int64_t)omp_get_thread_num() * per_thread;
+        void *bp = ws + MC * k * 4;
+        pack_b_serial((const char *)b + (i0 * sb0 + i1 * sb1) * bes, b_dtype, n, k, sb_n, sb_k, bp);
+        gemm_panels(m, n, k, (const char *)a + (i0 * sa0 + i1 * sa1) * aes, a_dtype, sa_m, sa_k, bp, b_dtype,
+                    c + i0 * sc0 + i1 * sc1, ldc, (float *)ws, 0, panels, simd);
+    }
+}

@@ -96,6 +96,10 @@ def library() -> ctypes.CDLL:
         lib.apc_pack_b.argtypes, lib.apc_pack_b.restype = [_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _int], None
         lib.apc_gemm.argtypes = [_i64, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _int, _int]
         lib.apc_gemm.restype = None
+        lib.apc_bmm_workspace_bytes.argtypes, lib.apc_bmm_workspace_bytes.restype = [_i64, _i64, _int, _int], _i64
+        lib.apc_bmm.argtypes = [_i64] * 5 + [_ptr, _int] + [_i64] * 4 + [_ptr, _int] + [_i64] * 4 + \
+            [_ptr, _i64, _i64, _i64, _ptr, _int, _int]
+        lib.apc_bmm.restype = None
         _lib = lib
     return _lib
 
@@ -179,3 +183,33 @@ class FixedOrderLinear:
                 out[:m].copy_(y)
                 y = out[:m]
         return y if bias is None else y + bias
+
+
+_bmm_workspace = torch.empty(0, dtype=torch.uint8)
+
+
+def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor, simd: int = -1) -> torch.Tensor:
+    """a [*lead, M, K] @ b[*lead, N, K].T -> fp32 [*lead, M, N] (up to two leading dims, any strides: pass
+    `v.transpose(-1, -2)` for a @ v), every element one fma chain over k (the linear layer's construction).
+
+    Attention's products: a row's scores and weighted values then cannot depend on how many rows or keys the
+    call holds. Each product runs on one thread; the products are spread over torch's threads.
+    """
+    global _bmm_workspace
+    if a.dim() != b.dim() or not 2 <= a.dim() <= 4 or a.shape[:-2] != b.shape[:-2] or a.shape[-1] != b.shape[-1]:
+        raise ValueError(f"fixed-order bmm: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply as a @ b.T")
+    lib = library()
+    lead = a.shape[:-2]
+    a4, b4 = a.reshape(1, 1, *a.shape[-2:]) if not lead else a, b.reshape(1, 1, *b.shape[-2:]) if not lead else b
+    if len(lead) == 1:
+        a4, b4 = a.unsqueeze(0), b.unsqueeze(0)
+    (b0, b1, m, k), n = a4.shape, b4.shape[-2]
+    c = torch.empty(b0, b1, m, n, dtype=torch.float32)
+    if c.numel():
+        threads = torch.get_num_threads()
+        need = lib.apc_bmm_workspace_bytes(n, k, _code(b, "b"), threads)
+        if _bmm_workspace.numel() < need:
+            _bmm_workspace = torch.empty(need, dtype=torch.uint8)
+        lib.apc_bmm(b0, b1, m, n, k, a4.data_ptr(), _code(a, "a"), *a4.stride(), b4.data_ptr(), _code(b, "b"),
+                    *b4.stride(), c.data_ptr(), *c.stride()[:3], _bmm_workspace.data_ptr(), threads, simd)
+    return c.view(*lead, m, n)
