@@ -44,7 +44,7 @@ def part_exactness(args) -> bool:
     small = args.small
     cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
     vocab = cfg.vocab_size
-    base = dict(max_batch_tokens=8192, max_num_seqs=16)
+    base = dict(max_batch_tokens=8192, max_num_seqs=16, use_cuda_graphs=False)  # graphs: generation only
     tag = {"part": "exactness", "model": "llama-3.2-1b-" + ("tiny" if small else "shape"), "dtype": precision,
            "backend": backend}
 
@@ -142,13 +142,14 @@ def part_exactness(args) -> bool:
                                               columns(o.output_logprobs)]) for o in outs}
 
     every = list(range(len(gen_prompts)))
-    ref_gen = generate(engine(), every)
-    alone = engine()
+    graphs = dict(use_cuda_graphs=True)  # decode steps replay CUDA graphs (on CUDA), except the eager run
+    ref_gen = generate(engine(**graphs), every)
+    alone = engine(**graphs)
     longest = max(len(p) for p in gen_prompts) + params.max_tokens
-    tight = engine(max_batch_tokens=256, num_kv_blocks=-(-longest // 16) + 2)
-    runs = {"eager (no CUDA graphs)": generate(engine(use_cuda_graphs=False), every),
+    tight = engine(max_batch_tokens=256, num_kv_blocks=-(-longest // 16) + 2, **graphs)
+    runs = {"eager (no CUDA graphs)": generate(engine(), every),
             "alone": {k: v for i in every for k, v in generate(alone, [i]).items()},
-            "budget 64": generate(engine(max_batch_tokens=64), every), "preempted": generate(tight, every)}
+            "budget 64": generate(engine(max_batch_tokens=64, **graphs), every), "preempted": generate(tight, every)}
     bad = differing(runs, ref_gen)
     preempted = tight.stats.preemptions > 0
     ok &= preempted and not any(bad.values())
