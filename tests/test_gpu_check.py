@@ -14,7 +14,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["env", "tests", "compare", "bench:smollm2-135m", "bench:llama-3.2-1b", "invariance"]
+PARTS = ["env", "tests", "exactness", "tax", "bench:llama-3.2-1b", "sweep", "eval", "8b", "long"]
+# what each part must have printed besides its end line: (part, key) pairs of its JSON lines
+EXPECTED = {"exactness": {"budgets", "exact_reuse", "last_token_alternatives", "greedy_generation"},
+            "eval": {"5-shot multiple choice", "8-token continuations"}, "8b": {"score", "generate"}}
 
 
 def load_gpu_check():
@@ -37,12 +40,31 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
         assert end["rc"] == 0 and not end["timed_out"], (name, end.get("stderr_tail"))
         assert end["seconds"] <= end["limit_s"], end
         assert end["json_lines"] >= 1, end
+    by_part = {}
+    for ln in lines:
+        by_part.setdefault(ln["part"], []).append(ln)
+    assert {ln["check"] for ln in by_part["exactness"]} == EXPECTED["exactness"]
+    assert all(ln["ok"] for ln in by_part["exactness"]), by_part["exactness"]  # bitwise on the CPU too
+    assert {ln["task"] for ln in by_part["eval"]} == EXPECTED["eval"]
+    assert by_part["eval"][0]["exact_reuse_bitwise_recompute"] is True
+    assert {ln["task"] for ln in by_part["8b"]} == EXPECTED["8b"]
+    assert [(ln["prompts"], ln["ok"]) for ln in by_part["long"]] == [(4, True), (2, True)]
+    tax = by_part["tax"][0]
+    assert tax["score_ratio"] > 0 and tax["generate_ratio"] > 0
+    sweep = by_part["sweep"]
+    assert len(sweep) == 6 and "proposed_table" in sweep[-1]  # 5 tiny (N, K) (the 3 models coincide), the table
+    assert all(row["proposed"] and all(row["invariant"].values()) for row in sweep[:-1]), sweep
     summary = lines[-1]
     assert summary["part"] == "summary" and summary["ok"] is True and summary["small"] is True, summary
     assert proc.returncode == 0, proc.stderr[-3000:]
     # the same lines went to $OUT/gpu_check.jsonl
     logged = (tmp_path / "out" / "gpu_check.jsonl").read_text().splitlines()
     assert [json.loads(ln) for ln in logged] == lines
+    markdown = (tmp_path / "out" / "gpu_check_summary.md").read_text()
+    for title in ("Exactness end to end", "Invariance tax", "Matmul configurations per (N, K)", "Eval-shaped work",
+                  "Llama-3.1-8B shape", "Long prompts"):
+        assert f"### {title}" in markdown
+    assert "no lines" not in markdown, markdown
 
 
 def test_gpu_run_limits_fit_the_check() -> None:

@@ -7,6 +7,8 @@ start-up probe checks where it runs (tests/test_gemm_probe.py).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -86,3 +88,47 @@ def test_triton_linear_matches_torch_and_is_batch_invariant() -> None:
     torch.testing.assert_close(half, reference[:40], rtol=2e-2, atol=2e-2)
     with pytest.raises(ValueError, match="x is torch.float16 but weight is torch.float32"):
         invariant_linear(x.half(), weight)
+
+
+def test_matmul_configs_are_keyed_without_the_row_count() -> None:
+    """The table's key and its lookup have no M in them: a configuration is chosen by the weight's shape."""
+    import inspect
+
+    from apcscore.kernels import matmul_configs
+
+    assert list(inspect.signature(matmul_configs.config_for).parameters) == ["capability", "dtype", "n", "k"]
+    for key, config in matmul_configs.TABLE.items():
+        capability, dtype, n, k = key  # a 4-tuple: nothing else to key on
+        assert isinstance(capability, str) and dtype in ("bfloat16", "float16", "float32"), key
+        assert isinstance(n, int) and isinstance(k, int) and isinstance(config, matmul_configs.MatmulConfig)
+    kernel_source = (Path(matmul_configs.__file__).parent / "matmul.py").read_text()
+    assert '@triton.jit(do_not_specialize=["M"])' in kernel_source  # never compiled for a particular M
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(_triton_device() is None, reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU")
+def test_table_config_is_used_for_its_shape_and_rows_stay_invariant(monkeypatch) -> None:
+    """An entry of matmul_configs.TABLE for (device, dtype, N, K) is what invariant_linear launches for that
+    weight shape (its bits are those of an explicit launch with it, and not those of DEFAULT, whose K steps
+    sum in another order), each row's bits still do not depend on M, and another (N, K) keeps DEFAULT."""
+    from apcscore.kernels import matmul_configs
+    from apcscore.kernels.matmul import capability_of, invariant_linear
+
+    device = _triton_device()
+    gen = torch.Generator().manual_seed(4)
+    weight = (torch.randn(72, 160, generator=gen) * 0.1).to(device)  # [N=72, K=160]
+    other = (torch.randn(40, 160, generator=gen) * 0.1).to(device)  # [N=40, K=160]: not in the table
+    x = torch.randn(150, 160, generator=gen).to(device)  # [M=150, K]
+    special = matmul_configs.MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4,
+                                          num_stages=2)  # 5 K steps of 32 instead of 64 + 64 + 32
+    default = invariant_linear(x, weight)  # [150, 72], DEFAULT (the table has no such entry yet)
+    cap = capability_of(x.device)
+    monkeypatch.setitem(matmul_configs.TABLE, (cap, "float32", 72, 160), special)
+    assert matmul_configs.config_for(cap, "float32", 72, 160) is special
+    reference = invariant_linear(x, weight)  # [150, 72] through the table
+    assert torch.equal(reference, invariant_linear(x, weight, config=special))
+    assert not torch.equal(reference, default), "the table's entry was not used (or sums in DEFAULT's order)"
+    torch.testing.assert_close(reference, x @ weight.t(), rtol=1e-5, atol=1e-5)
+    assert rows_differing(invariant_linear, x, weight, reference, counts=(1, 7, 33, 64, 100)) == []
+    assert torch.equal(invariant_linear(x[:50], other), invariant_linear(x[:50], other,
+                                                                         config=matmul_configs.DEFAULT))

@@ -1,10 +1,12 @@
-"""Triton kernel: a batch-invariant linear layer, y = x @ w.T, in one fixed configuration.
+"""Triton kernel: a batch-invariant linear layer, y = x @ w.T, in one fixed configuration per weight shape.
 
 Why: cuBLAS picks its kernel, tile shape and split-K from the row count M, so a row's result depends on how
 many other rows share the call. Here every output tile [BLOCK_M, BLOCK_N] is computed by one program that
 walks the whole K dimension in BLOCK_K steps, in the same order, with the same instruction, whatever M is:
 row i of y depends on row i of x and on w alone. M only changes the size of the grid (and it is never
-specialised on: `do_not_specialize`), so the bits of a row cannot depend on the batch.
+specialised on: `do_not_specialize`), so the bits of a row cannot depend on the batch. The configuration
+(block sizes, warps, stages) comes from kernels/matmul_configs.py, chosen by (device capability, dtype, N, K)
+and never by M.
 
 Accumulation is fp32; the output dtype is the caller's choice (fp32 logits from bf16 weights: the LM head
 of every logprob path). fp32 inputs use IEEE fp32 products (no TF32).
@@ -18,10 +20,20 @@ import triton.language as tl
 
 from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
                                       check_tensors)
+from apcscore.kernels.matmul_configs import MatmulConfig, config_for
 
-# One configuration for every shape: changing any of these changes bits (and is a new invariance contract).
-BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M = 128, 128, 64, 8
-NUM_WARPS, NUM_STAGES = 8, 3
+_CAPABILITY: dict[int, str] = {}  # CUDA device index -> "sm90"
+
+
+def capability_of(device: torch.device) -> str:
+    """matmul_configs' capability key of a device: "sm<major><minor>" on CUDA, "cpu" (the interpreter)."""
+    if device.type != "cuda":
+        return device.type
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(index)
+        _CAPABILITY[index] = f"sm{major}{minor}"
+    return _CAPABILITY[index]
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -58,11 +70,14 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                     out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     config: MatmulConfig | None = None) -> torch.Tensor:
     """x [M, K] @ weight[N, K].T (+ bias) -> [M, N] (out_dtype, default x's), fp32 accumulation, batch-invariant.
 
     x and weight share a dtype; rows may be strided, the K dimension must be contiguous. `out` ([M, N] or
     more rows, row-contiguous) receives the result if given. The bias is added afterwards, element by element.
+    `config` overrides the table's configuration for (device, dtype, N, K) (the GPU check's sweep times
+    candidates with it); the engine never passes one.
     """
     name = "invariant_linear"
     check_tensors(name, x=x, weight=weight)
@@ -83,8 +98,10 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = out[:m]
     if m == 0:
         return out
-    grid = (triton.cdiv(m, BLOCK_M) * triton.cdiv(n, BLOCK_N),)
+    cfg = config or config_for(capability_of(x.device), str(x.dtype).removeprefix("torch."), n, k)  # never M
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _linear_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                         IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                         GROUP_M=GROUP_M, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                         IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                         num_stages=cfg.num_stages)
     return out if bias is None else out.add_(bias)

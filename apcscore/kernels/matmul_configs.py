@@ -1,0 +1,49 @@
+"""The Triton matmul's configuration per shape: (device capability, dtype, N, K) -> block sizes, warps, stages.
+
+Why per shape and never per row count: a configuration fixes the order in which a row's products are summed
+(BLOCK_K steps, the dot instruction), so the bits of a row depend on it. Choosing it from (N, K), the weight's
+shape, keeps a row's bits independent of M, the number of rows in the call (what batch invariance means);
+choosing it from M would bring back exactly what cuBLAS does. `config_for` therefore takes no M, and
+`invariant_linear` never specialises its kernel on M.
+
+Entries come from the sweep of `scripts/gpu_check.sh` (part `sweep`), which times a handful of configurations
+at M = 256, 2048 and 8192 for each (N, K) of the SmolLM2-135M, Llama-3.2-1B and Llama-3.1-8B shapes and prints
+the proposed rows of TABLE. A shape not in the table gets DEFAULT. Changing an entry changes the bits of that
+shape's GEMM (a new invariance contract for it), so entries change only with a measured reason.
+
+Capability keys are "sm<major><minor>" for CUDA ("sm90": H100/H200) and "cpu" for the Triton interpreter.
+Leaf module: imports nothing (no torch, no Triton).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """One launch configuration of kernels/matmul.py's `_linear_kernel`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    group_m: int = 8  # row tiles sharing a column sweep (L2 reuse of the weight); does not touch the arithmetic
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# The configuration of every shape before the table existed (run 1 on the H200: invariant for every M,
+# 1.4-1.5x cuBLAS's time per GEMM at M=4096).
+DEFAULT = MatmulConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+Key = tuple[str, str, int, int]  # (capability, dtype name, N, K): no M, by construction
+
+# (capability, dtype, N, K) -> configuration. Empty until a GPU sweep's proposal is committed: every shape
+# runs DEFAULT, which is what the engine ran before.
+TABLE: dict[Key, MatmulConfig] = {}
+
+
+def config_for(capability: str, dtype: str, n: int, k: int) -> MatmulConfig:
+    """The configuration of a GEMM with weight [n, k] in `dtype` ("bfloat16", "float16", "float32") on a device
+    of `capability` ("sm90", "cpu"): TABLE's entry, else DEFAULT. Deliberately no row-count argument."""
+    return TABLE.get((capability, dtype, n, k), DEFAULT)

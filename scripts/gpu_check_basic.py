@@ -1,0 +1,218 @@
+"""GPU check parts env, tests, compare and bench (see scripts/gpu_check.py for the plan)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+from gpu_check_common import (PEAK_BF16_FLOPS, ROOT, common_prefix, emit, engine_generate, engine_score,
+                              hf_generate, hf_score, llama_config, make_engine, random_hf_model, random_prompts,
+                              rounded, score_lengths, timed)
+
+
+def part_env(args) -> bool:
+    import importlib.util
+
+    import torch
+
+    info: dict[str, Any] = {"part": "env", "python": sys.version.split()[0], "torch": torch.__version__}
+    for mod in ("transformers", "triton", "pytest"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception as e:  # report, do not fail: the other parts say what they need
+            info[mod] = f"unavailable: {type(e).__name__}"
+    info["has_datasets"] = importlib.util.find_spec("datasets") is not None
+    info["has_gguf"] = importlib.util.find_spec("gguf") is not None
+    info["cuda"] = torch.cuda.is_available()
+    if info["cuda"]:
+        props = torch.cuda.get_device_properties(0)
+        free, total = torch.cuda.mem_get_info()
+        info.update(device=props.name, capability=f"{props.major}.{props.minor}",
+                    memory_gib=round(total / 2**30, 1), free_gib=round(free / 2**30, 1))
+    t0 = time.perf_counter()
+    import apcscore.engine.cuda_graphs  # noqa: F401
+    import apcscore.engine.engine  # noqa: F401
+    import apcscore.models.backend
+
+    apcscore.models.backend.select_backend("triton")  # the attention backend and every Triton kernel it uses
+
+    info["apcscore_import_s"] = round(time.perf_counter() - t0, 2)
+    info["apcscore_loaded_datasets_or_gguf"] = sorted(m for m in ("datasets", "gguf") if sys.modules.get(m))
+    info["ok"] = not info["apcscore_loaded_datasets_or_gguf"]
+    emit(info)
+    return info["ok"]
+
+
+def part_tests(args) -> bool:
+    """pytest -m "gpu or triton"; one JSON line with the counts and the failures."""
+    import re
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+           "--continue-on-collection-errors", "--durations=8"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # echoed to stderr as it comes: a part killed by its timeout still shows where
+        lines.append(line.rstrip("\n"))
+        print(line, end="", file=sys.stderr, flush=True)
+    rc = proc.wait()
+    last = next((ln for ln in reversed(lines) if ln.strip()), "")
+    counts = {key: int(n) for n, key in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", last)}
+    text = "\n".join(lines)
+    failures = text[text.find("= FAILURES ="):text.find("short test summary")] if "= FAILURES =" in text else ""
+    # Modules this machine cannot import (e.g. hypothesis absent) are collection errors: reported, not fatal.
+    failed = [ln for ln in lines if ln.startswith("FAILED") or (ln.startswith("ERROR") and "::" in ln)]
+    uncollected = [ln for ln in lines if ln.startswith("ERROR") and "::" not in ln]
+    ok = not failed and rc in (0, 1) and (counts.get("passed", 0) > 0 or args.small)
+    emit({"part": "tests", "rc": rc, "seconds": round(time.perf_counter() - t0, 1), **counts,
+          "failed_tests": failed[:30], "collection_errors": uncollected[:20],
+          "slowest": [ln.strip() for ln in lines if re.match(r"\s*\d+\.\d+s (call|setup)", ln)][:8],
+          "tracebacks": failures[:12000], "ok": ok})
+    return ok
+
+
+def part_compare(args) -> bool:
+    """Triton vs torch backend on the Llama-3.2-1B shape (random weights). Stated tolerances:
+    bf16: the Triton engine's mean |logprob - fp32 torch| at most 1.5x the torch-bf16 engine's + 0.005, its max
+    at most 2x + 0.05; greedy continuations equal until a near-tie (top-2 gap < 0.1 in the torch-bf16 run).
+    fp32: Triton within 1e-3 (max |delta logprob|) of torch, greedy tokens equal up to top-2 ties within 1e-3."""
+    import numpy as np
+    import torch
+
+    small = args.small
+    device = "cpu" if small else "cuda"
+    name = "llama-3.2-1b"
+    cfg = llama_config(name, small)
+    hf = random_hf_model(cfg, torch.float32, device)
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    lengths = [16, 40, 23] if small else [64, 200, 512, 1000, 1500, 2048]
+    prompts = random_prompts(lengths, cfg.vocab_size, seed=11)
+    gen_prompts = random_prompts([3, 9] if small else [5, 40, 77, 130], cfg.vocab_size, seed=12,
+                                 prefix=32 if small else 512)
+    new = 4 if small else 32
+    # chunked prefill of the longer prompts; decode batches of at most 8 (graphs of sizes 1, 2, 4, 8)
+    chunk = dict(max_batch_tokens=16 if small else 1024, max_num_seqs=8)
+    runs: dict[str, dict] = {}
+    for tag, dtype, backend in (("torch-fp32", "float32", "torch"), ("triton-fp32", "float32", "triton"),
+                                ("torch-bf16", "bfloat16", "torch"), ("triton-bf16", "bfloat16", "triton")):
+        if small and dtype == "bfloat16":
+            continue  # the interpreter's bf16 tl.dot is not GPU arithmetic (triton issue #11584)
+        t0 = time.perf_counter()
+        engine = make_engine(cfg, state, device, dtype, backend, **chunk)
+        scored = engine_score(engine, prompts, 5)
+        gen = engine_generate(engine, gen_prompts, new, logprobs=2)
+        runs[tag] = {"lp": np.concatenate([s.token_logprobs for s in scored]),
+                     "top1": np.concatenate([s.top_ids[:, 0] for s in scored]), "gen": gen,
+                     "seconds": time.perf_counter() - t0}
+        del engine
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    ref = runs["torch-fp32"]
+
+    def diff(a: str, b: str) -> dict[str, float]:
+        d = np.abs(runs[a]["lp"] - runs[b]["lp"])
+        return {"mean": rounded(d.mean()), "max": rounded(d.max()),
+                "top1_agree": rounded((runs[a]["top1"] == runs[b]["top1"]).mean())}
+
+    def gen_agree(a: str, b: str, tie: float) -> dict[str, Any]:
+        """Common greedy prefix of each prompt, and whether every divergence sits at a near-tie of run b
+        (its top-2 logprobs within `tie`)."""
+        prefix, explained = [], True
+        for x, y in zip(runs[a]["gen"], runs[b]["gen"]):
+            n = common_prefix(x.output_token_ids, y.output_token_ids)
+            prefix.append(n)
+            if n < new:
+                top = y.output_logprobs.top_logprobs
+                explained &= bool(top[n, 0] - top[n, 1] < tie)
+        return {"common_prefix": prefix, "of": new, "divergences_at_near_ties": explained, "tie": tie}
+
+    fp32 = diff("triton-fp32", "torch-fp32")
+    fp32_gen = gen_agree("triton-fp32", "torch-fp32", 1e-3)
+    out: dict[str, Any] = {"part": "compare", "model": name + ("-tiny" if small else "-shape"),
+                           "device": device, "prompt_tokens": sum(lengths), "scored": int(ref["lp"].size),
+                           "triton_vs_torch_fp32": fp32, "generation_fp32": fp32_gen,
+                           "seconds": {k: round(v["seconds"], 1) for k, v in runs.items()}}
+    ok = fp32["max"] < 1e-3 and fp32_gen["divergences_at_near_ties"]
+    if not small:
+        e_torch, e_triton = diff("torch-bf16", "torch-fp32"), diff("triton-bf16", "torch-fp32")
+        gen_bf16 = gen_agree("triton-bf16", "torch-bf16", 0.1)
+        out.update(torch_bf16_vs_fp32=e_torch, triton_bf16_vs_fp32=e_triton,
+                   triton_vs_torch_bf16=diff("triton-bf16", "torch-bf16"), generation_bf16=gen_bf16)
+        ok &= e_triton["mean"] <= 1.5 * e_torch["mean"] + 0.005 and e_triton["max"] <= 2 * e_torch["max"] + 0.05
+        ok &= gen_bf16["divergences_at_near_ties"]
+    out["tolerance"] = ("fp32: max |dlogprob| < 1e-3, greedy tokens equal up to top-2 ties within 1e-3; bf16: "
+                        "Triton error vs fp32 <= 1.5x torch-bf16's mean + 0.005 and 2x its max + 0.05, greedy "
+                        "divergences only where torch-bf16's top-2 are within 0.1")
+    out["ok"] = bool(ok)
+    emit(out)
+    return out["ok"]
+
+
+def part_bench(args) -> None:
+    """apcscore vs transformers on one model shape: scoring then generation, same random weights."""
+    import numpy as np
+    import torch
+
+    small, name = args.small, args.model
+    device, dtype = ("cpu", torch.float32) if small else ("cuda", torch.bfloat16)
+    dtype_name = "float32" if small else "bfloat16"
+    backend = "torch" if small else "triton"
+    cfg = llama_config(name, small)
+    base = {"part": "bench", "model": name + ("-tiny" if small else "-shape"), "device": device,
+            "dtype": dtype_name, "backend": backend, "inputs": "synthetic token ids, minimal tokenizer"}
+    t0 = time.perf_counter()
+    hf = random_hf_model(cfg, dtype, device)
+    state = {k: v.detach() for k, v in hf.state_dict().items()}
+    engine = make_engine(cfg, state, device, dtype_name, backend)
+    params = engine.info.num_parameters
+    graphs = engine.runner.cuda_graphs
+    emit({**base, "task": "setup", "params": params, "seconds": round(time.perf_counter() - t0, 1),
+          "cuda_graph_sizes": graphs.sizes if graphs is not None else None,
+          "engine_config": engine.config.to_dict()})
+
+    # -- scoring: K=5, lengths log-uniform in 64..2048
+    k = 5
+    n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
+    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
+    warm = random_prompts([lo, hi, (lo + hi) // 2], cfg.vocab_size, seed=3)
+    engine_score(engine, warm, k)  # Triton compiles and cuBLAS picks its kernels outside the timing
+    hf_score(hf, warm, k, budget=8192)
+    tokens = sum(len(p) for p in prompts)
+    ours, t_ours = timed(lambda: engine_score(engine, prompts, k))
+    theirs, t_hf = timed(lambda: hf_score(hf, prompts, k, budget=8192))
+    for side, secs in (("apcscore", t_ours), ("transformers", t_hf)):
+        emit({**base, "task": "score", "side": side, "prompts": n_prompts, "tokens": tokens, "k": k,
+              "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs), "mfu": rounded(
+                  2 * params * tokens / secs / PEAK_BF16_FLOPS), "mfu_peak_flops": PEAK_BF16_FLOPS})
+    d = np.concatenate([np.abs(o.token_logprobs - t[0]) for o, t in zip(ours, theirs)])
+    top1 = np.concatenate([o.top_ids[:, 0] == t[1][:, 0] for o, t in zip(ours, theirs)])
+    emit({**base, "task": "score", "speedup_vs_transformers": round(t_hf / t_ours, 2),
+          "agreement": {"mean_abs_logprob_diff": rounded(d.mean()), "max_abs_logprob_diff": rounded(d.max()),
+                        "top1_agree": rounded(top1.mean())}})
+
+    # -- generation: 256 prompts sharing a 1,024-token prefix (+ 32 own tokens), 64 greedy tokens each
+    n_gen, prefix, own, new = (8, 64, 8, 8) if small else (256, 1024, 32, 64)
+    gen_prompts = random_prompts([own] * n_gen, cfg.vocab_size, seed=4, prefix=prefix)
+    warm = random_prompts([own] * 4, cfg.vocab_size, seed=5, prefix=prefix)  # another prefix: no cache hits
+    engine_generate(engine, warm, 4)
+    hf_generate(hf, warm, 4, batch_size=4)
+    hits0 = engine.block_manager.stats.hit_tokens
+    ours, t_ours = timed(lambda: engine_generate(engine, gen_prompts, new))
+    hits = engine.block_manager.stats.hit_tokens - hits0
+    theirs, t_hf = timed(lambda: hf_generate(hf, gen_prompts, new, batch_size=n_gen))
+    replays = graphs.num_replays if graphs is not None else 0
+    prompt_tokens = sum(len(p) for p in gen_prompts)
+    for side, secs in (("apcscore", t_ours), ("transformers", t_hf)):
+        emit({**base, "task": "generate", "side": side, "prompts": n_gen, "shared_prefix": prefix,
+              "prompt_tokens": prompt_tokens, "new_tokens_each": new, "seconds": round(secs, 3),
+              "generated_tokens_per_s": round(n_gen * new / secs),
+              **({"prefix_cache_hit_tokens": hits, "cuda_graph_replays": replays} if side == "apcscore" else {})})
+    same = [common_prefix(o.output_token_ids, t) for o, t in zip(ours, theirs)]
+    emit({**base, "task": "generate", "speedup_vs_transformers": round(t_hf / t_ours, 2),
+          "agreement": {"mean_common_greedy_prefix": round(float(np.mean(same)), 1), "of": new,
+                        "first_token_agree": rounded(float(np.mean([s > 0 for s in same])))}})

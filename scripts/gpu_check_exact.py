@@ -1,0 +1,199 @@
+"""GPU check parts `exactness` and `tax` (see scripts/gpu_check.py for the plan).
+
+exactness: the engine's bitwise contracts end to end on the Llama-3.2-1B shape in bf16 with the Triton backend
+(tests/test_invariance.py, test_exact_reuse.py and test_last_token_alternatives.py, on CUDA): every output
+column (ids, logprobs, ranks, top-K ids and logprobs) compared with `!=`, no tolerance. Fails (rc 1) when any
+value differs or when a reuse check reused nothing (it would test nothing).
+tax: the same score and generate workloads with batch invariance on (the Triton matmul) and off (cuBLAS,
+`--no-batch-invariant`; "library" in the output), one after the other in one process; time ratio invariant /
+library.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from gpu_check_common import (PEAK_BF16_FLOPS, columns, emit, engine_and_state, engine_generate, engine_score,
+                              make_engine, median_time, random_prompts, rounded, score_lengths)
+
+K = 5
+
+
+def differing(runs: dict[str, dict], ref: dict) -> dict[str, int]:
+    """Per run: how many values differ from ref (runs and ref map a key to a flat vector; a missing key or a
+    length change counts as the whole vector)."""
+    out = {}
+    for name, run in runs.items():
+        bad = 0
+        for key, want in ref.items():
+            got = run.get(key)
+            bad += want.size if got is None or got.shape != want.shape else int((got != want).sum())
+        out[name] = bad
+    return out
+
+
+def part_exactness(args) -> bool:
+    """Budgets and alone, exact reuse, last-token alternatives, greedy generation: one JSON line each."""
+    import numpy as np
+
+    from apcscore.engine.sampling_params import SamplingParams
+    from apcscore.engine.sequence import Request
+    from apcscore.jobs.loglikelihood import group_by_last_token
+
+    small = args.small
+    cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
+    vocab = cfg.vocab_size
+    base = dict(max_batch_tokens=8192, max_num_seqs=16, use_cuda_graphs=False)  # graphs: generation only
+    tag = {"part": "exactness", "model": "llama-3.2-1b-" + ("tiny" if small else "shape"), "dtype": precision,
+           "backend": backend}
+
+    def engine(**overrides):
+        return make_engine(cfg, state, device, precision, backend, **{**base, **overrides})
+
+    def run(eng, requests: list) -> dict:
+        """request_id -> flat vector of its prompt-logprob columns (and its alternatives' when it has some)."""
+        out = {}
+        for o in eng.run(requests):
+            if o.error:
+                raise RuntimeError(f"engine error: {o.error}")
+            parts = [columns(o.prompt_logprobs)]
+            if o.last_token_alternatives is not None:
+                parts.append(columns(o.last_token_alternatives))
+            out[o.request_id] = np.concatenate(parts)
+        return out
+
+    ok = True
+    # 1. the same prompts under token budgets 57..8192, shuffled, and each alone
+    lengths = [16, 40, 23, 70] if small else [64, 130, 300, 700, 1500, 90, 33, 500]
+    prompts = random_prompts(lengths, vocab, seed=21)
+    reqs = [Request(i, p, prompt_logprobs=K) for i, p in enumerate(prompts)]
+    big = engine()
+    ref = run(big, reqs)
+    runs = {str(b): run(engine(max_batch_tokens=b), reqs) for b in (57, 64, 100, 191)}
+    runs["alone"] = {k: v for r in reqs for k, v in run(big, [r]).items()}
+    shuffled = list(reqs)
+    random.Random(7).shuffle(shuffled)
+    runs["shuffled, warm cache"] = run(big, shuffled)
+    bad = differing(runs, ref)
+    ok &= not any(bad.values())
+    emit({**tag, "check": "budgets", "prompts": len(prompts), "prompt_tokens": sum(lengths),
+          "values": int(sum(v.size for v in ref.values())), "differing_vs_budget_8192": bad,
+          "ok": not any(bad.values())})
+
+    # 2. --exact-reuse: few-shot contexts (context reuse) and full-prompt scoring of a shared prefix (score store)
+    rng = np.random.default_rng(23)
+    prefix = rng.integers(0, vocab, 40 if small else 350).tolist()
+    fewshot = []
+    for q in range(6 if small else 24):
+        context = prefix + rng.integers(0, vocab, int(rng.integers(5, 40))).tolist()
+        for c in range(4):
+            cont = rng.integers(0, vocab, int(rng.integers(1, 10))).tolist()
+            fewshot.append(Request((q, c), context + cont, prompt_logprobs=K, score_from=len(context)))
+    fewshot += [Request(("full", i), prefix + rng.integers(0, vocab, 20).tolist(), prompt_logprobs=K)
+                for i in range(4)]
+    ref = run(engine(), fewshot)
+    reuse = engine(exact_reuse=True)
+    runs = {"exact_reuse": run(reuse, fewshot), "exact_reuse, warm, reversed": run(reuse, fewshot[::-1]),
+            "exact_reuse, budget 100": run(engine(exact_reuse=True, max_batch_tokens=100), fewshot)}
+    stats = reuse.block_manager.stats
+    bad = differing(runs, ref)
+    reused = stats.hit_tokens > 0 and stats.score_store_hits > 0
+    ok &= reused and not any(bad.values())
+    emit({**tag, "check": "exact_reuse", "requests": len(fewshot), "shared_prefix": len(prefix),
+          "differing_vs_recompute": bad, "hit_tokens": stats.hit_tokens,
+          "score_store_hits": stats.score_store_hits, "ok": reused and not any(bad.values())})
+
+    # 3. last-token alternatives: one request per context, one-token choices read from the same row
+    separate = []  # per question: its few-shot context and 4 distinct one-token choices, each its own request
+    for q in range(6 if small else 24):
+        context = fewshot[4 * q].prompt_token_ids[:fewshot[4 * q].score_from]
+        separate += [Request((q, c), context + [int(t)], prompt_logprobs=K, score_from=len(context))
+                     for c, t in enumerate(rng.choice(vocab, 4, replace=False))]
+    want = {r.request_id: columns(next(iter(big.run([r]))).prompt_logprobs) for r in separate}  # each alone
+    runs = {}
+    for name, eng in (("recompute", engine()), ("exact_reuse", engine(exact_reuse=True))):
+        merged, owner = group_by_last_token(separate)
+        for i, r in enumerate(merged):
+            r.request_id = i
+        outs = {o.request_id: o for o in eng.run(merged)}
+        got = {}
+        for r, o in zip(separate, owner):
+            out, token = outs[o], r.prompt_token_ids[-1]
+            p = out.prompt_logprobs
+            if token == p.token_ids[-1]:
+                got[r.request_id] = columns(p)
+            else:
+                i = int(np.flatnonzero(out.last_token_alternatives.token_ids == token)[0])
+                got[r.request_id] = columns(out.last_token_alternatives.rows(i, i + 1))
+        runs[name] = got
+    bad = differing(runs, want)
+    ok &= not any(bad.values())
+    emit({**tag, "check": "last_token_alternatives", "questions": len(separate) // 4, "choices": 4,
+          "engine_requests": len(merged), "differing_vs_separate_requests": bad, "ok": not any(bad.values())})
+
+    # 4. greedy generation: batched with CUDA graphs, eager, alone, a small budget, preempted
+    gen_prompts = random_prompts([5, 17, 40, 64, 100, 300], vocab, seed=22, prefix=32)
+    params = SamplingParams(max_tokens=8 if small else 32, logprobs=2, ignore_eos=True)
+
+    def generate(eng, which: list[int]) -> dict[int, Any]:
+        outs = eng.run(Request(i, gen_prompts[i], sampling=params) for i in which)
+        return {o.request_id: np.concatenate([np.asarray(o.output_token_ids, np.float64),
+                                              columns(o.output_logprobs)]) for o in outs}
+
+    every = list(range(len(gen_prompts)))
+    graphs = dict(use_cuda_graphs=True)  # decode steps replay CUDA graphs (on CUDA), except the eager run
+    ref_gen = generate(engine(**graphs), every)
+    alone = engine(**graphs)
+    longest = max(len(p) for p in gen_prompts) + params.max_tokens
+    tight = engine(max_batch_tokens=256, num_kv_blocks=-(-longest // 16) + 2, **graphs)
+    runs = {"eager (no CUDA graphs)": generate(engine(), every),
+            "alone": {k: v for i in every for k, v in generate(alone, [i]).items()},
+            "budget 64": generate(engine(max_batch_tokens=64, **graphs), every), "preempted": generate(tight, every)}
+    bad = differing(runs, ref_gen)
+    preempted = tight.stats.preemptions > 0
+    ok &= preempted and not any(bad.values())
+    emit({**tag, "check": "greedy_generation", "prompts": len(gen_prompts), "new_tokens": params.max_tokens,
+          "preemptions": tight.stats.preemptions, "differing_vs_batched": bad,
+          "ok": preempted and not any(bad.values())})
+    return bool(ok)
+
+
+def part_tax(args) -> None:
+    """Invariance tax on the 1B shape: score (K=5, 64..2048 tokens) and generate (shared 1,024-token prefix,
+    64 greedy tokens) with the invariant engine and with --no-batch-invariant, medians of 3, interleaved."""
+    small = args.small
+    cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
+    engines = {inv: make_engine(cfg, state, device, precision, backend, batch_invariant=inv)
+               for inv in (True, False)}
+    params = engines[True].info.num_parameters
+    n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
+    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
+    n_gen, prefix, own, new = (8, 64, 8, 8) if small else (256, 1024, 32, 64)
+    gen_prompts = random_prompts([own] * n_gen, cfg.vocab_size, seed=4, prefix=prefix)
+    tokens = sum(len(p) for p in prompts)
+    reps = 1 if small else 3
+    for eng in engines.values():  # compile, pick cuBLAS kernels, fill the prefix cache: outside the timing
+        engine_score(eng, prompts[:4], K)
+        engine_generate(eng, gen_prompts[:4], 4)
+    row: dict[str, Any] = {"part": "tax", "model": "llama-3.2-1b-" + ("tiny" if small else "shape"),
+                           "dtype": precision, "backend": backend, "score_prompts": n_prompts,
+                           "score_tokens": tokens, "k": K, "generate_prompts": n_gen, "shared_prefix": prefix,
+                           "new_tokens_each": new, "repeats": reps}
+    times: dict[str, dict[bool, list[float]]] = {"score": {True: [], False: []}, "generate": {True: [], False: []}}
+    for _ in range(reps):  # interleaved, so drift in clocks hits both sides alike
+        for inv, eng in engines.items():
+            times["score"][inv].append(median_time(lambda: engine_score(eng, prompts, K), 1))
+            times["generate"][inv].append(median_time(lambda: engine_generate(eng, gen_prompts, new), 1))
+    for task, by in times.items():
+        for inv, ts in by.items():
+            secs = sorted(ts)[len(ts) // 2]
+            side = "invariant" if inv else "library"
+            row[f"{task}_s_{side}"] = rounded(secs)
+            if task == "score":
+                row[f"score_tokens_per_s_{side}"] = round(tokens / secs)
+                row[f"score_mfu_{side}"] = rounded(2 * params * tokens / secs / PEAK_BF16_FLOPS)
+            else:
+                row[f"generate_tokens_per_s_{side}"] = round(n_gen * new / secs)
+        row[f"{task}_ratio"] = rounded(row[f"{task}_s_invariant"] / row[f"{task}_s_library"], 3)
+    emit(row)

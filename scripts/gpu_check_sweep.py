@@ -1,0 +1,135 @@
+"""GPU check part `sweep`: the Triton matmul's configuration per (N, K), chosen from a handful of candidates.
+
+For each weight shape (N, K) of the Llama-3.2-1B, Llama-3.1-8B and SmolLM2-135M shapes (in that order: the
+most used first, so a part cut short by its limit still has the 1B rows), every candidate of CANDIDATES is
+timed at M = 256, 2048 and 8192 (median of CUDA-event timings), next to cuBLAS (`F.linear`), and checked
+for batch invariance (rows of M = 1, 57, 256 and 2048 against the same rows at M = 8192, bitwise). The
+proposal for a shape is the invariant candidate with the lowest mean of (its time / the best candidate's
+time) over the three M: one configuration for every M, as kernels/matmul_configs.py requires. The part
+prints one line per shape and, last, the proposed TABLE rows as Python text to paste into
+apcscore/kernels/matmul_configs.py (rows whose proposal is DEFAULT are left out: DEFAULT is the fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_check_common import emit, gemm_shapes, rounded
+
+MODELS = ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m")
+MS = (256, 2048, 8192)
+CHECK_MS = (1, 57, 256, 2048)  # rows compared bitwise with the same rows at max(MS)
+
+
+def candidates() -> dict[str, Any]:
+    """name -> MatmulConfig: DEFAULT and variations of its block sizes, warps and stages (Hopper: at most
+    ~227 KB of shared memory per block, (BM x BK + BK x BN) x 2 bytes per stage in bf16)."""
+    from apcscore.kernels.matmul_configs import DEFAULT, MatmulConfig
+
+    c = MatmulConfig
+    table = {"default": DEFAULT,
+             "128x256x64_w8_s3": c(128, 256, 64, 8, 8, 3), "128x256x64_w8_s4": c(128, 256, 64, 8, 8, 4),
+             "256x128x64_w8_s3": c(256, 128, 64, 8, 8, 3), "128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4),
+             "128x128x128_w8_s3": c(128, 128, 128, 8, 8, 3), "64x128x64_w4_s4": c(64, 128, 64, 8, 4, 4),
+             "128x64x64_w4_s4": c(128, 64, 64, 8, 4, 4)}
+    return table
+
+
+def time_ms(fn, small: bool) -> float:
+    """Median milliseconds of fn: CUDA events after two warm-up calls, ~30 ms of repeats (3..25); on the
+    CPU one wall-clock call (the dry run only checks the plumbing)."""
+    import time
+
+    import torch
+
+    if small:
+        t0 = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - t0)
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    reps = max(3, min(25, int(30 / max(start.elapsed_time(end), 1e-3))))
+    times = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def sweep_shape(n: int, k: int, small: bool, device: str, dtype) -> dict[str, Any]:
+    """Times and invariance of every candidate for weight [n, k]; the proposal (see the module doc)."""
+    import torch
+    import torch.nn.functional as F
+
+    from apcscore.kernels.matmul import invariant_linear
+
+    ms = (16, 48, 96) if small else MS
+    check_ms = (1, 7, 48) if small else CHECK_MS
+    gen = torch.Generator(device=device).manual_seed(n * 31 + k)
+    weight = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(dtype)  # [N, K]
+    x = torch.randn(max(ms), k, generator=gen, device=device).to(dtype)  # [max M, K]
+    row: dict[str, Any] = {"ms": {}, "invariant": {}, "errors": {}}
+    row["cublas_ms"] = {m: rounded(time_ms(lambda: F.linear(x[:m], weight), small)) for m in ms}
+    for name, cfg in candidates().items():
+        try:
+            full = invariant_linear(x, weight, config=cfg)  # [max M, N]
+            bad = {m: int((invariant_linear(x[:m], weight, config=cfg) != full[:m]).any(dim=1).sum())
+                   for m in check_ms}
+            row["invariant"][name] = not any(bad.values())
+            row["ms"][name] = {m: rounded(time_ms(lambda: invariant_linear(x[:m], weight, config=cfg), small))
+                               for m in ms}
+        except Exception as e:  # out of shared memory / registers: that candidate is out, the sweep goes on
+            row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
+    ok = [name for name in row["ms"] if row["invariant"][name]]
+    if not ok:
+        row["proposed"] = None
+        return row
+    best = {m: min(row["ms"][name][m] for name in ok) for m in ms}
+    score = {name: sum(row["ms"][name][m] / best[m] for m in ms) / len(ms) for name in ok}
+    proposed = min(ok, key=lambda name: (score[name], name != "default"))
+    row.update(proposed=proposed, proposed_config=vars(candidates()[proposed]),
+               mean_time_over_best={name: rounded(v, 3) for name, v in score.items()},
+               proposed_over_cublas={m: rounded(row["ms"][proposed][m] / row["cublas_ms"][m], 3) for m in ms},
+               default_over_proposed={m: rounded(row["ms"]["default"][m] / row["ms"][proposed][m], 3) for m in ms})
+    del weight, x
+    return row
+
+
+def part_sweep(args) -> bool:
+    """One line per (N, K), then the proposed table; fails when a shape has no invariant candidate."""
+    import torch
+
+    from apcscore.kernels.matmul import capability_of
+
+    small = args.small
+    device, dtype = ("cpu", torch.float32) if small else ("cuda", torch.bfloat16)
+    capability, dtype_name = capability_of(torch.device(device)), str(dtype).removeprefix("torch.")
+    seen: set[tuple[int, int]] = set()
+    proposals: list[str] = []
+    ok = True
+    for model in MODELS:
+        for gemm, (n, k) in gemm_shapes(model, small).items():
+            if (n, k) in seen:
+                continue
+            seen.add((n, k))
+            row = sweep_shape(n, k, small, device, dtype)
+            ok &= row["proposed"] is not None
+            emit({"part": "sweep", "model": model, "gemm": gemm, "n": n, "k": k, "capability": capability,
+                  "dtype": dtype_name, **row})
+            if row["proposed"] != "default":
+                c = row["proposed_config"]
+                proposals.append(f'    ("{capability}", "{dtype_name}", {n}, {k}): MatmulConfig('
+                                 f'{c["block_m"]}, {c["block_n"]}, {c["block_k"]}, {c["group_m"]}, '
+                                 f'{c["num_warps"]}, {c["num_stages"]}),  # {model} {gemm}')
+    emit({"part": "sweep", "proposed_table": "TABLE: dict[Key, MatmulConfig] = {\n" + "\n".join(proposals)
+          + ("\n" if proposals else "") + "}", "shapes": len(seen), "non_default": len(proposals)})
+    return bool(ok)
