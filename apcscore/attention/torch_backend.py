@@ -21,43 +21,13 @@ from typing import Any
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
+from apcscore.attention.products import products as _products
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
 # Query rows of every attention product come in multiples of this. With the fixed-order CPU kernel (_products)
 # the row count cannot change a row's bits; the tiles remain for torch.matmul (CUDA, or no C compiler), where a
 # GEMM may round a row by the shape of its call
 QUERY_ROW_TILE = 16
-
-
-def _products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., M, K] @ b[..., N, K].T -> fp32 [..., M, N] (the same leading dims; `x.transpose(-1, -2)` as b for
-    a @ x). On the CPU every score and weighted value is one fma chain over k in order, whatever the rows or
-    keys of the call (apcscore.kernels.cpu_gemm, the linear layers' construction); elsewhere torch.matmul."""
-    if a.device.type != "cpu" or not _fixed_order_available():
-        return a @ b.transpose(-1, -2)
-    from apcscore.kernels.cpu_gemm import fixed_order_bmm
-
-    lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
-    if len(lead) > 2:  # the kernel takes two batch dims: merge the first ones (a view where strides allow)
-        a, b = a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
-    return fixed_order_bmm(a, b).view(*lead, m, n)
-
-
-_FIXED_ORDER: bool | None = None
-
-
-def _fixed_order_available() -> bool:
-    """Whether the fixed-order CPU kernel builds here (else torch.matmul, and the engine's probe says so)."""
-    global _FIXED_ORDER
-    if _FIXED_ORDER is None:
-        from apcscore.kernels.cpu_gemm import CpuGemmUnavailable, library
-
-        try:
-            library()
-            _FIXED_ORDER = True
-        except CpuGemmUnavailable:
-            _FIXED_ORDER = False
-    return _FIXED_ORDER
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,

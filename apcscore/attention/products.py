@@ -1,0 +1,41 @@
+"""The attention products of the torch backend: a @ b.T with a reduction order fixed by construction on the CPU.
+
+On the CPU every score (q . k over head_dim) and every weighted value (p . v over a key tile) is one fma chain in
+index order (apcscore.kernels.cpu_gemm, the construction of the linear layers), so a query's bits cannot depend
+on how many rows or keys share the call. Elsewhere (CUDA, where this backend is the Triton kernels' reference)
+and where the kernel cannot be built, torch.matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [..., M, K] @ b[..., N, K].T -> fp32 [..., M, N] (the same leading dims; `x.transpose(-1, -2)` as b for
+    a @ x). On the CPU every score and weighted value is one fma chain over k in order, whatever the rows or
+    keys of the call (apcscore.kernels.cpu_gemm, the linear layers' construction); elsewhere torch.matmul."""
+    if a.device.type != "cpu" or not fixed_order_available():
+        return a @ b.transpose(-1, -2)
+    from apcscore.kernels.cpu_gemm import fixed_order_bmm
+
+    lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
+    if len(lead) > 2:  # the kernel takes two batch dims: merge the first ones (a view where strides allow)
+        a, b = a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
+    return fixed_order_bmm(a, b).view(*lead, m, n)
+
+
+_FIXED_ORDER: bool | None = None  # whether the kernel builds here (asked once)
+
+
+def fixed_order_available() -> bool:
+    """Whether the fixed-order CPU kernel builds here (else torch.matmul, and the engine's probe says so)."""
+    global _FIXED_ORDER
+    if _FIXED_ORDER is None:
+        from apcscore.kernels.cpu_gemm import CpuGemmUnavailable, library
+
+        try:
+            library()
+            _FIXED_ORDER = True
+        except CpuGemmUnavailable:
+            _FIXED_ORDER = False
+    return _FIXED_ORDER
