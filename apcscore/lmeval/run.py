@@ -157,6 +157,7 @@ def run_info(lm: Any, config: Any, opts: dict[str, Any], names: list[str], load_
         "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
         "attention_backend": engine.attention_backend,
         "engine": {**config.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
+        "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "lm_eval": _version("lm_eval")},
         "timing": {"load_seconds": round(load_seconds, 3), "run_seconds": round(run_seconds, 3)},
