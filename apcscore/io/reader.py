@@ -184,7 +184,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid, message))
 
     if is_tabular(path):
-        digest, rows = read_table_records(path)
+        digest, rows = read_table_records(path, columns)
         for row_number, obj in rows:
             if limit is not None and row_number > limit:
                 break
