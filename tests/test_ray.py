@@ -194,13 +194,17 @@ def test_a_replica_that_refuses_the_run_is_one_clear_error(tiny, cluster) -> Non
     ray.kill(actor)
 
 
-class PoisonReplica(Replica):
-    """A replica whose process dies (as if killed for memory) on every chunk that holds the record "poison"."""
+def poison_replica() -> type:
+    """A replica whose process dies (as if killed for memory) on every chunk that holds the record "poison"; made
+    in a function so that Ray ships the class by value (workers cannot import this test module by its name)."""
 
-    def run(self, records):
-        if any(r.id == "poison" for r in records):
-            os._exit(1)
-        return super().run(records)
+    class PoisonReplica(Replica):
+        def run(self, records):
+            if any(r.id == "poison" for r in records):
+                os._exit(1)
+            return super().run(records)
+
+    return PoisonReplica
 
 
 def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_rest(tmp_path, write_jsonl, tiny,
@@ -211,7 +215,7 @@ def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_re
     records[5]["id"] = "poison"
     data = write_jsonl(tmp_path / "d.jsonl", records)
     out = tmp_path / "ray.parquet"
-    monkeypatch.setattr(ray_run, "Replica", PoisonReplica)
+    monkeypatch.setattr(ray_run, "Replica", poison_replica())
     started = time.time()
     res = run("score", data, "--model", tiny, "--num-kv-blocks", 64, "-q", "--partition", "random", "--ray", "auto",
               "--replicas", 2, "--out", out)
