@@ -6,6 +6,7 @@ Option precedence: command line > `--config FILE` (TOML, keys named like the opt
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -19,6 +20,24 @@ from apcscore import __version__
 from apcscore.compare.command import compare
 from apcscore.errors import ApcscoreError
 
+_UNESCAPED_BRACKET = re.compile(r"(?<!\\)\[")
+
+
+def markup_safe(text: str | None) -> str | None:
+    """`text` with every `[` not yet escaped written `\\[`: Typer renders help as Rich markup, where
+    `[lmeval]` is a tag and vanishes."""
+    return None if text is None else _UNESCAPED_BRACKET.sub(r"\\[", text)
+
+
+def _escape_help(command: click.Command) -> None:
+    """Escape the command's own help and every parameter's (arguments and options)."""
+    command.help = markup_safe(command.help)
+    command.short_help = markup_safe(command.short_help)
+    for param in command.params:
+        if getattr(param, "help", None):
+            param.help = markup_safe(param.help)  # type: ignore[attr-defined]
+
+
 def _plain_help_option(option: click.Option | None) -> click.Option | None:
     if option is not None:
         option.metavar = ""  # a flag: no `<bool>` in the help
@@ -26,14 +45,22 @@ def _plain_help_option(option: click.Option | None) -> click.Option | None:
 
 
 class Group(TyperGroup):
-    """Typer's group; its --help shows no `<bool>`."""
+    """Typer's group; its --help shows no `<bool>`; help text is never read as markup."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _escape_help(self)
 
     def get_help_option(self, ctx: click.Context) -> click.Option | None:
         return _plain_help_option(super().get_help_option(ctx))
 
 
 class Command(TyperCommand):
-    """Typer's command with a plain usage line: `DATASET`, not `{dataset}`."""
+    """Typer's command with a plain usage line: `DATASET`, not `{dataset}`; help text is never read as markup."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _escape_help(self)
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)

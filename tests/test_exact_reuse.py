@@ -231,6 +231,38 @@ def test_verify_reuse_passes_and_catches_a_wrong_reuse(model: str, tmp_path, wri
     assert "differ from full recompute" in res.output and "prompt (request 0): prompt_positions" in res.output
 
 
+def test_verify_reuse_catches_wrong_last_token_alternatives(model: str, tmp_path, write_jsonl,
+                                                            monkeypatch) -> None:
+    """A reuse bug that touches only the last-token alternatives (the one-token choices after the first of a
+    multiple-choice record) must fail the run too."""
+    import numpy as np
+
+    from apcscore.engine.model_runner import ModelRunner
+    from apcscore.jobs.verify import ReuseVerifier
+
+    verifying = []
+    right_check, right_score = ReuseVerifier.check, ModelRunner._score_prompts
+
+    def check(self, engine):
+        verifying.append(True)
+        return right_check(self, engine)
+
+    def score_prompts(self, batch, hidden):
+        out, alternatives = right_score(self, batch, hidden)
+        if not verifying:  # the reuse run only: its alternatives' logprobs are off by one ulp
+            for _, alt in alternatives:
+                alt.token_logprobs = np.nextafter(alt.token_logprobs, np.float32(0))
+        return out, alternatives
+
+    monkeypatch.setattr(ReuseVerifier, "check", check)
+    monkeypatch.setattr(ModelRunner, "_score_prompts", score_prompts)
+    res, _, _ = cli_run(model, tmp_path, "score", score_records(), write_jsonl, "--exact-reuse",
+                        "--verify-reuse", "1")
+    assert verifying and res.exit_code == 1, res.output
+    assert "differ from full recompute" in res.output and "alternatives_token_logprobs" in res.output
+    assert "prompt_token_logprobs" not in res.output  # only the alternatives were touched
+
+
 def test_interrupted_exact_reuse_run_resumes_to_the_recompute_file(model: str, tmp_path, write_jsonl,
                                                                    monkeypatch) -> None:
     import os

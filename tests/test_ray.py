@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from apcscore.cli import app
+from apcscore.scale.replica import Replica
 from tests.test_shard_merge import PROVENANCE, score_records, shared_prefix_records
 
 try:
@@ -191,3 +192,43 @@ def test_a_replica_that_refuses_the_run_is_one_clear_error(tiny, cluster) -> Non
                                             r"not 12$"):
         _get(ray, actor.describe.remote())
     ray.kill(actor)
+
+
+def poison_replica() -> type:
+    """A replica whose process dies (as if killed for memory) on every chunk that holds the record "poison"; made
+    in a function so that Ray ships the class by value (workers cannot import this test module by its name)."""
+
+    class PoisonReplica(Replica):
+        def run(self, records):
+            if any(r.id == "poison" for r in records):
+                os._exit(1)
+            return super().run(records)
+
+    return PoisonReplica
+
+
+def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_rest(tmp_path, write_jsonl, tiny,
+                                                                                   cluster, monkeypatch) -> None:
+    import apcscore.scale.ray_run as ray_run
+
+    records = [{"id": f"r{i}", "prompt": f"record number {i} of the set"} for i in range(12)]
+    records[5]["id"] = "poison"
+    data = write_jsonl(tmp_path / "d.jsonl", records)
+    out = tmp_path / "ray.parquet"
+    monkeypatch.setattr(ray_run, "Replica", poison_replica())
+    started = time.time()
+    res = run("score", data, "--model", tiny, "--num-kv-blocks", 64, "-q", "--partition", "random", "--ray", "auto",
+              "--replicas", 2, "--out", out)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 1, res.output
+    assert time.time() - started < 600  # bounded retries: it ends
+    assert "records were not run" in text and "poison" in text and "a Ray replica failed" in text
+    assert "--resume" in text and not out.exists()
+    parts = sorted((tmp_path / "ray.parquet.partial").glob("part-*.parquet"))
+    saved = [i for p in parts for i in pq.read_table(p).column("id").to_pylist()]
+    assert saved and "poison" not in saved and len(saved) < len(records)  # the other replica's rows are kept
+    monkeypatch.setattr(ray_run, "Replica", Replica)  # without the fault, --resume runs what is missing
+    res = run("score", data, "--model", tiny, "--num-kv-blocks", 64, "-q", "--partition", "random", "--ray", "auto",
+              "--replicas", 2, "--out", out, "--resume")
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(out).column("id").to_pylist() == [r["id"] for r in records]

@@ -183,6 +183,19 @@ def test_skip_invalid_returns_invalid_records_in_order(tmp_path: Path) -> None:
     assert ds.num_records == 5
 
 
+def test_an_unparsable_line_claims_its_line_number_as_id(tmp_path: Path) -> None:
+    # line 2 does not parse: its error row gets id "2"; a later record giving id "2" must not share it
+    path = write(tmp_path, ['{"id": "a", "prompt": "x"}', '{"prompt": ', '{"id": "2", "prompt": "y"}',
+                            '{"id": 2, "prompt": "z"}'])
+    ds = load_dataset(path, "score", skip_invalid=True)
+    assert [(r.line, r.id) for r in ds.records] == [(1, "a")]
+    assert [(r.line, r.id) for r in ds.invalid] == [(2, "2"), (3, "2"), (4, "2")]
+    assert ds.invalid[1].message == (f"{path}:3: duplicate id '2': line 2 has the same id (give every record a "
+                                     "unique id; a record without one gets its line number)")
+    ids = [r.id for r in ds.records] + [r.id for r in ds.invalid if "duplicate id" not in r.message]
+    assert len(ids) == len(set(ids)) == 2  # one row per id apart from the rows refused as its duplicates
+
+
 def test_limit_keeps_the_first_records_valid_or_not(tmp_path: Path) -> None:
     path = write(tmp_path, ['{"prompt": "a"}', '', '{"prompt": 1}', '{"prompt": "c"}', '{"prompt": 2}'])
     ds = load_dataset(path, "score", skip_invalid=True, limit=2)

@@ -18,7 +18,7 @@ from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
 from apcscore.engine.sequence import PromptLogprobs, Sequence
 from tests.test_exact_reuse import assert_tables_equal, cli_run
-from tests.test_invariance import assert_same, run
+from tests.test_invariance import assert_same, columns, run
 
 K = 3
 
@@ -269,3 +269,70 @@ def test_cli_store_reuse_writes_the_recompute_file(model: str, tmp_path, write_j
     assert "served from the score store" in re.sub(r"[\s│]+", " ", res.output)  # the summary table may wrap it
     if command == "generate":  # the one column that may differ: it says how much of each prompt was read
         assert sum(got.column("num_cached_tokens").to_pylist()) > 0
+
+
+# ---- the store never serves rows past the prompt (issue 24, item 1) --------------------------------------
+def _preempt_once(name: str, after_outputs: int, until_finished: str | None = None):
+    """An on_step hook that preempts the running request `name` once (the scheduler's own preemption: blocks freed,
+    prompt and output re-prefilled later) when it has generated `after_outputs` tokens and `until_finished`, if
+    given, has left the engine."""
+    done: list[bool] = []
+
+    def hook(eng: Engine) -> None:
+        sched = eng.scheduler
+        seq = next((s for s in sched.running if s.request_id == name), None)
+        others = {s.request_id for s in (*sched.running, *sched.waiting)}
+        if done or seq is None or len(seq.output_token_ids) < after_outputs or until_finished in others:
+            return
+        sched.running.remove(seq)
+        sched._preempt(seq)
+        done.append(True)
+
+    return hook, done
+
+
+def test_a_preempted_generation_reads_no_store_rows_past_its_prompt(model: str) -> None:
+    """generate --prompt-logprobs with exact reuse: request "a" is preempted after generating; request "b"'s prompt
+    is a's prompt, a's completion and more (multi-turn data built from the model's own answers), so b stores
+    entries for blocks past a's prompt. Re-admitted, a must read the store only inside its prompt (at most
+    (prompt_len - 1) // block_size blocks), or its prompt logprobs gain rows for its generated tokens."""
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(3, 49152, 37).tolist()  # 37 = 2 full blocks of 16 and 5 tokens into the third
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    a = Request("a", prompt, prompt_logprobs=K, sampling=greedy)
+    (want,) = engine(model).run([a])  # recompute, alone
+    assert len(want.output_token_ids) == 24
+    b = Request("b", prompt + list(want.output_token_ids) + [5, 6, 7, 8], prompt_logprobs=K,
+                sampling=SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    eng = engine(model, exact_reuse=True)
+    hook, preempted = _preempt_once("a", after_outputs=20, until_finished="b")
+    got = {o.request_id: o for o in eng.run([a, b], on_step=hook)}
+    assert preempted, "a was never preempted: the scenario tests nothing"
+    assert eng.block_manager.stats.score_store_hits > 0  # the store was read
+    out = got["a"]
+    assert out.error is None, out.error
+    assert out.output_token_ids == want.output_token_ids
+    assert_same({"a": columns(out)}, {"a": columns(want)}, "re-admitted after preemption")
+    assert out.prompt_logprobs.positions[-1] == len(prompt) - 1  # no row for a generated token
+
+
+def test_a_store_read_ending_at_the_last_prompt_token_scores_its_alternatives(model: str) -> None:
+    """The cap's boundary: a 33-token prompt may read 2 blocks (targets 1..31) from the store, so its last token
+    (position 32) and its last-token alternatives are scored from the stored hidden state of row 31; each must be
+    bitwise what a separate recompute returns."""
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(3, 49152, 33).tolist()
+    alts = (101, 202, 303)
+    writer = Request("w", prompt + rng.integers(3, 49152, 20).tolist(), prompt_logprobs=K)
+    reader = Request("r", prompt, prompt_logprobs=K, last_token_alternatives=alts)
+    eng = engine(model, exact_reuse=True)
+    list(eng.run([writer]))
+    hits = eng.block_manager.stats.score_store_hits
+    (out,) = eng.run([reader])
+    assert eng.block_manager.stats.score_store_hits - hits == 31  # blocks 0 and 1 served, the boundary row scored
+    assert_same({"r": columns(out)}, {"r": columns(next(iter(engine(model).run([reader]))))}, "boundary")
+    for i, alt in enumerate(alts):
+        (sep,) = engine(model).run([Request(("alt", i), prompt[:-1] + [alt], prompt_logprobs=K)])
+        p, lt = sep.prompt_logprobs, out.last_token_alternatives
+        for f in ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs"):
+            assert np.array_equal(getattr(lt, f)[i], getattr(p, f)[-1]), (alt, f)

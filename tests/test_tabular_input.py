@@ -99,3 +99,65 @@ def test_perplexity_command_reads_csv_with_columns(tmp_path, tiny_model_dir):
     table = pq.read_table(out)
     assert table.column("id").to_pylist() == ["one", "two"]
     assert table.column("status").to_pylist() == ["ok", "ok"]
+
+
+# ---- CSV cells are text (issue 24) -------------------------------------------------------------------------
+def _write_csv(path, text: str):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_csv_cells_are_strings_unless_the_schema_says_number(tmp_path, write_jsonl):
+    rows = [{"id": "007", "prompt": "0042", "max_tokens": 3, "temperature": 0.5, "seed": -2},
+            {"id": "1e3", "prompt": "3.0", "top_p": 1, "top_k": 0}]
+    path = _write_csv(tmp_path / "g.csv", "id,prompt,max_tokens,temperature,seed,top_p,top_k\n"
+                                         "007,0042,3,0.5,-2,,\n1e3,3.0,,,,1,0\n")
+    got = load_dataset(path, "generate")
+    assert _fields(got) == _fields(load_dataset(write_jsonl(tmp_path / "g.jsonl", rows), "generate"))
+    assert [r.id for r in got.records] == ["007", "1e3"]
+    # a number field whose cell is no number is refused by the record checks, naming the row
+    bad = _write_csv(tmp_path / "bad.csv", "context,choices,answer\nQ,\"[\"\"a\"\",\"\"b\"\"]\",first\n")
+    with pytest.raises(ApcscoreError, match=rf"{bad}:row 1: 'answer' must be an integer index"):
+        load_dataset(bad, "score")
+    # --columns: the cells of the column read for `answer` are numbers
+    mapped = _write_csv(tmp_path / "m.csv", "q,opts,label\nQ,\"[\"\"a\"\",\"\"b\"\"]\",1\n")
+    rec = load_dataset(mapped, "score", columns=parse_columns("context=q,choices=opts,answer=label")).records[0]
+    assert rec.fields == {"context": "Q", "choices": ["a", "b"], "answer": 1}
+
+
+def test_csv_only_an_empty_cell_is_null(tmp_path):
+    path = _write_csv(tmp_path / "na.csv", 'id,context,continuation\nNA,N/A,null\nNaN,"",NA\n,x,nan\n')
+    data = load_dataset(path, "score", skip_invalid=True)
+    assert [(r.id, r.fields) for r in data.records] == [
+        ("NA", {"context": "N/A", "continuation": "null"}),
+        ("3", {"context": "x", "continuation": "nan"}),  # an empty id cell: the row number
+    ]
+    (empty,) = data.invalid  # an empty cell (quoted or not) is an absent field
+    assert empty.id == "NaN" and "needs 'context'" in empty.message
+
+
+def test_csv_duplicate_header_is_refused_with_file_and_column(tmp_path):
+    path = _write_csv(tmp_path / "dup.csv", "id,prompt,prompt\n1,a,b\n")
+    with pytest.raises(ApcscoreError) as err:
+        load_dataset(path, "score")
+    assert str(path) in str(err.value) and "'prompt' twice" in str(err.value) and "column 3" in str(err.value)
+
+
+def test_csv_cell_larger_than_a_block(tmp_path):
+    big = "x" * (3 << 20)  # 3 MiB: pyarrow's default block is 1 MiB
+    path = _write_csv(tmp_path / "big.csv", f"id,text\nsmall,a text\nbig,{big}\n")
+    data = load_dataset(path, "perplexity")
+    assert [(r.id, r.fields["text"]) for r in data.records] == [("small", "a text"), ("big", big)]
+
+
+def test_csv_quoted_newlines_in_a_large_file(tmp_path):
+    texts = [f"line one {i}\nline two, with a comma\n\"quoted\"" for i in range(40_000)]  # ~2.5 MiB: blocks
+    path = tmp_path / "lines.csv"
+    with path.open("w", encoding="utf-8", newline="") as f:
+        f.write("id,text\n")
+        for i, t in enumerate(texts):
+            f.write(f"r{i},\"{t.replace(chr(34), chr(34) * 2)}\"\n")
+    data = load_dataset(path, "perplexity")
+    assert data.num_records == len(texts) and not data.invalid
+    assert [r.fields["text"] for r in data.records] == texts
+    assert [r.id for r in data.records] == [f"r{i}" for i in range(len(texts))]

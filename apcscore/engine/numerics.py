@@ -1,9 +1,9 @@
 """What a run's bits depend on besides its inputs: the batch-invariance verdict, the linear construction, the
 start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`.
 
-`bits` fields (batch_invariant, linear, cpu_capability, device_capability) must agree for shards to be merged
-and runs to be resumed; `hardware` and `blas` describe the machine (a construction by design gives the same
-bits on another CPU model; the probe re-checks it there) and `torch_threads` changes no bit.
+batch_invariant, linear, cpu_capability and device_capability must agree for shards to be merged and runs to be
+resumed (apcscore.io.provenance leaves the rest out): `hardware` and `blas` describe the machine (a construction by
+design gives the same bits on another CPU model; the probe re-checks it there), and `torch_threads` changes no bit.
 """
 
 from __future__ import annotations
@@ -15,10 +15,6 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-
-# numerics keys that do not change bits: left out when shards are merged or a run is resumed
-NOT_BITS = ("torch_threads", "hardware", "blas", "probe", "reason")
-
 
 @lru_cache(maxsize=1)
 def cpu_description() -> dict[str, str]:
@@ -68,8 +64,3 @@ def describe_numerics(device: torch.device, batch_invariant: bool, linear: str, 
     return {"batch_invariant": batch_invariant, "reason": reason, "linear": linear, "probe": probe,
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "device_capability": device_capability(device), "hardware": hardware, "blas": blas_description()}
-
-
-def bits_part(numerics: dict | None) -> dict[str, Any]:
-    """The numerics fields that must be equal for two runs' bits to be comparable (see NOT_BITS)."""
-    return {k: v for k, v in (numerics or {}).items() if k not in NOT_BITS}

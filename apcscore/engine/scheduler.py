@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from apcscore.engine.block_manager import BlockManager
-from apcscore.engine.score_store import ScoreStore, writes_entry_for
+from apcscore.engine.score_store import ScoreStore, prompt_blocks, writes_entry_for
 from apcscore.engine.sequence import Sequence, SequenceStatus
 
 
@@ -116,17 +116,20 @@ class Scheduler:
             return self.bm.find_cached_prefix(seq, False), None, None
         if not self.exact_reuse:
             return [], 0, None
-        context = seq.reusable_blocks(self.bm.block_size)
+        bs = self.bm.block_size
+        context = seq.reusable_blocks(bs)
         if self.store is None:
             return self.bm.find_cached_prefix(seq, False, context), context, None
-        cached = self.bm.find_cached_prefix(seq, False)
-        return cached[:self.store.usable_blocks(seq, len(cached), context)], None, context
+        cached = self.bm.find_cached_prefix(seq, False, prompt_blocks(seq, bs))  # never its output's blocks
+        return cached[:self.store.usable_blocks(seq, len(cached), context, bs)], None, context
 
     def _next_block_pending(self, seq: Sequence, num_cached_blocks: int, limit: int | None,
                             context: int | None) -> bool:
         """Whether seq's next block is being computed by another sequence that will make it readable for seq."""
         hashes = seq.block_hashes  # filled by find_cached_prefix
-        end = min(len(hashes), (seq.num_tokens - 1) // self.bm.block_size, len(hashes) if limit is None else limit)
+        readable = (seq.num_tokens - 1) // self.bm.block_size if seq.reads_prefix_cache else \
+            prompt_blocks(seq, self.bm.block_size)  # a scoring sequence reads inside its prompt only
+        end = min(len(hashes), readable, len(hashes) if limit is None else limit)
         if num_cached_blocks >= end:
             return False
         owner = self._pending.get(hashes[num_cached_blocks])

@@ -71,6 +71,12 @@ def publishes(request: Request, block: int, block_size: int, prompt_len: int) ->
             and request.score_from <= max(block * block_size, 1))
 
 
+def prompt_blocks(seq: Sequence, block_size: int) -> int:
+    """The most blocks a scoring sequence reads from the cache: full blocks inside its prompt, its last prompt token
+    left to compute (it is scored, with any last-token alternatives, from the row before it)."""
+    return (seq.prompt_len - 1) // block_size
+
+
 def writes_entry_for(writer: Sequence, reader: Sequence, block: int, block_size: int) -> bool:
     """Whether `writer`, computing its block `block`, publishes an entry that covers `reader`'s request."""
     w, r = writer.request, reader.request
@@ -114,9 +120,11 @@ class ScoreStore:
             self.nbytes -= old.nbytes
 
     # ---- reading -------------------------------------------------------------------------------
-    def usable_blocks(self, seq: Sequence, num_cached: int, context_blocks: int) -> int:
+    def usable_blocks(self, seq: Sequence, num_cached: int, context_blocks: int, block_size: int) -> int:
         """How many of seq's `num_cached` leading cached blocks it may read: the first `context_blocks` (before its
-        first scored row: their KV is all it needs), then as long as each block's entry covers the request."""
+        first scored row: their KV is all it needs), then as long as each block's entry covers the request, and
+        never past `prompt_blocks` (after a preemption its tokens include its output, which it does not score)."""
+        num_cached = min(num_cached, prompt_blocks(seq, block_size))
         m = min(num_cached, context_blocks)
         if m < context_blocks:
             return m
@@ -133,6 +141,8 @@ class ScoreStore:
         (seq.boundary_hidden). Returns the number of positions served."""
         if num_blocks <= context_blocks:
             return 0
+        if num_blocks > prompt_blocks(seq, block_size):
+            raise ValueError(f"serving {num_blocks} blocks past the prompt of {seq.prompt_len} tokens: a bug")
         req = seq.request
         first = max(req.score_from, 1)
         k = req.prompt_logprobs or 0

@@ -176,15 +176,22 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         else:
             records.append(Record(len(records) + len(invalid), lineno, rid, checked.kind, checked.fields))
 
+    def unreadable(lineno: int, message: str) -> None:
+        """A line that does not parse: an error row whose id is its line number, claimed like any other id (so a
+        later record giving that id explicitly is refused as a duplicate)."""
+        rid = str(lineno)
+        first_line_of_id.setdefault(rid, lineno)
+        invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid, message))
+
     if is_tabular(path):
-        digest, rows = read_table_records(path)
+        digest, rows = read_table_records(path, columns)
         for row_number, obj in rows:
             if limit is not None and row_number > limit:
                 break
             accept(obj, row_number, f"{name}:row {row_number}")
         index, utf8_errors = len(records) + len(invalid), 0
     else:
-        digest, index, utf8_errors = _read_jsonl(path, name, limit, accept, invalid)
+        digest, index, utf8_errors = _read_jsonl(path, name, limit, accept, unreadable)
     if index == 0:
         raise ApcscoreError(f"{name} has no records (it is empty or holds only blank lines); "
                             f"a {command} dataset is JSONL with one record per line: {accepted_kinds(command)}")
@@ -204,9 +211,9 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
     return LoadedDataset(path, digest, records, invalid, warnings)
 
 
-def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, invalid: list[InvalidRecord]
-                ) -> tuple[str, int, int]:
-    """Stream the JSONL file: (sha256 of the whole file, records read, lines that are not UTF-8)."""
+def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, unreadable: Any) -> tuple[str, int, int]:
+    """Stream the JSONL file: (sha256 of the whole file, records read, lines that are not UTF-8); each parsed line
+    goes to `accept(obj, lineno, where)`, each line that does not parse to `unreadable(lineno, message)`."""
     sha = hashlib.sha256()
     utf8_errors = 0
     index = 0
@@ -239,7 +246,7 @@ def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, invalid: 
                     obj = _parse_line(body, start)
                 except ValueError as e:
                     utf8_errors += isinstance(e, _NotUtf8)
-                    invalid.append(InvalidRecord(index, lineno, str(lineno), f"{name}:{lineno}: {e}"))
+                    unreadable(lineno, f"{name}:{lineno}: {e}")
                     index += 1
                     continue
                 accept(obj, lineno, f"{name}:{lineno}")

@@ -3,8 +3,14 @@
 Rows are read with pyarrow (parquet, CSV) or `datasets.load_from_disk` (a saved Dataset directory) as plain
 Python values and then go through the same record checks as JSONL lines (`io/reader.py`); messages name the
 file and the row (`FILE:row N`, rows counted from 1 after any CSV header). As in JSONL, a null cell counts as
-an absent field (tables fill missing values with null), and so does an empty CSV cell. CSV cells are text or numbers as pyarrow infers them
-per column; a list column (`choices`, `prompt_token_ids`) can be written as a JSON list in its cell.
+an absent field (tables fill missing values with null).
+
+CSV cells are text: every column is read as a string (an id `007` stays "007", as in JSONL), and only the fields
+the record schema declares as numbers are converted (`answer`, `max_tokens`, `top_k`, `seed` as integers;
+`temperature`, `top_p` as numbers: CSV_NUMBERS); a list field (`choices`, `prompt_token_ids`, `stop`,
+`messages`) can be written as a JSON list in its cell. Only an empty cell is null (absent): `NA`, `N/A`,
+`null` and `NaN` are the strings they read. Duplicate header names are refused (JSONL refuses duplicate keys);
+quoted cells may hold newlines; a cell may be far larger than pyarrow's default 1 MiB block.
 
 `--columns prompt=text,id=doc_id` gives a record field (left) the column it is read from (right).
 """
@@ -12,7 +18,10 @@ per column; a list column (`choices`, `prompt_token_ids`) can be written as a JS
 from __future__ import annotations
 
 import hashlib
+import csv
 import json
+import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +30,9 @@ from apcscore.errors import ApcscoreError
 
 TABULAR_SUFFIXES = (".parquet", ".csv")
 _LIST_FIELDS = ("choices", "prompt_token_ids", "stop", "messages")
+CSV_NUMBERS: dict[str, type] = {"answer": int, "max_tokens": int, "top_k": int, "seed": int,
+                                "temperature": float, "top_p": float}  # what a CSV cell of the field is read as
+_INT = re.compile(r"[+-]?[0-9]+")
 
 
 def parse_columns(spec: str | None) -> dict[str, str]:
@@ -84,10 +96,7 @@ def _table_rows(path: Path) -> list[dict[str, Any]]:
             import pyarrow.parquet as pq
 
             return pq.read_table(name).to_pylist()
-        import pyarrow.csv as pacsv
-
-        # an empty cell is null, so absent: CSV cannot tell an empty string from a missing value
-        return pacsv.read_csv(name, convert_options=pacsv.ConvertOptions(strings_can_be_null=True)).to_pylist()
+        return _csv_rows(path)
     except ApcscoreError:
         raise
     except FileNotFoundError:
@@ -96,20 +105,70 @@ def _table_rows(path: Path) -> list[dict[str, Any]]:
         raise ApcscoreError(f"cannot read {name}: {type(exc).__name__}: {exc}") from None
 
 
-def _cell(key: str, value: Any) -> Any:
-    """A CSV cell holding a JSON list for a list field becomes the list."""
-    if key in _LIST_FIELDS and isinstance(value, str) and value.lstrip().startswith("["):
+def _csv_header(path: Path) -> list[str]:
+    """The header's column names; duplicate names are refused (the file and the column)."""
+    with path.open(newline="", encoding="utf-8-sig") as f:
+        names = next(csv.reader(f), [])
+    seen: set[str] = set()
+    for position, column in enumerate(names, start=1):
+        if column in seen:
+            raise ApcscoreError(f"{path}: the header names column {column!r} twice (column {position} and column "
+                                f"{names.index(column) + 1}); rename one of them, or remove it")
+        seen.add(column)
+    return names
+
+
+def _csv_rows(path: Path) -> list[dict[str, Any]]:
+    """Every cell a string (CSV_NUMBERS are converted later, by field), only an empty cell null, quoted newlines
+    kept, blocks large enough for the largest cell (the whole file, at most 1 GiB: a row may not straddle two)."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    names = _csv_header(path)
+    block = min(max(path.stat().st_size + 1, 1 << 20), 1 << 30)
+    table = pacsv.read_csv(
+        str(path),
+        read_options=pacsv.ReadOptions(block_size=block),
+        parse_options=pacsv.ParseOptions(newlines_in_values=True),
+        convert_options=pacsv.ConvertOptions(column_types={n: pa.string() for n in names}, null_values=[""],
+                                             strings_can_be_null=True, quoted_strings_can_be_null=True))
+    return table.to_pylist()
+
+
+def _number(kind: type, text: str) -> Any:
+    """A CSV cell of a numeric field as its number; text that is no such number stays text (the record checks
+    then say what the field must be)."""
+    try:
+        if _INT.fullmatch(text.strip()):
+            return int(text)
+        number = float(text) if kind is float else None
+        return number if number is not None and math.isfinite(number) else text
+    except ValueError:
+        return text
+
+
+def _cell(field: str, value: Any, csv_text: bool) -> Any:
+    """A cell holding a JSON list for a list field becomes the list; a CSV cell of a numeric field its number."""
+    if not isinstance(value, str):
+        return value
+    if field in _LIST_FIELDS and value.lstrip().startswith("["):
         try:
             return json.loads(value)
         except json.JSONDecodeError:
             return value
+    if csv_text and field in CSV_NUMBERS:
+        return _number(CSV_NUMBERS[field], value)
     return value
 
 
-def read_table_records(path: Path) -> tuple[str, Iterator[tuple[int, dict[str, Any]]]]:
-    """(sha256 of the file or directory, (row number from 1, row without null cells) for each row)."""
+def read_table_records(path: Path, columns: dict[str, str] | None = None
+                       ) -> tuple[str, Iterator[tuple[int, dict[str, Any]]]]:
+    """(sha256 of the file or directory, (row number from 1, row without null cells) for each row). `columns`
+    (field -> column, as --columns) says which field a column's cells are read for."""
     rows = _table_rows(path)
     if not rows:
         raise ApcscoreError(f"{path} has no rows")
-    return _sha256(path), ((i, {k: _cell(k, v) for k, v in row.items() if v is not None})
+    field_of = {column: field for field, column in (columns or {}).items()}
+    csv_text = not path.is_dir() and path.suffix.lower() == ".csv"
+    return _sha256(path), ((i, {k: _cell(field_of.get(k, k), v, csv_text) for k, v in row.items() if v is not None})
                            for i, row in enumerate(rows, start=1))

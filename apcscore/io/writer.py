@@ -44,6 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
+from apcscore.io.provenance import bits_of, short
 from apcscore.io.tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
@@ -273,11 +274,14 @@ class ResultsWriter:
 
         differ = [k for k in resume_keys if not same(k)]
         if differ:
-            def short(v: Any) -> str:
-                text = json.dumps(v, ensure_ascii=False)
-                return text if len(text) <= 80 else text[:77] + "..."
-            details = "; ".join(f"{k}: partial {short(old_meta.get(k))}, this run {short(self._metadata.get(k))}"
-                                for k in differ)
+            def detail(k: str) -> str:
+                old, new = bits_of(k, old_meta.get(k)), bits_of(k, self._metadata.get(k))
+                if isinstance(old, dict) and isinstance(new, dict):  # name the fields that differ
+                    fields = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
+                    return "; ".join(f"{k}.{f}: partial {short(old.get(f), 80)}, this run {short(new.get(f), 80)}"
+                                     for f in fields)
+                return f"{k}: partial {short(old, 80)}, this run {short(new, 80)}"
+            details = "; ".join(detail(k) for k in differ)
             raise ApcscoreError(f"cannot resume {self.partial_path}: it was written by a different run "
                                 f"({details}); rerun with the same settings, or pass --overwrite to start over")
         old_schema = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))

@@ -25,18 +25,34 @@ from rich.table import Table
 
 from apcscore import __version__
 from apcscore.errors import ApcscoreError
+from apcscore.io.provenance import same_bits
 from apcscore.jobs.options import engine_config, resolve_options
 from apcscore.jobs.preflight import check_against_model, check_output
 
-RESUME_KEYS = ["command", "model", "dtype", "device", "attention_backend", "job", "dataset", "shard"]
+# what a resumed run must share with its partial (engine and numerics without the fields that do not change bits)
+RESUME_KEYS = ["command", "model", "dtype", "device", "attention_backend", "job", "dataset", "shard", "engine",
+               "numerics", "versions"]
 # columns too big to read back for the summary of a resumed run (no job's summary reads them)
 _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "completion_logprobs",
           "completion_ranks", "completion_top_ids", "completion_top_logprobs"}
 
 
 def same_dataset(old: dict, new: dict) -> bool:
-    """One dataset: equal content (sha256) and records read, wherever the path points or however it is spelled."""
-    return old.get("sha256") == new.get("sha256") and old.get("num_records") == new.get("num_records")
+    """One dataset: equal content (sha256), records read and --columns mapping, wherever the path points or
+    however it is spelled."""
+    return (old.get("sha256") == new.get("sha256") and old.get("num_records") == new.get("num_records")
+            and (old.get("columns") or {}) == (new.get("columns") or {}))
+
+
+RESUME_COMPARE = {"dataset": same_dataset, "engine": same_bits("engine"), "numerics": same_bits("numerics")}
+
+
+def dataset_metadata(data: Any, opts: dict) -> dict:
+    """The metadata's `dataset`: where, its content, the records read and the --columns mapping read with."""
+    from apcscore.io.tabular import parse_columns
+
+    return {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records,
+            "columns": parse_columns(opts.get("columns"))}
 
 
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
@@ -101,7 +117,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     job = _job_class(command)(engine, opts)
     metadata = run_metadata(command, engine, job, data, cfg, opts)
     writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
-                   resume_compare={"dataset": same_dataset})
+                   resume_compare=RESUME_COMPARE)
     if opts.get("shard"):  # one part of the dataset; its file has the extra column record_index
         from apcscore.scale.shard import ShardWriter, select_shard
 
@@ -264,7 +280,7 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts:
         "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
         "engine": {**cfg.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
         "job": job_meta,
-        "dataset": {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records},
+        "dataset": dataset_metadata(data, opts),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "triton": _package_version("triton")},
         # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")

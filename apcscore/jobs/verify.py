@@ -18,7 +18,7 @@ from apcscore.engine.sequence import Request, RequestOutput
 
 # RequestOutput arrays compared, by the name a mismatch reports
 _PROMPT = ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs", "positions")
-_OUTPUT = ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")
+_OUTPUT = ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")  # also of last-token alternatives
 
 
 def in_sample(seed: int, index: int, fraction: float) -> bool:
@@ -28,10 +28,13 @@ def in_sample(seed: int, index: int, fraction: float) -> bool:
 
 
 def result_arrays(out: RequestOutput) -> dict[str, np.ndarray]:
-    """Every result array of one output, by column name (prompt_*, completion_*), plus its error text."""
+    """Every result array of one output, by column name (prompt_*, alternatives_* for last-token alternatives,
+    completion_*), plus its error text."""
     arrays: dict[str, np.ndarray] = {"error": np.array([out.error or ""])}
     if out.prompt_logprobs is not None:
         arrays.update({f"prompt_{k}": getattr(out.prompt_logprobs, k) for k in _PROMPT})
+    if out.last_token_alternatives is not None:
+        arrays.update({f"alternatives_{k}": getattr(out.last_token_alternatives, k) for k in _OUTPUT})
     arrays["completion_token_ids"] = np.asarray(out.output_token_ids, dtype=np.int64)
     if out.output_logprobs is not None:
         arrays.update({f"completion_{k}": getattr(out.output_logprobs, k) for k in _OUTPUT if k != "token_ids"})

@@ -2,9 +2,9 @@
 
 Checks, before anything is written (each refusal is an ApcscoreError, exit 2, naming the files):
 - every file is a finished apcscore shard file (metadata `shard`, the `record_index` column);
-- all are shards of one dataset (content hash and record count), split the same way (count, partitioning,
-  block size, fingerprint of the assignment), under one configuration (`SAME_KEYS` of the metadata, the
-  engine settings but the auto-sized KV pool, the numerics but the thread count, which do not change bits);
+- all are shards of one dataset (content hash, record count, `--columns` mapping), split the same way (count,
+  partitioning, block size, fingerprint of the assignment), under one configuration (`SAME_KEYS` of the
+  metadata, the engine settings and numerics but the fields that do not change bits: io/provenance.py);
 - no shard is given twice and none is missing; their rows cover the dataset exactly once.
 
 The output: the shards' rows in dataset order without `record_index`, the command's schema, row groups of 256
@@ -14,17 +14,15 @@ timings) and `timings` summed over the shards (seconds add up machine time, not 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from apcscore.engine.numerics import bits_part
 from apcscore.errors import ApcscoreError
+from apcscore.io.provenance import bits_of, differing
 from apcscore.io.tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.scale.shard import SHARD_COLUMN
 
@@ -36,11 +34,14 @@ _SPLIT_KEYS = ("count", "partition", "block_size", "fingerprint")
 ROW_GROUP_SIZE = 256
 
 
-def _config(meta: dict) -> dict:
-    engine = {k: v for k, v in (meta.get("engine") or {}).items() if k != "num_kv_blocks"}
-    numerics = bits_part(meta.get("numerics"))
-    dataset = {k: (meta.get("dataset") or {}).get(k) for k in ("sha256", "num_records")}
-    return {**{k: meta.get(k) for k in SAME_KEYS}, "engine": engine, "numerics": numerics, "dataset": dataset}
+def configuration(meta: dict) -> dict:
+    """What must be equal in every shard: SAME_KEYS, engine and numerics as io/provenance compares them, and the
+    dataset's content, record count and --columns mapping."""
+    dataset = meta.get("dataset") or {}
+    return {**{k: meta.get(k) for k in SAME_KEYS}, "engine": bits_of("engine", meta.get("engine") or {}),
+            "numerics": bits_of("numerics", meta.get("numerics") or {}),
+            "dataset": {"sha256": dataset.get("sha256"), "num_records": dataset.get("num_records"),
+                        "columns": dataset.get("columns") or {}}}
 
 
 def _probe_failure(meta: dict) -> str | None:
@@ -48,11 +49,6 @@ def _probe_failure(meta: dict) -> str | None:
     numerics = meta.get("numerics") or {}
     probe = numerics.get("probe") or {}
     return numerics.get("reason") if probe and not probe.get("passed", True) else None
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value, ensure_ascii=False, sort_keys=True)
-    return text if len(text) <= 100 else text[:97] + "..."
 
 
 def check_shards(paths: list[Path]) -> list[dict]:
@@ -77,12 +73,12 @@ def check_shards(paths: list[Path]) -> list[dict]:
         metas.append(meta)
     first, first_path = metas[0], paths[0]
     for path, meta in zip(paths[1:], metas[1:]):
-        a, b = _config(first), _config(meta)
+        a, b = configuration(first), configuration(meta)
         differ = [k for k in a if a[k] != b[k]]
         if differ:
-            details = "; ".join(f"{k}: {first_path.name} {_short(a[k])}, {path.name} {_short(b[k])}" for k in differ)
             raise ApcscoreError(f"{path} and {first_path} are not shards of one dataset under one configuration "
-                                f"({details}); rerun the odd shard with the others' settings")
+                                f"({first_path.name} vs {path.name}: {'; '.join(differing(a, b, differ))}); rerun "
+                                "the odd shard with the others' settings")
         split_a = {k: first["shard"].get(k) for k in _SPLIT_KEYS}
         split_b = {k: meta["shard"].get(k) for k in _SPLIT_KEYS}
         if split_a != split_b:

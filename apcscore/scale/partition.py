@@ -24,6 +24,7 @@ its index) exists to measure what prefix-awareness buys.
 from __future__ import annotations
 
 import hashlib
+import heapq
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -76,27 +77,30 @@ def record_items(job: Any, records: Iterable[Any], invalid: Iterable[Any], block
     return items
 
 
-def _groups(items: list[Item], cap: int, depth: int) -> list[list[Item]]:
-    """Items grouped by their first `depth` blocks; heavy groups split deeper, then cut (see module doc)."""
+def _groups(items: list[Item], cap: int, depth: int) -> list[tuple[int, list[Item]]]:
+    """(load, items) of the groups of `items` by their first `depth` blocks; heavy groups split deeper, then cut
+    (see module doc). Linear in len(items) at each depth."""
     buckets: dict[Any, list[Item]] = {}
     for it in items:  # dicts keep insertion order: buckets come in order of their first record
         key = it.digests[depth - 1] if len(it.digests) >= depth else ("alone", it.index)
         buckets.setdefault(key, []).append(it)
-    out: list[list[Item]] = []
+    out: list[tuple[int, list[Item]]] = []
     for bucket in buckets.values():
         load = sum(it.load for it in bucket)
         if load <= cap or len(bucket) == 1:
-            out.append(bucket)
+            out.append((load, bucket))
         elif depth < MAX_DEPTH and any(len(it.digests) > depth for it in bucket):
             out.extend(_groups(bucket, cap, depth + 1))
         else:
             run: list[Item] = []
+            run_load = 0  # a running sum: summing the run again for each item is quadratic in a group's size
             for it in bucket:
-                if run and sum(x.load for x in run) + it.load > cap:
-                    out.append(run)
-                    run = []
+                if run and run_load + it.load > cap:
+                    out.append((run_load, run))
+                    run, run_load = [], 0
                 run.append(it)
-            out.append(run)
+                run_load += it.load
+            out.append((run_load, run))
     return out
 
 
@@ -109,13 +113,13 @@ def assign(items: list[Item], parts: int, method: str = "prefix") -> list[int]:
                 for it in items]
     total = sum(it.load for it in items)
     cap = max(1, -(-total // parts))
-    groups = _groups(items, cap, 1)
-    groups.sort(key=lambda g: (-sum(it.load for it in g), g[0].index))
-    loads = [0] * parts
+    weighed = _groups(items, cap, 1)
+    weighed.sort(key=lambda lg: (-lg[0], lg[1][0].index))
+    heap = [(0, p) for p in range(parts)]  # (load, part): the least-loaded part, ties to the lowest number
     part_of: dict[int, int] = {}
-    for group in groups:
-        target = min(range(parts), key=lambda p: (loads[p], p))
-        loads[target] += sum(it.load for it in group)
+    for load, group in weighed:
+        least, target = heapq.heappop(heap)
+        heapq.heappush(heap, (least + load, target))
         for it in group:
             part_of[it.index] = target
     return [part_of[it.index] for it in items]

@@ -12,11 +12,18 @@ How a run goes:
    order with the single run's schema and metadata, plus `ray` (address, replicas, the partition, per-replica
    counters). Apart from timings, the file equals a single run's bitwise (the batch-invariance contract).
 
-Faults: the actors are created with `max_restarts=-1` and `max_task_retries=-1`: Ray restarts a replica whose
-process died (its engine loads again) and runs its unfinished chunk again. A chunk's rows reach the writer only
-when the whole chunk has come back, and the writer refuses a record written twice, so no record is lost or
-duplicated. SIGINT / SIGTERM stop the driver after the chunks in hand: the finished rows are kept in
+Faults: the actors are created with `max_restarts=MAX_RESTARTS` and `max_task_retries=MAX_TASK_RETRIES`: Ray
+restarts a replica whose process died (its engine loads again) and runs its unfinished chunk again, a bounded
+number of times. A chunk's rows reach the writer only when the whole chunk has come back, and the writer refuses
+a record written twice, so no record is lost or duplicated. A chunk that still fails (a record that gets its
+worker killed every time, say by running out of memory) takes its replica down: the other replicas finish, the
+finished rows are kept in `<out>.partial`, the run names the records not run and why, and exits 1 (`--resume`
+retries them). SIGINT / SIGTERM stop the driver after the chunks in hand: the finished rows are kept in
 `<out>.partial` and `--resume` continues (the split is recomputed over the whole dataset, so it is the same).
+
+Provenance: every replica describes itself before any work; replicas that differ in what fixes the bits
+(merge.configuration: versions, numerics, engine settings, device ...) are refused, and each replica's
+device, numerics, versions and KV pool are recorded in `ray.per_replica`.
 
 Why plain actors and not Ray Data's `map_batches` with an actor pool (the issue's suggestion): an actor pool
 hands each block to whichever actor is free, so records of one prefix group would be scattered over replicas
@@ -42,13 +49,17 @@ from apcscore.io.reader import LoadedDataset
 from apcscore.io.writer import ResultsWriter
 from apcscore.jobs.options import engine_config
 from apcscore.jobs.preflight import check_against_model
-from apcscore.jobs.session import (RESUME_KEYS, _job_class, _observe_previous, add_timings, exit_code, print_summary,
-                                   same_dataset, start_session)
+from apcscore.io.provenance import differing
+from apcscore.jobs.session import (RESUME_COMPARE, RESUME_KEYS, _job_class, _observe_previous, add_timings,
+                                   dataset_metadata, exit_code, print_summary, start_session)
+from apcscore.scale.merge import configuration
 from apcscore.scale.replica import Replica
 from apcscore.scale.shard import split_dataset
 
 CHUNK_RECORDS = 64
 IN_FLIGHT = 2
+MAX_RESTARTS = 2  # times Ray restarts a replica whose process died
+MAX_TASK_RETRIES = 2  # times Ray runs a chunk again after its replica died
 _COUNTERS = ("prompt_tokens", "generated_tokens", "steps", "preemptions")
 
 
@@ -119,7 +130,8 @@ def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.get("device") != "cpu" else 0
     cpus = opts["cpus_per_replica"] if opts["cpus_per_replica"] is not None else 1
-    remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=-1, max_task_retries=-1)
+    remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                                         max_task_retries=MAX_TASK_RETRIES)
     load_start = time.perf_counter()
     actors = [remote.remote(command, opts) for _ in range(n)]
     try:
@@ -135,16 +147,17 @@ def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console
 def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts: dict, out: Path, console: Console,
            block_size: int, tokenizer: Any, resources: dict, load_start: float) -> int:
     """Split, feed the replicas, write their rows; the exit code."""
-    desc = _get(ray, actors[0].describe.remote())
+    descs = [_get(ray, ref) for ref in [a.describe.remote() for a in actors]]
+    desc = descs[0]
+    _check_replicas([d["metadata"] for d in descs])
     light = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(max_model_len=desc["max_model_len"]))
     job = _job_class(command)(light, opts)  # builds no requests here: it sees the rows, for the summary
     split = split_dataset(_job_class(command)(light, opts), data, len(actors), block_size, opts["partition"])
     metadata = dict(desc["metadata"], argv=sys.argv,
                     created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    dataset={"path": str(Path(data.path).resolve()), "sha256": data.sha256,
-                             "num_records": data.num_records})
+                    dataset=dataset_metadata(data, opts))
     writer = ResultsWriter(out, job.output_schema(), metadata, overwrite=opts["overwrite"], resume=opts["resume"],
-                           resume_keys=RESUME_KEYS, resume_compare={"dataset": same_dataset}, num_rows=data.num_records)
+                           resume_keys=RESUME_KEYS, resume_compare=RESUME_COMPARE, num_rows=data.num_records)
     sessions, previous = start_session(writer, metadata["created"])
     before = _observe_previous(job, writer)
     done = set(writer.done_indices)
@@ -161,11 +174,13 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         if rec.index not in done:
             mine[split.part_of[rec.index]].append(rec)
     queues = [[m[i:i + CHUNK_RECORDS] for i in range(0, len(m), CHUNK_RECORDS)] for m in mine]
-    pending: dict[Any, int] = {}
+    pending: dict[Any, tuple[int, list[Any]]] = {}
+    failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)
 
     def submit(r: int) -> None:
         if queues[r]:
-            pending[actors[r].run.remote(queues[r].pop(0))] = r
+            chunk = queues[r].pop(0)
+            pending[actors[r].run.remote(chunk)] = (r, chunk)
 
     stop: dict[str, Any] = {"signal": None}
 
@@ -184,8 +199,18 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         while pending and stop["signal"] is None:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
             for ref in ready:
-                r = pending.pop(ref)
-                for index, row in _get(ray, ref):
+                r, chunk = pending.pop(ref)
+                try:
+                    rows = _get(ray, ref)
+                except ApcscoreError as exc:
+                    if exc.exit_code != 1:  # a refusal, not a fault
+                        raise
+                    # retried MAX_TASK_RETRIES times: this replica is done; its other chunks are not run
+                    failed.append((r, chunk, str(exc)))
+                    failed.extend((r, later, "not run: its replica failed before") for later in queues[r])
+                    queues[r] = []
+                    continue
+                for index, row in rows:
                     emit(index, row)
                 submit(r)
             writer.flush_if_due()
@@ -198,20 +223,26 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         for s, h in old.items():
             signal.signal(s, h)
     run_seconds = time.perf_counter() - run_start
-    refs = [a.stats.remote() for a in actors]  # after an interrupt, a replica busy with a chunk is not waited for
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if stop["signal"] is None else 2.0)
-    stats = [_get(ray, ref) if ref in ready else None for ref in refs]
+    dead = {r for r, _, _ in failed}
+    refs = [a.stats.remote() for r, a in enumerate(actors) if r not in dead]  # after an interrupt, a replica busy
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if stop["signal"] is None else 2.0)  # is not awaited
+    alive = iter(_get(ray, ref) if ref in ready else None for ref in refs)
+    stats = [None if r in dead else next(alive) for r in range(len(actors))]
     got = [s for s in stats if s is not None]
     load_seconds = max((s["timings"]["load_seconds"] for s in got), default=0.0)
     timings = add_timings(previous.get("timings"), _sum_timings(got, load_seconds, run_seconds))
     per_replica = [{"replica": r, "records_assigned": split.records[r], "load_assigned": split.loads[r],
+                    **_described(descs[r]),
                     **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["timings"])}
-                       if s is not None else {"stats": "not available (interrupted while busy)"})}
+                       if s is not None else {"stats": "failed" if r in dead else
+                                              "not available (interrupted while busy)"})}
                    for r, s in enumerate(stats)]
     writer.update_metadata({"timings": timings, "ray": {
         "address": opts["ray"], "replicas": len(actors), **resources,
         "chunk_records": CHUNK_RECORDS, "partition": split.metadata(), "per_replica": per_replica,
         "setup_seconds": round(run_start - load_start, 3)}})
+    if failed:
+        return _report_failures(console, writer, failed, before[0] + counts["rows"])
     if stop["signal"] is not None:
         writer.flush()
         console.print(f"[yellow]interrupted:[/] {before[0] + counts['rows']} rows are saved in "
@@ -224,3 +255,38 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
         console.print(f"ray: {len(actors)} replicas; records per replica {split.records}", highlight=False)
     return exit_code(console, final, rows, errors)
+
+
+def _check_replicas(metas: list[dict]) -> None:
+    """Refuse replicas that would write one file of several configurations (other hardware, numerics, versions)."""
+    base = configuration(metas[0])
+    for r, meta in enumerate(metas[1:], start=1):
+        diff = differing(base, configuration(meta), base.keys())
+        if diff:
+            raise ApcscoreError(f"--ray: replica {r} does not run the configuration of replica 0 ("
+                                f"{'; '.join(diff)}), so their rows would differ in bits; run the replicas on one "
+                                "kind of machine and software (e.g. a Ray resource or node label per kind)")
+
+
+def _described(desc: dict) -> dict:
+    """What a replica's own metadata says about where it ran (recorded per replica)."""
+    meta = desc["metadata"]
+    return {"device": meta.get("device"), "numerics": meta.get("numerics"), "versions": meta.get("versions"),
+            "num_kv_blocks": (meta.get("engine") or {}).get("num_kv_blocks"), "started_pid": desc.get("pid")}
+
+
+def _report_failures(console: Console, writer: ResultsWriter, failed: list[tuple[int, list[Any], str]],
+                     saved: int) -> int:
+    """Chunks that failed after their retries: keep the finished rows, name the records not run and why; exit 1."""
+    writer.flush()
+    lines = []
+    for r, records, why in failed:
+        ids = [rec.id for rec in records]
+        shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+        lines.append(f"replica {r}: {len(ids)} records ({shown}): {why}")
+    missing = sum(len(records) for _, records, _ in failed)
+    console.print(f"[bold red]error:[/] --ray: {missing} records were not run (a chunk failed {MAX_TASK_RETRIES + 1} "
+                  f"times):\n" + escape("\n".join(lines)) + f"\n{saved} rows are saved in "
+                  f"{escape(str(writer.partial_path))}; fix the cause (e.g. memory) and rerun the same command plus "
+                  "--resume", highlight=False, soft_wrap=True)
+    return 1
