@@ -72,21 +72,19 @@ static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 /* Size in bytes of B packed: ceil(N/NR) * K * NR elements of its dtype. */
 int64_t apc_packed_b_bytes(int64_t n, int64_t k, int dtype) { return ((n + NR - 1) / NR) * k * NR * elem_size(dtype); }
 
+static void pack_b_range(const void *b, int dtype, int64_t n, int64_t k, int64_t stride_n, int64_t stride_k,
+                         void *packed, int64_t p0, int64_t p1);
+
 /* B [N, K] (strides in elements) -> panels [ceil(N/NR)][K][NR], same dtype, padding columns zero. */
 void apc_pack_b(const void *b, int dtype, int64_t n, int64_t k, int64_t stride_n, int64_t stride_k, void *packed,
                 int nthreads) {
-    int64_t panels = (n + NR - 1) / NR, es = elem_size(dtype);
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        char *dst = (char *)packed + p * k * NR * es;
-        for (int64_t kk = 0; kk < k; kk++) {
-            for (int64_t j = 0; j < NR; j++) {
-                int64_t col = p * NR + j;
-                char *d = dst + (kk * NR + j) * es;
-                if (col < n) memcpy(d, (const char *)b + (col * stride_n + kk * stride_k) * es, (size_t)es);
-                else memset(d, 0, (size_t)es);
-            }
-        }
+    int64_t panels = (n + NR - 1) / NR;
+    if (nthreads > panels) nthreads = (int)panels;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+        int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        pack_b_range(b, dtype, n, k, stride_n, stride_k, packed, panels * t / nt, panels * (t + 1) / nt);
     }
 }
 
@@ -272,14 +270,14 @@ void apc_gemm(int64_t m, int64_t n, int64_t k, const void *a, int a_dtype, int64
     }
 }
 
-/* B [N, K] (strides in elements) -> panels, one thread (apc_bmm packs each product's B itself). */
-static void pack_b_serial(const void *b, int dtype, int64_t n, int64_t k, int64_t stride_n, int64_t stride_k,
-                          void *packed) {
-    int64_t panels = (n + NR - 1) / NR, es = elem_size(dtype);
+/* Panels [p0, p1) of B [N, K] (strides in elements), one thread (apc_bmm packs each product's B itself). */
+static void pack_b_range(const void *b, int dtype, int64_t n, int64_t k, int64_t stride_n, int64_t stride_k,
+                         void *packed, int64_t p0, int64_t p1) {
+    int64_t es = elem_size(dtype);
     if (dtype == DT_F32) { /* the attention operands: typed copies, contiguous runs where a stride is 1 */
         const float *src = (const float *)b;
         float *dst = (float *)packed;
-        for (int64_t p = 0; p < panels; p++) {
+        for (int64_t p = p0; p < p1; p++) {
             int64_t cols = n - p * NR < NR ? n - p * NR : NR;
             float *d = dst + p * k * NR;
             if (stride_n == 1) {
@@ -297,7 +295,7 @@ static void pack_b_serial(const void *b, int dtype, int64_t n, int64_t k, int64_
         }
         return;
     }
-    for (int64_t p = 0; p < panels; p++) {
+    for (int64_t p = p0; p < p1; p++) {
         char *dst = (char *)packed + p * k * NR * es;
         for (int64_t kk = 0; kk < k; kk++) {
             for (int64_t j = 0; j < NR; j++) {
@@ -334,7 +332,7 @@ void apc_bmm(int64_t b0, int64_t b1, int64_t m, int64_t n, int64_t k,
         int64_t i0 = it / b1, i1 = it % b1;
         char *ws = base + (int64_t)omp_get_thread_num() * per_thread;
         void *bp = ws + MC * k * 4;
-        pack_b_serial((const char *)b + (i0 * sb0 + i1 * sb1) * bes, b_dtype, n, k, sb_n, sb_k, bp);
+        pack_b_range((const char *)b + (i0 * sb0 + i1 * sb1) * bes, b_dtype, n, k, sb_n, sb_k, bp, 0, panels);
         gemm_panels(m, n, k, (const char *)a + (i0 * sa0 + i1 * sa1) * aes, a_dtype, sa_m, sa_k, bp, b_dtype,
                     c + i0 * sc0 + i1 * sc1, ldc, (float *)ws, 0, panels, simd);
     }
