@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
@@ -20,17 +19,16 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.gemm_probe import probe_model
+from apcscore.engine.gemm_probe import check_batch_invariance
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner, StepOutput
-from apcscore.engine.numerics import describe_numerics
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.score_store import ScoreStore, store_bytes_per_block
 from apcscore.engine.sequence import (PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs,
                                       request_problem)
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import check_architecture, choose_model_backend
-from apcscore.models.backend import Backend, linear_construction, select_backend
+from apcscore.models.backend import Backend, select_backend
 from apcscore.models.decoders import decoder_class
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import eos_token_ids
@@ -89,28 +87,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return DTYPES[dtype]
-
-
-def check_batch_invariance(model: LlamaDecoder, backend: Backend, config: EngineConfig,
-                           device: torch.device) -> dict:
-    """Probe the linear construction on this machine (apcscore.engine.gemm_probe) and return the numerics
-    metadata. Where batch invariance was asked for but does not hold: one warning, and --exact-reuse refused."""
-    probe, reason = None, None
-    if backend.batch_invariant:
-        result = probe_model(model, backend.linear, config.max_batch_tokens)
-        probe = result.to_dict()
-        if not result.passed:
-            reason = (f"the start-up probe found this machine's linear layer not batch-invariant: {result.reason} "
-                      f"({linear_construction(backend.linear)})")
-            if config.exact_reuse:
-                raise ApcscoreError(f"--exact-reuse needs batch invariance, and {reason}; drop --exact-reuse "
-                                    "(and --verify-reuse, which checks it)")
-            warnings.warn(f"{reason}: a record's scores may depend on what shares its steps, and the run "
-                          "metadata says numerics.batch_invariant = false", stacklevel=3)
-    else:
-        reason = "turned off (--no-batch-invariant)"
-    return describe_numerics(device, backend.batch_invariant and reason is None, linear_construction(backend.linear),
-                             probe, reason)
 
 
 class Engine:
