@@ -24,18 +24,8 @@ def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return fixed_order_bmm(a, b).view(*lead, m, n)
 
 
-_FIXED_ORDER: bool | None = None  # whether the kernel builds here (asked once)
-
-
 def fixed_order_available() -> bool:
     """Whether the fixed-order CPU kernel builds here (else torch.matmul, and the engine's probe says so)."""
-    global _FIXED_ORDER
-    if _FIXED_ORDER is None:
-        from apcscore.kernels.cpu_gemm import CpuGemmUnavailable, library
+    from apcscore.kernels.cpu_gemm import available
 
-        try:
-            library()
-            _FIXED_ORDER = True
-        except CpuGemmUnavailable:
-            _FIXED_ORDER = False
-    return _FIXED_ORDER
+    return available()

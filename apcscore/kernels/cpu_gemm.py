@@ -21,6 +21,7 @@ afterwards (round to nearest even, element by element); a bias is added afterwar
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -102,6 +103,16 @@ def library() -> ctypes.CDLL:
         lib.apc_bmm.restype = None
         _lib = lib
     return _lib
+
+
+@functools.lru_cache(maxsize=1)
+def available() -> bool:
+    """Whether the kernel builds and loads here (asked once per process; library() says why not)."""
+    try:
+        library()
+        return True
+    except CpuGemmUnavailable:
+        return False
 
 
 def simd_level() -> str:
