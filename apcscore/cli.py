@@ -131,7 +131,7 @@ def _error(exc: ApcscoreError) -> typer.Exit:
 # ---- commands -----------------------------------------------------------------------------------
 def _run(command: str, params: dict[str, Any]) -> None:
     """Run a command from its parameters (`locals()` of the command function); ApcscoreError -> clear exit."""
-    from apcscore.jobs.session import run_command
+    from apcscore.run.driver import run_command
 
     options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
     try:

@@ -13,7 +13,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import differing
 from apcscore.io.tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.session import RESUME_COMPARE, RESUME_KEYS
+from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
 from apcscore.scale.merge import check_shards
 
 SCHEMA = pa.schema([pa.field("id", pa.string())])

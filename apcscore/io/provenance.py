@@ -60,3 +60,16 @@ def differing(a: dict, b: dict, keys: Iterable[str]) -> list[str]:
         else:
             out.append(f"{key}: {short(x)} vs {short(y)}")
     return out
+
+
+def same_dataset(old: dict, new: dict) -> bool:
+    """One dataset: equal content (sha256), records read and --columns mapping, wherever the path points or
+    however it is spelled."""
+    return (old.get("sha256") == new.get("sha256") and old.get("num_records") == new.get("num_records")
+            and (old.get("columns") or {}) == (new.get("columns") or {}))
+
+
+# what a resumed run must share with its partial (engine and numerics without the fields that do not change bits)
+RESUME_KEYS = ["command", "model", "dtype", "device", "attention_backend", "job", "dataset", "shard", "engine",
+               "numerics", "versions"]
+RESUME_COMPARE = {"dataset": same_dataset, "engine": same_bits("engine"), "numerics": same_bits("numerics")}

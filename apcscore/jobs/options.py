@@ -194,9 +194,6 @@ def check_scale_options(opts: dict[str, Any]) -> None:
     if opts.get("shard") is not None:
         raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its replicas "
                             "itself; --shard is for array jobs without Ray — pass only one")
-    if opts.get("verify_reuse"):
-        raise ApcscoreError("--verify-reuse is not supported with --ray yet; run the check in one process or on a "
-                            "--shard")
 
 
 def engine_config(opts: dict[str, Any]) -> EngineConfig:

@@ -1,40 +1,19 @@
-"""Run a job over a dataset: records -> engine -> rows -> results writer, with progress and interrupts.
+"""Records -> engine -> rows, in this process: the rows of a job's records as the engine finishes them.
 
-Every record yields exactly one row: invalid records (with --skip-invalid), records whose requests cannot
-be built, and requests the engine refuses all become `status = "error"` rows. SIGINT/SIGTERM stop the run
-after the current step; what finished is flushed to the partial file so `--resume` can continue.
+Every record yields exactly one row: records whose requests cannot be built and requests the engine refuses
+become `status = "error"` rows (invalid records are the driver's: they need no engine). `tick` is called
+after every engine step and every row; it may raise (the driver's interrupt), which ends the run after the
+current step.
 """
 
 from __future__ import annotations
 
-import signal
-import time
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Iterator
-
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from typing import Any, Callable, Iterator
 
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
-from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
-from apcscore.io.writer import ResultsWriter
 from apcscore.jobs.base import Job
-
-
-class Interrupted(Exception):
-    """Raised inside the engine loop when SIGINT or SIGTERM arrived."""
-
-
-@dataclass
-class RunResult:
-    out_path: Path
-    num_rows: int
-    num_errors: int
-    seconds: float
-    interrupted: bool
 
 
 class _RecordGroup:
@@ -47,33 +26,19 @@ class _RecordGroup:
         self.error: str | None = None
 
 
-def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Console,
-            show_progress: bool, verifier: Any = None, handle_signals: bool = True) -> RunResult:
-    """Run every record not done yet; `verifier` (jobs/verify.ReuseVerifier) sees each request and output.
-    `handle_signals=False` leaves SIGINT/SIGTERM alone (a Ray replica: its driver handles them)."""
-    engine = job.engine
-    done = set(getattr(writer, "done_indices", set()))
-    todo = [r for r in dataset.records if r.index not in done]
-    invalid = [r for r in dataset.invalid if r.index not in done]
+def run_records(job: Job, engine: Any, records: list[Record], tick: Callable[[], None] | None = None,
+                verifier: Any = None) -> Iterator[tuple[int, dict]]:
+    """(dataset position, finished row) of every record, in completion order. `verifier`
+    (jobs/verify.ReuseVerifier) sees each request and output."""
     groups: dict[int, _RecordGroup] = {}
-    counts = {"rows": 0, "errors": 0}
-    stop = {"signal": None}
-
-    def emit(record: Record, row: dict) -> None:
-        index = record.index
-        row = job.finish_row(record, row)
-        writer.add(index, row)
-        job.observe(row)
-        counts["rows"] += 1
-        counts["errors"] += row.get("status") == "error"
-        progress.update(task, advance=1)
+    failed: list[tuple[Record, str]] = []  # records whose requests could not be built, not yielded yet
 
     def requests() -> Iterator[Request]:
-        for record in todo:
+        for record in records:
             try:
                 reqs = job.requests(record)
             except ApcscoreError as exc:
-                emit(record, job.error_row(record.id, str(exc)))
+                failed.append((record, str(exc)))
                 continue
             groups[record.index] = _RecordGroup(record, len(reqs))
             for j, req in enumerate(reqs):
@@ -82,57 +47,30 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
                     verifier.observe_request(record.index, record.id, req)
                 yield req
 
+    def finished_failures() -> Iterator[tuple[int, dict]]:
+        while failed:
+            record, message = failed.pop(0)
+            yield record.index, job.finish_row(record, job.error_row(record.id, message))
+
     def on_step(_engine: Any) -> None:
-        writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
-        stats = _engine.stats
-        bm = _engine.block_manager
-        progress.update(task, tok_s=stats.tokens_per_second, hit=bm.stats.hit_rate,
-                        kv=f"{bm.num_used_blocks}/{bm.num_blocks}")
-        if stop["signal"] is not None:
-            raise Interrupted()
+        if tick is not None:
+            tick()
 
-    def handler(signum, _frame) -> None:
-        stop["signal"] = signum
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)} if handle_signals else {}
-    progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[tok_s]:,.0f} tok/s  prefix hit {task.fields[hit]:.0%}  KV {task.fields[kv]}"),
-        console=console, disable=not show_progress, transient=False,
-    )
-    task = progress.add_task(job.command, total=len(todo) + len(invalid), tok_s=0.0, hit=0.0, kv="0/0")
-    started = time.perf_counter()
-    interrupted = False
-    try:
-        with progress:
-            for record in invalid:
-                emit(record, job.error_row(record.id, record.message))
-            for out in engine.run(requests(), on_step=on_step):
-                index, j = out.request_id
-                if verifier is not None:
-                    verifier.observe_output(out)
-                group = groups[index]
-                group.outputs[j] = out
-                group.remaining -= 1
-                if out.error and group.error is None:
-                    group.error = out.error
-                if group.remaining == 0:
-                    del groups[index]
-                    row = (job.error_row(group.record.id, group.error) if group.error
-                           else job.row(group.record, group.outputs))
-                    emit(group.record, row)
-                if stop["signal"] is not None:
-                    raise Interrupted()
-    except Interrupted:
-        interrupted = True
-    except BaseException:
-        writer.flush()  # keep every finished row, whatever went wrong
-        raise
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    seconds = time.perf_counter() - started
-    if interrupted:
-        writer.flush()
-    return RunResult(Path(writer.out_path) if hasattr(writer, "out_path") else Path(), counts["rows"],
-                     counts["errors"], seconds, interrupted)
+    for out in engine.run(requests(), on_step=on_step):
+        yield from finished_failures()
+        index, j = out.request_id
+        if verifier is not None:
+            verifier.observe_output(out)
+        group = groups[index]
+        group.outputs[j] = out
+        group.remaining -= 1
+        if out.error and group.error is None:
+            group.error = out.error
+        if group.remaining == 0:
+            del groups[index]
+            row = (job.error_row(group.record.id, group.error) if group.error
+                   else job.row(group.record, group.outputs))
+            yield index, job.finish_row(group.record, row)
+            if tick is not None:
+                tick()
+    yield from finished_failures()

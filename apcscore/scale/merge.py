@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import bits_of, differing
 from apcscore.io.tables import METADATA_KEY, dumps_metadata, read_run_metadata
+from apcscore.jobs.metadata import add_timings
 from apcscore.scale.shard import SHARD_COLUMN
 
 # metadata that must be equal in every shard (the run's configuration); "engine" and "numerics" are compared
@@ -121,8 +122,6 @@ def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple
         absent = sorted(set(range(total)) - seen)
         raise ApcscoreError(f"the shards' rows do not cover the dataset's {total} records exactly once ("
                             f"{dup} rows twice, {len(absent)} missing, e.g. {absent[:5]}); rerun the shards")
-    from apcscore.jobs.session import add_timings
-
     timings = None
     for m in metas:
         if m.get("timings"):

@@ -1,4 +1,5 @@
-"""`--ray ADDRESS`: score / perplexity / generate on Ray replicas; this process (the driver) writes the file.
+"""`--ray ADDRESS`: the Ray executor: score / perplexity / generate on Ray replicas, while this process (the
+one driver, run/driver.py) writes the file.
 
 How a run goes:
 1. The driver checks everything a single run checks (options, output, dataset, the model's config and
@@ -11,6 +12,8 @@ How a run goes:
    at a time; finished chunks' rows go through our ResultsWriter, which writes the one parquet file in dataset
    order with the single run's schema and metadata, plus `ray` (address, replicas, the partition, per-replica
    counters). Apart from timings, the file equals a single run's bitwise (the batch-invariance contract).
+4. With --verify-reuse each replica keeps its own seeded sample (the sample is a function of the record's
+   position, so it is the single run's) and re-scores it at the end; the reports are combined into one.
 
 Faults: the actors are created with `max_restarts=MAX_RESTARTS` and `max_task_retries=MAX_TASK_RETRIES`: Ray
 restarts a replica whose process died (its engine loads again) and runs its unfinished chunk again, a bounded
@@ -34,27 +37,17 @@ chunk-sized retries. Ray is imported only here, and only for `--ray`.
 
 from __future__ import annotations
 
-import signal
-import sys
 import time
-from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
-
-from rich.console import Console
-from rich.markup import escape
+from typing import Any, Callable, Iterator
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.reader import LoadedDataset
-from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.options import engine_config
-from apcscore.jobs.preflight import check_against_model
 from apcscore.io.provenance import differing
-from apcscore.jobs.session import (RESUME_COMPARE, RESUME_KEYS, _job_class, _observe_previous, add_timings,
-                                   dataset_metadata, exit_code, print_summary, start_session)
+from apcscore.io.reader import LoadedDataset
+from apcscore.jobs.metadata import add_timings
+from apcscore.jobs.verify import combine_reports
 from apcscore.scale.merge import configuration
 from apcscore.scale.replica import Replica
-from apcscore.scale.shard import split_dataset
+from apcscore.scale.shard import Split, split_dataset
 
 CHUNK_RECORDS = 64
 IN_FLIGHT = 2
@@ -105,98 +98,76 @@ def _get(ray: Any, ref: Any) -> Any:
 
 def _sum_timings(stats: list[dict], load_seconds: float, run_seconds: float) -> dict:
     """The replicas' counters added up, with the driver's wall-clock seconds (session_timings' format)."""
-    total = {"load_seconds": load_seconds, "run_seconds": run_seconds, **{k: 0 for k in _COUNTERS},
-             "prefix_cache": {"queried_tokens": 0, "hit_tokens": 0, "reusable_tokens": 0}}
+    total: dict = {"load_seconds": load_seconds, "run_seconds": run_seconds, **{k: 0 for k in _COUNTERS},
+                   "prefix_cache": {}}
     for s in stats:
         for k in _COUNTERS:
             total[k] += s["timings"][k]
-        for k in total["prefix_cache"]:
-            total["prefix_cache"][k] += s["timings"]["prefix_cache"][k]
+        for k, v in s["timings"]["prefix_cache"].items():
+            total["prefix_cache"][k] = total["prefix_cache"].get(k, 0) + v
     return total
 
 
-def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console: Console) -> int:
-    """Run `command` over `data` on Ray replicas and write `out`; return the exit code (as run_command does)."""
-    ray = import_ray()
-    from apcscore.models.locate import resolve_model
-    from apcscore.models.resolved import resolve_model_parts
+class RayExecutor:
+    """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
+    The executor interface is described in jobs/local.py."""
 
-    cfg = engine_config(opts)
-    parts = resolve_model_parts(resolve_model(opts["model"]).path)
-    data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
-    started_ray = connect(ray, opts["ray"])
-    n = int(opts["replicas"])
-    gpus = opts["gpus_per_replica"]
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.get("device") != "cpu" else 0
-    cpus = opts["cpus_per_replica"] if opts["cpus_per_replica"] is not None else 1
-    remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
-                                         max_task_retries=MAX_TASK_RETRIES)
-    load_start = time.perf_counter()
-    actors = [remote.remote(command, opts) for _ in range(n)]
-    try:
-        return _drive(ray, actors, command, data, opts, out, console, cfg.block_size, parts.tokenizer,
-                      {"gpus_per_replica": gpus, "cpus_per_replica": cpus}, load_start)
-    finally:
-        for actor in actors:
-            ray.kill(actor)
-        if started_ray:
-            ray.shutdown()
+    def __init__(self, command: str, opts: dict, cfg: Any, files: Any, parts: Any) -> None:
+        ray = self.ray = import_ray()
+        self.command, self.opts, self.block_size = command, opts, cfg.block_size
+        self.tokenizer = parts.tokenizer
+        self.warnings: list[tuple[str, bool]] = []
+        self.started_ray = connect(ray, opts["ray"])
+        gpus = opts["gpus_per_replica"]
+        if gpus is None:
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.get("device") != "cpu" else 0
+        cpus = opts["cpus_per_replica"] if opts["cpus_per_replica"] is not None else 1
+        self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
+        remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                                             max_task_retries=MAX_TASK_RETRIES)
+        self.load_start = time.perf_counter()
+        self.actors = [remote.remote(command, opts) for _ in range(int(opts["replicas"]))]
+        try:
+            self.descs = [_get(ray, ref) for ref in [a.describe.remote() for a in self.actors]]
+            _check_replicas([d["metadata"] for d in self.descs])
+        except BaseException:
+            self.close()
+            raise
+        self.max_model_len = self.descs[0]["max_model_len"]
+        self.split: Split | None = None
+        self.run_start = time.perf_counter()
+        self.failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)
 
+    def metadata(self, job: Any) -> dict:
+        return dict(self.descs[0]["metadata"])
 
-def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts: dict, out: Path, console: Console,
-           block_size: int, tokenizer: Any, resources: dict, load_start: float) -> int:
-    """Split, feed the replicas, write their rows; the exit code."""
-    descs = [_get(ray, ref) for ref in [a.describe.remote() for a in actors]]
-    desc = descs[0]
-    _check_replicas([d["metadata"] for d in descs])
-    light = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(max_model_len=desc["max_model_len"]))
-    job = _job_class(command)(light, opts)  # builds no requests here: it sees the rows, for the summary
-    split = split_dataset(_job_class(command)(light, opts), data, len(actors), block_size, opts["partition"])
-    metadata = dict(desc["metadata"], argv=sys.argv,
-                    created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    dataset=dataset_metadata(data, opts))
-    writer = ResultsWriter(out, job.output_schema(), metadata, overwrite=opts["overwrite"], resume=opts["resume"],
-                           resume_keys=RESUME_KEYS, resume_compare=RESUME_COMPARE, num_rows=data.num_records)
-    sessions, previous = start_session(writer, metadata["created"])
-    before = _observe_previous(job, writer)
-    done = set(writer.done_indices)
-    counts = {"rows": 0, "errors": 0}
+    def rows(self, job: Any, data: LoadedDataset, todo: list[Any],
+             tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:
+        """Split the whole dataset prefix-aware over the replicas (the same split on every resume), then feed
+        each its records not done yet in chunks; rows as chunks come back."""
+        self.split = split_dataset(job, data, len(self.actors), self.block_size, self.opts["partition"])
+        self.run_start = time.perf_counter()
+        return self._rows(todo, tick)
 
-    def emit(index: int, row: dict) -> None:
-        writer.add(index, row)
-        job.observe(row)
-        counts["rows"] += 1
-        counts["errors"] += row.get("status") == "error"
-
-    mine: list[list[Any]] = [[] for _ in actors]  # each replica's records not done yet, in dataset order
-    for rec in data.records:
-        if rec.index not in done:
+    def _rows(self, todo: list[Any], tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:
+        ray, actors, split = self.ray, self.actors, self.split
+        assert split is not None
+        mine: list[list[Any]] = [[] for _ in actors]  # each replica's records not done yet, in dataset order
+        for rec in todo:
             mine[split.part_of[rec.index]].append(rec)
-    queues = [[m[i:i + CHUNK_RECORDS] for i in range(0, len(m), CHUNK_RECORDS)] for m in mine]
-    pending: dict[Any, tuple[int, list[Any]]] = {}
-    failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)
+        queues = [[m[i:i + CHUNK_RECORDS] for i in range(0, len(m), CHUNK_RECORDS)] for m in mine]
+        pending: dict[Any, tuple[int, list[Any]]] = {}
 
-    def submit(r: int) -> None:
-        if queues[r]:
-            chunk = queues[r].pop(0)
-            pending[actors[r].run.remote(chunk)] = (r, chunk)
+        def submit(r: int) -> None:
+            if queues[r]:
+                chunk = queues[r].pop(0)
+                pending[actors[r].run.remote(chunk)] = (r, chunk)
 
-    stop: dict[str, Any] = {"signal": None}
-
-    def handler(signum, _frame) -> None:  # noqa: ANN001
-        stop["signal"] = signum
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    run_start = time.perf_counter()
-    try:
-        for rec in data.invalid:  # invalid records need no replica
-            if rec.index not in done:
-                emit(rec.index, job.finish_row(rec, job.error_row(rec.id, rec.message)))
         for r in range(len(actors)):
             for _ in range(IN_FLIGHT):
                 submit(r)
-        while pending and stop["signal"] is None:
+        while pending:
+            tick()  # the driver's interrupt stops here: the chunks in hand are written
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
             for ref in ready:
                 r, chunk = pending.pop(ref)
@@ -206,55 +177,70 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
                     if exc.exit_code != 1:  # a refusal, not a fault
                         raise
                     # retried MAX_TASK_RETRIES times: this replica is done; its other chunks are not run
-                    failed.append((r, chunk, str(exc)))
-                    failed.extend((r, later, "not run: its replica failed before") for later in queues[r])
+                    self.failed.append((r, chunk, str(exc)))
+                    self.failed.extend((r, later, "not run: its replica failed before") for later in queues[r])
                     queues[r] = []
                     continue
-                for index, row in rows:
-                    emit(index, row)
+                yield from rows
                 submit(r)
-            writer.flush_if_due()
-    except BaseException:
-        writer.flush()
-        if not writer.done_indices:
-            writer.abandon()
-        raise
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-    run_seconds = time.perf_counter() - run_start
-    dead = {r for r, _, _ in failed}
-    refs = [a.stats.remote() for r, a in enumerate(actors) if r not in dead]  # after an interrupt, a replica busy
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=None if stop["signal"] is None else 2.0)  # is not awaited
-    alive = iter(_get(ray, ref) if ref in ready else None for ref in refs)
-    stats = [None if r in dead else next(alive) for r in range(len(actors))]
-    got = [s for s in stats if s is not None]
-    load_seconds = max((s["timings"]["load_seconds"] for s in got), default=0.0)
-    timings = add_timings(previous.get("timings"), _sum_timings(got, load_seconds, run_seconds))
-    per_replica = [{"replica": r, "records_assigned": split.records[r], "load_assigned": split.loads[r],
-                    **_described(descs[r]),
-                    **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["timings"])}
-                       if s is not None else {"stats": "failed" if r in dead else
-                                              "not available (interrupted while busy)"})}
-                   for r, s in enumerate(stats)]
-    writer.update_metadata({"timings": timings, "ray": {
-        "address": opts["ray"], "replicas": len(actors), **resources,
-        "chunk_records": CHUNK_RECORDS, "partition": split.metadata(), "per_replica": per_replica,
-        "setup_seconds": round(run_start - load_start, 3)}})
-    if failed:
-        return _report_failures(console, writer, failed, before[0] + counts["rows"])
-    if stop["signal"] is not None:
-        writer.flush()
-        console.print(f"[yellow]interrupted:[/] {before[0] + counts['rows']} rows are saved in "
-                      f"{escape(str(writer.partial_path))}; continue with the same command plus --resume",
-                      highlight=False)
-        return 130
-    final = writer.close()
-    rows, errors = before[0] + counts["rows"], before[1] + counts["errors"]
-    if not opts["quiet"]:
-        print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
-        console.print(f"ray: {len(actors)} replicas; records per replica {split.records}", highlight=False)
-    return exit_code(console, final, rows, errors)
+
+    def progress(self) -> dict:
+        return {}
+
+    def _stats(self, interrupted: bool) -> list[dict | None]:
+        """Each replica's counters; None for a failed replica, or one still busy after an interrupt."""
+        ray, dead = self.ray, {r for r, _, _ in self.failed}
+        refs = [a.stats.remote() for r, a in enumerate(self.actors) if r not in dead]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0 if interrupted else None)
+        alive = iter(_get(ray, ref) if ref in ready else None for ref in refs)
+        return [None if r in dead else next(alive) for r in range(len(self.actors))]
+
+    def finish(self, interrupted: bool, run_seconds: float) -> tuple[dict, dict]:
+        stats = self._stats(interrupted)
+        got = [s for s in stats if s is not None]
+        load_seconds = max((s["timings"]["load_seconds"] for s in got), default=0.0)
+        dead = {r for r, _, _ in self.failed}
+        split = self.split
+        per_replica = [{"replica": r, "records_assigned": split.records[r] if split else 0,
+                        "load_assigned": split.loads[r] if split else 0, **_described(self.descs[r]),
+                        **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["timings"])}
+                           if s is not None else {"stats": "failed" if r in dead else
+                                                  "not available (interrupted while busy)"})}
+                       for r, s in enumerate(stats)]
+        ray_meta = {"address": self.opts["ray"], "replicas": len(self.actors), **self.resources,
+                    "chunk_records": CHUNK_RECORDS, "partition": split.metadata() if split else None,
+                    "per_replica": per_replica, "setup_seconds": round(self.run_start - self.load_start, 3)}
+        return _sum_timings(got, load_seconds, run_seconds), {"ray": ray_meta}
+
+    def verify(self) -> dict | None:
+        """The replicas' --verify-reuse reports as one."""
+        if not self.opts.get("verify_reuse"):
+            return None
+        dead = {r for r, _, _ in self.failed}
+        reports = [_get(self.ray, a.verify.remote()) for r, a in enumerate(self.actors) if r not in dead]
+        return combine_reports([r for r in reports if r is not None])
+
+    def failure(self) -> str | None:
+        """Chunks that failed after their retries: the records not run and why."""
+        if not self.failed:
+            return None
+        lines = []
+        for r, records, why in self.failed:
+            ids = [rec.id for rec in records]
+            shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+            lines.append(f"replica {r}: {len(ids)} records ({shown}): {why}")
+        missing = sum(len(records) for _, records, _ in self.failed)
+        return (f"--ray: {missing} records were not run (a chunk failed {MAX_TASK_RETRIES + 1} times):\n"
+                + "\n".join(lines))
+
+    def closing_line(self) -> str | None:
+        return f"ray: {len(self.actors)} replicas; records per replica {self.split.records if self.split else []}"
+
+    def close(self) -> None:
+        for actor in self.actors:
+            self.ray.kill(actor)
+        if self.started_ray:
+            self.ray.shutdown()
 
 
 def _check_replicas(metas: list[dict]) -> None:
@@ -273,20 +259,3 @@ def _described(desc: dict) -> dict:
     meta = desc["metadata"]
     return {"device": meta.get("device"), "numerics": meta.get("numerics"), "versions": meta.get("versions"),
             "num_kv_blocks": (meta.get("engine") or {}).get("num_kv_blocks"), "started_pid": desc.get("pid")}
-
-
-def _report_failures(console: Console, writer: ResultsWriter, failed: list[tuple[int, list[Any], str]],
-                     saved: int) -> int:
-    """Chunks that failed after their retries: keep the finished rows, name the records not run and why; exit 1."""
-    writer.flush()
-    lines = []
-    for r, records, why in failed:
-        ids = [rec.id for rec in records]
-        shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
-        lines.append(f"replica {r}: {len(ids)} records ({shown}): {why}")
-    missing = sum(len(records) for _, records, _ in failed)
-    console.print(f"[bold red]error:[/] --ray: {missing} records were not run (a chunk failed {MAX_TASK_RETRIES + 1} "
-                  f"times):\n" + escape("\n".join(lines)) + f"\n{saved} rows are saved in "
-                  f"{escape(str(writer.partial_path))}; fix the cause (e.g. memory) and rerun the same command plus "
-                  "--resume", highlight=False, soft_wrap=True)
-    return 1

@@ -1,0 +1,90 @@
+"""The local executor: one engine in this process runs the records (the run without `--ray`).
+
+An executor is where a run's records become rows; the driver (run/driver.py) owns everything around it:
+the writer, resume, signals, progress, the summary and the exit code. The other executor is
+scale/ray_run.RayExecutor. Both offer:
+
+- `tokenizer`, `max_model_len`: what a job is built from;
+- `warnings`: (text, soft_wrap) lines the driver prints after loading;
+- `metadata(job)`: the run metadata as the engine side knows it (the driver adds argv, created, dataset);
+- `rows(job, data, todo, tick)`: (dataset position, row) pairs of the records `todo` of `data`, in
+  completion order; `tick()` is called often and may raise to stop;
+- `progress()`: the progress bar's fields; `finish(interrupted, run_seconds)`: (this session's timings,
+  extra metadata); `verify()`: the --verify-reuse report or None; `failure()`: why records were not run,
+  or None; `closing_line()`: a line for after the summary, or None; `close()`.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import Any, Callable, Iterator
+
+from apcscore.config import EngineConfig
+from apcscore.io.reader import LoadedDataset
+from apcscore.io.schemas import Record
+from apcscore.jobs.base import Job
+from apcscore.jobs.metadata import run_metadata, session_timings
+from apcscore.jobs.runner import run_records
+
+
+class LocalExecutor:
+    """One engine, loaded from the already resolved model files and parts."""
+
+    def __init__(self, command: str, opts: dict, cfg: EngineConfig, files: Any, parts: Any) -> None:
+        from apcscore.engine.engine import Engine
+        from apcscore.engine.hf_engine import NO_CACHE_WARNING
+
+        self.command, self.opts, self.cfg = command, opts, cfg
+        started = time.perf_counter()
+        with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
+            warnings.filterwarnings("ignore", message="the start-up probe")
+            self.engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
+        self.load_seconds = time.perf_counter() - started
+        self.tokenizer = self.engine.tokenizer
+        self.max_model_len = self.engine.info.max_model_len
+        engine = self.engine
+        native = getattr(engine, "model_backend", "native") == "native"
+        self.warnings: list[tuple[str, bool]] = [(w, True) for w in files.warnings]  # GGUF reading left out
+        if not native:
+            self.warnings.append((NO_CACHE_WARNING, True))
+        if cfg.batch_invariant and not engine.batch_invariant and native:
+            # (--exact-reuse, which --verify-reuse needs, was refused by the engine)
+            self.warnings.append((f"{engine.numerics['reason']}: a record's scores may depend on what shares its "
+                                  "steps (metadata numerics.batch_invariant = false)", True))
+        if engine.info.sliding_window:
+            self.warnings.append((f"the model's sliding attention window is not implemented: the context is capped "
+                                  f"at its {engine.info.sliding_window} tokens (longer prompts are refused or "
+                                  "truncated)", False))
+        self.verifier = None
+        if opts.get("verify_reuse"):
+            from apcscore.jobs.verify import ReuseVerifier
+
+            self.verifier = ReuseVerifier(opts["verify_reuse"], cfg.seed)
+
+    def metadata(self, job: Job) -> dict:
+        return run_metadata(self.command, self.engine, job, self.cfg, self.opts)
+
+    def rows(self, job: Job, data: LoadedDataset, todo: list[Record],
+             tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:
+        return run_records(job, self.engine, todo, tick, self.verifier)
+
+    def progress(self) -> dict:
+        stats, bm = self.engine.stats, self.engine.block_manager
+        return {"tok_s": stats.tokens_per_second, "hit": bm.stats.hit_rate,
+                "kv": f"{bm.num_used_blocks}/{bm.num_blocks}"}
+
+    def finish(self, interrupted: bool, run_seconds: float) -> tuple[dict, dict]:
+        return session_timings(self.engine, self.load_seconds, run_seconds), {}
+
+    def verify(self) -> dict | None:
+        return self.verifier.check(self.engine) if self.verifier is not None else None
+
+    def failure(self) -> str | None:
+        return None
+
+    def closing_line(self) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass

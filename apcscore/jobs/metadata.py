@@ -1,0 +1,97 @@
+"""What a run's file records about itself (the parquet key `apcscore`, io/writer.METADATA_KEY): the run
+metadata of one engine, the dataset, and the `timings` of all the sessions that wrote the file.
+
+Built here, below the driver and the Ray replicas, so that a replica describes itself exactly as a single
+process would (scale/replica.py) and the driver adds what only it knows (argv, created, dataset).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from apcscore import __version__
+from apcscore.io.tabular import parse_columns
+
+
+def dataset_metadata(data: Any, opts: dict) -> dict:
+    """The metadata's `dataset`: where, its content, the records read and the --columns mapping read with."""
+    return {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records,
+            "columns": parse_columns(opts.get("columns"))}
+
+
+def now() -> str:
+    """The metadata's `created`: UTC, to the second."""
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: dict, dataset: dict | None = None) -> dict:
+    """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
+    import torch
+    import transformers
+
+    info = engine.info
+    tok = engine.tokenizer
+    job_meta = job.metadata()
+    if command in ("score", "generate"):
+        job_meta["truncate"] = opts.get("truncate")
+    return {
+        "apcscore_version": __version__,
+        "command": command,
+        "argv": sys.argv,
+        "created": now(),
+        "model": {"name": info.name, "path": info.path, "architecture": info.architecture,
+                  "fingerprint": info.fingerprint, "vocab_size": info.vocab_size,
+                  "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
+                  "context_capped_by_sliding_window": info.sliding_window},
+        "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
+                      "vocab_size": len(tok)},
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "device": str(engine.device),
+        "attention_backend": engine.attention_backend,
+        "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
+        "engine": {**cfg.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
+        "job": job_meta,
+        "dataset": dataset,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "triton": package_version("triton")},
+        # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
+        "numerics": engine.numerics,
+    }
+
+
+def package_version(name: str) -> str | None:
+    """An installed distribution's version without importing it (None when absent)."""
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
+def session_timings(engine: Any, load_seconds: float, run_seconds: float) -> dict:
+    """This session's timings and engine counters."""
+    stats, bm = engine.stats, engine.block_manager
+    return {"load_seconds": load_seconds, "run_seconds": run_seconds, "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens, "steps": stats.steps, "preemptions": stats.preemptions,
+            "prefix_cache": {"queried_tokens": bm.stats.queried_tokens, "hit_tokens": bm.stats.hit_tokens,
+                             "reusable_tokens": bm.stats.reusable_tokens,
+                             "score_store_hits": bm.stats.score_store_hits}}
+
+
+def add_timings(previous: dict | None, now: dict) -> dict:
+    """Timings of all sessions: counters and seconds added up, rates recomputed from the sums."""
+    total = {k: v for k, v in now.items() if k != "prefix_cache"}
+    pc = dict(now["prefix_cache"])
+    if isinstance(previous, dict):
+        for key in total:
+            total[key] += previous.get(key) or 0
+        for key in pc:
+            pc[key] += (previous.get("prefix_cache") or {}).get(key) or 0
+    tokens = total["prompt_tokens"] + total["generated_tokens"]
+    total["tokens_per_second"] = round(tokens / total["run_seconds"], 1) if total["run_seconds"] else 0.0
+    total["load_seconds"], total["run_seconds"] = round(total["load_seconds"], 3), round(total["run_seconds"], 3)
+    pc["hit_rate"] = round(pc["hit_tokens"] / pc["queried_tokens"], 4) if pc["queried_tokens"] else 0.0
+    return {**total, "prefix_cache": pc}

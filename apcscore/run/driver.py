@@ -1,0 +1,221 @@
+"""One run of score / generate / perplexity: check everything, start an executor, write its rows, summarise.
+
+Order: options (jobs/options.py) -> output location (jobs/preflight.py) -> dataset (io/reader.py) -> the
+model's config and tokenizer, and the records checked against them -> the executor (the weights load) ->
+rows -> final file. So every problem the user can fix is reported before the weights load.
+
+The executor is where records become rows: `jobs/local.LocalExecutor` (one engine here) or
+`scale/ray_run.RayExecutor` (`--ray`: engine replicas; this process writes the file). Everything else is
+written once, here: the writer (`--shard`'s included), resume, SIGINT/SIGTERM, progress, `--verify-reuse`,
+the summary and the exit code (0 done, 1 every record failed or records not run, 130 interrupted).
+
+A resumed run is one file written by several sessions: its metadata counts them (`sessions`, `resumed`),
+its `timings` add up every session that ended normally or by an interrupt (a killed session's are lost),
+and the summary describes the whole file, rows of earlier sessions included.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
+from apcscore.io.reader import LoadedDataset, load_dataset
+from apcscore.io.tabular import parse_columns
+from apcscore.io.writer import ResultsWriter
+from apcscore.jobs.metadata import add_timings, dataset_metadata, now
+from apcscore.jobs.options import engine_config, resolve_options
+from apcscore.jobs.preflight import check_against_model, check_output
+from apcscore.jobs.registry import job_class
+from apcscore.jobs.verify import describe
+from apcscore.run.summary import exit_code, print_interrupted, print_summary
+
+# columns too big to read back for the summary of a resumed run (no job's summary reads them)
+_HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "completion_logprobs",
+          "completion_ranks", "completion_top_ids", "completion_top_logprobs"}
+
+
+class Interrupted(Exception):
+    """Raised by the driver's tick when SIGINT or SIGTERM arrived."""
+
+
+def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
+                console: Console) -> int:
+    """Run `command`; return the exit code."""
+    from apcscore.models.locate import check_model_spec, resolve_model
+    from apcscore.models.resolved import resolve_model_parts
+
+    opts = resolve_options(command, cli_opts, config_path)
+    if command == "score" and opts["prompt_logprobs"] is None:
+        opts["prompt_logprobs"] = 0  # score always scores: own logprob and rank
+    cfg = engine_config(opts)
+    cfg.check_logprobs(opts.get("prompt_logprobs"), "--prompt-logprobs")
+    cfg.check_logprobs(opts.get("logprobs"), "--logprobs")
+    check_model_spec(opts["model"])
+    out, note = check_output(opts["out"], dataset, command, overwrite=opts["overwrite"], resume=opts["resume"])
+    data = load_dataset(dataset, command, skip_invalid=opts["skip_invalid"], limit=opts["limit"],
+                        columns=parse_columns(opts.get("columns")))
+    for warning in data.warnings:
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+    if note:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    quiet = opts["quiet"]
+    if opts.get("ray"):
+        from apcscore.scale.ray_run import RayExecutor as executor_class
+    else:
+        from apcscore.engine.engine import check_backend_device
+        from apcscore.jobs.local import LocalExecutor as executor_class
+
+        check_backend_device(cfg)
+    with console.status(f"loading {escape(opts['model'])} ...", spinner="dots") if not quiet else nullcontext():
+        files = resolve_model(opts["model"])
+        parts = resolve_model_parts(files.path)
+        data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
+        executor = executor_class(command, opts, cfg, files, parts)
+    try:
+        for text, soft_wrap in executor.warnings if not quiet else ():
+            console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)
+        return _drive(executor, command, opts, data, out, console)
+    finally:
+        executor.close()
+
+
+def _drive(executor: Any, command: str, opts: dict, data: LoadedDataset, out: Path, console: Console) -> int:
+    """Write the executor's rows of `data` to `out`; the exit code."""
+    make_job = lambda: job_class(command)(executor.tokenizer, executor.max_model_len, opts)  # noqa: E731
+    job = make_job()
+    metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
+    writer, data = _open_writer(make_job, data, out, metadata, opts)
+    sessions, previous = start_session(writer, metadata["created"])
+    before = observe_previous(job, writer)
+    quiet = opts["quiet"]
+    rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
+                                                     show_progress=not quiet and console.is_terminal)
+    this_session, extra = executor.finish(interrupted, seconds)
+    timings = add_timings(previous.get("timings"), this_session)
+    writer.update_metadata({"timings": timings, **extra})
+    rows, errors = before[0] + rows, before[1] + errors
+    if (failure := executor.failure()) is not None:
+        writer.flush()
+        console.print(f"[bold red]error:[/] {escape(failure)}\n{rows} rows are saved in "
+                      f"{escape(str(writer.partial_path))}; fix the cause (e.g. memory) and rerun the same command "
+                      "plus --resume", highlight=False, soft_wrap=True)
+        return 1
+    if interrupted:
+        print_interrupted(console, rows, writer.partial_path)
+        return 130
+    verified = executor.verify()
+    if verified is not None:
+        writer.update_metadata({"verify_reuse": verified})
+        if not quiet and not verified["mismatches"]:
+            console.print(f"verify-reuse: {escape(describe(verified))}", highlight=False)
+    final = writer.close()
+    if not quiet:
+        print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
+        if (line := executor.closing_line()) is not None:
+            console.print(line, highlight=False)
+    if verified is not None and verified["mismatches"]:
+        console.print(f"[bold red]error:[/] --verify-reuse: {len(verified['mismatches'])} of {verified['requests']} "
+                      f"re-scored requests differ from full recompute:\n{escape(describe(verified))}",
+                      highlight=False, soft_wrap=True)
+        return 1
+    return exit_code(console, final, rows, errors)
+
+
+def _open_writer(make_job: Any, data: LoadedDataset, out: Path, metadata: dict,
+                 opts: dict) -> tuple[Any, LoadedDataset]:
+    """The results writer and the records it takes: with --shard a ShardWriter and this shard's records (its
+    file has the extra column record_index), else a ResultsWriter and every record."""
+    writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
+                   resume_compare=RESUME_COMPARE)
+    schema = make_job().output_schema()
+    if not opts.get("shard"):
+        return ResultsWriter(out, schema, metadata, num_rows=data.num_records, **writing), data
+    from apcscore.scale.shard import ShardWriter, select_shard
+
+    data, metadata["shard"], indices = select_shard(make_job, data, opts["shard"], engine_config(opts).block_size,
+                                                    opts.get("partition") or "prefix")
+    return ShardWriter(out, schema, metadata, indices, **writing), data
+
+
+def start_session(writer: Any, created: str) -> tuple[int, dict]:
+    """Count this session in the writer's metadata (`sessions`, `resumed`); return (sessions, previous metadata)."""
+    previous = writer.previous_metadata or {}
+    sessions = int(previous.get("sessions", 1)) + 1 if writer.previous_metadata is not None else 1
+    writer.update_metadata({"sessions": sessions, "resumed": sessions > 1, "created": previous.get("created", created)})
+    return sessions, previous
+
+
+def observe_previous(job: Any, writer: Any) -> tuple[int, int]:
+    """Show the job the rows of earlier sessions (for the summary); return (rows, error rows)."""
+    rows = errors = 0
+    if writer.previous_metadata is None:
+        return rows, errors
+    for row in writer.previous_rows([c for c in writer.schema.names if c not in _HEAVY]):
+        job.observe(row)
+        rows += 1
+        errors += row.get("status") == "error"
+    return rows, errors
+
+
+def _write_rows(executor: Any, job: Any, data: LoadedDataset, writer: Any, console: Console,
+                show_progress: bool) -> tuple[int, int, float, bool]:
+    """Invalid records' error rows, then the executor's rows of the records not done yet, into the writer;
+    (rows, error rows, seconds, interrupted). SIGINT/SIGTERM stop it after the current engine step (or the
+    chunks in hand); whatever went wrong, every finished row is flushed to the partial file."""
+    done = set(writer.done_indices)
+    todo = [r for r in data.records if r.index not in done]
+    invalid = [r for r in data.invalid if r.index not in done]
+    counts = {"rows": 0, "errors": 0}
+    stop: dict[str, Any] = {"signal": None}
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        TextColumn("{task.fields[tok_s]:,.0f} tok/s  prefix hit {task.fields[hit]:.0%}  KV {task.fields[kv]}"),
+        console=console, disable=not show_progress, transient=False,
+    )
+    task = progress.add_task(job.command, total=len(todo) + len(invalid), tok_s=0.0, hit=0.0, kv="0/0")
+
+    def emit(index: int, row: dict) -> None:
+        writer.add(index, row)
+        job.observe(row)
+        counts["rows"] += 1
+        counts["errors"] += row.get("status") == "error"
+        progress.update(task, advance=1)
+
+    def tick() -> None:
+        writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
+        progress.update(task, **executor.progress())
+        if stop["signal"] is not None:
+            raise Interrupted()
+
+    def handler(signum: int, _frame: Any) -> None:
+        stop["signal"] = signum
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        with progress:
+            for rec in invalid:  # invalid records need no engine
+                emit(rec.index, job.finish_row(rec, job.error_row(rec.id, rec.message)))
+            for index, row in executor.rows(job, data, todo, tick):
+                emit(index, row)
+    except Interrupted:
+        interrupted = True
+        writer.flush()
+    except BaseException:
+        writer.flush()  # keep every finished row, whatever went wrong
+        writer.abandon()  # a run that failed before its first row leaves no partial to block the next one
+        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return counts["rows"], counts["errors"], time.perf_counter() - started, interrupted
