@@ -1,12 +1,15 @@
 """The package layout stays what docs/architecture.md describes: small modules, a small top level, no import
-cycles, and kernels as leaves."""
+cycle (function-level imports counted), packages importing only the layers below them (the table "Layers" of
+docs/architecture.md), no private name imported across packages, and kernels as leaves."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "apcscore"
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
 MAX_LINES = 350
 TOP_LEVEL = {"__init__.py", "__main__.py", "cli.py", "config.py", "errors.py"}
 
@@ -84,30 +87,88 @@ def test_top_level_holds_only_the_package_face_cli_config_and_errors() -> None:
     files = {p.name for p in PACKAGE.glob("*.py")}
     assert files == TOP_LEVEL, f"unexpected top-level modules: {sorted(files - TOP_LEVEL)}"
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models", "scale"}
+    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models", "run",
+                        "scale"}
 
 
-def test_the_module_level_import_graph_has_no_cycle() -> None:
-    graph = {m: {i for i in imports(m, module_level_only=True) if i in MODULES} for m in MODULES}
-    assert graph["apcscore.engine.engine"], "the import parser found nothing: it is broken"
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> modules it imports), or None."""
     state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []
 
-    def visit(m: str) -> None:
+    def visit(m: str) -> list[str] | None:
         state[m] = 1
         path.append(m)
         for n in sorted(graph[m]):
             if state.get(n) == 1:
-                cycle = path[path.index(n):] + [n]
-                raise AssertionError(f"import cycle: {' -> '.join(cycle)}")
-            if n not in state:
-                visit(n)
+                return path[path.index(n):] + [n]
+            if n not in state and (cycle := visit(n)):
+                return cycle
         path.pop()
         state[m] = 2
+        return None
 
     for m in sorted(graph):
-        if m not in state:
-            visit(m)
+        if m not in state and (cycle := visit(m)):
+            return cycle
+    return None
+
+
+def test_no_import_cycle_counting_function_level_imports() -> None:
+    graph = {m: {i for i in imports(m, module_level_only=False) if i in MODULES} for m in MODULES}
+    assert graph["apcscore.engine.engine"], "the import parser found nothing: it is broken"
+    cycle = find_cycle(graph)
+    assert cycle is None, f"import cycle: {' -> '.join(cycle or [])}"
+
+
+def test_find_cycle_finds_one() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def layer_rules() -> dict[str, set[str]]:
+    """docs/architecture.md's table "Layers": package -> the packages it may import (errors, config and the
+    package face are everyone's)."""
+    text = ARCHITECTURE.read_text(encoding="utf-8")
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    rules = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 2 and cells[0].startswith("`") and cells[0].endswith("/`"):
+            rules[cells[0].strip("`/")] = set(re.findall(r"`(\w+)/`", cells[1]))
+    return rules
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else ""
+
+
+def test_packages_import_only_the_layers_the_architecture_allows() -> None:
+    rules = layer_rules()
+    packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert set(rules) == packages, f"docs/architecture.md's Layers table lists {sorted(rules)}, not {sorted(packages)}"
+    broken = []
+    for m in MODULES:
+        own = package_of(m)
+        if not own:
+            continue
+        for i in imports(m, module_level_only=False):
+            other = package_of(i)
+            if other and other != own and other not in rules[own]:
+                broken.append(f"{m} imports {i}")
+    assert not broken, "imports the Layers table of docs/architecture.md does not allow:\n" + "\n".join(broken)
+
+
+def test_no_private_name_is_imported_across_packages() -> None:
+    offenders = []
+    for m, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("apcscore") and not node.level:
+                if package_of(node.module) != package_of(m) or not package_of(m):
+                    offenders += [f"{m}: {node.module}.{a.name}" for a in node.names
+                                  if a.name.startswith("_") and not a.name.startswith("__")]
+    assert not offenders, f"private names imported from another package: {offenders}"
 
 
 def test_kernels_import_nothing_from_apcscore_but_kernels() -> None:
