@@ -84,10 +84,9 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
 
     def on_step(_engine: Any) -> None:
         writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
-        stats = _engine.stats
-        bm = _engine.block_manager
-        progress.update(task, tok_s=stats.tokens_per_second, hit=bm.stats.hit_rate,
-                        kv=f"{bm.num_used_blocks}/{bm.num_blocks}")
+        counters = _engine.counters()
+        progress.update(task, tok_s=counters.tokens_per_second, hit=counters.hit_rate,
+                        kv=f"{counters.used_kv_blocks}/{counters.num_kv_blocks}")
         if stop["signal"] is not None:
             raise Interrupted()
 

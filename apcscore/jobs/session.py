@@ -82,7 +82,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
 
         return run_on_ray(command, data, opts, out, console)
 
-    from apcscore.engine.engine import Engine, check_backend_device
+    from apcscore.engine.loader import load_engine
+    from apcscore.engine.model_info import check_backend_device
     from apcscore.io.writer import ResultsWriter
     from apcscore.jobs.runner import run_job
     from apcscore.models.locate import resolve_model
@@ -97,7 +98,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         with warnings.catch_warnings():  # the probe's warning is printed below, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
+            engine = load_engine(opts["model"], cfg, resolved=(files, parts))
     load_seconds = time.perf_counter() - load_start
     for warning in files.warnings if not quiet else ():  # what transformers' GGUF reading left out
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
@@ -229,12 +230,7 @@ def _job_class(command: str) -> type:
 
 def session_timings(engine: Any, load_seconds: float, run_seconds: float) -> dict:
     """This session's timings and engine counters."""
-    stats, bm = engine.stats, engine.block_manager
-    return {"load_seconds": load_seconds, "run_seconds": run_seconds, "prompt_tokens": stats.prompt_tokens,
-            "generated_tokens": stats.generated_tokens, "steps": stats.steps, "preemptions": stats.preemptions,
-            "prefix_cache": {"queried_tokens": bm.stats.queried_tokens, "hit_tokens": bm.stats.hit_tokens,
-                             "reusable_tokens": bm.stats.reusable_tokens,
-                             "score_store_hits": bm.stats.score_store_hits}}
+    return engine.counters().to_timings(load_seconds, run_seconds)
 
 
 def add_timings(previous: dict | None, now: dict) -> dict:
@@ -278,7 +274,7 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts:
         "device": str(engine.device),
         "attention_backend": engine.attention_backend,
         "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
-        "engine": {**cfg.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
+        "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks},
         "job": job_meta,
         "dataset": dataset_metadata(data, opts),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,

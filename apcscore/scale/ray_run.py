@@ -44,6 +44,7 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
+from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.writer import ResultsWriter
@@ -60,7 +61,6 @@ CHUNK_RECORDS = 64
 IN_FLIGHT = 2
 MAX_RESTARTS = 2  # times Ray restarts a replica whose process died
 MAX_TASK_RETRIES = 2  # times Ray runs a chunk again after its replica died
-_COUNTERS = ("prompt_tokens", "generated_tokens", "steps", "preemptions")
 
 
 def import_ray() -> Any:
@@ -105,14 +105,7 @@ def _get(ray: Any, ref: Any) -> Any:
 
 def _sum_timings(stats: list[dict], load_seconds: float, run_seconds: float) -> dict:
     """The replicas' counters added up, with the driver's wall-clock seconds (session_timings' format)."""
-    total = {"load_seconds": load_seconds, "run_seconds": run_seconds, **{k: 0 for k in _COUNTERS},
-             "prefix_cache": {"queried_tokens": 0, "hit_tokens": 0, "reusable_tokens": 0}}
-    for s in stats:
-        for k in _COUNTERS:
-            total[k] += s["timings"][k]
-        for k in total["prefix_cache"]:
-            total["prefix_cache"][k] += s["timings"]["prefix_cache"][k]
-    return total
+    return sum((s["counters"] for s in stats), EngineCounters()).to_timings(load_seconds, run_seconds)
 
 
 def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console: Console) -> int:

@@ -40,7 +40,8 @@ class Replica:
     """An engine replica. `opts` are the run's resolved options (jobs/options.resolve_options)."""
 
     def __init__(self, command: str, opts: dict) -> None:
-        from apcscore.engine.engine import Engine, check_backend_device
+        from apcscore.engine.loader import load_engine
+        from apcscore.engine.model_info import check_backend_device
         from apcscore.jobs.options import engine_config
         from apcscore.jobs.session import _job_class
 
@@ -48,7 +49,7 @@ class Replica:
         self.cfg = engine_config(opts)
         check_backend_device(self.cfg)
         started = time.perf_counter()
-        self.engine = Engine.from_model(opts["model"], self.cfg)
+        self.engine = load_engine(opts["model"], self.cfg)
         self.load_seconds = time.perf_counter() - started
         self.job = _job_class(command)(self.engine, opts)
         self.run_seconds = 0.0
@@ -77,11 +78,13 @@ class Replica:
         return rows.rows
 
     def stats(self) -> dict:
-        """Counters of this replica since it (re)started: records, timings, prefix cache."""
+        """Counters of this replica since it (re)started: records, timings, prefix cache, and the engine's
+        counters (an EngineCounters, which the driver adds up)."""
         from apcscore.jobs.session import session_timings
 
         return {"pid": os.getpid(), "records": self.records, "started": self.started,
-                "timings": session_timings(self.engine, self.load_seconds, self.run_seconds)}
+                "timings": session_timings(self.engine, self.load_seconds, self.run_seconds),
+                "counters": self.engine.counters()}
 
     def pid(self) -> int:
         return os.getpid()
