@@ -1,5 +1,5 @@
-"""What both engines share (apcscore/engine/model_info.py, counters.py): the one context-length rule gives each
-engine the value its own formula gave before (issue 25, item 2), and EngineCounters add up field by field."""
+"""What both engines share (apcscore/engine/model_info.py, counters.py): the one context-length rule gives
+each engine the value its own formula gave before (issue 25, item 2); EngineCounters add up field by field."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ from apcscore.errors import ApcscoreError
 def native_before(hf_config: Any, config: EngineConfig, implements_window: bool) -> tuple[int, int | None]:
     """Engine.from_parts' formula before the shared rule: (max_model_len, recorded sliding_window)."""
     max_len = hf_config.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
+    on = getattr(hf_config, "use_sliding_window", True)
+    window = getattr(hf_config, "sliding_window", None) if on else None
     window = window if window and window < max_len else None
     window = None if implements_window else window
     if window:
@@ -41,11 +42,14 @@ NATIVE = [  # (config, the decoder implements the sliding window)
     (SimpleNamespace(max_position_embeddings=4096, sliding_window=4096), False),  # window = positions
     (SimpleNamespace(max_position_embeddings=4096, sliding_window=8192), False),  # window past positions
     (SimpleNamespace(max_position_embeddings=4096, sliding_window=None), False),
-    (SimpleNamespace(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False), False),  # Qwen2
-    (SimpleNamespace(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True), False),
+    (SimpleNamespace(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=False),
+     False),  # Qwen2
+    (SimpleNamespace(max_position_embeddings=32768, sliding_window=4096, use_sliding_window=True),
+     False),
     (SimpleNamespace(max_position_embeddings=8192, sliding_window=512), True),  # Gemma masks its window
 ]
-TRANSFORMERS = [SimpleNamespace(n_positions=1024), SimpleNamespace(max_position_embeddings=2048, n_positions=64),
+TRANSFORMERS = [SimpleNamespace(n_positions=1024),
+                SimpleNamespace(max_position_embeddings=2048, n_positions=64),
                 SimpleNamespace(max_position_embeddings=4096, sliding_window=1024)]
 CAPS = [None, 100, 1024, 1025, 4096, 100_000]
 
@@ -76,7 +80,8 @@ def test_context_length_needs_a_length() -> None:
 def test_counters_add_up_field_by_field() -> None:
     a = EngineCounters.of(EngineStats(steps=3, prompt_tokens=100, generated_tokens=7, finished=2, errors=1,
                                       preemptions=1, seconds=2.0),
-                          PrefixCacheStats(queried_tokens=90, hit_tokens=30, reusable_tokens=12, score_store_hits=5),
+                          PrefixCacheStats(queried_tokens=90, hit_tokens=30, reusable_tokens=12,
+                                           score_store_hits=5),
                           used_kv_blocks=4, num_kv_blocks=64)
     b = EngineCounters.of(EngineStats(steps=1, prompt_tokens=20, generated_tokens=3, seconds=0.5))
     total = a + b
@@ -93,9 +98,11 @@ def test_counters_add_up_field_by_field() -> None:
 
 def test_counters_give_the_metadata_timings() -> None:
     c = EngineCounters.of(EngineStats(steps=2, prompt_tokens=10, generated_tokens=4, preemptions=1),
-                          PrefixCacheStats(queried_tokens=8, hit_tokens=4, reusable_tokens=2, score_store_hits=1))
+                          PrefixCacheStats(queried_tokens=8, hit_tokens=4, reusable_tokens=2,
+                                           score_store_hits=1))
     t = c.to_timings(1.5, 3.0)
-    assert list(t) == ["load_seconds", "run_seconds", "prompt_tokens", "generated_tokens", "steps", "preemptions",
-                       "prefix_cache"]  # the metadata's key order
-    assert t["prefix_cache"] == {"queried_tokens": 8, "hit_tokens": 4, "reusable_tokens": 2, "score_store_hits": 1}
+    assert list(t) == ["load_seconds", "run_seconds", "prompt_tokens", "generated_tokens", "steps",
+                       "preemptions", "prefix_cache"]  # the metadata's key order
+    assert t["prefix_cache"] == {"queried_tokens": 8, "hit_tokens": 4, "reusable_tokens": 2,
+                                 "score_store_hits": 1}
     assert (t["load_seconds"], t["run_seconds"], t["prompt_tokens"], t["steps"]) == (1.5, 3.0, 10, 2)
