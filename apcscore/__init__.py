@@ -2,8 +2,8 @@
 
 The Python API the CLI itself uses::
 
-    from apcscore import Engine, EngineConfig, Request, SamplingParams
-    engine = Engine.from_model("smollm2-135m", EngineConfig())
+    from apcscore import EngineConfig, Request, SamplingParams, load_engine
+    engine = load_engine("smollm2-135m", EngineConfig())  # the native Engine, or the transformers fallback
     for out in engine.run([Request("a", engine.tokenizer("Hello").input_ids, prompt_logprobs=5)]):
         print(out.request_id, out.prompt_logprobs.token_logprobs)
 """
@@ -23,6 +23,7 @@ __all__ = [
     "SamplingParams",
     "TokenLogprobs",
     "__version__",
+    "load_engine",
 ]
 
 
@@ -32,4 +33,8 @@ def __getattr__(name: str):
         from apcscore.engine.engine import Engine
 
         return Engine
+    if name == "load_engine":
+        from apcscore.engine.loader import load_engine
+
+        return load_engine
     raise AttributeError(name)

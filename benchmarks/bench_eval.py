@@ -73,10 +73,10 @@ def load_side(side: str, model: str, device: str, dtype: str, batch_invariant: b
 
     if side == "apcscore":
         from apcscore.config import EngineConfig
-        from apcscore.engine import Engine
+        from apcscore.engine import load_engine
 
-        return Engine.from_model(model, EngineConfig(device=device, dtype=dtype, batch_invariant=batch_invariant,
-                                                     exact_reuse=exact_reuse))
+        return load_engine(model, EngineConfig(device=device, dtype=dtype, batch_invariant=batch_invariant,
+                                               exact_reuse=exact_reuse))
     from transformers import AutoModelForCausalLM
 
     from apcscore.models.loading import load_tokenizer

@@ -48,9 +48,9 @@ def read_records(path: Path) -> list[dict[str, Any]]:
 # ---- apcscore -----------------------------------------------------------------------------------
 def apcscore_load(model: str, batch_invariant: bool = True) -> Any:
     from apcscore.config import EngineConfig
-    from apcscore.engine import Engine
+    from apcscore.engine import load_engine
 
-    return Engine.from_model(model, EngineConfig(device="cpu", dtype="float32", batch_invariant=batch_invariant))
+    return load_engine(model, EngineConfig(device="cpu", dtype="float32", batch_invariant=batch_invariant))
 
 
 def apcscore_score(engine: Any, records: list[dict], k: int) -> list[Scored]:

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from apcscore import EngineConfig, Request
-from apcscore.engine import Engine
+from apcscore.engine import load_engine
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import choose_model_backend, native_architecture
 from apcscore.models.loading import load_config
@@ -86,8 +86,8 @@ def assert_scores_match(gguf: Path, hf, hf_tokenizer, native: str | None, droppe
     config = load_config(files.path)
     assert native_architecture(config) == native
     assert choose_model_backend(config) == ("native" if native else "transformers")
-    engine = Engine.from_model(str(gguf), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=128,
-                                                       block_size=4, max_batch_tokens=32))
+    engine = load_engine(str(gguf), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=128,
+                                                 block_size=4, max_batch_tokens=32))
     assert type(engine).__name__ == ("Engine" if native else "TransformersEngine")
     # the copy's tokenizer gives transformers' ids for the GGUF (Qwen2 and Gemma: not so when loaded as their class)
     assert engine.tokenizer.backend_tokenizer.to_str() == hf_tokenizer.backend_tokenizer.to_str()

@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore import EngineConfig, Request, SamplingParams, load_engine
 from apcscore.engine.sequence import request_problem
 from apcscore.jobs.loglikelihood import continuation_score
 from tests.test_exact_reuse import engine, model  # noqa: F401  (the tiny Llama fixture and engine set-up)
@@ -143,7 +143,7 @@ def test_alternatives_need_the_last_token_scored() -> None:
 
 
 def test_the_transformers_fallback_scores_alternatives(tiny_model_dir) -> None:
-    eng = Engine.from_model(str(tiny_model_dir("gpt2")), EngineConfig(device="cpu", dtype="float32"))
+    eng = load_engine(str(tiny_model_dir("gpt2")), EngineConfig(device="cpu", dtype="float32"))
     vocab = eng.info.vocab_size
     rng = np.random.default_rng(1)
     ctx = rng.integers(0, vocab, 20).tolist()

@@ -18,8 +18,8 @@ from typer.testing import CliRunner
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.cli import app
-from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import NO_CACHE_WARNING, TransformersEngine
+from apcscore.engine.loader import engine_from_parts, load_engine
 
 TOL = 1e-4  # fp32 CPU logprobs
 PROMPTS = [{"id": "a", "prompt": "The quick brown fox jumps over the lazy dog."},
@@ -110,7 +110,7 @@ def _prompt_ids(model_dir, row) -> list[int]:
 
 @pytest.fixture(scope="module")
 def gpt2_engine(tiny_model_dir) -> TransformersEngine:
-    engine = Engine.from_model(str(tiny_model_dir("gpt2")), EngineConfig(device="cpu"))
+    engine = load_engine(str(tiny_model_dir("gpt2")), EngineConfig(device="cpu"))
     assert isinstance(engine, TransformersEngine) and engine.model_backend == "transformers"
     return engine
 
@@ -233,7 +233,7 @@ def test_eos_stops_generation_unless_ignored_and_stop_token_ids_stop():
                          eos_token_id=eos, architectures=["GPT2LMHeadModel"])
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).eval()
-        return Engine.from_parts(cfg, model.state_dict(), _IdsTokenizer(eos), EngineConfig(device="cpu"))
+        return engine_from_parts(cfg, model.state_dict(), _IdsTokenizer(eos), EngineConfig(device="cpu"))
 
     def gen(e, **params):
         return next(iter(e.run([Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params))])))

@@ -1,10 +1,10 @@
 """The batch engine and its parts: scheduler, block manager, model runner, sampler, logprobs, CUDA graphs.
 
-`from apcscore.engine import Engine` works; Engine (torch, the model) is imported lazily, so the light
-parts (sampling_params, sequence) can be imported without torch.
+`from apcscore.engine import Engine, load_engine` works; both (torch, the model) are imported lazily, so the
+light parts (sampling_params, sequence, counters) can be imported without torch.
 """
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "load_engine"]
 
 
 def __getattr__(name: str):
@@ -12,4 +12,8 @@ def __getattr__(name: str):
         from apcscore.engine.engine import Engine
 
         return Engine
+    if name == "load_engine":
+        from apcscore.engine.loader import load_engine
+
+        return load_engine
     raise AttributeError(f"module 'apcscore.engine' has no attribute {name!r}")

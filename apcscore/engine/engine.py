@@ -8,9 +8,7 @@ bad values) become an output with `error` set; they never stop the run.
 
 from __future__ import annotations
 
-import os
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -18,82 +16,29 @@ import torch
 
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
-from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
+from apcscore.engine.counters import EngineCounters, EngineStats
+from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.gemm_probe import check_batch_invariance
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
+from apcscore.engine.model_info import (ModelInfo, capping_window, check_backend_device, context_length,
+                                        resolve_device, resolve_dtype, stop_string_cut, stop_tokens)
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.score_store import ScoreStore, store_bytes_per_block
 from apcscore.engine.sequence import (PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs,
                                       request_problem)
-from apcscore.errors import ApcscoreError
-from apcscore.models.architecture import check_architecture, choose_model_backend
+from apcscore.models.architecture import check_architecture
 from apcscore.models.backend import Backend, select_backend
 from apcscore.models.decoders import decoder_class
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import eos_token_ids
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class ModelInfo:
-    """What the run metadata records about the model."""
-
-    name: str
-    path: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    fingerprint: str
-    num_parameters: int
-    # the model's sliding attention window where it capped max_model_len (the window itself is not implemented:
-    # inside it, full causal attention is the same thing), else None
-    sliding_window: int | None = None
-
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    prompt_tokens: int = 0  # prompt tokens prefilled (cache hits excluded)
-    generated_tokens: int = 0
-    finished: int = 0
-    errors: int = 0
-    preemptions: int = 0
-    seconds: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return (self.prompt_tokens + self.generated_tokens) / self.seconds if self.seconds else 0.0
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ApcscoreError("--device cuda was asked for, but no CUDA device is available; use --device cpu")
-    return torch.device(device)
-
-
-def check_backend_device(config: EngineConfig) -> None:
-    """Refuse --attention-backend triton where no GPU runs it (the Triton interpreter, for tests, excepted)."""
-    if config.attention_backend == "triton" and resolve_device(config.device).type != "cuda" \
-            and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ApcscoreError("--attention-backend triton needs a CUDA GPU, and this run is on the CPU — use "
-                            "--attention-backend torch (or auto, which picks torch on a CPU)")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
-
-
 class Engine:
-    """One model, one KV pool, one scheduler. Build it with `Engine.from_model`.
+    """One model, one KV pool, one scheduler: the native engine. Build it with `Engine.from_model`.
 
-    from_model / from_parts return a `TransformersEngine` (apcscore.engine.hf_engine: the same interface,
-    without the cache) when the config's --model-backend (auto: an architecture we do not implement) says so.
+    from_model / from_parts build this engine whatever the config's --model-backend says; to have it picked
+    (the transformers fallback, apcscore.engine.hf_engine, for an architecture we do not implement), build
+    through `apcscore.engine.loader.load_engine` / `engine_from_parts`.
     """
 
     model_backend = "native"
@@ -145,7 +90,7 @@ class Engine:
     @classmethod
     def from_model(cls, spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
                    ) -> "Engine":
-        """Load a model by alias, Hugging Face directory or .gguf path, and build the engine around it.
+        """Load a model by alias, Hugging Face directory or .gguf path, and build the native engine around it.
 
         resolved: `(resolve_model(spec), resolve_model_parts(files.path))` when the caller already has them.
         """
@@ -160,10 +105,7 @@ class Engine:
         files, parts = resolved if resolved is not None else (None, None)
         files = files or resolve_model(spec)
         parts = parts or resolve_model_parts(files.path)
-        if choose_model_backend(parts.config, config.model_backend) == "transformers":
-            from apcscore.engine.hf_engine import TransformersEngine
-
-            return TransformersEngine.from_model(spec, config, resolved=(files, parts))  # type: ignore[return-value]
+        check_architecture(parts.config)  # before the weights are read
         state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
         return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
                               fingerprint=weights_fingerprint(files.path), rope=parts.rope, consume_state=True)
@@ -179,24 +121,13 @@ class Engine:
         rope: the config's RopeFrequencies if already known (apcscore.models.resolved), else None.
         """
         config = config or EngineConfig()
-        if choose_model_backend(hf_config, config.model_backend) == "transformers":
-            from apcscore.engine.hf_engine import TransformersEngine
-
-            return TransformersEngine.from_parts(  # type: ignore[return-value]
-                hf_config, state_dict, tokenizer, config, name=name, path=path, fingerprint=fingerprint)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
         check_backend_device(config)
         backend = select_backend(config.attention_backend, device.type, config.batch_invariant)
-        max_len = hf_config.max_position_embeddings
-        window = getattr(hf_config, "sliding_window", None) if getattr(hf_config, "use_sliding_window", True) else None
-        window = window if window and window < max_len else None
-        window = None if decoder_class(hf_config).implements_sliding_window else window  # (Gemma masks it)
-        if window:
-            max_len = window  # full attention equals sliding inside the window; longer prompts are refused
-        if config.max_model_len:
-            max_len = min(max_len, config.max_model_len)
+        window_cap = not decoder_class(hf_config).implements_sliding_window  # (Gemma masks its window)
+        max_len = context_length(hf_config, config, window_cap)
         model = decoder_class(hf_config)(hf_config, backend, max_positions=max_len, device="meta")
         model = model.materialize(device, dtype)
         model.load_hf_weights(state_dict, rope, consume=consume_state)
@@ -207,9 +138,14 @@ class Engine:
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,
             num_parameters=sum(p.numel() for p in model.parameters()),
-            sliding_window=window if window and (not config.max_model_len or config.max_model_len > window) else None,
+            sliding_window=capping_window(hf_config, config, window_cap),
         )
         return cls(model, tokenizer, config, info, device, dtype, backend)
+
+    def counters(self) -> EngineCounters:
+        """This engine's counters since it was built: its stats, its prefix cache's and its KV pool's."""
+        bm = self.block_manager
+        return EngineCounters.of(self.stats, bm.stats, bm.num_used_blocks, bm.num_blocks)
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_step: Callable[["Engine"], None] | None = None
@@ -293,14 +229,12 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         params = seq.request.sampling
-        if (tok in self.eos_token_ids and not params.ignore_eos) or tok in params.stop_token_ids:
+        if tok in stop_tokens(params, self.eos_token_ids):
             return "stop"
         if params.stop:  # decode only the new tokens' window (engine/detokenizer.py): O(n) per completion
             if seq.detokenizer is None:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-            searched = len(seq.detokenizer.text)
-            seq.detokenizer.update(seq.token_ids, start=seq.prompt_len)
-            cut = find_stop(seq.detokenizer.text, params.stop, searched)
+            cut = stop_string_cut(seq.detokenizer, seq.token_ids, seq.prompt_len, params.stop)
             if cut is not None:
                 seq.output_text = seq.detokenizer.text[:cut]
                 return "stop"

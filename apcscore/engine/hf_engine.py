@@ -18,46 +18,29 @@ refused on this path. A request's last-token alternatives are more rows of its l
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 import torch
 
 from apcscore.config import EngineConfig
-from apcscore.engine.numerics import describe_numerics
-from apcscore.engine.block_manager import PrefixCacheStats
-from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.engine import EngineStats, ModelInfo, resolve_device, resolve_dtype
-from apcscore.models.loading import eos_token_ids
+from apcscore.engine.counters import EngineCounters, EngineStats
+from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
+from apcscore.engine.model_info import (ModelInfo, context_length, resolve_device, resolve_dtype,
+                                        stop_string_cut, stop_tokens)
+from apcscore.engine.numerics import describe_numerics
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
 from apcscore.kernels.logprobs_ref import token_logprobs_torch
+from apcscore.models.loading import eos_token_ids
 
 NO_CACHE_WARNING = ("this model runs through the transformers fallback (--model-backend transformers): full "
                     "recompute per request, without the prefix cache or the batch-invariance guarantee")
 
 
-@dataclass
-class NoBlockManager:
-    """Stands in for the block manager where the run metadata and progress read it: no blocks, no hits."""
-
-    num_blocks: int = 0
-    num_used_blocks: int = 0
-    stats: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-
-
-def _max_len(hf_config: Any, config: EngineConfig) -> int:
-    max_len = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
-    if not max_len and not config.max_model_len:
-        raise ApcscoreError("the model's config gives no context length (max_position_embeddings); "
-                            "pass --max-model-len")
-    return min(v for v in (max_len, config.max_model_len) if v)
-
-
 class TransformersEngine:
-    """`Engine`'s interface (run, info, tokenizer, stats, ...) over a transformers AutoModelForCausalLM."""
+    """`Engine`'s interface (run, counters, info, tokenizer, ...) over a transformers AutoModelForCausalLM."""
 
     model_backend = "transformers"
     attention_backend = "transformers"  # what the run metadata's attention_backend records
@@ -74,7 +57,6 @@ class TransformersEngine:
         self.info = info
         self.device = device
         self.dtype = dtype
-        self.block_manager = NoBlockManager()
         self.numerics = describe_numerics(device, False, "the model's own transformers forward",
                                           None, "the transformers fallback path (one request at a time, library GEMM)")
         self.batch_invariant = False
@@ -132,9 +114,13 @@ class TransformersEngine:
         hf_config = model.config
         archs = list(getattr(hf_config, "architectures", None) or [type(model).__name__])
         info = ModelInfo(name=name, path=path, architecture=archs[0], vocab_size=int(hf_config.vocab_size),
-                         max_model_len=_max_len(hf_config, config), fingerprint=fingerprint,
+                         max_model_len=context_length(hf_config, config), fingerprint=fingerprint,
                          num_parameters=sum(p.numel() for p in model.parameters()))
         return cls(model, tokenizer, config, info, device, dtype)
+
+    def counters(self) -> EngineCounters:
+        """This engine's counters since it was built (no prefix cache, no KV pool: those are 0)."""
+        return EngineCounters.of(self.stats)
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, requests: Iterable[Request], on_step: Callable[[Any], None] | None = None
@@ -198,7 +184,7 @@ class TransformersEngine:
         p = request.sampling
         ids = list(request.prompt_token_ids)
         budget = min(p.max_tokens, self.info.max_model_len - len(ids))
-        stop_ids = sorted(set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids))
+        stop_ids = sorted(stop_tokens(p, self.eos_token_ids))
         kwargs: dict[str, Any] = dict(max_new_tokens=budget, min_new_tokens=0, do_sample=p.temperature > 0,
                                       output_logits=True, return_dict_in_generate=True,
                                       eos_token_id=stop_ids or None,
@@ -231,7 +217,7 @@ class TransformersEngine:
     def _finish(self, prompt: list[int], tokens: list[int], request: Request) -> tuple[str, list[int], str]:
         """The finish reason, tokens and text of the completion, cut where the native engine would stop."""
         p = request.sampling
-        stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+        stops = stop_tokens(p, self.eos_token_ids)
         detok = IncrementalDetokenizer(self.tokenizer) if p.stop else None
         seq = list(prompt)
         for i, tok in enumerate(tokens):
@@ -239,9 +225,7 @@ class TransformersEngine:
             if tok in stops:
                 return "stop", tokens[:i + 1], self._decode(tokens[:i + 1])
             if detok is not None:
-                searched = len(detok.text)
-                detok.update(seq, start=len(prompt))
-                cut = find_stop(detok.text, p.stop, searched)
+                cut = stop_string_cut(detok, seq, len(prompt), p.stop)
                 if cut is not None:
                     return "stop", tokens[:i + 1], detok.text[:cut]
         return "length", tokens, self._decode(tokens)

@@ -24,7 +24,7 @@ from apcscore.config import EngineConfig
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
-from apcscore.jobs.metadata import run_metadata, session_timings
+from apcscore.jobs.metadata import run_metadata
 from apcscore.jobs.runner import run_records
 
 
@@ -32,14 +32,14 @@ class LocalExecutor:
     """One engine, loaded from the already resolved model files and parts."""
 
     def __init__(self, command: str, opts: dict, cfg: EngineConfig, files: Any, parts: Any) -> None:
-        from apcscore.engine.engine import Engine
+        from apcscore.engine.loader import load_engine
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
         self.command, self.opts, self.cfg = command, opts, cfg
         started = time.perf_counter()
         with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            self.engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
+            self.engine = load_engine(opts["model"], cfg, resolved=(files, parts))
         self.load_seconds = time.perf_counter() - started
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.info.max_model_len
@@ -70,12 +70,12 @@ class LocalExecutor:
         return run_records(job, self.engine, todo, tick, self.verifier)
 
     def progress(self) -> dict:
-        stats, bm = self.engine.stats, self.engine.block_manager
-        return {"tok_s": stats.tokens_per_second, "hit": bm.stats.hit_rate,
-                "kv": f"{bm.num_used_blocks}/{bm.num_blocks}"}
+        counters = self.engine.counters()
+        return {"tok_s": counters.tokens_per_second, "hit": counters.hit_rate,
+                "kv": f"{counters.used_kv_blocks}/{counters.num_kv_blocks}"}
 
     def finish(self, interrupted: bool, run_seconds: float) -> tuple[dict, dict]:
-        return session_timings(self.engine, self.load_seconds, run_seconds), {}
+        return self.engine.counters().to_timings(self.load_seconds, run_seconds), {}
 
     def verify(self) -> dict | None:
         return self.verifier.check(self.engine) if self.verifier is not None else None

@@ -53,7 +53,7 @@ def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: dict, data
         "device": str(engine.device),
         "attention_backend": engine.attention_backend,
         "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
-        "engine": {**cfg.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
+        "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks},
         "job": job_meta,
         "dataset": dataset,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
@@ -69,16 +69,6 @@ def package_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
-
-
-def session_timings(engine: Any, load_seconds: float, run_seconds: float) -> dict:
-    """This session's timings and engine counters."""
-    stats, bm = engine.stats, engine.block_manager
-    return {"load_seconds": load_seconds, "run_seconds": run_seconds, "prompt_tokens": stats.prompt_tokens,
-            "generated_tokens": stats.generated_tokens, "steps": stats.steps, "preemptions": stats.preemptions,
-            "prefix_cache": {"queried_tokens": bm.stats.queried_tokens, "hit_tokens": bm.stats.hit_tokens,
-                             "reusable_tokens": bm.stats.reusable_tokens,
-                             "score_store_hits": bm.stats.score_store_hits}}
 
 
 def add_timings(previous: dict | None, now: dict) -> dict:

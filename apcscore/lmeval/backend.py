@@ -59,9 +59,9 @@ class ApcscoreLM(TemplateLM):
                  engine: Any = None, batch_size: Any = None, progress: bool = True, **engine_options: Any) -> None:
         super().__init__()
         if engine is None:
-            from apcscore.engine.engine import Engine
+            from apcscore.engine.loader import load_engine
 
-            engine = Engine.from_model(str(pretrained), build_engine_config(engine_options))
+            engine = load_engine(str(pretrained), build_engine_config(engine_options))
         self.engine = engine
         self.tokenizer = engine.tokenizer
         limit = engine.info.max_model_len - 1  # the engine holds the last (only predicted) token too

@@ -130,9 +130,9 @@ def run_eval(opts: dict[str, Any], echo: Any) -> dict[str, Any]:
 
 
 def _engine(opts: dict[str, Any], config: Any) -> Any:
-    from apcscore.engine.engine import Engine
+    from apcscore.engine.loader import load_engine
 
-    return Engine.from_model(opts.get("model") or "smollm2-135m", config)
+    return load_engine(opts.get("model") or "smollm2-135m", config)
 
 
 def run_info(lm: Any, config: Any, opts: dict[str, Any], names: list[str], load_seconds: float,
@@ -156,7 +156,7 @@ def run_info(lm: Any, config: Any, opts: dict[str, Any], names: list[str], load_
                   "fingerprint": info.fingerprint, "max_model_len": info.max_model_len},
         "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
         "attention_backend": engine.attention_backend,
-        "engine": {**config.to_dict(), "num_kv_blocks": engine.block_manager.num_blocks},
+        "engine": {**config.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks},
         "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                      "lm_eval": _version("lm_eval")},

@@ -40,6 +40,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator
 
+from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import differing
 from apcscore.io.reader import LoadedDataset
@@ -53,7 +54,6 @@ CHUNK_RECORDS = 64
 IN_FLIGHT = 2
 MAX_RESTARTS = 2  # times Ray restarts a replica whose process died
 MAX_TASK_RETRIES = 2  # times Ray runs a chunk again after its replica died
-_COUNTERS = ("prompt_tokens", "generated_tokens", "steps", "preemptions")
 
 
 def import_ray() -> Any:
@@ -94,18 +94,6 @@ def _get(ray: Any, ref: Any) -> Any:
             raise ApcscoreError(f"a Ray replica refused the run: {text[at + 15:].strip()}") from None
         lines = [line for line in text.strip().splitlines() if line.strip()]
         raise ApcscoreError(f"a Ray replica failed: {lines[-1] if lines else type(exc).__name__}", exit_code=1) from None
-
-
-def _sum_timings(stats: list[dict], load_seconds: float, run_seconds: float) -> dict:
-    """The replicas' counters added up, with the driver's wall-clock seconds (session_timings' format)."""
-    total: dict = {"load_seconds": load_seconds, "run_seconds": run_seconds, **{k: 0 for k in _COUNTERS},
-                   "prefix_cache": {}}
-    for s in stats:
-        for k in _COUNTERS:
-            total[k] += s["timings"][k]
-        for k, v in s["timings"]["prefix_cache"].items():
-            total["prefix_cache"][k] = total["prefix_cache"].get(k, 0) + v
-    return total
 
 
 class RayExecutor:
@@ -198,19 +186,20 @@ class RayExecutor:
     def finish(self, interrupted: bool, run_seconds: float) -> tuple[dict, dict]:
         stats = self._stats(interrupted)
         got = [s for s in stats if s is not None]
-        load_seconds = max((s["timings"]["load_seconds"] for s in got), default=0.0)
+        load_seconds = max((s["load_seconds"] for s in got), default=0.0)
         dead = {r for r, _, _ in self.failed}
         split = self.split
         per_replica = [{"replica": r, "records_assigned": split.records[r] if split else 0,
                         "load_assigned": split.loads[r] if split else 0, **_described(self.descs[r]),
-                        **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["timings"])}
+                        **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["counters"].to_timings(s["load_seconds"], s["run_seconds"]))}
                            if s is not None else {"stats": "failed" if r in dead else
                                                   "not available (interrupted while busy)"})}
                        for r, s in enumerate(stats)]
         ray_meta = {"address": self.opts["ray"], "replicas": len(self.actors), **self.resources,
                     "chunk_records": CHUNK_RECORDS, "partition": split.metadata() if split else None,
                     "per_replica": per_replica, "setup_seconds": round(self.run_start - self.load_start, 3)}
-        return _sum_timings(got, load_seconds, run_seconds), {"ray": ray_meta}
+        total = sum((s["counters"] for s in got), EngineCounters())  # the replicas' counters added up
+        return total.to_timings(load_seconds, run_seconds), {"ray": ray_meta}
 
     def verify(self) -> dict | None:
         """The replicas' --verify-reuse reports as one."""

@@ -12,8 +12,9 @@ import os
 import time
 from typing import Any
 
-from apcscore.engine.engine import Engine, check_backend_device
-from apcscore.jobs.metadata import run_metadata, session_timings
+from apcscore.engine.loader import load_engine
+from apcscore.engine.model_info import check_backend_device
+from apcscore.jobs.metadata import run_metadata
 from apcscore.jobs.options import engine_config
 from apcscore.jobs.registry import job_class
 from apcscore.jobs.runner import run_records
@@ -28,7 +29,7 @@ class Replica:
         self.cfg = engine_config(opts)
         check_backend_device(self.cfg)
         started = time.perf_counter()
-        self.engine = Engine.from_model(opts["model"], self.cfg)
+        self.engine = load_engine(opts["model"], self.cfg)
         self.load_seconds = time.perf_counter() - started
         self.job = job_class(command)(self.engine.tokenizer, self.engine.info.max_model_len, opts)
         self.verifier = ReuseVerifier(opts["verify_reuse"], self.cfg.seed) if opts.get("verify_reuse") else None
@@ -51,9 +52,11 @@ class Replica:
         return rows
 
     def stats(self) -> dict:
-        """Counters of this replica since it (re)started: records, timings, prefix cache."""
+        """Counters of this replica since it (re)started: records, load and run seconds, and the engine's
+        counters (an EngineCounters, which the executor adds up)."""
         return {"pid": os.getpid(), "records": self.records, "started": self.started,
-                "timings": session_timings(self.engine, self.load_seconds, self.run_seconds)}
+                "load_seconds": self.load_seconds, "run_seconds": self.run_seconds,
+                "counters": self.engine.counters()}
 
     def verify(self) -> dict | None:
         """--verify-reuse's re-scoring of this replica's sample (None without --verify-reuse)."""

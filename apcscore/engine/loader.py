@@ -1,0 +1,57 @@
+"""Which engine runs a model: the native `Engine` (engine/engine.py: paged KV cache, prefix caching, batch
+invariance) or the transformers fallback `TransformersEngine` (engine/hf_engine.py), as --model-backend says
+(auto: native when our decoder implements the architecture; models/architecture.choose_model_backend).
+
+Both engines have the same interface (run, counters, info, tokenizer, numerics, ...); this module is the only
+place that knows both.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+import torch
+
+from apcscore.config import EngineConfig
+from apcscore.engine.engine import Engine
+from apcscore.engine.hf_engine import TransformersEngine
+from apcscore.engine.model_info import check_backend_device, resolve_device, resolve_dtype
+from apcscore.models.architecture import choose_model_backend
+
+AnyEngine = Union[Engine, TransformersEngine]
+
+
+def load_engine(spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
+                ) -> AnyEngine:
+    """Load a model by alias, Hugging Face directory or .gguf path, and build the engine that runs it.
+
+    resolved: `(resolve_model(spec), resolve_model_parts(files.path))` when the caller already has them.
+    Refusals (a Triton backend without a GPU, --device cuda without one, an architecture no path runs) come
+    before any weights are read.
+    """
+    from apcscore.models.locate import resolve_model
+    from apcscore.models.resolved import resolve_model_parts
+
+    config = config or EngineConfig()
+    check_backend_device(config)
+    resolve_dtype(config.dtype, resolve_device(config.device))
+    files, parts = resolved if resolved is not None else (None, None)
+    files = files or resolve_model(spec)
+    parts = parts or resolve_model_parts(files.path)
+    if choose_model_backend(parts.config, config.model_backend) == "transformers":
+        return TransformersEngine.from_model(spec, config, resolved=(files, parts))
+    return Engine.from_model(spec, config, resolved=(files, parts))
+
+
+def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
+                      config: EngineConfig | None = None, name: str = "custom", path: str = "",
+                      fingerprint: str = "", rope: Any = None, consume_state: bool = False) -> AnyEngine:
+    """Build the engine that runs hf_config from a Hugging Face config and state dict (tests, benchmarks,
+    random weights); the arguments are `Engine.from_parts`' (the transformers fallback ignores rope and
+    consume_state)."""
+    config = config or EngineConfig()
+    if choose_model_backend(hf_config, config.model_backend) == "transformers":
+        return TransformersEngine.from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,
+                                             fingerprint=fingerprint)
+    return Engine.from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,
+                             fingerprint=fingerprint, rope=rope, consume_state=consume_state)
