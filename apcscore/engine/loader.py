@@ -15,8 +15,9 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import TransformersEngine
-from apcscore.engine.model_info import check_backend_device, resolve_device, resolve_dtype
+from apcscore.engine.model_info import check_backend_device, context_length, resolve_device, resolve_dtype
 from apcscore.models.architecture import choose_model_backend
+from apcscore.models.decoders import decoder_class
 
 AnyEngine = Union[Engine, TransformersEngine]
 
@@ -55,3 +56,12 @@ def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], token
                                              fingerprint=fingerprint)
     return Engine.from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,
                              fingerprint=fingerprint, rope=rope, consume_state=consume_state)
+
+
+def engine_context_length(hf_config: Any, config: EngineConfig) -> int:
+    """The context length of the engine `load_engine` builds for `hf_config`, without building it (the Ray
+    executor's jobs and partitioning, before any replica answers): engine/model_info.context_length, capped by
+    a sliding window that the native decoder does not mask itself."""
+    if choose_model_backend(hf_config, config.model_backend) == "transformers":
+        return context_length(hf_config, config)
+    return context_length(hf_config, config, not decoder_class(hf_config).implements_sliding_window)

@@ -6,7 +6,7 @@ How a run goes:
    tokenizer) before any weights load, then starts `--replicas` actors (scale/replica.py), each holding an
    Engine (`--gpus-per-replica`, `--cpus-per-replica`).
 2. It splits the records prefix-aware with the function `--shard` uses (scale/partition.py; the requests are
-   built with the model's tokenizer and the context length replica 0 reports), so records that share their
+   built with the model's tokenizer and engine/loader.engine_context_length), so records that share their
    first KV blocks run on one replica and hit its prefix cache.
 3. Each replica gets its records in dataset order, in chunks of CHUNK_RECORDS, at most IN_FLIGHT chunks queued
    at a time; finished chunks' rows go through our ResultsWriter, which writes the one parquet file in dataset
@@ -41,6 +41,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from apcscore.engine.counters import EngineCounters
+from apcscore.engine.loader import engine_context_length
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import differing
 from apcscore.io.reader import LoadedDataset
@@ -121,7 +122,7 @@ class RayExecutor:
         except BaseException:
             self.close()
             raise
-        self.max_model_len = self.descs[0]["max_model_len"]
+        self.max_model_len = engine_context_length(parts.config, cfg)  # what each replica's engine has
         self.split: Split | None = None
         self.run_start = time.perf_counter()
         self.failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)

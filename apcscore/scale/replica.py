@@ -39,9 +39,9 @@ class Replica:
 
     def describe(self) -> dict:
         """This replica's run metadata (as a single process would record it; the driver sets `dataset`, `argv`
-        and `created`), its context length and process."""
+        and `created`) and its process."""
         return {"metadata": run_metadata(self.command, self.engine, self.job, self.cfg, self.opts),
-                "max_model_len": self.engine.info.max_model_len, "pid": os.getpid()}
+                "pid": os.getpid()}
 
     def run(self, records: list[Any]) -> list[tuple[int, dict]]:
         """The rows (dataset position, row) of `records`, in completion order."""
