@@ -21,7 +21,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.base import Job
+from apcscore.jobs.base import Job, RecordPlan
 
 
 class Interrupted(Exception):
@@ -38,20 +38,21 @@ class RunResult:
 
 
 class _RecordGroup:
-    """The outputs of one record's requests, until all have arrived."""
+    """One record's plan and the outputs of its requests, until all have arrived."""
 
-    def __init__(self, record: Record, count: int) -> None:
-        self.record = record
+    def __init__(self, plan: RecordPlan, count: int) -> None:
+        self.plan = plan
+        self.record = plan.record
         self.outputs: list[RequestOutput | None] = [None] * count
         self.remaining = count
         self.error: str | None = None
 
 
-def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Console,
+def run_job(job: Job, engine: Any, dataset: LoadedDataset, writer: ResultsWriter, console: Console,
             show_progress: bool, verifier: Any = None, handle_signals: bool = True) -> RunResult:
-    """Run every record not done yet; `verifier` (jobs/verify.ReuseVerifier) sees each request and output.
-    `handle_signals=False` leaves SIGINT/SIGTERM alone (a Ray replica: its driver handles them)."""
-    engine = job.engine
+    """Run every record not done yet through `engine` (an Engine or a TransformersEngine); `verifier`
+    (jobs/verify.ReuseVerifier) sees each request and output. `handle_signals=False` leaves SIGINT/SIGTERM
+    alone (a Ray replica: its driver handles them)."""
     done = set(getattr(writer, "done_indices", set()))
     todo = [r for r in dataset.records if r.index not in done]
     invalid = [r for r in dataset.invalid if r.index not in done]
@@ -59,9 +60,9 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
     counts = {"rows": 0, "errors": 0}
     stop = {"signal": None}
 
-    def emit(record: Record, row: dict) -> None:
+    def emit(record: Record, row: dict, plan: RecordPlan | None = None) -> None:
         index = record.index
-        row = job.finish_row(record, row)
+        row = job.finish_row(row, plan)
         writer.add(index, row)
         job.observe(row)
         counts["rows"] += 1
@@ -71,11 +72,11 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
     def requests() -> Iterator[Request]:
         for record in todo:
             try:
-                reqs = job.requests(record)
+                reqs, plan = job.requests(record)
             except ApcscoreError as exc:
                 emit(record, job.error_row(record.id, str(exc)))
                 continue
-            groups[record.index] = _RecordGroup(record, len(reqs))
+            groups[record.index] = _RecordGroup(plan, len(reqs))
             for j, req in enumerate(reqs):
                 req.request_id = (record.index, j)
                 if verifier is not None:
@@ -119,8 +120,8 @@ def run_job(job: Job, dataset: LoadedDataset, writer: ResultsWriter, console: Co
                 if group.remaining == 0:
                     del groups[index]
                     row = (job.error_row(group.record.id, group.error) if group.error
-                           else job.row(group.record, group.outputs))
-                    emit(group.record, row)
+                           else job.row(group.plan, group.outputs))
+                    emit(group.record, row, group.plan)
                 if stop["signal"] is not None:
                     raise Interrupted()
     except Interrupted:

@@ -28,6 +28,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import same_bits
 from apcscore.jobs.options import engine_config, resolve_options
 from apcscore.jobs.preflight import check_against_model, check_output
+from apcscore.jobs.registry import job_class
 
 # what a resumed run must share with its partial (engine and numerics without the fields that do not change bits)
 RESUME_KEYS = ["command", "model", "dtype", "device", "attention_backend", "job", "dataset", "shard", "engine",
@@ -114,15 +115,15 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         console.print(f"[yellow]warning:[/] the model's sliding attention window is not implemented: the context is "
                       f"capped at its {engine.info.sliding_window} tokens (longer prompts are refused or truncated)",
                       highlight=False)
-    job = _job_class(command)(engine, opts)
+    job = job_class(command)(engine.tokenizer, engine.info.max_model_len, opts)
     metadata = run_metadata(command, engine, job, data, cfg, opts)
     writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
                    resume_compare=RESUME_COMPARE)
     if opts.get("shard"):  # one part of the dataset; its file has the extra column record_index
         from apcscore.scale.shard import ShardWriter, select_shard
 
-        data, metadata["shard"], indices = select_shard(lambda: _job_class(command)(engine, opts), data,
-                                                        opts["shard"], cfg.block_size, opts.get("partition") or "prefix")
+        data, metadata["shard"], indices = select_shard(job, data, opts["shard"], cfg.block_size,
+                                                        opts.get("partition") or "prefix")
         writer: Any = ShardWriter(out, job.output_schema(), metadata, indices, **writing)
     else:
         writer = ResultsWriter(out, job.output_schema(), metadata, num_rows=data.num_records, **writing)
@@ -134,7 +135,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
 
         verifier = ReuseVerifier(opts["verify_reuse"], cfg.seed)
     try:
-        result = run_job(job, data, writer, console, show_progress=not quiet and console.is_terminal,
+        result = run_job(job, engine, data, writer, console, show_progress=not quiet and console.is_terminal,
                          verifier=verifier)
     except BaseException:
         writer.abandon()  # a run that failed before its first row leaves no partial to block the next one
@@ -209,22 +210,6 @@ class _nullcontext:
 
     def __exit__(self, *exc: Any) -> bool:
         return False
-
-
-def _job_class(command: str) -> type:
-    if command == "score":
-        from apcscore.jobs.score import ScoreJob
-
-        return ScoreJob
-    if command == "generate":
-        from apcscore.jobs.generate import GenerateJob
-
-        return GenerateJob
-    if command == "perplexity":
-        from apcscore.jobs.perplexity import PerplexityJob
-
-        return PerplexityJob
-    raise ValueError(command)
 
 
 def session_timings(engine: Any, load_seconds: float, run_seconds: float) -> dict:

@@ -38,7 +38,6 @@ import signal
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from rich.console import Console
@@ -50,7 +49,8 @@ from apcscore.io.writer import ResultsWriter
 from apcscore.jobs.options import engine_config
 from apcscore.jobs.preflight import check_against_model
 from apcscore.io.provenance import differing
-from apcscore.jobs.session import (RESUME_COMPARE, RESUME_KEYS, _job_class, _observe_previous, add_timings,
+from apcscore.jobs.registry import job_class
+from apcscore.jobs.session import (RESUME_COMPARE, RESUME_KEYS, _observe_previous, add_timings,
                                    dataset_metadata, exit_code, print_summary, start_session)
 from apcscore.scale.merge import configuration
 from apcscore.scale.replica import Replica
@@ -150,9 +150,9 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
     descs = [_get(ray, ref) for ref in [a.describe.remote() for a in actors]]
     desc = descs[0]
     _check_replicas([d["metadata"] for d in descs])
-    light = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(max_model_len=desc["max_model_len"]))
-    job = _job_class(command)(light, opts)  # builds no requests here: it sees the rows, for the summary
-    split = split_dataset(_job_class(command)(light, opts), data, len(actors), block_size, opts["partition"])
+    # the job builds the requests for partitioning (replicas run their own) and sees the rows, for the summary
+    job = job_class(command)(tokenizer, desc["max_model_len"], opts)
+    split = split_dataset(job, data, len(actors), block_size, opts["partition"])
     metadata = dict(desc["metadata"], argv=sys.argv,
                     created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     dataset=dataset_metadata(data, opts))
@@ -192,7 +192,7 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
     try:
         for rec in data.invalid:  # invalid records need no replica
             if rec.index not in done:
-                emit(rec.index, job.finish_row(rec, job.error_row(rec.id, rec.message)))
+                emit(rec.index, job.finish_row(job.error_row(rec.id, rec.message)))
         for r in range(len(actors)):
             for _ in range(IN_FLIGHT):
                 submit(r)

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from apcscore.io.reader import LoadedDataset
+from apcscore.jobs.registry import job_class
 
 
 class _Rows:
@@ -42,7 +43,6 @@ class Replica:
     def __init__(self, command: str, opts: dict) -> None:
         from apcscore.engine.engine import Engine, check_backend_device
         from apcscore.jobs.options import engine_config
-        from apcscore.jobs.session import _job_class
 
         self.command, self.opts = command, opts
         self.cfg = engine_config(opts)
@@ -50,7 +50,7 @@ class Replica:
         started = time.perf_counter()
         self.engine = Engine.from_model(opts["model"], self.cfg)
         self.load_seconds = time.perf_counter() - started
-        self.job = _job_class(command)(self.engine, opts)
+        self.job = job_class(command)(self.engine.tokenizer, self.engine.info.max_model_len, opts)
         self.run_seconds = 0.0
         self.records = 0
         self.started = time.time()
@@ -71,7 +71,7 @@ class Replica:
         rows = _Rows()
         data = LoadedDataset(Path("."), "", list(records), [])
         quiet = Console(file=io.StringIO(), quiet=True)
-        result = run_job(self.job, data, rows, quiet, show_progress=False, handle_signals=False)
+        result = run_job(self.job, self.engine, data, rows, quiet, show_progress=False, handle_signals=False)
         self.run_seconds += result.seconds
         self.records += len(rows.rows)
         return rows.rows
