@@ -96,14 +96,16 @@ def run_job(engine: Any, job_name: str, options: dict, records: list[dict]) -> l
     from apcscore.jobs.perplexity import PerplexityJob
     from apcscore.jobs.score import ScoreJob
 
-    job = (PerplexityJob if job_name == "perplexity" else ScoreJob)(engine, options)
+    job = (PerplexityJob if job_name == "perplexity" else ScoreJob)(engine.tokenizer, engine.info.max_model_len,
+                                                                    options)
     kind = {"perplexity": "text", "prompts": "prompt"}.get(job_name, "choices")
     recs = [Record(i, i + 1, r["id"], kind, {k: v for k, v in r.items() if k != "id"})
             for i, r in enumerate(records)]
-    counts, requests = [], []
+    counts, requests, plans = [], [], []
     for rec in recs:
-        reqs = job.requests(rec)
+        reqs, plan = job.requests(rec)
         counts.append(len(reqs))
+        plans.append(plan)
         for j, q in enumerate(reqs):
             q.request_id = (rec.index, j)
             requests.append(q)
@@ -112,7 +114,7 @@ def run_job(engine: Any, job_name: str, options: dict, records: list[dict]) -> l
         if out.error:
             raise RuntimeError(f"request {out.request_id}: {out.error}")
         outs[out.request_id] = out
-    return [job.row(rec, [outs[(rec.index, j)] for j in range(n)]) for rec, n in zip(recs, counts)]
+    return [job.row(plan, [outs[(plan.record.index, j)] for j in range(n)]) for plan, n in zip(plans, counts)]
 
 
 def batched_logprobs(model: Any, items: list[tuple[list[int], int]], batch_size: int, device: str) -> list[Any]:

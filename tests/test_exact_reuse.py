@@ -275,11 +275,11 @@ def test_interrupted_exact_reuse_run_resumes_to_the_recompute_file(model: str, t
     assert res.exit_code == 0, res.output
     finish, seen = Job.finish_row, []
 
-    def interrupting(self, record, row):  # SIGINT to ourselves after the 7th row: the runner stops after the step
-        seen.append(record.index)
+    def interrupting(self, row, plan=None):  # SIGINT to ourselves after the 7th row: the run stops after the step
+        seen.append(row["id"])
         if len(seen) == 7:
             os.kill(os.getpid(), signal.SIGINT)
-        return finish(self, record, row)
+        return finish(self, row, plan)
 
     monkeypatch.setattr(Job, "finish_row", interrupting)
     flags = ("--prompt-logprobs", "2", "--exact-reuse", "--max-num-seqs", "2", "--max-batch-tokens", "64")

@@ -96,11 +96,12 @@ def engine() -> Engine:
 
 def run_score(engine, records: list[Record], k: int = 0) -> tuple[list[dict], ScoreJob]:
     """Rows of `records` through the score job, every request of every record in one engine run."""
-    job = ScoreJob(engine, {"prompt_logprobs": k})
-    requests, counts = [], []
+    job = ScoreJob(engine.tokenizer, engine.info.max_model_len, {"prompt_logprobs": k})
+    requests, counts, plans = [], [], []
     for record in records:
-        reqs = job.requests(record)
+        reqs, plan = job.requests(record)
         counts.append(len(reqs))
+        plans.append(plan)
         for j, req in enumerate(reqs):
             req.request_id = (record.index, j)
             requests.append(req)
@@ -108,7 +109,7 @@ def run_score(engine, records: list[Record], k: int = 0) -> tuple[list[dict], Sc
     for out in engine.run(requests):
         assert out.error is None, out.error
         outputs[out.request_id] = out
-    rows = [job.row(r, [outputs[(r.index, j)] for j in range(n)]) for r, n in zip(records, counts)]
+    rows = [job.row(p, [outputs[(p.record.index, j)] for j in range(n)]) for p, n in zip(plans, counts)]
     for row in rows:
         job.observe(row)
     return rows, job

@@ -170,12 +170,19 @@ def reference_windows(hf, seq, windows) -> tuple[int, list[float]]:
     return len(logprobs), logprobs
 
 
+def perplexity_job(engine, options: dict) -> PerplexityJob:
+    """A perplexity job for `engine`'s tokenizer and context length."""
+    return PerplexityJob(engine.tokenizer, engine.info.max_model_len, options)
+
+
 def run_jobs(engine, jobs, text):
     """Rows of `text` under each job, all of their windows in one engine run (batched together)."""
     record = Record(0, 1, "r", "text", {"text": text})
-    requests = []
+    requests, plans = [], []
     for i, job in enumerate(jobs):
-        for j, req in enumerate(job.requests(record)):
+        reqs, plan = job.requests(record)
+        plans.append(plan)
+        for j, req in enumerate(reqs):
             req.request_id = (i, j)
             requests.append(req)
     outputs: dict = {}
@@ -185,7 +192,7 @@ def run_jobs(engine, jobs, text):
     rows = []
     for i, job in enumerate(jobs):
         outs = [outputs[key] for key in sorted(k for k in outputs if k[0] == i)]
-        rows.append(job.row(record, outs))
+        rows.append(job.row(plans[i], outs))
     return rows
 
 
@@ -209,7 +216,7 @@ def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model
         "several windows": (256, None, math.ceil(n / 256)),
         "stride below the window": (256, 128, 1 + math.ceil((n - 256) / 128)),
     }
-    jobs = [PerplexityJob(engine, {"window": w, "stride": s, "prompt_logprobs": 0}) for w, s, _ in cases.values()]
+    jobs = [perplexity_job(engine, {"window": w, "stride": s, "prompt_logprobs": 0}) for w, s, _ in cases.values()]
     rows = run_jobs(engine, jobs, text)
     all_windows = [lm_eval_windows(tokens, prefix, window) if stride is None
                    else guide_windows(tokens, prefix, window, stride) for window, stride, _ in cases.values()]
@@ -233,10 +240,10 @@ def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model
 def test_window_longer_than_the_model_context_is_refused(engine):
     max_len = engine.info.max_model_len
     with pytest.raises(ApcscoreError, match=f"--window {max_len - 1} or less"):
-        PerplexityJob(engine, {"window": max_len})
+        perplexity_job(engine, {"window": max_len})
     with pytest.raises(ApcscoreError, match="--stride must be between 1 and the window"):
-        PerplexityJob(engine, {"window": 16, "stride": 17})
-    job = PerplexityJob(engine, {})
+        perplexity_job(engine, {"window": 16, "stride": 17})
+    job = perplexity_job(engine, {})
     assert (job.window, job.stride) == (min(4096, max_len - 1), min(4096, max_len - 1))
     with pytest.raises(ApcscoreError, match="the text is empty"):
         job.requests(Record(0, 1, "e", "text", {"text": ""}))
@@ -300,9 +307,9 @@ def test_ranks_are_only_counted_when_per_token_columns_are_asked_for(tiny_model_
     the logprobs are the same bits either way."""
     engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64))
     text = "the quick brown fox jumps over the lazy dog " * 8
-    plain, per_token = (run_jobs(engine, [PerplexityJob(engine, {"window": 32, "stride": None, "prompt_logprobs": k})],
+    plain, per_token = (run_jobs(engine, [perplexity_job(engine, {"window": 32, "stride": None, "prompt_logprobs": k})],
                                  text)[0] for k in (None, 0))
-    requests = PerplexityJob(engine, {"window": 32, "stride": None, "prompt_logprobs": None}).requests(
+    requests, _ = perplexity_job(engine, {"window": 32, "stride": None, "prompt_logprobs": None}).requests(
         Record(0, 1, "r", "text", {"text": text}))
     assert requests and not any(r.prompt_logprob_ranks for r in requests)
     assert plain["sum_logprob"] == per_token["sum_logprob"]

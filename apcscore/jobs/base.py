@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -28,27 +28,42 @@ TOKEN_FIELDS = [
 ]
 
 
+@dataclass(frozen=True)
+class RecordPlan:
+    """What `Job.row` needs of one record besides its requests' outputs; `Job.requests` builds it, the runner
+    keeps it until the record's outputs are in. Jobs that need more subclass it (score's choices, perplexity's
+    windows)."""
+
+    record: Record
+    num_truncated_tokens: int = 0  # tokens --truncate left dropped (several requests: the most any dropped)
+
+
 class Job:
-    """A command's logic between records and rows. Subclasses set `command` and the methods below."""
+    """A command's logic between records and rows. Subclasses set `command` and the methods below.
+
+    A job is pure: it needs only the tokenizer and the model's context length, and keeps no state per record
+    (what `row` needs travels in the plan that `requests` returns). It aggregates finished rows for the
+    summary (`observe`), so give each run a job of its own."""
 
     command: str = ""
 
-    def __init__(self, engine: Any, options: dict) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = int(max_model_len)
         self.options = options
         self.truncate = options.get("truncate")  # None | "left"
-        self._truncated: dict[int, int] = {}  # record index -> tokens dropped
 
     def schema(self) -> pa.Schema:
         raise NotImplementedError
 
-    def requests(self, record: Record) -> list[Request]:
-        """The engine requests of one record (request ids are filled in by the runner)."""
+    def requests(self, record: Record) -> tuple[list[Request], RecordPlan]:
+        """The engine requests of one record (request ids are filled in by the runner) and its plan, what
+        `row` needs later. Raises ApcscoreError when the record cannot be run (it becomes an error row)."""
         raise NotImplementedError
 
-    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
-        """The result row of one record from its requests' outputs (all without error)."""
+    def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
+        """The result row of one record from its plan and its requests' outputs (all without error), in the
+        order `requests` returned the requests."""
         raise NotImplementedError
 
     def summary(self) -> list[tuple[str, str]]:
@@ -70,28 +85,28 @@ class Job:
             schema = schema.append(pa.field("num_truncated_tokens", pa.int64()))
         return schema
 
-    def fit_context(self, record: Record, ids: list[int], reserve: int = 0) -> list[int]:
-        """A prompt that fits the model's context stays whole. One longer than the context is an error (raised
-        here, so the message can name the option), or with --truncate left keeps its newest tokens, leaving
-        `reserve` of the context for generated tokens where it can (at least one prompt token stays)."""
-        max_len = self.engine.info.max_model_len
+    def fit_context(self, ids: list[int], reserve: int = 0) -> tuple[list[int], int]:
+        """(a prompt that fits the model's context, the tokens dropped). A prompt that fits stays whole. One
+        longer than the context is an error (raised here, so the message can name the option), or with
+        --truncate left keeps its newest tokens, leaving `reserve` of the context for generated tokens where
+        it can (at least one prompt token stays)."""
+        max_len = self.max_model_len
         if len(ids) <= max_len:
-            return ids
+            return ids, 0
         if self.truncate != "left":
             raise ApcscoreError(f"the prompt has {len(ids)} tokens, more than the model's context of {max_len} "
                                 "tokens — shorten it, or pass --truncate left to drop its oldest tokens")
         keep = max(1, max_len - reserve)
-        self._truncated[record.index] = len(ids) - keep
-        return ids[len(ids) - keep:]
+        return ids[len(ids) - keep:], len(ids) - keep
 
-    def fit_scoring(self, record: Record, request: Request) -> Request:
-        """A continuation request (context + scored tokens from `score_from`) that fits the context: with
-        --truncate left the context loses its oldest tokens; the scored tokens are never cut. For a record of
-        several requests (choices) `num_truncated_tokens` is the most any of them dropped."""
-        ids, max_len = request.prompt_token_ids, self.engine.info.max_model_len
+    def fit_scoring(self, request: Request) -> tuple[Request, int]:
+        """(a continuation request (context + scored tokens from `score_from`) that fits the context, the
+        tokens dropped): with --truncate left the context loses its oldest tokens; the scored tokens are
+        never cut."""
+        ids, max_len = request.prompt_token_ids, self.max_model_len
         drop = len(ids) - max_len
         if drop <= 0:
-            return request
+            return request, 0
         if self.truncate != "left":
             raise ApcscoreError(f"context and continuation have {len(ids)} tokens, more than the model's context "
                                 f"of {max_len} tokens — shorten the context, or pass --truncate left to drop "
@@ -100,13 +115,14 @@ class Job:
             raise ApcscoreError(f"the continuation alone has {len(ids) - request.score_from:,} tokens: with at least "
                                 f"one token of context it cannot fit the model's context of {max_len:,} tokens, "
                                 "even with --truncate left — shorten the continuation")
-        self._truncated[record.index] = max(drop, self._truncated.get(record.index, 0))
-        return replace(request, prompt_token_ids=ids[drop:], score_from=request.score_from - drop)
+        return replace(request, prompt_token_ids=ids[drop:], score_from=request.score_from - drop), drop
 
-    def finish_row(self, record: Record, row: dict) -> dict:
-        """Add the common columns to a job's row."""
+    def finish_row(self, row: dict, plan: RecordPlan | None = None) -> dict:
+        """Add the common columns to a row: a job's row with its record's plan, or an error row (whose
+        record may have no plan: invalid, or its requests could not be built)."""
         if self.truncate:
-            row["num_truncated_tokens"] = self._truncated.pop(record.index, 0) if row["status"] == "ok" else None
+            dropped = plan.num_truncated_tokens if plan is not None else 0
+            row["num_truncated_tokens"] = dropped if row["status"] == "ok" else None
         return row
 
     def error_row(self, record_id: str, message: str) -> dict:

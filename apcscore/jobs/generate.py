@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 import pyarrow as pa
 
@@ -10,7 +11,7 @@ from apcscore.engine.sampling_params import RECORD_FIELDS, SamplingParams
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
-from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
+from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
 
 SAMPLING_KEYS = tuple(RECORD_FIELDS)  # the per-record overrides
 
@@ -25,8 +26,8 @@ COMPLETION_LOGPROB_FIELDS = [
 class GenerateJob(Job):
     command = "generate"
 
-    def __init__(self, engine, options: dict) -> None:
-        super().__init__(engine, options)
+    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+        super().__init__(tokenizer, max_model_len, options)
         # --seed is the base seed: a record without its own seed gets one derived from it and the record's
         # position in the dataset (so a resumed or --limit run samples each record as a whole run does)
         self.base_seed = int(options.get("seed") or 0)
@@ -72,14 +73,16 @@ class GenerateJob(Job):
             return list(self.tokenizer(text, add_special_tokens=False).input_ids)
         return self.encode(record.fields["prompt"])
 
-    def requests(self, record: Record) -> list[Request]:
+    def requests(self, record: Record) -> tuple[list[Request], RecordPlan]:
         sampling = self.sampling_params(record)
-        ids = self.fit_context(record, self.prompt_ids(record), reserve=sampling.max_tokens)  # room to generate
-        return [Request(None, ids, sampling=sampling, prompt_logprobs=self.prompt_logprobs)]
+        # leave room to generate
+        ids, dropped = self.fit_context(self.prompt_ids(record), reserve=sampling.max_tokens)
+        request = Request(None, ids, sampling=sampling, prompt_logprobs=self.prompt_logprobs)
+        return [request], RecordPlan(record, dropped)
 
-    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+    def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
         out = outputs[0]
-        row = {"id": record.id, "status": "ok", "error": None, "completion": out.output_text,
+        row = {"id": plan.record.id, "status": "ok", "error": None, "completion": out.output_text,
                "completion_token_ids": out.output_token_ids,
                # max_tokens 0 generates nothing: it stopped at its length limit
                "finish_reason": out.finish_reason or "length",

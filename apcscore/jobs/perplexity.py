@@ -31,6 +31,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -38,7 +39,7 @@ import pyarrow as pa
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
-from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
+from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
 
 DEFAULT_MAX_WINDOW = 4096
@@ -76,12 +77,20 @@ def default_window(max_model_len: int) -> int:
     return min(DEFAULT_MAX_WINDOW, max_model_len - 1)
 
 
+@dataclass(frozen=True)
+class PerplexityPlan(RecordPlan):
+    """A text's plan: its sequence S and the windows its requests score, in request order."""
+
+    sequence: tuple[int, ...] = ()
+    windows: tuple[Window, ...] = ()
+
+
 class PerplexityJob(Job):
     command = "perplexity"
 
-    def __init__(self, engine, options: dict) -> None:
-        super().__init__(engine, options)
-        max_len = engine.info.max_model_len
+    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+        super().__init__(tokenizer, max_model_len, options)
+        max_len = self.max_model_len
         window = options.get("window")
         window = default_window(max_len) if window is None else int(window)
         if window < 1:
@@ -119,19 +128,22 @@ class PerplexityJob(Job):
         """S = [prefix] + tokens(text)."""
         return [self.prefix_id] + encode(self.tokenizer, text)
 
-    def requests(self, record: Record) -> list[Request]:
+    def requests(self, record: Record) -> tuple[list[Request], PerplexityPlan]:
         seq = self.sequence(record.fields["text"])
         if len(seq) == 1:
             raise ApcscoreError("the text is empty: it has no tokens to score (remove the record or give it text)")
+        windows = tuple(rolling_windows(len(seq) - 1, self.window, self.stride))
         # without per-token columns only the logprobs are summed: no ranks needed
-        return [Request(None, seq[w.start:w.end], prompt_logprobs=self.k or 0,
-                        score_from=w.end - w.start - w.num_scored, prompt_logprob_ranks=self.k is not None)
-                for w in rolling_windows(len(seq) - 1, self.window, self.stride)]
+        ranks = self.k is not None
+        requests = [Request(None, seq[w.start:w.end], prompt_logprobs=self.k or 0,
+                            score_from=w.end - w.start - w.num_scored, prompt_logprob_ranks=ranks)
+                    for w in windows]
+        return requests, PerplexityPlan(record, sequence=tuple(seq), windows=windows)
 
-    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+    def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
+        assert isinstance(plan, PerplexityPlan)
+        record, seq, windows = plan.record, list(plan.sequence), plan.windows
         text = record.fields["text"]
-        seq = self.sequence(text)
-        windows = rolling_windows(len(seq) - 1, self.window, self.stride)
         parts = []  # each window's logprobs, positions moved from the request to S
         for w, out in zip(windows, outputs, strict=True):
             lps = out.prompt_logprobs

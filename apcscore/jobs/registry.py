@@ -1,4 +1,4 @@
-"""The jobs by command name: the one place a command's job class is looked up."""
+"""The jobs by command name: `apcscore score | generate | perplexity` run the job `job_class(command)`."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ JOBS: dict[str, type[Job]] = {"score": ScoreJob, "generate": GenerateJob, "perpl
 
 
 def job_class(command: str) -> type[Job]:
-    """The job class of `command` (score, generate, perplexity)."""
+    """The job class of `command`; ValueError for a command that has no job."""
     try:
         return JOBS[command]
     except KeyError:
-        raise ValueError(f"no job for the command {command!r}; known: {', '.join(JOBS)}") from None
+        raise ValueError(command) from None

@@ -13,14 +13,15 @@ from typing import Any, Callable, Iterator
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
-from apcscore.jobs.base import Job
+from apcscore.jobs.base import Job, RecordPlan
 
 
 class _RecordGroup:
-    """The outputs of one record's requests, until all have arrived."""
+    """One record's plan and the outputs of its requests, until all have arrived."""
 
-    def __init__(self, record: Record, count: int) -> None:
-        self.record = record
+    def __init__(self, plan: RecordPlan, count: int) -> None:
+        self.plan = plan
+        self.record = plan.record
         self.outputs: list[RequestOutput | None] = [None] * count
         self.remaining = count
         self.error: str | None = None
@@ -28,19 +29,19 @@ class _RecordGroup:
 
 def run_records(job: Job, engine: Any, records: list[Record], tick: Callable[[], None] | None = None,
                 verifier: Any = None) -> Iterator[tuple[int, dict]]:
-    """(dataset position, finished row) of every record, in completion order. `verifier`
-    (jobs/verify.ReuseVerifier) sees each request and output."""
+    """(dataset position, finished row) of every record, in completion order, through `engine` (an Engine or
+    a TransformersEngine). `verifier` (jobs/verify.ReuseVerifier) sees each request and output."""
     groups: dict[int, _RecordGroup] = {}
     failed: list[tuple[Record, str]] = []  # records whose requests could not be built, not yielded yet
 
     def requests() -> Iterator[Request]:
         for record in records:
             try:
-                reqs = job.requests(record)
+                reqs, plan = job.requests(record)
             except ApcscoreError as exc:
                 failed.append((record, str(exc)))
                 continue
-            groups[record.index] = _RecordGroup(record, len(reqs))
+            groups[record.index] = _RecordGroup(plan, len(reqs))
             for j, req in enumerate(reqs):
                 req.request_id = (record.index, j)
                 if verifier is not None:
@@ -50,7 +51,7 @@ def run_records(job: Job, engine: Any, records: list[Record], tick: Callable[[],
     def finished_failures() -> Iterator[tuple[int, dict]]:
         while failed:
             record, message = failed.pop(0)
-            yield record.index, job.finish_row(record, job.error_row(record.id, message))
+            yield record.index, job.finish_row(job.error_row(record.id, message))
 
     def on_step(_engine: Any) -> None:
         if tick is not None:
@@ -69,8 +70,8 @@ def run_records(job: Job, engine: Any, records: list[Record], tick: Callable[[],
         if group.remaining == 0:
             del groups[index]
             row = (job.error_row(group.record.id, group.error) if group.error
-                   else job.row(group.record, group.outputs))
-            yield index, job.finish_row(group.record, row)
+                   else job.row(group.plan, group.outputs))
+            yield index, job.finish_row(row, group.plan)
             if tick is not None:
                 tick()
     yield from finished_failures()

@@ -17,10 +17,13 @@ Rows of every record kind share one schema; columns that do not apply to a kind 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 
-from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, nll_summary, sum_logprobs, token_columns
+from apcscore.jobs.base import (COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nll_summary, sum_logprobs,
+                                token_columns)
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, group_by_last_token, mean_stderr,
                                          prefix_token_id, trim_top)
@@ -28,11 +31,18 @@ from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.io.schemas import Record
 
 
+@dataclass(frozen=True)
+class ScorePlan(RecordPlan):
+    """A score record's plan; a choices record also says which request scores each choice."""
+
+    choices: tuple[tuple[int, int], ...] | None = None  # per choice: (its request's index, its last token)
+
+
 class ScoreJob(Job):
     command = "score"
 
-    def __init__(self, engine, options: dict) -> None:
-        super().__init__(engine, options)
+    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+        super().__init__(tokenizer, max_model_len, options)
         self.k = int(options.get("prompt_logprobs") or 0)
         self._prefix_id: int | None = None
         self._sum_logprob = 0.0
@@ -42,7 +52,6 @@ class ScoreJob(Job):
         self._cont_greedy: list[float] = []
         self._correct: list[float] = []
         self._correct_norm: list[float] = []
-        self._choice_requests: dict[int, list[tuple[int, int]]] = {}  # record index -> (request, last token)
 
     def schema(self) -> pa.Schema:
         return pa.schema(COMMON_FIELDS + [
@@ -59,27 +68,32 @@ class ScoreJob(Job):
             self._prefix_id = prefix_token_id(self.tokenizer)
         return self._prefix_id
 
-    def requests(self, record: Record) -> list[Request]:
+    def requests(self, record: Record) -> tuple[list[Request], ScorePlan]:
         f = record.fields
         if record.kind == "continuation":
-            return [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], f["continuation"],
-                                                                  self.prefix_id, self.k))]
+            req, dropped = self.fit_scoring(
+                continuation_request(self.tokenizer, f["context"], f["continuation"], self.prefix_id, self.k))
+            return [req], ScorePlan(record, dropped)
         if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
-            separate = [self.fit_scoring(record, continuation_request(self.tokenizer, f["context"], c, self.prefix_id,
-                                                                      0)) for c in f["choices"]]
+            fitted = [self.fit_scoring(continuation_request(self.tokenizer, f["context"], c, self.prefix_id,
+                                                            0)) for c in f["choices"]]
+            separate = [req for req, _ in fitted]
             merged, owner = group_by_last_token(separate)  # one-token choices of the context share a request
-            self._choice_requests[record.index] = [(o, r.prompt_token_ids[-1]) for o, r in zip(owner, separate)]
-            return merged
+            choices = tuple((o, r.prompt_token_ids[-1]) for o, r in zip(owner, separate))
+            return merged, ScorePlan(record, max((d for _, d in fitted), default=0), choices)
         if record.kind == "prompt_token_ids":
             ids = list(f["prompt_token_ids"])
         else:
             ids = self.encode(f["prompt"])
-        return [Request(None, self.fit_context(record, ids), prompt_logprobs=self.k)]
+        ids, dropped = self.fit_context(ids)
+        return [Request(None, ids, prompt_logprobs=self.k)], ScorePlan(record, dropped)
 
-    def row(self, record: Record, outputs: list[RequestOutput]) -> dict:
+    def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
+        record = plan.record
         base = {"id": record.id, "status": "ok", "error": None}
         if record.kind == "choices":
-            choices = self._choice_requests.pop(record.index)  # (its request, its last token) per choice
+            assert isinstance(plan, ScorePlan) and plan.choices is not None
+            choices = plan.choices  # (its request, its last token) per choice
             scores = [continuation_score(outputs[o], last_token=last) for o, last in choices]
             return {**base, "num_tokens": sum(len(outputs[o].prompt_token_ids) for o, _ in choices),
                     "num_scored": sum(s.num_tokens for s in scores),

@@ -90,10 +90,9 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
 
 def _drive(executor: Any, command: str, opts: dict, data: LoadedDataset, out: Path, console: Console) -> int:
     """Write the executor's rows of `data` to `out`; the exit code."""
-    make_job = lambda: job_class(command)(executor.tokenizer, executor.max_model_len, opts)  # noqa: E731
-    job = make_job()
+    job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
-    writer, data = _open_writer(make_job, data, out, metadata, opts)
+    writer, data = _open_writer(job, data, out, metadata, opts)
     sessions, previous = start_session(writer, metadata["created"])
     before = observe_previous(job, writer)
     quiet = opts["quiet"]
@@ -130,18 +129,18 @@ def _drive(executor: Any, command: str, opts: dict, data: LoadedDataset, out: Pa
     return exit_code(console, final, rows, errors)
 
 
-def _open_writer(make_job: Any, data: LoadedDataset, out: Path, metadata: dict,
+def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
                  opts: dict) -> tuple[Any, LoadedDataset]:
     """The results writer and the records it takes: with --shard a ShardWriter and this shard's records (its
     file has the extra column record_index), else a ResultsWriter and every record."""
     writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
                    resume_compare=RESUME_COMPARE)
-    schema = make_job().output_schema()
+    schema = job.output_schema()
     if not opts.get("shard"):
         return ResultsWriter(out, schema, metadata, num_rows=data.num_records, **writing), data
     from apcscore.scale.shard import ShardWriter, select_shard
 
-    data, metadata["shard"], indices = select_shard(make_job, data, opts["shard"], engine_config(opts).block_size,
+    data, metadata["shard"], indices = select_shard(job, data, opts["shard"], engine_config(opts).block_size,
                                                     opts.get("partition") or "prefix")
     return ShardWriter(out, schema, metadata, indices, **writing), data
 
@@ -205,7 +204,7 @@ def _write_rows(executor: Any, job: Any, data: LoadedDataset, writer: Any, conso
     try:
         with progress:
             for rec in invalid:  # invalid records need no engine
-                emit(rec.index, job.finish_row(rec, job.error_row(rec.id, rec.message)))
+                emit(rec.index, job.finish_row(job.error_row(rec.id, rec.message)))
             for index, row in executor.rows(job, data, todo, tick):
                 emit(index, row)
     except Interrupted:

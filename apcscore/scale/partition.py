@@ -55,12 +55,12 @@ def block_digests(ids: Sequence[int], block_size: int, depth: int = MAX_DEPTH) -
 
 
 def record_items(job: Any, records: Iterable[Any], invalid: Iterable[Any], block_size: int) -> list[Item]:
-    """The partitioner's view of every record (valid and invalid), from the requests `job` would send (give it a
-    job of its own: building requests may leave per-record notes in a job, e.g. truncation counts)."""
+    """The partitioner's view of every record (valid and invalid), from the requests `job` would send (a job
+    is pure: building requests here changes nothing in it; the plans are dropped)."""
     items = []
     for record in records:
         try:
-            requests = job.requests(record)
+            requests, _plan = job.requests(record)
         except ApcscoreError:  # it becomes an error row wherever it runs
             requests = []
         if not requests:

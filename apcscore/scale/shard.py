@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pyarrow as pa
 
@@ -63,11 +63,12 @@ def part_of_dataset(data: LoadedDataset, keep: set[int]) -> LoadedDataset:
                    invalid=[r for r in data.invalid if r.index in keep])
 
 
-def select_shard(make_job: Callable[[], Any], data: LoadedDataset, shard: str, block_size: int,
+def select_shard(job: Any, data: LoadedDataset, shard: str, block_size: int,
                  method: str = "prefix") -> tuple[LoadedDataset, dict, list[int]]:
-    """(this shard's records, the `shard` metadata, their dataset positions) for `--shard I/N`."""
+    """(this shard's records, the `shard` metadata, their dataset positions) for `--shard I/N`; `job` (the
+    run's own: jobs are pure) builds the requests."""
     index, count = parse_shard(shard)
-    split = split_dataset(make_job(), data, count, block_size, method)
+    split = split_dataset(job, data, count, block_size, method)
     indices = split.indices(index)
     meta = {"index": index, **split.metadata(), "num_rows": len(indices)}
     return part_of_dataset(data, set(indices)), meta, indices
