@@ -37,7 +37,7 @@ class Job:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.options = options
-        self.truncate = options.get("truncate")  # None | "left"
+        self.truncate = getattr(options, "truncate", None)  # None | "left"
         self._truncated: dict[int, int] = {}  # record index -> tokens dropped
 
     def schema(self) -> pa.Schema:

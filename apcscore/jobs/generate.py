@@ -29,10 +29,10 @@ class GenerateJob(Job):
         super().__init__(engine, options)
         # --seed is the base seed: a record without its own seed gets one derived from it and the record's
         # position in the dataset (so a resumed or --limit run samples each record as a whole run does)
-        self.base_seed = int(options.get("seed") or 0)
-        self.defaults = {k: options[k] for k in SAMPLING_KEYS if k != "seed" and options.get(k) is not None}
-        self.logprobs = options.get("logprobs")
-        self.prompt_logprobs = options.get("prompt_logprobs")
+        self.base_seed = int(options.engine.seed or 0)
+        self.defaults = {k: getattr(options, k) for k in SAMPLING_KEYS if k != "seed" and getattr(options, k) is not None}
+        self.logprobs = options.logprobs
+        self.prompt_logprobs = options.prompt_logprobs
         self._completion_tokens = 0
         self._cached = 0
         self._prompt_tokens = 0

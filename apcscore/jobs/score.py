@@ -33,7 +33,7 @@ class ScoreJob(Job):
 
     def __init__(self, engine, options: dict) -> None:
         super().__init__(engine, options)
-        self.k = int(options.get("prompt_logprobs") or 0)
+        self.k = int(options.prompt_logprobs or 0)
         self._prefix_id: int | None = None
         self._sum_logprob = 0.0
         self._scored = 0

@@ -26,7 +26,7 @@ from rich.table import Table
 from apcscore import __version__
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import same_bits
-from apcscore.jobs.options import engine_config, resolve_options
+from apcscore.jobs.resolve import resolve_options
 from apcscore.jobs.preflight import check_against_model, check_output
 
 # what a resumed run must share with its partial (engine and numerics without the fields that do not change bits)
@@ -52,7 +52,7 @@ def dataset_metadata(data: Any, opts: dict) -> dict:
     from apcscore.io.tabular import parse_columns
 
     return {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records,
-            "columns": parse_columns(opts.get("columns"))}
+            "columns": parse_columns(opts.columns)}
 
 
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
@@ -63,21 +63,19 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     from apcscore.models.locate import check_model_spec
 
     opts = resolve_options(command, cli_opts, config_path)
-    if command == "score" and opts["prompt_logprobs"] is None:
-        opts["prompt_logprobs"] = 0  # score always scores: own logprob and rank
-    cfg = engine_config(opts)
-    cfg.check_logprobs(opts.get("prompt_logprobs"), "--prompt-logprobs")
-    cfg.check_logprobs(opts.get("logprobs"), "--logprobs")
-    check_model_spec(opts["model"])
-    out, note = check_output(opts["out"], dataset, command, overwrite=opts["overwrite"], resume=opts["resume"])
-    data = load_dataset(dataset, command, skip_invalid=opts["skip_invalid"], limit=opts["limit"],
-                        columns=parse_columns(opts.get("columns")))
+    cfg = opts.engine
+    cfg.check_logprobs(opts.prompt_logprobs, "--prompt-logprobs")
+    cfg.check_logprobs(getattr(opts, "logprobs", None), "--logprobs")
+    check_model_spec(opts.model)
+    out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume)
+    data = load_dataset(dataset, command, skip_invalid=opts.skip_invalid, limit=opts.limit,
+                        columns=parse_columns(opts.columns))
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if note:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
 
-    if opts.get("ray"):  # the engines run in Ray replicas (apcscore/scale/); this process writes the file
+    if opts.ray:  # the engines run in Ray replicas (apcscore/scale/); this process writes the file
         from apcscore.scale.ray_run import run_on_ray
 
         return run_on_ray(command, data, opts, out, console)
@@ -88,16 +86,16 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     from apcscore.models.locate import resolve_model
     from apcscore.models.resolved import resolve_model_parts
 
-    quiet = opts["quiet"]
+    quiet = opts.quiet
     check_backend_device(cfg)
     load_start = time.perf_counter()
-    with console.status(f"loading {escape(opts['model'])} ...", spinner="dots") if not quiet else _nullcontext():
-        files = resolve_model(opts["model"])
+    with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else _nullcontext():
+        files = resolve_model(opts.model)
         parts = resolve_model_parts(files.path)
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         with warnings.catch_warnings():  # the probe's warning is printed below, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            engine = Engine.from_model(opts["model"], cfg, resolved=(files, parts))
+            engine = Engine.from_model(opts.model, cfg, resolved=(files, parts))
     load_seconds = time.perf_counter() - load_start
     for warning in files.warnings if not quiet else ():  # what transformers' GGUF reading left out
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
@@ -116,23 +114,23 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                       highlight=False)
     job = _job_class(command)(engine, opts)
     metadata = run_metadata(command, engine, job, data, cfg, opts)
-    writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
+    writing = dict(overwrite=opts.overwrite, resume=opts.resume, resume_keys=RESUME_KEYS,
                    resume_compare=RESUME_COMPARE)
-    if opts.get("shard"):  # one part of the dataset; its file has the extra column record_index
+    if opts.shard:  # one part of the dataset; its file has the extra column record_index
         from apcscore.scale.shard import ShardWriter, select_shard
 
         data, metadata["shard"], indices = select_shard(lambda: _job_class(command)(engine, opts), data,
-                                                        opts["shard"], cfg.block_size, opts.get("partition") or "prefix")
+                                                        opts.shard, cfg.block_size, opts.partition or "prefix")
         writer: Any = ShardWriter(out, job.output_schema(), metadata, indices, **writing)
     else:
         writer = ResultsWriter(out, job.output_schema(), metadata, num_rows=data.num_records, **writing)
     sessions, previous = start_session(writer, metadata["created"])
     before = _observe_previous(job, writer)
     verifier = None
-    if opts.get("verify_reuse"):
+    if opts.verify_reuse:
         from apcscore.jobs.verify import ReuseVerifier
 
-        verifier = ReuseVerifier(opts["verify_reuse"], cfg.seed)
+        verifier = ReuseVerifier(opts.verify_reuse, cfg.seed)
     try:
         result = run_job(job, data, writer, console, show_progress=not quiet and console.is_terminal,
                          verifier=verifier)
@@ -262,7 +260,7 @@ def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts:
     tok = engine.tokenizer
     job_meta = job.metadata()
     if command in ("score", "generate"):
-        job_meta["truncate"] = opts.get("truncate")
+        job_meta["truncate"] = opts.truncate
     return {
         "apcscore_version": __version__,
         "command": command,

@@ -47,7 +47,6 @@ from rich.markup import escape
 from apcscore.errors import ApcscoreError
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.options import engine_config
 from apcscore.jobs.preflight import check_against_model
 from apcscore.io.provenance import differing
 from apcscore.jobs.session import (RESUME_COMPARE, RESUME_KEYS, _job_class, _observe_previous, add_timings,
@@ -121,15 +120,15 @@ def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console
     from apcscore.models.locate import resolve_model
     from apcscore.models.resolved import resolve_model_parts
 
-    cfg = engine_config(opts)
-    parts = resolve_model_parts(resolve_model(opts["model"]).path)
+    cfg = opts.engine
+    parts = resolve_model_parts(resolve_model(opts.model).path)
     data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
-    started_ray = connect(ray, opts["ray"])
-    n = int(opts["replicas"])
-    gpus = opts["gpus_per_replica"]
+    started_ray = connect(ray, opts.ray)
+    n = int(opts.replicas)
+    gpus = opts.gpus_per_replica
     if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.get("device") != "cpu" else 0
-    cpus = opts["cpus_per_replica"] if opts["cpus_per_replica"] is not None else 1
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
+    cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
     remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                          max_task_retries=MAX_TASK_RETRIES)
     load_start = time.perf_counter()
@@ -152,11 +151,11 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
     _check_replicas([d["metadata"] for d in descs])
     light = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(max_model_len=desc["max_model_len"]))
     job = _job_class(command)(light, opts)  # builds no requests here: it sees the rows, for the summary
-    split = split_dataset(_job_class(command)(light, opts), data, len(actors), block_size, opts["partition"])
+    split = split_dataset(_job_class(command)(light, opts), data, len(actors), block_size, opts.partition)
     metadata = dict(desc["metadata"], argv=sys.argv,
                     created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                     dataset=dataset_metadata(data, opts))
-    writer = ResultsWriter(out, job.output_schema(), metadata, overwrite=opts["overwrite"], resume=opts["resume"],
+    writer = ResultsWriter(out, job.output_schema(), metadata, overwrite=opts.overwrite, resume=opts.resume,
                            resume_keys=RESUME_KEYS, resume_compare=RESUME_COMPARE, num_rows=data.num_records)
     sessions, previous = start_session(writer, metadata["created"])
     before = _observe_previous(job, writer)
@@ -238,7 +237,7 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
                                               "not available (interrupted while busy)"})}
                    for r, s in enumerate(stats)]
     writer.update_metadata({"timings": timings, "ray": {
-        "address": opts["ray"], "replicas": len(actors), **resources,
+        "address": opts.ray, "replicas": len(actors), **resources,
         "chunk_records": CHUNK_RECORDS, "partition": split.metadata(), "per_replica": per_replica,
         "setup_seconds": round(run_start - load_start, 3)}})
     if failed:
@@ -251,7 +250,7 @@ def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts:
         return 130
     final = writer.close()
     rows, errors = before[0] + counts["rows"], before[1] + counts["errors"]
-    if not opts["quiet"]:
+    if not opts.quiet:
         print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
         console.print(f"ray: {len(actors)} replicas; records per replica {split.records}", highlight=False)
     return exit_code(console, final, rows, errors)

@@ -41,14 +41,13 @@ class Replica:
 
     def __init__(self, command: str, opts: dict) -> None:
         from apcscore.engine.engine import Engine, check_backend_device
-        from apcscore.jobs.options import engine_config
         from apcscore.jobs.session import _job_class
 
         self.command, self.opts = command, opts
-        self.cfg = engine_config(opts)
+        self.cfg = opts.engine
         check_backend_device(self.cfg)
         started = time.perf_counter()
-        self.engine = Engine.from_model(opts["model"], self.cfg)
+        self.engine = Engine.from_model(opts.model, self.cfg)
         self.load_seconds = time.perf_counter() - started
         self.job = _job_class(command)(self.engine, opts)
         self.run_seconds = 0.0
