@@ -12,6 +12,7 @@ import pyarrow as pa
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
+from apcscore.jobs.options import RunOptions
 
 COMMON_FIELDS = [
     pa.field("id", pa.string()),
@@ -33,7 +34,7 @@ class Job:
 
     command: str = ""
 
-    def __init__(self, engine: Any, options: dict) -> None:
+    def __init__(self, engine: Any, options: RunOptions) -> None:
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.options = options

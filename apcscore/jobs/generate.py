@@ -11,6 +11,7 @@ from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
+from apcscore.jobs.options import GenerateOptions
 
 SAMPLING_KEYS = tuple(RECORD_FIELDS)  # the per-record overrides
 
@@ -25,12 +26,13 @@ COMPLETION_LOGPROB_FIELDS = [
 class GenerateJob(Job):
     command = "generate"
 
-    def __init__(self, engine, options: dict) -> None:
+    def __init__(self, engine, options: GenerateOptions) -> None:
         super().__init__(engine, options)
         # --seed is the base seed: a record without its own seed gets one derived from it and the record's
         # position in the dataset (so a resumed or --limit run samples each record as a whole run does)
         self.base_seed = int(options.engine.seed or 0)
-        self.defaults = {k: getattr(options, k) for k in SAMPLING_KEYS if k != "seed" and getattr(options, k) is not None}
+        self.defaults = {k: getattr(options, k) for k in SAMPLING_KEYS
+                         if k != "seed" and getattr(options, k) is not None}
         self.logprobs = options.logprobs
         self.prompt_logprobs = options.prompt_logprobs
         self._completion_tokens = 0

@@ -40,6 +40,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
+from apcscore.jobs.options import PerplexityOptions
 
 DEFAULT_MAX_WINDOW = 4096
 
@@ -79,7 +80,7 @@ def default_window(max_model_len: int) -> int:
 class PerplexityJob(Job):
     command = "perplexity"
 
-    def __init__(self, engine, options: dict) -> None:
+    def __init__(self, engine, options: PerplexityOptions) -> None:
         super().__init__(engine, options)
         max_len = engine.info.max_model_len
         window = options.window

@@ -17,6 +17,7 @@ from typing import Any
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.reader import MAX_LISTED_PROBLEMS, LoadedDataset
 from apcscore.io.schemas import InvalidRecord
+from apcscore.jobs.options import RunOptions
 
 
 def default_out(dataset: Path, command: str) -> Path:
@@ -76,7 +77,7 @@ def _check_writable_folder(out: Path) -> None:
                             "or fix the folder's permissions")
 
 
-def check_against_model(command: str, opts: dict[str, Any], data: LoadedDataset, vocab_size: int,
+def check_against_model(command: str, opts: RunOptions, data: LoadedDataset, vocab_size: int,
                         tokenizer: Any) -> LoadedDataset:
     """`data` with the records the model cannot run moved to `invalid` (or ApcscoreError without --skip-invalid)."""
     for key in ("prompt_logprobs", "logprobs"):

@@ -26,12 +26,13 @@ from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, c
                                          prefix_token_id, trim_top)
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.io.schemas import Record
+from apcscore.jobs.options import ScoreOptions
 
 
 class ScoreJob(Job):
     command = "score"
 
-    def __init__(self, engine, options: dict) -> None:
+    def __init__(self, engine, options: ScoreOptions) -> None:
         super().__init__(engine, options)
         self.k = int(options.prompt_logprobs or 0)
         self._prefix_id: int | None = None

@@ -26,6 +26,7 @@ from rich.table import Table
 from apcscore import __version__
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import same_bits
+from apcscore.jobs.options import RunOptions
 from apcscore.jobs.resolve import resolve_options
 from apcscore.jobs.preflight import check_against_model, check_output
 
@@ -47,7 +48,7 @@ def same_dataset(old: dict, new: dict) -> bool:
 RESUME_COMPARE = {"dataset": same_dataset, "engine": same_bits("engine"), "numerics": same_bits("numerics")}
 
 
-def dataset_metadata(data: Any, opts: dict) -> dict:
+def dataset_metadata(data: Any, opts: RunOptions) -> dict:
     """The metadata's `dataset`: where, its content, the records read and the --columns mapping read with."""
     from apcscore.io.tabular import parse_columns
 
@@ -251,7 +252,7 @@ def add_timings(previous: dict | None, now: dict) -> dict:
     return {**total, "prefix_cache": pc}
 
 
-def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts: dict) -> dict:
+def run_metadata(command: str, engine: Any, job: Any, data: Any, cfg: Any, opts: RunOptions) -> dict:
     """The run metadata stored under the parquet key `apcscore` (io/writer.METADATA_KEY)."""
     import torch
     import transformers

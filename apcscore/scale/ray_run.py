@@ -47,6 +47,7 @@ from rich.markup import escape
 from apcscore.errors import ApcscoreError
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.writer import ResultsWriter
+from apcscore.jobs.options import RunOptions
 from apcscore.jobs.preflight import check_against_model
 from apcscore.io.provenance import differing
 from apcscore.jobs.session import (RESUME_COMPARE, RESUME_KEYS, _job_class, _observe_previous, add_timings,
@@ -114,7 +115,7 @@ def _sum_timings(stats: list[dict], load_seconds: float, run_seconds: float) -> 
     return total
 
 
-def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console: Console) -> int:
+def run_on_ray(command: str, data: LoadedDataset, opts: RunOptions, out: Path, console: Console) -> int:
     """Run `command` over `data` on Ray replicas and write `out`; return the exit code (as run_command does)."""
     ray = import_ray()
     from apcscore.models.locate import resolve_model
@@ -143,8 +144,8 @@ def run_on_ray(command: str, data: LoadedDataset, opts: dict, out: Path, console
             ray.shutdown()
 
 
-def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts: dict, out: Path, console: Console,
-           block_size: int, tokenizer: Any, resources: dict, load_start: float) -> int:
+def _drive(ray: Any, actors: list[Any], command: str, data: LoadedDataset, opts: RunOptions, out: Path,
+           console: Console, block_size: int, tokenizer: Any, resources: dict, load_start: float) -> int:
     """Split, feed the replicas, write their rows; the exit code."""
     descs = [_get(ray, ref) for ref in [a.describe.remote() for a in actors]]
     desc = descs[0]

@@ -17,6 +17,7 @@ from typing import Any
 from rich.console import Console
 
 from apcscore.io.reader import LoadedDataset
+from apcscore.jobs.options import RunOptions
 
 
 class _Rows:
@@ -39,7 +40,7 @@ class _Rows:
 class Replica:
     """An engine replica. `opts` are the run's resolved options (jobs/options.resolve_options)."""
 
-    def __init__(self, command: str, opts: dict) -> None:
+    def __init__(self, command: str, opts: RunOptions) -> None:
         from apcscore.engine.engine import Engine, check_backend_device
         from apcscore.jobs.session import _job_class
 
