@@ -20,7 +20,8 @@ from typer.core import TyperCommand, TyperGroup
 from apcscore import __version__
 from apcscore.compare.command import compare
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.options import EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions, cli_params
+from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
+                                   cli_params)
 
 _UNESCAPED_BRACKET = re.compile(r"(?<!\\)\[")
 

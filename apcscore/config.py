@@ -48,7 +48,7 @@ def spec_of(f: Field) -> Spec | None:
 
 
 def base_type(annotation: str) -> str:
-    """`int | None` -> `int`: the annotation (a string, under `from __future__ import annotations`) less None."""
+    """`int | None` -> `int`: an annotation (a string: `from __future__ import annotations`) less None."""
     return annotation.removesuffix(" | None")
 
 
@@ -60,31 +60,33 @@ class EngineConfig:
     --no-batch-invariant (also keys of a `--config` file)."""
 
     device: str = option("auto", "auto | cpu | cuda (auto = cuda if available).", show=True)
-    dtype: str = option("auto", "auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA).",
-                        show=True)
+    dtype: str = option("auto", "auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on "
+                        "CUDA).", show=True)
     block_size: int = option(16, "Tokens per KV block.", show=True)
     # None = derived from available memory
     num_kv_blocks: int | None = option(None, "KV pool size in blocks.", show="from free memory")
     # token budget of one engine step (prefill chunks + decodes)
     max_batch_tokens: int = option(2048, "Token budget of one engine step.", show=True)
     max_num_seqs: int = option(64, "Sequences running at once.", show=True)
-    enable_prefix_caching: bool = option(True, "Turn automatic prefix caching off.", negation="no_prefix_caching")
+    enable_prefix_caching: bool = option(True, "Turn automatic prefix caching off.",
+                                         negation="no_prefix_caching")
     max_logprobs: int = option(MAX_LOGPROBS_DEFAULT, "Cap on --prompt-logprobs / --logprobs.", show=True)
     logprobs_chunk_size: int = option(1024, "Rows of the vocabulary projection computed at once.", show=True)
     attention_backend: str = option("auto", "auto | torch | triton (auto = triton on CUDA).", show=True)
     # share of memory for the KV pool when num_kv_blocks is None (None: 0.25 of free host memory, at most
     # 4 GiB, on CPU; on CUDA 0.85 of the card's total, minus the peak of a profile run of the largest step)
     kv_cache_memory_fraction: float | None = option(
-        None, "Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, at "
-        "most 4 GiB; CUDA: of the GPU's total, after weights and the largest step).", show="0.25 CPU, 0.85 CUDA")
+        None, "Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, "
+        "at most 4 GiB; CUDA: of the GPU's total, after weights and the largest step).",
+        show="0.25 CPU, 0.85 CUDA")
     # base seed for requests that do not set their own
     seed: int = option(0, "Sampling seed (per record unless the record sets its own).")
     max_model_len: int | None = option(None, "Cap on the context length in tokens.", show="the model's")
     use_cuda_graphs: bool = option(True, "Run decode steps on CUDA eagerly instead of replaying captured CUDA "
                                    "graphs.", negation="no_cuda_graphs")
     # a record's results do not depend on what shares its steps (docs/architecture.md); False trades it for speed
-    batch_invariant: bool = option(True, "Library GEMMs instead of batch-invariant ones: faster, but a record's "
-                                   "last bits may then depend on what shares its steps.",
+    batch_invariant: bool = option(True, "Library GEMMs instead of batch-invariant ones: faster, but a "
+                                   "record's last bits may then depend on what shares its steps.",
                                    negation="no_batch_invariant")
     # auto | native | transformers: our decoder (paged KV, prefix cache, batch invariance) or the model's own
     # transformers forward and generate() (full recompute, no cache); auto = native where it implements the

@@ -18,8 +18,9 @@ from apcscore.config import NOT_GIVEN, EngineConfig, Spec, base_type, option, sp
 O = TypeVar("O", bound="Options")
 # the engine options of score, generate and perplexity on the command line, in --help order
 ENGINE_CLI = ("device", "dtype", "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs",
-              "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len", "logprobs_chunk_size",
-              "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant", "model_backend", "exact_reuse")
+              "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len",
+              "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant",
+              "model_backend", "exact_reuse")
 # the options score, generate and perplexity share, in --help order (`config` is cli.py's --config FILE)
 RUN_CLI = ("model", "out", "overwrite", "resume", "limit", "config", "skip_invalid", "quiet", "columns",
            *ENGINE_CLI, "verify_reuse", "shard", "partition", "ray", "replicas", "gpus_per_replica",
@@ -54,7 +55,8 @@ class RunOptions(Options):
     """The options of score, generate and perplexity (a dataset in, one parquet file out)."""
 
     resume: bool = option(False, "Continue an interrupted run from <out>.partial.")
-    skip_invalid: bool = option(False, "Turn invalid records into error rows instead of refusing the dataset.")
+    skip_invalid: bool = option(False, "Turn invalid records into error rows instead of refusing the "
+                                "dataset.")
     columns: str | None = option(None, "Read record fields from other columns: FIELD=COLUMN,... (e.g. "
                                  "prompt=text,id=doc_id).")
     verify_reuse: float | None = option(
@@ -128,9 +130,10 @@ class PerplexityOptions(RunOptions):
 class EvalOptions(Options):
     """`apcscore eval` (lm-eval tasks; no --config file)."""
 
-    CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "exact_reuse", "max_length",
-           "seed", "model", "out", "overwrite", "quiet", *ENGINE_CLI[:7], "attention_backend", "max_model_len",
-           "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant")
+    CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "exact_reuse",
+           "max_length", "seed", "model", "out", "overwrite", "quiet", *ENGINE_CLI[:7], "attention_backend",
+           "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs",
+           "no_batch_invariant")
 
     tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2).", "--tasks", "-t",
                         show_default=False)
@@ -183,7 +186,7 @@ def defaults(cls: type[Options]) -> dict[str, Any]:
 
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
     """EngineConfig from flat option values (EngineConfig field names and the off-flags, e.g. lm-eval's
-    model_args); None means not given, an off-flag that is true turns its setting off, other keys are ignored."""
+    model_args); None means not given, a true off-flag turns its setting off, other keys are ignored."""
     given: dict[str, Any] = {}
     for f in fields(EngineConfig):
         if values.get(f.name) is not None:
@@ -195,7 +198,7 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
 
 
 def cli_values(cli: Mapping[str, Any]) -> dict[str, Any]:
-    """The values given on the command line: None (and False for on/off flags, [] for lists) means not given."""
+    """The values given on the command line: None (False for on/off flags, [] for lists) is not given."""
     return {k: v for k, v in cli.items() if v is not None and v is not False and v != []}
 
 

@@ -49,8 +49,8 @@ _TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "str": ("a string", lambda v: isinstance(v, str)),
     "int": ("an integer", _is_int),
     "float": ("a number", _is_number),
-    "str | list[str]": ("a string or a list of strings",
-                        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))),
+    "str | list[str]": ("a string or a list of strings", lambda v: isinstance(v, str) or (
+        isinstance(v, list) and all(isinstance(s, str) for s in v))),
 }
 
 
@@ -78,7 +78,8 @@ def read_config(path: Path, command: str) -> dict[str, Any]:
     try:
         values = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ApcscoreError(f"{path}: not valid TOML: {exc} — fix the syntax (see configs/{command}.toml)") from None
+        raise ApcscoreError(f"{path}: not valid TOML: {exc} — fix the syntax (see "
+                            f"configs/{command}.toml)") from None
     keys = {c: settings(cls) for c, cls in COMMANDS.items()}
     problems = []
     for key, value in values.items():
@@ -87,8 +88,8 @@ def read_config(path: Path, command: str) -> dict[str, Any]:
             problems.append(f"{where}: unknown option {key!r} — known: {', '.join(sorted(keys[command]))}")
         elif key not in keys[command]:
             users = [c for c, k in keys.items() if key in k]
-            problems.append(f"{where}: {key!r} is an option of {' and '.join(users)}, not of {command} — remove "
-                            f"it or use a config file per command")
+            problems.append(f"{where}: {key!r} is an option of {' and '.join(users)}, not of {command} — "
+                            f"remove it or use a config file per command")
         elif (why := type_problem(keys[command][key], value)) is not None:
             problems.append(f"{where}: {key} {why} — fix the value")
     if problems:
@@ -125,12 +126,12 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
             raise ApcscoreError(f"--verify-reuse must be a fraction of the records in [0, 1], not "
                                 f"{opts['verify_reuse']}")
         if not opts.get("exact_reuse"):
-            raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass --exact-reuse "
-                                "too")
+            raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass "
+                                "--exact-reuse too")
     check_scale_options(opts)
     if opts["overwrite"] and opts["resume"]:
-        raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues <out>.partial, "
-                            "--overwrite discards it — pass only one")
+        raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues "
+                            "<out>.partial, --overwrite discards it — pass only one")
     if command == "generate":
         for key, check in RECORD_FIELDS.items():
             value = opts.get(key)
@@ -149,17 +150,18 @@ def check_scale_options(opts: dict[str, Any]) -> None:
     if opts.get("shard") is not None:
         parse_shard(opts["shard"])
     if opts.get("partition") not in METHODS:
-        raise ApcscoreError(f"--partition must be one of {', '.join(METHODS)}, not {shown(opts.get('partition'))}")
+        raise ApcscoreError(f"--partition must be one of {', '.join(METHODS)}, not "
+                            f"{shown(opts.get('partition'))}")
     if opts.get("ray") is None:
         given = [k for k in ("gpus_per_replica", "cpus_per_replica") if opts.get(k) is not None]
         given += ["replicas"] if opts.get("replicas", 1) != 1 else []
         if given:
-            raise ApcscoreError(f"{option_name(given[0])} sets up Ray replicas; pass --ray auto (join a cluster) "
-                                "or --ray local (start one here) too")
+            raise ApcscoreError(f"{option_name(given[0])} sets up Ray replicas; pass --ray auto (join a "
+                                "cluster) or --ray local (start one here) too")
         return
     if opts.get("shard") is not None:
-        raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its replicas "
-                            "itself; --shard is for array jobs without Ray — pass only one")
+        raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its "
+                            "replicas itself; --shard is for array jobs without Ray — pass only one")
     if opts.get("verify_reuse"):
-        raise ApcscoreError("--verify-reuse is not supported with --ray yet; run the check in one process or on a "
-                            "--shard")
+        raise ApcscoreError("--verify-reuse is not supported with --ray yet; run the check in one process or "
+                            "on a --shard")
