@@ -6,9 +6,10 @@ Option precedence: command line > `--config FILE` (TOML, keys named like the opt
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import click
 import typer
@@ -19,6 +20,8 @@ from typer.core import TyperCommand, TyperGroup
 from apcscore import __version__
 from apcscore.compare.command import compare
 from apcscore.errors import ApcscoreError
+from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
+                                   cli_params)
 
 _UNESCAPED_BRACKET = re.compile(r"(?<!\\)\[")
 
@@ -82,44 +85,43 @@ def _flag(*names: str, help: str) -> Any:
     return typer.Option(*names, help=help, metavar="")
 
 
-# ---- shared option types ------------------------------------------------------------------------
-DatasetArg = Annotated[Path, typer.Argument(help="Dataset: JSONL (one record per line), parquet, CSV, or a datasets save_to_disk directory.", metavar="DATASET",
-                                            show_default=False)]
-ModelOpt = Annotated[Optional[str], typer.Option("--model", "-m", help="Model alias (smollm2-135m), Hugging Face model directory, or .gguf file. \\[default: smollm2-135m]")]
-OutOpt = Annotated[Optional[str], typer.Option("--out", "-o", help="Output parquet file. \\[default: results/<dataset>.<command>.parquet]")]
-OverwriteOpt = Annotated[bool, _flag("--overwrite", help="Replace an existing output file.")]
-ResumeOpt = Annotated[bool, _flag("--resume", help="Continue an interrupted run from <out>.partial.")]
-LimitOpt = Annotated[Optional[int], typer.Option("--limit", help="Only the first N records.", min=1)]
+# ---- parameters ---------------------------------------------------------------------------------
+DatasetArg = Annotated[Path, typer.Argument(
+    help="Dataset: JSONL (one record per line), parquet, CSV, or a datasets save_to_disk directory.",
+    metavar="DATASET", show_default=False)]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML file of option values (see configs/).")]
-SkipInvalidOpt = Annotated[bool, _flag("--skip-invalid", help="Turn invalid records into error rows instead of refusing the dataset.")]
-QuietOpt = Annotated[bool, _flag("--quiet", "-q", help="No progress bar or summary.")]
-DeviceOpt = Annotated[Optional[str], typer.Option("--device", help="auto | cpu | cuda (auto = cuda if available). \\[default: auto]")]
-DtypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA). \\[default: auto]")]
-BlockSizeOpt = Annotated[Optional[int], typer.Option("--block-size", help="Tokens per KV block. \\[default: 16]")]
-NumKvBlocksOpt = Annotated[Optional[int], typer.Option("--num-kv-blocks", help="KV pool size in blocks. \\[default: from free memory]")]
-MaxBatchTokensOpt = Annotated[Optional[int], typer.Option("--max-batch-tokens", help="Token budget of one engine step. \\[default: 2048]")]
-MaxNumSeqsOpt = Annotated[Optional[int], typer.Option("--max-num-seqs", help="Sequences running at once. \\[default: 64]")]
-NoPrefixCachingOpt = Annotated[bool, _flag("--no-prefix-caching", help="Turn automatic prefix caching off.")]
-NoBatchInvariantOpt = Annotated[bool, _flag("--no-batch-invariant", help="Library GEMMs instead of batch-invariant ones: faster, but a record's last bits may then depend on what shares its steps.")]
-ExactReuseOpt = Annotated[bool, _flag("--exact-reuse", help="Scoring reads cached KV of the blocks before each record's first scored position (shared contexts, few-shot prefixes computed once); results stay bitwise those of a full recompute. Needs batch invariance.")]
-VerifyReuseOpt = Annotated[Optional[float], typer.Option("--verify-reuse", help="With --exact-reuse: re-score this fraction of the records (0..1, a seeded sample) by full recompute at the end of the run; any bit differing fails the run (exit 1) naming ids and columns.")]
-MaxModelLenOpt = Annotated[Optional[int], typer.Option("--max-model-len", help="Cap on the context length in tokens. \\[default: the model's]")]
-LogprobsChunkOpt = Annotated[Optional[int], typer.Option("--logprobs-chunk-size", help="Rows of the vocabulary projection computed at once. \\[default: 1024]")]
-KvFractionOpt = Annotated[Optional[float], typer.Option("--kv-cache-memory-fraction", help="Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, at most 4 GiB; CUDA: of the GPU's total, after weights and the largest step). \\[default: 0.25 CPU, 0.85 CUDA]")]
-NoCudaGraphsOpt = Annotated[bool, _flag("--no-cuda-graphs", help="Run decode steps on CUDA eagerly instead of replaying captured CUDA graphs.")]
-MaxLogprobsOpt = Annotated[Optional[int], typer.Option("--max-logprobs", help="Cap on --prompt-logprobs / --logprobs. \\[default: 20]")]
-BackendOpt = Annotated[Optional[str], typer.Option("--attention-backend", help="auto | torch | triton (auto = triton on CUDA). \\[default: auto]")]
-ModelBackendOpt = Annotated[Optional[str], typer.Option("--model-backend", "--backend", help="auto | native | transformers: our decoder (paged KV, prefix cache, batch invariant) or the model's own transformers code (full recompute, no cache); auto = native where the architecture is supported. \\[default: auto]")]
-SeedOpt = Annotated[Optional[int], typer.Option("--seed", help="Sampling seed (per record unless the record sets its own).")]
-TruncateOpt = Annotated[Optional[str], typer.Option("--truncate", help="left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) instead of an error row.")]
-ColumnsOpt = Annotated[Optional[str], typer.Option("--columns", help="Read record fields from other columns: FIELD=COLUMN,... (e.g. prompt=text,id=doc_id).")]
-ShardOpt = Annotated[Optional[str], typer.Option("--shard", help="I/N: run only shard I (0-based) of N of a deterministic prefix-aware split (array jobs); join the files with `apcscore merge`.")]
-PartitionOpt = Annotated[Optional[str], typer.Option("--partition", help="prefix | random: how --shard and --ray split the records (random: to measure what prefix-awareness buys). \\[default: prefix]")]
-RayOpt = Annotated[Optional[str], typer.Option("--ray", help="Run on Ray replicas: auto (join the running cluster), local (start one here) or a cluster address. Needs the `ray` extra.")]
-ReplicasOpt = Annotated[Optional[int], typer.Option("--replicas", help="With --ray: engine replicas (one Ray actor each). \\[default: 1]")]
-GpusPerReplicaOpt = Annotated[Optional[float], typer.Option("--gpus-per-replica", help="With --ray: GPUs per replica. \\[default: 1 on a cluster with GPUs (unless --device cpu), else 0]")]
-CpusPerReplicaOpt = Annotated[Optional[float], typer.Option("--cpus-per-replica", help="With --ray: CPUs per replica. \\[default: 1]")]
-PromptLogprobsOpt = Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Top-K alternatives per prompt token (0 = the token's own logprob and rank only).")]
+OverwriteOpt = Annotated[bool, _flag("--overwrite", help="Replace an existing output file.")]
+
+
+def takes(options: type[Options], *first: inspect.Parameter,
+          **extra: inspect.Parameter) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Give a command function `fn(**params)` the parameters `first` (the dataset), then those of an options
+    class (jobs/options.py) in its --help order, with `extra` (--config), the parameters no option declares,
+    where that order names them."""
+    params = list(first)
+    for p in cli_params(options):
+        if isinstance(p, str):
+            params.append(extra[p])
+            continue
+        kind = p.type if p.type is bool or p.required else Optional[p.type]
+        annotation = Annotated[kind, typer.Option(*p.flags, help=p.help, **p.typer)]
+        default = inspect.Parameter.empty if p.required else False if p.type is bool else None
+        params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+                                        annotation=annotation))
+
+    def give(fn: Callable[..., None]) -> Callable[..., None]:
+        fn.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
+        fn.__annotations__ = {p.name: p.annotation for p in params}
+        return fn
+    return give
+
+
+def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
+
+
+DATASET = _param("dataset", DatasetArg)
+CONFIG = _param("config", ConfigOpt, None)
 
 
 def _error(exc: ApcscoreError) -> typer.Exit:
@@ -130,7 +132,7 @@ def _error(exc: ApcscoreError) -> typer.Exit:
 
 # ---- commands -----------------------------------------------------------------------------------
 def _run(command: str, params: dict[str, Any]) -> None:
-    """Run a command from its parameters (`locals()` of the command function); ApcscoreError -> clear exit."""
+    """Run a command from its parameters (those of the command function); ApcscoreError -> clear exit."""
     from apcscore.run.driver import run_command
 
     options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
@@ -143,122 +145,48 @@ def _run(command: str, params: dict[str, Any]) -> None:
 
 
 @app.command(cls=Command)
-def score(
-    dataset: DatasetArg,
-    prompt_logprobs: PromptLogprobsOpt = None,
-    truncate: TruncateOpt = None,
-    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
-    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
-    columns: ColumnsOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
-    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
-    max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
-    max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
-    kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
-    no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
-    exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
-    shard: ShardOpt = None, partition: PartitionOpt = None, ray: RayOpt = None, replicas: ReplicasOpt = None,
-    gpus_per_replica: GpusPerReplicaOpt = None, cpus_per_replica: CpusPerReplicaOpt = None,
-) -> None:
+@takes(ScoreOptions, DATASET, config=CONFIG)
+def score(**params: Any) -> None:
     """Per-token prompt logprobs (own logprob, rank, top-K) and per-record NLL / perplexity; loglikelihoods.
 
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]},
     {"id"?, "context": str, "continuation": str} (loglikelihood, is_greedy), or
     {"id"?, "context": str, "choices": \\[str, ...], "answer": int} (multiple choice: pred, correct).
     """
-    _run("score", locals())
+    _run("score", params)
 
 
 @app.command(cls=Command)
-def generate(
-    dataset: DatasetArg,
-    max_tokens: Annotated[Optional[int], typer.Option("--max-tokens", help="Most tokens to generate. \\[default: 16]")] = None,
-    temperature: Annotated[Optional[float], typer.Option("--temperature", help="0 = greedy. \\[default: 0]")] = None,
-    top_p: Annotated[Optional[float], typer.Option("--top-p", help="Nucleus sampling mass. \\[default: 1]")] = None,
-    top_k: Annotated[Optional[int], typer.Option("--top-k", help="Sample among the K most likely (0 = off). \\[default: 0]")] = None,
-    seed: SeedOpt = None,
-    stop: Annotated[Optional[list[str]], typer.Option("--stop", help="Stop string (repeatable); not included in the completion.")] = None,
-    logprobs: Annotated[Optional[int], typer.Option("--logprobs", help="Logprobs of the sampled tokens with top-K alternatives.")] = None,
-    prompt_logprobs: PromptLogprobsOpt = None,
-    truncate: TruncateOpt = None,
-    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
-    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
-    columns: ColumnsOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
-    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
-    max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
-    max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
-    kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
-    no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
-    exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
-    shard: ShardOpt = None, partition: PartitionOpt = None, ray: RayOpt = None, replicas: ReplicasOpt = None,
-    gpus_per_replica: GpusPerReplicaOpt = None, cpus_per_replica: CpusPerReplicaOpt = None,
-) -> None:
+@takes(GenerateOptions, DATASET, config=CONFIG)
+def generate(**params: Any) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
     {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
     """
-    _run("generate", locals())
+    _run("generate", params)
 
 
 @app.command(cls=Command)
-def perplexity(
-    dataset: DatasetArg,
-    window: Annotated[Optional[int], typer.Option("--window", min=1, help="Tokens of context a window feeds the model (default: the model's context length minus one, at most 4096).")] = None,
-    stride: Annotated[Optional[int], typer.Option("--stride", min=1, help="Tokens a window advances, at most --window (default: --window, disjoint windows).")] = None,
-    prompt_logprobs: Annotated[Optional[int], typer.Option("--prompt-logprobs", help="Also write per-token columns, with top-K alternatives (0 = own logprob and rank only).")] = None,
-    model: ModelOpt = None, out: OutOpt = None, overwrite: OverwriteOpt = False, resume: ResumeOpt = False,
-    limit: LimitOpt = None, config: ConfigOpt = None, skip_invalid: SkipInvalidOpt = False, quiet: QuietOpt = False,
-    columns: ColumnsOpt = None,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
-    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
-    max_logprobs: MaxLogprobsOpt = None, attention_backend: BackendOpt = None,
-    max_model_len: MaxModelLenOpt = None, logprobs_chunk_size: LogprobsChunkOpt = None,
-    kv_cache_memory_fraction: KvFractionOpt = None, no_cuda_graphs: NoCudaGraphsOpt = False,
-    no_batch_invariant: NoBatchInvariantOpt = False, model_backend: ModelBackendOpt = None,
-    exact_reuse: ExactReuseOpt = False, verify_reuse: VerifyReuseOpt = None,
-    shard: ShardOpt = None, partition: PartitionOpt = None, ray: RayOpt = None, replicas: ReplicasOpt = None,
-    gpus_per_replica: GpusPerReplicaOpt = None, cpus_per_replica: CpusPerReplicaOpt = None,
-) -> None:
+@takes(PerplexityOptions, DATASET, config=CONFIG)
+def perplexity(**params: Any) -> None:
     """Perplexity of long texts with rolling windows: token, word and byte perplexity, bits per byte.
 
     Records: {"id"?, "text": str}. The sequence [BOS (or EOS)] + tokens(text) is cut into windows of
     --window tokens of context advancing by --stride; every text token is scored exactly once
     (--stride = --window is lm-eval's rolling loglikelihood).
     """
-    _run("perplexity", locals())
+    _run("perplexity", params)
 
 
 @app.command("eval", cls=Command)
-def eval_(
-    tasks: Annotated[str, typer.Option("--tasks", "-t", help="lm-eval task names, comma-separated (T1,T2).", show_default=False)],
-    include_path: Annotated[Optional[Path], typer.Option("--include-path", help="Folder of extra lm-eval task YAML files.")] = None,
-    num_fewshot: Annotated[Optional[int], typer.Option("--num-fewshot", min=0, help="Few-shot examples per prompt. \\[default: the task's]")] = None,
-    limit: Annotated[Optional[int], typer.Option("--limit", min=1, help="Only the first N documents of each task.")] = None,
-    apply_chat_template: Annotated[bool, _flag("--apply-chat-template", help="Wrap prompts in the model's chat template (few-shot as multi-turn), as lm-eval does.")] = False,
-    exact_reuse: ExactReuseOpt = False,
-    max_length: Annotated[Optional[int], typer.Option("--max-length", min=1, help="Most tokens a scored sequence feeds the model. \\[default: the model's context length - 1]")] = None,
-    seed: SeedOpt = None,
-    model: ModelOpt = None,
-    out: Annotated[Optional[str], typer.Option("--out", "-o", help="Output folder (results.json, requests.parquet). \\[default: results/eval-<time>]")] = None,
-    overwrite: OverwriteOpt = False, quiet: QuietOpt = False,
-    device: DeviceOpt = None, dtype: DtypeOpt = None, block_size: BlockSizeOpt = None,
-    num_kv_blocks: NumKvBlocksOpt = None, max_batch_tokens: MaxBatchTokensOpt = None,
-    max_num_seqs: MaxNumSeqsOpt = None, no_prefix_caching: NoPrefixCachingOpt = False,
-    attention_backend: BackendOpt = None, max_model_len: MaxModelLenOpt = None,
-    logprobs_chunk_size: LogprobsChunkOpt = None, kv_cache_memory_fraction: KvFractionOpt = None,
-    no_cuda_graphs: NoCudaGraphsOpt = False, no_batch_invariant: NoBatchInvariantOpt = False,
-) -> None:
+@takes(EvalOptions)
+def eval_(**params: Any) -> None:
     """Run lm-evaluation-harness tasks with apcscore's engine as the model (lm-eval's `--model apcscore`).
 
     Writes lm-eval's results JSON and a per-request parquet to --out and prints lm-eval's table. Needs the
     `lmeval` extra (pip install 'apcscore[lmeval]').
     """
-    params = dict(locals())
     from apcscore.lmeval.run import run_eval
 
     try:

@@ -1,45 +1,107 @@
-"""Engine configuration: one frozen dataclass, validated on construction."""
+"""Engine configuration: one frozen dataclass, validated on construction; and `option`, the declaration of a
+setting (default, help text, CLI flags, checks) that EngineConfig and the run options (jobs/options.py) share.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Callable
+from dataclasses import Field, asdict, dataclass, field, fields
+from typing import Any
 
 from apcscore.errors import ApcscoreError, shown
 
 MAX_LOGPROBS_DEFAULT = 20
+NOT_GIVEN: Any = ...  # `option(NOT_GIVEN, ...)`: a field without a default (a required CLI option)
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one setting is declared on the command line and checked.
+
+    help: the --help text; show: append `[default: X]`, X the field's default (True) or this text (a str).
+    flags: the CLI names (default `--name-with-dashes`); negation: the CLI/TOML name of an off-switch flag
+    (`no_prefix_caching` for `enable_prefix_caching`); at_least: the lower bound checked on every value;
+    click_min: also give Typer the bound (checked while parsing); cli_type: the CLI value type where it is
+    not the field's; typer: other keyword arguments of `typer.Option`."""
+
+    help: str
+    show: bool | str = False
+    flags: tuple[str, ...] = ()
+    negation: str | None = None
+    at_least: int | None = None
+    click_min: bool = False
+    cli_type: Any = None
+    typer: tuple[tuple[str, Any], ...] = ()
+
+
+def option(default: Any, help: str, *flags: str, show: bool | str = False, negation: str | None = None,
+           at_least: int | None = None, click_min: bool = False, cli_type: Any = None, **typer: Any) -> Any:
+    """A dataclass field declared with its default and its `Spec` (in `metadata["spec"]`)."""
+    spec = Spec(help, show, flags, negation, at_least, click_min, cli_type, tuple(typer.items()))
+    if default is NOT_GIVEN:
+        return field(metadata={"spec": spec})
+    return field(default=default, metadata={"spec": spec})
+
+
+def spec_of(f: Field) -> Spec | None:
+    """The Spec a field was declared with (None for a field declared without `option`)."""
+    return f.metadata.get("spec")
+
+
+def base_type(annotation: str) -> str:
+    """`int | None` -> `int`: an annotation (a string: `from __future__ import annotations`) less None."""
+    return annotation.removesuffix(" | None")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores) on
     score, generate and perplexity (`seed` on generate only), and a key of the same name in a `--config` file;
-    the two switches that default to on are turned off with --no-prefix-caching and --no-cuda-graphs."""
+    the switches that default to on are turned off with --no-prefix-caching, --no-cuda-graphs and
+    --no-batch-invariant (also keys of a `--config` file)."""
 
-    device: str = "auto"  # auto | cpu | cuda (auto = cuda if available)
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on CUDA)
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None = derived from available memory
-    max_batch_tokens: int = 2048  # token budget of one engine step (prefill chunks + decodes)
-    max_num_seqs: int = 64  # sequences running at once
-    enable_prefix_caching: bool = True
-    max_logprobs: int = MAX_LOGPROBS_DEFAULT  # cap on --prompt-logprobs / --logprobs
-    logprobs_chunk_size: int = 1024  # rows of the vocabulary projection computed at once
-    attention_backend: str = "auto"  # auto | torch | triton (auto = triton on CUDA, torch elsewhere)
+    device: str = option("auto", "auto | cpu | cuda (auto = cuda if available).", show=True)
+    dtype: str = option("auto", "auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on "
+                        "CUDA).", show=True)
+    block_size: int = option(16, "Tokens per KV block.", show=True)
+    # None = derived from available memory
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks.", show="from free memory")
+    # token budget of one engine step (prefill chunks + decodes)
+    max_batch_tokens: int = option(2048, "Token budget of one engine step.", show=True)
+    max_num_seqs: int = option(64, "Sequences running at once.", show=True)
+    enable_prefix_caching: bool = option(True, "Turn automatic prefix caching off.",
+                                         negation="no_prefix_caching")
+    max_logprobs: int = option(MAX_LOGPROBS_DEFAULT, "Cap on --prompt-logprobs / --logprobs.", show=True)
+    logprobs_chunk_size: int = option(1024, "Rows of the vocabulary projection computed at once.", show=True)
+    attention_backend: str = option("auto", "auto | torch | triton (auto = triton on CUDA).", show=True)
     # share of memory for the KV pool when num_kv_blocks is None (None: 0.25 of free host memory, at most
     # 4 GiB, on CPU; on CUDA 0.85 of the card's total, minus the peak of a profile run of the largest step)
-    kv_cache_memory_fraction: float | None = None
-    seed: int = 0  # base seed for requests that do not set their own
-    max_model_len: int | None = None  # None = the model's context length
-    use_cuda_graphs: bool = True  # decode steps on CUDA replay captured graphs
+    kv_cache_memory_fraction: float | None = option(
+        None, "Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, "
+        "at most 4 GiB; CUDA: of the GPU's total, after weights and the largest step).",
+        show="0.25 CPU, 0.85 CUDA")
+    # base seed for requests that do not set their own
+    seed: int = option(0, "Sampling seed (per record unless the record sets its own).")
+    max_model_len: int | None = option(None, "Cap on the context length in tokens.", show="the model's")
+    use_cuda_graphs: bool = option(True, "Run decode steps on CUDA eagerly instead of replaying captured CUDA "
+                                   "graphs.", negation="no_cuda_graphs")
     # a record's results do not depend on what shares its steps (docs/architecture.md); False trades it for speed
-    batch_invariant: bool = True
+    batch_invariant: bool = option(True, "Library GEMMs instead of batch-invariant ones: faster, but a "
+                                   "record's last bits may then depend on what shares its steps.",
+                                   negation="no_batch_invariant")
     # auto | native | transformers: our decoder (paged KV, prefix cache, batch invariance) or the model's own
     # transformers forward and generate() (full recompute, no cache); auto = native where it implements the
     # architecture, else transformers (apcscore.models.architecture.choose_model_backend)
-    model_backend: str = "auto"
+    model_backend: str = option(
+        "auto", "auto | native | transformers: our decoder (paged KV, prefix cache, batch invariant) or the "
+        "model's own transformers code (full recompute, no cache); auto = native where the architecture is "
+        "supported.", "--model-backend", "--backend", show=True)
     # scoring requests read cached KV of the blocks before their first scored position (needs batch_invariant:
     # then the results are bitwise those of a full recompute, docs/architecture.md "Exact reuse")
-    exact_reuse: bool = False
+    exact_reuse: bool = option(
+        False, "Scoring reads cached KV of the blocks before each record's first scored position (shared "
+        "contexts, few-shot prefixes computed once); results stay bitwise those of a full recompute. Needs "
+        "batch invariance.")
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -47,7 +109,7 @@ class EngineConfig:
                 raise ApcscoreError(msg)
 
         for f in fields(self):  # types first, so that the range checks below cannot raise TypeError
-            value, kinds = getattr(self, f.name), _KINDS[f.name]
+            value, kinds = getattr(self, f.name), _kinds(str(f.type))
             need((value is None and type(None) in kinds) or
                  (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)),
                  f"--{f.name.replace('_', '-')} must be {_WHAT[kinds]}, not {shown(value)}")
@@ -90,16 +152,66 @@ class EngineConfig:
             )
 
     def to_dict(self) -> dict:
+        """The settings as a plain dict (the run metadata's `engine`)."""
         return asdict(self)
 
 
-_KINDS: dict[str, tuple[type, ...]] = {
-    "device": (str,), "dtype": (str,), "attention_backend": (str,), "model_backend": (str,),
-    "block_size": (int,), "max_batch_tokens": (int,), "max_num_seqs": (int,), "max_logprobs": (int,),
-    "logprobs_chunk_size": (int,), "seed": (int,),
-    "num_kv_blocks": (int, type(None)), "max_model_len": (int, type(None)),
-    "enable_prefix_caching": (bool,), "use_cuda_graphs": (bool,), "batch_invariant": (bool,), "exact_reuse": (bool,),
-    "kv_cache_memory_fraction": (int, float, type(None)),
-}
+def _kinds(annotation: str) -> tuple[type, ...]:
+    """The types a field of this annotation takes (a float setting takes an int too)."""
+    kinds = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}[base_type(annotation)]
+    return (*kinds, type(None)) if annotation.endswith(" | None") else kinds
+
+
 _WHAT = {(str,): "a string", (int,): "an integer", (int, type(None)): "an integer or unset",
          (bool,): "true or false", (int, float, type(None)): "a number or unset"}
+
+
+# ---------------------------------------------------------------- checks (None = fine, else the problem)
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int_at_least_0(v: Any) -> str | None:
+    return None if _is_int(v) and v >= 0 else f"must be an integer >= 0, got {shown(v)}"
+
+
+def _number_at_least_0(v: Any) -> str | None:
+    return None if _is_number(v) and v >= 0 else f"must be a number >= 0, got {shown(v)}"
+
+
+def _probability(v: Any) -> str | None:
+    return None if _is_number(v) and 0 < v <= 1 else f"must be a number in (0, 1], got {shown(v)}"
+
+
+def _any_int(v: Any) -> str | None:
+    return None if _is_int(v) else f"must be an integer, got {shown(v)}"
+
+
+def _stop(v: Any) -> str | None:
+    if isinstance(v, str):
+        return None if v else "must not be an empty string"
+    if isinstance(v, (list, tuple)) and all(isinstance(s, str) and s for s in v):
+        return None
+    return f"must be a non-empty string or a list of non-empty strings, got {shown(v)}"
+
+
+Check = Callable[[Any], "str | None"]
+
+# The sampling options a generate record may set for itself, and how each is checked: declared once, used by
+# SamplingParams (engine/sampling_params.py), by generate's options and by the generate record schema
+# (io/schemas.py). They live here, below every package, so that io needs no engine.
+RECORD_FIELDS: dict[str, Check] = {
+    "max_tokens": _int_at_least_0,
+    "temperature": _number_at_least_0,
+    "top_p": _probability,
+    "top_k": _int_at_least_0,
+    "seed": _any_int,
+    "stop": _stop,
+}
+# and what SamplingParams checks besides
+SAMPLING_CHECKS: dict[str, Check] = {**RECORD_FIELDS, "logprobs": _int_at_least_0}

@@ -172,14 +172,14 @@ def test_sampling_options_and_seeds(engine):
 
 
 def test_engine_options_pass_through():
-    from apcscore.lmeval.engine_options import build_engine_config
+    from apcscore.jobs.options import engine_config
 
-    cfg = build_engine_config({"dtype": "float32", "no_prefix_caching": True, "tasks": "x", "max_num_seqs": None})
+    cfg = engine_config({"dtype": "float32", "no_prefix_caching": True, "tasks": "x", "max_num_seqs": None})
     assert (cfg.dtype, cfg.enable_prefix_caching, cfg.max_num_seqs) == ("float32", False, 64)
-    assert build_engine_config({"exact_reuse": True}).exact_reuse is True
+    assert engine_config({"exact_reuse": True}).exact_reuse is True
     with pytest.raises(ApcscoreError, match="exact-reuse"):  # EngineConfig's own refusal reaches the user
-        build_engine_config({"exact_reuse": True, "no_batch_invariant": True})
-    assert build_engine_config({"exact_reuse": False}) == build_engine_config({})
+        engine_config({"exact_reuse": True, "no_batch_invariant": True})
+    assert engine_config({"exact_reuse": False}) == engine_config({})
 
 
 def test_task_errors_are_clear(in_repo, monkeypatch):

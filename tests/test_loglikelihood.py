@@ -22,6 +22,7 @@ from apcscore.engine.sequence import Request
 from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, continuation_score, encode_pair,
                                          mean_stderr, prefix_token_id)
 from apcscore.io.schemas import Record
+from apcscore.jobs.options import ScoreOptions
 from apcscore.jobs.score import ScoreJob
 
 
@@ -96,7 +97,7 @@ def engine() -> Engine:
 
 def run_score(engine, records: list[Record], k: int = 0) -> tuple[list[dict], ScoreJob]:
     """Rows of `records` through the score job, every request of every record in one engine run."""
-    job = ScoreJob(engine.tokenizer, engine.info.max_model_len, {"prompt_logprobs": k})
+    job = ScoreJob(engine.tokenizer, engine.info.max_model_len, ScoreOptions(prompt_logprobs=k))
     requests, counts, plans = [], [], []
     for record in records:
         reqs, plan = job.requests(record)

@@ -31,6 +31,7 @@ from apcscore.cli import app
 from apcscore.engine import Engine
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
+from apcscore.jobs.options import PerplexityOptions
 from apcscore.jobs.perplexity import PerplexityJob, count_words, default_window, rolling_windows
 
 SAMPLE_TEXTS = Path(__file__).resolve().parents[1] / "datasets" / "sample_texts.jsonl"
@@ -170,7 +171,7 @@ def reference_windows(hf, seq, windows) -> tuple[int, list[float]]:
     return len(logprobs), logprobs
 
 
-def perplexity_job(engine, options: dict) -> PerplexityJob:
+def perplexity_job(engine, options: PerplexityOptions) -> PerplexityJob:
     """A perplexity job for `engine`'s tokenizer and context length."""
     return PerplexityJob(engine.tokenizer, engine.info.max_model_len, options)
 
@@ -216,7 +217,8 @@ def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model
         "several windows": (256, None, math.ceil(n / 256)),
         "stride below the window": (256, 128, 1 + math.ceil((n - 256) / 128)),
     }
-    jobs = [perplexity_job(engine, {"window": w, "stride": s, "prompt_logprobs": 0}) for w, s, _ in cases.values()]
+    jobs = [perplexity_job(engine, PerplexityOptions(window=w, stride=s, prompt_logprobs=0))
+            for w, s, _ in cases.values()]
     rows = run_jobs(engine, jobs, text)
     all_windows = [lm_eval_windows(tokens, prefix, window) if stride is None
                    else guide_windows(tokens, prefix, window, stride) for window, stride, _ in cases.values()]
@@ -240,10 +242,10 @@ def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model
 def test_window_longer_than_the_model_context_is_refused(engine):
     max_len = engine.info.max_model_len
     with pytest.raises(ApcscoreError, match=f"--window {max_len - 1} or less"):
-        perplexity_job(engine, {"window": max_len})
+        perplexity_job(engine, PerplexityOptions(window=max_len))
     with pytest.raises(ApcscoreError, match="--stride must be between 1 and the window"):
-        perplexity_job(engine, {"window": 16, "stride": 17})
-    job = perplexity_job(engine, {})
+        perplexity_job(engine, PerplexityOptions(window=16, stride=17))
+    job = perplexity_job(engine, PerplexityOptions())
     assert (job.window, job.stride) == (min(4096, max_len - 1), min(4096, max_len - 1))
     with pytest.raises(ApcscoreError, match="the text is empty"):
         job.requests(Record(0, 1, "e", "text", {"text": ""}))
@@ -307,9 +309,9 @@ def test_ranks_are_only_counted_when_per_token_columns_are_asked_for(tiny_model_
     the logprobs are the same bits either way."""
     engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64))
     text = "the quick brown fox jumps over the lazy dog " * 8
-    plain, per_token = (run_jobs(engine, [perplexity_job(engine, {"window": 32, "stride": None, "prompt_logprobs": k})],
+    plain, per_token = (run_jobs(engine, [perplexity_job(engine, PerplexityOptions(window=32, prompt_logprobs=k))],
                                  text)[0] for k in (None, 0))
-    requests, _ = perplexity_job(engine, {"window": 32, "stride": None, "prompt_logprobs": None}).requests(
+    requests, _ = perplexity_job(engine, PerplexityOptions(window=32)).requests(
         Record(0, 1, "r", "text", {"text": text}))
     assert requests and not any(r.prompt_logprob_ranks for r in requests)
     assert plain["sum_logprob"] == per_token["sum_logprob"]

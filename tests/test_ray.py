@@ -182,16 +182,17 @@ def test_interrupt_then_resume_on_ray_equals_one_process(tmp_path, tiny, cluster
 
 def test_a_replica_that_refuses_the_run_is_one_clear_error(tiny, cluster) -> None:
     """An ApcscoreError raised in a replica's constructor comes back as one message, not Ray's traceback. (The
-    driver's own checks refuse a bad --block-size first; the replica is given it directly here.)"""
+    replica is built directly here, with a setting its constructor refuses: --attention-backend triton on a CPU.)"""
+    from apcscore.config import EngineConfig
     from apcscore.errors import ApcscoreError
-    from apcscore.jobs.options import DEFAULTS
+    from apcscore.jobs.options import ScoreOptions
     from apcscore.scale.ray_run import _get
     from apcscore.scale.replica import Replica
 
-    opts = dict(DEFAULTS, model=tiny, block_size=12)
+    opts = ScoreOptions(model=tiny, engine=EngineConfig(device="cpu", attention_backend="triton"))
     actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote("score", opts)
-    with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: --block-size must be a power of two, "
-                                            r"not 12$"):
+    with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: --attention-backend triton needs a "
+                                            r"CUDA GPU"):
         _get(ray, actor.describe.remote())
     ray.kill(actor)
 

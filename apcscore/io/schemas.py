@@ -2,7 +2,7 @@
 
 `check_record` validates one parsed JSON value for a command and says what is wrong in words a user can act
 on; the reader (apcscore.io.reader) adds the FILE:LINE. generate's per-record sampling overrides are
-checked by SamplingParams' own checks (apcscore.engine.sampling_params.RECORD_FIELDS), declared once.
+checked by SamplingParams' own checks (apcscore.config.RECORD_FIELDS), declared once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from apcscore.engine.sampling_params import RECORD_FIELDS
+from apcscore.config import RECORD_FIELDS
 from apcscore.errors import shown as _show
 
 COMMANDS = ("score", "generate", "perplexity")

@@ -12,6 +12,7 @@ import pyarrow as pa
 from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
+from apcscore.jobs.options import RunOptions
 
 COMMON_FIELDS = [
     pa.field("id", pa.string()),
@@ -47,11 +48,11 @@ class Job:
 
     command: str = ""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, options: RunOptions) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = int(max_model_len)
         self.options = options
-        self.truncate = options.get("truncate")  # None | "left"
+        self.truncate = getattr(options, "truncate", None)  # None | "left"
 
     def schema(self) -> pa.Schema:
         raise NotImplementedError

@@ -7,11 +7,13 @@ from typing import Any
 
 import pyarrow as pa
 
-from apcscore.engine.sampling_params import RECORD_FIELDS, SamplingParams
+from apcscore.config import RECORD_FIELDS
+from apcscore.engine.sampling_params import SamplingParams
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
+from apcscore.jobs.options import GenerateOptions
 
 SAMPLING_KEYS = tuple(RECORD_FIELDS)  # the per-record overrides
 
@@ -26,14 +28,15 @@ COMPLETION_LOGPROB_FIELDS = [
 class GenerateJob(Job):
     command = "generate"
 
-    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, options: GenerateOptions) -> None:
         super().__init__(tokenizer, max_model_len, options)
         # --seed is the base seed: a record without its own seed gets one derived from it and the record's
         # position in the dataset (so a resumed or --limit run samples each record as a whole run does)
-        self.base_seed = int(options.get("seed") or 0)
-        self.defaults = {k: options[k] for k in SAMPLING_KEYS if k != "seed" and options.get(k) is not None}
-        self.logprobs = options.get("logprobs")
-        self.prompt_logprobs = options.get("prompt_logprobs")
+        self.base_seed = int(options.engine.seed or 0)
+        self.defaults = {k: getattr(options, k) for k in SAMPLING_KEYS
+                         if k != "seed" and getattr(options, k) is not None}
+        self.logprobs = options.logprobs
+        self.prompt_logprobs = options.prompt_logprobs
         self._completion_tokens = 0
         self._cached = 0
         self._prompt_tokens = 0

@@ -25,13 +25,14 @@ from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
 from apcscore.jobs.metadata import run_metadata
+from apcscore.jobs.options import RunOptions
 from apcscore.jobs.runner import run_records
 
 
 class LocalExecutor:
     """One engine, loaded from the already resolved model files and parts."""
 
-    def __init__(self, command: str, opts: dict, cfg: EngineConfig, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, cfg: EngineConfig, files: Any, parts: Any) -> None:
         from apcscore.engine.loader import load_engine
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
@@ -39,7 +40,7 @@ class LocalExecutor:
         started = time.perf_counter()
         with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            self.engine = load_engine(opts["model"], cfg, resolved=(files, parts))
+            self.engine = load_engine(opts.model, cfg, resolved=(files, parts))
         self.load_seconds = time.perf_counter() - started
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.info.max_model_len
@@ -57,10 +58,10 @@ class LocalExecutor:
                                   f"at its {engine.info.sliding_window} tokens (longer prompts are refused or "
                                   "truncated)", False))
         self.verifier = None
-        if opts.get("verify_reuse"):
+        if opts.verify_reuse:
             from apcscore.jobs.verify import ReuseVerifier
 
-            self.verifier = ReuseVerifier(opts["verify_reuse"], cfg.seed)
+            self.verifier = ReuseVerifier(opts.verify_reuse, cfg.seed)
 
     def metadata(self, job: Job) -> dict:
         return run_metadata(self.command, self.engine, job, self.cfg, self.opts)

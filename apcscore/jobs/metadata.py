@@ -15,12 +15,13 @@ from typing import Any
 
 from apcscore import __version__
 from apcscore.io.tabular import parse_columns
+from apcscore.jobs.options import RunOptions
 
 
-def dataset_metadata(data: Any, opts: dict) -> dict:
+def dataset_metadata(data: Any, opts: RunOptions) -> dict:
     """The metadata's `dataset`: where, its content, the records read and the --columns mapping read with."""
     return {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records,
-            "columns": parse_columns(opts.get("columns"))}
+            "columns": parse_columns(opts.columns)}
 
 
 def now() -> str:
@@ -28,7 +29,8 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: dict, dataset: dict | None = None) -> dict:
+def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: RunOptions,
+                 dataset: dict | None = None) -> dict:
     """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
     import torch
     import transformers
@@ -37,7 +39,7 @@ def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: dict, data
     tok = engine.tokenizer
     job_meta = job.metadata()
     if command in ("score", "generate"):
-        job_meta["truncate"] = opts.get("truncate")
+        job_meta["truncate"] = opts.truncate
     return {
         "apcscore_version": __version__,
         "command": command,

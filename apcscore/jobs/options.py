@@ -1,82 +1,205 @@
-"""The options of score / generate / perplexity: which command reads which, their types and checks, and how
-command line, `--config FILE` (TOML) and defaults merge (command line > config file > defaults).
+"""The options of score / generate / perplexity / eval: one frozen dataclass per command, each field declared
+once (type, default, help text, CLI flags, lower bound: `config.option`), holding an `EngineConfig`.
 
-Every value is checked here, before the dataset is read and long before a model loads: a config file's value
-of the wrong type, a key of another command, a sampling option out of range (checked by the very checks
-SamplingParams and generate records use, `RECORD_FIELDS`). Problems are `ApcscoreError`s (exit 2) that name
-the option, or the config file and line.
+From the declarations come the CLI parameters (`cli_params`, turned into Typer's by cli.py), the keys of a
+`--config FILE` (TOML, `settings`) and the engine settings of flat values such as lm-eval's model_args
+(`engine_config`). How command line, config file and defaults merge, and the checks: jobs/resolve.py.
 """
 
 from __future__ import annotations
 
-import math
-import re
+from dataclasses import MISSING, dataclass, field, fields
+from functools import cache
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, ClassVar, Mapping, TypeVar
 
-from apcscore.config import EngineConfig
-from apcscore.engine.sampling_params import RECORD_FIELDS
-from apcscore.errors import ApcscoreError, shown
+from apcscore.config import NOT_GIVEN, EngineConfig, Spec, base_type, option, spec_of
 
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10
-    import tomli as tomllib  # type: ignore[no-redef]
-
-ENGINE_KEYS = frozenset(EngineConfig().to_dict())
-
-DEFAULTS: dict[str, Any] = {
-    "model": "smollm2-135m", "out": None, "overwrite": False, "resume": False, "limit": None,
-    "skip_invalid": False, "quiet": False, "no_prefix_caching": False, "no_cuda_graphs": False,
-    "no_batch_invariant": False, "prompt_logprobs": None, "logprobs": None,
-    "max_tokens": 16, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop": None,
-    "window": None, "stride": None, "truncate": None, "columns": None, "verify_reuse": None,
-    "shard": None, "partition": "prefix", "ray": None, "replicas": 1, "gpus_per_replica": None,
-    "cpus_per_replica": None,
-    **EngineConfig().to_dict(),
-}
-
-_COMMON = frozenset({"model", "out", "overwrite", "resume", "limit", "skip_invalid", "quiet", "columns",
-                     "no_prefix_caching", "no_cuda_graphs", "no_batch_invariant", "verify_reuse",
-                     "shard", "partition", "ray", "replicas", "gpus_per_replica", "cpus_per_replica"}) | ENGINE_KEYS
-# the options only one or two commands read; a config file may not set another command's option
-COMMAND_KEYS: dict[str, frozenset[str]] = {
-    "score": _COMMON | {"prompt_logprobs", "truncate"},
-    "generate": _COMMON | {"max_tokens", "temperature", "top_p", "top_k", "stop", "logprobs", "prompt_logprobs",
-                           "truncate"},
-    "perplexity": _COMMON | {"window", "stride", "prompt_logprobs"},
-}
+O = TypeVar("O", bound="Options")
+# the engine options of score, generate and perplexity on the command line, in --help order
+ENGINE_CLI = ("device", "dtype", "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs",
+              "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len",
+              "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant",
+              "model_backend", "exact_reuse")
+# the options score, generate and perplexity share, in --help order (`config` is cli.py's --config FILE)
+RUN_CLI = ("model", "out", "overwrite", "resume", "limit", "config", "skip_invalid", "quiet", "columns",
+           *ENGINE_CLI, "verify_reuse", "shard", "partition", "ray", "replicas", "gpus_per_replica",
+           "cpus_per_replica")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """What every command that runs a model takes: the model, where the results go, the engine settings."""
+
+    CLI: ClassVar[tuple[str, ...]] = ()  # the command's parameters in --help order
+
+    model: str = option("smollm2-135m", "Model alias (smollm2-135m), Hugging Face model directory, or .gguf "
+                        "file.", "--model", "-m", show=True)
+    out: str | None = option(None, "Output parquet file.", "--out", "-o",
+                             show="results/<dataset>.<command>.parquet")
+    overwrite: bool = option(False, "Replace an existing output file.")
+    limit: int | None = option(None, "Only the first N records.", at_least=1, click_min=True)
+    quiet: bool = option(False, "No progress bar or summary.", "--quiet", "-q")
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+    @classmethod
+    def from_values(cls: type[O], values: Mapping[str, Any]) -> O:
+        """The options of flat values (keys as in a config file; None = not given, so the default)."""
+        own = {f.name: values[f.name] for f in fields(cls)
+               if f.name != "engine" and values.get(f.name) is not None}
+        return cls(**own, engine=engine_config(values))
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(Options):
+    """The options of score, generate and perplexity (a dataset in, one parquet file out)."""
+
+    resume: bool = option(False, "Continue an interrupted run from <out>.partial.")
+    skip_invalid: bool = option(False, "Turn invalid records into error rows instead of refusing the "
+                                "dataset.")
+    columns: str | None = option(None, "Read record fields from other columns: FIELD=COLUMN,... (e.g. "
+                                 "prompt=text,id=doc_id).")
+    verify_reuse: float | None = option(
+        None, "With --exact-reuse: re-score this fraction of the records (0..1, a seeded sample) by full "
+        "recompute at the end of the run; any bit differing fails the run (exit 1) naming ids and columns.")
+    shard: str | None = option(None, "I/N: run only shard I (0-based) of N of a deterministic prefix-aware "
+                               "split (array jobs); join the files with `apcscore merge`.")
+    partition: str = option("prefix", "prefix | random: how --shard and --ray split the records (random: to "
+                            "measure what prefix-awareness buys).", show=True)
+    ray: str | None = option(None, "Run on Ray replicas: auto (join the running cluster), local (start one "
+                             "here) or a cluster address. Needs the `ray` extra.")
+    replicas: int = option(1, "With --ray: engine replicas (one Ray actor each).", show=True, at_least=1)
+    gpus_per_replica: float | None = option(None, "With --ray: GPUs per replica.", at_least=0,
+                                            show="1 on a cluster with GPUs (unless --device cpu), else 0")
+    cpus_per_replica: float | None = option(None, "With --ray: CPUs per replica.", show="1", at_least=0)
 
 
-# key -> (what it must be, test); None is always allowed where the default is None
-_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    **{k: ("true or false", lambda v: isinstance(v, bool))
-       for k in ("overwrite", "resume", "skip_invalid", "quiet", "no_prefix_caching", "enable_prefix_caching",
-                 "use_cuda_graphs", "no_cuda_graphs", "batch_invariant", "no_batch_invariant",
-                 "exact_reuse")},
-    **{k: ("a string", lambda v: isinstance(v, str))
-       for k in ("model", "out", "device", "dtype", "attention_backend", "model_backend", "truncate", "columns",
-                 "shard", "partition", "ray")},
-    **{k: ("an integer", _is_int)
-       for k in ("limit", "prompt_logprobs", "logprobs", "max_tokens", "top_k", "seed", "window", "stride",
-                 "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs", "max_logprobs",
-                 "logprobs_chunk_size", "max_model_len", "replicas")},
-    **{k: ("a number", _is_number) for k in ("temperature", "top_p", "kv_cache_memory_fraction", "verify_reuse",
-                                             "gpus_per_replica", "cpus_per_replica")},
-    "stop": ("a string or a list of strings",
-             lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))),
-}
-# lower bounds of integer options (the engine settings are checked by EngineConfig itself)
-_AT_LEAST = {"limit": 1, "window": 1, "stride": 1, "prompt_logprobs": 0, "logprobs": 0, "replicas": 1,
-             "gpus_per_replica": 0, "cpus_per_replica": 0}
+def _prompt_logprobs(default: int | None, help: str = "Top-K alternatives per prompt token (0 = the token's "
+                     "own logprob and rank only).") -> Any:
+    return option(default, help, at_least=0)
+
+
+def _truncate() -> Any:
+    return option(None, "left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) "
+                  "instead of an error row.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScoreOptions(RunOptions):
+    """`apcscore score`."""
+
+    CLI = ("prompt_logprobs", "truncate", *RUN_CLI)
+
+    prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
+    truncate: str | None = _truncate()
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions(RunOptions):
+    """`apcscore generate` (the sampling options are the defaults of records that do not set their own)."""
+
+    CLI = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
+           "truncate", *RUN_CLI)
+
+    max_tokens: int = option(16, "Most tokens to generate.", show=True)
+    temperature: float = option(0.0, "0 = greedy.", show=True)
+    top_p: float = option(1.0, "Nucleus sampling mass.", show=True)
+    top_k: int = option(0, "Sample among the K most likely (0 = off).", show=True)
+    stop: str | list[str] | None = option(None, "Stop string (repeatable); not included in the completion.",
+                                          cli_type=list[str])
+    logprobs: int | None = option(None, "Logprobs of the sampled tokens with top-K alternatives.", at_least=0)
+    prompt_logprobs: int | None = _prompt_logprobs(None)
+    truncate: str | None = _truncate()
+
+
+@dataclass(frozen=True, kw_only=True)
+class PerplexityOptions(RunOptions):
+    """`apcscore perplexity` (window and stride None: derived from the model's context length)."""
+
+    CLI = ("window", "stride", "prompt_logprobs", *RUN_CLI)
+
+    window: int | None = option(None, "Tokens of context a window feeds the model (default: the model's "
+                                "context length minus one, at most 4096).", at_least=1, click_min=True)
+    stride: int | None = option(None, "Tokens a window advances, at most --window (default: --window, "
+                                "disjoint windows).", at_least=1, click_min=True)
+    prompt_logprobs: int | None = _prompt_logprobs(None, "Also write per-token columns, with top-K "
+                                                   "alternatives (0 = own logprob and rank only).")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalOptions(Options):
+    """`apcscore eval` (lm-eval tasks; no --config file)."""
+
+    CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "exact_reuse",
+           "max_length", "seed", "model", "out", "overwrite", "quiet", *ENGINE_CLI[:7], "attention_backend",
+           "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs",
+           "no_batch_invariant")
+
+    tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2).", "--tasks", "-t",
+                        show_default=False)
+    include_path: Path | None = option(None, "Folder of extra lm-eval task YAML files.")
+    num_fewshot: int | None = option(None, "Few-shot examples per prompt.", show="the task's", at_least=0,
+                                     click_min=True)
+    limit: int | None = option(None, "Only the first N documents of each task.", at_least=1, click_min=True)
+    apply_chat_template: bool = option(False, "Wrap prompts in the model's chat template (few-shot as "
+                                       "multi-turn), as lm-eval does.")
+    max_length: int | None = option(None, "Most tokens a scored sequence feeds the model.", at_least=1,
+                                    click_min=True, show="the model's context length - 1")
+    out: str | None = option(None, "Output folder (results.json, requests.parquet).", "--out", "-o",
+                             show="results/eval-<time>")
+
+
+# the commands a --config file is for
+COMMANDS: dict[str, type[RunOptions]] = {"score": ScoreOptions, "generate": GenerateOptions,
+                                         "perplexity": PerplexityOptions}
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One option key (a config-file key, a CLI parameter's name): a field of the options class, of
+    EngineConfig, or an engine switch's off-flag (`no_prefix_caching`)."""
+
+    key: str
+    type: str  # the annotation, e.g. "int | None"
+    default: Any  # NOT_GIVEN: required
+    spec: Spec
+
+
+@cache
+def settings(cls: type[Options]) -> dict[str, Setting]:
+    """Every option key of `cls`: its own fields, then the engine's fields and off-flags."""
+    found = {f.name: Setting(f.name, str(f.type), NOT_GIVEN if f.default is MISSING else f.default, spec)
+             for f in fields(cls) if (spec := spec_of(f)) is not None}
+    for f in fields(EngineConfig):
+        spec = spec_of(f)
+        assert spec is not None, f"EngineConfig.{f.name} is declared without config.option"
+        found[f.name] = Setting(f.name, str(f.type), f.default, spec)
+        if spec.negation:
+            found[spec.negation] = Setting(spec.negation, "bool", False, spec)
+    return found
+
+
+def defaults(cls: type[Options]) -> dict[str, Any]:
+    """Every option key of `cls` with its default (required options left out)."""
+    return {k: s.default for k, s in settings(cls).items() if s.default is not NOT_GIVEN}
+
+
+def engine_config(values: Mapping[str, Any]) -> EngineConfig:
+    """EngineConfig from flat option values (EngineConfig field names and the off-flags, e.g. lm-eval's
+    model_args); None means not given, a true off-flag turns its setting off, other keys are ignored."""
+    given: dict[str, Any] = {}
+    for f in fields(EngineConfig):
+        if values.get(f.name) is not None:
+            given[f.name] = values[f.name]
+        negation = spec_of(f).negation  # type: ignore[union-attr]
+        if negation and values.get(negation):
+            given[f.name] = False
+    return EngineConfig(**given)
+
+
+def cli_values(cli: Mapping[str, Any]) -> dict[str, Any]:
+    """The values given on the command line: None (False for on/off flags, [] for lists) is not given."""
+    return {k: v for k, v in cli.items() if v is not None and v is not False and v != []}
 
 
 def option_name(key: str) -> str:
@@ -84,123 +207,40 @@ def option_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def _config_line(text: str, key: str) -> int | None:
-    """The line of the config file that sets `key` (for FILE:LINE messages), if it can be found."""
-    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if pattern.match(line):
-            return lineno
-    return None
+def _shown_default(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def read_config(path: Path, command: str) -> dict[str, Any]:
-    """The options of a TOML config file for `command`, type-checked; problems name FILE:LINE."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ApcscoreError(f"{path}: config file not found — check the --config path") from None
-    except IsADirectoryError:
-        raise ApcscoreError(f"{path}: is a directory, not a config file — give a TOML file such as "
-                            f"configs/{command}.toml") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ApcscoreError(f"{path}: cannot read the config file ({exc}) — give a readable UTF-8 TOML file") from None
-    try:
-        values = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ApcscoreError(f"{path}: not valid TOML: {exc} — fix the syntax (see configs/{command}.toml)") from None
-    problems = []
-    for key, value in values.items():
-        where = f"{path}:{_config_line(text, key) or 1}"
-        if key not in DEFAULTS:
-            problems.append(f"{where}: unknown option {key!r} — known: {', '.join(sorted(COMMAND_KEYS[command]))}")
-        elif key not in COMMAND_KEYS[command]:
-            users = [c for c, keys in COMMAND_KEYS.items() if key in keys]
-            problems.append(f"{where}: {key!r} is an option of {' and '.join(users)}, not of {command} — remove it "
-                            f"or use a config file per command")
-        elif (why := type_problem(key, value)) is not None:
-            problems.append(f"{where}: {key} {why} — fix the value")
-    if problems:
-        raise ApcscoreError("\n".join(problems))
-    return values
+@dataclass(frozen=True)
+class CliParam:
+    """One command-line option of a command, as cli.py hands it to Typer."""
+
+    name: str
+    type: Any  # the value's type (bool for an on/off flag, which defaults to False; others default to None)
+    flags: tuple[str, ...]
+    help: str
+    required: bool
+    typer: dict[str, Any]  # other keyword arguments of typer.Option
 
 
-def type_problem(key: str, value: Any) -> str | None:
-    """Why `value` is not of the type option `key` takes, or None."""
-    if value is None:
-        return None
-    what, test = _TYPES[key]
-    if not test(value):
-        return f"must be {what}, not {shown(value)}"
-    return None
+def cli_params(cls: type[Options]) -> list[CliParam | str]:
+    """The parameters of `cls`'s command in --help order; a name that is no option (`config`) stays a str."""
+    known = settings(cls)
+    out: list[CliParam | str] = []
+    for name in cls.CLI:
+        if name not in known:
+            out.append(name)
+            continue
+        s = known[name]
+        spec, flag = s.spec, s.type == "bool"
+        text = spec.help
+        if spec.show:
+            text += f" \\[default: {_shown_default(s.default) if spec.show is True else spec.show}]"
+        kind = bool if flag else spec.cli_type or {"int": int, "str": str, "float": float, "Path": Path}[
+            base_type(s.type)]
+        extra = {**dict(spec.typer), **({"min": spec.at_least} if spec.click_min else {}),
+                 **({"metavar": ""} if flag else {})}
+        flags = spec.flags if spec.flags and name != spec.negation else (option_name(name),)
+        out.append(CliParam(name, kind, flags, text, s.default is NOT_GIVEN, extra))
+    return out
 
-
-def resolve_options(command: str, cli: dict[str, Any], config_path: Path | None) -> dict[str, Any]:
-    """Merge command line (non-None values) over the config file over DEFAULTS, then check every value."""
-    from_file = read_config(config_path, command) if config_path is not None else {}
-    merged = dict(DEFAULTS)
-    merged.update(from_file)
-    # None (and False for on/off flags) means "not given on the command line"
-    merged.update({k: v for k, v in cli.items() if v is not None and v is not False and v != []})
-    check_options(command, merged)
-    return merged
-
-
-def check_options(command: str, opts: dict[str, Any]) -> None:
-    """Refuse values no run could use; the sampling options by the checks generate records get."""
-    for key, value in opts.items():
-        if (why := type_problem(key, value)) is not None:
-            raise ApcscoreError(f"{option_name(key)} {why}")
-    for key, low in _AT_LEAST.items():
-        if opts.get(key) is not None and opts[key] < low:
-            raise ApcscoreError(f"{option_name(key)} must be at least {low}, not {opts[key]}")
-    if opts.get("truncate") not in (None, "left"):
-        raise ApcscoreError(f"--truncate must be 'left' (drop a too-long prompt's oldest tokens), "
-                            f"not {shown(opts['truncate'])}")
-    if opts.get("verify_reuse") is not None:
-        if not 0 <= opts["verify_reuse"] <= 1:
-            raise ApcscoreError(f"--verify-reuse must be a fraction of the records in [0, 1], not {opts['verify_reuse']}")
-        if not opts.get("exact_reuse"):
-            raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass --exact-reuse too")
-    check_scale_options(opts)
-    if opts["overwrite"] and opts["resume"]:
-        raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues <out>.partial, "
-                            "--overwrite discards it — pass only one")
-    if command == "generate":
-        for key, check in RECORD_FIELDS.items():
-            value = opts.get(key)
-            if value is None or (key == "stop" and value == []):
-                continue
-            values = value if key == "stop" and isinstance(value, list) else [value]
-            for v in values:
-                if (why := check(v)) is not None:
-                    raise ApcscoreError(f"{option_name(key)} {why} (the same check as a record's {key!r})")
-
-
-def check_scale_options(opts: dict[str, Any]) -> None:
-    """--shard, --partition, --ray and the replica options (apcscore/scale/)."""
-    from apcscore.scale.partition import METHODS, parse_shard
-
-    if opts.get("shard") is not None:
-        parse_shard(opts["shard"])
-    if opts.get("partition") not in METHODS:
-        raise ApcscoreError(f"--partition must be one of {', '.join(METHODS)}, not {shown(opts.get('partition'))}")
-    if opts.get("ray") is None:
-        given = [k for k in ("gpus_per_replica", "cpus_per_replica") if opts.get(k) is not None]
-        given += ["replicas"] if opts.get("replicas", 1) != 1 else []
-        if given:
-            raise ApcscoreError(f"{option_name(given[0])} sets up Ray replicas; pass --ray auto (join a cluster) or "
-                                "--ray local (start one here) too")
-        return
-    if opts.get("shard") is not None:
-        raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its replicas "
-                            "itself; --shard is for array jobs without Ray — pass only one")
-
-
-def engine_config(opts: dict[str, Any]) -> EngineConfig:
-    """The EngineConfig of merged options (the `no_*` flags turn their setting off)."""
-    values = {k: opts[k] for k in ENGINE_KEYS}
-    for flag, key in (("no_prefix_caching", "enable_prefix_caching"), ("no_cuda_graphs", "use_cuda_graphs"),
-                      ("no_batch_invariant", "batch_invariant")):
-        if opts.get(flag):
-            values[key] = False
-    return EngineConfig(**values)

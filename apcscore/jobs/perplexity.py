@@ -41,6 +41,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
+from apcscore.jobs.options import PerplexityOptions
 
 DEFAULT_MAX_WINDOW = 4096
 
@@ -88,10 +89,10 @@ class PerplexityPlan(RecordPlan):
 class PerplexityJob(Job):
     command = "perplexity"
 
-    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, options: PerplexityOptions) -> None:
         super().__init__(tokenizer, max_model_len, options)
         max_len = self.max_model_len
-        window = options.get("window")
+        window = options.window
         window = default_window(max_len) if window is None else int(window)
         if window < 1:
             raise ApcscoreError(f"--window must be at least 1, not {window}")
@@ -100,13 +101,13 @@ class PerplexityJob(Job):
                 f"--window {window} is too long for the model: a window feeds {window} tokens of context plus "
                 f"the token it predicts last ({window + 1} in all), and the model's context is {max_len} "
                 f"tokens; use --window {max_len - 1} or less")
-        stride = options.get("stride")
+        stride = options.stride
         stride = window if stride is None else int(stride)
         if not 1 <= stride <= window:
             raise ApcscoreError(f"--stride must be between 1 and the window ({window}), not {stride} "
                                 "(a stride above the window would leave tokens unscored)")
         self.window, self.stride = window, stride
-        self.k = options.get("prompt_logprobs")
+        self.k = options.prompt_logprobs
         self.prefix_id = prefix_token_id(self.tokenizer)
         self._totals = {"sum_logprob": 0.0, "num_tokens": 0, "num_words": 0, "num_bytes": 0, "records": 0}
 

@@ -17,6 +17,7 @@ from typing import Any
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.reader import MAX_LISTED_PROBLEMS, LoadedDataset
 from apcscore.io.schemas import InvalidRecord
+from apcscore.jobs.options import RunOptions
 
 
 def default_out(dataset: Path, command: str) -> Path:
@@ -76,11 +77,11 @@ def _check_writable_folder(out: Path) -> None:
                             "or fix the folder's permissions")
 
 
-def check_against_model(command: str, opts: dict[str, Any], data: LoadedDataset, vocab_size: int,
+def check_against_model(command: str, opts: RunOptions, data: LoadedDataset, vocab_size: int,
                         tokenizer: Any) -> LoadedDataset:
     """`data` with the records the model cannot run moved to `invalid` (or ApcscoreError without --skip-invalid)."""
     for key in ("prompt_logprobs", "logprobs"):
-        k = opts.get(key)
+        k = getattr(opts, key, None)
         if k is not None and k > vocab_size:
             raise ApcscoreError(f"--{key.replace('_', '-')} {k} is more than the model's vocabulary of {vocab_size} "
                                 f"tokens — ask for at most {vocab_size} alternatives")
@@ -103,7 +104,7 @@ def check_against_model(command: str, opts: dict[str, Any], data: LoadedDataset,
     if not bad:
         return data
     invalid = [InvalidRecord(r.index, r.line, r.id, bad[r.index]) for r in data.records if r.index in bad]
-    if not opts["skip_invalid"]:
+    if not opts.skip_invalid:
         listed = "\n".join("  " + r.message for r in invalid[:MAX_LISTED_PROBLEMS])
         more = len(invalid) - MAX_LISTED_PROBLEMS
         raise ApcscoreError(f"{name}: {len(invalid)} of {data.num_records} records cannot run on this model; "

@@ -29,6 +29,7 @@ from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, c
                                          prefix_token_id, trim_top)
 from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.io.schemas import Record
+from apcscore.jobs.options import ScoreOptions
 
 
 @dataclass(frozen=True)
@@ -41,9 +42,9 @@ class ScorePlan(RecordPlan):
 class ScoreJob(Job):
     command = "score"
 
-    def __init__(self, tokenizer: Any, max_model_len: int, options: dict) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int, options: ScoreOptions) -> None:
         super().__init__(tokenizer, max_model_len, options)
-        self.k = int(options.get("prompt_logprobs") or 0)
+        self.k = int(options.prompt_logprobs or 0)
         self._prefix_id: int | None = None
         self._sum_logprob = 0.0
         self._scored = 0

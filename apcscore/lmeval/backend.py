@@ -34,7 +34,7 @@ from apcscore.engine.sequence import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
 from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
-from apcscore.lmeval.engine_options import build_engine_config
+from apcscore.jobs.options import engine_config
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 # generation kwargs lm-eval tasks set that change nothing here (HF generate's own switches)
@@ -61,7 +61,7 @@ class ApcscoreLM(TemplateLM):
         if engine is None:
             from apcscore.engine.loader import load_engine
 
-            engine = load_engine(str(pretrained), build_engine_config(engine_options))
+            engine = load_engine(str(pretrained), engine_config(engine_options))
         self.engine = engine
         self.tokenizer = engine.tokenizer
         limit = engine.info.max_model_len - 1  # the engine holds the last (only predicted) token too

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
+from apcscore.jobs.options import EvalOptions, cli_values
 
 HUB_HELP = (
     "lm-eval loads a task's `dataset_path` from the Hugging Face hub, which cannot be reached from here and "
@@ -87,39 +89,39 @@ def _unknown(manager: Any, names: list[str]) -> list[str]:
     return [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
 
 
-def run_eval(opts: dict[str, Any], echo: Any) -> dict[str, Any]:
-    """Run `apcscore eval` with merged options; return lm-eval's results (samples included).
+def run_eval(cli: Mapping[str, Any], echo: Any) -> dict[str, Any]:
+    """Run `apcscore eval` with its command-line values (the parameters of EvalOptions, None = not given);
+    return lm-eval's results (samples included). echo: prints a line.
 
-    opts: tasks, include_path, num_fewshot, limit, apply_chat_template, out, model, seed, max_length,
-    quiet, and engine options (EngineConfig fields, `no_*` flags, exact_reuse). echo: prints a line.
-    """
+    The tasks and --out are checked first, then the options (EvalOptions, its EngineConfig), before anything
+    loads."""
     lm_eval = _import_lm_eval()
     from apcscore.lmeval.backend import ApcscoreLM
-    from apcscore.lmeval.engine_options import build_engine_config
     from apcscore.lmeval.requests import write_outputs
 
-    names = split_tasks(opts["tasks"])
-    out = Path(opts.get("out") or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    names = split_tasks(cli["tasks"])
+    out = Path(cli.get("out") or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():
         raise ApcscoreError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and (out / "results.json").exists() and not opts.get("overwrite"):
+    if out.is_dir() and (out / "results.json").exists() and not cli.get("overwrite"):
         raise ApcscoreError(f"--out {out} already holds results.json; pass --overwrite or choose another folder")
-    config = build_engine_config(opts)  # checked before anything loads
-    manager = load_tasks(names, opts.get("include_path"))
+    opts = EvalOptions.from_values(cli_values(cli))  # checked before anything loads
+    config = opts.engine
+    manager = load_tasks(names, opts.include_path)
     started = time.perf_counter()
-    lm = ApcscoreLM(pretrained=opts.get("model") or "smollm2-135m", max_length=opts.get("max_length"),
-                    seed=opts.get("seed") or 0, progress=not opts.get("quiet"), engine=_engine(opts, config))
+    lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length,
+                    seed=config.seed, progress=not opts.quiet, engine=_engine(opts, config))
     load_seconds = time.perf_counter() - started
     results = lm_eval.simple_evaluate(
-        model=lm, tasks=names, task_manager=manager, num_fewshot=opts.get("num_fewshot"),
-        limit=opts.get("limit"), apply_chat_template=bool(opts.get("apply_chat_template")),
-        fewshot_as_multiturn=bool(opts.get("apply_chat_template")), log_samples=True)
+        model=lm, tasks=names, task_manager=manager, num_fewshot=opts.num_fewshot,
+        limit=opts.limit, apply_chat_template=opts.apply_chat_template,
+        fewshot_as_multiturn=opts.apply_chat_template, log_samples=True)
     if results is None:
         raise ApcscoreError("lm-eval returned no results")
     run_seconds = time.perf_counter() - started - load_seconds
     meta = run_info(lm, config, opts, names, load_seconds, run_seconds)
     write_outputs(out, results, meta)
-    if not opts.get("quiet"):
+    if not opts.quiet:
         from lm_eval.utils import make_table
 
         echo(make_table(results))
@@ -129,13 +131,13 @@ def run_eval(opts: dict[str, Any], echo: Any) -> dict[str, Any]:
     return results
 
 
-def _engine(opts: dict[str, Any], config: Any) -> Any:
+def _engine(opts: EvalOptions, config: EngineConfig) -> Any:
     from apcscore.engine.loader import load_engine
 
-    return load_engine(opts.get("model") or "smollm2-135m", config)
+    return load_engine(opts.model, config)
 
 
-def run_info(lm: Any, config: Any, opts: dict[str, Any], names: list[str], load_seconds: float,
+def run_info(lm: Any, config: EngineConfig, opts: EvalOptions, names: list[str], load_seconds: float,
              run_seconds: float) -> dict[str, Any]:
     """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`)."""
     import sys
@@ -150,8 +152,8 @@ def run_info(lm: Any, config: Any, opts: dict[str, Any], names: list[str], load_
     return {
         "apcscore_version": __version__, "command": "eval", "argv": sys.argv,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "tasks": names, "num_fewshot": opts.get("num_fewshot"), "limit": opts.get("limit"),
-        "apply_chat_template": bool(opts.get("apply_chat_template")), "max_length": lm.max_length,
+        "tasks": names, "num_fewshot": opts.num_fewshot, "limit": opts.limit,
+        "apply_chat_template": opts.apply_chat_template, "max_length": lm.max_length,
         "model": {"name": info.name, "path": info.path, "architecture": info.architecture,
                   "fingerprint": info.fingerprint, "max_model_len": info.max_model_len},
         "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),

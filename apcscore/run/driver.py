@@ -32,9 +32,10 @@ from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular import parse_columns
 from apcscore.io.writer import ResultsWriter
 from apcscore.jobs.metadata import add_timings, dataset_metadata, now
-from apcscore.jobs.options import engine_config, resolve_options
+from apcscore.jobs.options import RunOptions
 from apcscore.jobs.preflight import check_against_model, check_output
 from apcscore.jobs.registry import job_class
+from apcscore.jobs.resolve import resolve_options
 from apcscore.jobs.verify import describe
 from apcscore.run.summary import exit_code, print_interrupted, print_summary
 
@@ -54,29 +55,27 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     from apcscore.models.resolved import resolve_model_parts
 
     opts = resolve_options(command, cli_opts, config_path)
-    if command == "score" and opts["prompt_logprobs"] is None:
-        opts["prompt_logprobs"] = 0  # score always scores: own logprob and rank
-    cfg = engine_config(opts)
-    cfg.check_logprobs(opts.get("prompt_logprobs"), "--prompt-logprobs")
-    cfg.check_logprobs(opts.get("logprobs"), "--logprobs")
-    check_model_spec(opts["model"])
-    out, note = check_output(opts["out"], dataset, command, overwrite=opts["overwrite"], resume=opts["resume"])
-    data = load_dataset(dataset, command, skip_invalid=opts["skip_invalid"], limit=opts["limit"],
-                        columns=parse_columns(opts.get("columns")))
+    cfg = opts.engine
+    cfg.check_logprobs(opts.prompt_logprobs, "--prompt-logprobs")
+    cfg.check_logprobs(getattr(opts, "logprobs", None), "--logprobs")
+    check_model_spec(opts.model)
+    out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume)
+    data = load_dataset(dataset, command, skip_invalid=opts.skip_invalid, limit=opts.limit,
+                        columns=parse_columns(opts.columns))
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if note:
         console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
-    quiet = opts["quiet"]
-    if opts.get("ray"):
+    quiet = opts.quiet
+    if opts.ray:
         from apcscore.scale.ray_run import RayExecutor as executor_class
     else:
         from apcscore.engine.model_info import check_backend_device
         from apcscore.jobs.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)
-    with console.status(f"loading {escape(opts['model'])} ...", spinner="dots") if not quiet else nullcontext():
-        files = resolve_model(opts["model"])
+    with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
+        files = resolve_model(opts.model)
         parts = resolve_model_parts(files.path)
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         executor = executor_class(command, opts, cfg, files, parts)
@@ -88,14 +87,15 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         executor.close()
 
 
-def _drive(executor: Any, command: str, opts: dict, data: LoadedDataset, out: Path, console: Console) -> int:
+def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
+           console: Console) -> int:
     """Write the executor's rows of `data` to `out`; the exit code."""
     job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
     writer, data = _open_writer(job, data, out, metadata, opts)
     sessions, previous = start_session(writer, metadata["created"])
     before = observe_previous(job, writer)
-    quiet = opts["quiet"]
+    quiet = opts.quiet
     rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
                                                      show_progress=not quiet and console.is_terminal)
     this_session, extra = executor.finish(interrupted, seconds)
@@ -130,18 +130,18 @@ def _drive(executor: Any, command: str, opts: dict, data: LoadedDataset, out: Pa
 
 
 def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
-                 opts: dict) -> tuple[Any, LoadedDataset]:
+                 opts: RunOptions) -> tuple[Any, LoadedDataset]:
     """The results writer and the records it takes: with --shard a ShardWriter and this shard's records (its
     file has the extra column record_index), else a ResultsWriter and every record."""
-    writing = dict(overwrite=opts["overwrite"], resume=opts["resume"], resume_keys=RESUME_KEYS,
+    writing = dict(overwrite=opts.overwrite, resume=opts.resume, resume_keys=RESUME_KEYS,
                    resume_compare=RESUME_COMPARE)
     schema = job.output_schema()
-    if not opts.get("shard"):
+    if not opts.shard:
         return ResultsWriter(out, schema, metadata, num_rows=data.num_records, **writing), data
     from apcscore.scale.shard import ShardWriter, select_shard
 
-    data, metadata["shard"], indices = select_shard(job, data, opts["shard"], engine_config(opts).block_size,
-                                                    opts.get("partition") or "prefix")
+    data, metadata["shard"], indices = select_shard(job, data, opts.shard, opts.engine.block_size,
+                                                    opts.partition or "prefix")
     return ShardWriter(out, schema, metadata, indices, **writing), data
 
 

@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from apcscore.errors import ApcscoreError
+from apcscore.jobs.resolve import PARTITION_METHODS as METHODS
 
 MAX_DEPTH = 8  # blocks of a record's prefix that can decide its group
-METHODS = ("prefix", "random")
 
 
 @dataclass(frozen=True)
@@ -132,16 +132,3 @@ def fingerprint(items: list[Item], parts: list[int]) -> str:
     for it, p in zip(items, parts):
         h.update(f"{it.index}:{p};".encode())
     return h.hexdigest()
-
-
-def parse_shard(value: str) -> tuple[int, int]:
-    """`--shard I/N` -> (I, N); I is 0-based (0 <= I < N), as Slurm's and Kubernetes' array indices usually are."""
-    try:
-        i_text, n_text = value.split("/")
-        i, n = int(i_text), int(n_text)
-    except ValueError:
-        raise ApcscoreError(f"--shard must be I/N (e.g. 0/4: the first of 4 shards), not {value!r}") from None
-    if n < 1 or not 0 <= i < n:
-        raise ApcscoreError(f"--shard {value}: need N >= 1 and 0 <= I < N (shards are numbered from 0, so "
-                            f"the shards of {max(n, 1)} are 0/{max(n, 1)} .. {max(n, 1) - 1}/{max(n, 1)})")
-    return i, n

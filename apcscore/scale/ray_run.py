@@ -40,12 +40,14 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator
 
+from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.loader import engine_context_length
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import differing
 from apcscore.io.reader import LoadedDataset
 from apcscore.jobs.metadata import add_timings
+from apcscore.jobs.options import RunOptions
 from apcscore.jobs.verify import combine_reports
 from apcscore.scale.merge import configuration
 from apcscore.scale.replica import Replica
@@ -101,21 +103,21 @@ class RayExecutor:
     """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
     The executor interface is described in jobs/local.py."""
 
-    def __init__(self, command: str, opts: dict, cfg: Any, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, cfg: EngineConfig, files: Any, parts: Any) -> None:
         ray = self.ray = import_ray()
         self.command, self.opts, self.block_size = command, opts, cfg.block_size
         self.tokenizer = parts.tokenizer
         self.warnings: list[tuple[str, bool]] = []
-        self.started_ray = connect(ray, opts["ray"])
-        gpus = opts["gpus_per_replica"]
+        self.started_ray = connect(ray, opts.ray)
+        gpus = opts.gpus_per_replica
         if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.get("device") != "cpu" else 0
-        cpus = opts["cpus_per_replica"] if opts["cpus_per_replica"] is not None else 1
+            gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
+        cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
         self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
         remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                              max_task_retries=MAX_TASK_RETRIES)
         self.load_start = time.perf_counter()
-        self.actors = [remote.remote(command, opts) for _ in range(int(opts["replicas"]))]
+        self.actors = [remote.remote(command, opts) for _ in range(int(opts.replicas))]
         try:
             self.descs = [_get(ray, ref) for ref in [a.describe.remote() for a in self.actors]]
             _check_replicas([d["metadata"] for d in self.descs])
@@ -134,7 +136,7 @@ class RayExecutor:
              tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:
         """Split the whole dataset prefix-aware over the replicas (the same split on every resume), then feed
         each its records not done yet in chunks; rows as chunks come back."""
-        self.split = split_dataset(job, data, len(self.actors), self.block_size, self.opts["partition"])
+        self.split = split_dataset(job, data, len(self.actors), self.block_size, self.opts.partition)
         self.run_start = time.perf_counter()
         return self._rows(todo, tick)
 
@@ -196,7 +198,7 @@ class RayExecutor:
                            if s is not None else {"stats": "failed" if r in dead else
                                                   "not available (interrupted while busy)"})}
                        for r, s in enumerate(stats)]
-        ray_meta = {"address": self.opts["ray"], "replicas": len(self.actors), **self.resources,
+        ray_meta = {"address": self.opts.ray, "replicas": len(self.actors), **self.resources,
                     "chunk_records": CHUNK_RECORDS, "partition": split.metadata() if split else None,
                     "per_replica": per_replica, "setup_seconds": round(self.run_start - self.load_start, 3)}
         total = sum((s["counters"] for s in got), EngineCounters())  # the replicas' counters added up
@@ -204,7 +206,7 @@ class RayExecutor:
 
     def verify(self) -> dict | None:
         """The replicas' --verify-reuse reports as one."""
-        if not self.opts.get("verify_reuse"):
+        if not self.opts.verify_reuse:
             return None
         dead = {r for r, _, _ in self.failed}
         reports = [_get(self.ray, a.verify.remote()) for r, a in enumerate(self.actors) if r not in dead]

@@ -15,7 +15,7 @@ from typing import Any
 from apcscore.engine.loader import load_engine
 from apcscore.engine.model_info import check_backend_device
 from apcscore.jobs.metadata import run_metadata
-from apcscore.jobs.options import engine_config
+from apcscore.jobs.options import RunOptions
 from apcscore.jobs.registry import job_class
 from apcscore.jobs.runner import run_records
 from apcscore.jobs.verify import ReuseVerifier
@@ -24,15 +24,15 @@ from apcscore.jobs.verify import ReuseVerifier
 class Replica:
     """An engine replica. `opts` are the run's resolved options (jobs/options.resolve_options)."""
 
-    def __init__(self, command: str, opts: dict) -> None:
+    def __init__(self, command: str, opts: RunOptions) -> None:
         self.command, self.opts = command, opts
-        self.cfg = engine_config(opts)
+        self.cfg = opts.engine
         check_backend_device(self.cfg)
         started = time.perf_counter()
-        self.engine = load_engine(opts["model"], self.cfg)
+        self.engine = load_engine(opts.model, self.cfg)
         self.load_seconds = time.perf_counter() - started
         self.job = job_class(command)(self.engine.tokenizer, self.engine.info.max_model_len, opts)
-        self.verifier = ReuseVerifier(opts["verify_reuse"], self.cfg.seed) if opts.get("verify_reuse") else None
+        self.verifier = ReuseVerifier(opts.verify_reuse, self.cfg.seed) if opts.verify_reuse else None
         self.run_seconds = 0.0
         self.records = 0
         self.started = time.time()

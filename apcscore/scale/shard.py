@@ -19,7 +19,8 @@ import pyarrow as pa
 
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.writer import ResultsWriter
-from apcscore.scale.partition import assign, fingerprint, parse_shard, record_items
+from apcscore.jobs.resolve import parse_shard
+from apcscore.scale.partition import assign, fingerprint, record_items
 
 SHARD_COLUMN = "record_index"
 

@@ -1,0 +1,176 @@
+"""The options of a run of score / generate / perplexity: command line > `--config FILE` (TOML) > defaults
+(jobs/options.py declares them), merged and checked.
+
+Every value is checked here, before the dataset is read and long before a model loads: a config file's value
+of the wrong type, a key of another command, a sampling option out of range (checked by the very checks
+SamplingParams and generate records use, `RECORD_FIELDS`). Problems are `ApcscoreError`s (exit 2) that name
+the option, or the config file and line.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from apcscore.config import RECORD_FIELDS, base_type
+from apcscore.errors import ApcscoreError, shown
+from apcscore.jobs.options import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
+PARTITION_METHODS = ("prefix", "random")  # how --shard and --ray split the records (scale/partition.py)
+
+
+def resolve_options(command: str, cli: Mapping[str, Any], config_path: Path | None) -> RunOptions:
+    """The options of `command` (score, generate or perplexity): command line (`cli_values`) over the config
+    file over the defaults, every value checked."""
+    cls = COMMANDS[command]
+    from_file = read_config(config_path, command) if config_path is not None else {}
+    merged = {**defaults(cls), **from_file, **cli_values(cli)}
+    check_options(command, merged)
+    return cls.from_values(merged)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# an option's type (its annotation less `| None`) -> (what a value must be, test); None is always allowed
+_TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", _is_int),
+    "float": ("a number", _is_number),
+    "str | list[str]": ("a string or a list of strings", lambda v: isinstance(v, str) or (
+        isinstance(v, list) and all(isinstance(s, str) for s in v))),
+}
+
+
+def _config_line(text: str, key: str) -> int | None:
+    """The line of the config file that sets `key` (for FILE:LINE messages), if it can be found."""
+    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if pattern.match(line):
+            return lineno
+    return None
+
+
+def read_config(path: Path, command: str) -> dict[str, Any]:
+    """The options of a TOML config file for `command`, type-checked; problems name FILE:LINE."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ApcscoreError(f"{path}: config file not found — check the --config path") from None
+    except IsADirectoryError:
+        raise ApcscoreError(f"{path}: is a directory, not a config file — give a TOML file such as "
+                            f"configs/{command}.toml") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ApcscoreError(f"{path}: cannot read the config file ({exc}) — give a readable UTF-8 TOML "
+                            "file") from None
+    try:
+        values = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ApcscoreError(f"{path}: not valid TOML: {exc} — fix the syntax (see "
+                            f"configs/{command}.toml)") from None
+    keys = {c: settings(cls) for c, cls in COMMANDS.items()}
+    problems = []
+    for key, value in values.items():
+        where = f"{path}:{_config_line(text, key) or 1}"
+        if not any(key in k for k in keys.values()):
+            problems.append(f"{where}: unknown option {key!r} — known: {', '.join(sorted(keys[command]))}")
+        elif key not in keys[command]:
+            users = [c for c, k in keys.items() if key in k]
+            problems.append(f"{where}: {key!r} is an option of {' and '.join(users)}, not of {command} — "
+                            f"remove it or use a config file per command")
+        elif (why := type_problem(keys[command][key], value)) is not None:
+            problems.append(f"{where}: {key} {why} — fix the value")
+    if problems:
+        raise ApcscoreError("\n".join(problems))
+    return values
+
+
+def type_problem(setting: Setting, value: Any) -> str | None:
+    """Why `value` is not of the type `setting` takes, or None."""
+    if value is None:
+        return None
+    what, test = _TYPE_CHECKS[base_type(setting.type)]
+    if not test(value):
+        return f"must be {what}, not {shown(value)}"
+    return None
+
+
+def check_options(command: str, opts: dict[str, Any]) -> None:
+    """Refuse merged values (keys of `settings`) no run could use; the sampling options by the checks
+    generate records get."""
+    known = settings(COMMANDS[command])
+    for key, value in opts.items():
+        if (why := type_problem(known[key], value)) is not None:
+            raise ApcscoreError(f"{option_name(key)} {why}")
+    for key, s in known.items():
+        low = s.spec.at_least
+        if low is not None and opts.get(key) is not None and opts[key] < low:
+            raise ApcscoreError(f"{option_name(key)} must be at least {low}, not {opts[key]}")
+    if opts.get("truncate") not in (None, "left"):
+        raise ApcscoreError(f"--truncate must be 'left' (drop a too-long prompt's oldest tokens), "
+                            f"not {shown(opts['truncate'])}")
+    if opts.get("verify_reuse") is not None:
+        if not 0 <= opts["verify_reuse"] <= 1:
+            raise ApcscoreError(f"--verify-reuse must be a fraction of the records in [0, 1], not "
+                                f"{opts['verify_reuse']}")
+        if not opts.get("exact_reuse"):
+            raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass "
+                                "--exact-reuse too")
+    check_scale_options(opts)
+    if opts["overwrite"] and opts["resume"]:
+        raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues "
+                            "<out>.partial, --overwrite discards it — pass only one")
+    if command == "generate":
+        for key, check in RECORD_FIELDS.items():
+            value = opts.get(key)
+            if value is None or (key == "stop" and value == []):
+                continue
+            values = value if key == "stop" and isinstance(value, list) else [value]
+            for v in values:
+                if (why := check(v)) is not None:
+                    raise ApcscoreError(f"{option_name(key)} {why} (the same check as a record's {key!r})")
+
+
+def check_scale_options(opts: dict[str, Any]) -> None:
+    """--shard, --partition, --ray and the replica options (apcscore/scale/)."""
+    if opts.get("shard") is not None:
+        parse_shard(opts["shard"])
+    if opts.get("partition") not in PARTITION_METHODS:
+        raise ApcscoreError(f"--partition must be one of {', '.join(PARTITION_METHODS)}, not "
+                            f"{shown(opts.get('partition'))}")
+    if opts.get("ray") is None:
+        given = [k for k in ("gpus_per_replica", "cpus_per_replica") if opts.get(k) is not None]
+        given += ["replicas"] if opts.get("replicas", 1) != 1 else []
+        if given:
+            raise ApcscoreError(f"{option_name(given[0])} sets up Ray replicas; pass --ray auto (join a "
+                                "cluster) or --ray local (start one here) too")
+        return
+    if opts.get("shard") is not None:
+        raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its "
+                            "replicas itself; --shard is for array jobs without Ray — pass only one")
+
+
+def parse_shard(value: str) -> tuple[int, int]:
+    """`--shard I/N` -> (I, N); I is 0-based (0 <= I < N), as Slurm's and Kubernetes' array indices usually are."""
+    try:
+        i_text, n_text = value.split("/")
+        i, n = int(i_text), int(n_text)
+    except ValueError:
+        raise ApcscoreError(f"--shard must be I/N (e.g. 0/4: the first of 4 shards), not {value!r}") from None
+    if n < 1 or not 0 <= i < n:
+        raise ApcscoreError(f"--shard {value}: need N >= 1 and 0 <= I < N (shards are numbered from 0, so "
+                            f"the shards of {max(n, 1)} are 0/{max(n, 1)} .. {max(n, 1) - 1}/{max(n, 1)})")
+    return i, n
