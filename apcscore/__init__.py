@@ -12,7 +12,7 @@ __version__ = "0.1.0"
 
 from apcscore.config import EngineConfig
 from apcscore.engine.sampling_params import SamplingParams
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 
 __all__ = [
     "Engine",

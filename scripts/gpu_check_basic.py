@@ -35,9 +35,9 @@ def part_env(args) -> bool:
     t0 = time.perf_counter()
     import apcscore.engine.cuda_graphs  # noqa: F401
     import apcscore.engine.engine  # noqa: F401
-    import apcscore.models.backend
+    import apcscore.models.ops
 
-    apcscore.models.backend.select_backend("triton")  # the attention backend and every Triton kernel it uses
+    apcscore.models.ops.select_ops("triton")  # the attention backend and every Triton kernel it uses
 
     info["apcscore_import_s"] = round(time.perf_counter() - t0, 2)
     info["apcscore_loaded_datasets_or_gguf"] = sorted(m for m in ("datasets", "gguf") if sys.modules.get(m))

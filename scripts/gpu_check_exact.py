@@ -38,7 +38,7 @@ def part_exactness(args) -> bool:
     import numpy as np
 
     from apcscore.engine.sampling_params import SamplingParams
-    from apcscore.engine.sequence import Request
+    from apcscore.engine.request import Request
     from apcscore.jobs.loglikelihood import group_by_last_token
 
     small = args.small

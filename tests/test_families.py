@@ -136,14 +136,14 @@ def test_gemma_builds_on_the_triton_attention_backend(tiny_model_dir, arch):
     layer hands its window / soft-cap to the backend (tests/test_triton_engine.py runs it against transformers)."""
     from transformers import AutoConfig
 
-    from apcscore.models.backend import Backend
+    from apcscore.models.ops import Ops
     from apcscore.models.gemma import GemmaDecoder
 
     config = AutoConfig.from_pretrained(tiny_model_dir(arch))
-    triton = Backend("triton", lambda *a, **k: None, True, SimpleNamespace(name="triton"), None, None)
+    triton = Ops("triton", lambda *a, **k: None, True, SimpleNamespace(name="triton"), None, None)
     model = GemmaDecoder(config, triton, device="meta")
     attn = [layer.self_attn for layer in model.layers]
-    assert all(a.backend is triton.attention for a in attn)
+    assert all(a.attention_backend is triton.attention for a in attn)
     assert [a.window for a in attn] == [config.sliding_window if t == "sliding_attention" else None
                                         for t in config.layer_types]
     assert [a.softcap for a in attn] == ([5.0, 5.0] if arch == "gemma2" else [None, None])

@@ -19,7 +19,7 @@ from apcscore.cli import app
 from apcscore.engine.gemm_probe import probe_linear
 from apcscore.errors import ApcscoreError
 from apcscore.kernels.cpu_gemm import FixedOrderLinear
-from apcscore.models import backend as backend_module
+from apcscore.models import ops as ops_module
 from apcscore.models.loading import load_state_dict
 from apcscore.models.resolved import resolve_model_parts
 
@@ -46,8 +46,8 @@ class SplitKAboveRows:
 @pytest.fixture
 def row_dependent_linear(monkeypatch):
     """Every CPU engine built in the test gets the split-K linear instead of the fixed-order one."""
-    real = backend_module.select_linear
-    monkeypatch.setattr(backend_module, "select_linear",
+    real = ops_module.select_linear
+    monkeypatch.setattr(ops_module, "select_linear",
                         lambda device, invariant: SplitKAboveRows() if invariant else real(device, invariant))
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.generate import GenerateJob
+from apcscore.jobs.options import GenerateOptions, PerplexityOptions, ScoreOptions
 from apcscore.jobs.perplexity import PerplexityJob
 from apcscore.jobs.registry import JOBS, job_class
 from apcscore.jobs.score import ScoreJob
@@ -47,7 +48,7 @@ def test_the_registry_names_every_command():
 
 
 def test_a_score_job_truncates_and_keeps_the_count_in_the_plan(default_tokenizer):
-    job = ScoreJob(default_tokenizer, MAX_LEN, {"prompt_logprobs": 0, "truncate": "left"})
+    job = ScoreJob(default_tokenizer, MAX_LEN, ScoreOptions(prompt_logprobs=0, truncate="left"))
     assert not hasattr(job, "engine") and job.prefix_id is not None
     ids = list(default_tokenizer(LONG).input_ids)
     assert len(ids) > MAX_LEN
@@ -65,14 +66,14 @@ def test_a_score_job_truncates_and_keeps_the_count_in_the_plan(default_tokenizer
     # error rows carry no count: refused by the engine (a plan), or no requests / invalid (no plan)
     assert job.finish_row(job.error_row("long", "refused"), plan)["num_truncated_tokens"] is None
     assert job.finish_row(job.error_row("bad", "invalid"))["num_truncated_tokens"] is None
-    strict = ScoreJob(default_tokenizer, MAX_LEN, {"prompt_logprobs": 0})
+    strict = ScoreJob(default_tokenizer, MAX_LEN, ScoreOptions(prompt_logprobs=0))
     with pytest.raises(ApcscoreError, match="--truncate left"):
         strict.requests(record)
     assert "num_truncated_tokens" not in strict.finish_row(strict.error_row("long", "too long"))
 
 
 def test_a_choices_plan_says_which_request_scores_each_choice(default_tokenizer):
-    job = ScoreJob(default_tokenizer, MAX_LEN, {"prompt_logprobs": 0, "truncate": "left"})
+    job = ScoreJob(default_tokenizer, MAX_LEN, ScoreOptions(prompt_logprobs=0, truncate="left"))
     choices = [" Paris", " London", " the city of Paris"]
     record = Record(0, 1, "q", "choices", {"context": "The capital of France is", "choices": choices, "answer": 0})
     reqs, plan = job.requests(record)
@@ -83,9 +84,9 @@ def test_a_choices_plan_says_which_request_scores_each_choice(default_tokenizer)
 
 
 def test_a_perplexity_plan_carries_its_windows(default_tokenizer):
-    job = PerplexityJob(default_tokenizer, MAX_LEN, {"window": 8, "prompt_logprobs": 0})
+    job = PerplexityJob(default_tokenizer, MAX_LEN, PerplexityOptions(window=8, prompt_logprobs=0))
     with pytest.raises(ApcscoreError, match="--window 15 or less"):
-        PerplexityJob(default_tokenizer, MAX_LEN, {"window": MAX_LEN})
+        PerplexityJob(default_tokenizer, MAX_LEN, PerplexityOptions(window=MAX_LEN))
     n = len(default_tokenizer(LONG, add_special_tokens=False).input_ids)
     reqs, plan = job.requests(Record(0, 1, "t", "text", {"text": LONG}))
     assert len(reqs) == len(plan.windows) > 1 and len(plan.sequence) == n + 1
@@ -95,7 +96,7 @@ def test_a_perplexity_plan_carries_its_windows(default_tokenizer):
 
 
 def test_a_generate_job_leaves_room_to_generate(default_tokenizer):
-    job = GenerateJob(default_tokenizer, MAX_LEN, {"max_tokens": 4, "truncate": "left"})
+    job = GenerateJob(default_tokenizer, MAX_LEN, GenerateOptions(max_tokens=4, truncate="left"))
     ids = list(default_tokenizer(LONG).input_ids)
     (req,), plan = job.requests(Record(0, 1, "g", "prompt", {"prompt": LONG}))
     assert req.prompt_token_ids == ids[-(MAX_LEN - 4):] and plan.num_truncated_tokens == len(ids) - MAX_LEN + 4

@@ -43,7 +43,7 @@ def test_largest_step_runs_and_leaves_no_cache(tiny_model_dir) -> None:
 
     def logprob_fn(logits, targets, k):
         calls.append((tuple(logits.shape), k))
-        return engine.backend.token_logprobs(logits, targets, k)
+        return engine.ops.token_logprobs(logits, targets, k)
 
     kept = [(layer.self_attn.k_cache, layer.self_attn.v_cache) for layer in model.layers]
     kv_cache.run_largest_step(model, max_batch_tokens=96, max_model_len=40, block_size=4, dtype=torch.float32,

@@ -55,7 +55,7 @@ def both(in_repo, default_model_files, engine):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from apcscore.lmeval.backend import ApcscoreLM
+    from apcscore.lmeval.model import ApcscoreLM
 
     manager = TaskManager(include_path=str(TASK_DIR))
     ours = lm_eval.simple_evaluate(model=ApcscoreLM(engine=engine, max_length=MAX_LENGTH, progress=False),
@@ -125,7 +125,7 @@ def test_greedy_generation_identical_to_hf(both):
 
 def test_registering_keeps_builtin_models():
     """lm-eval loads its built-ins only into an empty registry: `hf` must still resolve after our import."""
-    code = ("import apcscore.lmeval.backend as b; from lm_eval.api.registry import get_model; "
+    code = ("import apcscore.lmeval.model as b; from lm_eval.api.registry import get_model; "
             "print(get_model('hf').__name__, get_model('apcscore') is b.ApcscoreLM)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -136,7 +136,7 @@ def test_registering_keeps_builtin_models():
 def test_chat_template_is_hflm_s(engine):
     from lm_eval.models.huggingface import HFLM
 
-    from apcscore.lmeval.backend import ApcscoreLM
+    from apcscore.lmeval.model import ApcscoreLM
 
     lm = ApcscoreLM(engine=engine)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
@@ -149,7 +149,7 @@ def test_chat_template_is_hflm_s(engine):
 def test_sampling_options_and_seeds(engine):
     from lm_eval.api.instance import Instance
 
-    from apcscore.lmeval.backend import ApcscoreLM
+    from apcscore.lmeval.model import ApcscoreLM
 
     lm = ApcscoreLM(engine=engine, progress=False)
     params, until = lm.sampling_params({"until": ["\n"], "do_sample": True, "temperature": 0.7, "top_p": 0.9,
@@ -204,7 +204,7 @@ def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_mod
     from typer.testing import CliRunner
 
     from apcscore.cli import app
-    from apcscore.io.tables import read_run_metadata
+    from apcscore.io.result_tables import read_run_metadata
 
     out = tmp_path / "ev"
     result = CliRunner().invoke(app, ["eval", "--tasks", "apc_ll,apc_mc", "--include-path", str(TASK_DIR),
@@ -236,7 +236,7 @@ def both_chat(in_repo, default_model_files, engine):
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from apcscore.lmeval.backend import ApcscoreLM
+    from apcscore.lmeval.model import ApcscoreLM
 
     manager = TaskManager(include_path=str(TASK_DIR))
     common = dict(tasks=["apc_mc", "apc_gen"], task_manager=manager, log_samples=True, limit=4,

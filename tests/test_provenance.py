@@ -11,7 +11,7 @@ import pytest
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import differing
-from apcscore.io.tables import METADATA_KEY
+from apcscore.io.result_tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
 from apcscore.scale.merge import check_shards

@@ -33,9 +33,9 @@ def transformers_tables(config, positions: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def our_tables(config, rope, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    from apcscore.models.backend import select_backend
+    from apcscore.models.ops import select_ops
 
-    model = LlamaDecoder(config, select_backend("torch"), max_positions=positions, device="meta")
+    model = LlamaDecoder(config, select_ops("torch"), max_positions=positions, device="meta")
     model.embed_tokens.to_empty(device="cpu")
     model.build_rotary_tables(rope)
     return model.cos_table, model.sin_table

@@ -16,7 +16,8 @@ import pytest
 from apcscore import Engine, EngineConfig, Request, SamplingParams
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
-from apcscore.engine.sequence import PromptLogprobs, Sequence
+from apcscore.engine.request import PromptLogprobs
+from apcscore.engine.sequence import Sequence
 from tests.test_exact_reuse import assert_tables_equal, cli_run
 from tests.test_invariance import assert_same, columns, run
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from apcscore.cli import app
 from apcscore.errors import ApcscoreError
 from apcscore.io.reader import load_dataset
-from apcscore.io.tabular import parse_columns, rename
+from apcscore.io.tabular_input import parse_columns, rename
 
 ROWS = [
     {"id": "a", "context": "The capital of France is", "choices": ["Paris", "Rome"], "answer": 0},

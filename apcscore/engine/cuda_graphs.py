@@ -114,7 +114,7 @@ class DecodeGraphRunner:
     def for_model(cls, model: LlamaDecoder, block_size: int, max_num_seqs: int,
                   device: torch.device) -> "DecodeGraphRunner | None":
         """A capturing runner, or None when the model's attention backend cannot be captured (not Triton)."""
-        if getattr(model.layers[0].self_attn.backend, "name", None) != "triton":
+        if getattr(model.layers[0].self_attn.attention_backend, "name", None) != "triton":
             return None
         return cls(model, block_size, max_num_seqs, device)
 

@@ -25,10 +25,10 @@ from apcscore.engine.model_info import (ModelInfo, capping_window, check_backend
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.score_store import ScoreStore, store_bytes_per_block
-from apcscore.engine.sequence import (PromptLogprobs, Request, RequestOutput, Sequence, TokenLogprobs,
-                                      request_problem)
+from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
+from apcscore.engine.sequence import Sequence
 from apcscore.models.architecture import check_architecture
-from apcscore.models.backend import Backend, select_backend
+from apcscore.models.ops import Ops, select_ops
 from apcscore.models.decoders import decoder_class
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import eos_token_ids
@@ -44,22 +44,22 @@ class Engine:
     model_backend = "native"
 
     def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo,
-                 device: torch.device, dtype: torch.dtype, backend: Backend) -> None:
+                 device: torch.device, dtype: torch.dtype, ops: Ops) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.info = info
         self.device = device
         self.dtype = dtype
-        self.backend = backend
-        self.attention_backend = backend.name  # "torch" | "triton", as the run metadata records it
-        self.numerics = check_batch_invariance(model, backend, config, device)
+        self.ops = ops
+        self.attention_backend = ops.name  # "torch" | "triton", as the run metadata records it
+        self.numerics = check_batch_invariance(model, ops, config, device)
         self.batch_invariant = self.numerics["batch_invariant"]
         profile = None
         if device.type == "cuda":  # the pool takes what the largest step leaves (kv_cache.profile_peak_memory)
             step = dict(max_batch_tokens=config.max_batch_tokens, max_model_len=info.max_model_len,
                         block_size=config.block_size, dtype=dtype, device=device,
-                        logits_rows=config.logprobs_chunk_size, logprob_fn=backend.token_logprobs,
+                        logits_rows=config.logprobs_chunk_size, logprob_fn=ops.token_logprobs,
                         k=min(config.max_logprobs, info.vocab_size))
             profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
         # exact reuse keeps a score-store entry per cached block (engine/score_store.py) in host memory: on the CPU
@@ -78,7 +78,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,
                                    config.exact_reuse, self.store)
         self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  config.logprobs_chunk_size, config.seed, backend.token_logprobs,
+                                  config.logprobs_chunk_size, config.seed, ops.token_logprobs,
                                   use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
                                   capture_block_hidden=self.store is not None)
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
@@ -125,10 +125,10 @@ class Engine:
         dtype = resolve_dtype(config.dtype, device)
         arch = check_architecture(hf_config)
         check_backend_device(config)
-        backend = select_backend(config.attention_backend, device.type, config.batch_invariant)
+        ops = select_ops(config.attention_backend, device.type, config.batch_invariant)
         window_cap = not decoder_class(hf_config).implements_sliding_window  # (Gemma masks its window)
         max_len = context_length(hf_config, config, window_cap)
-        model = decoder_class(hf_config)(hf_config, backend, max_positions=max_len, device="meta")
+        model = decoder_class(hf_config)(hf_config, ops, max_positions=max_len, device="meta")
         model = model.materialize(device, dtype)
         model.load_hf_weights(state_dict, rope, consume=consume_state)
         model.eval()
@@ -140,7 +140,7 @@ class Engine:
             num_parameters=sum(p.numel() for p in model.parameters()),
             sliding_window=capping_window(hf_config, config, window_cap),
         )
-        return cls(model, tokenizer, config, info, device, dtype, backend)
+        return cls(model, tokenizer, config, info, device, dtype, ops)
 
     def counters(self) -> EngineCounters:
         """This engine's counters since it was built: its stats, its prefix cache's and its KV pool's."""

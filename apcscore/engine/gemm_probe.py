@@ -20,7 +20,7 @@ import torch
 
 from apcscore.engine.numerics import describe_numerics
 from apcscore.errors import ApcscoreError
-from apcscore.models.backend import linear_construction
+from apcscore.models.ops import linear_construction
 
 ROW_COUNTS = (1, 15, 16, 57, 64, 100, 191)
 OFFSETS = (1, 7, 33)  # extra calls of OFFSET_ROWS rows starting at these rows of the reference
@@ -125,17 +125,17 @@ def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) ->
     return result
 
 
-def check_batch_invariance(model: Any, backend: Any, config: Any,
+def check_batch_invariance(model: Any, ops: Any, config: Any,
                            device: torch.device) -> dict:
     """Probe the linear construction on this machine (apcscore.engine.gemm_probe) and return the numerics
     metadata. Where batch invariance was asked for but does not hold: one warning, and --exact-reuse refused."""
     probe, reason = None, None
-    if backend.batch_invariant:
-        result = probe_model(model, backend.linear, config.max_batch_tokens)
+    if ops.batch_invariant:
+        result = probe_model(model, ops.linear, config.max_batch_tokens)
         probe = result.to_dict()
         if not result.passed:
             reason = (f"the start-up probe found this machine's linear layer not batch-invariant: {result.reason} "
-                      f"({linear_construction(backend.linear)})")
+                      f"({linear_construction(ops.linear)})")
             if config.exact_reuse:
                 raise ApcscoreError(f"--exact-reuse needs batch invariance, and {reason}; drop --exact-reuse "
                                     "(and --verify-reuse, which checks it)")
@@ -143,5 +143,5 @@ def check_batch_invariance(model: Any, backend: Any, config: Any,
                           "metadata says numerics.batch_invariant = false", stacklevel=3)
     else:
         reason = "turned off (--no-batch-invariant)"
-    return describe_numerics(device, backend.batch_invariant and reason is None, linear_construction(backend.linear),
+    return describe_numerics(device, ops.batch_invariant and reason is None, linear_construction(ops.linear),
                              probe, reason)

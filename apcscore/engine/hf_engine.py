@@ -30,7 +30,7 @@ from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.model_info import (ModelInfo, context_length, resolve_device, resolve_dtype,
                                         stop_string_cut, stop_tokens)
 from apcscore.engine.numerics import describe_numerics
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
+from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
 from apcscore.kernels.logprobs_ref import token_logprobs_torch
 from apcscore.models.loading import eos_token_ids

@@ -163,7 +163,7 @@ def allocate_kv_cache(model: LlamaDecoder, num_kv_blocks: int, block_size: int, 
     cfg = model.config
     attn0 = model.layers[0].self_attn
     # per layer [num_blocks, block_size, Hkv, D] caches; a backend may lay the pool out its own way
-    allocate = getattr(attn0.backend, "allocate_kv_cache", None)
+    allocate = getattr(attn0.attention_backend, "allocate_kv_cache", None)
     if allocate is not None:
         caches = allocate(cfg.num_hidden_layers, num_kv_blocks, block_size, attn0.num_kv_heads, attn0.head_dim,
                           lambda shape: allocate_zeroed(shape, dtype, device))

@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from apcscore.engine.sequence import TokenLogprobs
+from apcscore.engine.request import TokenLogprobs
 from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
 
 LogprobFn = Callable[..., tuple[torch.Tensor, ...]]  # (logits [N, V], targets [N], k, ranks=bool) -> 4 tensors

@@ -20,7 +20,8 @@ from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.score_store import publishes
-from apcscore.engine.sequence import PromptLogprobs, Sequence, TokenLogprobs
+from apcscore.engine.request import PromptLogprobs, TokenLogprobs
+from apcscore.engine.sequence import Sequence
 from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
 from apcscore.kernels.matmul_ref import padded_rows

@@ -26,7 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from apcscore.engine.sequence import PromptLogprobs, Request, Sequence
+from apcscore.engine.request import PromptLogprobs, Request
+from apcscore.engine.sequence import Sequence
 
 ENTRY_OVERHEAD_BYTES = 1400  # the entry object, four numpy arrays, a torch tensor, the dict slot (measured ~1,350)
 

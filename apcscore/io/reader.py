@@ -43,7 +43,7 @@ from typing import Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record
-from apcscore.io.tabular import is_tabular, read_table_records, rename
+from apcscore.io.tabular_input import is_tabular, read_table_records, rename
 
 MAX_LISTED_PROBLEMS = 20
 
@@ -136,7 +136,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                  limit: int | None = None, columns: dict[str, str] | None = None) -> LoadedDataset:
     """Read and validate the dataset at `path` for `command` ("score", "generate" or "perplexity").
 
-    JSONL, or parquet / CSV / a `save_to_disk` directory (`io/tabular.py`); `columns` maps a record field to
+    JSONL, or parquet / CSV / a `save_to_disk` directory (`io/tabular_input.py`); `columns` maps a record field to
     the column (or JSON key) it is read from.
 
     `limit` keeps the first N records (valid or invalid) of the file. Raises `ApcscoreError` (exit code 2)

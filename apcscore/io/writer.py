@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import bits_of, short
-from apcscore.io.tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
+from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
 INDEX_COLUMN = "index"

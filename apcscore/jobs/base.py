@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.options import RunOptions

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from apcscore.engine.sequence import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 
 # Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from apcscore import __version__
-from apcscore.io.tabular import parse_columns
+from apcscore.io.tabular_input import parse_columns
 from apcscore.jobs.options import RunOptions
 
 

@@ -27,7 +27,7 @@ from apcscore.jobs.base import (COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nl
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, group_by_last_token, mean_stderr,
                                          prefix_token_id, trim_top)
-from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.engine.request import Request, RequestOutput
 from apcscore.io.schemas import Record
 from apcscore.jobs.options import ScoreOptions
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from apcscore.engine.sequence import Request, RequestOutput
+from apcscore.engine.request import Request, RequestOutput
 
 # RequestOutput arrays compared, by the name a mismatch reports
 _PROMPT = ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs", "positions")

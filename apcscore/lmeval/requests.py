@@ -4,7 +4,7 @@
 doc's requests), request_type (the task's output type), arguments (JSON list: the request's args, e.g.
 [context, continuation]), response (JSON: the raw response, e.g. [loglikelihood, is_greedy]), filtered_response
 (JSON), target (JSON), metrics (JSON object: the doc's per-sample metric values). The schema metadata key
-`apcscore` holds the run metadata (`apcscore.io.tables.read_run_metadata` reads it).
+`apcscore` holds the run metadata (`apcscore.io.result_tables.read_run_metadata` reads it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from apcscore.io.tables import METADATA_KEY, dumps_metadata, records_to_table, write_atomic
+from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, records_to_table, write_atomic
 
 SCHEMA = pa.schema([
     pa.field("task", pa.string()),

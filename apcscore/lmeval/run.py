@@ -96,7 +96,7 @@ def run_eval(cli: Mapping[str, Any], echo: Any) -> dict[str, Any]:
     The tasks and --out are checked first, then the options (EvalOptions, its EngineConfig), before anything
     loads."""
     lm_eval = _import_lm_eval()
-    from apcscore.lmeval.backend import ApcscoreLM
+    from apcscore.lmeval.model import ApcscoreLM
     from apcscore.lmeval.requests import write_outputs
 
     names = split_tasks(cli["tasks"])

@@ -7,14 +7,14 @@ What differs from Llama, each as transformers computes it:
   x = x + post_ffw_norm(mlp(pre_ffw_norm(x))); the MLP is GeGLU (GELU, tanh approximation, as configured);
 - attention scales by query_pre_attn_scalar ** -0.5 (not head_dim ** -0.5);
 - layers alternate sliding-window attention (a query sees the last `sliding_window` positions) and global
-  attention, per `config.layer_types`; the window is masked inside the attention backend's fixed key tiles
-  (the torch backend's and the Triton kernel's alike: `window=` and `softcap=` of their forward);
+  attention, per `config.layer_types`; the window is masked inside the attention ops's fixed key tiles
+  (the torch ops's and the Triton kernel's alike: `window=` and `softcap=` of their forward);
 - Gemma 2: attention logits soft-capped (tanh(s / c) * c, c = attn_logit_softcapping), and the final logits
   too (final_logit_softcapping);
 - Gemma 3: q and k RMS-normed per head before the rotary embedding, and the sliding layers' rotary tables use
   their own base (rope_parameters["sliding_attention"]); final logit soft-capping when configured.
 
-The batch-invariance contract holds as for Llama: projections and the LM head through the backend's `linear`,
+The batch-invariance contract holds as for Llama: projections and the LM head through the ops's `linear`,
 attention in the same fixed tiles, and norms, GELU, scaling and soft-capping row by row.
 """
 
@@ -27,7 +27,7 @@ from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
-from apcscore.models.backend import Backend
+from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
 
 SLIDING = "sliding_attention"
@@ -49,9 +49,9 @@ class GemmaRMSNorm(nn.Module):
 
 class GemmaAttention(nn.Module):
     """Attention of one layer: its window (sliding layers), soft-cap (Gemma 2) and q/k norms (Gemma 3); the
-    attributes the KV pool reads (num_kv_heads, head_dim, backend, k_cache, v_cache) as Llama's Attention."""
+    attributes the KV pool reads (num_kv_heads, head_dim, ops, k_cache, v_cache) as Llama's Attention."""
 
-    def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, ops: Ops, device: Device = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
@@ -62,12 +62,12 @@ class GemmaAttention(nn.Module):
         self.window = cfg.sliding_window if self.sliding else None
         self.softcap = None if gemma3 else getattr(cfg, "attn_logit_softcapping", None)  # Gemma 3 ignores it
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, backend.linear, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, backend.linear, device)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, ops.linear, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, ops.linear, device)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
         self.layer_idx = layer_idx
-        self.backend = backend.attention
+        self.attention_backend = ops.attention
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -83,21 +83,21 @@ class GemmaAttention(nn.Module):
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         extra = {name: value for name, value in (("window", self.window), ("softcap", self.softcap)) if value}
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale, **extra)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class GemmaLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, ops: Ops, device: Device = None) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.self_attn = GemmaAttention(cfg, layer_idx, gemma3, backend, device)
+        self.self_attn = GemmaAttention(cfg, layer_idx, gemma3, ops, device)
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, backend.linear, device)
-        self.down_proj = Linear(cfg.intermediate_size, h, False, backend.linear, device)
+        self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, ops.linear, device)
+        self.down_proj = Linear(cfg.intermediate_size, h, False, ops.linear, device)
         self.act = ACT2FN[cfg.hidden_activation]  # elementwise (gelu_pytorch_tanh)
         self.input_layernorm = GemmaRMSNorm(h, eps, device)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, device)
@@ -115,18 +115,18 @@ class GemmaDecoder(LlamaDecoder):
 
     implements_sliding_window = True  # the engine need not cap the context at the window
 
-    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         nn.Module.__init__(self)
         cfg = self.config = hf_config
-        self.backend = backend
+        self.ops = ops
         self.gemma3 = SUPPORTED_ARCHITECTURES[check_architecture(cfg)] == "gemma3"
-        layers = [GemmaLayer(cfg, i, self.gemma3, backend, device) for i in range(cfg.num_hidden_layers)]
+        layers = [GemmaLayer(cfg, i, self.gemma3, ops, device) for i in range(cfg.num_hidden_layers)]
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.init_head(cfg, backend, device, max_positions, tie_default=True)
+        self.init_head(cfg, ops, device, max_positions, tie_default=True)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
         for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_head made the global ones)
             self.register_buffer(name, torch.empty(0), persistent=False)

@@ -5,8 +5,8 @@ whose rows are per head [q | k | v] (reordered at load time into [all q | all k 
 on the first `partial_rotary_factor` of each head's dimensions only, a GELU MLP with biases, and the parallel
 residual (x + attn(ln1(x)) + mlp(ln2(x))) when `use_parallel_residual`, else the sequential one.
 
-The batch-invariance contract holds as for Llama: every projection and the LM head go through the backend's
-`linear`, attention is the same paged fixed-tile backend, and LayerNorm, rotary and GELU are row-wise.
+The batch-invariance contract holds as for Llama: every projection and the LM head go through the ops's
+`linear`, attention is the same paged fixed-tile ops, and LayerNorm, rotary and GELU are row-wise.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
-from apcscore.models.backend import Backend
+from apcscore.models.ops import Ops
 from apcscore.models.weights import WeightCopier
 from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
 
@@ -38,19 +38,19 @@ class LayerNorm(nn.Module):
 
 class NeoXAttention(nn.Module):
     """Multi-head attention with partial rotary over the paged KV cache (the attributes the KV pool reads:
-    num_kv_heads, head_dim, backend, k_cache, v_cache)."""
+    num_kv_heads, head_dim, ops, k_cache, v_cache)."""
 
-    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
         self.num_heads = self.num_kv_heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // self.num_heads
         self.rotary_dim = int(self.head_dim * rope_parameters(cfg).get("partial_rotary_factor", 1.0))
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", True))
-        self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, backend.linear, device)
-        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, backend.linear, device)
+        self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, ops.linear, device)
+        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, ops.linear, device)
         self.layer_idx = layer_idx
-        self.backend = backend.attention
+        self.attention_backend = ops.attention
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -60,21 +60,21 @@ class NeoXAttention(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, r]
         q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
         k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 
 
 class NeoXLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
-        self.self_attn = NeoXAttention(cfg, layer_idx, backend, device)
+        self.self_attn = NeoXAttention(cfg, layer_idx, ops, device)
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
-        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, True, backend.linear, device)
-        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, True, backend.linear, device)
+        self.up = Linear(cfg.hidden_size, cfg.intermediate_size, True, ops.linear, device)
+        self.down = Linear(cfg.intermediate_size, cfg.hidden_size, True, ops.linear, device)
         self.act = ACT2FN[cfg.hidden_act]  # elementwise
         self.parallel = bool(cfg.use_parallel_residual)
 
@@ -94,19 +94,19 @@ class GPTNeoXDecoder(LlamaDecoder):
     """GPT-NeoX over a flattened, paged batch; the engine-facing interface of LlamaDecoder (forward,
     compute_logits, lm_head_weight, materialize, load_hf_weights)."""
 
-    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         nn.Module.__init__(self)
         cfg = self.config = hf_config
-        self.backend = backend
+        self.ops = ops
         if rope_parameters(cfg).get("rope_type", "default") != "default":
             raise ApcscoreError(f"GPT-NeoX with rope type {rope_parameters(cfg)['rope_type']!r} is not implemented "
                                 f"natively; use --model-backend transformers")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
-        self.layers = nn.ModuleList(NeoXLayer(cfg, i, backend, device) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(NeoXLayer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers))
         self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
-        self.init_head(cfg, backend, device, max_positions)
+        self.init_head(cfg, ops, device, max_positions)
 
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, rotary_dim] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""

@@ -16,7 +16,7 @@ from torch import nn
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
-from apcscore.models.backend import Backend
+from apcscore.models.ops import Ops
 from apcscore.models.rope import rope_frequencies, rotary_tables
 from apcscore.models.weights import WeightCopier
 
@@ -25,7 +25,7 @@ Device = torch.device | str | None
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T (+ bias) through the backend's linear layer (batch-invariant unless turned off)."""
+    """y = x @ weight.T (+ bias) through the model's linear op (batch-invariant unless turned off)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
                  device: Device = None) -> None:
@@ -55,7 +55,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  device: Device = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
@@ -64,13 +64,13 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
-        linear, norm_fn = backend.linear, backend.rms_norm
+        linear, norm_fn = ops.linear, ops.rms_norm
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, qkv_bias, linear, device)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, linear, device)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.layer_idx = layer_idx
-        self.backend = backend.attention
+        self.attention_backend = ops.attention
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
         self.v_cache = torch.empty(0)
 
@@ -92,7 +92,7 @@ class Attention(nn.Module):
         else:  # partial rotary (Phi-4-mini): the first R dimensions of each head, as transformers' Phi-3
             q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
             k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -113,13 +113,13 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, qk_norm: bool, qkv_bias: bool, o_bias: bool,
+    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  device: Device = None) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx, backend, qk_norm, qkv_bias, o_bias, device)
-        self.mlp = MLP(cfg, backend.linear, device)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.self_attn = Attention(cfg, layer_idx, ops, qk_norm, qkv_bias, o_bias, device)
+        self.mlp = MLP(cfg, ops.linear, device)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,12 +143,12 @@ class LlamaDecoder(nn.Module):
     # offsets such a sequence's positions: apcscore.engine.step_inputs). None: one table, rows = positions.
     long_rope_after: int | None = None
 
-    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
-        """backend: linear layers, attention and RMSNorm (apcscore.models.backend.select_backend). device
+        """ops: linear layers, attention and RMSNorm (apcscore.models.ops.select_ops). device
         "meta" builds it without memory (then `materialize` and `load_hf_weights`)."""
         super().__init__()
-        self.backend = backend
+        self.ops = ops
         arch = check_architecture(hf_config)
         family = SUPPORTED_ARCHITECTURES[arch]
         cfg = hf_config
@@ -161,9 +161,9 @@ class LlamaDecoder(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, backend, qk_norm, qkv_bias, o_bias, device) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.init_head(cfg, backend, device, max_positions)
+            DecoderLayer(cfg, i, ops, qk_norm, qkv_bias, o_bias, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
+        self.init_head(cfg, ops, device, max_positions)
 
     def materialize(self, device: Device, dtype: torch.dtype) -> "LlamaDecoder":
         """Give a model built on "meta" uninitialised parameters of `dtype` on `device` (pages untouched until
@@ -181,13 +181,13 @@ class LlamaDecoder(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def init_head(self, cfg: Any, backend: Backend, device: Device, max_positions: int | None,
+    def init_head(self, cfg: Any, ops: Ops, device: Device, max_positions: int | None,
                   tie_default: bool = False) -> None:
         """What every decoder sets up after its layers: the LM head (None when tied to the embedding), the slot
         for its fp32 copy (CPU, half-precision models), the context length and the empty rotary tables."""
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", tie_default))
         self.lm_head = (None if self.tie_word_embeddings
-                        else Linear(cfg.hidden_size, cfg.vocab_size, False, backend.linear, device))
+                        else Linear(cfg.hidden_size, cfg.vocab_size, False, ops.linear, device))
         self._lm_head_fp32: torch.Tensor | None = None
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
@@ -231,20 +231,20 @@ class LlamaDecoder(nn.Module):
         A bf16 logit is rounded by up to 2^-8 of its size: ~0.06 nats at |logit| 20, too coarse to score with.
         On CUDA the Triton matmul reads bf16 and accumulates and writes fp32; on the CPU a half-precision
         model's hidden states and LM head are upcast (the fp32 head is kept: vocab x hidden x 4 bytes).
-        `out` (fp32, rows: see Backend.linear) receives the logits if given.
+        `out` (fp32, rows: see Ops.linear) receives the logits if given.
         """
         weight = self.lm_head_weight
         if weight.device.type == "cuda":
             from apcscore.kernels.matmul import invariant_linear
 
             return invariant_linear(hidden, weight, out=out, out_dtype=torch.float32)
-        if weight.dtype != torch.float32 and getattr(self.backend.linear, "mixed_dtypes", False):
-            return self.backend.linear(hidden.float(), weight, out=out)  # fp32 rows x half weights: exact upcast
+        if weight.dtype != torch.float32 and getattr(self.ops.linear, "mixed_dtypes", False):
+            return self.ops.linear(hidden.float(), weight, out=out)  # fp32 rows x half weights: exact upcast
         if weight.dtype != torch.float32:
             if self._lm_head_fp32 is None:
                 self._lm_head_fp32 = weight.float()
             weight, hidden = self._lm_head_fp32, hidden.float()
-        return self.backend.linear(hidden, weight, out=out)
+        return self.ops.linear(hidden, weight, out=out)
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:

@@ -11,7 +11,7 @@ exactly as transformers computes them:
 
 Batch invariance: routing is per token, and each expert runs as a plain grouped loop over the experts in
 ascending order: the tokens routed to expert e are gathered and multiplied with its weights through the
-backend's batch-invariant `linear` (a row's bits do not depend on how many rows share the GEMM), then
+ops's batch-invariant `linear` (a row's bits do not depend on how many rows share the GEMM), then
 added into the output with index_add_ (a token's contributions land in ascending expert order, from zero).
 So a token's result depends on its own hidden state only, never on which other tokens share the batch.
 
@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, native_architecture
-from apcscore.models.backend import Backend
+from apcscore.models.ops import Ops
 from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder
 
 
@@ -42,7 +42,7 @@ def _dense_mlp(cfg: Any, size: int, linear: Callable[..., torch.Tensor], device:
 class SparseMoe(nn.Module):
     """Top-k routed experts (and Qwen2-MoE's gated shared expert) over a flat batch of tokens [T, H]."""
 
-    def __init__(self, cfg: Any, family: str, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, family: str, ops: Ops, device: Device = None) -> None:
         super().__init__()
         from transformers.activations import ACT2FN
 
@@ -52,15 +52,15 @@ class SparseMoe(nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.normalize = bool(cfg.norm_topk_prob) if qwen else True
         self.weights_in_model_dtype = qwen  # Mixtral keeps the routing weights in fp32
-        self.linear = backend.linear
+        self.linear = ops.linear
         self.act = ACT2FN[cfg.hidden_act]  # elementwise
         e, i, h = self.num_experts, self.intermediate, cfg.hidden_size
-        self.gate = Linear(h, e, False, backend.linear, device)  # the router
+        self.gate = Linear(h, e, False, ops.linear, device)  # the router
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device), requires_grad=False)  # [gate|up]
         self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device), requires_grad=False)
-        self.shared_expert = (_dense_mlp(cfg, cfg.shared_expert_intermediate_size, backend.linear, device)
+        self.shared_expert = (_dense_mlp(cfg, cfg.shared_expert_intermediate_size, ops.linear, device)
                               if qwen else None)
-        self.shared_expert_gate = Linear(h, 1, False, backend.linear, device) if qwen else None
+        self.shared_expert_gate = Linear(h, 1, False, ops.linear, device) if qwen else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k], expert ids [T, k]), row by row as transformers' router."""
@@ -107,13 +107,13 @@ def is_sparse_layer(cfg: Any, family: str, layer_idx: int) -> bool:
 class MoeDecoder(LlamaDecoder):
     """MixtralForCausalLM and Qwen2MoeForCausalLM: LlamaDecoder with SparseMoe MLPs where the config has them."""
 
-    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
-        super().__init__(hf_config, backend, max_positions, device)  # dense MLPs first (on "meta": free)
+        super().__init__(hf_config, ops, max_positions, device)  # dense MLPs first (on "meta": free)
         self.family = SUPPORTED_ARCHITECTURES[native_architecture(hf_config) or ""]
         for i, layer in enumerate(self.layers):
             if is_sparse_layer(hf_config, self.family, i):
-                layer.mlp = SparseMoe(hf_config, self.family, backend, device)
+                layer.mlp = SparseMoe(hf_config, self.family, ops, device)
 
     def load_mlp(self, mlp: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
                  copy: Callable[..., None]) -> None:

@@ -4,7 +4,7 @@ What differs from Llama: no pre-norms; each sublayer's output is normed before t
 (x = x + post_attention_layernorm(attn(x)); x = x + post_feedforward_layernorm(mlp(x))), and q and k are
 RMS-normed over the whole projection (all heads together) before the rotary embedding. Rotary tables,
 the SiLU MLP, the LM head and the paged fixed-tile attention are Llama's (apcscore.models.llama), so the
-batch-invariance contract holds the same way: projections through the backend's `linear`, the rest row-wise.
+batch-invariance contract holds the same way: projections through the ops's `linear`, the rest row-wise.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import torch
 from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
-from apcscore.models.backend import Backend
+from apcscore.models.ops import Ops
 from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm, rotate_half
 
 
 class Olmo2Attention(nn.Module):
     """Attention with q/k RMSNorm over the full projection; the KV pool's attributes as Llama's Attention."""
 
-    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -30,12 +30,12 @@ class Olmo2Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, backend.linear, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, backend.linear, device)
-        self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, ops.linear, device)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, ops.linear, device)
+        self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, ops.rms_norm, device)
+        self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.layer_idx = layer_idx
-        self.backend = backend.attention
+        self.attention_backend = ops.attention
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -48,18 +48,18 @@ class Olmo2Attention(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = self.backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
+        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
 class Olmo2Layer(nn.Module):
-    def __init__(self, cfg: Any, layer_idx: int, backend: Backend, device: Device = None) -> None:
+    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
-        self.self_attn = Olmo2Attention(cfg, layer_idx, backend, device)
-        self.mlp = MLP(cfg, backend.linear, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
+        self.self_attn = Olmo2Attention(cfg, layer_idx, ops, device)
+        self.mlp = MLP(cfg, ops.linear, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin))
@@ -69,16 +69,16 @@ class Olmo2Layer(nn.Module):
 class Olmo2Decoder(LlamaDecoder):
     """OLMo 2 over a flattened, paged batch (LlamaDecoder's engine-facing interface and rotary tables)."""
 
-    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         nn.Module.__init__(self)
         cfg = self.config = hf_config
-        self.backend = backend
+        self.ops = ops
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
-        self.layers = nn.ModuleList(Olmo2Layer(cfg, i, backend, device) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend.rms_norm, device)
-        self.init_head(cfg, backend, device, max_positions)
+        self.layers = nn.ModuleList(Olmo2Layer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
+        self.init_head(cfg, ops, device, max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from apcscore.models.backend import Backend
+from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, LlamaDecoder
 from apcscore.models.rope import RopeFrequencies, longrope_frequencies, rotary_tables
 
@@ -39,9 +39,9 @@ def _rope_parameters(cfg: Any) -> dict[str, Any]:
 class Phi3Decoder(LlamaDecoder):
     """Phi3ForCausalLM: LlamaDecoder with the fused checkpoint names, long-rope and partial rotary."""
 
-    def __init__(self, hf_config: Any, backend: Backend, max_positions: int | None = None,
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
-        super().__init__(hf_config, backend, max_positions, device)
+        super().__init__(hf_config, ops, max_positions, device)
         rope = _rope_parameters(hf_config)
         self.longrope = rope.get("rope_type", "default") == "longrope"
         self.partial_rotary = float(rope.get("partial_rotary_factor", 1.0)) != 1.0

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
 from apcscore.io.reader import LoadedDataset, load_dataset
-from apcscore.io.tabular import parse_columns
+from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
 from apcscore.jobs.metadata import add_timings, dataset_metadata, now
 from apcscore.jobs.options import RunOptions

@@ -23,7 +23,7 @@ import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import bits_of, differing
-from apcscore.io.tables import METADATA_KEY, dumps_metadata, read_run_metadata
+from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.jobs.metadata import add_timings
 from apcscore.scale.shard import SHARD_COLUMN
 

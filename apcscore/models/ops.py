@@ -1,4 +1,4 @@
-"""The compute backend a model runs on, chosen in one place: linear layers, attention, RMSNorm and logprobs.
+"""The ops a model computes with (`Ops`), chosen in one place: linear layers, attention, RMSNorm and logprobs.
 
 "torch" runs anywhere (the CPU engine, and CUDA as a reference); "triton" runs the Triton kernels of
 apcscore.kernels on CUDA (and on the CPU under TRITON_INTERPRET=1 in tests). The backends' modules are
@@ -23,7 +23,7 @@ BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
-class Backend:
+class Ops:
     """What a model computes with.
 
     name: "torch" | "triton".
@@ -79,8 +79,8 @@ def linear_construction(linear: Callable[..., Any]) -> str:
     return "Triton matmul, one fixed configuration"
 
 
-def select_backend(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Backend:
-    """The backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch elsewhere."""
+def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Ops:
+    """The ops of the attention backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch elsewhere."""
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
     if name not in BACKENDS:
@@ -91,10 +91,10 @@ def select_backend(name: str, device_type: str = "cpu", batch_invariant: bool = 
         from apcscore.kernels.logprobs_ref import token_logprobs_torch
         from apcscore.kernels.rmsnorm_ref import rms_norm_torch
 
-        return Backend("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm_torch,
+        return Ops("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm_torch,
                        token_logprobs_torch)
     from apcscore.attention.triton_backend import TritonAttentionBackend
     from apcscore.kernels.logprobs import token_logprobs
     from apcscore.kernels.rmsnorm import rms_norm
 
-    return Backend("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs)
+    return Ops("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs)
