@@ -32,37 +32,52 @@ def now() -> str:
 def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: RunOptions,
                  dataset: dict | None = None) -> dict:
     """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
-    import torch
-    import transformers
-
-    info = engine.info
     tok = engine.tokenizer
     job_meta = job.metadata()
     if command in ("score", "generate"):
         job_meta["truncate"] = opts.truncate
     return {
-        "apcscore_version": __version__,
-        "command": command,
-        "argv": sys.argv,
-        "created": now(),
-        "model": {"name": info.name, "path": info.path, "architecture": info.architecture,
-                  "fingerprint": info.fingerprint, "vocab_size": info.vocab_size,
-                  "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
-                  "context_capped_by_sliding_window": info.sliding_window},
+        **run_header(command),
+        "model": model_section(engine),
         "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
                       "vocab_size": len(tok)},
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "device": str(engine.device),
-        "attention_backend": engine.attention_backend,
-        "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
-        "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks},
+        **engine_sections(engine, cfg),
         "job": job_meta,
         "dataset": dataset,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "triton": package_version("triton")},
+        "versions": versions(triton=package_version("triton")),
         # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
         "numerics": engine.numerics,
     }
+
+
+def run_header(command: str) -> dict:
+    """The first keys of every run's metadata (score, generate, perplexity and eval alike)."""
+    return {"apcscore_version": __version__, "command": command, "argv": sys.argv, "created": now()}
+
+
+def model_section(engine: Any) -> dict:
+    """The metadata's `model`: what ran, its weights' fingerprint and context."""
+    info = engine.info
+    return {"name": info.name, "path": info.path, "architecture": info.architecture,
+            "fingerprint": info.fingerprint, "vocab_size": info.vocab_size,
+            "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
+            "context_capped_by_sliding_window": info.sliding_window}
+
+
+def engine_sections(engine: Any, cfg: Any) -> dict:
+    """Where and how the engine ran: dtype, device, attention backend, native or transformers, its settings."""
+    return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+            "attention_backend": engine.attention_backend,
+            "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
+            "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks}}
+
+
+def versions(**extra: str | None) -> dict:
+    """The library versions the bits depend on: torch, transformers, and `extra` (triton, lm_eval)."""
+    import torch
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__, **extra}
 
 
 def package_version(name: str) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
+from apcscore.jobs.metadata import engine_sections, model_section, package_version, run_header, versions
 from apcscore.jobs.options import EvalOptions, cli_values
 
 HUB_HELP = (
@@ -139,38 +140,16 @@ def _engine(opts: EvalOptions, config: EngineConfig) -> Any:
 
 def run_info(lm: Any, config: EngineConfig, opts: EvalOptions, names: list[str], load_seconds: float,
              run_seconds: float) -> dict[str, Any]:
-    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`)."""
-    import sys
-
-    import torch
-    import transformers
-
-    from apcscore import __version__
-
+    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
+    run records (jobs/metadata.py), with the eval's own."""
     engine = lm.engine
-    info = engine.info
     return {
-        "apcscore_version": __version__, "command": "eval", "argv": sys.argv,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        **run_header("eval"),
         "tasks": names, "num_fewshot": opts.num_fewshot, "limit": opts.limit,
         "apply_chat_template": opts.apply_chat_template, "max_length": lm.max_length,
-        "model": {"name": info.name, "path": info.path, "architecture": info.architecture,
-                  "fingerprint": info.fingerprint, "max_model_len": info.max_model_len},
-        "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
-        "attention_backend": engine.attention_backend,
-        "engine": {**config.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks},
+        "model": model_section(engine),
+        **engine_sections(engine, config),
         "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "lm_eval": _version("lm_eval")},
+        "versions": versions(lm_eval=package_version("lm_eval")),
         "timing": {"load_seconds": round(load_seconds, 3), "run_seconds": round(run_seconds, 3)},
     }
-
-
-def _version(name: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return None
-

@@ -96,7 +96,8 @@ def _get(ray: Any, ref: Any) -> Any:
         if at >= 0:
             raise ApcscoreError(f"a Ray replica refused the run: {text[at + 15:].strip()}") from None
         lines = [line for line in text.strip().splitlines() if line.strip()]
-        raise ApcscoreError(f"a Ray replica failed: {lines[-1] if lines else type(exc).__name__}", exit_code=1) from None
+        last = lines[-1] if lines else type(exc).__name__
+        raise ApcscoreError(f"a Ray replica failed: {last}", exit_code=1) from None
 
 
 class RayExecutor:
@@ -194,9 +195,8 @@ class RayExecutor:
         split = self.split
         per_replica = [{"replica": r, "records_assigned": split.records[r] if split else 0,
                         "load_assigned": split.loads[r] if split else 0, **_described(self.descs[r]),
-                        **({"records_run": s["records"], "pid": s["pid"], "timings": add_timings(None, s["counters"].to_timings(s["load_seconds"], s["run_seconds"]))}
-                           if s is not None else {"stats": "failed" if r in dead else
-                                                  "not available (interrupted while busy)"})}
+                        **(_replica_run(s) if s is not None else
+                           {"stats": "failed" if r in dead else "not available (interrupted while busy)"})}
                        for r, s in enumerate(stats)]
         ray_meta = {"address": self.opts.ray, "replicas": len(self.actors), **self.resources,
                     "chunk_records": CHUNK_RECORDS, "partition": split.metadata() if split else None,
@@ -244,6 +244,12 @@ def _check_replicas(metas: list[dict]) -> None:
             raise ApcscoreError(f"--ray: replica {r} does not run the configuration of replica 0 ("
                                 f"{'; '.join(diff)}), so their rows would differ in bits; run the replicas on one "
                                 "kind of machine and software (e.g. a Ray resource or node label per kind)")
+
+
+def _replica_run(stats: dict) -> dict:
+    """What one replica ran (recorded per replica): its records, process and timings."""
+    timings = stats["counters"].to_timings(stats["load_seconds"], stats["run_seconds"])
+    return {"records_run": stats["records"], "pid": stats["pid"], "timings": add_timings(None, timings)}
 
 
 def _described(desc: dict) -> dict:
