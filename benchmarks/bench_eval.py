@@ -89,7 +89,7 @@ def load_side(side: str, model: str, device: str, dtype: str, batch_invariant: b
     return hf
 
 
-def run_job(engine: Any, job_name: str, options: dict, records: list[dict]) -> list[dict]:
+def run_job(engine: Any, job_name: str, options: Any, records: list[dict]) -> list[dict]:
     """Rows of `records` through a job and the engine, all requests batched together (as the CLI runs)."""
     from apcscore.io.schemas import Record
 
@@ -226,8 +226,10 @@ def worker(argv: list[str]) -> None:
     t0, cpu0 = time.perf_counter(), time.process_time()
     if args.side == "apcscore":
         # prompt_logprobs 0: per-token logprobs (and ranks) for the check; the CLI contender writes sums only
-        options = {"window": args.window, "prompt_logprobs": 0} if args.task == "perplexity" else \
-            {"prompt_logprobs": 5 if args.task == "prompts" else 0}
+        from apcscore.jobs.options import PerplexityOptions, ScoreOptions
+
+        options = PerplexityOptions(window=args.window, prompt_logprobs=0) if args.task == "perplexity" else \
+            ScoreOptions(prompt_logprobs=5 if args.task == "prompts" else 0)
         rows = run_job(side, args.task, options, records)
     elif args.task == "perplexity":
         rows = transformers_perplexity(side, records, args.window, args.batch_size, args.device)

@@ -81,6 +81,24 @@ def test_two_replicas_equal_one_process(tmp_path, write_jsonl, tiny, cluster) ->
     assert m2["timings"]["prompt_tokens"] == m1["timings"]["prompt_tokens"]
 
 
+def test_verify_reuse_runs_on_the_replicas(tmp_path, write_jsonl, tiny, cluster) -> None:
+    """--verify-reuse under --ray (refused before issue 25): each replica re-scores its share of the seeded
+    sample by recompute; the combined report covers what one process's covers, and the score store's counter
+    reaches the file's timings (the old Ray driver dropped it)."""
+    data = write_jsonl(tmp_path / "d.jsonl", shared_prefix_records())
+    common = ["score", data, "--model", tiny, "--num-kv-blocks", 256, "--exact-reuse", "--verify-reuse", 1, "-q"]
+    one, two = tmp_path / "one.parquet", tmp_path / "two.parquet"
+    assert run(*common, "--out", one).exit_code == 0
+    res = run(*common, "--ray", "auto", "--replicas", 2, "--out", two)
+    assert res.exit_code == 0, res.output
+    assert_same_rows(two, one)
+    single, combined = meta(one)["verify_reuse"], meta(two)["verify_reuse"]
+    assert combined["mismatches"] == [] and combined["records"] == single["records"] == 20
+    assert combined["requests"] == single["requests"]
+    assert meta(two)["timings"]["prefix_cache"]["score_store_hits"] > 0
+    assert meta(one)["timings"]["prefix_cache"]["score_store_hits"] > 0
+
+
 def test_prefix_aware_partitioning_keeps_the_hit_rate_and_random_does_not(tmp_path, write_jsonl, tiny, cluster):
     data = write_jsonl(tmp_path / "g.jsonl", shared_prefix_records(groups=8, per_group=4, seed=11))
     common = ["generate", data, "--model", tiny, "--num-kv-blocks", 256, "--max-tokens", 2, "-q"]
