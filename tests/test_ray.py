@@ -198,19 +198,19 @@ def test_interrupt_then_resume_on_ray_equals_one_process(tmp_path, tiny, cluster
     assert meta(out)["sessions"] == 2
 
 
-def test_a_replica_that_refuses_the_run_is_one_clear_error(tiny, cluster) -> None:
+def test_a_replica_that_refuses_the_run_is_one_clear_error(tmp_path, cluster) -> None:
     """An ApcscoreError raised in a replica's constructor comes back as one message, not Ray's traceback. (The
-    replica is built directly here, with a setting its constructor refuses: --attention-backend triton on a CPU.)"""
-    from apcscore.config import EngineConfig
+    replica is built directly here, with a model path its node does not have, as on a cluster whose nodes do
+    not share the driver's files; the options object refuses bad settings before any replica exists.)"""
     from apcscore.errors import ApcscoreError
     from apcscore.jobs.options import ScoreOptions
     from apcscore.scale.ray_run import _get
     from apcscore.scale.replica import Replica
 
-    opts = ScoreOptions(model=tiny, engine=EngineConfig(device="cpu", attention_backend="triton"))
+    opts = ScoreOptions(model=str(tmp_path / "no-such-model"))
     actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote("score", opts)
-    with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: --attention-backend triton needs a "
-                                            r"CUDA GPU"):
+    with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: Unknown model '.*no-such-model': "
+                                            r"no such alias"):
         _get(ray, actor.describe.remote())
     ray.kill(actor)
 
