@@ -297,6 +297,8 @@ def test_eval_options_resolve_like_the_other_commands(tmp_path):
         resolve_options("eval", {"tasks": "x", "gen_kwargs": "temperature=0.5,oops"}, None)
     with pytest.raises(ApcscoreError, match="--model-backend must be auto, native or transformers"):
         resolve_options("eval", {"tasks": "x", "model_backend": "hf"}, None)
+    example = resolve_options("eval", {}, REPO / "configs" / "eval.toml")  # the example file is valid
+    assert example.tasks and example.log_samples
 
 
 def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
@@ -389,3 +391,24 @@ def test_eval_options_reach_lm_eval(in_repo, tmp_path, default_model_files, monk
     results = json.loads((out / "results.json").read_text())
     assert set(results["results"]) == {"apc_gen"}  # --tasks over the file's
     assert results["configs"]["apc_gen"]["generation_kwargs"]["max_gen_toks"] == 2  # over the file's
+
+
+def test_eval_model_backend_transformers_runs_the_model_s_own_code(in_repo, tmp_path, tiny_model_dir):
+    """--model-backend transformers: lm-eval's requests through the transformers fallback, recorded in the
+    metadata, with the loglikelihoods of the native engine (within 1e-4)."""
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    got = {}
+    for backend in ("native", "transformers"):
+        out = tmp_path / backend
+        result = CliRunner().invoke(app, ["eval", "--tasks", "apc_ll", "--include-path", str(TASK_DIR), "--limit",
+                                          "2", "--dtype", "float32", "--model", str(tiny_model_dir("llama")),
+                                          "--model-backend", backend, "--out", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        meta = json.loads((out / "results.json").read_text())["apcscore"]
+        assert meta["model_backend"] == backend and meta["engine"]["model_backend"] == backend
+        got[backend] = [json.loads(r)[0][0] for r in pq.read_table(out / "requests.parquet")["response"].to_pylist()]
+    assert len(got["native"]) == 2
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got["native"], got["transformers"]))
