@@ -103,9 +103,9 @@ def takes(options: type[Options], *first: inspect.Parameter,
         if isinstance(p, str):
             params.append(extra[p])
             continue
-        kind = p.type if p.type is bool or p.required else Optional[p.type]
+        kind = p.type if p.required or p.default is False else Optional[p.type]
         annotation = Annotated[kind, typer.Option(*p.flags, help=p.help, **p.typer)]
-        default = inspect.Parameter.empty if p.required else False if p.type is bool else None
+        default = inspect.Parameter.empty if p.required else p.default
         params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=default,
                                         annotation=annotation))
 
@@ -180,7 +180,7 @@ def perplexity(**params: Any) -> None:
 
 
 @app.command("eval", cls=Command)
-@takes(EvalOptions)
+@takes(EvalOptions, config=CONFIG)
 def eval_(**params: Any) -> None:
     """Run lm-evaluation-harness tasks with apcscore's engine as the model (lm-eval's `--model apcscore`).
 
@@ -190,7 +190,8 @@ def eval_(**params: Any) -> None:
     from apcscore.lmeval.run import run_eval
 
     try:
-        run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False))
+        run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False),
+                 note=lambda text: console.print(text, markup=False, highlight=False))
     except ApcscoreError as exc:
         raise _error(exc) from None
 

@@ -260,3 +260,155 @@ def test_chat_template_runs_agree_with_hf(both_chat):
         for (ll_a, greedy_a), (ll_b, greedy_b) in zip([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]):
             assert abs(ll_a - ll_b) < 1e-4
             assert greedy_a == greedy_b
+
+
+# ---- option parity (issue 26 item 5): --config, --model-backend, --gen-kwargs, --system-instruction,
+# --fewshot-as-multiturn, --log-samples, --batch-size; task versions and config hashes in the metadata
+
+def test_eval_options_resolve_like_the_other_commands(tmp_path):
+    """--config FILE under the command line, over the defaults; FILE:LINE problems; eval's own checks."""
+    from apcscore.jobs.resolve import resolve_options
+
+    cfg = tmp_path / "e.toml"
+    cfg.write_text('tasks = "apc_mc"\nnum_fewshot = 3\nmodel_backend = "transformers"\n'
+                   'include_path = "tests/lmeval_tasks"\nlog_samples = true\n')
+    opts = resolve_options("eval", {"num_fewshot": 1, "fewshot_as_multiturn": None}, cfg)
+    assert (opts.tasks, opts.num_fewshot, opts.log_samples) == ("apc_mc", 1, True)  # the command line wins
+    assert opts.engine.model_backend == "transformers" and opts.include_path == Path("tests/lmeval_tasks")
+    with pytest.raises(ApcscoreError, match="--tasks is required"):
+        resolve_options("eval", {}, None)
+    cases = [('resume = true\n', r"e2.toml:1: 'resume' is an option of score and generate and perplexity, "
+                                 r"not of eval"),
+             ('tasks = "x"\n\nnum_fewshot = "3"\n', r"e2.toml:3: num_fewshot must be an integer, not \"3\""),
+             ('tasks = "x"\nno_such = 1\n', r"e2.toml:2: unknown option 'no_such'")]
+    for text, message in cases:
+        (tmp_path / "e2.toml").write_text(text)
+        with pytest.raises(ApcscoreError, match=message):
+            resolve_options("eval", {}, tmp_path / "e2.toml")
+    (tmp_path / "s.toml").write_text('tasks = "x"\n')
+    with pytest.raises(ApcscoreError, match="'tasks' is an option of eval, not of score"):
+        resolve_options("score", {}, tmp_path / "s.toml")
+    with pytest.raises(ApcscoreError, match="needs --apply-chat-template"):
+        resolve_options("eval", {"tasks": "x", "fewshot_as_multiturn": True}, None)
+    chat = {"tasks": "x", "apply_chat_template": True}
+    assert resolve_options("eval", {**chat, "fewshot_as_multiturn": False}, None).fewshot_as_multiturn is False
+    assert resolve_options("eval", {**chat, "fewshot_as_multiturn": None}, None).fewshot_as_multiturn is None
+    with pytest.raises(ApcscoreError, match="--gen-kwargs must be KEY=VALUE"):
+        resolve_options("eval", {"tasks": "x", "gen_kwargs": "temperature=0.5,oops"}, None)
+    with pytest.raises(ApcscoreError, match="--model-backend must be auto, native or transformers"):
+        resolve_options("eval", {"tasks": "x", "model_backend": "hf"}, None)
+    example = resolve_options("eval", {}, REPO / "configs" / "eval.toml")  # the example file is valid
+    assert example.tasks and example.log_samples
+
+
+def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
+    from apcscore.lmeval.run import check_gen_kwargs, fewshot_as_multiturn
+
+    assert check_gen_kwargs("temperature=0.5,do_sample=true,max_gen_toks=8,until=Q:") == {
+        "temperature": 0.5, "do_sample": True, "max_gen_toks": 8, "until": "Q:"}
+    with pytest.raises(ApcscoreError, match="repetition_penalty: not a generation setting"):
+        check_gen_kwargs("repetition_penalty=1.1")
+    with pytest.raises(ApcscoreError, match="top_p must be a number in"):
+        check_gen_kwargs("top_p=0")
+    with pytest.raises(ApcscoreError, match="do_sample must be true or false"):
+        check_gen_kwargs("do_sample=maybe")
+    opts = SimpleNamespace(apply_chat_template=True, fewshot_as_multiturn=None)
+    assert fewshot_as_multiturn(opts) is True  # lm-eval's default with the chat template
+    assert fewshot_as_multiturn(SimpleNamespace(apply_chat_template=False, fewshot_as_multiturn=None)) is False
+
+
+def test_eval_options_reach_lm_eval(in_repo, tmp_path, default_model_files, monkeypatch):
+    """A --config file and the command line through the CLI: --model-backend picks the engine, the prompt
+    options reach simple_evaluate, --log-samples writes lm-eval's samples files, --batch-size only notes."""
+    import copy
+
+    import lm_eval
+    from lm_eval.loggers import EvaluationTracker
+    from typer.testing import CliRunner
+
+    import apcscore.engine.loader as loader
+    from apcscore.cli import app
+    from apcscore.io.result_tables import read_run_metadata
+
+    seen: dict = {}
+    samples: list = []
+    real_evaluate, real_load = lm_eval.simple_evaluate, loader.load_engine
+
+    def evaluate(**kwargs):
+        seen.update({k: kwargs[k] for k in ("system_instruction", "fewshot_as_multiturn", "gen_kwargs",
+                                            "apply_chat_template", "num_fewshot")})
+        results = real_evaluate(**kwargs)
+        samples.append(copy.deepcopy(results["samples"]))
+        return results
+
+    def load(spec, config, *args, **kwargs):
+        seen["model_backend"] = config.model_backend
+        return real_load(spec, config, *args, **kwargs)
+
+    monkeypatch.setattr(lm_eval, "simple_evaluate", evaluate)
+    monkeypatch.setattr(loader, "load_engine", load)
+    cfg = tmp_path / "eval.toml"
+    cfg.write_text(f'tasks = "apc_gen,apc_mc"\ninclude_path = "{TASK_DIR}"\nlimit = 2\nnum_fewshot = 1\n'
+                   f'dtype = "float32"\nmodel = "{default_model_files.path}"\nlog_samples = true\n'
+                   'gen_kwargs = "max_gen_toks=4"\n')
+    out = tmp_path / "ev"
+    result = CliRunner().invoke(app, ["eval", "--config", str(cfg), "--model-backend", "native", "--out", str(out),
+                                      "--system-instruction", "Answer briefly.", "--batch-size", "8",
+                                      "--apply-chat-template", "--no-fewshot-as-multiturn"])
+    assert result.exit_code == 0, result.output
+    assert "the engine batches by token budget; --batch-size is ignored" in result.output
+    assert seen == {"system_instruction": "Answer briefly.", "fewshot_as_multiturn": False,
+                    "gen_kwargs": {"max_gen_toks": 4}, "apply_chat_template": True, "num_fewshot": 1,
+                    "model_backend": "native"}
+    results = json.loads((out / "results.json").read_text())
+    assert results["configs"]["apc_gen"]["generation_kwargs"]["max_gen_toks"] == 4
+    tracker = EvaluationTracker(output_path=str(tmp_path / "lm_eval" / "results.json"))
+    tracker.date_id = "now"
+    for task in ("apc_gen", "apc_mc"):  # our files are the very files lm-eval's --log_samples writes
+        tracker.save_results_samples(task, samples[0][task])
+        theirs = (tmp_path / "lm_eval" / f"samples_{task}_now.jsonl").read_text()
+        assert (out / f"samples_{task}.jsonl").read_text() == theirs
+        lines = [json.loads(x) for x in theirs.splitlines()]
+        assert [s["doc_id"] for s in lines] == [0, 1]
+        assert "Answer briefly." in lines[0]["arguments"]["gen_args_0"]["arg_0"]  # the system turn
+    meta = read_run_metadata(out / "requests.parquet")
+    assert meta == results["apcscore"] and meta["model_backend"] == "native"
+    assert (meta["system_instruction"], meta["fewshot_as_multiturn"], meta["gen_kwargs"]) == (
+        "Answer briefly.", False, "max_gen_toks=4")
+    assert meta["versions"]["lm_eval"] == __import__("importlib.metadata").metadata.version("lm_eval")
+    for task in ("apc_gen", "apc_mc"):
+        info = meta["task_configs"][task]
+        assert info["version"] == 1.0  # the YAML's metadata.version
+        text = json.dumps(results["configs"][task], sort_keys=True, default=str, ensure_ascii=False)
+        assert info["sha256"] == __import__("hashlib").sha256(text.encode()).hexdigest()
+    assert meta["task_configs"]["apc_gen"]["sha256"] != meta["task_configs"]["apc_mc"]["sha256"]
+    # rerun without --log-samples into the same folder: the earlier samples files go with the earlier results
+    cfg.write_text(cfg.read_text().replace("log_samples = true\n", ""))
+    again = CliRunner().invoke(app, ["eval", "--config", str(cfg), "--out", str(out), "--overwrite", "-q",
+                                     "--gen-kwargs", "max_gen_toks=2", "--tasks", "apc_gen"])
+    assert again.exit_code == 0, again.output
+    assert not list(out.glob("samples_*.jsonl"))
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["results"]) == {"apc_gen"}  # --tasks over the file's
+    assert results["configs"]["apc_gen"]["generation_kwargs"]["max_gen_toks"] == 2  # over the file's
+
+
+def test_eval_model_backend_transformers_runs_the_model_s_own_code(in_repo, tmp_path, tiny_model_dir):
+    """--model-backend transformers: lm-eval's requests through the transformers fallback, recorded in the
+    metadata, with the loglikelihoods of the native engine (within 1e-4)."""
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    got = {}
+    for backend in ("native", "transformers"):
+        out = tmp_path / backend
+        result = CliRunner().invoke(app, ["eval", "--tasks", "apc_ll", "--include-path", str(TASK_DIR), "--limit",
+                                          "2", "--dtype", "float32", "--model", str(tiny_model_dir("llama")),
+                                          "--model-backend", backend, "--out", str(out), "-q"])
+        assert result.exit_code == 0, result.output
+        meta = json.loads((out / "results.json").read_text())["apcscore"]
+        assert meta["model_backend"] == backend and meta["engine"]["model_backend"] == backend
+        got[backend] = [json.loads(r)[0][0] for r in pq.read_table(out / "requests.parquet")["response"].to_pylist()]
+    assert len(got["native"]) == 2
+    assert all(abs(a - b) < 1e-4 for a, b in zip(got["native"], got["transformers"]))

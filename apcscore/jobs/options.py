@@ -128,30 +128,47 @@ class PerplexityOptions(RunOptions):
 
 @dataclass(frozen=True, kw_only=True)
 class EvalOptions(Options):
-    """`apcscore eval` (lm-eval tasks; no --config file)."""
+    """`apcscore eval` (lm-eval tasks; the options named as lm-eval's, with dashes)."""
 
-    CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "exact_reuse",
-           "max_length", "seed", "model", "out", "overwrite", "quiet", *ENGINE_CLI[:7], "attention_backend",
+    CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn",
+           "system_instruction", "gen_kwargs", "exact_reuse", "max_length", "seed", "model", "out", "overwrite",
+           "log_samples", "config", "quiet", "batch_size", *ENGINE_CLI[:7], "attention_backend",
            "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs",
-           "no_batch_invariant")
+           "no_batch_invariant", "model_backend")
 
-    tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2).", "--tasks", "-t",
-                        show_default=False)
+    tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2); required, here or as `tasks` "
+                        "in the --config file.", "--tasks", "-t", show_default=False)
     include_path: Path | None = option(None, "Folder of extra lm-eval task YAML files.")
     num_fewshot: int | None = option(None, "Few-shot examples per prompt.", show="the task's", at_least=0,
                                      click_min=True)
     limit: int | None = option(None, "Only the first N documents of each task.", at_least=1, click_min=True)
-    apply_chat_template: bool = option(False, "Wrap prompts in the model's chat template (few-shot as "
-                                       "multi-turn), as lm-eval does.")
+    apply_chat_template: bool = option(False, "Wrap prompts in the model's chat template, as lm-eval does "
+                                       "(few-shot examples as chat turns by default).")
+    # None: lm-eval's default, on with --apply-chat-template, else off (lmeval/run.fewshot_as_multiturn)
+    fewshot_as_multiturn: bool | None = option(
+        None, "With the chat template: each few-shot example its own user/assistant turn (the default, as in "
+        "lm-eval); the --no- form puts them all in one user turn.",
+        "--fewshot-as-multiturn/--no-fewshot-as-multiturn")
+    system_instruction: str | None = option(None, "System instruction put before every prompt, ahead of the "
+                                            "task's description (a system turn with --apply-chat-template), as "
+                                            "in lm-eval.")
+    gen_kwargs: str | None = option(None, "Generation settings over the generate_until tasks' own, as in "
+                                    "lm-eval: KEY=VALUE pairs joined by commas, e.g. top_k=40,seed=1 or "
+                                    "max_gen_toks=64.")
     max_length: int | None = option(None, "Most tokens a scored sequence feeds the model.", at_least=1,
                                     click_min=True, show="the model's context length - 1")
-    out: str | None = option(None, "Output folder (results.json, requests.parquet).", "--out", "-o",
-                             show="results/eval-<time>")
+    out: str | None = option(None, "Output folder: results.json, requests.parquet (and samples_<task>.jsonl "
+                             "files with --log-samples).", "--out", "-o", show="results/eval-<time>")
+    overwrite: bool = option(False, "Replace the results in an existing --out folder.")
+    log_samples: bool = option(False, "Also write lm-eval's per-sample records, one samples_<task>.jsonl per "
+                               "task in --out (lm-eval's --log_samples files).")
+    batch_size: str | None = option(None, "Accepted for lm-eval's command lines and ignored: the engine "
+                                    "batches by its token budget (--max-batch-tokens).")
 
 
 # the commands a --config file is for
-COMMANDS: dict[str, type[RunOptions]] = {"score": ScoreOptions, "generate": GenerateOptions,
-                                         "perplexity": PerplexityOptions}
+COMMANDS: dict[str, type[Options]] = {"score": ScoreOptions, "generate": GenerateOptions,
+                                      "perplexity": PerplexityOptions, "eval": EvalOptions}
 
 
 @dataclass(frozen=True)
@@ -197,9 +214,11 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
     return EngineConfig(**given)
 
 
-def cli_values(cli: Mapping[str, Any]) -> dict[str, Any]:
-    """The values given on the command line: None (False for on/off flags, [] for lists) is not given."""
-    return {k: v for k, v in cli.items() if v is not None and v is not False and v != []}
+def cli_values(cli: Mapping[str, Any], cls: type[Options] | None = None) -> dict[str, Any]:
+    """The values given on the command line: None (False for on/off flags, [] for lists) is not given; False
+    is given for a flag of `cls` with an off-switch of its own (`bool | None`: `--no-fewshot-as-multiturn`)."""
+    both = {k for k, s in settings(cls).items() if s.type == "bool | None"} if cls is not None else set()
+    return {k: v for k, v in cli.items() if v is not None and (v is not False or k in both) and v != []}
 
 
 def option_name(key: str) -> str:
@@ -216,15 +235,18 @@ class CliParam:
     """One command-line option of a command, as cli.py hands it to Typer."""
 
     name: str
-    type: Any  # the value's type (bool for an on/off flag, which defaults to False; others default to None)
+    type: Any  # the value's type (bool for an on/off flag)
     flags: tuple[str, ...]
     help: str
     required: bool
     typer: dict[str, Any]  # other keyword arguments of typer.Option
+    default: Any = None  # False for an on/off flag; None (not given) for the others, `--x/--no-x` flags too
 
 
 def cli_params(cls: type[Options]) -> list[CliParam | str]:
-    """The parameters of `cls`'s command in --help order; a name that is no option (`config`) stays a str."""
+    """The parameters of `cls`'s command in --help order; a name that is no option (`config`) stays a str.
+
+    A required option is left to the command to check where it may come from a --config file."""
     known = settings(cls)
     out: list[CliParam | str] = []
     for name in cls.CLI:
@@ -232,7 +254,7 @@ def cli_params(cls: type[Options]) -> list[CliParam | str]:
             out.append(name)
             continue
         s = known[name]
-        spec, flag = s.spec, s.type == "bool"
+        spec, flag = s.spec, s.type in ("bool", "bool | None")
         text = spec.help
         if spec.show:
             text += f" \\[default: {_shown_default(s.default) if spec.show is True else spec.show}]"
@@ -241,6 +263,7 @@ def cli_params(cls: type[Options]) -> list[CliParam | str]:
         extra = {**dict(spec.typer), **({"min": spec.at_least} if spec.click_min else {}),
                  **({"metavar": ""} if flag else {})}
         flags = spec.flags if spec.flags and name != spec.negation else (option_name(name),)
-        out.append(CliParam(name, kind, flags, text, s.default is NOT_GIVEN, extra))
+        required = s.default is NOT_GIVEN and "config" not in cls.CLI
+        out.append(CliParam(name, kind, flags, text, required, extra, False if s.type == "bool" else None))
     return out
 

@@ -1,5 +1,5 @@
-"""The options of a run of score / generate / perplexity: command line > `--config FILE` (TOML) > defaults
-(jobs/options.py declares them), merged and checked.
+"""The options of a run of score / generate / perplexity / eval: command line > `--config FILE` (TOML) >
+defaults (jobs/options.py declares them), merged and checked.
 
 Every value is checked here, before the dataset is read and long before a model loads: a config file's value
 of the wrong type, a key of another command, a sampling option out of range (checked by the very checks
@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from apcscore.config import RECORD_FIELDS, base_type
+from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type
 from apcscore.errors import ApcscoreError, shown
 from apcscore.jobs.options import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
 
@@ -26,14 +26,19 @@ except ModuleNotFoundError:  # Python 3.10
 PARTITION_METHODS = ("prefix", "random")  # how --shard and --ray split the records (scale/partition.py)
 
 
-def resolve_options(command: str, cli: Mapping[str, Any], config_path: Path | None) -> RunOptions:
-    """The options of `command` (score, generate or perplexity): command line (`cli_values`) over the config
-    file over the defaults, every value checked."""
+def resolve_options(command: str, cli: Mapping[str, Any], config_path: Path | None) -> Any:
+    """The options of `command` (score, generate, perplexity: a RunOptions; eval: an EvalOptions): command line
+    (`cli_values`) over the config file over the defaults, every value checked."""
     cls = COMMANDS[command]
     from_file = read_config(config_path, command) if config_path is not None else {}
-    merged = {**defaults(cls), **from_file, **cli_values(cli)}
+    merged = {**defaults(cls), **from_file, **cli_values(cli, cls)}
+    for key, s in settings(cls).items():  # required, but the command line leaves it to a --config file
+        if s.default is NOT_GIVEN and merged.get(key) is None:
+            raise ApcscoreError(f"{option_name(key)} is required: pass it on the command line, or set {key} in "
+                                "the --config file")
     check_options(command, merged)
-    return cls.from_values(merged)
+    paths = {k for k, s in settings(cls).items() if base_type(s.type) == "Path"}
+    return cls.from_values({k: Path(v) if k in paths and isinstance(v, str) else v for k, v in merged.items()})
 
 
 def _is_int(v: Any) -> bool:
@@ -50,6 +55,7 @@ _TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "str": ("a string", lambda v: isinstance(v, str)),
     "int": ("an integer", _is_int),
     "float": ("a number", _is_number),
+    "Path": ("a path (a string)", lambda v: isinstance(v, (str, Path))),
     "str | list[str]": ("a string or a list of strings", lambda v: isinstance(v, str) or (
         isinstance(v, list) and all(isinstance(s, str) for s in v))),
 }
@@ -111,7 +117,8 @@ def type_problem(setting: Setting, value: Any) -> str | None:
 def check_options(command: str, opts: dict[str, Any]) -> None:
     """Refuse merged values (keys of `settings`) no run could use; the sampling options by the checks
     generate records get."""
-    known = settings(COMMANDS[command])
+    cls = COMMANDS[command]
+    known = settings(cls)
     for key, value in opts.items():
         if (why := type_problem(known[key], value)) is not None:
             raise ApcscoreError(f"{option_name(key)} {why}")
@@ -119,6 +126,9 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
         low = s.spec.at_least
         if low is not None and opts.get(key) is not None and opts[key] < low:
             raise ApcscoreError(f"{option_name(key)} must be at least {low}, not {opts[key]}")
+    if not issubclass(cls, RunOptions):
+        check_eval_options(opts)
+        return
     if opts.get("truncate") not in (None, "left"):
         raise ApcscoreError(f"--truncate must be 'left' (drop a too-long prompt's oldest tokens), "
                             f"not {shown(opts['truncate'])}")
@@ -142,6 +152,29 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
             for v in values:
                 if (why := check(v)) is not None:
                     raise ApcscoreError(f"{option_name(key)} {why} (the same check as a record's {key!r})")
+
+
+def check_eval_options(opts: dict[str, Any]) -> None:
+    """eval's own: --fewshot-as-multiturn needs the chat template (lm-eval refuses it without), --gen-kwargs
+    is lm-eval's KEY=VALUE,... (its keys are checked by lmeval/run.py, which knows the model's)."""
+    if opts.get("fewshot_as_multiturn") and not opts.get("apply_chat_template"):
+        raise ApcscoreError("--fewshot-as-multiturn makes each few-shot example a chat turn, which needs "
+                            "--apply-chat-template — pass it too (or drop --fewshot-as-multiturn)")
+    if opts.get("gen_kwargs") is not None:
+        parse_gen_kwargs(opts["gen_kwargs"])
+
+
+def parse_gen_kwargs(text: str) -> dict[str, str]:
+    """`--gen-kwargs` `k=v,k2=v2` -> {"k": "v", "k2": "v2"} (values as written; lm-eval converts them)."""
+    pairs = {}
+    for piece in (p for p in text.split(",") if p.strip()):
+        key, sep, value = piece.partition("=")
+        if not sep or not key.strip():
+            raise ApcscoreError(f"--gen-kwargs must be KEY=VALUE pairs separated by commas (lm-eval's form, e.g. "
+                                f"temperature=0.7,do_sample=true), not {shown(text)}: {shown(piece)} is not "
+                                "KEY=VALUE")
+        pairs[key.strip()] = value
+    return pairs
 
 
 def check_scale_options(opts: dict[str, Any]) -> None:

@@ -39,6 +39,8 @@ from apcscore.jobs.options import engine_config
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 # generation kwargs lm-eval tasks set that change nothing here (HF generate's own switches)
 _IGNORED_GEN_KWARGS = frozenset({"do_sample", "use_cache", "num_beams"})
+# every generation kwarg the backend takes (`sampling_params`); others are refused
+GEN_KWARGS = frozenset({"until", "max_gen_toks", "temperature", "top_p", "top_k", "seed"}) | _IGNORED_GEN_KWARGS
 
 
 @register_model("apcscore")

@@ -4,7 +4,8 @@
 doc's requests), request_type (the task's output type), arguments (JSON list: the request's args, e.g.
 [context, continuation]), response (JSON: the raw response, e.g. [loglikelihood, is_greedy]), filtered_response
 (JSON), target (JSON), metrics (JSON object: the doc's per-sample metric values). The schema metadata key
-`apcscore` holds the run metadata (`apcscore.io.result_tables.read_run_metadata` reads it).
+`apcscore` holds the run metadata (`apcscore.io.result_tables.read_run_metadata` reads it). With --log-samples,
+`samples_<task>.jsonl` are lm-eval's samples files (`write_samples`).
 """
 
 from __future__ import annotations
@@ -68,6 +69,38 @@ def request_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
                     "target": _json(sample.get("target")), "metrics": _json(metrics),
                 })
     return rows
+
+
+def sample_line(sample: dict[str, Any]) -> str:
+    """One line of lm-eval's samples file, as its EvaluationTracker writes it (`save_results_samples`):
+    the arguments as {"gen_args_I": {"arg_J": ...}}, resps and filtered_resps as strings, target as a string;
+    `sample` itself is not changed (requests.parquet is made from it too)."""
+    from lm_eval.utils import sanitize_list
+
+    line = dict(sample)
+    line["resps"] = sanitize_list(sample["resps"])
+    line["filtered_resps"] = sanitize_list(sample["filtered_resps"])
+    line["arguments"] = {f"gen_args_{i}": {f"arg_{j}": a for j, a in enumerate(args)}
+                         for i, args in enumerate(sample["arguments"])}
+    line["target"] = str(sample["target"])
+    return _json(line) + "\n"
+
+
+def write_samples(out: Path, results: dict[str, Any]) -> list[Path]:
+    """`<out>/samples_<task>.jsonl` for each task of the results' `configs` (lm-eval's --log_samples files,
+    without its date in the name: --out is one run's folder), each atomically; samples files of an earlier run
+    in `out` are removed first (pass results without samples to write none). Returns the files written."""
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("samples_*.jsonl"):
+        old.unlink()
+    written = []
+    samples = results.get("samples", {})
+    for task in results.get("configs", {}):
+        if task in samples:
+            path = out / f"samples_{task}.jsonl"
+            write_atomic(path, "".join(sample_line(s) for s in samples[task]).encode())
+            written.append(path)
+    return written
 
 
 def write_outputs(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> None:

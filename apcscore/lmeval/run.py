@@ -1,12 +1,16 @@
 """`apcscore eval`: lm-eval's `simple_evaluate` with the apcscore backend; results JSON, per-request parquet.
 
-Order: the tasks are resolved and their data loaded first (a task whose data needs the hub fails here, with
-how to point it at local files), then the model loads, then lm-eval runs. `<out>/results.json` is lm-eval's
-results (without the samples); `<out>/requests.parquet` has one row per request (see `requests.py`).
+Order: the options are resolved (command line > --config FILE > defaults, as for the other commands) and
+checked, --out too; then the tasks are resolved and their data loaded (a task whose data needs the hub fails
+here, with how to point it at local files), then the model loads, then lm-eval runs. `<out>/results.json` is
+lm-eval's results (without the samples); `<out>/requests.parquet` has one row per request (see
+`requests.py`); with --log-samples, `<out>/samples_<task>.jsonl` are lm-eval's samples files.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 from pathlib import Path
 from typing import Any, Mapping
@@ -14,7 +18,8 @@ from typing import Any, Mapping
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.metadata import engine_sections, model_section, package_version, run_header, versions
-from apcscore.jobs.options import EvalOptions, cli_values
+from apcscore.jobs.options import EvalOptions
+from apcscore.jobs.resolve import parse_gen_kwargs, resolve_options
 
 HUB_HELP = (
     "lm-eval loads a task's `dataset_path` from the Hugging Face hub, which cannot be reached from here and "
@@ -90,23 +95,30 @@ def _unknown(manager: Any, names: list[str]) -> list[str]:
     return [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
 
 
-def run_eval(cli: Mapping[str, Any], echo: Any) -> dict[str, Any]:
-    """Run `apcscore eval` with its command-line values (the parameters of EvalOptions, None = not given);
-    return lm-eval's results (samples included). echo: prints a line.
+def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> dict[str, Any]:
+    """Run `apcscore eval` with its command-line values (the parameters of EvalOptions and `config`, the
+    --config FILE; None = not given); return lm-eval's results (samples included). echo: prints a line of
+    the results; note: prints a line about the options (default: echo).
 
-    The tasks and --out are checked first, then the options (EvalOptions, its EngineConfig), before anything
-    loads."""
+    The options are resolved first (command line > --config FILE > defaults, jobs/resolve.py), then --out and
+    the tasks and their data are checked, before the model loads."""
     lm_eval = _import_lm_eval()
     from apcscore.lmeval.model import ApcscoreLM
-    from apcscore.lmeval.requests import write_outputs
+    from apcscore.lmeval.requests import write_outputs, write_samples
 
-    names = split_tasks(cli["tasks"])
-    out = Path(cli.get("out") or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    note = note or echo
+    config_path = cli.get("config")
+    opts: EvalOptions = resolve_options("eval", {k: v for k, v in cli.items() if k != "config"},
+                                        Path(config_path) if config_path is not None else None)
+    names = split_tasks(opts.tasks)
+    out = Path(opts.out or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     if out.exists() and not out.is_dir():
         raise ApcscoreError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and (out / "results.json").exists() and not cli.get("overwrite"):
+    if out.is_dir() and (out / "results.json").exists() and not opts.overwrite:
         raise ApcscoreError(f"--out {out} already holds results.json; pass --overwrite or choose another folder")
-    opts = EvalOptions.from_values(cli_values(cli))  # checked before anything loads
+    gen_kwargs = check_gen_kwargs(opts.gen_kwargs) if opts.gen_kwargs is not None else None
+    if opts.batch_size is not None:
+        note(BATCH_SIZE_NOTE)
     config = opts.engine
     manager = load_tasks(names, opts.include_path)
     started = time.perf_counter()
@@ -116,11 +128,13 @@ def run_eval(cli: Mapping[str, Any], echo: Any) -> dict[str, Any]:
     results = lm_eval.simple_evaluate(
         model=lm, tasks=names, task_manager=manager, num_fewshot=opts.num_fewshot,
         limit=opts.limit, apply_chat_template=opts.apply_chat_template,
-        fewshot_as_multiturn=opts.apply_chat_template, log_samples=True)
+        fewshot_as_multiturn=fewshot_as_multiturn(opts), system_instruction=opts.system_instruction,
+        gen_kwargs=gen_kwargs, log_samples=True)  # the samples make requests.parquet
     if results is None:
         raise ApcscoreError("lm-eval returned no results")
     run_seconds = time.perf_counter() - started - load_seconds
-    meta = run_info(lm, config, opts, names, load_seconds, run_seconds)
+    meta = run_info(lm, config, opts, names, results, load_seconds, run_seconds)
+    written = write_samples(out, results if opts.log_samples else {})  # before results.json: it marks a run done
     write_outputs(out, results, meta)
     if not opts.quiet:
         from lm_eval.utils import make_table
@@ -128,8 +142,45 @@ def run_eval(cli: Mapping[str, Any], echo: Any) -> dict[str, Any]:
         echo(make_table(results))
         if results.get("groups"):
             echo(make_table(results, "groups"))
-        echo(f"wrote {out / 'results.json'} and {out / 'requests.parquet'}")
+        echo(f"wrote {out / 'results.json'} and {out / 'requests.parquet'}"
+             + (f" and {len(written)} samples file(s) {out / 'samples_<task>.jsonl'}" if written else ""))
     return results
+
+
+BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
+
+
+def fewshot_as_multiturn(opts: EvalOptions) -> bool:
+    """lm-eval's rule: on with the chat template unless turned off (--no-fewshot-as-multiturn), else off
+    (resolve.check_eval_options refuses it on without the template)."""
+    return opts.apply_chat_template if opts.fewshot_as_multiturn is None else opts.fewshot_as_multiturn
+
+
+# --gen-kwargs keys that are sampling settings -> the record field whose check their values get
+_GEN_KWARG_CHECKS = {"max_gen_toks": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                     "top_k": "top_k", "seed": "seed"}
+
+
+def check_gen_kwargs(text: str) -> dict[str, Any]:
+    """--gen-kwargs as lm-eval parses it (`simple_parse_args_string`: numbers and true/false converted), its
+    keys those the backend reads and its values checked as a generate record's, before the model loads."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from apcscore.config import RECORD_FIELDS
+    from apcscore.lmeval.model import GEN_KWARGS
+
+    parse_gen_kwargs(text)  # the form KEY=VALUE,...
+    values = simple_parse_args_string(text)
+    unknown = sorted(set(values) - GEN_KWARGS)
+    if unknown:
+        raise ApcscoreError(f"--gen-kwargs {', '.join(unknown)}: not a generation setting the apcscore backend "
+                            f"reads — use only {', '.join(sorted(GEN_KWARGS))}")
+    for key, field in _GEN_KWARG_CHECKS.items():
+        if key in values and (why := RECORD_FIELDS[field](values[key])) is not None:
+            raise ApcscoreError(f"--gen-kwargs {key} {why} (the same check as a generate record's {field!r})")
+    if not isinstance(values.get("do_sample", False), bool):
+        raise ApcscoreError(f"--gen-kwargs do_sample must be true or false, not {values['do_sample']!r}")
+    return values
 
 
 def _engine(opts: EvalOptions, config: EngineConfig) -> Any:
@@ -138,15 +189,30 @@ def _engine(opts: EvalOptions, config: EngineConfig) -> Any:
     return load_engine(opts.model, config)
 
 
-def run_info(lm: Any, config: EngineConfig, opts: EvalOptions, names: list[str], load_seconds: float,
-             run_seconds: float) -> dict[str, Any]:
+def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each task's version (its config's `metadata.version`) and the sha256 of its config as lm-eval resolved
+    it (results.json's `configs`: the YAML with includes, overrides such as --num-fewshot and --gen-kwargs,
+    functions as their source), JSON with sorted keys (`default=str`)."""
+    out = {}
+    for task, cfg in results.get("configs", {}).items():
+        text = json.dumps(cfg, sort_keys=True, default=str, ensure_ascii=False)
+        out[task] = {"version": (cfg.get("metadata") or {}).get("version"),
+                     "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return out
+
+
+def run_info(lm: Any, config: EngineConfig, opts: EvalOptions, names: list[str], results: Mapping[str, Any],
+             load_seconds: float, run_seconds: float) -> dict[str, Any]:
     """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
     run records (jobs/metadata.py), with the eval's own."""
     engine = lm.engine
     return {
         **run_header("eval"),
         "tasks": names, "num_fewshot": opts.num_fewshot, "limit": opts.limit,
-        "apply_chat_template": opts.apply_chat_template, "max_length": lm.max_length,
+        "apply_chat_template": opts.apply_chat_template, "fewshot_as_multiturn": fewshot_as_multiturn(opts),
+        "system_instruction": opts.system_instruction, "gen_kwargs": opts.gen_kwargs,
+        "max_length": lm.max_length,
+        "task_configs": task_configs(results),
         "model": model_section(engine),
         **engine_sections(engine, config),
         "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
