@@ -22,10 +22,6 @@ class EngineStats:
     preemptions: int = 0
     seconds: float = 0.0
 
-    @property
-    def tokens_per_second(self) -> float:
-        return (self.prompt_tokens + self.generated_tokens) / self.seconds if self.seconds else 0.0
-
 
 @dataclass(frozen=True)
 class EngineCounters:

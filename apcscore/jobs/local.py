@@ -20,7 +20,6 @@ import time
 import warnings
 from typing import Any, Callable, Iterator
 
-from apcscore.config import EngineConfig
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
@@ -32,11 +31,12 @@ from apcscore.jobs.runner import run_records
 class LocalExecutor:
     """One engine, loaded from the already resolved model files and parts."""
 
-    def __init__(self, command: str, opts: RunOptions, cfg: EngineConfig, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, files: Any, parts: Any) -> None:
         from apcscore.engine.loader import load_engine
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
-        self.command, self.opts, self.cfg = command, opts, cfg
+        self.command, self.opts = command, opts
+        cfg = opts.engine
         started = time.perf_counter()
         with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
@@ -64,7 +64,7 @@ class LocalExecutor:
             self.verifier = ReuseVerifier(opts.verify_reuse, cfg.seed)
 
     def metadata(self, job: Job) -> dict:
-        return run_metadata(self.command, self.engine, job, self.cfg, self.opts)
+        return run_metadata(self.command, self.engine, job, self.opts)
 
     def rows(self, job: Job, data: LoadedDataset, todo: list[Record],
              tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:

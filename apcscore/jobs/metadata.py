@@ -29,8 +29,7 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: RunOptions,
-                 dataset: dict | None = None) -> dict:
+def run_metadata(command: str, engine: Any, job: Any, opts: RunOptions, dataset: dict | None = None) -> dict:
     """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
     tok = engine.tokenizer
     job_meta = job.metadata()
@@ -41,7 +40,7 @@ def run_metadata(command: str, engine: Any, job: Any, cfg: Any, opts: RunOptions
         "model": model_section(engine),
         "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
                       "vocab_size": len(tok)},
-        **engine_sections(engine, cfg),
+        **engine_sections(engine, opts.engine),
         "job": job_meta,
         "dataset": dataset,
         "versions": versions(triton=package_version("triton")),

@@ -78,7 +78,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         files = resolve_model(opts.model)
         parts = resolve_model_parts(files.path)
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
-        executor = executor_class(command, opts, cfg, files, parts)
+        executor = executor_class(command, opts, files, parts)
     try:
         for text, soft_wrap in executor.warnings if not quiet else ():
             console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)

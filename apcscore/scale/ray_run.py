@@ -40,7 +40,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterator
 
-from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.loader import engine_context_length
 from apcscore.errors import ApcscoreError
@@ -104,9 +103,9 @@ class RayExecutor:
     """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
     The executor interface is described in jobs/local.py."""
 
-    def __init__(self, command: str, opts: RunOptions, cfg: EngineConfig, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, files: Any, parts: Any) -> None:
         ray = self.ray = import_ray()
-        self.command, self.opts, self.block_size = command, opts, cfg.block_size
+        self.command, self.opts, self.block_size = command, opts, opts.engine.block_size
         self.tokenizer = parts.tokenizer
         self.warnings: list[tuple[str, bool]] = []
         self.started_ray = connect(ray, opts.ray)
@@ -125,7 +124,7 @@ class RayExecutor:
         except BaseException:
             self.close()
             raise
-        self.max_model_len = engine_context_length(parts.config, cfg)  # what each replica's engine has
+        self.max_model_len = engine_context_length(parts.config, opts.engine)  # what each replica's engine has
         self.split: Split | None = None
         self.run_start = time.perf_counter()
         self.failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)

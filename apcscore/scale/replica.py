@@ -40,7 +40,7 @@ class Replica:
     def describe(self) -> dict:
         """This replica's run metadata (as a single process would record it; the driver sets `dataset`, `argv`
         and `created`) and its process."""
-        return {"metadata": run_metadata(self.command, self.engine, self.job, self.cfg, self.opts),
+        return {"metadata": run_metadata(self.command, self.engine, self.job, self.opts),
                 "pid": os.getpid()}
 
     def run(self, records: list[Any]) -> list[tuple[int, dict]]:
