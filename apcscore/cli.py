@@ -187,27 +187,38 @@ def eval_(**params: Any) -> None:
     Writes lm-eval's results JSON and a per-request parquet to --out and prints lm-eval's table. Needs the
     `lmeval` extra (pip install 'apcscore[lmeval]').
     """
-    from apcscore.lmeval.run import run_eval
+    from apcscore.lmeval.command import run_eval
 
     try:
-        run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False),
-                 note=lambda text: console.print(text, markup=False, highlight=False))
+        code = run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False),
+                        note=lambda text: console.print(text, markup=False, highlight=False))
     except ApcscoreError as exc:
         raise _error(exc) from None
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command(cls=Command)
 def merge(
-    out: Annotated[Path, typer.Argument(help="The merged parquet file.", metavar="OUT", show_default=False)],
-    shards: Annotated[list[Path], typer.Argument(help="The shard files of one --shard 0/N .. N-1/N run.",
-                                                 metavar="SHARD", show_default=False)],
+    out: Annotated[Path, typer.Argument(help="The merged parquet file (of eval shards: the output folder).",
+                                        metavar="OUT", show_default=False)],
+    shards: Annotated[list[Path], typer.Argument(help="The shard files (eval: folders) of one --shard 0/N .. "
+                                                 "N-1/N run.", metavar="SHARD", show_default=False)],
     overwrite: OverwriteOpt = False,
 ) -> None:
     """Join the files of `--shard I/N` runs into the file one run would have written (checks they are the shards
-    of one dataset under one configuration, refuses gaps and overlaps)."""
+    of one dataset under one configuration, refuses gaps and overlaps). The folders of `eval --shard I/N` runs
+    are joined into the folder one eval would have written (no model weights are loaded)."""
     from apcscore.scale.merge import merge_shards
 
     try:
+        if shards and all(p.is_dir() for p in shards):
+            from apcscore.lmeval.scale import merge_eval
+
+            code = merge_eval(out, shards, overwrite, lambda text: out_console.print(text, markup=False,
+                                                                                    highlight=False),
+                              lambda text: console.print(text, markup=False, highlight=False))
+            raise typer.Exit(code)
         path, rows = merge_shards(out, shards, overwrite=overwrite)
     except ApcscoreError as exc:
         raise _error(exc) from None

@@ -51,7 +51,23 @@ class Options:
 
 
 @dataclass(frozen=True, kw_only=True)
-class RunOptions(Options):
+class ScaleOptions(Options):
+    """How a run is split: --shard (array jobs) or --ray (replicas); score, generate, perplexity and eval."""
+
+    shard: str | None = option(None, "I/N: run only shard I (0-based) of N of a deterministic prefix-aware "
+                               "split (array jobs); join the outputs with `apcscore merge`.")
+    partition: str = option("prefix", "prefix | random: how --shard and --ray split the records (random: to "
+                            "measure what prefix-awareness buys).", show=True)
+    ray: str | None = option(None, "Run on Ray replicas: auto (join the running cluster), local (start one "
+                             "here) or a cluster address. Needs the `ray` extra.")
+    replicas: int = option(1, "With --ray: engine replicas (one Ray actor each).", show=True, at_least=1)
+    gpus_per_replica: float | None = option(None, "With --ray: GPUs per replica.", at_least=0,
+                                            show="1 on a cluster with GPUs (unless --device cpu), else 0")
+    cpus_per_replica: float | None = option(None, "With --ray: CPUs per replica.", show="1", at_least=0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunOptions(ScaleOptions):
     """The options of score, generate and perplexity (a dataset in, one parquet file out)."""
 
     resume: bool = option(False, "Continue an interrupted run from <out>.partial.")
@@ -62,16 +78,6 @@ class RunOptions(Options):
     verify_reuse: float | None = option(
         None, "With --exact-reuse: re-score this fraction of the records (0..1, a seeded sample) by full "
         "recompute at the end of the run; any bit differing fails the run (exit 1) naming ids and columns.")
-    shard: str | None = option(None, "I/N: run only shard I (0-based) of N of a deterministic prefix-aware "
-                               "split (array jobs); join the files with `apcscore merge`.")
-    partition: str = option("prefix", "prefix | random: how --shard and --ray split the records (random: to "
-                            "measure what prefix-awareness buys).", show=True)
-    ray: str | None = option(None, "Run on Ray replicas: auto (join the running cluster), local (start one "
-                             "here) or a cluster address. Needs the `ray` extra.")
-    replicas: int = option(1, "With --ray: engine replicas (one Ray actor each).", show=True, at_least=1)
-    gpus_per_replica: float | None = option(None, "With --ray: GPUs per replica.", at_least=0,
-                                            show="1 on a cluster with GPUs (unless --device cpu), else 0")
-    cpus_per_replica: float | None = option(None, "With --ray: CPUs per replica.", show="1", at_least=0)
 
 
 def _prompt_logprobs(default: int | None, help: str = "Top-K alternatives per prompt token (0 = the token's "
@@ -127,14 +133,15 @@ class PerplexityOptions(RunOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class EvalOptions(Options):
+class EvalOptions(ScaleOptions):
     """`apcscore eval` (lm-eval tasks; the options named as lm-eval's, with dashes)."""
 
     CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn",
            "system_instruction", "gen_kwargs", "exact_reuse", "max_length", "seed", "model", "out", "overwrite",
-           "log_samples", "config", "quiet", "batch_size", *ENGINE_CLI[:7], "attention_backend",
-           "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs",
-           "no_batch_invariant", "model_backend")
+           "log_samples", "resume", "cache", "config", "quiet", "batch_size", *ENGINE_CLI[:7],
+           "attention_backend", "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction",
+           "no_cuda_graphs", "no_batch_invariant", "model_backend", "shard", "partition", "ray", "replicas",
+           "gpus_per_replica", "cpus_per_replica")
 
     tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2); required, here or as `tasks` "
                         "in the --config file.", "--tasks", "-t", show_default=False)
@@ -162,6 +169,12 @@ class EvalOptions(Options):
     overwrite: bool = option(False, "Replace the results in an existing --out folder.")
     log_samples: bool = option(False, "Also write lm-eval's per-sample records, one samples_<task>.jsonl per "
                                "task in --out (lm-eval's --log_samples files).")
+    resume: bool = option(False, "Continue an interrupted eval in --out: the responses its journal holds "
+                          "(responses-<id>.jsonl) are read, the rest computed.")
+    cache: Path | None = option(None, "A folder of finished responses (a previous run's --out, or a cache "
+                                "folder shared by runs): those of this model and engine configuration are "
+                                "read instead of computed, and new ones added to it (lm-eval's --use_cache, "
+                                "keyed by the model's fingerprint and numerics).")
     batch_size: str | None = option(None, "Accepted for lm-eval's command lines and ignored: the engine "
                                     "batches by its token budget (--max-batch-tokens).")
 

@@ -126,6 +126,11 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
         low = s.spec.at_least
         if low is not None and opts.get(key) is not None and opts[key] < low:
             raise ApcscoreError(f"{option_name(key)} must be at least {low}, not {opts[key]}")
+    check_scale_options(opts)
+    if opts["overwrite"] and opts["resume"]:
+        raise ApcscoreError(f"--resume and --overwrite contradict each other: --resume continues "
+                            f"{'the unfinished run in --out' if command == 'eval' else '<out>.partial'}, "
+                            "--overwrite discards it — pass only one")
     if not issubclass(cls, RunOptions):
         check_eval_options(opts)
         return
@@ -139,10 +144,6 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
         if not opts.get("exact_reuse"):
             raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass "
                                 "--exact-reuse too")
-    check_scale_options(opts)
-    if opts["overwrite"] and opts["resume"]:
-        raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues "
-                            "<out>.partial, --overwrite discards it — pass only one")
     if command == "generate":
         for key, check in RECORD_FIELDS.items():
             value = opts.get(key)

@@ -19,10 +19,9 @@ Results come back in input order (lm-eval zips them with its requests).
 from __future__ import annotations
 
 import lm_eval.models  # noqa: F401  (fills the registry with the built-ins before ours is added)
-from typing import Any
+from typing import Any, Callable
 
 import jinja2
-import numpy as np
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -35,6 +34,8 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
 from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
 from apcscore.jobs.options import engine_config
+from apcscore.lmeval.store import generation_key, loglikelihood_key
+from apcscore.scale.partition import Item, assign, block_digests
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 # generation kwargs lm-eval tasks set that change nothing here (HF generate's own switches)
@@ -76,6 +77,12 @@ class ApcscoreLM(TemplateLM):
         self.progress = progress
         self.chat_template_args: dict[str, Any] = {}
         self._generation_index = 0
+        self.store: Any = None  # lmeval/store.ResponseStore (use_store)
+        self.shard: tuple[int, int] | None = None
+        self.partition, self.strict = "prefix", False
+        self.on_step: Callable[[Any], None] | None = None  # called by the engine after each step (SIGINT checks)
+        self.computed = self.reused = self.skipped = 0  # lm-eval requests: run by the engine, read, not ours
+        self.progress_total = 0
 
     # ---- what lm-eval asks of a model ---------------------------------------------------------------
     @property
@@ -137,22 +144,65 @@ class ApcscoreLM(TemplateLM):
             return self.tokenizer.apply_chat_template(history, **kwargs)
 
     # ---- running requests ---------------------------------------------------------------------------
-    def _run(self, requests: list[Request], desc: str, disable_tqdm: bool,
-             sizes: list[int] | None = None) -> list[RequestOutput]:
-        """Run `requests` (request_id = position) through the engine; outputs in input order. The progress bar
-        counts lm-eval requests: engine request i stands for sizes[i] of them (default 1)."""
-        sizes = sizes or [1] * len(requests)
-        outputs: list[RequestOutput | None] = [None] * len(requests)
-        with tqdm(total=sum(sizes), desc=desc, disable=disable_tqdm or not self.progress) as bar:
-            for out in self.engine.run(requests):
+    def use_store(self, store: Any, shard: tuple[int, int] | None = None, partition: str = "prefix",
+                  strict: bool = False) -> None:
+        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response
+        into it; with shard (I, N), compute only shard I's share of the requests (`shard_mask`, split by
+        `partition`) and answer the others with placeholders (a shard's metrics are not written: its store is
+        what it is for). strict: every response must be in the store (a merge of shards computes nothing)."""
+        self.store, self.shard, self.partition, self.strict = store, shard, partition, strict
+
+    def shard_mask(self, prompts: list[list[int]], loads: list[int]) -> list[bool]:
+        """Which requests this shard computes (all without a shard): the prefix-aware split of --shard
+        (scale/partition.py) over every request of the call, so that each shard, seeing the same requests,
+        computes the same assignment and requests that share their first KV blocks run in one engine."""
+        if self.shard is None:
+            return [True] * len(prompts)
+        index, parts = self.shard
+        block = self.engine.config.block_size
+        items = [Item(i, block_digests(p, block), max(1, n)) for i, (p, n) in enumerate(zip(prompts, loads))]
+        return [part == index for part in assign(items, parts, self.partition)]
+
+    def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
+             done: Callable[[RequestOutput], None]) -> None:
+        """Run `requests` through the engine, calling `done` with each output as it finishes. The progress bar
+        counts lm-eval requests: engine request i (request_id = i) stands for sizes[i] of them, and starts with
+        those answered without the engine."""
+        if not requests:
+            return
+        seen = 0
+        with tqdm(total=self.progress_total, initial=self.progress_total - sum(sizes), desc=desc,
+                  disable=disable_tqdm or not self.progress) as bar:
+            for out in self.engine.run(requests, on_step=self.on_step):
                 if out.error is not None:
                     raise ApcscoreError(f"{desc}: request {out.request_id} failed in the engine: {out.error}")
-                outputs[out.request_id] = out
+                done(out)
+                seen += 1
                 bar.update(sizes[out.request_id])
-        missing = [i for i, o in enumerate(outputs) if o is None]
-        if missing:
-            raise RuntimeError(f"the engine returned no output for requests {missing[:5]}: this is a bug")
-        return outputs  # type: ignore[return-value]
+        if seen != len(requests):
+            raise RuntimeError(f"the engine returned {seen} outputs for {len(requests)} requests: this is a bug")
+        self.computed += sum(sizes)
+
+    def _lookup(self, keys: list[str], mask: list[bool], placeholder: Any) -> tuple[list[Any], list[int]]:
+        """Each key's stored value, or `placeholder` where this shard does not compute it; and the positions
+        left to compute."""
+        values: list[Any] = [None] * len(keys)
+        todo = []
+        for i, key in enumerate(keys):
+            if self.store is not None and key in self.store:
+                values[i] = self.store.get(key)
+                self.reused += 1
+            elif mask[i]:
+                todo.append(i)
+            else:
+                values[i] = placeholder
+                self.skipped += 1
+        self.progress_total = len(keys)
+        if todo and self.strict:
+            raise ApcscoreError(f"{len(todo)} of {len(keys)} requests have no response in the shards' stores: a "
+                                "shard is missing or unfinished (rerun it with --resume), or the shards were run "
+                                "with other tasks or options")
+        return values, todo
 
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
                               **kwargs: Any) -> list[tuple[float, bool]]:
@@ -161,9 +211,10 @@ class ApcscoreLM(TemplateLM):
         Requests whose scored sequences differ only in their last token (one-token answer choices of one
         context) share one engine request: the others' last tokens are its `last_token_alternatives`, read
         from the same hidden state, so the context is computed once (HFLM groups them likewise). The values
-        are bitwise those of separate requests (the LM head and logprob rows are batch invariant).
+        are bitwise those of separate requests (the LM head and logprob rows are batch invariant). Responses
+        in the store are read, not computed; each computed one is put into it as soon as it is finished.
         """
-        separate, last_tokens = [], []
+        separate = []
         for _, context, continuation in requests:
             if not context or not continuation:
                 raise ApcscoreError("a loglikelihood request needs context and continuation tokens")
@@ -173,13 +224,26 @@ class ApcscoreLM(TemplateLM):
             tokens = (context + continuation)[-(self.max_length + 1):]  # HFLM's left truncation
             separate.append(Request(None, tokens, prompt_logprobs=1, score_from=len(tokens) - len(continuation),
                                     prompt_logprob_ranks=False))
-            last_tokens.append(tokens[-1])
-        merged, owner = group_by_last_token(separate)
+        keys = [loglikelihood_key(r.prompt_token_ids, r.score_from) for r in separate]
+        # the last token left out of the split: a context's one-token choices stay in one shard, one request
+        mask = self.shard_mask([r.prompt_token_ids[:-1] for r in separate], [len(r.prompt_token_ids) for r in separate])
+        values, todo = self._lookup(keys, mask, [0.0, False])
+        merged, owner = group_by_last_token([separate[i] for i in todo])
+        members: list[list[int]] = [[] for _ in merged]
+        for j, o in enumerate(owner):
+            members[o].append(todo[j])
         for i, r in enumerate(merged):
             r.request_id = i
-        outputs = self._run(merged, "apcscore loglikelihood", disable_tqdm, np.bincount(owner).tolist())
-        scores = [continuation_score(outputs[o], last_token=t) for o, t in zip(owner, last_tokens)]
-        return [(s.logprob, s.is_greedy) for s in scores]
+
+        def done(out: RequestOutput) -> None:
+            for i in members[out.request_id]:
+                score = continuation_score(out, last_token=separate[i].prompt_token_ids[-1])
+                values[i] = [score.logprob, score.is_greedy]
+                if self.store is not None:
+                    self.store.put(keys[i], values[i])
+
+        self._run(merged, "apcscore loglikelihood", disable_tqdm, [len(m) for m in members], done)
+        return [(float(v[0]), bool(v[1])) for v in values]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Sum of the loglikelihoods of lm-eval's disjoint rolling windows over each text; one float each."""
@@ -224,7 +288,8 @@ class ApcscoreLM(TemplateLM):
         return params, until
 
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Completions of each (context, gen_kwargs), cut at the first `until` string; in input order."""
+        """Completions of each (context, gen_kwargs), cut at the first `until` string; in input order.
+        Generations in the store (their token ids, keyed by prompt and sampling settings) are read."""
         engine_requests, stops = [], []
         for i, req in enumerate(requests):
             context, gen_kwargs = req.args
@@ -237,10 +302,24 @@ class ApcscoreLM(TemplateLM):
             engine_requests.append(Request(i, prompt, sampling=params))
             stops.append(until)
         self._generation_index += len(requests)
-        outs = self._run(engine_requests, "apcscore generate_until", disable_tqdm)
+        keys = [generation_key(r.prompt_token_ids, r.sampling) for r in engine_requests]
+        mask = self.shard_mask([r.prompt_token_ids for r in engine_requests],
+                               [len(r.prompt_token_ids) + r.sampling.max_tokens for r in engine_requests])
+        tokens, todo = self._lookup(keys, mask, [])
+        run = [engine_requests[i] for i in todo]
+        for j, r in enumerate(run):
+            r.request_id = j
+
+        def done(out: RequestOutput) -> None:
+            i = todo[out.request_id]
+            tokens[i] = [int(t) for t in out.output_token_ids]
+            if self.store is not None:
+                self.store.put(keys[i], tokens[i])
+
+        self._run(run, "apcscore generate_until", disable_tqdm, [1] * len(run), done)
         results = []
-        for req, out, until in zip(requests, outs, stops):
-            text = postprocess_generated_text(self.tok_decode(out.output_token_ids), until, None)
+        for req, ids, until in zip(requests, tokens, stops):
+            text = postprocess_generated_text(self.tok_decode(ids), until, None)
             self.cache_hook.add_partial("generate_until", req.args, text)
             results.append(text)
         return results

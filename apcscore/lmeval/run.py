@@ -1,8 +1,9 @@
-"""`apcscore eval`: lm-eval's `simple_evaluate` with the apcscore backend; results JSON, per-request parquet.
+"""One `apcscore eval` process: lm-eval's `simple_evaluate` with the apcscore backend; results JSON,
+per-request parquet (the command's options and checks: lmeval/command.py).
 
-Order: the options are resolved (command line > --config FILE > defaults, as for the other commands) and
-checked, --out too; then the tasks are resolved and their data loaded (a task whose data needs the hub fails
-here, with how to point it at local files), then the model loads, then lm-eval runs. `<out>/results.json` is
+Order: the tasks are resolved and their data loaded (a task whose data needs the hub fails here, with how to
+point it at local files), then the model loads, then lm-eval runs, its responses read from and appended to the
+journal in --out (lmeval/store.py, lmeval/outdir.py: --resume, --cache). `<out>/results.json` is
 lm-eval's results (without the samples); `<out>/requests.parquet` has one row per request (see
 `requests.py`); with --log-samples, `<out>/samples_<task>.jsonl` are lm-eval's samples files.
 """
@@ -11,15 +12,22 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import signal
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
+from apcscore import __version__
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
+from apcscore.io.result_tables import write_atomic
 from apcscore.jobs.metadata import engine_sections, model_section, package_version, run_header, versions
 from apcscore.jobs.options import EvalOptions
-from apcscore.jobs.resolve import parse_gen_kwargs, resolve_options
+from apcscore.jobs.resolve import parse_gen_kwargs, parse_shard
+from apcscore.lmeval import outdir
+from apcscore.lmeval.store import ResponseStore, identity
 
 HUB_HELP = (
     "lm-eval loads a task's `dataset_path` from the Hugging Face hub, which cannot be reached from here and "
@@ -31,7 +39,7 @@ _HUB_MARKERS = ("hub", "huggingface", "offline", "not cached", "couldn't reach",
                 "repositorynotfound", "localentrynotfound")
 
 
-def _import_lm_eval() -> Any:
+def import_lm_eval() -> Any:
     try:
         import lm_eval
     except ModuleNotFoundError:
@@ -64,7 +72,7 @@ def load_tasks(names: list[str], include_path: Path | None) -> Any:
     When --include-path holds every named task, only that folder is indexed first (indexing lm-eval's thousands
     of built-in YAML files takes seconds of every run); the full index is built when a name is not there or
     the tasks need something from it (e.g. a group of built-in tasks)."""
-    _import_lm_eval()
+    import_lm_eval()
     from lm_eval.tasks import TaskManager
 
     if include_path is not None and not include_path.is_dir():
@@ -95,45 +103,67 @@ def _unknown(manager: Any, names: list[str]) -> list[str]:
     return [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
 
 
-def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> dict[str, Any]:
-    """Run `apcscore eval` with its command-line values (the parameters of EvalOptions and `config`, the
-    --config FILE; None = not given); return lm-eval's results (samples included). echo: prints a line of
-    the results; note: prints a line about the options (default: echo).
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived during an eval (raised between engine steps)."""
 
-    The options are resolved first (command line > --config FILE > defaults, jobs/resolve.py), then --out and
-    the tasks and their data are checked, before the model loads."""
-    lm_eval = _import_lm_eval()
+
+def evaluate(opts: EvalOptions, echo: Any, note: Any, shards: list[Path] | None = None, engine: Any = None) -> int:
+    """One eval process: load the tasks and the model, answer lm-eval's requests from the journal in --out
+    (and --cache) or the engine, and write the results (a --shard run: its shard.json). shards: the folders of
+    the shard runs a merge reads every response from (nothing is computed: a missing one is an error), with
+    `engine` their stand-in (lmeval/scale.RecordedEngine: no weights)."""
+    import lm_eval
+
     from apcscore.lmeval.model import ApcscoreLM
     from apcscore.lmeval.requests import write_outputs, write_samples
 
-    note = note or echo
-    config_path = cli.get("config")
-    opts: EvalOptions = resolve_options("eval", {k: v for k, v in cli.items() if k != "config"},
-                                        Path(config_path) if config_path is not None else None)
+    out = Path(opts.out)
     names = split_tasks(opts.tasks)
-    out = Path(opts.out or f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
-    if out.exists() and not out.is_dir():
-        raise ApcscoreError(f"--out {out}: exists and is not a directory")
-    if out.is_dir() and (out / "results.json").exists() and not opts.overwrite:
-        raise ApcscoreError(f"--out {out} already holds results.json; pass --overwrite or choose another folder")
     gen_kwargs = check_gen_kwargs(opts.gen_kwargs) if opts.gen_kwargs is not None else None
-    if opts.batch_size is not None:
-        note(BATCH_SIZE_NOTE)
-    config = opts.engine
+    shard = parse_shard(opts.shard) if opts.shard is not None else None
     manager = load_tasks(names, opts.include_path)
+    if opts.overwrite:
+        outdir.clear(out)
     started = time.perf_counter()
-    lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length,
-                    seed=config.seed, progress=not opts.quiet, engine=_engine(opts, config))
+    lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length, seed=opts.engine.seed,
+                    progress=not opts.quiet, engine=engine if engine is not None else _engine(opts, opts.engine))
     load_seconds = time.perf_counter() - started
-    results = lm_eval.simple_evaluate(
-        model=lm, tasks=names, task_manager=manager, num_fewshot=opts.num_fewshot,
-        limit=opts.limit, apply_chat_template=opts.apply_chat_template,
-        fewshot_as_multiturn=fewshot_as_multiturn(opts), system_instruction=opts.system_instruction,
-        gen_kwargs=gen_kwargs, log_samples=True)  # the samples make requests.parquet
+    sections = engine.sections if engine is not None else config_sections(lm, opts.engine)
+    ident = identity(sections)
+    resumed = outdir.start(out, outdir.run_record(opts, ident), opts.resume)
+    caches = [opts.cache] if opts.cache is not None else []
+    store = ResponseStore(ident, folders=[*(shards or []), *caches], journals=[out, *caches])
+    lm.use_store(store, shard, partition=opts.partition, strict=shards is not None)
+    if shards is not None:
+        store.write_all()  # the merged folder's journal holds every response: a cache for later runs
+    if resumed or store.read:
+        note(f"{store.read} finished responses read ({store.name}{' in ' + str(out) if resumed else ''}"
+             f"{', ' + str(opts.cache) if caches else ''})")
+    try:
+        with _stop_on_signals(lm):
+            results = lm_eval.simple_evaluate(
+                model=lm, tasks=names, task_manager=manager, num_fewshot=opts.num_fewshot,
+                limit=opts.limit, apply_chat_template=opts.apply_chat_template,
+                fewshot_as_multiturn=fewshot_as_multiturn(opts), system_instruction=opts.system_instruction,
+                gen_kwargs=gen_kwargs, log_samples=True)  # the samples make requests.parquet
+    except Interrupted:
+        note(f"interrupted: {lm.computed} responses computed in this session, {len(store)} kept in "
+             f"{out / store.name}; rerun the same command with --resume to continue")
+        return 130
+    finally:
+        store.close()
     if results is None:
         raise ApcscoreError("lm-eval returned no results")
     run_seconds = time.perf_counter() - started - load_seconds
-    meta = run_info(lm, config, opts, names, results, load_seconds, run_seconds)
+    counts = {"store": store.name, "computed": lm.computed, "read": lm.reused, "other_shards": lm.skipped}
+    if shard is not None:
+        _write_shard(out, opts, ident, sections, counts)
+        if not opts.quiet:
+            echo(f"shard {opts.shard}: {lm.computed} requests computed, {lm.reused} read, {lm.skipped} left to "
+                 f"the other shards; wrote {out / store.name}. Join the shards with `apcscore merge OUT "
+                 "SHARD_DIR...`")
+        return 0
+    meta = run_info(sections, opts, names, results, load_seconds, run_seconds, lm.max_length, counts)
     written = write_samples(out, results if opts.log_samples else {})  # before results.json: it marks a run done
     write_outputs(out, results, meta)
     if not opts.quiet:
@@ -144,10 +174,42 @@ def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> dict[str, A
             echo(make_table(results, "groups"))
         echo(f"wrote {out / 'results.json'} and {out / 'requests.parquet'}"
              + (f" and {len(written)} samples file(s) {out / 'samples_<task>.jsonl'}" if written else ""))
-    return results
+    return 0
 
 
-BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
+def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, counts: dict) -> None:
+    record = {"shard": opts.shard, "run": outdir.run_record(opts, ident), "config": sections, "responses": counts}
+    write_atomic(out / outdir.SHARD_FILE, (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+@contextmanager
+def _stop_on_signals(lm: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM stop the eval after the current engine step (`Interrupted`); the journal keeps every
+    response finished before."""
+    caught: list[int] = []
+    owner = os.getpid()
+
+    def handler(signum: int, _frame: Any) -> None:
+        if os.getpid() != owner:  # a forked child (lm-eval's bootstrap pool, stopped by SIGTERM) dies as usual
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        caught.append(signum)
+
+    def tick(_engine: Any = None) -> None:
+        if caught:
+            raise Interrupted()
+
+    lm.on_step = tick
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        lm.on_step = None
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
 
 
 def fewshot_as_multiturn(opts: EvalOptions) -> bool:
@@ -201,21 +263,32 @@ def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def run_info(lm: Any, config: EngineConfig, opts: EvalOptions, names: list[str], results: Mapping[str, Any],
-             load_seconds: float, run_seconds: float) -> dict[str, Any]:
-    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
-    run records (jobs/metadata.py), with the eval's own."""
+def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
+    """The run metadata's sections that describe the model and the engine (jobs/metadata.py, as every run
+    records them): what fixes the bits, so the responses' identity is made of them (lmeval/store.identity)."""
     engine = lm.engine
+    return {
+        "apcscore_version": __version__,
+        "model": model_section(engine),
+        **engine_sections(engine, config),
+        "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
+        "versions": versions(lm_eval=package_version("lm_eval")),
+    }
+
+
+def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
+             load_seconds: float, run_seconds: float, max_length: int, responses: Mapping[str, Any]
+             ) -> dict[str, Any]:
+    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
+    run records (jobs/metadata.py), with the eval's own; `responses`: how many were computed and read."""
     return {
         **run_header("eval"),
         "tasks": names, "num_fewshot": opts.num_fewshot, "limit": opts.limit,
         "apply_chat_template": opts.apply_chat_template, "fewshot_as_multiturn": fewshot_as_multiturn(opts),
         "system_instruction": opts.system_instruction, "gen_kwargs": opts.gen_kwargs,
-        "max_length": lm.max_length,
+        "max_length": max_length,
         "task_configs": task_configs(results),
-        "model": model_section(engine),
-        **engine_sections(engine, config),
-        "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
-        "versions": versions(lm_eval=package_version("lm_eval")),
+        **{k: v for k, v in sections.items() if k != "apcscore_version"},
+        "responses": dict(responses),
         "timing": {"load_seconds": round(load_seconds, 3), "run_seconds": round(run_seconds, 3)},
     }

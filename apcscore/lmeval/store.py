@@ -1,0 +1,163 @@
+"""Finished lm-eval responses on disk, keyed by what decides them: the journal of `eval --resume`, the shards of
+`eval --shard` / `--ray`, and the results cache of `eval --cache DIR`.
+
+A store folder holds one file per engine configuration, `responses-<id>.jsonl`, where <id> is the first 16
+hex digits of the sha256 of the configuration's *identity* (`identity`: the model's weight fingerprint, dtype,
+device, attention and model backend, the engine's settings and numerics without the fields that change no
+bit, io/provenance.bits_of, and the torch, transformers and apcscore versions). So a folder can hold the
+responses of many models side by side, and a run reads only the file of its own configuration: never
+another model's, never other numerics (the file's first line repeats the identity, and it is compared whole).
+
+Each further line is `{"k": KEY, "v": VALUE}`, appended and flushed as a response is finished, so an
+interrupted run keeps everything it finished (a line cut by a crash is ignored when read). KEY is the sha256
+of the engine request the response came from, as tokens (`loglikelihood_key`, `generation_key`): the token ids
+after truncation and, for a generation, every sampling setting, the seed included. Tokens rather than
+lm-eval's strings, so that --max-length, BOS and chat-template choices are in the key by construction.
+
+Values are exact: a loglikelihood is a float64 written by `json` as its shortest round-trip repr, a
+generation its token ids. A response read from a store is therefore bitwise the one computed (on a
+batch-invariant engine, also bitwise what a recompute gives: docs/architecture.md, "The contract").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from apcscore.errors import ApcscoreError
+from apcscore.io.provenance import bits_of, differing
+
+PREFIX = "responses-"
+IDENTITY_KEYS = ("model", "dtype", "device", "attention_backend", "model_backend", "engine", "numerics",
+                 "versions")
+# engine fields left out of the identity beyond provenance's: the seed (each request's own seed is in its key),
+# and on a batch-invariant engine the reuse switches (exact reuse and prefix caching are bitwise a recompute:
+# docs/architecture.md, "The contract"), so a recompute's responses serve an --exact-reuse run and back
+NOT_IN_KEY = frozenset({"seed"})
+REUSE = frozenset({"enable_prefix_caching", "exact_reuse"})
+
+
+def identity(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The identity of a configuration from a run's metadata (lmeval/run.run_info): its model fingerprint and
+    the sections that fix the bits (engine and numerics without their NOT_BITS fields, the engine without
+    NOT_IN_KEY and, batch invariant, REUSE)."""
+    out = {key: bits_of(key, meta.get(key)) for key in IDENTITY_KEYS}
+    engine = out.get("engine") or {}
+    drop = NOT_IN_KEY | (REUSE if engine.get("batch_invariant", False) else frozenset())
+    out["engine"] = {k: v for k, v in engine.items() if k not in drop}
+    out["model"] = {"fingerprint": (meta.get("model") or {}).get("fingerprint")}
+    out["versions"] = {**(meta.get("versions") or {}), "apcscore": meta.get("apcscore_version")}
+    return json.loads(json.dumps(out, sort_keys=True, default=str))  # plain JSON: compared with what is read
+
+
+def identity_id(ident: Mapping[str, Any]) -> str:
+    """The 16 hex digits naming a configuration's file."""
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _key(parts: list[Any]) -> str:
+    return hashlib.sha256(json.dumps(parts, separators=(",", ":")).encode()).hexdigest()
+
+
+def loglikelihood_key(tokens: list[int], score_from: int) -> str:
+    """The key of a scored sequence (`tokens` as fed, after truncation; continuation from `score_from`)."""
+    return _key(["loglikelihood", [int(t) for t in tokens], int(score_from)])
+
+
+def generation_key(prompt: list[int], sampling: Any) -> str:
+    """The key of a generation: its prompt tokens and every sampling setting (seed and stop strings too)."""
+    settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(vars(sampling).items())}
+    return _key(["generate", [int(t) for t in prompt], settings])
+
+
+class ResponseStore:
+    """The responses of one configuration: read from store folders, appended to one of them (the journal).
+
+    folders: where to read from (a missing folder or file is empty); journals: the folders whose files new
+    responses are appended to (read too; none: nothing written, e.g. a merge). `get`, `put`, `close`."""
+
+    def __init__(self, ident: Mapping[str, Any], folders: Iterable[Path] = (), journals: Iterable[Path] = ()) -> None:
+        self.identity = dict(ident)
+        self.name = f"{PREFIX}{identity_id(self.identity)}.jsonl"
+        self._values: dict[str, Any] = {}
+        journals = [Path(j) for j in dict.fromkeys(journals)]
+        for folder in dict.fromkeys([*map(Path, folders), *journals]):
+            self._load(folder / self.name)
+        self.read = len(self._values)  # responses found in the folders
+        self._files = []
+        for folder in journals:
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / self.name
+            fresh = not path.exists() or path.stat().st_size == 0
+            self._files.append(open(path, "a", encoding="utf-8"))
+            if fresh:
+                self._write({"apcscore_responses": 1, "identity": self.identity})
+
+    def _load(self, path: Path) -> None:
+        if not path.is_file():
+            return
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().split("\n")
+        head = _parse(lines[0]) if lines else None
+        if not isinstance(head, dict) or head.get("identity") != self.identity:
+            found = head.get("identity") if isinstance(head, dict) else None
+            why = "; ".join(differing(found, self.identity, sorted(self.identity))) if isinstance(found, dict) \
+                else "its first line is not a store header"
+            raise ApcscoreError(f"{path}: responses of another configuration ({why}); this is not this run's "
+                                "store — remove the file or choose another folder")
+        for line in lines[1:]:
+            entry = _parse(line)
+            if isinstance(entry, dict) and "k" in entry and "v" in entry:  # a cut last line is skipped
+                self._values.setdefault(entry["k"], entry["v"])
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._values
+
+    def get(self, key: str) -> Any:
+        """The stored value of `key` (KeyError if none)."""
+        return self._values[key]
+
+    def put(self, key: str, value: Any) -> None:
+        """Keep `value` under `key` and append it to the journal (flushed: an interruption loses none)."""
+        if key in self._values:
+            return
+        self._values[key] = value
+        self._write({"k": key, "v": value})
+
+    def write_all(self) -> None:
+        """Append every response held to the journals (a merge's folder gets the union of its shards')."""
+        for key, value in self._values.items():
+            self._write({"k": key, "v": value})
+
+    def _write(self, entry: dict) -> None:
+        # one write of a whole line to a file opened for appending: concurrent writers do not interleave lines
+        line = json.dumps(entry, separators=(",", ":")) + "\n"
+        for f in self._files:
+            f.write(line)
+            f.flush()
+
+    def close(self) -> None:
+        """Flush the journals to disk and close them."""
+        for f in self._files:
+            if not f.closed:
+                f.flush()
+                os.fsync(f.fileno())
+                f.close()
+
+
+def _parse(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except ValueError:
+        return None
+
+
+def store_files(folder: Path) -> list[Path]:
+    """The store files in `folder`."""
+    return sorted(Path(folder).glob(f"{PREFIX}*.jsonl"))
