@@ -277,7 +277,7 @@ def test_eval_options_resolve_like_the_other_commands(tmp_path):
     assert opts.engine.model_backend == "transformers" and opts.include_path == Path("tests/lmeval_tasks")
     with pytest.raises(ApcscoreError, match="--tasks is required"):
         resolve_options("eval", {}, None)
-    cases = [('resume = true\n', r"e2.toml:1: 'resume' is an option of score and generate and perplexity, "
+    cases = [('columns = "prompt=text"\n', r"e2.toml:1: 'columns' is an option of score and generate and perplexity, "
                                  r"not of eval"),
              ('tasks = "x"\n\nnum_fewshot = "3"\n', r"e2.toml:3: num_fewshot must be an integer, not \"3\""),
              ('tasks = "x"\nno_such = 1\n', r"e2.toml:2: unknown option 'no_such'")]
