@@ -140,6 +140,11 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
             raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass "
                                 "--exact-reuse too")
     check_scale_options(opts)
+    for key, allowed in (("input_format", ("auto", "apcscore", "openai-batch")),
+                         ("output_format", (None, "parquet", "openai-batch"))):
+        if key in opts and opts[key] not in allowed:
+            raise ApcscoreError(f"{option_name(key)} must be one of {', '.join(a for a in allowed if a)}, not "
+                                f"{shown(opts[key])}")
     if opts["overwrite"] and opts["resume"]:
         raise ApcscoreError("--resume and --overwrite contradict each other: --resume continues "
                             "<out>.partial, --overwrite discards it — pass only one")
