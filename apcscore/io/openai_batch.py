@@ -138,7 +138,10 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         if key in own or key in _SAMPLING or key in ("prompt_logprobs",) or value is None:
             continue
         if key in _NEUTRAL:
-            if value not in _NEUTRAL[key] or (isinstance(value, bool) != isinstance(_NEUTRAL[key][0], bool)):
+            if key == "stream" and value is not False:
+                problems.append(f"body field 'stream' = {_show(value)}: a batch answers each request whole, without "
+                                "streaming — remove it (or set it to false)")
+            elif value not in _NEUTRAL[key] or (isinstance(value, bool) != isinstance(_NEUTRAL[key][0], bool)):
                 problems.append(f"body field {key!r} = {_show(value)} would change the result, and apcscore does "
                                 f"not implement it — remove it (or set it to {_show(_NEUTRAL[key][0])})")
         elif key not in _HARMLESS:
