@@ -154,7 +154,11 @@ def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write
 def test_refusals_before_the_model_loads(tmp_path, write_jsonl) -> None:
     batch = write_jsonl(tmp_path / "b.jsonl", batch_lines()[:4])
     ours = write_jsonl(tmp_path / "o.jsonl", [{"prompt": "Hi"}])
+    other = write_jsonl(tmp_path / "m.jsonl", [line("a", "/v1/completions", {"model": "gpt-4o", "prompt": "Hi"})])
     cases = [
+        (("generate", other, "--out", tmp_path / "x.jsonl"), "m.jsonl:1: the body's model 'gpt-4o' is not this "
+         "run's model (HuggingFaceTB/SmolLM2-135M-Instruct / SmolLM2-135M-Instruct / smollm2-135m)"),
+        (("generate", other, "--ignore-body-model", "--logprobs", 1), "--logprobs does not apply"),  # model passed
         (("generate", ours, "--out", tmp_path / "x.jsonl"), "--output-format openai-batch writes the result lines"),
         (("generate", batch, "--out", tmp_path / "x.jsonl", "--shard", "0/2"), "--shard writes shard files"),
         (("generate", batch, "--logprobs", 2), "--logprobs does not apply to OpenAI Batch request lines"),
@@ -300,3 +304,49 @@ def test_every_body_parses_as_the_openai_response_models(runs) -> None:
         parsed = Completion.model_validate(body)
         assert parsed.object == "text_completion" and parsed.usage.total_tokens >= parsed.usage.prompt_tokens
     assert openai.__version__
+
+
+def test_sigint_then_resume_writes_the_lines_of_an_uninterrupted_run(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    data = write_jsonl(tmp_path / "b.jsonl", [
+        line(f"s{i}", "/v1/completions", {"prompt": " ".join(words[j % 12] for j in range(i % 37 + 3)),
+                                          "max_tokens": 0, "echo": True, "logprobs": 2}) for i in range(400)])
+    common = ["score", data, "--model", tiny_model_dir("llama"), "--quiet"]
+
+    def apcscore(*args):
+        return subprocess.Popen([sys.executable, "-m", "apcscore", *map(str, args)], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    out = tmp_path / "interrupted.jsonl"
+    partial = tmp_path / "interrupted.jsonl.partial"
+    proc = apcscore(*common, "--max-num-seqs", 1, "--max-batch-tokens", 16, "--out", out)
+    deadline = time.time() + 120
+    while not (partial / "run.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert not out.exists() and partial.is_dir() and any(partial.glob("part-*.parquet"))
+    proc = apcscore(*common, "--out", out, "--resume")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+    ref = tmp_path / "uninterrupted.jsonl"
+    proc = apcscore(*common, "--out", ref)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, output
+
+    def lines(path):
+        found = [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines()]
+        for x in found:
+            x["response"]["body"].pop("created")  # the run's start: the sessions started at other times
+        return found
+    resumed, reference = lines(out), lines(ref)
+    assert [x["custom_id"] for x in resumed] == [f"s{i}" for i in range(400)]
+    assert resumed == reference and not partial.exists()
