@@ -89,6 +89,14 @@ def test_body_fields_map_onto_records_and_unsupported_ones_are_refused() -> None
                        url="/v1/chat/completions")
     assert any("needs 'logprobs': true" in p for p in top_only.problems)
     assert not convert({"prompt": "x", "model": "gpt-4o"}, names=None).problems  # --ignore-body-model
+    assert convert({"max_tokens": 3}, url="/v1/chat/completions").problems == [
+        "a chat request needs 'messages' (a list of {\"role\", \"content\"} objects)"]
+    assert convert({"max_tokens": 3}).record is None
+    assert to_record([1, 2], "generate", max_logprobs=20, model_names=None).problems == [
+        "the line is a list, not a JSON object (a request line is {'custom_id', 'method', 'url', 'body'})"]
+    assert any("'url' \"/v1/embeddings\" is not an endpoint" in p
+               for p in to_record(line("c", "/v1/embeddings", {}), "generate", max_logprobs=20,
+                                  model_names=None).problems)
     generating = convert({"prompt": "x", "max_tokens": 3}, command="score")
     assert any("score answers only scoring requests" in p for p in generating.problems)
     scoring = convert({"prompt": "x", "max_tokens": 0, "echo": True, "logprobs": 4}, command="score")

@@ -110,6 +110,9 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
 
     `command` is generate (every request) or score (only echo requests with max_tokens 0, which score the
     prompt); `model_names` the names the body's model may have (None: --ignore-body-model)."""
+    if not isinstance(obj, dict):
+        return Converted(None, None, None, [f"the line is {_show(obj)}, not a JSON object (a request line is "
+                                            f"{{{', '.join(map(repr, LINE_KEYS))}}})"])
     problems: list[str] = []
     cid = obj.get("custom_id")
     if not isinstance(cid, str) or not cid:
@@ -168,8 +171,12 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
 
     logprobs = prompt_logprobs = None
     echo = False
+    usable = True  # False: the line has no prompt we could check further
     if endpoint == "chat":
         messages = body.get("messages")
+        if messages is None:
+            problems.append("a chat request needs 'messages' (a list of {\"role\", \"content\"} objects)")
+            usable = False
         if isinstance(messages, list):
             fixed = []
             for m in messages:
@@ -193,10 +200,12 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
     else:
         if "prompt" not in body or body["prompt"] is None:
             problems.append("a completions request needs 'prompt' (a string or a list of token ids)")
+            usable = False
         else:
             fields, why = _prompt(body["prompt"])
             if why:
                 problems.append(why)
+                usable = False
             else:
                 record.update(fields or {})
         lp = body.get("logprobs")
@@ -228,8 +237,9 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             problems.append("score answers only scoring requests: /v1/completions with \"echo\": true and "
                             "\"max_tokens\": 0 (the prompt's logprobs) — run generation requests with apcscore "
                             "generate")
+            usable = False
         record = {k: v for k, v in record.items() if k in ("prompt", "prompt_token_ids")}
         prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else logprobs
         logprobs = None
     line = BatchLine(endpoint, echo, logprobs, prompt_logprobs, model, vllm_prompt)
-    return Converted(cid, record, line, problems)
+    return Converted(cid, record if usable else None, line, problems)

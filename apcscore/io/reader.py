@@ -174,8 +174,6 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             fmt["chosen"] = "openai-batch" if is_batch_line(obj) else "apcscore"
         batch = fmt["chosen"] == "openai-batch"
         if batch:
-            if not isinstance(obj, dict):
-                obj = {"custom_id": None, "body": obj}  # refused below, as a line that is no object
             converted = to_record(obj, command, max_logprobs=max_logprobs, model_names=model_names)
             checked = check_record(converted.record if converted.record is not None else {}, command)
             if converted.record is None:
