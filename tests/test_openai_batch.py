@@ -39,7 +39,8 @@ def batch_lines() -> list[dict]:
         line("request-2", chat, {"model": "smollm2-135m", "messages": [{"role": "user", "content": [
             {"type": "text", "text": "What is 2+2?"}]}], "max_completion_tokens": 6, "logprobs": True,
             "top_logprobs": 2, "user": "u1", "stream": False, "frequency_penalty": 0}),
-        line("request-3", comp, {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 5, "logprobs": 3}),
+        line("request-3", comp, {"model": "smollm2-135m", "prompt": PROMPT, "max_tokens": 5, "logprobs": 3,
+                                   "prompt_logprobs": 1}),
         line("score-1", comp, {"model": "smollm2-135m", "prompt": SCORED, "max_tokens": 0, "echo": True,
                                "logprobs": 2}),
         line("bad-1", chat, {"model": "smollm2-135m", "messages": CHAT, "presence_penalty": 0.5}),
@@ -265,6 +266,14 @@ def test_result_lines_equal_the_parquet_results_of_the_same_prompts(runs) -> Non
     row = ref["request-3"]
     assert lp["token_logprobs"] == row["completion_logprobs"] and "".join(lp["tokens"]) == row["completion"]
     assert lp["text_offset"][0] == 0 and all(len(top) in (3, 4) for top in lp["top_logprobs"])
+    # vLLM's prompt_logprobs on the choice: per prompt token {id: {logprob, rank, decoded_token}}, the first null
+    plp = lines["request-3"]["response"]["body"]["choices"][0]["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(row["token_ids"])
+    for pos in range(1, len(plp)):
+        own = plp[pos][str(row["token_ids"][pos])]
+        assert own["logprob"] == row["token_logprobs"][pos] and own["rank"] == row["token_ranks"][pos]
+        assert plp[pos][str(row["top_ids"][pos][0])]["logprob"] == row["top_logprobs"][pos][0]
+    assert "prompt_logprobs" not in lines["request-1"]["response"]["body"]["choices"][0]
     # the echo scoring line: the prompt's own logprobs, first null, as the parquet's prompt columns
     score = lines["score-1"]["response"]["body"]["choices"][0]
     row = ref["score-1"]
