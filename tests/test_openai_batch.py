@@ -93,6 +93,10 @@ def test_body_fields_map_onto_records_and_unsupported_ones_are_refused() -> None
     assert convert({"max_tokens": 3}, url="/v1/chat/completions").problems == [
         "a chat request needs 'messages' (a list of {\"role\", \"content\"} objects)"]
     assert convert({"max_tokens": 3}).record is None
+    named = convert({"messages": [{"role": "user", "content": "Hi", "name": "ann", "tool_calls": None}]},
+                    url="/v1/chat/completions")
+    assert named.problems == ["'messages' item 0 has 'name', which apcscore does not give the chat template (it "
+                              "reads role and content) — remove it"]
     assert to_record([1, 2], "generate", max_logprobs=20, model_names=None).problems == [
         "the line is a list, not a JSON object (a request line is {'custom_id', 'method', 'url', 'body'})"]
     assert any("'url' \"/v1/embeddings\" is not an endpoint" in p

@@ -179,7 +179,13 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             usable = False
         if isinstance(messages, list):
             fixed = []
-            for m in messages:
+            for i, m in enumerate(messages):
+                extra = sorted(k for k in m if k not in ("role", "content") and m[k] is not None) \
+                    if isinstance(m, dict) else []
+                if extra:
+                    problems.append(f"'messages' item {i} has {', '.join(map(repr, extra))}, which apcscore does not "
+                                    "give the chat template (it reads role and content) — remove "
+                                    f"{'it' if len(extra) == 1 else 'them'}")
                 if isinstance(m, dict) and "content" in m:
                     content, why = _content(m["content"])
                     if why:

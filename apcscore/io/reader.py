@@ -166,7 +166,8 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         raise ApcscoreError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, not {input_format!r}")
     if input_format == "openai-batch" and is_tabular(path):
         raise ApcscoreError(f"{name}: --input-format openai-batch reads JSONL request lines, not a table")
-    fmt = {"chosen": None if input_format == "auto" else input_format}
+    # auto reads request lines only from JSONL (a table is our records)
+    fmt = {"chosen": ("apcscore" if is_tabular(path) else None) if input_format == "auto" else input_format}
 
     def accept(obj: Any, lineno: int, where: str) -> None:
         """Check one parsed record (`where`: `FILE:LINE` or `FILE:row N`) into records or invalid."""
