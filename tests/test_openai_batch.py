@@ -252,8 +252,8 @@ def test_result_lines_equal_the_parquet_results_of_the_same_prompts(runs) -> Non
                                  "total_tokens": row["num_prompt_tokens"] + n_completion,
                                  "prompt_tokens_details": {"cached_tokens": row["num_cached_tokens"]}}
         if body["object"] == "chat.completion":
-            assert body["id"].startswith("chatcmpl-") and choice["message"] == {"role": "assistant",
-                                                                                "content": row["completion"]}
+            assert body["id"].startswith("chatcmpl-") and choice["message"] == {
+                "role": "assistant", "content": row["completion"], "refusal": None}
         else:
             assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
     assert lines["request-1"]["response"]["body"]["choices"][0]["logprobs"] is None

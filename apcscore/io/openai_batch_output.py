@@ -7,7 +7,7 @@ One line per input record, in input order: ``{"id", "custom_id", "response": {"s
 - `id`, `request_id` and the body's `id` are derived from the custom_id (sha256), so a rerun writes the same
   ids; `created` is the run's start (its metadata's `created`, the first session's for a resumed run);
   `model` the body's model where it names one, else --model as given.
-- chat: `choices[0].message` = {"role": "assistant", "content": completion}; `logprobs.content` one entry per
+- chat: `choices[0].message` = {"role": "assistant", "content": completion, "refusal": null}; `logprobs.content` one entry per
   generated token: token text, logprob, UTF-8 bytes, `top_logprobs` (top_logprobs entries).
 - completions: `choices[0].text` (with `echo`: the prompt's text first); `logprobs` the legacy object
   (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, the token itself added as vLLM does,
@@ -90,7 +90,7 @@ class LineWriter:
                                 "created": self.created, "model": batch.get("model") or self.model}
         if chat:
             logprobs = self.chat_logprobs(row, batch["logprobs"]) if batch["logprobs"] is not None else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": completion},
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion, "refusal": None},
                       "logprobs": logprobs, "finish_reason": finish}
         else:
             prefix = self.prompt_text(row, fields) if batch["echo"] else ""
@@ -103,6 +103,9 @@ class LineWriter:
         return body
 
     def prompt_text(self, row: dict, fields: dict) -> str:
+        """The echoed prompt: the body's, or where --truncate left dropped tokens, the tokens that ran."""
+        if row.get("num_truncated_tokens") and row.get("token_ids"):
+            return self.tokenizer.decode(row["token_ids"])
         if "prompt" in fields:
             return fields["prompt"]
         return self.tokenizer.decode(fields["prompt_token_ids"])
