@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type
 from apcscore.errors import ApcscoreError, shown
+from apcscore.io.openai_batch import INPUT_FORMATS, OUTPUT_FORMATS
 from apcscore.jobs.options import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
 
 try:
@@ -140,8 +141,7 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
             raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass "
                                 "--exact-reuse too")
     check_scale_options(opts)
-    for key, allowed in (("input_format", ("auto", "apcscore", "openai-batch")),
-                         ("output_format", (None, "parquet", "openai-batch"))):
+    for key, allowed in (("input_format", INPUT_FORMATS), ("output_format", (None, *OUTPUT_FORMATS))):
         if key in opts and opts[key] not in allowed:
             raise ApcscoreError(f"{option_name(key)} must be one of {', '.join(a for a in allowed if a)}, not "
                                 f"{shown(opts[key])}")
