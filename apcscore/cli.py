@@ -152,6 +152,7 @@ def score(**params: Any) -> None:
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]},
     {"id"?, "context": str, "continuation": str} (loglikelihood, is_greedy), or
     {"id"?, "context": str, "choices": \\[str, ...], "answer": int} (multiple choice: pred, correct).
+    Or OpenAI Batch request lines: /v1/completions with "echo": true and "max_tokens": 0 scores the prompt.
     """
     _run("score", params)
 
@@ -163,6 +164,7 @@ def generate(**params: Any) -> None:
 
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
     {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
+    Or OpenAI Batch request lines (/v1/chat/completions, /v1/completions); --out X.jsonl writes result lines.
     """
     _run("generate", params)
 

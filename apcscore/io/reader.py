@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from apcscore.errors import ApcscoreError
+from apcscore.io.openai_batch import INPUT_FORMATS, is_batch_line, to_record
 from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record
 from apcscore.io.tabular_input import is_tabular, read_table_records, rename
 
@@ -57,6 +58,7 @@ class LoadedDataset:
     records: list[Record]
     invalid: list[InvalidRecord]
     warnings: list[str] = field(default_factory=list)
+    format: str = "apcscore"  # or "openai-batch" (request lines; each record's fields["openai"] is its BatchLine)
 
     @property
     def num_records(self) -> int:
@@ -133,11 +135,16 @@ def _too_many(lines: list[str], indent: str = "  ") -> str:
 
 
 def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
-                 limit: int | None = None, columns: dict[str, str] | None = None) -> LoadedDataset:
+                 limit: int | None = None, columns: dict[str, str] | None = None, input_format: str = "auto",
+                 max_logprobs: int = 20, model_names: frozenset[str] | None = None) -> LoadedDataset:
     """Read and validate the dataset at `path` for `command` ("score", "generate" or "perplexity").
 
     JSONL, or parquet / CSV / a `save_to_disk` directory (`io/tabular_input.py`); `columns` maps a record field to
     the column (or JSON key) it is read from.
+
+    `input_format` auto (OpenAI Batch request lines when the first line is one, else our records), apcscore or
+    openai-batch (`io/openai_batch.py`; JSONL only; `max_logprobs` caps a body's logprobs, `model_names` are the
+    names a body's model may have, None: any).
 
     `limit` keeps the first N records (valid or invalid) of the file. Raises `ApcscoreError` (exit code 2)
     listing every problem (up to 20, then "... and N more") unless `skip_invalid`; file-level problems
@@ -155,19 +162,39 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
     unknown_seen: dict[str, list[int]] = {}  # field -> [first line, count]
     first_line_of_id: dict[str, int] = {}
     columns = columns or {}
+    if input_format not in INPUT_FORMATS:
+        raise ApcscoreError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, not {input_format!r}")
+    if input_format == "openai-batch" and is_tabular(path):
+        raise ApcscoreError(f"{name}: --input-format openai-batch reads JSONL request lines, not a table")
+    # auto reads request lines only from JSONL (a table is our records)
+    fmt = {"chosen": ("apcscore" if is_tabular(path) else None) if input_format == "auto" else input_format}
 
     def accept(obj: Any, lineno: int, where: str) -> None:
         """Check one parsed record (`where`: `FILE:LINE` or `FILE:row N`) into records or invalid."""
-        checked = check_record(rename(obj, columns), command)
+        if fmt["chosen"] is None:  # auto: the first line decides
+            fmt["chosen"] = "openai-batch" if is_batch_line(obj) else "apcscore"
+        batch = fmt["chosen"] == "openai-batch"
+        if batch:
+            converted = to_record(obj, command, max_logprobs=max_logprobs, model_names=model_names)
+            checked = check_record(converted.record if converted.record is not None else {}, command)
+            if converted.record is None:
+                checked.problems = []
+            checked.problems = [*converted.problems, *checked.problems]
+            checked.id = converted.custom_id
+            if converted.line is not None and not checked.problems:
+                checked.fields["openai"] = converted.line.to_dict()
+        else:
+            checked = check_record(rename(obj, columns), command)
         for key in checked.unknown:
             seen = unknown_seen.setdefault(key, [lineno, 0])
             seen[1] += 1
         rid = checked.id if checked.id is not None else str(lineno)
         problems = checked.problems
+        label = "custom_id" if batch else "id"
         if rid in first_line_of_id:
-            problems = [*problems, f"duplicate id {rid!r}: line {first_line_of_id[rid]} has the same id "
-                                   "(give every record a unique id; a record without one gets its line "
-                                   "number)"]
+            problems = [*problems, f"duplicate {label} {rid!r}: line {first_line_of_id[rid]} has the same "
+                                   f"{label} (give every record a unique {label}" +
+                        ("" if batch else "; a record without one gets its line number") + ")"]
         else:
             first_line_of_id[rid] = lineno
         if problems:
@@ -208,7 +235,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             + _too_many([r.message for r in invalid])
             + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest."
         )
-    return LoadedDataset(path, digest, records, invalid, warnings)
+    return LoadedDataset(path, digest, records, invalid, warnings, fmt["chosen"] or "apcscore")
 
 
 def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, unreadable: Any) -> tuple[str, int, int]:

@@ -51,6 +51,7 @@ from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dump
 INDEX_COLUMN = "index"
 _PART_GLOB = "part-*.parquet"
 _FINAL_TMP = "final.parquet.tmp"
+_LINES_TMP = "final.jsonl.tmp"
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class ResultsWriter:
     partial's metadata must equal `metadata` in every key of `resume_keys`, and its columns the schema's.
     `num_rows`, when given, is the number of rows the final file must have (indices 0..num_rows-1);
     otherwise `close` requires the indices added to be exactly 0..n-1.
+
+    `lines(index, row) -> str`, when set (also after construction), makes the final file JSON lines instead of
+    parquet: one line per row, in dataset order (`--output-format openai-batch`); the partial is the same.
     """
 
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
@@ -103,6 +107,7 @@ class ResultsWriter:
         self.done_indices: set[int] = set()
         self.previous_metadata: dict | None = None  # the resumed partial's metadata (None: a fresh run)
         self._resume_compare = resume_compare or {}
+        self.lines: Callable[[int, dict], str] | None = None
 
         if self.out_path.is_dir():
             raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
@@ -200,6 +205,9 @@ class ResultsWriter:
                 f"{len(missing)} of {expected} rows are missing (indices {missing[:10]}"
                 f"{' ...' if len(missing) > 10 else ''}); the finished rows are kept in {self.partial_path}: "
                 "rerun with --resume to complete it", exit_code=1)
+        if self.lines is not None:
+            self._write_lines(expected)
+            return self.out_path
         tmp = self.partial_path / _FINAL_TMP
         schema = self.schema.with_metadata({**(self.schema.metadata or {}),
                                             METADATA_KEY: _dumps(self._metadata).encode()})
@@ -216,6 +224,24 @@ class ResultsWriter:
         return self.out_path
 
     # ------------------------------------------------------------------ internals
+
+    def _write_lines(self, total: int) -> None:
+        """The final file as JSON lines (`self.lines`), written under a temporary name and renamed into place, so
+        `<out>` is complete whenever it exists; then the partial goes."""
+        assert self.lines is not None
+        tmp = self.partial_path / _LINES_TMP
+        try:
+            with tmp.open("w", encoding="utf-8") as f:
+                for chunk in self._merged(total):
+                    for row in chunk.to_pylist():
+                        index = row.pop(INDEX_COLUMN)
+                        f.write(self.lines(index, row) + "\n")
+            os.replace(tmp, self.out_path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        shutil.rmtree(self.partial_path)
+        self._closed = True
 
     def _merged(self, total: int):
         """Tables of `row_group_size` consecutive indices, in order, merged from the sorted parts."""
@@ -250,7 +276,7 @@ class ResultsWriter:
     def _check_ours(self) -> None:
         """Refuse to touch a `.partial` path this writer did not create."""
         p = self.partial_path
-        ours = (_RUN_FILE, _RUN_FILE + ".tmp", _FINAL_TMP)  # an empty directory is ours too
+        ours = (_RUN_FILE, _RUN_FILE + ".tmp", _FINAL_TMP, _LINES_TMP)  # an empty directory is ours too
         if not p.is_dir() or any(child.name not in ours and not child.name.startswith("part-")
                                  for child in p.iterdir()):
             raise ApcscoreError(f"{p} exists but is not an apcscore partial run; move it away "

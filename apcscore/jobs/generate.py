@@ -63,7 +63,8 @@ class GenerateJob(Job):
         values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         if values.get("seed") is None:
             values["seed"] = record_seed(self.base_seed, record.index)
-        return SamplingParams(**values, logprobs=self.logprobs)
+        batch_line = record.fields.get("openai")  # an OpenAI Batch request: its body says what logprobs it wants
+        return SamplingParams(**values, logprobs=batch_line["logprobs"] if batch_line else self.logprobs)
 
     def prompt_ids(self, record: Record) -> list[int]:
         if record.kind == "prompt_token_ids":
@@ -80,7 +81,9 @@ class GenerateJob(Job):
         sampling = self.sampling_params(record)
         # leave room to generate
         ids, dropped = self.fit_context(self.prompt_ids(record), reserve=sampling.max_tokens)
-        request = Request(None, ids, sampling=sampling, prompt_logprobs=self.prompt_logprobs)
+        batch_line = record.fields.get("openai")
+        prompt_logprobs = batch_line["prompt_logprobs"] if batch_line else self.prompt_logprobs
+        request = Request(None, ids, sampling=sampling, prompt_logprobs=prompt_logprobs)
         return [request], RecordPlan(record, dropped)
 
     def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
@@ -90,11 +93,10 @@ class GenerateJob(Job):
                # max_tokens 0 generates nothing: it stopped at its length limit
                "finish_reason": out.finish_reason or "length",
                "num_prompt_tokens": len(out.prompt_token_ids), "num_cached_tokens": out.num_cached_tokens}
-        if self.logprobs is not None:
-            lps = out.output_logprobs
+        if self.logprobs is not None and (lps := out.output_logprobs) is not None:
             row.update(completion_logprobs=lps.token_logprobs.tolist(), completion_ranks=lps.ranks.tolist(),
                        completion_top_ids=lps.top_ids.tolist(), completion_top_logprobs=lps.top_logprobs.tolist())
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and out.prompt_logprobs is not None:
             row.update(token_columns(out.prompt_token_ids, out.prompt_logprobs))
         return row
 

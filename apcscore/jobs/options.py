@@ -85,6 +85,20 @@ def _prompt_logprobs(default: int | None, help: str = "Top-K alternatives per pr
     return option(default, help, at_least=0)
 
 
+def _input_format() -> Any:
+    return option("auto", "auto | apcscore | openai-batch: the dataset's lines (auto: OpenAI Batch request lines "
+                  "when the first line has custom_id, method, url and body).", show=True)
+
+
+def _output_format() -> Any:
+    return option(None, "parquet | openai-batch (OpenAI Batch result lines, JSONL; needs OpenAI Batch input).",
+                  show="openai-batch for an --out ending in .jsonl, else parquet")
+
+
+def _ignore_body_model() -> Any:
+    return option(False, "OpenAI Batch input: answer every line with --model, whatever model its body names.")
+
+
 def _truncate() -> Any:
     return option(None, "left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) "
                   "instead of an error row.")
@@ -94,10 +108,13 @@ def _truncate() -> Any:
 class ScoreOptions(RunOptions):
     """`apcscore score`."""
 
-    CLI = ("prompt_logprobs", "truncate", *RUN_CLI)
+    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "ignore_body_model", *RUN_CLI)
 
     prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
     truncate: str | None = _truncate()
+    input_format: str = _input_format()
+    output_format: str | None = _output_format()
+    ignore_body_model: bool = _ignore_body_model()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,7 +122,7 @@ class GenerateOptions(RunOptions):
     """`apcscore generate` (the sampling options are the defaults of records that do not set their own)."""
 
     CLI = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
-           "truncate", *RUN_CLI)
+           "truncate", "input_format", "output_format", "ignore_body_model", *RUN_CLI)
 
     max_tokens: int = option(16, "Most tokens to generate.", show=True)
     temperature: float = option(0.0, "0 = greedy.", show=True)
@@ -116,6 +133,9 @@ class GenerateOptions(RunOptions):
     logprobs: int | None = option(None, "Logprobs of the sampled tokens with top-K alternatives.", at_least=0)
     prompt_logprobs: int | None = _prompt_logprobs(None)
     truncate: str | None = _truncate()
+    input_format: str = _input_format()
+    output_format: str | None = _output_format()
+    ignore_body_model: bool = _ignore_body_model()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,9 +20,9 @@ from apcscore.io.schemas import InvalidRecord
 from apcscore.jobs.options import RunOptions
 
 
-def default_out(dataset: Path, command: str) -> Path:
-    """results/<dataset stem>.<command>.parquet"""
-    return Path("results") / f"{dataset.stem}.{command}.parquet"
+def default_out(dataset: Path, command: str, suffix: str = ".parquet") -> Path:
+    """results/<dataset stem>.<command>.parquet (or `suffix`)"""
+    return Path("results") / f"{dataset.stem}.{command}{suffix}"
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -33,7 +33,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def check_output(out_option: str | None, dataset: Path, command: str, *, overwrite: bool,
-                 resume: bool) -> tuple[Path, str | None]:
+                 resume: bool, suffix: str = ".parquet") -> tuple[Path, str | None]:
     """The output path, and a warning to show (or None); raise ApcscoreError when it cannot be written.
 
     Refuses: an empty `--out`, `--out -`, the dataset itself, a directory, a path under a file or in a
@@ -45,7 +45,7 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     if out_option == "-":
         raise ApcscoreError("--out -: results cannot go to standard output (a parquet file needs a seekable file) "
                             "— give a file name such as results/out.parquet")
-    out = Path(out_option) if out_option is not None else default_out(dataset, command)
+    out = Path(out_option) if out_option is not None else default_out(dataset, command, suffix)
     if _same_file(out, dataset):
         raise ApcscoreError(f"--out {out} is the dataset itself; writing results there would replace the data — "
                             "choose another --out")

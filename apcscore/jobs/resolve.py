@@ -16,6 +16,7 @@ from typing import Any, Callable, Mapping
 
 from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type
 from apcscore.errors import ApcscoreError, shown
+from apcscore.io.openai_batch import INPUT_FORMATS, OUTPUT_FORMATS
 from apcscore.jobs.options import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
 
 try:
@@ -144,6 +145,10 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
         if not opts.get("exact_reuse"):
             raise ApcscoreError("--verify-reuse checks --exact-reuse against full recompute; pass "
                                 "--exact-reuse too")
+    for key, allowed in (("input_format", INPUT_FORMATS), ("output_format", (None, *OUTPUT_FORMATS))):
+        if key in opts and opts[key] not in allowed:
+            raise ApcscoreError(f"{option_name(key)} must be one of {', '.join(a for a in allowed if a)}, not "
+                                f"{shown(opts[key])}")
     if command == "generate":
         for key, check in RECORD_FIELDS.items():
             value = opts.get(key)

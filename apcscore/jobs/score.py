@@ -87,7 +87,13 @@ class ScoreJob(Job):
         else:
             ids = self.encode(f["prompt"])
         ids, dropped = self.fit_context(ids)
-        return [Request(None, ids, prompt_logprobs=self.k)], ScorePlan(record, dropped)
+        return [Request(None, ids, prompt_logprobs=self.record_k(record))], ScorePlan(record, dropped)
+
+    def record_k(self, record: Record) -> int:
+        """Top-K of a plain prompt: an OpenAI Batch request's own (its body's logprobs), else --prompt-logprobs."""
+        batch_line = record.fields.get("openai")
+        k = batch_line["prompt_logprobs"] if batch_line else None
+        return self.k if k is None else int(k)
 
     def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
         record = plan.record
@@ -100,7 +106,7 @@ class ScoreJob(Job):
                     "num_scored": sum(s.num_tokens for s in scores),
                     **choice_columns([s.logprob for s in scores], record.fields["choices"], record.fields["answer"])}
         out = outputs[0]
-        lps = trim_top(out.prompt_logprobs, self.k)
+        lps = trim_top(out.prompt_logprobs, self.record_k(record))
         total = sum_logprobs(lps)
         n_scored = len(lps) if lps is not None else 0
         row = {**base, "num_tokens": len(out.prompt_token_ids), "num_scored": n_scored,

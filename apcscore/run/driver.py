@@ -20,6 +20,7 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
+from apcscore.errors import ApcscoreError
+from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
@@ -59,9 +62,23 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     cfg.check_logprobs(opts.prompt_logprobs, "--prompt-logprobs")
     cfg.check_logprobs(getattr(opts, "logprobs", None), "--logprobs")
     check_model_spec(opts.model)
-    out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume)
+    lines = output_format(opts) == "openai-batch"
+    if lines and opts.shard:
+        raise ApcscoreError("--shard writes shard files for apcscore merge, which are parquet, so it cannot write "
+                            "--output-format openai-batch: run the shards with parquet output (an --out not "
+                            "ending in .jsonl) and merge them, or run without --shard")
+    out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume,
+                             suffix=".jsonl" if lines else ".parquet")
     data = load_dataset(dataset, command, skip_invalid=opts.skip_invalid, limit=opts.limit,
-                        columns=parse_columns(opts.columns))
+                        columns=parse_columns(opts.columns), input_format=getattr(opts, "input_format", "auto"),
+                        max_logprobs=cfg.max_logprobs,
+                        model_names=None if getattr(opts, "ignore_body_model", False) else model_names(opts.model))
+    if lines and data.format != "openai-batch":
+        raise ApcscoreError(f"--output-format openai-batch writes the result lines of OpenAI Batch request lines, and "
+                            f"{dataset} holds apcscore records — give a file of request lines, or write parquet "
+                            "(an --out not ending in .jsonl)")
+    if data.format == "openai-batch":
+        opts = batch_options(command, opts, data)
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     if note:
@@ -82,18 +99,22 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     try:
         for text, soft_wrap in executor.warnings if not quiet else ():
             console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)
-        return _drive(executor, command, opts, data, out, console)
+        return _drive(executor, command, opts, data, out, console, lines)
     finally:
         executor.close()
 
 
 def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
-           console: Console) -> int:
-    """Write the executor's rows of `data` to `out`; the exit code."""
+           console: Console, lines: bool = False) -> int:
+    """Write the executor's rows of `data` to `out` (`lines`: as OpenAI Batch result lines); the exit code."""
     job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
     writer, data = _open_writer(job, data, out, metadata, opts)
     sessions, previous = start_session(writer, metadata["created"])
+    if lines:
+        writer.lines = LineWriter(executor.tokenizer, opts.model, created_seconds(previous.get("created",
+                                                                                                metadata["created"])),
+                                  {r.index: r.fields for r in data.records}, {r.index for r in data.invalid}).line
     before = observe_previous(job, writer)
     quiet = opts.quiet
     rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
@@ -143,6 +164,43 @@ def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
     data, metadata["shard"], indices = select_shard(job, data, opts.shard, opts.engine.block_size,
                                                     opts.partition or "prefix")
     return ShardWriter(out, schema, metadata, indices, **writing), data
+
+
+def output_format(opts: RunOptions) -> str:
+    """parquet or openai-batch: --output-format, else openai-batch for an --out ending in .jsonl."""
+    chosen = getattr(opts, "output_format", None)
+    if chosen is not None:
+        return chosen
+    return "openai-batch" if opts.out is not None and opts.out.lower().endswith(".jsonl") else "parquet"
+
+
+def model_names(spec: str) -> frozenset[str]:
+    """The names an OpenAI Batch body's `model` may give for --model `spec`: the spec as written, its file or
+    folder name (a .gguf's without the suffix), and for an alias its Hugging Face name and that name's last part."""
+    from apcscore.models.locate import MODEL_ALIASES
+
+    path = Path(spec.rstrip("/"))
+    names = {spec, path.name, path.stem if path.suffix == ".gguf" else path.name}
+    if spec in MODEL_ALIASES:
+        hf = MODEL_ALIASES[spec].hf_name
+        names |= {hf, hf.split("/")[-1]}
+    return frozenset(n for n in names if n)
+
+
+def batch_options(command: str, opts: Any, data: LoadedDataset) -> Any:
+    """The options of a run of OpenAI Batch request lines: each body says which logprobs it wants, so
+    generate's --logprobs / --prompt-logprobs are refused, and set to the largest a body asks for (the
+    columns exist; each request computes its own)."""
+    if command != "generate":
+        return opts
+    for key, flag in (("logprobs", "--logprobs"), ("prompt_logprobs", "--prompt-logprobs")):
+        if getattr(opts, key) is not None:
+            raise ApcscoreError(f"{flag} does not apply to OpenAI Batch request lines: each request's body says "
+                                "which logprobs it wants (chat: logprobs and top_logprobs; completions: logprobs, "
+                                "with echo the prompt's too; prompt_logprobs) — drop it")
+    asked = {key: [r.fields["openai"][key] for r in data.records if r.fields["openai"][key] is not None]
+             for key in ("logprobs", "prompt_logprobs")}
+    return replace(opts, **{key: max(ks) if ks else None for key, ks in asked.items()})
 
 
 def start_session(writer: Any, created: str) -> tuple[int, dict]:

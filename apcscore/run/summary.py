@@ -21,8 +21,9 @@ def print_interrupted(console: Console, rows: int, partial: Path) -> None:
 def exit_code(console: Console, final: Path, rows: int, errors: int) -> int:
     """0, or 1 (said on the console) when every record of the finished file failed."""
     if rows and errors == rows:
-        console.print(f"[bold red]error:[/] every record failed ({errors} of {rows} rows are errors); see the "
-                      f"'error' column of {escape(str(final))}", highlight=False, soft_wrap=True)
+        where = "each line's 'error'" if final.suffix.lower() == ".jsonl" else "the 'error' column"
+        console.print(f"[bold red]error:[/] every record failed ({errors} of {rows} rows are errors); see "
+                      f"{where} of {escape(str(final))}", highlight=False, soft_wrap=True)
         return 1
     return 0
 

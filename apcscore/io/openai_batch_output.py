@@ -1,0 +1,174 @@
+"""Result rows -> OpenAI Batch result lines (the output side of `--output-format openai-batch`).
+
+One line per input record, in input order: ``{"id", "custom_id", "response": {"status_code": 200,
+"request_id", "body": <chat.completion | text_completion>}, "error": null}``, or for an error row
+``{"id", "custom_id", "response": null, "error": {"code", "message"}}`` (the Batch API's error shape).
+
+- `id`, `request_id` and the body's `id` are derived from the custom_id (sha256), so a rerun writes the same
+  ids; `created` is the run's start (its metadata's `created`, the first session's for a resumed run);
+  `model` the body's model where it names one, else --model as given.
+- chat: `choices[0].message` = {"role": "assistant", "content": completion, "refusal": null}; `logprobs.content` one entry per
+  generated token: token text, logprob, UTF-8 bytes, `top_logprobs` (top_logprobs entries).
+- completions: `choices[0].text` (with `echo`: the prompt's text first); `logprobs` the legacy object
+  (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, the token itself added as vLLM does,
+  `text_offset` from the start of `text`); with echo the prompt's tokens come first, the first one's logprob
+  and top_logprobs null (nothing predicts it).
+- `usage`: prompt, completion and total tokens; `prompt_tokens_details.cached_tokens` where the row knows it
+  (generate: prefix-cache hits).
+A token's text is `tokenizer.decode([id])` (a token that is part of a UTF-8 character reads U+FFFD there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Any
+
+CODE_INVALID = "invalid_request_error"  # a line refused before the run (what --skip-invalid turned into a row)
+CODE_FAILED = "request_failed"  # a line that could not run (e.g. longer than the model's context)
+
+
+def _digest(custom_id: str) -> str:
+    return hashlib.sha256(custom_id.encode("utf-8")).hexdigest()
+
+
+def created_seconds(created: str | None) -> int:
+    """The metadata's `created` (UTC, `%Y-%m-%dT%H:%M:%SZ`) as Unix seconds (now, if it is missing)."""
+    if not created:
+        return int(time.time())
+    import calendar
+
+    return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
+
+
+class LineWriter:
+    """Turns the rows of one run into result lines; `tokenizer` decodes token ids (any object with
+    `decode(ids)`), `records` maps a dataset position to its record's fields (valid records only)."""
+
+    def __init__(self, tokenizer: Any, model: str, created: int, records: dict[int, dict],
+                 invalid: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.created = created
+        self.records = records
+        self.invalid = invalid
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._texts:
+            self._texts[token_id] = self.tokenizer.decode([token_id])
+        return self._texts[token_id]
+
+    def line(self, index: int, row: dict) -> str:
+        """The result line (JSON, no newline) of the row of dataset position `index`."""
+        cid = row["id"]
+        h = _digest(cid)
+        out: dict[str, Any] = {"id": f"batch_req_{h[:32]}", "custom_id": cid}
+        fields = self.records.get(index)
+        if row.get("status") != "ok" or fields is None:
+            code = CODE_INVALID if index in self.invalid else CODE_FAILED
+            out.update(response=None, error={"code": code, "message": row.get("error") or "the request failed"})
+        else:
+            out.update(response={"status_code": 200, "request_id": f"req_{h[32:64]}",
+                                 "body": self.body(row, fields, h)}, error=None)
+        return json.dumps(out, ensure_ascii=False, allow_nan=False)
+
+    def body(self, row: dict, fields: dict, h: str) -> dict:
+        batch = fields["openai"]
+        chat = batch["endpoint"] == "chat"
+        completion_ids = row.get("completion_token_ids") or []
+        prompt_tokens = row["num_prompt_tokens"] if "num_prompt_tokens" in row else row["num_tokens"]
+        usage: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": len(completion_ids),
+                                 "total_tokens": prompt_tokens + len(completion_ids)}
+        if row.get("num_cached_tokens") is not None:
+            usage["prompt_tokens_details"] = {"cached_tokens": row["num_cached_tokens"]}
+        finish = row.get("finish_reason") or "length"  # score: max_tokens 0 stops at its length limit
+        completion = row.get("completion") or ""
+        body: dict[str, Any] = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{h[:32]}",
+                                "object": "chat.completion" if chat else "text_completion",
+                                "created": self.created, "model": batch.get("model") or self.model}
+        if chat:
+            logprobs = self.chat_logprobs(row, batch["logprobs"]) if batch["logprobs"] is not None else None
+            choice = {"index": 0, "message": {"role": "assistant", "content": completion, "refusal": None},
+                      "logprobs": logprobs, "finish_reason": finish}
+        else:
+            prefix = self.prompt_text(row, fields) if batch["echo"] else ""
+            logprobs = self.completion_logprobs(row, batch) if (
+                batch["logprobs"] is not None or batch["prompt_logprobs"] is not None) else None
+            choice = {"index": 0, "text": prefix + completion, "logprobs": logprobs, "finish_reason": finish}
+        if batch.get("vllm_prompt_logprobs"):
+            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(row, batch["prompt_logprobs"])
+        body.update(choices=[choice], usage=usage, system_fingerprint=None)
+        return body
+
+    def prompt_text(self, row: dict, fields: dict) -> str:
+        """The echoed prompt: the body's, or where --truncate left dropped tokens, the tokens that ran."""
+        if row.get("num_truncated_tokens") and row.get("token_ids"):
+            return self.tokenizer.decode(row["token_ids"])
+        if "prompt" in fields:
+            return fields["prompt"]
+        return self.tokenizer.decode(fields["prompt_token_ids"])
+
+    def chat_logprobs(self, row: dict, k: int) -> dict:
+        content = []
+        ids = row.get("completion_token_ids") or []
+        lps = row.get("completion_logprobs") or [None] * len(ids)
+        top_ids = row.get("completion_top_ids") or [[]] * len(ids)
+        top_lps = row.get("completion_top_logprobs") or [[]] * len(ids)
+        for tid, lp, tids, tlps in zip(ids, lps, top_ids, top_lps):
+            text = self.text(tid)
+            content.append({"token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+                            "top_logprobs": [{"token": self.text(t), "logprob": v,
+                                              "bytes": list(self.text(t).encode("utf-8"))}
+                                             for t, v in zip(tids[:k], tlps[:k])]})
+        return {"content": content, "refusal": None}
+
+    def completion_logprobs(self, row: dict, batch: dict) -> dict:
+        tokens: list[str] = []
+        token_lps: list[float | None] = []
+        tops: list[dict | None] = []
+        if batch["echo"]:
+            k = batch["prompt_logprobs"] or 0
+            ids = row.get("token_ids") or []
+            lps = row.get("token_logprobs") or [None] * len(ids)
+            for pos, tid in enumerate(ids):
+                tokens.append(self.text(tid))
+                token_lps.append(lps[pos])
+                tops.append(None if lps[pos] is None else self._top(
+                    tid, lps[pos], row["top_ids"][pos][:k], row["top_logprobs"][pos][:k]))
+        if batch["logprobs"] is not None:
+            k = batch["logprobs"]
+            ids = row.get("completion_token_ids") or []
+            for j, tid in enumerate(ids):
+                lp = row["completion_logprobs"][j]
+                tokens.append(self.text(tid))
+                token_lps.append(lp)
+                tops.append(self._top(tid, lp, row["completion_top_ids"][j][:k],
+                                      row["completion_top_logprobs"][j][:k]))
+        offsets, at = [], 0
+        for t in tokens:
+            offsets.append(at)
+            at += len(t)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def vllm_prompt_logprobs(self, row: dict, k: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+        decoded_token}} over the top-K and the prompt's own token."""
+        out: list[dict | None] = []
+        for pos, tid in enumerate(row.get("token_ids") or []):
+            lp = row["token_logprobs"][pos]
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.text(t)}
+                     for r, (t, v) in enumerate(zip(row["top_ids"][pos][:k], row["top_logprobs"][pos][:k]))}
+            entry.setdefault(str(tid), {"logprob": lp, "rank": row["token_ranks"][pos],
+                                        "decoded_token": self.text(tid)})
+            out.append(entry)
+        return out
+
+    def _top(self, tid: int, lp: float, ids: list[int], lps: list[float]) -> dict:
+        top = {self.text(t): v for t, v in zip(ids, lps)}
+        top.setdefault(self.text(tid), lp)  # the token itself, as vLLM adds it
+        return top
