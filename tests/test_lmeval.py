@@ -412,3 +412,18 @@ def test_eval_model_backend_transformers_runs_the_model_s_own_code(in_repo, tmp_
         got[backend] = [json.loads(r)[0][0] for r in pq.read_table(out / "requests.parquet")["response"].to_pylist()]
     assert len(got["native"]) == 2
     assert all(abs(a - b) < 1e-4 for a, b in zip(got["native"], got["transformers"]))
+
+
+def test_gen_kwargs_may_be_a_toml_table(tmp_path):
+    """`gen_kwargs = {max_gen_toks = 64, do_sample = false}` in --config is lm-eval's `KEY=VALUE,...` string."""
+    from apcscore.jobs.resolve import resolve_options
+    from apcscore.lmeval.run import check_gen_kwargs
+
+    cfg = tmp_path / "e.toml"
+    cfg.write_text('tasks = "apc_gen"\ngen_kwargs = {max_gen_toks = 64, do_sample = false, temperature = 0.5}\n')
+    opts = resolve_options("eval", {}, cfg)
+    assert opts.gen_kwargs == "max_gen_toks=64,do_sample=false,temperature=0.5"
+    assert check_gen_kwargs(opts.gen_kwargs) == {"max_gen_toks": 64, "do_sample": False, "temperature": 0.5}
+    cfg.write_text('tasks = "apc_gen"\n\ngen_kwargs = {until = "a,b"}\n')
+    with pytest.raises(ApcscoreError, match=r"e.toml:3: gen_kwargs as a table"):
+        resolve_options("eval", {}, cfg)

@@ -107,8 +107,9 @@ def test_interrupted_eval_resumes_to_the_uninterrupted_results(whole, model, tmp
 
     refused = run("--out", out, model=model)
     assert refused.exit_code == 2 and "--resume" in refused.output and "--overwrite" in refused.output
-    other = run("--out", out, "--resume", "--num-fewshot", "1", model=model)
-    assert other.exit_code == 2 and "num_fewshot" in other.output
+    if signum == signal.SIGINT:  # (once: the refusal loads the model first)
+        other = run("--out", out, "--resume", "--num-fewshot", "1", model=model)
+        assert other.exit_code == 2 and "num_fewshot" in other.output
 
     resumed = run("--out", out, "--resume", model=model)
     assert resumed.exit_code == 0, resumed.output

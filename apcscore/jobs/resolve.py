@@ -90,8 +90,14 @@ def read_config(path: Path, command: str) -> dict[str, Any]:
                             f"configs/{command}.toml)") from None
     keys = {c: settings(cls) for c, cls in COMMANDS.items()}
     problems = []
-    for key, value in values.items():
+    for key, value in list(values.items()):
         where = f"{path}:{_config_line(text, key) or 1}"
+        if key == "gen_kwargs" and command == "eval" and isinstance(value, dict):
+            value = values[key] = _gen_kwargs_table(value)
+            if value is None:
+                problems.append(f"{where}: gen_kwargs as a table takes numbers, booleans and strings without "
+                                "',' or '=' (lm-eval's KEY=VALUE,... form) — fix the value")
+                continue
         if not any(key in k for k in keys.values()):
             problems.append(f"{where}: unknown option {key!r} — known: {', '.join(sorted(keys[command]))}")
         elif key not in keys[command]:
@@ -200,6 +206,23 @@ def check_scale_options(opts: dict[str, Any]) -> None:
     if opts.get("shard") is not None:
         raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its "
                             "replicas itself; --shard is for array jobs without Ray — pass only one")
+
+
+def _gen_kwargs_table(table: dict[str, Any]) -> str | None:
+    """`gen_kwargs = {max_gen_toks = 64, do_sample = false}` (a TOML table) -> lm-eval's `max_gen_toks=64,do_sample=
+    false`; None when a value cannot be written so (a list, a table, a string holding ',' or '=')."""
+    pieces = []
+    for key, value in table.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (int, float)):
+            text = repr(value)
+        elif isinstance(value, str) and not set(value) & {",", "="}:
+            text = value
+        else:
+            return None
+        pieces.append(f"{key}={text}")
+    return ",".join(pieces)
 
 
 def parse_shard(value: str) -> tuple[int, int]:
