@@ -248,3 +248,14 @@ def _write_jsonl(path: Path, records: Iterable[dict[str, Any] | str]) -> Path:
 def write_jsonl() -> Callable[[Path, Iterable[dict[str, Any] | str]], Path]:
     """`write_jsonl(path, records)` -> path: one JSON object per line; a str record is written verbatim."""
     return _write_jsonl
+
+
+@pytest.fixture(scope="module")
+def in_repo() -> Any:
+    """The working directory at the repository root for a module: lm-eval task YAMLs
+    (tests/lmeval_tasks/) name their data files relative to it."""
+    before = os.getcwd()
+    root = Path(__file__).resolve().parent.parent
+    os.chdir(root)
+    yield root
+    os.chdir(before)

@@ -33,15 +33,6 @@ MAX_LENGTH = 64
 
 
 @pytest.fixture(scope="module")
-def in_repo():
-    """The task YAMLs name their data files relative to the repository root."""
-    before = os.getcwd()
-    os.chdir(REPO)
-    yield REPO
-    os.chdir(before)
-
-
-@pytest.fixture(scope="module")
 def engine(default_model_files):
     from apcscore.config import EngineConfig
     from apcscore.engine.engine import Engine

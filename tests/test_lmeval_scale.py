@@ -30,15 +30,6 @@ TOTAL = 38  # engine-level responses of the four tasks: 5 + 6 x 4 + 5 rolling wi
 ROWS = 36  # requests.parquet: lm-eval's requests (the 3 rolling texts one row each)
 
 
-@pytest.fixture(scope="module")
-def in_repo():
-    """The task YAMLs name their data files relative to the repository root."""
-    before = os.getcwd()
-    os.chdir(REPO)
-    yield REPO
-    os.chdir(before)
-
-
 def run(*args, model=None) -> object:
     common = ["eval", "--tasks", TASKS, "--include-path", str(REPO / "tests" / "lmeval_tasks"), "--max-length",
               "64", "--dtype", "float32", "--device", "cpu", "--quiet", "--model", str(model)]

@@ -211,16 +211,13 @@ class ResultsWriter:
         tmp = self.partial_path / _FINAL_TMP
         schema = self.schema.with_metadata({**(self.schema.metadata or {}),
                                             METADATA_KEY: _dumps(self._metadata).encode()})
-        try:
+
+        def write() -> None:
             with pq.ParquetWriter(tmp, schema) as writer:
                 for chunk in self._merged(expected):
                     writer.write_table(chunk.drop_columns([INDEX_COLUMN]), row_group_size=self.row_group_size)
-            os.replace(tmp, self.out_path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        shutil.rmtree(self.partial_path)
-        self._closed = True
+
+        self._put_in_place(tmp, write)
         return self.out_path
 
     # ------------------------------------------------------------------ internals
@@ -230,12 +227,21 @@ class ResultsWriter:
         `<out>` is complete whenever it exists; then the partial goes."""
         assert self.lines is not None
         tmp = self.partial_path / _LINES_TMP
-        try:
+
+        def write() -> None:
             with tmp.open("w", encoding="utf-8") as f:
                 for chunk in self._merged(total):
                     for row in chunk.to_pylist():
                         index = row.pop(INDEX_COLUMN)
                         f.write(self.lines(index, row) + "\n")
+
+        self._put_in_place(tmp, write)
+
+    def _put_in_place(self, tmp: Path, write: Any) -> None:
+        """`write()` the final file to `tmp`, rename it to `<out>` (complete whenever it exists), drop the
+        partial; a failure leaves no temporary file."""
+        try:
+            write()
             os.replace(tmp, self.out_path)
         except BaseException:
             tmp.unlink(missing_ok=True)
