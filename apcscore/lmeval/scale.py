@@ -120,8 +120,12 @@ def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
     ray = import_ray()
     out, n = Path(opts.out), int(opts.replicas)
     folders = [out / SHARDS / f"{i}-of-{n}" for i in range(n)]
-    if opts.overwrite and (out / SHARDS).exists():
-        shutil.rmtree(out / SHARDS)
+    if (out / SHARDS).exists():
+        if opts.overwrite:
+            shutil.rmtree(out / SHARDS)
+        elif not opts.resume:
+            raise ApcscoreError(f"--out {out} holds the shards of an unfinished --ray run ({out / SHARDS}); pass "
+                                "--resume to continue it, or --overwrite to discard it and start over")
     started = connect(ray, opts.ray)
     try:
         gpus = opts.gpus_per_replica
