@@ -306,6 +306,8 @@ def main() -> None:
                             n, diffs = {}, [f"comparison failed: {exc!r}"]
                         counts.update(n)
                         checks.setdefault(name, []).extend(diffs)
+                        print(f"{task} {name} run {rep}: {'PASS' if not diffs else 'FAIL'} against hf "
+                              f"({len(diffs)} differences)", flush=True)  # now: a stopped run keeps its verdicts
                     if rep or name != "hf":  # keep the first hf run: the reference of the checks
                         shutil.rmtree(cmd[-1], ignore_errors=True)
             base = statistics.median(times["hf"])
