@@ -200,6 +200,21 @@ def eval_(**params: Any) -> None:
         raise typer.Exit(code)
 
 
+@app.command("lm-eval", cls=Command, add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lm_eval_(ctx: typer.Context) -> None:
+    """lm-eval's own command line with the model "apcscore" registered: every argument goes to lm-eval untouched
+    (`apcscore lm-eval --model apcscore --model_args pretrained=smollm2-135m --tasks T ...`; `apcscore lm-eval
+    --help` is lm-eval's help). The same as `python -m apcscore.lmeval`. Needs the `lmeval` extra."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        raise _error(ApcscoreError("apcscore lm-eval needs lm-eval: pip install 'apcscore[lmeval]'"))
+    from apcscore.lmeval.__main__ import main as lm_eval_main
+
+    lm_eval_main(list(ctx.args))
+
+
 @app.command(cls=Command)
 def merge(
     out: Annotated[Path, typer.Argument(help="The merged parquet file (of eval shards: the output folder).",

@@ -30,10 +30,20 @@ COMMANDS = sorted(GROUP.commands)  # type: ignore[attr-defined]
 
 
 def test_every_command_is_covered() -> None:
-    assert {"score", "generate", "perplexity", "eval", "merge", "compare"} <= set(COMMANDS)
+    assert {"score", "generate", "perplexity", "eval", "merge", "compare", "lm-eval"} <= set(COMMANDS)
 
 
-@pytest.mark.parametrize("name", [None, *COMMANDS])
+def test_lm_eval_help_is_lm_evals() -> None:
+    """`apcscore lm-eval` passes every argument to lm-eval's own CLI, --help too."""
+    pytest.importorskip("lm_eval")
+    res = CliRunner().invoke(app, ["lm-eval", "--help"], env={"COLUMNS": "100"}, color=False)
+    assert res.exit_code == 0, res.output
+    assert "Language Model Evaluation Harness" in res.output
+    res = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"}, color=False)
+    assert "lm-eval" in res.output
+
+
+@pytest.mark.parametrize("name", [None, *(c for c in COMMANDS if c != "lm-eval")])
 def test_help_page_shows_every_documented_text(name: str | None) -> None:
     command: click.Command = GROUP if name is None else GROUP.commands[name]  # type: ignore[attr-defined]
     res = CliRunner().invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "100"}, color=False)
