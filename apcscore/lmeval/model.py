@@ -82,7 +82,6 @@ class ApcscoreLM(TemplateLM):
         self.partition, self.strict = "prefix", False
         self.on_step: Callable[[Any], None] | None = None  # called by the engine after each step (SIGINT checks)
         self.computed = self.reused = self.skipped = 0  # lm-eval requests: run by the engine, read, not ours
-        self.progress_total = 0
 
     # ---- what lm-eval asks of a model ---------------------------------------------------------------
     @property
@@ -164,14 +163,14 @@ class ApcscoreLM(TemplateLM):
         return [part == index for part in assign(items, parts, self.partition)]
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
-             done: Callable[[RequestOutput], None]) -> None:
+             done: Callable[[RequestOutput], None], total: int) -> None:
         """Run `requests` through the engine, calling `done` with each output as it finishes. The progress bar
-        counts lm-eval requests: engine request i (request_id = i) stands for sizes[i] of them, and starts with
-        those answered without the engine."""
+        counts the call's `total` lm-eval requests: engine request i (request_id = i) stands for sizes[i] of them,
+        and it starts with those answered without the engine."""
         if not requests:
             return
         seen = 0
-        with tqdm(total=self.progress_total, initial=self.progress_total - sum(sizes), desc=desc,
+        with tqdm(total=total, initial=total - sum(sizes), desc=desc,
                   disable=disable_tqdm or not self.progress) as bar:
             for out in self.engine.run(requests, on_step=self.on_step):
                 if out.error is not None:
@@ -197,7 +196,6 @@ class ApcscoreLM(TemplateLM):
             else:
                 values[i] = placeholder
                 self.skipped += 1
-        self.progress_total = len(keys)
         if todo and self.strict:
             raise ApcscoreError(f"{len(todo)} of {len(keys)} requests have no response in the shards' stores: a "
                                 "shard is missing or unfinished (rerun it with --resume), or the shards were run "
@@ -242,7 +240,7 @@ class ApcscoreLM(TemplateLM):
                 if self.store is not None:
                     self.store.put(keys[i], values[i])
 
-        self._run(merged, "apcscore loglikelihood", disable_tqdm, [len(m) for m in members], done)
+        self._run(merged, "apcscore loglikelihood", disable_tqdm, [len(m) for m in members], done, len(keys))
         return [(float(v[0]), bool(v[1])) for v in values]
 
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
@@ -316,7 +314,7 @@ class ApcscoreLM(TemplateLM):
             if self.store is not None:
                 self.store.put(keys[i], tokens[i])
 
-        self._run(run, "apcscore generate_until", disable_tqdm, [1] * len(run), done)
+        self._run(run, "apcscore generate_until", disable_tqdm, [1] * len(run), done, len(keys))
         results = []
         for req, ids, until in zip(requests, tokens, stops):
             text = postprocess_generated_text(self.tok_decode(ids), until, None)

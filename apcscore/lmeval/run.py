@@ -126,7 +126,7 @@ def evaluate(opts: EvalOptions, echo: Any, note: Any, shards: list[Path] | None 
         outdir.clear(out)
     started = time.perf_counter()
     lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length, seed=opts.engine.seed,
-                    progress=not opts.quiet, engine=engine if engine is not None else _engine(opts, opts.engine))
+                    progress=not opts.quiet, engine=engine if engine is not None else _engine(opts))
     load_seconds = time.perf_counter() - started
     sections = engine.sections if engine is not None else config_sections(lm, opts.engine)
     ident = identity(sections)
@@ -245,10 +245,10 @@ def check_gen_kwargs(text: str) -> dict[str, Any]:
     return values
 
 
-def _engine(opts: EvalOptions, config: EngineConfig) -> Any:
+def _engine(opts: EvalOptions) -> Any:
     from apcscore.engine.loader import load_engine
 
-    return load_engine(opts.model, config)
+    return load_engine(opts.model, opts.engine)
 
 
 def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:

@@ -115,7 +115,7 @@ def merge_eval(out: Path, paths: list[Path], overwrite: bool, echo: Any, note: A
 
 def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
     """`eval --ray`: the shards as Ray tasks into <out>/shards/, then their merge into <out>."""
-    from apcscore.scale.ray_run import connect, import_ray
+    from apcscore.scale.ray_run import connect, import_ray, replica_resources
 
     ray = import_ray()
     out, n = Path(opts.out), int(opts.replicas)
@@ -128,10 +128,7 @@ def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
                                 "--resume to continue it, or --overwrite to discard it and start over")
     started = connect(ray, opts.ray)
     try:
-        gpus = opts.gpus_per_replica
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
-        cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
+        cpus, gpus = replica_resources(ray, opts)
         task = ray.remote(_shard_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=2)
         values = outdir.flat_options(opts)
         refs = []

@@ -82,6 +82,16 @@ def connect(ray: Any, address: str) -> bool:
     return True
 
 
+def replica_resources(ray: Any, opts: Any) -> tuple[float, float]:
+    """(CPUs, GPUs) of one replica: --cpus-per-replica (default 1) and --gpus-per-replica (default 1 on a
+    cluster with GPUs unless --device cpu, else 0)."""
+    gpus = opts.gpus_per_replica
+    if gpus is None:
+        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
+    cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
+    return cpus, gpus
+
+
 def _get(ray: Any, ref: Any) -> Any:
     """ray.get, with a replica's failure as an ApcscoreError that quotes its cause."""
     try:
@@ -109,10 +119,7 @@ class RayExecutor:
         self.tokenizer = parts.tokenizer
         self.warnings: list[tuple[str, bool]] = []
         self.started_ray = connect(ray, opts.ray)
-        gpus = opts.gpus_per_replica
-        if gpus is None:
-            gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
-        cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
+        cpus, gpus = replica_resources(ray, opts)
         self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
         remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                              max_task_retries=MAX_TASK_RETRIES)
