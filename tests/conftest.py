@@ -259,3 +259,46 @@ def in_repo() -> Any:
     os.chdir(root)
     yield root
     os.chdir(before)
+
+
+# --- live timing: CI prints only dots under -q, and a run stopped at its time limit prints no --durations.
+# Each test phase slower than APCSCORE_SLOW_TEST_S (default 30 s) is reported as it finishes, with the time
+# since the session began, so the log of a stopped run still says where the time went.
+_live: dict[str, Any] = {}
+
+
+def pytest_configure(config) -> None:
+    import time
+
+    _live.update(start=time.monotonic(), config=config,
+                 limit=float(os.environ.get("APCSCORE_SLOW_TEST_S", "30")))
+
+
+def pytest_sessionstart(session) -> None:
+    """One line of machine facts, even under -q: a slow CI run can then be told from a slow machine."""
+    import platform
+
+    import torch
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is None:
+        return
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else "?"
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    reporter.write_line(f"[machine] {cpu}; {usable} usable CPUs of {os.cpu_count()}; torch "
+                        f"{torch.__version__}, {torch.get_num_threads()} threads, "
+                        f"{torch.backends.cpu.get_cpu_capability()}")
+
+
+def pytest_runtest_logreport(report) -> None:
+    import time
+
+    if "config" not in _live or report.duration < _live["limit"]:
+        return
+    reporter = _live["config"].pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        elapsed = time.monotonic() - _live["start"]
+        reporter.write("\n")
+        reporter.write_line(f"[slow: {report.when} {report.duration:.0f} s, {elapsed:.0f} s into the run] "
+                            f"{report.nodeid}")
