@@ -41,7 +41,7 @@ th, td { border: 1px solid #d0d7de; padding: 3px 8px; text-align: left; vertical
 th { background: #f6f8fa; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.pass td:last-child { color: #1a7f37; font-weight: 600; } tr.fail td:last-child { color: #cf222e; font-weight: 600; }
 tr.worse { background: #ffebe9; } tr.better { background: #dafbe1; }
-.plots { display: flex; flex-wrap: wrap; gap: 12px; } .plot { width: 480px; height: 360px; border: 1px solid #d0d7de; }
+.plots { display: flex; flex-wrap: wrap; gap: 12px; } .plot { width: 460px; height: 360px; border: 1px solid #d0d7de; }
 .tokens { font: 13px/1.9 ui-monospace, SFMono-Regular, Menlo, monospace; white-space: pre-wrap; word-break: break-all;
           border: 1px solid #d0d7de; padding: 8px; background: #fff; }
 .tok { cursor: pointer; border-radius: 2px; } .tok:hover, .tok.pinned { outline: 2px solid #0969da; }
@@ -52,7 +52,7 @@ tr.worse { background: #ffebe9; } tr.better { background: #dafbe1; }
 .note { color: #9a6700; } .muted { color: #57606a; }
 aside { position: fixed; top: 0; right: 0; width: 340px; height: 100vh; overflow: auto; box-sizing: border-box;
         padding: 16px; border-left: 1px solid #d0d7de; background: #f6f8fa; }
-aside pre { white-space: pre-wrap; word-break: break-all; font: 12px/1.5 ui-monospace, Menlo, monospace; }
+aside pre { white-space: pre-wrap; overflow-wrap: anywhere; font: 12px/1.5 ui-monospace, Menlo, monospace; }
 """
 
 # A click on a token pins its details (its title) in the side panel.
@@ -149,7 +149,9 @@ def _figures(c: Comparison) -> list[tuple[str, object]]:
 def _plot_divs(figs: list[tuple[str, object]]) -> str:
     divs = []
     for div_id, fig in figs:
-        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=50, b=50), title_font_size=14)
+        # the title below plotly's tool bar (top right), which would cover its end
+        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=64, b=50), title_font_size=13,
+                          title_y=0.91, title_yanchor="top", title_x=0.02)
         body = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
                            config={"displaylogo": False, "responsive": True})
         divs.append(f'<div class="plot">{body}</div>')
