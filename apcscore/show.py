@@ -23,9 +23,10 @@ from rich.markup import escape
 
 from apcscore.errors import ApcscoreError
 
-# (lowest logprob of the band, Rich style, legend) from the most to the least likely
-_BANDS = ((-1.0, "black on #8fd694", ">= -1"), (-3.0, "black on #f5e663", "-3 to -1"),
-          (-6.0, "black on #f5a25d", "-6 to -3"), (-math.inf, "white on #d64545", "< -6"))
+# (lowest logprob of the band, Rich style, legend) from the most to the least likely; the 16 standard colours,
+# which every colour terminal shows as distinct
+_BANDS = ((-1.0, "black on green", ">= -1"), (-3.0, "black on yellow", "-3 to -1"),
+          (-6.0, "black on bright_red", "-6 to -3"), (-math.inf, "bright_white on red", "< -6"))
 _UNSCORED = "dim"
 _LOWEST = 5  # positions listed when no --position is given
 
