@@ -136,13 +136,17 @@ def test_a_moved_file_shows_ids_until_given_the_tokenizer(files, tmp_path) -> No
     ("perplexity without logprobs", ["{perplexity}"], "run perplexity with --prompt-logprobs K"),
     ("--completion of a score file", ["{score}", "--completion"], ("--completion: ", "score.parquet has no "
                                                                    "completion logprobs")),
+    ("no record with token logprobs", ["{tmp}/choices.parquet"], "no record of "),
     ("--tokenizer not a tokenizer", ["{score}", "--tokenizer", "{tmp}"], "--tokenizer"),
 ])
 def test_clear_errors(files, tmp_path, case, args, message) -> None:
     import pyarrow as pa
+    import pyarrow.compute as pc
 
     (tmp_path / "x.jsonl").write_text("{}\n")
     pq.write_table(pa.table({"id": ["a"]}), tmp_path / "plain.parquet")
+    scored = pq.read_table(files["score"])  # its multiple-choice record alone
+    pq.write_table(scored.filter(pc.equal(scored["id"], "q")), tmp_path / "choices.parquet")
     where = {"tmp": tmp_path, **files}
     r = show(*(a.format(**where) for a in args))
     assert r.exit_code == 2, (case, r.output)
