@@ -22,7 +22,7 @@ from apcscore.compare.command import compare
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
                                    cli_params)
-from apcscore.show import show
+from apcscore.show.command import show
 
 _UNESCAPED_BRACKET = re.compile(r"(?<!\\)\[")
 

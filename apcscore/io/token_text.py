@@ -1,17 +1,15 @@
-"""Token texts of a result file, for people to read (`apcscore show`, `compare --report-html`): the run's
-tokenizer as its metadata names it, and each token's own piece of the text.
+"""Token texts of a result file, for people to read (`apcscore show`, `compare --report-html`): where the run's
+tokenizer is (its metadata), and each token's own piece of the text.
 
-A result file stores token ids, not text. The tokenizer is loaded from where the run read it; when that folder
-is gone (a file copied to another machine), callers fall back to showing ids (`id_pieces`).
+A result file stores token ids, not text. Callers load the tokenizer from where the run read it
+(`models.loading.try_load_tokenizer`); io needs it only as an object with `decode`. When that folder is gone (a
+file copied to another machine), they show ids (`id_pieces`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
-
-from apcscore.errors import ApcscoreError
 
 Pieces = Callable[[list[int]], list[str]]  # token ids -> one text per token
 _CONTEXT = 4  # tokens decoded before a token to get its own text right (a SentencePiece leading space)
@@ -25,20 +23,6 @@ def tokenizer_path(meta: dict[str, Any]) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
-
-
-def load_tokenizer_at(path: str | Path | None) -> tuple[Any | None, str | None]:
-    """(tokenizer, None), or (None, why not) when `path` is unset or holds no tokenizer we can load."""
-    if path is None:
-        return None, "the run metadata names no tokenizer"
-    if not Path(path).is_dir():
-        return None, f"the tokenizer folder {path} does not exist here"
-    from apcscore.models.loading import load_tokenizer
-
-    try:
-        return load_tokenizer(Path(path)), None
-    except ApcscoreError as e:
-        return None, str(e)
 
 
 def token_pieces(tokenizer: Any, ids: list[int]) -> list[str]:

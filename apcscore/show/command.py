@@ -230,7 +230,8 @@ def show(
     """One record of a result file: its tokens coloured by logprob and, for a position, its rank and top-K."""
     err = Console(stderr=True)
     try:
-        from apcscore.io.token_text import load_tokenizer_at, pieces_for, tokenizer_path
+        from apcscore.io.token_text import pieces_for, tokenizer_path
+        from apcscore.models.loading import try_load_tokenizer
 
         pf, meta = _open(results)
         cols = _columns(pf, meta, results, completion)
@@ -238,7 +239,7 @@ def show(
         t = _tokens(row, cols)
         if position is not None:
             _check_position(t, str(row["id"]), position)
-        tok, why = load_tokenizer_at(tokenizer if tokenizer is not None else tokenizer_path(meta))
+        tok, why = try_load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path(meta))
         if tok is None and tokenizer is not None:
             raise ApcscoreError(f"--tokenizer {tokenizer}: {why}")
         if tok is None:
