@@ -22,6 +22,7 @@ from apcscore.compare.command import compare
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
                                    cli_params)
+from apcscore.show.command import show
 
 _UNESCAPED_BRACKET = re.compile(r"(?<!\\)\[")
 
@@ -243,6 +244,7 @@ def merge(
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model
+app.command("show", cls=Command)(show)  # one record of a result file, token by token; needs no model
 
 
 def version_callback(value: bool) -> None:

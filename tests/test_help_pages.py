@@ -30,7 +30,7 @@ COMMANDS = sorted(GROUP.commands)  # type: ignore[attr-defined]
 
 
 def test_every_command_is_covered() -> None:
-    assert {"score", "generate", "perplexity", "eval", "merge", "compare", "lm-eval"} <= set(COMMANDS)
+    assert {"score", "generate", "perplexity", "eval", "merge", "compare", "lm-eval", "show"} <= set(COMMANDS)
 
 
 def test_lm_eval_help_is_lm_evals() -> None:

@@ -88,7 +88,7 @@ def test_top_level_holds_only_the_package_face_cli_config_and_errors() -> None:
     assert files == TOP_LEVEL, f"unexpected top-level modules: {sorted(files - TOP_LEVEL)}"
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models", "run",
-                        "scale"}
+                        "scale", "show"}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

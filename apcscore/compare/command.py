@@ -11,13 +11,16 @@ The metrics live in the other modules of apcscore.compare and are imported when 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 
 from apcscore.errors import ApcscoreError
+
+if TYPE_CHECKING:
+    from apcscore.compare.gate import Comparison
 
 
 def compare(
@@ -43,6 +46,10 @@ def compare(
         help="Also write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(
         help="Also write every figure, per record included, as JSON here.")] = None,
+    report_html: Annotated[Optional[Path], typer.Option(
+        help="Also write a self-contained HTML page here (no network needed to view it): the verdict, charts of "
+             "the per-token figures, the worst records token by token (hover a token for its top-K), the flips.")
+    ] = None,
     max_new_errors: Annotated[Optional[int], typer.Option(
         min=0, help="Fail when more records than this are ok in the baseline and an error in the candidate. "
                     "\\[default: 0]")] = None,
@@ -70,7 +77,27 @@ def compare(
             write_report(report_md, to_markdown(result, worst))
         if report_json is not None:
             write_report(report_json, to_json(result))
+        if report_html is not None:
+            write_report(report_html, _html(result, worst))
     except ApcscoreError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     raise typer.Exit(0 if result.passed else 1)
+
+
+def _html(result: "Comparison", worst: int) -> str:
+    """The HTML report, its tokens read with the baseline run's tokenizer (ids when it cannot be loaded)."""
+    try:
+        from apcscore.compare.html_report import to_html
+    except ImportError as e:  # plotly is a dependency; an environment installed before it was added lacks it
+        raise ApcscoreError(f"--report-html needs plotly ({e}): pip install 'plotly>=6,<8'") from None
+    from apcscore.io.token_text import pieces_for
+    from apcscore.models.loading import try_load_tokenizer
+
+    notes = []
+    tokenizer = None
+    if result.records and result.aligned is not None and result.aligned.positions is not None:
+        tokenizer, why = try_load_tokenizer(result.base.tokenizer)
+        if tokenizer is None:
+            notes.append(f"tokens are shown as ids: {why}")
+    return to_html(result, worst, pieces_for(tokenizer), notes)

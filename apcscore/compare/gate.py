@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ import pyarrow.compute as pc
 
 from apcscore.compare.inputs import (Excluded, FileInfo, align, check_same_run_kind, check_token_ids, examples,
                                      file_info, load_result_file, split_excluded)
-from apcscore.compare.metrics import (Flip, Metrics, RecordMetrics, flips, position_data, record_level,
+from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, flips, position_data, record_level,
                                       record_rows, token_summary)
 from apcscore.errors import ApcscoreError
 
@@ -122,6 +122,15 @@ class Check:
 
 
 @dataclass
+class Aligned:
+    """The compared records as the figures saw them, kept for reports that draw them (`html_report`)."""
+
+    base: pa.Table  # records ok in both files, the columns compare reads; row i of each is the same record
+    new: pa.Table
+    positions: Positions | None  # per-position arrays (`record` indexes the rows above); None: no token logprobs
+
+
+@dataclass
 class Comparison:
     """Everything `apcscore compare` found; `passed` is the gate."""
 
@@ -137,6 +146,7 @@ class Comparison:
     excluded: list[Excluded] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    aligned: Aligned | None = field(default=None, repr=False)  # the data behind the figures; not in to_dict
 
     @property
     def passed(self) -> bool:
@@ -154,7 +164,9 @@ class Comparison:
                 return [clean(x) for x in v]
             return v
 
-        return clean({"passed": self.passed, **asdict(self)})
+        data = asdict(replace(self, aligned=None))
+        del data["aligned"]
+        return clean({"passed": self.passed, **data})
 
 
 _KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
@@ -264,6 +276,6 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
     if excluded:
         notes.append(f"{len(excluded)} record(s) with status 'error' left out of every figure (listed)")
     c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred, bt.num_rows + len(excluded),
-                   bt.num_rows, m, records, flips(bt, nt), excluded, [], notes)
+                   bt.num_rows, m, records, flips(bt, nt), excluded, [], notes, Aligned(bt, nt, pos))
     c.checks = evaluate(c, thresholds or Thresholds())
     return c

@@ -14,6 +14,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
+from apcscore.io.token_text import tokenizer_path
 from apcscore.io.writer import METADATA_KEY
 
 EXAMPLES = 5  # ids quoted in an error message
@@ -201,6 +202,7 @@ class FileInfo:
     vocab_size: int | None
     top_k: int  # largest top-K stored (0 = none)
     num_records: int
+    tokenizer: str | None = None  # where the run's tokenizer was read from (token texts of reports)
 
 
 def file_info(f: ResultFile, top_k: int) -> FileInfo:
@@ -209,4 +211,5 @@ def file_info(f: ResultFile, top_k: int) -> FileInfo:
 
     return FileInfo(str(f.path), s(f.meta.get("command")), s(f.model.get("name")), s(f.meta.get("dtype")),
                     s(f.meta.get("apcscore_version")), s(f.dataset.get("path")), s(f.dataset.get("sha256")),
-                    f.vocab_size, top_k, f.table.num_rows)
+                    f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta))
+

@@ -131,17 +131,18 @@ def _same_argmax(bi: np.ndarray, bl: np.ndarray, ni: np.ndarray, nl: np.ndarray)
 
 
 @dataclass
-class _Positions:
+class Positions:
     """Per-position arrays over the positions both files scored ([m] each)."""
 
     record: np.ndarray  # [m] int64, index into the compared records
+    position: np.ndarray  # [m] int64, the token's index in its record (token_ids[position] is the target)
     base_lp: np.ndarray  # [m] float64 target-token logprob, baseline
     new_lp: np.ndarray  # [m] float64, candidate
     kld: np.ndarray  # [m] float64, NaN where a side has no top-K at that position
     top1: np.ndarray  # [m] int8: 1 same argmax, 0 different, -1 unknown (no top-K)
 
 
-def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None) -> tuple[_Positions, int, int]:
+def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None) -> tuple[Positions, int, int]:
     """Per-position data of aligned tables (row i of each = the same record), processed in chunks.
 
     Returns the positions, and the top-K sizes seen on each side (0 when none).
@@ -153,7 +154,7 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
         if len(bad):
             raise ApcscoreError(f"{role} record {t['id'][int(bad[0])].as_py()!r}: token_logprobs has "
                                 f"{lp_len[bad[0]]} entries but token_ids has {lengths[bad[0]]}: not apcscore output")
-    parts: list[_Positions] = []
+    parts: list[Positions] = []
     kb = kn = 0
     ends = np.cumsum(lengths)
     start = 0
@@ -161,9 +162,10 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
         stop = max(start + 1, int(np.searchsorted(ends, ends[start] - lengths[start] + _CHUNK_POSITIONS, "right")))
         b, n, ln = base.slice(start, stop - start), new.slice(start, stop - start), lengths[start:stop]
         rec = np.repeat(np.arange(start, stop), ln)  # [p]
+        at = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)  # [p] index within the record
         blp, nlp = _logprobs(b, ln), _logprobs(n, ln)  # [p], [p]
         scored = ~np.isnan(blp) & ~np.isnan(nlp)  # [p]
-        rec, blp, nlp = rec[scored], blp[scored], nlp[scored]  # [m]
+        rec, at, blp, nlp = rec[scored], at[scored], blp[scored], nlp[scored]  # [m]
         kld = np.full(len(rec), math.nan)
         top1 = np.full(len(rec), -1, dtype=np.int8)
         if topk:
@@ -182,12 +184,12 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
                 if len(w):
                     kld[w] = kl_divergence_topk(TopKLogprobs(target[w], blp[w], bi[w], bl[w]),
                                                 TopKLogprobs(target[w], nlp[w], ni[w], nl[w]), vocab_size)
-        parts.append(_Positions(rec, blp, nlp, kld, top1))
+        parts.append(Positions(rec, at, blp, nlp, kld, top1))
         start = stop
     if not parts:
         z = np.zeros(0)
-        return _Positions(np.zeros(0, np.int64), z, z, z, np.zeros(0, np.int8)), kb, kn
-    return _Positions(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(_Positions))), kb, kn
+        return Positions(np.zeros(0, np.int64), np.zeros(0, np.int64), z, z, z, np.zeros(0, np.int8)), kb, kn
+    return Positions(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Positions))), kb, kn
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
 # ----------------------------------------------------------------------------------------------------------
 
 
-def token_summary(m: Metrics, pos: _Positions) -> None:
+def token_summary(m: Metrics, pos: Positions) -> None:
     d = pos.base_lp - pos.new_lp  # [m] nll_new - nll_base
     n = len(d)
     m.num_positions = n
@@ -217,7 +219,7 @@ def token_summary(m: Metrics, pos: _Positions) -> None:
                            {f"{p:g}": float(v) for p, v in zip(KLD_PERCENTILES, pct)})
 
 
-def record_rows(ids: list[str], pos: _Positions) -> list[RecordMetrics]:
+def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     """Per-record figures, worst first (by mean KL when known, else by |ln PPL ratio|)."""
     r = len(ids)
 

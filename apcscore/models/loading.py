@@ -70,6 +70,19 @@ def load_tokenizer(path: Path):
         ) from e
 
 
+def try_load_tokenizer(path: str | Path | None) -> tuple[Any | None, str | None]:
+    """(tokenizer, None), or (None, why not) when `path` is unset or holds no tokenizer: for token texts that may
+    fall back to ids (`apcscore show`, `compare --report-html`)."""
+    if path is None:
+        return None, "the run metadata names no tokenizer"
+    if not Path(path).is_dir():
+        return None, f"the tokenizer folder {path} does not exist here"
+    try:
+        return load_tokenizer(Path(path)), None
+    except ApcscoreError as e:
+        return None, str(e)
+
+
 def load_config(path: Path):
     """The model's config (`AutoConfig`) from a Hugging Face directory, never from the network."""
     from transformers import AutoConfig

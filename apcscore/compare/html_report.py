@@ -1,0 +1,304 @@
+"""`apcscore compare --report-html`: the comparison as one self-contained HTML page, for people to look at.
+
+The page holds the verdict and the thresholds, the metric tables (the rows of the console and Markdown reports),
+plotly charts of the per-token figures (histograms of Δ logprob and KL, baseline against candidate logprob), the
+worst records with each token coloured by its Δ logprob (hover: both logprobs and both top-K lists; a click pins
+them in the side panel), and the multiple-choice flips. plotly.js is inlined, so the file needs no network when
+it is opened (about 5 MB). Every text that comes from the files (ids, tokens, paths, messages) is escaped.
+
+Δ logprob here is candidate − baseline of the actual next token: negative where the candidate gives it less
+probability (red), positive where more (blue).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+
+import numpy as np
+
+from apcscore.compare.gate import Comparison
+from apcscore.compare.metrics import RecordMetrics
+from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _kld_row, _metric_rows,
+                                     _sides, _verdict, _worst_rows)
+from apcscore.io.token_text import Pieces, id_pieces
+
+MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
+MAX_TOKENS = 1024  # tokens shown of one record: a window around its largest |Δ|
+BINS = 60
+_RED, _BLUE = (220, 38, 38), (37, 99, 235)
+
+_CSS = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0; color: #1f2328; }
+main { margin: 0 360px 0 0; padding: 16px 28px 48px; }
+h1 { font-size: 22px; margin: 8px 0 4px; } h2 { font-size: 18px; margin: 28px 0 8px; border-bottom: 1px solid #d0d7de; }
+h3 { font-size: 15px; margin: 18px 0 6px; }
+.verdict { padding: 2px 10px; border-radius: 6px; color: white; }
+.verdict.pass { background: #1a7f37; } .verdict.fail { background: #cf222e; } .verdict.none { background: #9a6700; }
+table { border-collapse: collapse; margin: 6px 0 10px; font-size: 13px; }
+th, td { border: 1px solid #d0d7de; padding: 3px 8px; text-align: left; vertical-align: top; }
+th { background: #f6f8fa; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.pass td:last-child { color: #1a7f37; font-weight: 600; } tr.fail td:last-child { color: #cf222e; font-weight: 600; }
+tr.worse { background: #ffebe9; } tr.better { background: #dafbe1; }
+.plots { display: flex; flex-wrap: wrap; gap: 12px; } .plot { width: 460px; height: 360px; border: 1px solid #d0d7de; }
+.tokens { font: 13px/1.9 ui-monospace, SFMono-Regular, Menlo, monospace; white-space: pre-wrap; word-break: break-all;
+          border: 1px solid #d0d7de; padding: 8px; background: #fff; }
+.tok { cursor: pointer; border-radius: 2px; } .tok:hover, .tok.pinned { outline: 2px solid #0969da; }
+.tok.na { color: #8c959f; }
+.legend { display: flex; align-items: center; gap: 8px; font-size: 12px; margin: 4px 0; }
+.legend .bar { width: 240px; height: 12px; border: 1px solid #d0d7de;
+  background: linear-gradient(to right, rgba(220,38,38,.85), white, rgba(37,99,235,.85)); }
+.note { color: #9a6700; } .muted { color: #57606a; }
+aside { position: fixed; top: 0; right: 0; width: 340px; height: 100vh; overflow: auto; box-sizing: border-box;
+        padding: 16px; border-left: 1px solid #d0d7de; background: #f6f8fa; }
+aside pre { white-space: pre-wrap; overflow-wrap: anywhere; font: 12px/1.5 ui-monospace, Menlo, monospace; }
+"""
+
+# A click on a token pins its details (its title) in the side panel.
+_JS = """
+document.addEventListener("click", function (e) {
+  var t = e.target.closest ? e.target.closest(".tok") : null;
+  if (!t) return;
+  var old = document.querySelector(".tok.pinned");
+  if (old) old.classList.remove("pinned");
+  t.classList.add("pinned");
+  document.getElementById("pin-text").textContent = t.getAttribute("title");
+});
+"""
+
+
+def _e(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def _table(head: Row, rows: list[Row], classes: list[str] | None = None, table_id: str | None = None) -> str:
+    """An HTML table of text cells; numbers right-aligned."""
+    def cell(x: str) -> str:
+        num = x[:1].isdigit() or (x[:1] in "+-" and x[1:2].isdigit())
+        return f'<td class="num">{_e(x)}</td>' if num else f"<td>{_e(x)}</td>"
+
+    attr = f' id="{table_id}"' if table_id else ""
+    out = [f"<table{attr}>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in head) + "</tr>"]
+    for i, row in enumerate(rows):
+        cls = f' class="{classes[i]}"' if classes and classes[i] else ""
+        out.append(f"<tr{cls}>" + "".join(cell(x) for x in row) + "</tr>")
+    return "\n".join(out + ["</table>"])
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Charts (plotly); histograms are binned here, so the page holds counts, not every position
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
+    import plotly.graph_objects as go
+
+    counts, edges = np.histogram(values, bins=BINS)
+    fig = go.Figure(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), marker_color=color,
+                           hovertemplate="%{x:.4g}: %{y} positions<extra></extra>"))
+    fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title="positions (log scale)", yaxis_type="log",
+                      bargap=0.02)
+    return fig
+
+
+def _scatter(c: Comparison):
+    import plotly.graph_objects as go
+
+    pos = c.aligned.positions
+    m = len(pos.record)
+    keep = np.arange(m)
+    title = f"Target-token logprob, {m:,} positions"
+    if m > MAX_SCATTER:  # the largest changes, and a fixed random sample of the rest
+        order = np.argsort(-np.abs(pos.new_lp - pos.base_lp), kind="stable")
+        top, rest = order[:MAX_SCATTER // 10], order[MAX_SCATTER // 10:]
+        sample = np.random.default_rng(0).choice(rest, MAX_SCATTER - len(top), replace=False)
+        keep = np.sort(np.concatenate([top, sample]))
+        title = (f"Target-token logprob, {MAX_SCATTER:,} of {m:,} positions "
+                 f"(the {len(top):,} largest |Δ| and a random sample)")
+    ids = c.aligned.base["id"].to_pylist()
+    x, y = pos.base_lp[keep], pos.new_lp[keep]
+    custom = [[_e(ids[r]), int(p)] for r, p in zip(pos.record[keep], pos.position[keep])]
+    lo, hi = float(min(x.min(), y.min())), float(max(x.max(), y.max()))
+    fig = go.Figure([
+        go.Scatter(x=[lo, hi], y=[lo, hi], mode="lines", line=dict(color="#8c959f", dash="dot"), name="equal",
+                   hoverinfo="skip"),
+        go.Scatter(x=x, y=y, mode="markers", marker=dict(size=5, color="#0969da", opacity=0.6), name="position",
+                   customdata=custom, hovertemplate="record %{customdata[0]}, position %{customdata[1]}<br>"
+                   "baseline %{x:.4f}<br>candidate %{y:.4f}<extra></extra>"),
+    ])
+    fig.update_layout(title=title, xaxis_title="baseline logprob", yaxis_title="candidate logprob", showlegend=False)
+    return fig
+
+
+def _figures(c: Comparison) -> list[tuple[str, object]]:
+    """(div id, plotly figure) of every chart the data allows."""
+    pos = c.aligned.positions if c.aligned is not None else None
+    if pos is None or not len(pos.record):
+        return []
+    figs = [("plot-dlogprob", _histogram(pos.new_lp - pos.base_lp, "Δ logprob per token (candidate − baseline)",
+                                         "Δ logprob, nats", "#0969da"))]
+    kl = pos.kld[~np.isnan(pos.kld)]
+    if len(kl):
+        figs.append(("plot-kl", _histogram(kl, "KL(base ‖ new) per token (lower bound from top-K)", "KL, nats",
+                                           "#8250df")))
+    figs.append(("plot-scatter", _scatter(c)))
+    return figs
+
+
+def _plot_divs(figs: list[tuple[str, object]]) -> str:
+    divs = []
+    for div_id, fig in figs:
+        # the title below plotly's tool bar (top right), which would cover its end
+        fig.update_layout(template="plotly_white", margin=dict(l=60, r=20, t=64, b=50), title_font_size=13,
+                          title_y=0.91, title_yanchor="top", title_x=0.02)
+        body = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                           config={"displaylogo": False, "responsive": True})
+        divs.append(f'<div class="plot">{body}</div>')
+    return '<div class="plots">' + "\n".join(divs) + "</div>"
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Worst records, token by token
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _shown(text: str) -> str:
+    """A token's text for the page: escaped, a newline marked, never empty."""
+    return _e(text).replace("\n", "↵\n") if text else "∅"
+
+
+def _top_lines(label: str, ids: list[int] | None, lps: list[float] | None, target: int, text: dict[int, str]) -> str:
+    if not ids:
+        return f"{label}: no top-K stored"
+    rows = [f"  {lp:9.4f}  {json.dumps(text[t], ensure_ascii=False)}{'  ← actual' if t == target else ''}"
+            for t, lp in zip(ids, lps)]
+    return f"{label} top-{len(ids)}:\n" + "\n".join(rows)
+
+
+def _colour(delta: float, scale: float) -> str:
+    r, g, b = _RED if delta < 0 else _BLUE
+    return f"background: rgba({r},{g},{b},{0.85 * min(1.0, abs(delta) / scale):.3f})"
+
+
+def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, pieces: Pieces, scale: float) -> str:
+    """One record's tokens as spans coloured by Δ logprob, with both logprobs and top-K lists in the title."""
+    b = c.aligned.base.slice(row, 1).to_pylist()[0]
+    n = c.aligned.new.slice(row, 1).to_pylist()[0]
+    ids = b["token_ids"] or []
+    pos = c.aligned.positions
+    sel = pos.record == row
+    kl = dict(zip(pos.position[sel].tolist(), pos.kld[sel].tolist()))
+    deltas = {p: nl - bl for p, bl, nl in zip(pos.position[sel].tolist(), pos.base_lp[sel].tolist(),
+                                                 pos.new_lp[sel].tolist())}
+    start, stop = 0, len(ids)
+    if len(ids) > MAX_TOKENS:  # a window around the largest change
+        centre = max(deltas, key=lambda p: abs(deltas[p])) if deltas else 0
+        start = min(max(0, centre - MAX_TOKENS // 2), len(ids) - MAX_TOKENS)
+        stop = start + MAX_TOKENS
+    texts = pieces(ids[start:stop])
+    alt: dict[int, str] = {}
+    for side in (b, n):
+        for top in (side.get("top_ids") or [])[start:stop]:
+            for t in top or []:
+                if t not in alt:
+                    alt[t] = pieces([t])[0]
+    spans = []
+    for j in range(start, stop):
+        t, text = ids[j], texts[j - start]
+        head = f"record {rm.id}, position {j}: {json.dumps(text, ensure_ascii=False)} (id {t})"
+        if j not in deltas:
+            spans.append(f'<span class="tok na" title="{_e(head + chr(10) + "not scored in both files")}">'
+                         f"{_shown(text)}</span>")
+            continue
+        bl, nl = b["token_logprobs"][j], n["token_logprobs"][j]
+        lines = [head, f"baseline logprob {bl:.4f}, candidate {nl:.4f}, Δ {deltas[j]:+.4f}"]
+        if not math.isnan(kl[j]):
+            lines.append(f"KL(base ‖ new) {kl[j]:.4g}")
+        lines.append(_top_lines("baseline", (b.get("top_ids") or [None] * len(ids))[j],
+                                (b.get("top_logprobs") or [None] * len(ids))[j], t, alt))
+        lines.append(_top_lines("candidate", (n.get("top_ids") or [None] * len(ids))[j],
+                                (n.get("top_logprobs") or [None] * len(ids))[j], t, alt))
+        spans.append(f'<span class="tok" style="{_colour(deltas[j], scale)}" title="{_e(chr(10).join(lines))}">'
+                     f"{_shown(text)}</span>")
+    cut = ""
+    if start or stop < len(ids):
+        cut = (f'<p class="muted">tokens {start} to {stop - 1} of {len(ids)}, around the largest change '
+               f"({start} before and {len(ids) - stop} after not shown)</p>")
+    kld = f", mean KL {rm.mean_kld:.4g}, max KL {rm.max_kld:.4g}" if rm.mean_kld is not None else ""
+    return (f'<div class="record" data-id="{_e(rm.id)}"><h3>{_e(rm.id)}</h3>'
+            f'<p class="muted">{rm.num_positions} positions compared{kld}, ln PPL ratio {rm.ln_ppl_ratio:+.4g}, '
+            f"max |Δ logprob| {rm.max_abs_logprob_diff:.4g}</p>{cut}"
+            f'<div class="tokens">{"".join(spans)}</div></div>')
+
+
+def _worst_section(c: Comparison, worst: int, pieces: Pieces) -> str:
+    shown = c.records[:worst]
+    out = [f"<h2>Worst {len(shown)} records</h2>", _table(_WORST_HEAD, _worst_rows(c, worst), table_id="worst")]
+    a = c.aligned
+    if a is None or a.positions is None or "token_ids" not in a.base.column_names:
+        return "\n".join(out + ['<p class="muted">no per-token data in the files: no token view</p>'])
+    rows = {rid: i for i, rid in enumerate(a.base["id"].to_pylist())}
+    scale = max((r.max_abs_logprob_diff for r in shown), default=0.0) or 1e-12
+    out.append(f'<div class="legend"><span>Δ logprob (candidate − baseline):</span><span>{-scale:.3g}</span>'
+               f'<span class="bar"></span><span>+{scale:.3g}</span><span class="muted">grey: not scored; '
+               "hover a token for its logprobs and top-K, click to pin them</span></div>")
+    out += [_record_tokens(c, rows[r.id], r, pieces, scale) for r in shown]
+    return "\n".join(out)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The page
+# ----------------------------------------------------------------------------------------------------------
+
+
+def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: list[str] | None = None) -> str:
+    """The comparison as a self-contained HTML page (plotly.js inlined).
+
+    `pieces` turns a record's token ids into one text per token (`apcscore.io.token_text`; default: the ids);
+    `notes` are shown beside the comparison's own (e.g. why the tokenizer could not be loaded).
+    """
+    from plotly.offline import get_plotlyjs
+
+    verdict = _verdict(c)
+    cls = "none" if not c.checks else "pass" if c.passed else "fail"
+    parts = [f'<h1>apcscore compare: <span class="verdict {cls}" id="verdict">{_e(verdict)}</span></h1>',
+             f'<p class="muted">baseline {_e(c.base.path)} ({_e(c.base.model or "-")}, {_e(c.base.dtype or "-")}) · '
+             f'candidate {_e(c.new.path)} ({_e(c.new.model or "-")}, {_e(c.new.dtype or "-")})</p>']
+    if c.checks:
+        parts += ["<h2>Thresholds</h2>", _table(_CHECK_HEAD, _check_rows(c), ["pass" if ch.passed else "fail"
+                                                                           for ch in c.checks], "thresholds")]
+    else:
+        parts.append('<p class="muted">no thresholds given: nothing was judged</p>')
+    parts += ["<h2>Metrics</h2>", _table(("metric", "baseline", "candidate", "change"), _metric_rows(c),
+                                         table_id="metrics")]
+    if c.metrics.kld is not None:
+        head, row = _kld_row(c.metrics.kld)
+        parts += ["<h3>KL(base ‖ new) per position, nats (lower bound from top-K)</h3>", _table(head, [row])]
+    all_notes = [*c.notes, *(notes or [])]
+    if all_notes:
+        parts.append("<ul>" + "".join(f'<li class="note">note: {_e(n)}</li>' for n in all_notes) + "</ul>")
+    figs = _figures(c)
+    parts += ["<h2>Per-token figures</h2>", _plot_divs(figs) if figs else
+              '<p class="muted">no position was scored in both files: no charts</p>']
+    if c.records and worst:
+        parts.append(_worst_section(c, worst, pieces))
+    parts.append("<h2>Multiple-choice flips</h2>")
+    if c.flips:
+        classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
+                   f.correct_base else "" for f in c.flips]
+        parts.append(_table(_FLIP_HEAD, [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new),
+                                          str(f.correct_base), str(f.correct_new)) for f in c.flips], classes, "flips"))
+    else:
+        none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
+        parts.append(f'<p class="muted">{none}</p>')
+    if c.excluded:
+        parts += ["<h2>Excluded records (status 'error')</h2>",
+                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded])]
+    parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
+    aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
+             "logprobs and top-K here</pre></aside>")
+    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<title>apcscore compare: {_e(verdict)}</title><style>{_CSS}</style>"
+            f'<script type="text/javascript">{get_plotlyjs()}</script></head>\n'
+            f"<body><main>{''.join(parts)}</main>{aside}<script>{_JS}</script></body></html>\n")
