@@ -177,25 +177,36 @@ def test_tiny_model_generation_is_batch_invariant(tiny_model_dir, dtype: str, sa
     matrix.check(lambda p: generate_requests(p, sampled), prompts, BUDGETS, long_budget_limit=100)
 
 
+# The default model's matrices are smaller than the tiny models' (which run every budget and prompts up to 1,500
+# tokens): a budget decides the row count M of every GEMM and the chunking of attention, which the tiny models
+# cover; what only the real model adds is its shapes (K, N, heads, vocab), which do not depend on the budget.
+# So here: the budgets of the issue's failure (57, 64, 100, 191) and the edges around them, on prompts that
+# cross several KV tiles (of 64 keys). (The full BUDGETS on prompts up to 1,500 tokens was run on this model: green.)
+DEFAULT_BUDGETS = (1, 7, 16, 57, 64, 100, 191, 1000)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_default_model_scores_are_batch_invariant(default_model_files, dtype: str) -> None:
     """The issue's failure: budgets 57, 64, 100 and 191 changed the default model's bits."""
     matrix = Matrix("smollm2-135m", dtype)
-    lengths = [1, 9, 16, 33, 70, 130, 260, 520, 1500] if dtype == "float32" else [1, 9, 33, 130, 260, 700]
-    budgets = BUDGETS if dtype == "float32" else (1, 7, 57, 64, 100, 191, 1000)
+    lengths = [1, 9, 16, 33, 70, 130, 260]  # (the tight pool preempts)
+    budgets = DEFAULT_BUDGETS if dtype == "float32" else (1, 57, 64, 100, 191)
     prompts = make_prompts(lengths, 49152, seed=3)
     matrix.check(score_requests, prompts, budgets, long_budget_limit=33)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
-def test_default_model_generation_is_batch_invariant(default_model_files, sampled: bool) -> None:
+def test_default_model_generation_is_batch_invariant(default_model_files) -> None:
+    """Greedy and seeded requests in the same batches (each mode must keep its bits next to the other)."""
     matrix = Matrix("smollm2-135m", "float32")
-    prompts = make_prompts([3, 20, 48, 90, 400], 49152, seed=4, shared=32)  # 400: the tight pool preempts
-    matrix.check(lambda p: generate_requests(p, sampled), prompts, (1, 7, 57, 64, 100, 191, 1000),
-                 long_budget_limit=48)
+    prompts = make_prompts([3, 20, 48, 90, 260, 33], 49152, seed=4, shared=32)  # 260: the tight pool preempts
 
+    def mixed(ps: list[list[int]]) -> list[Request]:
+        greedy, sampled = generate_requests(ps, False), generate_requests(ps, True)
+        return [sampled[i] if i % 2 else greedy[i] for i in range(len(ps))]
+
+    matrix.check(mixed, prompts, (1, 7, 57, 64, 100, 191, 1000), long_budget_limit=48)
 
 
 def test_cli_records_the_contract_and_can_turn_it_off(tmp_path, write_jsonl, tiny_model_dir) -> None:
