@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from apcscore.attention import tiles
 from apcscore.attention import torch_backend as tb
 from apcscore.attention.metadata import AttentionMetadata
 
@@ -32,8 +33,8 @@ def caches(num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 def loop_reference(q, k, v, masked, start, end, state=None):
     """The online softmax written as the plain loop over tiles (what _tiled_softmax batches)."""
     m, s, acc = state if state is not None else (None, None, None)
-    for t0 in range(start, end, tb.KV_TILE):
-        lo, hi = t0 - start, t0 - start + tb.KV_TILE
+    for t0 in range(start, end, tiles.KV_TILE):
+        lo, hi = t0 - start, t0 - start + tiles.KV_TILE
         scores = q @ k[..., lo:hi, :].transpose(-1, -2)
         if masked is not None:
             scores = scores.masked_fill(masked[..., lo:hi], float("-inf"))
@@ -61,10 +62,10 @@ def test_batched_tiles_equal_the_loop_over_tiles(q_shape, length):
     for masked, end in ((None, length), (None, length - 5), (torch.rand(*q_shape[:-1], length, generator=g) < 0.2,
                                                              length)):
         want = loop_reference(q, k, v, masked, 0, end)
-        got = tb._tiled_softmax(q, k, v, masked, 0, end)
+        got = tiles.tiled_softmax(q, k, v, masked, 0, end)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
         want = loop_reference(q, k, v, masked, 0, end, want)  # continuing from a state
-        got = tb._tiled_softmax(q, k, v, masked, 0, end, got)
+        got = tiles.tiled_softmax(q, k, v, masked, 0, end, got)
         assert all(torch.equal(a, b) for a, b in zip(want, got))
 
 
@@ -171,3 +172,32 @@ def test_windowed_and_soft_capped_attention(window, softcap):
                                                                                   [table, table]), scale, window, softcap)
         prefill = tb.paged_attention(q[:n], k, v, meta_for([(n, n)], [table]), scale, window, softcap)
         assert torch.equal(alone[0], prefill[-1]) and torch.equal(pair[0], alone[0]), n
+
+
+@pytest.mark.parametrize("window,softcap", [(None, None), (40, None), (None, 5.0), (100, 5.0)])
+def test_batched_prefill_chunks_equal_each_chunk_alone(monkeypatch, window, softcap):
+    """Short prefill chunks of several sequences run in one batched call (torch_prefill.attend_prefill_batched);
+    each chunk's rows must be bitwise those of the chunk run alone (the per-chunk path), whatever the chunks
+    beside it: different lengths, chunks that start after a cached prefix, one query past a long prefix."""
+    from apcscore.attention import torch_prefill
+
+    chunks = [(40, 40), (12, 300), (2, 65), (64, 133), (63, 63), (5, 5), (31, 700), (65, 300)]  # (q_len, seq_len)
+    tables, nxt = [], 1
+    for _, n in chunks:
+        tables.append(list(range(nxt, nxt + -(-n // BS))))
+        nxt += len(tables[-1])
+    k, v = caches(nxt, 21)
+    q = torch.randn(sum(c[0] for c in chunks) + 3, HQ, D, generator=torch.Generator().manual_seed(22))  # 3 pad rows
+    meta = meta_for(chunks, tables)
+    batches, alone = torch_prefill.batched_prefill_groups(meta, HQ // HKV, q.device)
+    assert alone == [7] and sum(len(b) > 1 for b in batches) >= 3  # the batched path is what runs here
+    together = tb.paged_attention(q, k, v, meta, D ** -0.5, window, softcap)
+    monkeypatch.setattr(torch_prefill, "MAX_BATCHED_QUERIES", 0)  # every chunk by the per-chunk path
+    start = 0
+    for (q_len, n), table in zip(chunks, tables):
+        single = tb.paged_attention(q[start:start + q_len], k, v, meta_for([(q_len, n)], [table]), D ** -0.5,
+                                    window, softcap)
+        assert not single.isnan().any()
+        assert torch.equal(together[start:start + q_len], single), (q_len, n)
+        start += q_len
+    assert torch.count_nonzero(together[start:]) == 0
