@@ -31,6 +31,11 @@ import pytest
 # The converted default model lives in a persistent cache, so CI converts the GGUF once per machine,
 # not once per test or per run. Set before anything resolves a model; a value from the caller wins.
 os.environ.setdefault("APCSCORE_CACHE", str(Path.home() / ".cache" / "apcscore"))
+# lm-eval bootstraps some metrics' stderr (perplexity, f1, ...) in a fork-started multiprocessing pool: a fork of
+# this test process (GBs, torch's threads) per CPU and metric. One such worker hung a CI run at the pool's exit.
+# Serially it draws the same resamples with the same seeds (`_bootstrap_internal_no_mp`): the same numbers.
+# (tests/test_lmeval_signals.py checks what apcscore eval does about forks, with a pool of its own.)
+os.environ.setdefault("DISABLE_MULTIPROC", "1")
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -182,16 +182,33 @@ def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, coun
     write_atomic(out / outdir.SHARD_FILE, (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_handlers_before: dict[int, Any] = {}  # while an eval's handlers are installed: the ones they replaced
+
+
+def _restore_handlers_in_child() -> None:
+    """In a process forked while an eval's handlers are installed (lm-eval's bootstrap pool forks one worker
+    per CPU for each bootstrapped metric), put back the handlers from before the eval, before the child runs
+    anything else: `Pool.terminate`'s SIGTERM then kills a worker by the kernel's default action, whatever it
+    is doing. (A handler that re-raised in the child was not enough: a CI run hung at the pool's exit, 650 s,
+    with a worker alive after the terminate until it was killed by hand.)"""
+    for signum, previous in _handlers_before.items():
+        signal.signal(signum, previous)
+
+
+os.register_at_fork(after_in_child=_restore_handlers_in_child)
+
+
 @contextmanager
 def _stop_on_signals(lm: Any) -> Iterator[None]:
     """SIGINT and SIGTERM stop the eval after the current engine step (`Interrupted`); the journal keeps every
-    response finished before."""
+    response finished before. A child forked meanwhile gets the handlers from before (see above)."""
     caught: list[int] = []
     owner = os.getpid()
 
     def handler(signum: int, _frame: Any) -> None:
-        if os.getpid() != owner:  # a forked child (lm-eval's bootstrap pool, stopped by SIGTERM) dies as usual
-            signal.signal(signum, signal.SIG_DFL)
+        if os.getpid() != owner:  # a forked child that missed _restore_handlers_in_child: die as usual
+            signal.signal(signum, _handlers_before.get(signum, signal.SIG_DFL))
             os.kill(os.getpid(), signum)
             return
         caught.append(signum)
@@ -201,15 +218,15 @@ def _stop_on_signals(lm: Any) -> Iterator[None]:
             raise Interrupted()
 
     lm.on_step = tick
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, handler) for s in _STOP_SIGNALS}
+    _handlers_before.update(previous)
     try:
         yield
     finally:
         lm.on_step = None
+        _handlers_before.clear()
         for s, h in previous.items():
             signal.signal(s, h)
-
-
 
 
 def fewshot_as_multiturn(opts: EvalOptions) -> bool:

@@ -1,0 +1,51 @@
+"""apcscore eval's SIGINT/SIGTERM handlers and forked children (lm-eval's bootstrap pool forks workers).
+
+A worker forked while the eval's handlers are installed must die of `Pool.terminate`'s SIGTERM, even while it
+waits on a lock (where the pool's workers sit when it terminates them); the eval itself must still stop after
+the current step. No model is loaded: the handlers are tested with a stand-in for the lm.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from apcscore.lmeval.run import Interrupted, _stop_on_signals
+
+
+def _report_and_wait(conn, lock) -> None:
+    conn.send((signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+               signal.getsignal(signal.SIGINT) is signal.default_int_handler))
+    with lock:  # held by the parent: blocks, like a pool worker waiting for the queue's lock
+        pass
+
+
+def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step() -> None:
+    ctx = multiprocessing.get_context("fork")
+    lm = SimpleNamespace(on_step=None)
+    lock = ctx.Lock()
+    lock.acquire()
+    parent, child = ctx.Pipe()
+    before = signal.getsignal(signal.SIGTERM)
+    with _stop_on_signals(lm):
+        worker = ctx.Process(target=_report_and_wait, args=(child, lock))
+        worker.start()
+        try:
+            assert parent.poll(30), "the worker did not start"
+            restored = parent.recv()
+            worker.terminate()  # what Pool.terminate does
+            worker.join(10)
+            assert not worker.is_alive() and worker.exitcode == -signal.SIGTERM, "SIGTERM did not end the worker"
+            assert restored == (True, True)  # it ran with the handlers from before the eval, not the eval's
+        finally:
+            if worker.is_alive():
+                worker.kill()
+            lock.release()
+        os.kill(os.getpid(), signal.SIGTERM)  # the eval's own process: stops after the current step
+        with pytest.raises(Interrupted):
+            lm.on_step()
+    assert signal.getsignal(signal.SIGTERM) == before and lm.on_step is None
