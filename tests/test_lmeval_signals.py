@@ -24,7 +24,18 @@ def _report_and_wait(conn, lock) -> None:
         pass
 
 
-def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step() -> None:
+@pytest.fixture
+def plain_handlers():
+    """The handlers of a fresh Python process while the test runs (Ray's driver, for one, installs a SIGTERM
+    handler that exits with status 15: it would be the child's "handler from before" after a Ray test)."""
+    saved = {signal.SIGTERM: signal.signal(signal.SIGTERM, signal.SIG_DFL),
+             signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
+def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step(plain_handlers) -> None:
     ctx = multiprocessing.get_context("fork")
     lm = SimpleNamespace(on_step=None)
     lock = ctx.Lock()
