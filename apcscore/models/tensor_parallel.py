@@ -1,0 +1,180 @@
+"""Tensor-parallel layers: one rank's shard of a decoder, and the cross-rank sums in a fixed order.
+
+Megatron's split (as vLLM's): column-parallel qkv and gate/up (each rank computes its attention heads and its
+part of the MLP's intermediate), row-parallel o and down (each rank multiplies its columns; the partial results
+are summed across ranks), a vocabulary-parallel LM head (each rank holds a contiguous range of the vocabulary's
+rows; apcscore.engine.tp_logprobs combines logprobs without gathering [tokens, vocab]). Embedding and norms are
+replicated: after each sum every rank holds the full hidden state, bitwise the same on all of them.
+
+**The sum is not an all-reduce.** A ring or tree all-reduce adds the ranks' partials in an order that depends on
+the algorithm the library picks for the message size (NCCL: ring, tree, by size and topology; gloo: by size), so
+the bits of a row could depend on how many tokens share the step. `gather_sum` all-gathers the partials and adds
+them in rank order, ((p0 + p1) + p2) + ..., one correctly rounded addition per element: a row's bits are then a
+function of its own partials, which the batch-invariant GEMM makes functions of the row alone. So the
+batch-invariance contract holds within a degree; against degree 1 the split of each o/down sum along K rounds
+differently (docs/architecture.md, "Tensor parallelism").
+
+`shard_decoder` turns a decoder built on "meta" into rank r's shard before its weights are read; the checkpoint
+slices each rank reads are the parameters' `ShardSpec`s (models/weights.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from apcscore.errors import ApcscoreError
+from apcscore.models.llama import Attention, Linear, LlamaDecoder, MLP
+from apcscore.models.weights import ShardSpec
+
+# the decoder classes whose layers shard_decoder knows (the Llama family and Phi-3, which shares its layers)
+SHARDABLE = ("LlamaDecoder", "Phi3Decoder")
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place among the ranks: `rank` of `world_size`, over `group` (None: torch.distributed's
+    default group)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape and dtype on all), in rank order."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x, group=self.group)
+        return parts
+
+    def gather_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, added in rank order (never a ring all-reduce: see the module doc)."""
+        parts = self.gather(x)
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part  # elementwise, correctly rounded: the order is the code's
+        return out
+
+
+def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank `rank`'s rows [start, end) of a vocabulary split in contiguous ranges of ceil(vocab / N)."""
+    per = -(-vocab // world_size)
+    return min(vocab, rank * per), min(vocab, (rank + 1) * per)
+
+
+def shard_sizes(hf_config: Any, world_size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, intermediate size) per rank; KV heads are replicated when fewer than ranks."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    return heads // world_size, max(1, kv // world_size), hf_config.intermediate_size // world_size
+
+
+def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> str | None:
+    """Why `decoder` cannot run hf_config split over `world_size` ranks, or None."""
+    if world_size == 1:
+        return None
+    n = world_size
+    if decoder.__name__ not in SHARDABLE:
+        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3) and Phi-3 so "
+                f"far, not for {decoder.__name__}; run it with --tensor-parallel 1")
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % n:
+        return f"--tensor-parallel {n} does not divide the model's {heads} attention heads; choose a divisor of {heads}"
+    if kv % n and n % kv:
+        return (f"--tensor-parallel {n} and the model's {kv} KV heads: one must divide the other (each rank holds "
+                f"whole KV heads, replicated when there are fewer than ranks)")
+    if hf_config.intermediate_size % n:
+        return (f"--tensor-parallel {n} does not divide the model's intermediate size {hf_config.intermediate_size}; "
+                "choose a divisor of it")
+    if vocab_range(hf_config.vocab_size, n - 1, n)[0] >= hf_config.vocab_size:
+        return f"--tensor-parallel {n} leaves a rank no rows of the model's {hf_config.vocab_size}-entry vocabulary"
+    return None
+
+
+def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> None:
+    """Refuse (ApcscoreError) what tensor_parallel_problem finds, before any weights are read."""
+    problem = tensor_parallel_problem(hf_config, decoder, world_size)
+    if problem:
+        raise ApcscoreError(problem)
+
+
+class ColumnParallelLinear(Linear):
+    """This rank's output rows of a projection (`shard`: which rows of the full, fused weight; the bias alike)."""
+
+    def __init__(self, in_features: int, shard: ShardSpec, bias: bool, linear_fn: Callable[..., torch.Tensor],
+                 device: Any = None) -> None:
+        super().__init__(in_features, sum(n for _, n in shard.ranges), bias, linear_fn, device)
+        self.shard = shard
+        self.bias_shard = shard if bias else None
+
+
+class RowParallelLinear(Linear):
+    """This rank's input columns of a projection; the partial products are summed across ranks in rank order,
+    then the (replicated) bias is added once, as the full layer adds it after its sum."""
+
+    def __init__(self, shard: ShardSpec, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
+                 tp: TensorParallel, device: Any = None) -> None:
+        super().__init__(sum(n for _, n in shard.ranges), out_features, bias, linear_fn, device)
+        self.shard = shard
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.gather_sum(self.linear_fn(x, self.weight, None))  # [T, out]
+        return out if self.bias is None else out + self.bias
+
+
+def _shard_attention(attn: Attention, tp: TensorParallel, device: Any) -> None:
+    heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    n, r = tp.world_size, tp.rank
+    hq = heads // n
+    hkv = max(1, kv // n)
+    k0 = r * hkv if kv >= n else (r * hq) // (heads // kv)  # the KV head(s) this rank's query heads read
+    full = heads * d + 2 * kv * d
+    qkv = ShardSpec(0, ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)),
+                    full)
+    old = attn.qkv_proj
+    attn.qkv_proj = ColumnParallelLinear(old.weight.shape[1], qkv, old.bias is not None, old.linear_fn, device)
+    o = attn.o_proj
+    attn.o_proj = RowParallelLinear(ShardSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
+                                    o.bias is not None, o.linear_fn, tp, device)
+    attn.num_heads, attn.num_kv_heads = hq, hkv  # the forward reshapes to these: [T, hq, D], [T, hkv, D]
+    attn.q_size, attn.kv_size = hq * d, hkv * d
+
+
+def _shard_mlp(mlp: MLP, tp: TensorParallel, device: Any) -> None:
+    inter = mlp.intermediate
+    n, r = tp.world_size, tp.rank
+    part = inter // n
+    gu = mlp.gate_up_proj
+    mlp.gate_up_proj = ColumnParallelLinear(gu.weight.shape[1], ShardSpec(0, ((r * part, part),
+                                                                              (inter + r * part, part)), 2 * inter),
+                                            gu.bias is not None, gu.linear_fn, device)
+    down = mlp.down_proj
+    mlp.down_proj = RowParallelLinear(ShardSpec(1, ((r * part, part),), inter), down.weight.shape[0],
+                                      down.bias is not None, down.linear_fn, tp, device)
+    mlp.intermediate = part
+
+
+def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
+    """Make `model` (built on "meta", before `materialize`) rank tp.rank's shard: its layers' projections and
+    head hold this rank's parts, which `load_hf_weights` then reads (models.weights.param_shards)."""
+    check_tensor_parallel(model.config, type(model), tp.world_size)
+    device = model.embed_tokens.weight.device
+    for layer in model.layers:
+        _shard_attention(layer.self_attn, tp, device)
+        _shard_mlp(layer.mlp, tp, device)
+    vocab = model.config.vocab_size
+    start, end = vocab_range(vocab, tp.rank, tp.world_size)
+    model.vocab_range = (start, end)
+    if model.lm_head is not None:  # a tied head is the embedding's rows [start, end) (lm_head_weight)
+        head = model.lm_head
+        model.lm_head = ColumnParallelLinear(head.weight.shape[1], ShardSpec(0, ((start, end - start),), vocab),
+                                             False, head.linear_fn, device)
+    model.tensor_parallel = tp
+    return model
