@@ -139,9 +139,14 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
     return _GROUP
 
 
-def _shutdown_at_exit() -> None:
+def shutdown_ranks() -> None:
+    """Stop this process's ranks, if any (also at exit); a later tensor-parallel engine starts new ones."""
     if _GROUP is not None:
         _GROUP.shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    shutdown_ranks()
 
 
 def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int) -> None:

@@ -76,7 +76,9 @@ def _chunk(tp: TensorParallel, logits: torch.Tensor, targets: torch.Tensor, k: i
         rank = torch.zeros_like(targets)
     cand_v = torch.cat([p[:, 3:3 + k] for p in parts], dim=1)  # [c, n * k]
     cand_i = torch.cat([p[:, 3 + k:] for p in parts], dim=1).long()
-    by_id, order = cand_i.sort(dim=-1)  # then a stable sort by value keeps equal values in id order
+    # by id, then a stable sort by value keeps equal values in id order (the shards are ascending id ranges in
+    # rank order, so the concatenation is already so for ties: this states the order rather than relying on it)
+    by_id, order = cand_i.sort(dim=-1)
     vals, order2 = cand_v.gather(-1, order).sort(dim=-1, descending=True, stable=True)
     top_ids = by_id.gather(-1, order2)[:, :k]
     return logprobs, rank, top_ids, vals[:, :k] - lse[:, None]

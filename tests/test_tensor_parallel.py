@@ -1,0 +1,237 @@
+"""Tensor parallelism (issue 29) on the CPU: gloo, 2 ranks, tiny random models.
+
+- degree 2 against degree 1: fp32 logprobs within 1e-5, ranks and top-K ids equal but at near-ties, for the Llama-family variants
+  (untied / tied head, q/k norms, qkv bias, llama3 rope, Phi-3's fused checkpoint, one KV head replicated on both
+  ranks) and greedy generation;
+- the batch-invariance matrix of tests/test_invariance.py (alone, batches, shuffled, warm cache, budgets,
+  preemption, one thread) at degree 2, every column exact;
+- the vocabulary-parallel logprobs against the one-device definition on logits full of ties (ranks, top-K across
+  shard boundaries and the K-th place), the ranks simulated by threads;
+- sharded loading reads only this rank's slices of the sharded weights, and they are the right ones;
+- the refusals before any load, the metadata's degree and merge refusing mixed degrees.
+
+The ranks start once for the module (the process keeps its group; engines after the first reuse it) and stop at
+its end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.errors import ApcscoreError
+
+from test_invariance import Matrix, make_prompts, score_requests
+
+BASE = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    """Stop this process's ranks after the module (they start with its first degree-2 engine)."""
+    yield
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory, default_tokenizer):
+    """A tiny Llama with one KV head: at degree 2 each rank holds a replica of it."""
+    from conftest import build_tiny_model
+
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-mqa"), default_tokenizer,
+                            {"num_key_value_heads": 1})
+
+
+def _scores(engine: Engine, requests: list[Request]) -> dict:
+    out = {}
+    for o in engine.run(requests):
+        assert o.error is None, o.error
+        out[o.request_id] = o
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "llama3", "phi3", "mqa"])
+def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
+    """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
+    where two logits lie within that rounding of each other."""
+    path = str(mqa_dir if arch == "mqa" else tiny_model_dir(arch))
+    requests = score_requests(make_prompts([1, 2, 17, 64, 200], 49152, seed=11))
+    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
+    two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    worst, rank_moves, positions = 0.0, 0, 0
+    for rid, a in one.items():
+        pa, pb = a.prompt_logprobs, two[rid].prompt_logprobs
+        assert np.array_equal(pa.token_ids, pb.token_ids) and np.array_equal(pa.positions, pb.positions)
+        if len(pa.token_logprobs):
+            worst = max(worst, float(np.abs(pa.token_logprobs - pb.token_logprobs).max()),
+                        float(np.abs(pa.top_logprobs - pb.top_logprobs).max()))
+        # a rank counts logits strictly above the target's: among 49,152 random logits a neighbour within the
+        # 1e-6 that the degrees differ by sometimes swaps sides (measured: 0-5 of 279 positions, by 1 or 2). The
+        # definition itself is checked exactly on shared logits (test_vocab_parallel_logprobs_match_one_device_on_ties)
+        moved = pa.ranks != pb.ranks
+        rank_moves += int(moved.sum())
+        positions += moved.size
+        assert np.abs(pa.ranks - pb.ranks).max(initial=0) <= 3, rid
+        assert np.array_equal(pa.top_ids, pb.top_ids), rid  # (no near-tie in these top-5s)
+    print(f"{arch}: degree 2 vs 1 max |d logprob| {worst:.2e}, ranks moved at {rank_moves} of {positions}")
+    assert rank_moves <= 0.05 * positions
+    assert 0 < worst <= 1e-5  # 0 would mean degree 2 ran the degree-1 path
+
+
+def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
+    path = str(tiny_model_dir("llama"))
+    prompts = make_prompts([1, 9, 40, 120], 49152, seed=12, shared=16)
+    requests = [Request(i, p, sampling=SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
+    two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    for rid, a in one.items():
+        b = two[rid]
+        assert a.output_token_ids == b.output_token_ids
+        assert np.abs(a.output_logprobs.token_logprobs - b.output_logprobs.token_logprobs).max() <= 1e-5
+        assert np.array_equal(a.output_logprobs.top_ids, b.output_logprobs.top_ids)
+
+
+def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
+    """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
+    matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512)
+    prompts = make_prompts([1, 16, 17, 65, 333], 49152, seed=3)
+    matrix.check(score_requests, prompts, (1, 16, 57, 4096), long_budget_limit=17)
+
+
+def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
+    """Seeded sampling with logprobs (the gathered sampling logits) under the same matrix."""
+    from test_invariance import generate_requests
+
+    matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512)
+    prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)
+    matrix.check(lambda p: generate_requests(p, True), prompts, (1, 57, 4096), long_budget_limit=17)
+
+
+class ThreadRanks:
+    """In-process ranks for engine/tp_logprobs (threads meeting at a barrier): the combination logic tested
+    without processes."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n)
+
+    def rank(self, r: int):
+        owner = self
+
+        class One:
+            rank, world_size = r, owner.n
+
+            def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+                owner.slots[r] = x.clone()
+                owner.barrier.wait()
+                parts = list(owner.slots)
+                owner.barrier.wait()
+                return parts
+
+        return One()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_vocab_parallel_logprobs_match_one_device_on_ties(n: int) -> None:
+    """Integer logits (many ties, across shard boundaries and across the K-th place): ranks and top-K ids are
+    exactly the one-device function's, logprobs within fp32 rounding."""
+    from apcscore.engine.tp_logprobs import parallel_token_logprobs
+    from apcscore.kernels.logprobs_ref import token_logprobs_torch
+    from apcscore.models.tensor_parallel import vocab_range
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows, k = 50, 7, 6
+    logits = torch.randint(0, 5, (rows, vocab), generator=gen).float()  # [7, 50]
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    want = token_logprobs_torch(logits, targets, k)
+    group, results = ThreadRanks(n), [None] * n
+
+    def run(r: int) -> None:
+        start, end = vocab_range(vocab, r, n)
+        results[r] = parallel_token_logprobs(group.rank(r), lambda h: h[:, start:end], logits, targets, k,
+                                             chunk_size=3, ranks=True, start=start, vocab=vocab)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results:
+        assert np.array_equal(got.ranks, want[1].numpy())
+        assert np.array_equal(got.top_ids, want[2].numpy())
+        np.testing.assert_allclose(got.token_logprobs, want[0].numpy(), atol=1e-6)
+        np.testing.assert_allclose(got.top_logprobs, want[3].numpy(), atol=1e-6)
+
+
+def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:
+    """Rank 1 of 2 reads the sharded projections through safetensors slices (no whole tensor), and holds exactly
+    its rows / columns of the full weights."""
+    from apcscore.models.decoders import build_decoder
+    from apcscore.models.loading import LazyCheckpoint, load_config, load_state_dict
+    from apcscore.models.ops import select_ops
+    from apcscore.models.tensor_parallel import TensorParallel
+
+    path = tiny_model_dir("llama")
+    whole: list[str] = []
+    read = LazyCheckpoint.__getitem__
+    monkeypatch.setattr(LazyCheckpoint, "__getitem__", lambda self, name: (whole.append(name), read(self, name))[1])
+    cfg = load_config(path)
+    model = build_decoder(cfg, select_ops("torch"), 256, "cpu", torch.float32, LazyCheckpoint(path),
+                          tp=TensorParallel(1, 2))
+    assert whole and not [n for n in whole if n.endswith("proj.weight") or n == "lm_head.weight"], whole
+    full = load_state_dict(path)
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    p = "model.layers.1."
+    q, k, v = (full[p + f"self_attn.{x}_proj.weight"] for x in "qkv")  # 4 query heads, 2 KV heads, head_dim 16
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q[32:64], k[16:32], v[16:32]]))
+    assert torch.equal(attn.o_proj.weight, full[p + "self_attn.o_proj.weight"][:, 32:64])
+    gate, up = full[p + "mlp.gate_proj.weight"], full[p + "mlp.up_proj.weight"]
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[64:], up[64:]]))
+    assert torch.equal(mlp.down_proj.weight, full[p + "mlp.down_proj.weight"][:, 64:])
+    assert torch.equal(model.lm_head_weight, full["lm_head.weight"][24576:])
+
+
+def test_refusals_before_any_load(tiny_model_dir) -> None:
+    from apcscore.engine.loader import load_engine
+    from apcscore.engine.tensor_parallel import check_devices
+
+    with pytest.raises(ApcscoreError, match="does not divide the model's 4 attention heads"):
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=3))
+    with pytest.raises(ApcscoreError, match="needs the native engine"):
+        EngineConfig(model_backend="transformers", tensor_parallel_size=2)
+    with pytest.raises(ApcscoreError, match="needs the native engine, and gpt2 runs through the transformers"):
+        load_engine(str(tiny_model_dir("gpt2")), EngineConfig(**BASE, tensor_parallel_size=2))
+    with pytest.raises(ApcscoreError, match="implemented for the Llama family"):
+        Engine.from_model(str(tiny_model_dir("gemma2")), EngineConfig(**BASE, tensor_parallel_size=2))
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ApcscoreError, match=r"needs 4 CUDA devices \(one per rank\)"):
+            check_devices(4, torch.device("cuda"))
+
+
+def test_cli_records_the_degree_and_merge_refuses_mixed_degrees(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i + 1)}
+                                              for i in range(4)])
+    model = str(tiny_model_dir("llama"))
+    outs = []
+    for shard, degree in (("0/2", "2"), ("1/2", "1")):
+        out = tmp_path / f"s{shard[0]}.parquet"
+        res = CliRunner().invoke(app, ["score", str(data), "--model", model, "--out", str(out), "--quiet",
+                                       "--shard", shard, "--tensor-parallel", degree, "--num-kv-blocks", "256"])
+        assert res.exit_code == 0, res.output
+        meta = json.loads(pq.read_table(out).schema.metadata[b"apcscore"])
+        assert meta["engine"]["tensor_parallel_size"] == int(degree)
+        outs.append(str(out))
+    res = CliRunner().invoke(app, ["merge", str(tmp_path / "m.parquet"), *outs])
+    assert res.exit_code == 2 and "tensor_parallel_size" in " ".join(res.output.split()), res.output
