@@ -105,7 +105,7 @@ class EngineConfig:
     # ranks one model is split over (engine/tensor_parallel.py); 1 = one device, the plain single-process engine
     tensor_parallel_size: int = option(
         1, "Split the model over N ranks (tensor parallelism on torch.distributed: NCCL on CUDA, one GPU per rank; "
-        "gloo on the CPU). Results are exact within a degree.", "--tensor-parallel", "--tensor-parallel-size",
+        "gloo on the CPU). Results are exact within a degree.", "--tensor-parallel",
         show=True, at_least=1)
 
     def __post_init__(self) -> None:

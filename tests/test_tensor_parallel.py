@@ -1,7 +1,7 @@
 """Tensor parallelism (issue 29) on the CPU: gloo, 2 ranks, tiny random models.
 
 - degree 2 against degree 1: fp32 logprobs within 1e-5, ranks and top-K ids equal but at near-ties, for the Llama-family variants
-  (untied / tied head, q/k norms, qkv bias, llama3 rope, Phi-3's fused checkpoint, one KV head replicated on both
+  (untied / tied head, q/k norms, qkv bias, Phi-3's fused checkpoint, one KV head replicated on both
   ranks) and greedy generation;
 - the batch-invariance matrix of tests/test_invariance.py (alone, batches, shuffled, warm cache, budgets,
   preemption, one thread) at degree 2, every column exact;
@@ -57,7 +57,7 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "llama3", "phi3", "mqa"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "phi3", "mqa"])
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
     where two logits lie within that rounding of each other."""
@@ -235,3 +235,79 @@ def test_cli_records_the_degree_and_merge_refuses_mixed_degrees(tmp_path, write_
         outs.append(str(out))
     res = CliRunner().invoke(app, ["merge", str(tmp_path / "m.parquet"), *outs])
     assert res.exit_code == 2 and "tensor_parallel_size" in " ".join(res.output.split()), res.output
+
+
+def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, write_jsonl, tiny_model_dir,
+                                                                   monkeypatch) -> None:
+    """The worker is killed at the 4th step: a clear error (exit 1), the finished rows kept; --resume (on fresh
+    ranks) completes the file, bitwise what one uninterrupted degree-2 run writes."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+    from apcscore.engine.tensor_parallel import current_group
+    from apcscore.engine.tp_runner import ShardRunner
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i + 1)}
+                                              for i in range(10)])
+    args = ["--model", str(tiny_model_dir("llama")), "--quiet", "--tensor-parallel", "2", "--max-batch-tokens",
+            "32", "--max-num-seqs", "2", "--num-kv-blocks", "256", "--prompt-logprobs", "2"]
+    whole = tmp_path / "whole.parquet"
+    assert CliRunner().invoke(app, ["score", str(data), "--out", str(whole), *args]).exit_code == 0
+    steps = {"n": 0}
+    forward = ShardRunner._forward
+
+    def dying(self, batch):  # type: ignore[no-untyped-def]
+        steps["n"] += 1
+        if steps["n"] == 4:
+            for proc in current_group().processes:
+                proc.kill()
+                proc.join()
+        return forward(self, batch)
+
+    monkeypatch.setattr(ShardRunner, "_forward", dying)
+    out = tmp_path / "o.parquet"
+    res = CliRunner().invoke(app, ["score", str(data), "--out", str(out), *args])
+    assert res.exit_code == 1, res.output
+    assert "a tensor-parallel rank ended or stopped answering" in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output
+    kept = sum(pq.read_table(part).num_rows for part in (tmp_path / "o.parquet.partial").glob("*.parquet"))
+    assert 0 < kept < 10
+    monkeypatch.setattr(ShardRunner, "_forward", forward)
+    res = CliRunner().invoke(app, ["score", str(data), "--out", str(out), "--resume", *args])
+    assert res.exit_code == 0, res.output
+    a, b = pq.read_table(whole), pq.read_table(out)
+    for name in ("id", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "sum_logprob"):
+        assert a.column(name).to_pylist() == b.column(name).to_pylist(), name
+
+
+def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
+    """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
+    within 1e-5 of degree 1, and exact across budgets, shuffled order and preemption."""
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()  # one process drives one degree at a time
+    path = str(tiny_model_dir("llama"))
+    # decoding 8 tokens carries each past a block boundary, so the tight pool below must preempt
+    requests = score_requests(make_prompts([13, 29, 60, 155], 49152, seed=13))
+    from test_invariance import assert_same, columns
+
+    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
+    four = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)
+    worst = max(float(np.abs(one[r].prompt_logprobs.token_logprobs - four[r].prompt_logprobs.token_logprobs)
+                      .max(initial=0)) for r in one)
+    print(f"degree 4 vs 1 max |d logprob| {worst:.2e}")
+    assert 0 < worst <= 1e-5
+    # the matrix, lighter (four ranks share two cores): a budget of 7 (the shorter prompts), reversed order in a
+    # tight pool that preempts
+    want = {r: columns(o) for r, o in four.items()}
+    short = requests[:3]
+    budget = Engine.from_model(path, EngineConfig(**{**BASE, "max_batch_tokens": 7}, tensor_parallel_size=4))
+    assert_same({o.request_id: columns(o) for o in budget.run(short)}, {r.request_id: want[r.request_id]
+                                                                       for r in short}, "budget 7")
+    held = [Request(r.request_id, r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
+                    sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for r in requests[::-1]]
+    tight = Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
+                                                 tensor_parallel_size=4))
+    assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
+    assert tight.stats.preemptions > 0

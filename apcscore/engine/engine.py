@@ -81,10 +81,11 @@ class Engine:
         store_per_block = store_bytes_per_block(config.block_size, model.config.hidden_size,
                                                 torch.finfo(dtype).bits // 8, config.max_logprobs) \
             if config.exact_reuse else 0
+        pool_config = model.config if parallel is None else parallel[0].pool_config()  # (a rank's heads)
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
-            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile,
+            pool_config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile,
             host_bytes_per_block=store_per_block)
-        check_kv_pool(model.config, num_blocks, config.block_size, dtype, device, store_per_block)
+        check_kv_pool(pool_config, num_blocks, config.block_size, dtype, device, store_per_block)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.store = ScoreStore() if config.exact_reuse else None
         if self.store is not None:
@@ -171,7 +172,8 @@ class Engine:
         info = ModelInfo(
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,
-            num_parameters=sum(p.numel() for p in model.parameters()),
+            num_parameters=sum(p.numel() for p in (model if parallel is None else  # (a rank holds a part)
+                                                    decoder_class(hf_config)(hf_config, ops, device="meta")).parameters()),
             sliding_window=capping_window(hf_config, config, window_cap),
         )
         return cls(model, tokenizer, config, info, device, dtype, ops, parallel)

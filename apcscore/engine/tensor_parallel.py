@@ -32,7 +32,7 @@ import torch
 
 from apcscore.errors import ApcscoreError
 from apcscore.engine.tp_runner import Shard, torchrun_env
-from apcscore.models.tensor_parallel import TensorParallel
+from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 TIMEOUT = timedelta(minutes=30)  # of one collective: a step of a large model on the CPU can be long
 
@@ -71,13 +71,17 @@ class RankGroup:
 
         drops, self.dropped[:] = list(self.dropped), []
         self.check_alive()
-        dist.broadcast_object_list([(key, op, args, drops)], src=0)
+        try:
+            dist.broadcast_object_list([(key, op, args, drops)], src=0)
+        except RuntimeError as e:
+            raise RanksFailed(e) from e
 
     def check_alive(self) -> None:
-        dead = [p for p in self.processes if not p.is_alive()]
+        """Refuse to go on when a spawned rank has ended (RanksFailed)."""
+        dead = [(r, p) for r, p in enumerate(self.processes, 1) if not p.is_alive()]
         if dead:
-            raise ApcscoreError(f"tensor-parallel rank process {dead[0].pid} ended (exit code {dead[0].exitcode}); "
-                                "the run cannot go on without it")
+            rank, proc = dead[0]
+            raise RanksFailed(f"rank {rank}, process {proc.pid}, exited with code {proc.exitcode}")
 
     def shutdown(self) -> None:
         """Tell the workers to exit, wait for them, and leave the process group."""
@@ -88,6 +92,8 @@ class RankGroup:
         try:
             if all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
+        except RuntimeError:  # a rank already gone: nothing to tell it
+            pass
         finally:
             for p in self.processes:
                 p.join(timeout=30)
@@ -105,6 +111,8 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
     import torch.distributed as dist
 
     global _GROUP
+    if _GROUP is not None and not all(p.is_alive() for p in _GROUP.processes):
+        _GROUP.shutdown()  # a rank died (the run that saw it failed): start afresh
     if _GROUP is not None:
         if _GROUP.tp.world_size != world_size:
             raise ApcscoreError(f"this process already drives {_GROUP.tp.world_size} tensor-parallel ranks; one "
@@ -136,6 +144,11 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
     _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes)
     atexit.register(_shutdown_at_exit)
+    return _GROUP
+
+
+def current_group() -> RankGroup | None:
+    """This process's ranks, if started."""
     return _GROUP
 
 

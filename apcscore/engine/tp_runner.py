@@ -10,6 +10,7 @@ workers index their own copy by the row numbers rank 0 sends; only rank 0 keeps 
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -137,6 +138,16 @@ class Shard:
         self.runner = ShardRunner(self.model, self.tp, group, key, num_kv_blocks=num_kv_blocks, device=self.device,
                                   dtype=self.dtype, logprob_fn=self.ops.token_logprobs, **runner)
         return self.runner
+
+    def pool_config(self) -> Any:
+        """The model config the KV pool is sized with: on CUDA this rank's heads (each rank's pool lives on its own
+        device); on the CPU the whole model's (the ranks' pools share the host's memory)."""
+        if self.device.type != "cuda":
+            return self.model.config
+        attn = self.model.layers[0].self_attn
+        cfg = copy.copy(self.model.config)
+        cfg.num_key_value_heads, cfg.head_dim = attn.num_kv_heads, attn.head_dim
+        return cfg
 
     def profile(self, step: dict[str, Any], group: Any = None, key: int = 0) -> int:
         """The largest step's peak memory on this rank (CUDA KV pool sizing); rank 0 gets the largest of all."""

@@ -34,6 +34,16 @@ from apcscore.models.weights import ShardSpec
 SHARDABLE = ("LlamaDecoder", "Phi3Decoder")
 
 
+class RanksFailed(ApcscoreError):
+    """A collective failed: another rank ended or stopped answering. The run cannot go on (exit 1); the driver
+    keeps the finished rows."""
+
+    def __init__(self, cause: BaseException | str) -> None:
+        why = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"a tensor-parallel rank ended or stopped answering ({why}); the run cannot go on without "
+                         "it — rerun the same command plus --resume to continue from the rows saved", exit_code=1)
+
+
 @dataclass(frozen=True)
 class TensorParallel:
     """This process's place among the ranks: `rank` of `world_size`, over `group` (None: torch.distributed's
@@ -49,7 +59,10 @@ class TensorParallel:
 
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x, group=self.group)
+        try:
+            dist.all_gather(parts, x, group=self.group)
+        except RuntimeError as e:  # gloo / NCCL: a peer died (connection reset) or timed out
+            raise RanksFailed(e) from e
         return parts
 
     def gather_sum(self, x: torch.Tensor) -> torch.Tensor:
