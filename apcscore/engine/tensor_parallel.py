@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
+import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -137,10 +138,13 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         init = f"file://{rendezvous.name}"
         threads = max(1, torch.get_num_threads() // world_size)
         ctx = mp.get_context("spawn")
+        ready = [ctx.Event() for _ in range(1, world_size)]
         for rank in range(1, world_size):
-            proc = ctx.Process(target=worker_main, args=(rank, world_size, init, backend, threads), daemon=True)
+            proc = ctx.Process(target=worker_main, args=(rank, world_size, init, backend, threads, ready[rank - 1]),
+                               daemon=True)
             proc.start()
             processes.append(proc)
+        _wait_ready(processes, ready)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
     _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes)
     atexit.register(_shutdown_at_exit)
@@ -162,10 +166,27 @@ def _shutdown_at_exit() -> None:
     shutdown_ranks()
 
 
-def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int) -> None:
+def _wait_ready(processes: list[Any], ready: list[Any]) -> None:
+    """Wait until every spawned rank runs apcscore's code; a rank that ends first is refused with the likely cause
+    (rather than a rendezvous that waits for it until the timeout)."""
+    while not all(event.is_set() for event in ready):
+        for rank, proc in enumerate(processes, 1):
+            if not proc.is_alive() and not ready[rank - 1].is_set():
+                for other in processes:
+                    other.kill()
+                raise ApcscoreError(
+                    f"tensor-parallel rank {rank} ended while starting (exit code {proc.exitcode}). The ranks are "
+                    "new Python processes (spawn) that import the main module first: a script that builds an "
+                    "engine must do so under `if __name__ == \"__main__\":`", exit_code=1)
+        time.sleep(0.02)
+
+
+def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int, ready: Any = None) -> None:
     """A spawned worker: join the group, then serve rank 0 until it says shutdown."""
     import torch.distributed as dist
 
+    if ready is not None:
+        ready.set()  # (the main module and apcscore are imported: rank 0 may rendezvous now)
     torch.set_num_threads(threads)  # the ranks share the machine's cores (the thread count does not change bits)
     if backend == "nccl":
         torch.cuda.set_device(rank)
