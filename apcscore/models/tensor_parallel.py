@@ -30,8 +30,10 @@ from apcscore.errors import ApcscoreError
 from apcscore.models.llama import Attention, Linear, LlamaDecoder, MLP
 from apcscore.models.weights import ShardSpec
 
-# the decoder classes whose layers shard_decoder knows (the Llama family and Phi-3, which shares its layers)
-SHARDABLE = ("LlamaDecoder", "Phi3Decoder")
+# the decoder classes whose layers shard_decoder knows: the Llama family, Phi-3 (Llama's layers) and Gemma 2/3 (whose
+# attention has the same attributes and whose MLP sits on the layer; soft-caps, windows and q/k norms are per head
+# or per logit, so they run on a rank's heads or vocabulary rows unchanged)
+SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder")
 
 
 class RanksFailed(ApcscoreError):
@@ -93,8 +95,8 @@ def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> s
         return None
     n = world_size
     if decoder.__name__ not in SHARDABLE:
-        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3) and Phi-3 so "
-                f"far, not for {decoder.__name__}; run it with --tensor-parallel 1")
+        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3 and "
+                f"Gemma 2/3 so far, not for {decoder.__name__}; run it with --tensor-parallel 1")
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % n:
@@ -142,7 +144,7 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
-def _shard_attention(attn: Attention, tp: TensorParallel, device: Any) -> None:
+def _shard_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
     heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     n, r = tp.world_size, tp.rank
     hq = heads // n
@@ -160,7 +162,9 @@ def _shard_attention(attn: Attention, tp: TensorParallel, device: Any) -> None:
     attn.q_size, attn.kv_size = hq * d, hkv * d
 
 
-def _shard_mlp(mlp: MLP, tp: TensorParallel, device: Any) -> None:
+def _shard_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
+    """The gate/up and down projections of `mlp` (a module with gate_up_proj, down_proj and intermediate: Llama's
+    MLP, or a Gemma layer itself)."""
     inter = mlp.intermediate
     n, r = tp.world_size, tp.rank
     part = inter // n
@@ -181,7 +185,7 @@ def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
     device = model.embed_tokens.weight.device
     for layer in model.layers:
         _shard_attention(layer.self_attn, tp, device)
-        _shard_mlp(layer.mlp, tp, device)
+        _shard_mlp(getattr(layer, "mlp", layer), tp, device)
     vocab = model.config.vocab_size
     start, end = vocab_range(vocab, tp.rank, tp.world_size)
     model.vocab_range = (start, end)
