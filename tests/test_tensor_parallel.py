@@ -26,7 +26,7 @@ import torch
 from apcscore import Engine, EngineConfig, Request, SamplingParams
 from apcscore.errors import ApcscoreError
 
-from test_invariance import Matrix, make_prompts, score_requests
+from test_invariance import Matrix, assert_same, make_prompts, run, score_requests
 
 BASE = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16)
 
@@ -83,6 +83,19 @@ def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> No
     print(f"{arch}: degree 2 vs 1 max |d logprob| {worst:.2e}, ranks moved at {rank_moves} of {positions}")
     assert rank_moves <= 0.05 * positions
     assert 0 < worst <= 1e-5  # 0 would mean degree 2 ran the degree-1 path
+
+
+def test_a_state_dict_gives_the_bits_of_a_directory(tiny_model_dir) -> None:
+    """Engine.from_parts at degree 2 (the state dict sent to every rank, sliced there) gives bitwise what the
+    directory (each rank reading its safetensors slices) gives."""
+    from apcscore.models.loading import load_config, load_state_dict, load_tokenizer
+
+    path = tiny_model_dir("qwen2")
+    config = EngineConfig(**BASE, tensor_parallel_size=2)
+    requests = score_requests(make_prompts([3, 40], 49152, seed=14))
+    from_dir = run(Engine.from_model(str(path), config), requests)
+    parts = Engine.from_parts(load_config(path), load_state_dict(path), load_tokenizer(path), config)
+    assert_same(run(parts, requests), from_dir, "state dict")
 
 
 def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
@@ -290,7 +303,7 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     path = str(tiny_model_dir("llama"))
     # decoding 8 tokens carries each past a block boundary, so the tight pool below must preempt
     requests = score_requests(make_prompts([13, 29, 60, 155], 49152, seed=13))
-    from test_invariance import assert_same, columns
+    from test_invariance import columns
 
     one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
     four = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)

@@ -34,6 +34,7 @@ from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import LazyCheckpoint, eos_token_ids
 from apcscore.models.tensor_parallel import check_tensor_parallel
 
+
 def check_parallel(hf_config: Any, config: EngineConfig, device: torch.device) -> None:
     """Refuse a tensor-parallel configuration that cannot run, before any weights are read; under torchrun, a rank
     other than 0 becomes a worker here (engine/tensor_parallel.serve_if_worker) and never returns."""
@@ -169,11 +170,12 @@ class Engine:
             model = build_decoder(hf_config, ops, max_len, device, dtype, state_dict, rope, consume_state)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool is sized from free memory: return what loading cached
+        # the parameter count of the whole model (a rank holds a part: count a copy built on "meta", free)
+        whole = model if parallel is None else decoder_class(hf_config)(hf_config, ops, device="meta")
         info = ModelInfo(
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,
-            num_parameters=sum(p.numel() for p in (model if parallel is None else  # (a rank holds a part)
-                                                    decoder_class(hf_config)(hf_config, ops, device="meta")).parameters()),
+            num_parameters=sum(p.numel() for p in whole.parameters()),
             sliding_window=capping_window(hf_config, config, window_cap),
         )
         return cls(model, tokenizer, config, info, device, dtype, ops, parallel)

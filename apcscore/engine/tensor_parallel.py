@@ -105,6 +105,7 @@ class RankGroup:
 
 
 _GROUP: RankGroup | None = None
+_EXIT_HOOK: list[bool] = []  # the atexit hook is registered once per process
 
 
 def rank_group(world_size: int, device: torch.device) -> RankGroup:
@@ -146,8 +147,10 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
             processes.append(proc)
         _wait_ready(processes, ready)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
+    if _GROUP is None and not _EXIT_HOOK:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOK.append(True)
     _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes)
-    atexit.register(_shutdown_at_exit)
     return _GROUP
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -170,6 +170,7 @@ class Shard:
 
 def load_args(hf_config: Any, state: Any, rope: Any, max_positions: int, config: EngineConfig,
               dtype: torch.dtype, device: torch.device) -> LoadArgs:
-    """LoadArgs for `state`: a LazyCheckpoint travels as its directory (each rank opens it), a dict as itself."""
+    """LoadArgs for `state`: a LazyCheckpoint travels as its directory (each rank opens it and reads its slices);
+    a state dict travels whole to every rank (pickled: for tests and small models, Engine.from_parts)."""
     weights = str(state.path) if isinstance(state, LazyCheckpoint) else dict(state)
-    return LoadArgs(hf_config, weights, rope, max_positions, replace(config), dtype, device.type)
+    return LoadArgs(hf_config, weights, rope, max_positions, config, dtype, device.type)
