@@ -57,7 +57,7 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "phi3", "gemma2", "gemma3", "mqa"])
+@pytest.mark.parametrize("arch", ["mqa", "qwen3", "qwen2", "phi3", "gemma2", "gemma3"])  # (mqa: an untied Llama)
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
     where two logits lie within that rounding of each other."""
@@ -115,8 +115,8 @@ def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
 def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
     """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
     matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512)
-    prompts = make_prompts([1, 16, 17, 65, 333], 49152, seed=3)
-    matrix.check(score_requests, prompts, (1, 16, 57, 4096), long_budget_limit=17)
+    prompts = make_prompts([1, 17, 65, 333], 49152, seed=3)
+    matrix.check(score_requests, prompts, (1, 57, 4096), long_budget_limit=17)
 
 
 def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
@@ -125,7 +125,7 @@ def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
 
     matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512)
     prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)
-    matrix.check(lambda p: generate_requests(p, True), prompts, (1, 57, 4096), long_budget_limit=17)
+    matrix.check(lambda p: generate_requests(p, True), prompts, (1, 4096), long_budget_limit=17)
 
 
 class ThreadRanks:
