@@ -27,13 +27,15 @@ import torch
 from torch import nn
 
 from apcscore.errors import ApcscoreError
-from apcscore.models.llama import Attention, Linear, LlamaDecoder, MLP
+from apcscore.models.llama import MLP, Attention, Linear, LlamaDecoder, RMSNorm
 from apcscore.models.weights import ShardSpec
 
 # the decoder classes whose layers shard_decoder knows: the Llama family, Phi-3 (Llama's layers) and Gemma 2/3 (whose
 # attention has the same attributes and whose MLP sits on the layer; soft-caps, windows and q/k norms are per head
 # or per logit, so they run on a rank's heads or vocabulary rows unchanged)
-SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder")
+SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder")
+# decoders whose q/k norms span the whole projection (all heads): a rank gathers q and k to norm them (GatheredRMSNorm)
+WHOLE_PROJECTION_NORMS = ("Olmo2Decoder",)
 
 
 class RanksFailed(ApcscoreError):
@@ -95,8 +97,8 @@ def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> s
         return None
     n = world_size
     if decoder.__name__ not in SHARDABLE:
-        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3 and "
-                f"Gemma 2/3 so far, not for {decoder.__name__}; run it with --tensor-parallel 1")
+        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3, "
+                f"Gemma 2/3, OLMo 2 and GPT-NeoX so far, not for {decoder.__name__}; run it with --tensor-parallel 1")
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % n:
@@ -144,6 +146,32 @@ class RowParallelLinear(Linear):
         return out if self.bias is None else out + self.bias
 
 
+class GatheredRMSNorm(RMSNorm):
+    """An RMSNorm over a projection split across ranks (OLMo 2's q/k norms span all heads): the ranks' parts are
+    gathered into the whole projection (a concatenation: no arithmetic), normed as on one device, and this rank's
+    columns kept. `sources`: the ranks whose parts make up the whole, in order (replicated KV heads once each)."""
+
+    def __init__(self, norm: RMSNorm, tp: TensorParallel, sources: list[int], device: Any) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps, norm.norm_fn, device)
+        self.tp, self.sources = tp, sources
+        # this rank's place in the whole: its own part, or (a replicated KV head) that of the first rank holding it
+        self.at = max(i for i, r in enumerate(sources) if r <= tp.rank)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        parts = self.tp.gather(x)  # [T, local] each
+        whole = torch.cat([parts[r] for r in self.sources], dim=-1)  # [T, full]
+        local = x.shape[-1]
+        return super().forward(whole)[..., self.at * local:(self.at + 1) * local]
+
+
+def _gather_qk_norms(attn: nn.Module, tp: TensorParallel, kv: int) -> None:
+    n = tp.world_size
+    kv_sources = list(range(n)) if kv >= n else [j * (n // kv) for j in range(kv)]
+    device = attn.q_norm.weight.device
+    attn.q_norm = GatheredRMSNorm(attn.q_norm, tp, list(range(n)), device)
+    attn.k_norm = GatheredRMSNorm(attn.k_norm, tp, kv_sources, device)
+
+
 def _shard_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
     heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     n, r = tp.world_size, tp.rank
@@ -178,13 +206,42 @@ def _shard_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
     mlp.intermediate = part
 
 
+def _shard_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None:
+    """GPT-NeoX: its checkpoint's query_key_value holds [q | k | v] per head, so a rank's heads are one contiguous
+    block of rows (models.gpt_neox regroups them after reading); the MLP is up / down with biases."""
+    attn, n, r = layer.self_attn, tp.world_size, tp.rank
+    heads, d = attn.num_heads, attn.head_dim
+    hq = heads // n
+    qkv, o = attn.qkv_proj, attn.o_proj
+    attn.qkv_proj = ColumnParallelLinear(qkv.weight.shape[1], ShardSpec(0, ((r * hq * 3 * d, hq * 3 * d),),
+                                                                        3 * heads * d),
+                                         qkv.bias is not None, qkv.linear_fn, device)
+    attn.o_proj = RowParallelLinear(ShardSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
+                                    o.bias is not None, o.linear_fn, tp, device)
+    attn.num_heads = attn.num_kv_heads = hq
+    inter = layer.up.weight.shape[0]
+    part = inter // n
+    up, down = layer.up, layer.down
+    layer.up = ColumnParallelLinear(up.weight.shape[1], ShardSpec(0, ((r * part, part),), inter),
+                                    up.bias is not None, up.linear_fn, device)
+    layer.down = RowParallelLinear(ShardSpec(1, ((r * part, part),), inter), down.weight.shape[0],
+                                   down.bias is not None, down.linear_fn, tp, device)
+
+
 def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
     """Make `model` (built on "meta", before `materialize`) rank tp.rank's shard: its layers' projections and
     head hold this rank's parts, which `load_hf_weights` then reads (models.weights.param_shards)."""
     check_tensor_parallel(model.config, type(model), tp.world_size)
     device = model.embed_tokens.weight.device
+    whole_norms = type(model).__name__ in WHOLE_PROJECTION_NORMS
     for layer in model.layers:
+        if type(model).__name__ == "GPTNeoXDecoder":
+            _shard_neox_layer(layer, tp, device)
+            continue
+        kv = layer.self_attn.num_kv_heads  # (before sharding)
         _shard_attention(layer.self_attn, tp, device)
+        if whole_norms:
+            _gather_qk_norms(layer.self_attn, tp, kv)
         _shard_mlp(getattr(layer, "mlp", layer), tp, device)
     vocab = model.config.vocab_size
     start, end = vocab_range(vocab, tp.rank, tp.world_size)
