@@ -3,7 +3,7 @@
 - degree 2 against degree 1: fp32 logprobs within 1e-5, ranks and top-K ids equal but at near-ties, for the
   Llama-family variants (untied / tied head, q/k norms, qkv bias, Phi-3's fused checkpoint, one KV head replicated
   on both ranks), Gemma 2 (soft-caps), Gemma 3 (windows), OLMo 2 (q/k norms over all heads), GPT-NeoX (per-head fused qkv, biases, parallel
-  residual), and greedy generation;
+  residual), Mixtral and Qwen2-MoE (experts split, a shared expert, a dense layer), and greedy generation;
 - the batch-invariance matrix of tests/test_invariance.py (alone, batches, shuffled, warm cache, budgets,
   preemption, one thread) at degree 2, every column exact;
 - the vocabulary-parallel logprobs against the one-device definition on logits full of ties (ranks, top-K across
@@ -58,7 +58,8 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["mqa", "qwen3", "qwen2", "phi3", "gemma2", "gemma3", "olmo2", "neox"])  # (mqa: an untied Llama)
+@pytest.mark.parametrize("arch", ["mqa", "qwen3", "qwen2", "phi3", "gemma2", "gemma3", "olmo2", "neox", "mixtral",
+                                  "qwen2_moe"])  # (mqa: an untied Llama)
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
     where two logits lie within that rounding of each other."""
@@ -222,8 +223,6 @@ def test_refusals_before_any_load(tiny_model_dir) -> None:
         EngineConfig(model_backend="transformers", tensor_parallel_size=2)
     with pytest.raises(ApcscoreError, match="needs the native engine, and gpt2 runs through the transformers"):
         load_engine(str(tiny_model_dir("gpt2")), EngineConfig(**BASE, tensor_parallel_size=2))
-    with pytest.raises(ApcscoreError, match="implemented for the Llama family.*not for MoeDecoder"):
-        Engine.from_model(str(tiny_model_dir("mixtral")), EngineConfig(**BASE, tensor_parallel_size=2))
     if torch.cuda.device_count() < 4:
         with pytest.raises(ApcscoreError, match=r"needs 4 CUDA devices \(one per rank\)"):
             check_devices(4, torch.device("cuda"))

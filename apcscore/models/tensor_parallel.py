@@ -33,7 +33,7 @@ from apcscore.models.weights import ShardSpec
 # the decoder classes whose layers shard_decoder knows: the Llama family, Phi-3 (Llama's layers) and Gemma 2/3 (whose
 # attention has the same attributes and whose MLP sits on the layer; soft-caps, windows and q/k norms are per head
 # or per logit, so they run on a rank's heads or vocabulary rows unchanged)
-SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder")
+SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder", "MoeDecoder")
 # decoders whose q/k norms span the whole projection (all heads): a rank gathers q and k to norm them (GatheredRMSNorm)
 WHOLE_PROJECTION_NORMS = ("Olmo2Decoder",)
 
@@ -98,7 +98,8 @@ def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> s
     n = world_size
     if decoder.__name__ not in SHARDABLE:
         return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3, "
-                f"Gemma 2/3, OLMo 2 and GPT-NeoX so far, not for {decoder.__name__}; run it with --tensor-parallel 1")
+                f"Gemma 2/3, OLMo 2, GPT-NeoX, Mixtral and Qwen2-MoE, not for {decoder.__name__}; run it with "
+                "--tensor-parallel 1")
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % n:
@@ -106,9 +107,10 @@ def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> s
     if kv % n and n % kv:
         return (f"--tensor-parallel {n} and the model's {kv} KV heads: one must divide the other (each rank holds "
                 f"whole KV heads, replicated when there are fewer than ranks)")
-    if hf_config.intermediate_size % n:
-        return (f"--tensor-parallel {n} does not divide the model's intermediate size {hf_config.intermediate_size}; "
-                "choose a divisor of it")
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(hf_config, key, None) or 0
+        if size % n:
+            return f"--tensor-parallel {n} does not divide the model's {key} {size}; choose a divisor of it"
     if vocab_range(hf_config.vocab_size, n - 1, n)[0] >= hf_config.vocab_size:
         return f"--tensor-parallel {n} leaves a rank no rows of the model's {hf_config.vocab_size}-entry vocabulary"
     return None
@@ -206,6 +208,24 @@ def _shard_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
     mlp.intermediate = part
 
 
+def _shard_experts(moe: nn.Module, tp: TensorParallel) -> None:
+    """A sparse-MoE layer (models.moe.SparseMoe): every expert's intermediate split as a dense MLP's (gate/up rows,
+    down columns); the router and the routing are replicated, so every rank picks the same experts; the ranks'
+    partial outputs (each the weighted sum of its parts of the experts) are summed in rank order once per layer."""
+    inter, n, r = moe.intermediate, tp.world_size, tp.rank
+    part = inter // n
+    e, h = moe.num_experts, moe.down_proj.shape[1]
+    device = moe.down_proj.device
+    moe.gate_up_proj = nn.Parameter(torch.empty(e, 2 * part, h, device=device), requires_grad=False)
+    moe.down_proj = nn.Parameter(torch.empty(e, h, part, device=device), requires_grad=False)
+    moe.expert_shards = (ShardSpec(0, ((r * part, part), (inter + r * part, part)), 2 * inter),
+                         ShardSpec(1, ((r * part, part),), inter))
+    moe.intermediate = part
+    moe.tp = tp
+    if moe.shared_expert is not None:
+        _shard_mlp(moe.shared_expert, tp, device)
+
+
 def _shard_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None:
     """GPT-NeoX: its checkpoint's query_key_value holds [q | k | v] per head, so a rank's heads are one contiguous
     block of rows (models.gpt_neox regroups them after reading); the MLP is up / down with biases."""
@@ -242,7 +262,11 @@ def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
         _shard_attention(layer.self_attn, tp, device)
         if whole_norms:
             _gather_qk_norms(layer.self_attn, tp, kv)
-        _shard_mlp(getattr(layer, "mlp", layer), tp, device)
+        mlp = getattr(layer, "mlp", layer)
+        if hasattr(mlp, "expert_shards"):
+            _shard_experts(mlp, tp)
+        else:
+            _shard_mlp(mlp, tp, device)
     vocab = model.config.vocab_size
     start, end = vocab_range(vocab, tp.rank, tp.world_size)
     model.vocab_range = (start, end)

@@ -105,7 +105,7 @@ class WeightCopier:
                 lo, hi = max(start, offset), min(start + length, offset + size)
                 if lo < hi:
                     a, b = lo - offset, hi - offset
-                    piece = src[a:b] if spec.dim == 0 else src[:, a:b]
+                    piece = src[(slice(None),) * spec.dim + (slice(a, b),)]
                     param.narrow(spec.dim, at, hi - lo).copy_(piece)
                     at += hi - lo
                 offset += size
