@@ -1,15 +1,17 @@
-"""Tensor parallelism (issue 29) on the CPU: gloo, 2 ranks, tiny random models.
+"""Tensor parallelism (issue 29) on the CPU: gloo, 2 ranks (4 in the last test), tiny random models.
 
 - degree 2 against degree 1: fp32 logprobs within 1e-5, ranks and top-K ids equal but at near-ties, for the
   Llama-family variants (untied / tied head, q/k norms, qkv bias, Phi-3's fused checkpoint, one KV head replicated
-  on both ranks), Gemma 2 (soft-caps), Gemma 3 (windows), OLMo 2 (q/k norms over all heads), GPT-NeoX (per-head fused qkv, biases, parallel
-  residual), Mixtral and Qwen2-MoE (experts split, a shared expert, a dense layer), and greedy generation;
+  on both ranks), Gemma 2 (soft-caps), OLMo 2 (q/k norms over all heads), GPT-NeoX (per-head fused qkv, biases,
+  parallel residual), Qwen2-MoE (experts split, a shared expert, a dense layer), and greedy generation;
 - the batch-invariance matrix of tests/test_invariance.py (alone, batches, shuffled, warm cache, budgets,
   preemption, one thread) at degree 2, every column exact;
 - the vocabulary-parallel logprobs against the one-device definition on logits full of ties (ranks, top-K across
   shard boundaries and the K-th place), the ranks simulated by threads;
 - sharded loading reads only this rank's slices of the sharded weights, and they are the right ones;
-- the refusals before any load, the metadata's degree and merge refusing mixed degrees.
+- the refusals before any load, the metadata's degree and merge refusing mixed degrees;
+- a rank killed mid-run: one clear error, the finished rows kept, --resume bitwise an uninterrupted run;
+- degree 4 (four partial sums: where their order matters): against degree 1, and exact across order and preemption.
 
 The ranks start once for the module (the process keeps its group; engines after the first reuse it) and stop at
 its end.
@@ -29,7 +31,7 @@ from apcscore.errors import ApcscoreError
 
 from test_invariance import Matrix, assert_same, make_prompts, run, score_requests
 
-BASE = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16)
+BASE = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16, max_batch_tokens=512)  # (a short probe)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -58,13 +60,14 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
     return out
 
 
-@pytest.mark.parametrize("arch", ["mqa", "qwen3", "qwen2", "phi3", "gemma2", "gemma3", "olmo2", "neox", "mixtral",
-                                  "qwen2_moe"])  # (mqa: an untied Llama)
+# one model per mechanism (CI time): Gemma 3 (windows) and Mixtral (fp32 routing weights) pass too, run once:
+# max |d logprob| 6.7e-6 and 5.7e-6
+@pytest.mark.parametrize("arch", ["mqa", "qwen3", "qwen2", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])  # (mqa: an untied Llama)
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
     where two logits lie within that rounding of each other."""
     path = str(mqa_dir if arch == "mqa" else tiny_model_dir(arch))
-    requests = score_requests(make_prompts([1, 2, 17, 64, 200], 49152, seed=11))
+    requests = score_requests(make_prompts([1, 33, 100], 49152, seed=11))
     one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
     two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
     worst, rank_moves, positions = 0.0, 0, 0
@@ -75,7 +78,7 @@ def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> No
             worst = max(worst, float(np.abs(pa.token_logprobs - pb.token_logprobs).max()),
                         float(np.abs(pa.top_logprobs - pb.top_logprobs).max()))
         # a rank counts logits strictly above the target's: among 49,152 random logits a neighbour within the
-        # 1e-6 that the degrees differ by sometimes swaps sides (measured: 0-5 of 279 positions, by 1 or 2). The
+        # 1e-6 that the degrees differ by sometimes swaps sides (measured: 0-6 of ~280 positions, by 1 or 2). The
         # definition itself is checked exactly on shared logits (test_vocab_parallel_logprobs_match_one_device_on_ties)
         moved = pa.ranks != pb.ranks
         rank_moves += int(moved.sum())
@@ -102,8 +105,8 @@ def test_a_state_dict_gives_the_bits_of_a_directory(tiny_model_dir) -> None:
 
 def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
     path = str(tiny_model_dir("llama"))
-    prompts = make_prompts([1, 9, 40, 120], 49152, seed=12, shared=16)
-    requests = [Request(i, p, sampling=SamplingParams(max_tokens=8, logprobs=3, ignore_eos=True))
+    prompts = make_prompts([9, 120], 49152, seed=12, shared=16)
+    requests = [Request(i, p, sampling=SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
                 for i, p in enumerate(prompts)]
     one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
     two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
@@ -116,7 +119,7 @@ def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
 
 def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
     """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
-    matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512)
+    matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512, max_batch_tokens=512)
     prompts = make_prompts([1, 17, 65, 333], 49152, seed=3)
     matrix.check(score_requests, prompts, (1, 57, 4096), long_budget_limit=17)
 
@@ -125,7 +128,7 @@ def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
     """Seeded sampling with logprobs (the gathered sampling logits) under the same matrix."""
     from test_invariance import generate_requests
 
-    matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512)
+    matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512, max_batch_tokens=512)
     prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)
     matrix.check(lambda p: generate_requests(p, True), prompts, (1, 4096), long_budget_limit=17)
 
@@ -296,7 +299,7 @@ def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, wri
 
 def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
-    within 1e-5 of degree 1, and exact across budgets, shuffled order and preemption."""
+    within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
     from apcscore.engine.tensor_parallel import shutdown_ranks
 
     shutdown_ranks()  # one process drives one degree at a time
@@ -311,13 +314,9 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
                       .max(initial=0)) for r in one)
     print(f"degree 4 vs 1 max |d logprob| {worst:.2e}")
     assert 0 < worst <= 1e-5
-    # the matrix, lighter (four ranks share two cores): a budget of 7 (the shorter prompts), reversed order in a
-    # tight pool that preempts
+    # the matrix, lighter (four ranks share two cores): reversed order in a tight pool that preempts, at a budget
+    # of 64 (the longer prompts in chunks)
     want = {r: columns(o) for r, o in four.items()}
-    short = requests[:3]
-    budget = Engine.from_model(path, EngineConfig(**{**BASE, "max_batch_tokens": 7}, tensor_parallel_size=4))
-    assert_same({o.request_id: columns(o) for o in budget.run(short)}, {r.request_id: want[r.request_id]
-                                                                       for r in short}, "budget 7")
     held = [Request(r.request_id, r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
                     sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for r in requests[::-1]]
     tight = Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
