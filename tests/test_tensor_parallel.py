@@ -8,6 +8,7 @@
   preemption, one thread) at degree 2, every column exact;
 - the vocabulary-parallel logprobs against the one-device definition on logits full of ties (ranks, top-K across
   shard boundaries and the K-th place), the ranks simulated by threads;
+- exact reuse and the score store at degree 2, bitwise a recompute;
 - sharded loading reads only this rank's slices of the sharded weights, and they are the right ones;
 - the refusals before any load, the metadata's degree and merge refusing mixed degrees;
 - a rank killed mid-run: one clear error, the finished rows kept, --resume bitwise an uninterrupted run;
@@ -103,6 +104,20 @@ def test_a_state_dict_gives_the_bits_of_a_directory(tiny_model_dir) -> None:
     assert_same(run(parts, requests), from_dir, "state dict")
 
 
+def test_exact_reuse_and_the_score_store_at_degree_2(tiny_model_dir) -> None:
+    """--exact-reuse at degree 2 (cached context blocks read, stored scores served, boundary rows scored from stored
+    hidden states broadcast to every rank), in chunks of 57 tokens: bitwise a full recompute at degree 2."""
+    from test_score_store import shared_prefix_requests
+
+    path = str(tiny_model_dir("llama"))
+    requests = shared_prefix_requests(n=4)
+    want = run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    reuse = Engine.from_model(path, EngineConfig(**{**BASE, "max_batch_tokens": 57}, exact_reuse=True,
+                                                 tensor_parallel_size=2))
+    assert_same(run(reuse, requests), want, "exact reuse")
+    assert reuse.block_manager.stats.score_store_hits > 0
+
+
 def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
     path = str(tiny_model_dir("llama"))
     prompts = make_prompts([9, 120], 49152, seed=12, shared=16)
@@ -120,7 +135,7 @@ def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
 def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
     """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
     matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512, max_batch_tokens=512)
-    prompts = make_prompts([1, 17, 65, 333], 49152, seed=3)
+    prompts = make_prompts([1, 17, 70, 333], 49152, seed=3)
     matrix.check(score_requests, prompts, (1, 57, 4096), long_budget_limit=17)
 
 
@@ -129,7 +144,7 @@ def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
     from test_invariance import generate_requests
 
     matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512, max_batch_tokens=512)
-    prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)
+    prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)  # (300: the tight pool preempts)
     matrix.check(lambda p: generate_requests(p, True), prompts, (1, 4096), long_budget_limit=17)
 
 
