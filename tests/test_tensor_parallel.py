@@ -312,6 +312,29 @@ def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, wri
         assert a.column(name).to_pylist() == b.column(name).to_pylist(), name
 
 
+def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_model_dir, monkeypatch) -> None:
+    """Rank 0 fails after the workers were told to score (they wait in a gather it never joins): the error
+    propagates, and the next engine ends those ranks and starts fresh ones at once instead of waiting for them."""
+    import time
+
+    from apcscore.engine import tp_runner
+
+    path = str(tiny_model_dir("llama"))
+    requests = score_requests(make_prompts([5, 30], 49152, seed=15))
+    want = run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+
+    def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tp_runner, "parallel_token_logprobs", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    monkeypatch.undo()
+    started = time.perf_counter()
+    assert_same(run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests), want, "after")
+    assert time.perf_counter() - started < 30
+
+
 def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
     within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
@@ -338,3 +361,4 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
                                                  tensor_parallel_size=4))
     assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
     assert tight.stats.preemptions > 0
+

@@ -54,6 +54,9 @@ class RankGroup:
     processes: list[Any] = field(default_factory=list)  # the workers apcscore spawned (none under torchrun)
     dropped: list[int] = field(default_factory=list)  # engines collected since the last call (keys to free)
     next_key: int = 1
+    # False once a call on rank 0 failed half-way: the workers may be waiting in a collective rank 0 left, so
+    # shutdown ends them instead of broadcasting (which would wait for them until the timeout)
+    in_sync: bool = True
 
     def new_key(self) -> int:
         """A key for one engine's shards on the workers; `register` frees them when rank 0's engine goes."""
@@ -91,15 +94,18 @@ class RankGroup:
         global _GROUP
         _GROUP = None
         try:
-            if all(p.is_alive() for p in self.processes):
+            if self.in_sync and all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
+            else:
+                for p in self.processes:
+                    p.terminate()
         except RuntimeError:  # a rank already gone: nothing to tell it
             pass
         finally:
             for p in self.processes:
                 p.join(timeout=30)
                 if p.is_alive():
-                    p.terminate()
+                    p.kill()
             if dist.is_initialized():
                 dist.destroy_process_group()
 
@@ -113,8 +119,8 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
     import torch.distributed as dist
 
     global _GROUP
-    if _GROUP is not None and not all(p.is_alive() for p in _GROUP.processes):
-        _GROUP.shutdown()  # a rank died (the run that saw it failed): start afresh
+    if _GROUP is not None and (not _GROUP.in_sync or not all(p.is_alive() for p in _GROUP.processes)):
+        _GROUP.shutdown()  # a rank died, or a call failed half-way (the run that saw it failed): start afresh
     if _GROUP is not None:
         if _GROUP.tp.world_size != world_size:
             raise ApcscoreError(f"this process already drives {_GROUP.tp.world_size} tensor-parallel ranks; one "

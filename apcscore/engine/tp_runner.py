@@ -73,24 +73,29 @@ class ShardRunner(ModelRunner):
     def _local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden).float()  # [N, this rank's vocabulary rows]
 
-    def _call(self, op: str, *args: Any) -> None:
-        if self.group is not None:
-            self.group.call(self.key, op, *args)
-
     # ---- the step's collective parts (rank 0: broadcast, then the same as every rank) -------------------------
+    def _run(self, op: str, wire: tuple, local: Any) -> Any:
+        """Broadcast `op(*wire)` to the workers (rank 0), then compute this rank's part: local()."""
+        if self.group is not None:
+            self.group.call(self.key, op, *wire)
+        try:
+            return local()
+        except BaseException:
+            if self.group is not None:
+                self.group.in_sync = False  # the workers may wait in a collective this rank left
+            raise
+
     def _forward(self, batch: Any) -> torch.Tensor:
         inp = self._step_inputs(batch)
-        self._call("forward", inp)
-        return self.forward_inputs(inp)
+        return self._run("forward", (inp,), lambda: self.forward_inputs(inp))
 
     def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], extra: list[torch.Tensor], targets: list[int],
                         k: int, ranks: bool) -> TokenLogprobs:
-        self._call("logprobs", rows, [e.cpu() for e in extra], targets, k, ranks)
-        return self.local_logprobs(hidden, rows, extra, targets, k, ranks)
+        return self._run("logprobs", (rows, [e.cpu() for e in extra], targets, k, ranks),
+                         lambda: self.local_logprobs(hidden, rows, extra, targets, k, ranks))
 
     def _rows_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
-        self._call("logits", rows)
-        return self.local_rows_logits(hidden, rows)
+        return self._run("logits", (rows,), lambda: self.local_rows_logits(hidden, rows))
 
     # ---- what every rank computes ----------------------------------------------------------------------------
     def local_logprobs(self, hidden: torch.Tensor, rows: list[int], extra: list[torch.Tensor], targets: list[int],
