@@ -3,7 +3,7 @@
 - degree 2 against degree 1: fp32 logprobs within 1e-5, ranks and top-K ids equal but at near-ties, for the
   Llama-family variants (untied / tied head, q/k norms, qkv bias, Phi-3's fused checkpoint, one KV head replicated
   on both ranks), Gemma 2 (soft-caps), OLMo 2 (q/k norms over all heads), GPT-NeoX (per-head fused qkv, biases,
-  parallel residual), Qwen2-MoE (experts split, a shared expert, a dense layer), and greedy generation;
+  parallel residual) and Qwen2-MoE (experts split, a shared expert, a dense layer, qkv bias);
 - the batch-invariance matrix of tests/test_invariance.py (alone, batches, shuffled, warm cache, budgets,
   preemption, one thread) at degree 2, every column exact;
 - the vocabulary-parallel logprobs against the one-device definition on logits full of ties (ranks, top-K across
@@ -61,9 +61,9 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
     return out
 
 
-# one model per mechanism (CI time): Gemma 3 (windows) and Mixtral (fp32 routing weights) pass too, run once:
-# max |d logprob| 6.7e-6 and 5.7e-6
-@pytest.mark.parametrize("arch", ["mqa", "qwen3", "qwen2", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])  # (mqa: an untied Llama)
+# one model per mechanism (CI time; Qwen2-MoE has Qwen2's qkv bias): Qwen2, Gemma 3 (windows) and Mixtral (fp32
+# routing weights) pass too, run once: max |d logprob| 5.7e-6, 6.7e-6 and 5.7e-6
+@pytest.mark.parametrize("arch", ["mqa", "qwen3", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])  # (mqa: an untied Llama)
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
     where two logits lie within that rounding of each other."""
@@ -116,20 +116,6 @@ def test_exact_reuse_and_the_score_store_at_degree_2(tiny_model_dir) -> None:
                                                  tensor_parallel_size=2))
     assert_same(run(reuse, requests), want, "exact reuse")
     assert reuse.block_manager.stats.score_store_hits > 0
-
-
-def test_greedy_generation_agrees_with_degree_1(tiny_model_dir) -> None:
-    path = str(tiny_model_dir("llama"))
-    prompts = make_prompts([9, 120], 49152, seed=12, shared=16)
-    requests = [Request(i, p, sampling=SamplingParams(max_tokens=6, logprobs=3, ignore_eos=True))
-                for i, p in enumerate(prompts)]
-    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
-    two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
-    for rid, a in one.items():
-        b = two[rid]
-        assert a.output_token_ids == b.output_token_ids
-        assert np.abs(a.output_logprobs.token_logprobs - b.output_logprobs.token_logprobs).max() <= 1e-5
-        assert np.array_equal(a.output_logprobs.top_ids, b.output_logprobs.top_ids)
 
 
 def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
