@@ -204,7 +204,8 @@ def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:
     cfg = load_config(path)
     model = build_decoder(cfg, select_ops("torch"), 256, "cpu", torch.float32, LazyCheckpoint(path),
                           tp=TensorParallel(1, 2))
-    assert whole and not [n for n in whole if n.endswith("proj.weight") or n == "lm_head.weight"], whole
+    assert whole and not [n for n in whole if n.endswith("proj.weight") or n in ("lm_head.weight",
+                                                                                 "model.embed_tokens.weight")], whole
     full = load_state_dict(path)
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     p = "model.layers.1."
@@ -215,6 +216,7 @@ def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:
     assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[64:], up[64:]]))
     assert torch.equal(mlp.down_proj.weight, full[p + "mlp.down_proj.weight"][:, 64:])
     assert torch.equal(model.lm_head_weight, full["lm_head.weight"][24576:])
+    assert torch.equal(model.embed_tokens.weight, full["model.embed_tokens.weight"][24576:])
 
 
 def test_refusals_before_any_load(tiny_model_dir) -> None:

@@ -183,11 +183,11 @@ class LlamaDecoder(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """[V, H], or this rank's rows of it under tensor parallelism (a tied head: a view of the embedding's)."""
+        """[V, H], or this rank's rows of it under tensor parallelism (a tied head: the rank's embedding rows)."""
         if self.lm_head is not None:
             return self.lm_head.weight
-        if self.vocab_range is None:
-            return self.embed_tokens.weight
+        if self.vocab_range is None or getattr(self.embed_tokens, "shard", None) is not None:
+            return self.embed_tokens.weight  # (a sharded embedding holds this rank's rows already)
         return self.embed_tokens.weight[self.vocab_range[0]:self.vocab_range[1]]
 
     def init_head(self, cfg: Any, ops: Ops, device: Device, max_positions: int | None,

@@ -3,8 +3,9 @@
 Megatron's split (as vLLM's): column-parallel qkv and gate/up (each rank computes its attention heads and its
 part of the MLP's intermediate), row-parallel o and down (each rank multiplies its columns; the partial results
 are summed across ranks), a vocabulary-parallel LM head (each rank holds a contiguous range of the vocabulary's
-rows; apcscore.engine.tp_logprobs combines logprobs without gathering [tokens, vocab]). Embedding and norms are
-replicated: after each sum every rank holds the full hidden state, bitwise the same on all of them.
+rows; apcscore.engine.tp_logprobs combines logprobs without gathering [tokens, vocab]) and a vocabulary-parallel
+input embedding (a tied head is its rows). Norms are replicated: after each sum every rank holds the full hidden
+state, bitwise the same on all of them.
 
 **The sum is not an all-reduce.** A ring or tree all-reduce adds the ranks' partials in an order that depends on
 the algorithm the library picks for the message size (NCCL: ring, tree, by size and topology; gloo: by size), so
@@ -131,6 +132,24 @@ class ColumnParallelLinear(Linear):
         super().__init__(in_features, sum(n for _, n in shard.ranges), bias, linear_fn, device)
         self.shard = shard
         self.bias_shard = shard if bias else None
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [start, end) of the input embedding. A token's row comes from the rank that holds it, the
+    others give zeros, and the ranks' rows are summed in rank order: x + 0 = x exactly, so the embedding gives
+    degree 1's values (a zero's sign aside)."""
+
+    def __init__(self, full: nn.Embedding, start: int, end: int, tp: TensorParallel, device: Any) -> None:
+        dim = full.embedding_dim
+        super().__init__(end - start, dim, _weight=torch.empty(end - start, dim, device=device))
+        self.shard = ShardSpec(0, ((start, end - start),), full.num_embeddings)
+        self.start, self.end, self.tp = start, end, tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        here = (input_ids >= self.start) & (input_ids < self.end)  # [T]
+        rows = super().forward(torch.where(here, input_ids - self.start, 0))  # [T, H]
+        return self.tp.gather_sum(torch.where(here[:, None], rows, torch.zeros((), dtype=rows.dtype,
+                                                                              device=rows.device)))
 
 
 class RowParallelLinear(Linear):
@@ -270,7 +289,8 @@ def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
     vocab = model.config.vocab_size
     start, end = vocab_range(vocab, tp.rank, tp.world_size)
     model.vocab_range = (start, end)
-    if model.lm_head is not None:  # a tied head is the embedding's rows [start, end) (lm_head_weight)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, tp, device)
+    if model.lm_head is not None:  # a tied head is the (sharded) embedding itself (lm_head_weight)
         head = model.lm_head
         model.lm_head = ColumnParallelLinear(head.weight.shape[1], ShardSpec(0, ((start, end - start),), vocab),
                                              False, head.linear_fn, device)
