@@ -63,7 +63,8 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
 
 # one model per mechanism (CI time; Qwen2-MoE has Qwen2's qkv bias): Qwen2, Gemma 3 (windows) and Mixtral (fp32
 # routing weights) pass too, run once: max |d logprob| 5.7e-6, 6.7e-6 and 5.7e-6
-@pytest.mark.parametrize("arch", ["mqa", "qwen3", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])  # (mqa: an untied Llama)
+# (mqa: an untied Llama)
+@pytest.mark.parametrize("arch", ["mqa", "qwen3", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
     where two logits lie within that rounding of each other."""
@@ -120,7 +121,8 @@ def test_exact_reuse_and_the_score_store_at_degree_2(tiny_model_dir) -> None:
 
 def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
     """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
-    matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512, max_batch_tokens=512)
+    matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512,
+                    max_batch_tokens=512)
     prompts = make_prompts([1, 17, 70, 333], 49152, seed=3)
     matrix.check(score_requests, prompts, (1, 57, 4096), long_budget_limit=17)
 
@@ -129,7 +131,8 @@ def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
     """Seeded sampling with logprobs (the gathered sampling logits) under the same matrix."""
     from test_invariance import generate_requests
 
-    matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512, max_batch_tokens=512)
+    matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512,
+                    max_batch_tokens=512)
     prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)  # (300: the tight pool preempts)
     matrix.check(lambda p: generate_requests(p, True), prompts, (1, 4096), long_budget_limit=17)
 

@@ -49,9 +49,9 @@ def load_engine(spec: str, config: EngineConfig | None = None, resolved: tuple[A
 def check_single_device(hf_config: Any, config: EngineConfig) -> None:
     """Refuse --tensor-parallel N > 1 for a model the transformers fallback runs (it runs on one device)."""
     if config.tensor_parallel_size > 1:
-        raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and "
-                            f"{getattr(hf_config, 'model_type', None) or 'this architecture'} runs through the transformers fallback (one device); "
-                            "run it with --tensor-parallel 1")
+        name = getattr(hf_config, "model_type", None) or "this architecture"
+        raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and {name} "
+                            "runs through the transformers fallback (one device); run it with --tensor-parallel 1")
 
 
 def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,

@@ -160,7 +160,8 @@ class EvalOptions(ScaleOptions):
            "system_instruction", "gen_kwargs", "exact_reuse", "max_length", "seed", "model", "out", "overwrite",
            "log_samples", "resume", "cache", "config", "quiet", "batch_size", *ENGINE_CLI[:7],
            "attention_backend", "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction",
-           "no_cuda_graphs", "no_batch_invariant", "model_backend", "tensor_parallel_size", "shard", "partition", "ray", "replicas",
+           "no_cuda_graphs", "no_batch_invariant", "model_backend", "tensor_parallel_size", "shard", "partition", "ray",
+           "replicas",
            "gpus_per_replica", "cpus_per_replica")
 
     tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2); required, here or as `tasks` "

@@ -8,11 +8,11 @@ input embedding (a tied head is its rows). Norms are replicated: after each sum 
 state, bitwise the same on all of them.
 
 **The sum is not an all-reduce.** A ring or tree all-reduce adds the ranks' partials in an order that depends on
-the algorithm the library picks for the message size (NCCL: ring, tree, by size and topology; gloo: by size), so
-the bits of a row could depend on how many tokens share the step. `gather_sum` all-gathers the partials and adds
-them in rank order, ((p0 + p1) + p2) + ..., one correctly rounded addition per element: a row's bits are then a
-function of its own partials, which the batch-invariant GEMM makes functions of the row alone. So the
-batch-invariance contract holds within a degree; against degree 1 the split of each o/down sum along K rounds
+the algorithm and chunking the library picks (NCCL chooses ring or tree, and its chunks, by message size and
+topology), so the bits of a row could depend on how many tokens share the step. `gather_sum` all-gathers the
+partials and adds them in rank order, ((p0 + p1) + p2) + ..., one correctly rounded addition per element: a row's
+bits are then a function of its own partials, which the batch-invariant GEMM makes functions of the row alone. So
+the batch-invariance contract holds within a degree; against degree 1 the split of each o/down sum along K rounds
 differently (docs/architecture.md, "Tensor parallelism").
 
 `shard_decoder` turns a decoder built on "meta" into rank r's shard before its weights are read; the checkpoint
@@ -31,9 +31,9 @@ from apcscore.errors import ApcscoreError
 from apcscore.models.llama import MLP, Attention, Linear, LlamaDecoder, RMSNorm
 from apcscore.models.weights import ShardSpec
 
-# the decoder classes whose layers shard_decoder knows: the Llama family, Phi-3 (Llama's layers) and Gemma 2/3 (whose
-# attention has the same attributes and whose MLP sits on the layer; soft-caps, windows and q/k norms are per head
-# or per logit, so they run on a rank's heads or vocabulary rows unchanged)
+# the decoder classes whose layers shard_decoder knows: every native one (a decoder added later is refused until it
+# is taught here). Gemma's soft-caps, windows and q/k norms are per head or per logit, so they run on a rank's heads
+# or vocabulary rows unchanged
 SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder", "MoeDecoder")
 # decoders whose q/k norms span the whole projection (all heads): a rank gathers q and k to norm them (GatheredRMSNorm)
 WHOLE_PROJECTION_NORMS = ("Olmo2Decoder",)
