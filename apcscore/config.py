@@ -102,6 +102,11 @@ class EngineConfig:
         False, "Scoring reads cached KV of the blocks before each record's first scored position (shared "
         "contexts, few-shot prefixes computed once); results stay bitwise those of a full recompute. Needs "
         "batch invariance.")
+    # ranks one model is split over (engine/tensor_parallel.py); 1 = one device, the plain single-process engine
+    tensor_parallel_size: int = option(
+        1, "Split the model over N ranks (tensor parallelism on torch.distributed: NCCL on CUDA, one GPU per rank; "
+        "gloo on the CPU). Results are exact within a degree.", "--tensor-parallel",
+        show=True, at_least=1)
 
     def __post_init__(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -130,6 +135,11 @@ class EngineConfig:
              f"--attention-backend must be auto, torch or triton, not {self.attention_backend!r}")
         need(self.model_backend in ("auto", "native", "transformers"),
              f"--model-backend must be auto, native or transformers, not {self.model_backend!r}")
+        need(self.tensor_parallel_size >= 1,
+             f"--tensor-parallel must be at least 1, not {self.tensor_parallel_size}")
+        need(self.tensor_parallel_size == 1 or self.model_backend != "transformers",
+             f"--tensor-parallel {self.tensor_parallel_size} needs the native engine: the transformers fallback "
+             "(--model-backend transformers) runs on one device — drop one of the two")
         need(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
              "kv_cache_memory_fraction must be in (0, 0.95]")
         need(not self.exact_reuse or self.batch_invariant,

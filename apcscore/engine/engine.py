@@ -29,9 +29,21 @@ from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, Toke
 from apcscore.engine.sequence import Sequence
 from apcscore.models.architecture import check_architecture
 from apcscore.models.ops import Ops, select_ops
-from apcscore.models.decoders import decoder_class
+from apcscore.models.decoders import build_decoder, decoder_class
 from apcscore.models.llama import LlamaDecoder
-from apcscore.models.loading import eos_token_ids
+from apcscore.models.loading import LazyCheckpoint, eos_token_ids
+from apcscore.models.tensor_parallel import check_tensor_parallel
+
+
+def check_parallel(hf_config: Any, config: EngineConfig, device: torch.device) -> None:
+    """Refuse a tensor-parallel configuration that cannot run, before any weights are read; under torchrun, a rank
+    other than 0 becomes a worker here (engine/tensor_parallel.serve_if_worker) and never returns."""
+    from apcscore.engine.tensor_parallel import check_devices, serve_if_worker
+
+    check_tensor_parallel(hf_config, decoder_class(hf_config), config.tensor_parallel_size)
+    check_devices(config.tensor_parallel_size, device)
+    serve_if_worker(device)
+
 
 class Engine:
     """One model, one KV pool, one scheduler: the native engine. Build it with `Engine.from_model`.
@@ -44,7 +56,8 @@ class Engine:
     model_backend = "native"
 
     def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo,
-                 device: torch.device, dtype: torch.dtype, ops: Ops) -> None:
+                 device: torch.device, dtype: torch.dtype, ops: Ops, parallel: Any = None) -> None:
+        """parallel: (rank 0's tp_runner.Shard, the RankGroup, this engine's key) under tensor parallelism."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -62,25 +75,34 @@ class Engine:
                         logits_rows=config.logprobs_chunk_size, logprob_fn=ops.token_logprobs,
                         k=min(config.max_logprobs, info.vocab_size))
             profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
+            if parallel is not None:  # every rank runs the step (its collectives): the largest peak of all
+                profile = lambda: parallel[0].profile(step, *parallel[1:])  # noqa: E731
         # exact reuse keeps a score-store entry per cached block (engine/score_store.py) in host memory: on the CPU
         # the pool's share of memory pays for it, on CUDA it is checked against free host memory
         store_per_block = store_bytes_per_block(config.block_size, model.config.hidden_size,
                                                 torch.finfo(dtype).bits // 8, config.max_logprobs) \
             if config.exact_reuse else 0
+        pool_config = model.config if parallel is None else parallel[0].pool_config()  # (a rank's heads)
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
-            model.config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile,
+            pool_config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile,
             host_bytes_per_block=store_per_block)
-        check_kv_pool(model.config, num_blocks, config.block_size, dtype, device, store_per_block)
+        check_kv_pool(pool_config, num_blocks, config.block_size, dtype, device, store_per_block)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.store = ScoreStore() if config.exact_reuse else None
         if self.store is not None:
             self.block_manager.on_evict = self.store.discard  # entries live and die with their KV block
         self.scheduler = Scheduler(self.block_manager, config.max_batch_tokens, config.max_num_seqs,
                                    config.exact_reuse, self.store)
-        self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
-                                  config.logprobs_chunk_size, config.seed, ops.token_logprobs,
-                                  use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
-                                  capture_block_hidden=self.store is not None)
+        if parallel is None:
+            self.runner = ModelRunner(model, num_blocks, config.block_size, device, dtype,
+                                      config.logprobs_chunk_size, config.seed, ops.token_logprobs,
+                                      use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
+                                      capture_block_hidden=self.store is not None)
+        else:  # the workers build theirs too, with the same pool size (engine/tp_runner.py)
+            self.runner = parallel[0].make_runner(num_blocks, dict(
+                block_size=config.block_size, logprobs_chunk_size=config.logprobs_chunk_size, base_seed=config.seed,
+                max_num_seqs=config.max_num_seqs, capture_block_hidden=self.store is not None), *parallel[1:])
+            parallel[1].register(self, parallel[2])
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
         self.long_rope_after = model.long_rope_after  # long-rope: longer sequences use the long frequencies
         self.stats = EngineStats()
@@ -106,7 +128,11 @@ class Engine:
         files = files or resolve_model(spec)
         parts = parts or resolve_model_parts(files.path)
         check_architecture(parts.config)  # before the weights are read
-        state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
+        if config.tensor_parallel_size > 1:  # each rank reads only its slices of the weights
+            check_parallel(parts.config, config, device)
+            state: Any = LazyCheckpoint(files.path, dtype)
+        else:
+            state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
         return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
                               fingerprint=weights_fingerprint(files.path), rope=parts.rope, consume_state=True)
 
@@ -128,19 +154,31 @@ class Engine:
         ops = select_ops(config.attention_backend, device.type, config.batch_invariant)
         window_cap = not decoder_class(hf_config).implements_sliding_window  # (Gemma masks its window)
         max_len = context_length(hf_config, config, window_cap)
-        model = decoder_class(hf_config)(hf_config, ops, max_positions=max_len, device="meta")
-        model = model.materialize(device, dtype)
-        model.load_hf_weights(state_dict, rope, consume=consume_state)
-        model.eval()
+        parallel = None
+        if config.tensor_parallel_size > 1:
+            check_parallel(hf_config, config, device)
+            from apcscore.engine.tensor_parallel import rank_group
+            from apcscore.engine.tp_runner import Shard, load_args
+
+            group = rank_group(config.tensor_parallel_size, device)
+            key = group.new_key()
+            args = load_args(hf_config, state_dict, rope, max_len, config, dtype, device)
+            group.call(key, "load", args)
+            shard = Shard.load(group.tp, args)
+            model, ops, device, parallel = shard.model, shard.ops, shard.device, (shard, group, key)
+        else:
+            model = build_decoder(hf_config, ops, max_len, device, dtype, state_dict, rope, consume_state)
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool is sized from free memory: return what loading cached
+        # the parameter count of the whole model (a rank holds a part: count a copy built on "meta", free)
+        whole = model if parallel is None else decoder_class(hf_config)(hf_config, ops, device="meta")
         info = ModelInfo(
             name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
             max_model_len=max_len, fingerprint=fingerprint,
-            num_parameters=sum(p.numel() for p in model.parameters()),
+            num_parameters=sum(p.numel() for p in whole.parameters()),
             sliding_window=capping_window(hf_config, config, window_cap),
         )
-        return cls(model, tokenizer, config, info, device, dtype, ops)
+        return cls(model, tokenizer, config, info, device, dtype, ops, parallel)
 
     def counters(self) -> EngineCounters:
         """This engine's counters since it was built: its stats, its prefix cache's and its KV pool's."""

@@ -13,6 +13,7 @@ from typing import Any, Union
 import torch
 
 from apcscore.config import EngineConfig
+from apcscore.errors import ApcscoreError
 from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import TransformersEngine
 from apcscore.engine.model_info import check_backend_device, context_length, resolve_device, resolve_dtype
@@ -40,8 +41,17 @@ def load_engine(spec: str, config: EngineConfig | None = None, resolved: tuple[A
     files = files or resolve_model(spec)
     parts = parts or resolve_model_parts(files.path)
     if choose_model_backend(parts.config, config.model_backend) == "transformers":
+        check_single_device(parts.config, config)
         return TransformersEngine.from_model(spec, config, resolved=(files, parts))
     return Engine.from_model(spec, config, resolved=(files, parts))
+
+
+def check_single_device(hf_config: Any, config: EngineConfig) -> None:
+    """Refuse --tensor-parallel N > 1 for a model the transformers fallback runs (it runs on one device)."""
+    if config.tensor_parallel_size > 1:
+        name = getattr(hf_config, "model_type", None) or "this architecture"
+        raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and {name} "
+                            "runs through the transformers fallback (one device); run it with --tensor-parallel 1")
 
 
 def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
@@ -52,6 +62,7 @@ def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], token
     consume_state)."""
     config = config or EngineConfig()
     if choose_model_backend(hf_config, config.model_backend) == "transformers":
+        check_single_device(hf_config, config)
         return TransformersEngine.from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,
                                              fingerprint=fingerprint)
     return Engine.from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,

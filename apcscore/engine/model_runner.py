@@ -22,7 +22,7 @@ from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.score_store import publishes
 from apcscore.engine.request import PromptLogprobs, TokenLogprobs
 from apcscore.engine.sequence import Sequence
-from apcscore.engine.step_inputs import InputStager, build_step_inputs
+from apcscore.engine.step_inputs import InputStager, StepInputs, build_step_inputs
 from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
 from apcscore.kernels.matmul_ref import padded_rows
 from apcscore.models.llama import LlamaDecoder
@@ -70,8 +70,14 @@ class ModelRunner:
         """input_ids [T], positions [T] and the attention metadata of a step, on the device."""
         # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
         # (apcscore.kernels.matmul_ref), with no per-layer padding copy
+        return self._stage(self._step_inputs(batch))
+
+    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         num_rows = padded_rows(sum(n for _, n in batch.items)) if self.device.type == "cpu" else None
-        inp = build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
+        return build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
+
+    def _stage(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """A step's host inputs on the device: input_ids [T], positions [T], the attention metadata."""
         input_ids, positions, slots, cu, seq_lens, tables = self.stager.to_device(
             inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q, inp.seq_lens, inp.block_tables)
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
@@ -84,12 +90,20 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         hidden = self.cuda_graphs.forward(batch) if self.cuda_graphs is not None else None  # [n, H] or None
         if hidden is None:
-            input_ids, positions, meta = self._prepare(batch)
-            with set_attention_metadata(meta):
-                hidden = self.model(input_ids, positions)  # [T, H]
+            hidden = self._forward(batch)  # [T, H]
         captured = self._block_hidden(batch, hidden) if self.capture_block_hidden else []
         prompt_lps, alternatives = self._score_prompts(batch, hidden)
         return StepOutput(prompt_lps, self._sample(batch, hidden), captured, alternatives)
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
+        """The step's final hidden states [T, H] (eager); engine/tp_runner.py broadcasts the inputs first."""
+        return self.forward_inputs(self._step_inputs(batch))
+
+    def forward_inputs(self, inp: StepInputs) -> torch.Tensor:
+        """The model over one step's host inputs: final hidden states [T, H]."""
+        input_ids, positions, meta = self._stage(inp)
+        with set_attention_metadata(meta):
+            return self.model(input_ids, positions)
 
     def _block_hidden(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, dict[int, torch.Tensor]]]:
         """The final hidden states of the block-ending positions this step computed, for blocks whose score-store
@@ -153,21 +167,32 @@ class ModelRunner:
             offset += n
         if not rows:
             return [], []
-        if extra:
-            hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
         k = max(seq.request.prompt_logprobs for seq, *_ in spans)
-        dev = hidden.device
-        lps = chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],
-                                     torch.tensor(targets, dtype=torch.int64, device=dev), k,
-                                     self.logprobs_chunk_size, self.logprob_fn,
-                                     ranks=any(seq.request.prompt_logprob_ranks for seq, *_ in spans),
-                                     scratch=self.scratch)
+        lps = self._token_logprobs(hidden, rows, extra, targets, k,
+                                   any(seq.request.prompt_logprob_ranks for seq, *_ in spans))
         out = [(seq, PromptLogprobs(**vars(lps.rows(first, first + count, seq.request.prompt_logprobs)),
                                     positions=np.arange(pos0, pos0 + count, dtype=np.int64)))
                for seq, first, count, pos0 in spans]
         alternatives = [(seq, lps.rows(first, first + count, seq.request.prompt_logprobs))
                         for seq, first, count in alt_spans]
         return out, alternatives
+
+    def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], extra: list[torch.Tensor], targets: list[int],
+                        k: int, ranks: bool) -> TokenLogprobs:
+        """Score targets[i] from row rows[i] of hidden [T, H] followed by the `extra` rows (stored boundary
+        hidden states [H] each): logprob, rank (if ranks) and top-k, in logprobs_chunk_size row chunks."""
+        if extra:
+            hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
+        dev = hidden.device
+        return chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],
+                                      torch.tensor(targets, dtype=torch.int64, device=dev), k,
+                                      self.logprobs_chunk_size, self.logprob_fn, ranks=ranks, scratch=self.scratch)
+
+    def _rows_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """fp32 logits [S, V] of rows `rows` (ascending) of hidden [T, H]."""
+        contiguous = rows[-1] - rows[0] == len(rows) - 1  # decode batches: a slice, no host-to-device copy (sync)
+        picked = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[torch.tensor(rows, device=hidden.device)]
+        return self._logits(picked).float()
 
     def _sample(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
         rows: list[int] = []
@@ -181,9 +206,7 @@ class ModelRunner:
         if not rows:
             return []
         dev = hidden.device
-        contiguous = rows[-1] - rows[0] == len(rows) - 1  # decode batches: a slice, no host-to-device copy (sync)
-        picked = hidden[rows[0]:rows[-1] + 1] if contiguous else hidden[torch.tensor(rows, device=dev)]
-        logits = self._logits(picked).float()  # [S, V]
+        logits = self._rows_logits(hidden, rows)  # [S, V]
         params = [seq.request.sampling for seq in seqs]
         gens = []
         for seq, p in zip(seqs, params):

@@ -20,7 +20,7 @@ O = TypeVar("O", bound="Options")
 ENGINE_CLI = ("device", "dtype", "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs",
               "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len",
               "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant",
-              "model_backend", "exact_reuse")
+              "model_backend", "exact_reuse", "tensor_parallel_size")
 # the options score, generate and perplexity share, in --help order (`config` is cli.py's --config FILE)
 RUN_CLI = ("model", "out", "overwrite", "resume", "limit", "config", "skip_invalid", "quiet", "columns",
            *ENGINE_CLI, "verify_reuse", "shard", "partition", "ray", "replicas", "gpus_per_replica",
@@ -160,7 +160,8 @@ class EvalOptions(ScaleOptions):
            "system_instruction", "gen_kwargs", "exact_reuse", "max_length", "seed", "model", "out", "overwrite",
            "log_samples", "resume", "cache", "config", "quiet", "batch_size", *ENGINE_CLI[:7],
            "attention_backend", "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction",
-           "no_cuda_graphs", "no_batch_invariant", "model_backend", "shard", "partition", "ray", "replicas",
+           "no_cuda_graphs", "no_batch_invariant", "model_backend", "tensor_parallel_size", "shard", "partition", "ray",
+           "replicas",
            "gpus_per_replica", "cpus_per_replica")
 
     tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2); required, here or as `tasks` "

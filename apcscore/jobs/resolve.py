@@ -206,6 +206,10 @@ def check_scale_options(opts: dict[str, Any]) -> None:
     if opts.get("shard") is not None:
         raise ApcscoreError("--shard and --ray contradict each other: --ray splits the dataset over its "
                             "replicas itself; --shard is for array jobs without Ray — pass only one")
+    if (opts.get("tensor_parallel_size") or 1) > 1:
+        raise ApcscoreError(f"--ray with --tensor-parallel {opts['tensor_parallel_size']} is not supported yet: a "
+                            "replica's ranks would need a placement group of their own; run --tensor-parallel "
+                            "without --ray (one process starts its ranks), or --ray with --tensor-parallel 1")
 
 
 def _gen_kwargs_table(table: dict[str, Any]) -> str | None:

@@ -19,7 +19,7 @@ from torch import nn
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.ops import Ops
-from apcscore.models.weights import WeightCopier
+from apcscore.models.weights import WeightCopier, param_shards
 from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
 
 
@@ -131,12 +131,19 @@ class GPTNeoXDecoder(LlamaDecoder):
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
         """Copy GPTNeoXForCausalLM weights into place (query_key_value rows regrouped); every weight must be used."""
         self._lm_head_fp32 = None
-        copier = WeightCopier(state, consume)
+        shards = param_shards(self) if self.tensor_parallel is not None else {}
+        copier = WeightCopier(state, consume, shards)
+        heads = self.layers[0].self_attn.num_heads  # (a tensor-parallel rank's own heads)
 
         def copy(param: torch.Tensor, name: str, regroup: bool = False) -> None:
+            if id(param) in shards:  # a rank's part (models.tensor_parallel): its heads are contiguous rows here
+                copier(param, name)
+                if regroup:
+                    param.copy_(param.reshape(heads, 3, -1, *param.shape[1:]).transpose(0, 1).reshape(param.shape)
+                                .clone())
+                return
             src = copier.take(name)
             if regroup:  # rows per head [q | k | v] -> [all q | all k | all v]
-                heads = self.layers[0].self_attn.num_heads
                 src = src.reshape(heads, 3, -1, *src.shape[1:]).transpose(0, 1).reshape(src.shape)
             if tuple(src.shape) != tuple(param.shape):
                 raise ApcscoreError(f"weight {name} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,59 @@ def load_state_dict(
                     tensor = tensor.to(dtype)
                 state[name] = tensor
     return state
+
+
+class LazyCheckpoint(Mapping):
+    """A Hugging Face directory's safetensors tensors by name, read when asked (tensor-parallel ranks).
+
+    `state[name]` reads a whole tensor (cast to `dtype` if floating); `lazy(name)` is safetensors' slice object
+    (`get_shape()`, and indexing that reads only the rows or columns asked), which models.weights.WeightCopier uses
+    for the parameters a rank holds a part of; `pop` reads and forgets. Each rank so reads about 1/N of the sharded
+    weights, plus the replicated ones (embedding, norms).
+    """
+
+    def __init__(self, path: Path, dtype: torch.dtype | None = None) -> None:
+        from safetensors import safe_open
+
+        self.path = path = Path(path)
+        files = safetensors_files(path)
+        if not files:
+            raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
+        self.dtype = dtype
+        self._files: dict[str, Any] = {}  # tensor name -> its open file
+        for file in files:
+            if not file.is_file():
+                raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
+            handle = safe_open(str(file), framework="pt", device="cpu")
+            for name in handle.keys():
+                if name in self._files:
+                    raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
+                self._files[name] = handle
+        self._dropped: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(name)
+        tensor = self._files[name].get_tensor(name)
+        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+
+    def lazy(self, name: str) -> Any:
+        """The tensor as a safetensors slice (read in parts by indexing; copy_ casts the dtype)."""
+        return self._files[name].get_slice(name)
+
+    def pop(self, name: str) -> torch.Tensor:
+        tensor = self[name]
+        self._dropped.add(name)
+        return tensor
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._files and name not in self._dropped
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._files if n not in self._dropped)
+
+    def __len__(self) -> int:
+        return len(self._files) - len(self._dropped)
 
 
 def load_tokenizer(path: Path):

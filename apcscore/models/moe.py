@@ -61,6 +61,10 @@ class SparseMoe(nn.Module):
         self.shared_expert = (_dense_mlp(cfg, cfg.shared_expert_intermediate_size, ops.linear, device)
                               if qwen else None)
         self.shared_expert_gate = Linear(h, 1, False, ops.linear, device) if qwen else None
+        # tensor parallelism (models.tensor_parallel): this rank's part of every expert's intermediate, and the
+        # ranks whose partial outputs are summed; None: the whole layer here
+        self.expert_shards: tuple[Any, Any] | None = None  # ShardSpecs of one expert's gate_up [2I, H], down [H, I]
+        self.tp: Any = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k], expert ids [T, k]), row by row as transformers' router."""
@@ -81,6 +85,8 @@ class SparseMoe(nn.Module):
             gate, up = self.linear(x[rows], self.gate_up_proj[e]).split(self.intermediate, dim=-1)
             y = self.linear(self.act(gate) * up, self.down_proj[e])  # [n_e, H]
             out.index_add_(0, rows, (y * weights[rows, slot, None]).to(out.dtype))
+        if self.tp is not None:  # each rank summed its part of every expert's down projection: add them in rank order
+            out = self.tp.gather_sum(out)
         if self.shared_expert is not None:
             out = out + sigmoid_rows(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
@@ -123,15 +129,22 @@ class MoeDecoder(LlamaDecoder):
         if self.family == "mixtral" and prefix + "gate.weight" not in state:
             prefix = prefix[:-len("mlp.")] + "block_sparse_moe."  # the original Mixtral checkpoints' name
         copy(mlp.gate.weight, prefix + "gate.weight")
-        if prefix + "experts.gate_up_proj" in state:  # transformers 5's stacked layout
-            copy(mlp.gate_up_proj, prefix + "experts.gate_up_proj")
-            copy(mlp.down_proj, prefix + "experts.down_proj")
+        shards = mlp.expert_shards  # a tensor-parallel rank reads its rows / columns of every expert
+
+        def put(param: torch.Tensor, spec: Any, *names: str) -> None:
+            copy(param, *names) if spec is None else copy.copy_shard(param, spec, names)
+
+        gu_spec, down_spec = shards or (None, None)
+        if prefix + "experts.gate_up_proj" in state:  # transformers 5's stacked layout [E, ...]: one more dim
+            lift = (lambda sp: None if sp is None else type(sp)(sp.dim + 1, sp.ranges, sp.full))  # noqa: E731
+            put(mlp.gate_up_proj, lift(gu_spec), prefix + "experts.gate_up_proj")
+            put(mlp.down_proj, lift(down_spec), prefix + "experts.down_proj")
         else:
             gate, up, down = ("w1", "w3", "w2") if self.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
             for e in range(mlp.num_experts):
                 p = f"{prefix}experts.{e}."
-                copy(mlp.gate_up_proj[e], f"{p}{gate}.weight", f"{p}{up}.weight")
-                copy(mlp.down_proj[e], f"{p}{down}.weight")
+                put(mlp.gate_up_proj[e], gu_spec, f"{p}{gate}.weight", f"{p}{up}.weight")
+                put(mlp.down_proj[e], down_spec, f"{p}{down}.weight")
         if mlp.shared_expert is not None:
             super().load_mlp(mlp.shared_expert, prefix + "shared_expert.", state, copy)
             copy(mlp.shared_expert_gate.weight, prefix + "shared_expert_gate.weight")

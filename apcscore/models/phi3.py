@@ -71,8 +71,10 @@ class Phi3Decoder(LlamaDecoder):
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
         """Split qkv_proj and gate_up_proj into the names the Llama loader takes (views), then load."""
-        attn = self.layers[0].self_attn
-        q, kv, inter = attn.q_size, attn.kv_size, self.layers[0].mlp.intermediate
+        cfg = self.config  # the full sizes (a tensor-parallel rank's layers hold parts: models.tensor_parallel)
+        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        q, kv, inter = cfg.num_attention_heads * d, kv_heads * d, cfg.intermediate_size
         mapped: dict[str, torch.Tensor] = {}
         for name, tensor in state.items():
             if name.endswith("self_attn.qkv_proj.weight"):

@@ -2,11 +2,39 @@
 
 from __future__ import annotations
 
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Any, Mapping
 
 import torch
 
 from apcscore.errors import ApcscoreError
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which part of a full parameter one tensor-parallel rank holds (apcscore.models.tensor_parallel).
+
+    The full parameter is the concatenation of its named checkpoint tensors along `dim` (q, k, v rows of a fused
+    qkv_proj; one tensor for a row-parallel projection's columns), `full` entries long; the rank's parameter is
+    the `ranges` (start, length) of it, in order, concatenated along `dim`."""
+
+    dim: int
+    ranges: tuple[tuple[int, int], ...]
+    full: int
+
+
+def param_shards(model: torch.nn.Module) -> dict[int, ShardSpec]:
+    """id(parameter) -> ShardSpec of every parameter of `model` a tensor-parallel rank holds a part of: the
+    modules' `shard` (weight) and `bias_shard` (apcscore.models.tensor_parallel). Call it after materialize."""
+    out: dict[int, ShardSpec] = {}
+    for module in model.modules():
+        shard = getattr(module, "shard", None)
+        if isinstance(shard, ShardSpec):
+            out[id(module.weight)] = shard
+            bias_shard = getattr(module, "bias_shard", None)
+            if isinstance(bias_shard, ShardSpec):
+                out[id(module.bias)] = bias_shard
+    return out
 
 
 class WeightCopier:
@@ -19,10 +47,15 @@ class WeightCopier:
     caller that owns a big CPU dict frees it as it goes); by default `state` is left as it was.
     """
 
-    def __init__(self, state: Mapping[str, torch.Tensor], consume: bool = False) -> None:
+    def __init__(self, state: Mapping[str, torch.Tensor], consume: bool = False,
+                 shards: Mapping[int, ShardSpec] | None = None) -> None:
+        """shards: id(parameter) -> its ShardSpec, for the parameters a tensor-parallel rank holds a part of (the
+        others are copied whole). A state that offers `lazy(name)` (models.loading.LazyCheckpoint) is read only
+        in the slices a sharded parameter needs."""
         self.state = state
         self.consume = consume
         self.used: set[str] = set()
+        self.shards = shards or {}
 
     def take(self, name: str) -> torch.Tensor:
         """The checkpoint tensor `name`, marked used."""
@@ -32,6 +65,9 @@ class WeightCopier:
         return self.state.pop(name) if self.consume else self.state[name]  # type: ignore[attr-defined]
 
     def __call__(self, param: torch.Tensor, *names: str) -> None:
+        spec = self.shards.get(id(param))
+        if spec is not None:
+            return self.copy_shard(param, spec, names)
         sources = [self.take(n) for n in names]
         shape = (sum(s.shape[0] for s in sources), *sources[0].shape[1:])
         if any(s.shape[1:] != sources[0].shape[1:] for s in sources) or shape != tuple(param.shape):
@@ -41,6 +77,38 @@ class WeightCopier:
         for src in sources:  # fused parameters: each source fills its own rows, no concatenated copy
             param[row:row + src.shape[0]].copy_(src)
             row += src.shape[0]
+
+    def copy_shard(self, param: torch.Tensor, spec: ShardSpec, names: tuple[str, ...]) -> None:
+        """Fill `param` with the ranges `spec` names of the concatenation of `names` along spec.dim, reading
+        only those slices (lazily where the state allows)."""
+        lazy = getattr(self.state, "lazy", None)
+        sources: list[Any] = []
+        for n in names:
+            if lazy is not None and n in self.state:
+                self.used.add(n)
+                sources.append(lazy(n))  # a safetensors slice: indexing reads only the rows or columns asked
+            else:
+                sources.append(self.take(n))
+        shapes = [tuple(s.get_shape()) if hasattr(s, "get_shape") else tuple(s.shape) for s in sources]
+        sizes = [shape[spec.dim] for shape in shapes]
+        local = sum(length for _, length in spec.ranges)
+        want = list(param.shape)
+        want[spec.dim] = spec.full
+        if sum(sizes) != spec.full or local != param.shape[spec.dim] or any(
+                [d for i, d in enumerate(shape) if i != spec.dim] != [d for i, d in enumerate(want) if i != spec.dim]
+                for shape in shapes):
+            raise ApcscoreError(f"weight {names[0]} has shape {shapes[0]}, expected {tuple(want)} in all")
+        at = 0  # where the next piece goes in param along spec.dim
+        for start, length in spec.ranges:
+            offset = 0  # of the current source in the concatenation
+            for src, size in zip(sources, sizes):
+                lo, hi = max(start, offset), min(start + length, offset + size)
+                if lo < hi:
+                    a, b = lo - offset, hi - offset
+                    piece = src[(slice(None),) * spec.dim + (slice(a, b),)]
+                    param.narrow(spec.dim, at, hi - lo).copy_(piece)
+                    at += hi - lo
+                offset += size
 
     def check_all_used(self, optional: tuple[str, ...] = ("lm_head.weight",),
                        ignored_suffixes: tuple[str, ...] = ("rotary_emb.inv_freq",)) -> None:

@@ -1,0 +1,243 @@
+"""The ranks of a tensor-parallel engine (`EngineConfig.tensor_parallel_size` N > 1) on torch.distributed.
+
+Rank 0 is the process that builds the `Engine`: its scheduler, block manager and score store run there only,
+as vLLM's driver worker. The other ranks hold their shard of the model (models/tensor_parallel.py) and a KV
+cache of their heads, and do what rank 0 tells them: rank 0 broadcasts each call (`RankGroup.call`: an
+operation and its arguments, e.g. a step's host inputs, engine/step_inputs.StepInputs), then every rank runs
+it, meeting in the same collectives (the layers' gathers, the logprobs' gathers) in the same order; only rank 0
+keeps outputs (engine/tp_runner.py).
+
+How the ranks start:
+- by apcscore (the default): rank 0 spawns N - 1 processes with torch.multiprocessing (spawn), gloo on the
+  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file;
+- by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): every rank runs the same command; rank 0 goes on, the others
+  become workers when they reach the engine (`serve_if_worker`) and exit when rank 0 is done.
+
+One process drives one group, started on first use and kept for later engines (each engine's shards are keyed on
+the workers, dropped when rank 0's engine is collected), so tests and a driver that builds several engines pay the
+start once.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import tempfile
+import time
+import weakref
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from apcscore.errors import ApcscoreError
+from apcscore.engine.tp_runner import Shard, torchrun_env
+from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
+
+TIMEOUT = timedelta(minutes=30)  # of one collective: a step of a large model on the CPU can be long
+
+
+def check_devices(world_size: int, device: torch.device) -> None:
+    """Refuse more ranks than CUDA devices (one GPU per rank), before anything is loaded."""
+    if device.type == "cuda" and world_size > torch.cuda.device_count():
+        raise ApcscoreError(f"--tensor-parallel {world_size} needs {world_size} CUDA devices (one per rank), and "
+                            f"{torch.cuda.device_count()} are visible; lower --tensor-parallel or make more visible")
+
+
+@dataclass
+class RankGroup:
+    """Rank 0's handle on the ranks: `call` runs an operation on every worker (rank 0 then runs its own part)."""
+
+    tp: TensorParallel
+    backend: str
+    processes: list[Any] = field(default_factory=list)  # the workers apcscore spawned (none under torchrun)
+    dropped: list[int] = field(default_factory=list)  # engines collected since the last call (keys to free)
+    next_key: int = 1
+    # False once a call on rank 0 failed half-way: the workers may be waiting in a collective rank 0 left, so
+    # shutdown ends them instead of broadcasting (which would wait for them until the timeout)
+    in_sync: bool = True
+
+    def new_key(self) -> int:
+        """A key for one engine's shards on the workers; `register` frees them when rank 0's engine goes."""
+        key, self.next_key = self.next_key, self.next_key + 1
+        return key
+
+    def register(self, owner: Any, key: int) -> None:
+        """Free the workers' shards of `key` once `owner` (rank 0's engine) is garbage collected. The drop
+        travels with the next call: a finalizer may run between two collectives, where a broadcast would
+        desynchronise the ranks."""
+        weakref.finalize(owner, self.dropped.append, key)
+
+    def call(self, key: int, op: str, *args: Any) -> None:
+        """Broadcast `op(*args)` for engine `key` to the workers (which run it now); rank 0 runs its part next."""
+        import torch.distributed as dist
+
+        drops, self.dropped[:] = list(self.dropped), []
+        self.check_alive()
+        try:
+            dist.broadcast_object_list([(key, op, args, drops)], src=0)
+        except RuntimeError as e:
+            raise RanksFailed(e) from e
+
+    def check_alive(self) -> None:
+        """Refuse to go on when a spawned rank has ended (RanksFailed)."""
+        dead = [(r, p) for r, p in enumerate(self.processes, 1) if not p.is_alive()]
+        if dead:
+            rank, proc = dead[0]
+            raise RanksFailed(f"rank {rank}, process {proc.pid}, exited with code {proc.exitcode}")
+
+    def shutdown(self) -> None:
+        """Tell the workers to exit, wait for them, and leave the process group."""
+        import torch.distributed as dist
+
+        global _GROUP
+        _GROUP = None
+        try:
+            if self.in_sync and all(p.is_alive() for p in self.processes):
+                dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
+            else:
+                for p in self.processes:
+                    p.terminate()
+        except RuntimeError:  # a rank already gone: nothing to tell it
+            pass
+        finally:
+            for p in self.processes:
+                p.join(timeout=30)
+                if p.is_alive():
+                    p.kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+_GROUP: RankGroup | None = None
+_EXIT_HOOK: list[bool] = []  # the atexit hook is registered once per process
+
+
+def rank_group(world_size: int, device: torch.device) -> RankGroup:
+    """This process's group of `world_size` ranks (started now if needed; this process is rank 0)."""
+    import torch.distributed as dist
+
+    global _GROUP
+    if _GROUP is not None and (not _GROUP.in_sync or not all(p.is_alive() for p in _GROUP.processes)):
+        _GROUP.shutdown()  # a rank died, or a call failed half-way (the run that saw it failed): start afresh
+    if _GROUP is not None:
+        if _GROUP.tp.world_size != world_size:
+            raise ApcscoreError(f"this process already drives {_GROUP.tp.world_size} tensor-parallel ranks; one "
+                                f"process runs one degree at a time, not --tensor-parallel {world_size} too")
+        _GROUP.check_alive()
+        return _GROUP
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    env = torchrun_env()
+    processes: list[Any] = []
+    if env is not None:
+        if env[1] != world_size:
+            raise ApcscoreError(f"the launcher started {env[1]} ranks (WORLD_SIZE) but --tensor-parallel is "
+                                f"{world_size}; make them equal")
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=TIMEOUT)
+    else:
+        import torch.multiprocessing as mp
+
+        rendezvous = tempfile.NamedTemporaryFile(prefix="apcscore-tp-", delete=False)
+        rendezvous.close()
+        os.unlink(rendezvous.name)  # the file store creates it
+        init = f"file://{rendezvous.name}"
+        threads = max(1, torch.get_num_threads() // world_size)
+        ctx = mp.get_context("spawn")
+        ready = [ctx.Event() for _ in range(1, world_size)]
+        for rank in range(1, world_size):
+            proc = ctx.Process(target=worker_main, args=(rank, world_size, init, backend, threads, ready[rank - 1]),
+                               daemon=True)
+            proc.start()
+            processes.append(proc)
+        _wait_ready(processes, ready)
+        dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
+    if _GROUP is None and not _EXIT_HOOK:
+        atexit.register(_shutdown_at_exit)
+        _EXIT_HOOK.append(True)
+    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes)
+    return _GROUP
+
+
+def current_group() -> RankGroup | None:
+    """This process's ranks, if started."""
+    return _GROUP
+
+
+def shutdown_ranks() -> None:
+    """Stop this process's ranks, if any (also at exit); a later tensor-parallel engine starts new ones."""
+    if _GROUP is not None:
+        _GROUP.shutdown()
+
+
+def _shutdown_at_exit() -> None:
+    shutdown_ranks()
+
+
+def _wait_ready(processes: list[Any], ready: list[Any]) -> None:
+    """Wait until every spawned rank runs apcscore's code; a rank that ends first is refused with the likely cause
+    (rather than a rendezvous that waits for it until the timeout)."""
+    while not all(event.is_set() for event in ready):
+        for rank, proc in enumerate(processes, 1):
+            if not proc.is_alive() and not ready[rank - 1].is_set():
+                for other in processes:
+                    other.kill()
+                raise ApcscoreError(
+                    f"tensor-parallel rank {rank} ended while starting (exit code {proc.exitcode}). The ranks are "
+                    "new Python processes (spawn) that import the main module first: a script that builds an "
+                    "engine must do so under `if __name__ == \"__main__\":`", exit_code=1)
+        time.sleep(0.02)
+
+
+def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int, ready: Any = None) -> None:
+    """A spawned worker: join the group, then serve rank 0 until it says shutdown."""
+    import torch.distributed as dist
+
+    if ready is not None:
+        ready.set()  # (the main module and apcscore are imported: rank 0 may rendezvous now)
+    torch.set_num_threads(threads)  # the ranks share the machine's cores (the thread count does not change bits)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size, timeout=TIMEOUT)
+    try:
+        serve(TensorParallel(rank, world_size))
+    finally:
+        dist.destroy_process_group()
+
+
+def serve_if_worker(device: torch.device) -> None:
+    """Under torchrun, a rank other than 0 serves rank 0 here and then exits the process (SystemExit 0): the
+    command's own work (options, dataset, output) is rank 0's."""
+    import torch.distributed as dist
+
+    env = torchrun_env()
+    if env is None or env[0] == 0:
+        return
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    serve(TensorParallel(env[0], env[1]))
+    raise SystemExit(0)
+
+
+def serve(tp: TensorParallel) -> None:
+    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's shard
+    (engine/tp_runner.Shard)."""
+    import torch.distributed as dist
+
+    shards: dict[int, Shard] = {}
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        key, op, args, drops = message[0]
+        for d in drops:
+            shards.pop(d, None)
+        if op == "shutdown":
+            return
+        if op == "load":  # (built outside inference mode, as rank 0 builds its own)
+            shards[key] = Shard.load(tp, *args)
+        elif op == "make_runner":
+            shards[key].make_runner(*args)
+        else:
+            with torch.inference_mode():  # as ModelRunner.execute on rank 0
+                getattr(shards[key], op)(*args)

@@ -1,0 +1,298 @@
+"""Tensor-parallel layers: one rank's shard of a decoder, and the cross-rank sums in a fixed order.
+
+Megatron's split (as vLLM's): column-parallel qkv and gate/up (each rank computes its attention heads and its
+part of the MLP's intermediate), row-parallel o and down (each rank multiplies its columns; the partial results
+are summed across ranks), a vocabulary-parallel LM head (each rank holds a contiguous range of the vocabulary's
+rows; apcscore.engine.tp_logprobs combines logprobs without gathering [tokens, vocab]) and a vocabulary-parallel
+input embedding (a tied head is its rows). Norms are replicated: after each sum every rank holds the full hidden
+state, bitwise the same on all of them.
+
+**The sum is not an all-reduce.** A ring or tree all-reduce adds the ranks' partials in an order that depends on
+the algorithm and chunking the library picks (NCCL chooses ring or tree, and its chunks, by message size and
+topology), so the bits of a row could depend on how many tokens share the step. `gather_sum` all-gathers the
+partials and adds them in rank order, ((p0 + p1) + p2) + ..., one correctly rounded addition per element: a row's
+bits are then a function of its own partials, which the batch-invariant GEMM makes functions of the row alone. So
+the batch-invariance contract holds within a degree; against degree 1 the split of each o/down sum along K rounds
+differently (docs/architecture.md, "Tensor parallelism").
+
+`shard_decoder` turns a decoder built on "meta" into rank r's shard before its weights are read; the checkpoint
+slices each rank reads are the parameters' `ShardSpec`s (models/weights.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from apcscore.errors import ApcscoreError
+from apcscore.models.llama import MLP, Attention, Linear, LlamaDecoder, RMSNorm
+from apcscore.models.weights import ShardSpec
+
+# the decoder classes whose layers shard_decoder knows: every native one (a decoder added later is refused until it
+# is taught here). Gemma's soft-caps, windows and q/k norms are per head or per logit, so they run on a rank's heads
+# or vocabulary rows unchanged
+SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder", "MoeDecoder")
+# decoders whose q/k norms span the whole projection (all heads): a rank gathers q and k to norm them (GatheredRMSNorm)
+WHOLE_PROJECTION_NORMS = ("Olmo2Decoder",)
+
+
+class RanksFailed(ApcscoreError):
+    """A collective failed: another rank ended or stopped answering. The run cannot go on (exit 1); the driver
+    keeps the finished rows."""
+
+    def __init__(self, cause: BaseException | str) -> None:
+        why = str(cause).strip().splitlines()[0][:300] if str(cause).strip() else type(cause).__name__
+        super().__init__(f"a tensor-parallel rank ended or stopped answering ({why}); the run cannot go on without "
+                         "it — rerun the same command plus --resume to continue from the rows saved", exit_code=1)
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """This process's place among the ranks: `rank` of `world_size`, over `group` (None: torch.distributed's
+    default group)."""
+
+    rank: int
+    world_size: int
+    group: Any = None
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape and dtype on all), in rank order."""
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        try:
+            dist.all_gather(parts, x, group=self.group)
+        except RuntimeError as e:  # gloo / NCCL: a peer died (connection reset) or timed out
+            raise RanksFailed(e) from e
+        return parts
+
+    def gather_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of every rank's `x`, added in rank order (never a ring all-reduce: see the module doc)."""
+        parts = self.gather(x)
+        out = parts[0]
+        for part in parts[1:]:
+            out = out + part  # elementwise, correctly rounded: the order is the code's
+        return out
+
+
+def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rank `rank`'s rows [start, end) of a vocabulary split in contiguous ranges of ceil(vocab / N)."""
+    per = -(-vocab // world_size)
+    return min(vocab, rank * per), min(vocab, (rank + 1) * per)
+
+
+def shard_sizes(hf_config: Any, world_size: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, intermediate size) per rank; KV heads are replicated when fewer than ranks."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    return heads // world_size, max(1, kv // world_size), hf_config.intermediate_size // world_size
+
+
+def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> str | None:
+    """Why `decoder` cannot run hf_config split over `world_size` ranks, or None."""
+    if world_size == 1:
+        return None
+    n = world_size
+    if decoder.__name__ not in SHARDABLE:
+        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3, "
+                f"Gemma 2/3, OLMo 2, GPT-NeoX, Mixtral and Qwen2-MoE, not for {decoder.__name__}; run it with "
+                "--tensor-parallel 1")
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % n:
+        return f"--tensor-parallel {n} does not divide the model's {heads} attention heads; choose a divisor of {heads}"
+    if kv % n and n % kv:
+        return (f"--tensor-parallel {n} and the model's {kv} KV heads: one must divide the other (each rank holds "
+                f"whole KV heads, replicated when there are fewer than ranks)")
+    for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        size = getattr(hf_config, key, None) or 0
+        if size % n:
+            return f"--tensor-parallel {n} does not divide the model's {key} {size}; choose a divisor of it"
+    if vocab_range(hf_config.vocab_size, n - 1, n)[0] >= hf_config.vocab_size:
+        return f"--tensor-parallel {n} leaves a rank no rows of the model's {hf_config.vocab_size}-entry vocabulary"
+    return None
+
+
+def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> None:
+    """Refuse (ApcscoreError) what tensor_parallel_problem finds, before any weights are read."""
+    problem = tensor_parallel_problem(hf_config, decoder, world_size)
+    if problem:
+        raise ApcscoreError(problem)
+
+
+class ColumnParallelLinear(Linear):
+    """This rank's output rows of a projection (`shard`: which rows of the full, fused weight; the bias alike)."""
+
+    def __init__(self, in_features: int, shard: ShardSpec, bias: bool, linear_fn: Callable[..., torch.Tensor],
+                 device: Any = None) -> None:
+        super().__init__(in_features, sum(n for _, n in shard.ranges), bias, linear_fn, device)
+        self.shard = shard
+        self.bias_shard = shard if bias else None
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows [start, end) of the input embedding. A token's row comes from the rank that holds it, the
+    others give zeros, and the ranks' rows are summed in rank order: x + 0 = x exactly, so the embedding gives
+    degree 1's values (a zero's sign aside)."""
+
+    def __init__(self, full: nn.Embedding, start: int, end: int, tp: TensorParallel, device: Any) -> None:
+        dim = full.embedding_dim
+        super().__init__(end - start, dim, _weight=torch.empty(end - start, dim, device=device))
+        self.shard = ShardSpec(0, ((start, end - start),), full.num_embeddings)
+        self.start, self.end, self.tp = start, end, tp
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        here = (input_ids >= self.start) & (input_ids < self.end)  # [T]
+        rows = super().forward(torch.where(here, input_ids - self.start, 0))  # [T, H]
+        return self.tp.gather_sum(torch.where(here[:, None], rows, torch.zeros((), dtype=rows.dtype,
+                                                                              device=rows.device)))
+
+
+class RowParallelLinear(Linear):
+    """This rank's input columns of a projection; the partial products are summed across ranks in rank order,
+    then the (replicated) bias is added once, as the full layer adds it after its sum."""
+
+    def __init__(self, shard: ShardSpec, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
+                 tp: TensorParallel, device: Any = None) -> None:
+        super().__init__(sum(n for _, n in shard.ranges), out_features, bias, linear_fn, device)
+        self.shard = shard
+        self.tp = tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tp.gather_sum(self.linear_fn(x, self.weight, None))  # [T, out]
+        return out if self.bias is None else out + self.bias
+
+
+class GatheredRMSNorm(RMSNorm):
+    """An RMSNorm over a projection split across ranks (OLMo 2's q/k norms span all heads): the ranks' parts are
+    gathered into the whole projection (a concatenation: no arithmetic), normed as on one device, and this rank's
+    columns kept. `sources`: the ranks whose parts make up the whole, in order (replicated KV heads once each)."""
+
+    def __init__(self, norm: RMSNorm, tp: TensorParallel, sources: list[int], device: Any) -> None:
+        super().__init__(norm.weight.shape[0], norm.eps, norm.norm_fn, device)
+        self.tp, self.sources = tp, sources
+        # this rank's place in the whole: its own part, or (a replicated KV head) that of the first rank holding it
+        self.at = max(i for i, r in enumerate(sources) if r <= tp.rank)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        parts = self.tp.gather(x)  # [T, local] each
+        whole = torch.cat([parts[r] for r in self.sources], dim=-1)  # [T, full]
+        local = x.shape[-1]
+        return super().forward(whole)[..., self.at * local:(self.at + 1) * local]
+
+
+def _gather_qk_norms(attn: nn.Module, tp: TensorParallel, kv: int) -> None:
+    n = tp.world_size
+    kv_sources = list(range(n)) if kv >= n else [j * (n // kv) for j in range(kv)]
+    device = attn.q_norm.weight.device
+    attn.q_norm = GatheredRMSNorm(attn.q_norm, tp, list(range(n)), device)
+    attn.k_norm = GatheredRMSNorm(attn.k_norm, tp, kv_sources, device)
+
+
+def _shard_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
+    heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    n, r = tp.world_size, tp.rank
+    hq = heads // n
+    hkv = max(1, kv // n)
+    k0 = r * hkv if kv >= n else (r * hq) // (heads // kv)  # the KV head(s) this rank's query heads read
+    full = heads * d + 2 * kv * d
+    qkv = ShardSpec(0, ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)),
+                    full)
+    old = attn.qkv_proj
+    attn.qkv_proj = ColumnParallelLinear(old.weight.shape[1], qkv, old.bias is not None, old.linear_fn, device)
+    o = attn.o_proj
+    attn.o_proj = RowParallelLinear(ShardSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
+                                    o.bias is not None, o.linear_fn, tp, device)
+    attn.num_heads, attn.num_kv_heads = hq, hkv  # the forward reshapes to these: [T, hq, D], [T, hkv, D]
+    attn.q_size, attn.kv_size = hq * d, hkv * d
+
+
+def _shard_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
+    """The gate/up and down projections of `mlp` (a module with gate_up_proj, down_proj and intermediate: Llama's
+    MLP, or a Gemma layer itself)."""
+    inter = mlp.intermediate
+    n, r = tp.world_size, tp.rank
+    part = inter // n
+    gu = mlp.gate_up_proj
+    mlp.gate_up_proj = ColumnParallelLinear(gu.weight.shape[1], ShardSpec(0, ((r * part, part),
+                                                                              (inter + r * part, part)), 2 * inter),
+                                            gu.bias is not None, gu.linear_fn, device)
+    down = mlp.down_proj
+    mlp.down_proj = RowParallelLinear(ShardSpec(1, ((r * part, part),), inter), down.weight.shape[0],
+                                      down.bias is not None, down.linear_fn, tp, device)
+    mlp.intermediate = part
+
+
+def _shard_experts(moe: nn.Module, tp: TensorParallel) -> None:
+    """A sparse-MoE layer (models.moe.SparseMoe): every expert's intermediate split as a dense MLP's (gate/up rows,
+    down columns); the router and the routing are replicated, so every rank picks the same experts; the ranks'
+    partial outputs (each the weighted sum of its parts of the experts) are summed in rank order once per layer."""
+    inter, n, r = moe.intermediate, tp.world_size, tp.rank
+    part = inter // n
+    e, h = moe.num_experts, moe.down_proj.shape[1]
+    device = moe.down_proj.device
+    moe.gate_up_proj = nn.Parameter(torch.empty(e, 2 * part, h, device=device), requires_grad=False)
+    moe.down_proj = nn.Parameter(torch.empty(e, h, part, device=device), requires_grad=False)
+    moe.expert_shards = (ShardSpec(0, ((r * part, part), (inter + r * part, part)), 2 * inter),
+                         ShardSpec(1, ((r * part, part),), inter))
+    moe.intermediate = part
+    moe.tp = tp
+    if moe.shared_expert is not None:
+        _shard_mlp(moe.shared_expert, tp, device)
+
+
+def _shard_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None:
+    """GPT-NeoX: its checkpoint's query_key_value holds [q | k | v] per head, so a rank's heads are one contiguous
+    block of rows (models.gpt_neox regroups them after reading); the MLP is up / down with biases."""
+    attn, n, r = layer.self_attn, tp.world_size, tp.rank
+    heads, d = attn.num_heads, attn.head_dim
+    hq = heads // n
+    qkv, o = attn.qkv_proj, attn.o_proj
+    attn.qkv_proj = ColumnParallelLinear(qkv.weight.shape[1], ShardSpec(0, ((r * hq * 3 * d, hq * 3 * d),),
+                                                                        3 * heads * d),
+                                         qkv.bias is not None, qkv.linear_fn, device)
+    attn.o_proj = RowParallelLinear(ShardSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
+                                    o.bias is not None, o.linear_fn, tp, device)
+    attn.num_heads = attn.num_kv_heads = hq
+    inter = layer.up.weight.shape[0]
+    part = inter // n
+    up, down = layer.up, layer.down
+    layer.up = ColumnParallelLinear(up.weight.shape[1], ShardSpec(0, ((r * part, part),), inter),
+                                    up.bias is not None, up.linear_fn, device)
+    layer.down = RowParallelLinear(ShardSpec(1, ((r * part, part),), inter), down.weight.shape[0],
+                                   down.bias is not None, down.linear_fn, tp, device)
+
+
+def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
+    """Make `model` (built on "meta", before `materialize`) rank tp.rank's shard: its layers' projections and
+    head hold this rank's parts, which `load_hf_weights` then reads (models.weights.param_shards)."""
+    check_tensor_parallel(model.config, type(model), tp.world_size)
+    device = model.embed_tokens.weight.device
+    whole_norms = type(model).__name__ in WHOLE_PROJECTION_NORMS
+    for layer in model.layers:
+        if type(model).__name__ == "GPTNeoXDecoder":
+            _shard_neox_layer(layer, tp, device)
+            continue
+        kv = layer.self_attn.num_kv_heads  # (before sharding)
+        _shard_attention(layer.self_attn, tp, device)
+        if whole_norms:
+            _gather_qk_norms(layer.self_attn, tp, kv)
+        mlp = getattr(layer, "mlp", layer)
+        if hasattr(mlp, "expert_shards"):
+            _shard_experts(mlp, tp)
+        else:
+            _shard_mlp(mlp, tp, device)
+    vocab = model.config.vocab_size
+    start, end = vocab_range(vocab, tp.rank, tp.world_size)
+    model.vocab_range = (start, end)
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, tp, device)
+    if model.lm_head is not None:  # a tied head is the (sharded) embedding itself (lm_head_weight)
+        head = model.lm_head
+        model.lm_head = ColumnParallelLinear(head.weight.shape[1], ShardSpec(0, ((start, end - start),), vocab),
+                                             False, head.linear_fn, device)
+    model.tensor_parallel = tp
+    return model

@@ -1,0 +1,355 @@
+"""Tensor parallelism (issue 29) on the CPU: gloo, 2 ranks (4 in the last test), tiny random models.
+
+- degree 2 against degree 1: fp32 logprobs within 1e-5, ranks and top-K ids equal but at near-ties, for the
+  Llama-family variants (untied / tied head, q/k norms, qkv bias, Phi-3's fused checkpoint, one KV head replicated
+  on both ranks), Gemma 2 (soft-caps), OLMo 2 (q/k norms over all heads), GPT-NeoX (per-head fused qkv, biases,
+  parallel residual) and Qwen2-MoE (experts split, a shared expert, a dense layer, qkv bias);
+- the batch-invariance matrix of tests/test_invariance.py (alone, batches, shuffled, warm cache, budgets,
+  preemption, one thread) at degree 2, every column exact;
+- the vocabulary-parallel logprobs against the one-device definition on logits full of ties (ranks, top-K across
+  shard boundaries and the K-th place), the ranks simulated by threads;
+- exact reuse and the score store at degree 2, bitwise a recompute;
+- sharded loading reads only this rank's slices of the sharded weights, and they are the right ones;
+- the refusals before any load, the metadata's degree and merge refusing mixed degrees;
+- a rank killed mid-run: one clear error, the finished rows kept, --resume bitwise an uninterrupted run;
+- degree 4 (four partial sums: where their order matters): against degree 1, and exact across order and preemption.
+
+The ranks start once for the module (the process keeps its group; engines after the first reuse it) and stop at
+its end.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.errors import ApcscoreError
+
+from test_invariance import Matrix, assert_same, make_prompts, run, score_requests
+
+BASE = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16, max_batch_tokens=512)  # (a short probe)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ranks():
+    """Stop this process's ranks after the module (they start with its first degree-2 engine)."""
+    yield
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()
+
+
+@pytest.fixture(scope="module")
+def mqa_dir(tmp_path_factory, default_tokenizer):
+    """A tiny Llama with one KV head: at degree 2 each rank holds a replica of it."""
+    from conftest import build_tiny_model
+
+    return build_tiny_model("llama", tmp_path_factory.mktemp("tiny-mqa"), default_tokenizer,
+                            {"num_key_value_heads": 1})
+
+
+def _scores(engine: Engine, requests: list[Request]) -> dict:
+    out = {}
+    for o in engine.run(requests):
+        assert o.error is None, o.error
+        out[o.request_id] = o
+    return out
+
+
+# one model per mechanism (CI time; Qwen2-MoE has Qwen2's qkv bias): Qwen2, Gemma 3 (windows) and Mixtral (fp32
+# routing weights) pass too, run once: max |d logprob| 5.7e-6, 6.7e-6 and 5.7e-6
+# (mqa: an untied Llama)
+@pytest.mark.parametrize("arch", ["mqa", "qwen3", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])
+def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
+    """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
+    where two logits lie within that rounding of each other."""
+    path = str(mqa_dir if arch == "mqa" else tiny_model_dir(arch))
+    requests = score_requests(make_prompts([1, 33, 100], 49152, seed=11))
+    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
+    two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    worst, rank_moves, positions = 0.0, 0, 0
+    for rid, a in one.items():
+        pa, pb = a.prompt_logprobs, two[rid].prompt_logprobs
+        assert np.array_equal(pa.token_ids, pb.token_ids) and np.array_equal(pa.positions, pb.positions)
+        if len(pa.token_logprobs):
+            worst = max(worst, float(np.abs(pa.token_logprobs - pb.token_logprobs).max()),
+                        float(np.abs(pa.top_logprobs - pb.top_logprobs).max()))
+        # a rank counts logits strictly above the target's: among 49,152 random logits a neighbour within the
+        # 1e-6 that the degrees differ by sometimes swaps sides (measured: 0-6 of ~280 positions, by 1 or 2). The
+        # definition itself is checked exactly on shared logits (test_vocab_parallel_logprobs_match_one_device_on_ties)
+        moved = pa.ranks != pb.ranks
+        rank_moves += int(moved.sum())
+        positions += moved.size
+        assert np.abs(pa.ranks - pb.ranks).max(initial=0) <= 3, rid
+        assert np.array_equal(pa.top_ids, pb.top_ids), rid  # (no near-tie in these top-5s)
+    print(f"{arch}: degree 2 vs 1 max |d logprob| {worst:.2e}, ranks moved at {rank_moves} of {positions}")
+    assert rank_moves <= 0.05 * positions
+    assert 0 < worst <= 1e-5  # 0 would mean degree 2 ran the degree-1 path
+
+
+def test_a_state_dict_gives_the_bits_of_a_directory(tiny_model_dir) -> None:
+    """Engine.from_parts at degree 2 (the state dict sent to every rank, sliced there) gives bitwise what the
+    directory (each rank reading its safetensors slices) gives."""
+    from apcscore.models.loading import load_config, load_state_dict, load_tokenizer
+
+    path = tiny_model_dir("qwen2")
+    config = EngineConfig(**BASE, tensor_parallel_size=2)
+    requests = score_requests(make_prompts([3, 40], 49152, seed=14))
+    from_dir = run(Engine.from_model(str(path), config), requests)
+    parts = Engine.from_parts(load_config(path), load_state_dict(path), load_tokenizer(path), config)
+    assert_same(run(parts, requests), from_dir, "state dict")
+
+
+def test_exact_reuse_and_the_score_store_at_degree_2(tiny_model_dir) -> None:
+    """--exact-reuse at degree 2 (cached context blocks read, stored scores served, boundary rows scored from stored
+    hidden states broadcast to every rank), in chunks of 57 tokens: bitwise a full recompute at degree 2."""
+    from test_score_store import shared_prefix_requests
+
+    path = str(tiny_model_dir("llama"))
+    requests = shared_prefix_requests(n=4)
+    want = run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    reuse = Engine.from_model(path, EngineConfig(**{**BASE, "max_batch_tokens": 57}, exact_reuse=True,
+                                                 tensor_parallel_size=2))
+    assert_same(run(reuse, requests), want, "exact reuse")
+    assert reuse.block_manager.stats.score_store_hits > 0
+
+
+def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
+    """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
+    matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512,
+                    max_batch_tokens=512)
+    prompts = make_prompts([1, 17, 70, 333], 49152, seed=3)
+    matrix.check(score_requests, prompts, (1, 57, 4096), long_budget_limit=17)
+
+
+def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
+    """Seeded sampling with logprobs (the gathered sampling logits) under the same matrix."""
+    from test_invariance import generate_requests
+
+    matrix = Matrix(str(tiny_model_dir("llama")), "float32", tensor_parallel_size=2, num_kv_blocks=512,
+                    max_batch_tokens=512)
+    prompts = make_prompts([1, 17, 90, 300], 49152, seed=5, shared=40)  # (300: the tight pool preempts)
+    matrix.check(lambda p: generate_requests(p, True), prompts, (1, 4096), long_budget_limit=17)
+
+
+class ThreadRanks:
+    """In-process ranks for engine/tp_logprobs (threads meeting at a barrier): the combination logic tested
+    without processes."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.slots, self.barrier = n, [None] * n, threading.Barrier(n)
+
+    def rank(self, r: int):
+        owner = self
+
+        class One:
+            rank, world_size = r, owner.n
+
+            def gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+                owner.slots[r] = x.clone()
+                owner.barrier.wait()
+                parts = list(owner.slots)
+                owner.barrier.wait()
+                return parts
+
+        return One()
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_vocab_parallel_logprobs_match_one_device_on_ties(n: int) -> None:
+    """Integer logits (many ties, across shard boundaries and across the K-th place): ranks and top-K ids are
+    exactly the one-device function's, logprobs within fp32 rounding."""
+    from apcscore.engine.tp_logprobs import parallel_token_logprobs
+    from apcscore.kernels.logprobs_ref import token_logprobs_torch
+    from apcscore.models.tensor_parallel import vocab_range
+
+    gen = torch.Generator().manual_seed(0)
+    vocab, rows, k = 50, 7, 6
+    logits = torch.randint(0, 5, (rows, vocab), generator=gen).float()  # [7, 50]
+    targets = torch.randint(0, vocab, (rows,), generator=gen)
+    want = token_logprobs_torch(logits, targets, k)
+    group, results = ThreadRanks(n), [None] * n
+
+    def run(r: int) -> None:
+        start, end = vocab_range(vocab, r, n)
+        results[r] = parallel_token_logprobs(group.rank(r), lambda h: h[:, start:end], logits, targets, k,
+                                             chunk_size=3, ranks=True, start=start, vocab=vocab)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for got in results:
+        assert np.array_equal(got.ranks, want[1].numpy())
+        assert np.array_equal(got.top_ids, want[2].numpy())
+        np.testing.assert_allclose(got.token_logprobs, want[0].numpy(), atol=1e-6)
+        np.testing.assert_allclose(got.top_logprobs, want[3].numpy(), atol=1e-6)
+
+
+def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:
+    """Rank 1 of 2 reads the sharded projections through safetensors slices (no whole tensor), and holds exactly
+    its rows / columns of the full weights."""
+    from apcscore.models.decoders import build_decoder
+    from apcscore.models.loading import LazyCheckpoint, load_config, load_state_dict
+    from apcscore.models.ops import select_ops
+    from apcscore.models.tensor_parallel import TensorParallel
+
+    path = tiny_model_dir("llama")
+    whole: list[str] = []
+    read = LazyCheckpoint.__getitem__
+    monkeypatch.setattr(LazyCheckpoint, "__getitem__", lambda self, name: (whole.append(name), read(self, name))[1])
+    cfg = load_config(path)
+    model = build_decoder(cfg, select_ops("torch"), 256, "cpu", torch.float32, LazyCheckpoint(path),
+                          tp=TensorParallel(1, 2))
+    assert whole and not [n for n in whole if n.endswith("proj.weight") or n in ("lm_head.weight",
+                                                                                 "model.embed_tokens.weight")], whole
+    full = load_state_dict(path)
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    p = "model.layers.1."
+    q, k, v = (full[p + f"self_attn.{x}_proj.weight"] for x in "qkv")  # 4 query heads, 2 KV heads, head_dim 16
+    assert torch.equal(attn.qkv_proj.weight, torch.cat([q[32:64], k[16:32], v[16:32]]))
+    assert torch.equal(attn.o_proj.weight, full[p + "self_attn.o_proj.weight"][:, 32:64])
+    gate, up = full[p + "mlp.gate_proj.weight"], full[p + "mlp.up_proj.weight"]
+    assert torch.equal(mlp.gate_up_proj.weight, torch.cat([gate[64:], up[64:]]))
+    assert torch.equal(mlp.down_proj.weight, full[p + "mlp.down_proj.weight"][:, 64:])
+    assert torch.equal(model.lm_head_weight, full["lm_head.weight"][24576:])
+    assert torch.equal(model.embed_tokens.weight, full["model.embed_tokens.weight"][24576:])
+
+
+def test_refusals_before_any_load(tiny_model_dir) -> None:
+    from apcscore.engine.loader import load_engine
+    from apcscore.engine.tensor_parallel import check_devices
+
+    with pytest.raises(ApcscoreError, match="does not divide the model's 4 attention heads"):
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=3))
+    with pytest.raises(ApcscoreError, match="needs the native engine"):
+        EngineConfig(model_backend="transformers", tensor_parallel_size=2)
+    with pytest.raises(ApcscoreError, match="needs the native engine, and gpt2 runs through the transformers"):
+        load_engine(str(tiny_model_dir("gpt2")), EngineConfig(**BASE, tensor_parallel_size=2))
+    if torch.cuda.device_count() < 4:
+        with pytest.raises(ApcscoreError, match=r"needs 4 CUDA devices \(one per rank\)"):
+            check_devices(4, torch.device("cuda"))
+
+
+def test_cli_records_the_degree_and_merge_refuses_mixed_degrees(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i + 1)}
+                                              for i in range(4)])
+    model = str(tiny_model_dir("llama"))
+    outs = []
+    for shard, degree in (("0/2", "2"), ("1/2", "1")):
+        out = tmp_path / f"s{shard[0]}.parquet"
+        res = CliRunner().invoke(app, ["score", str(data), "--model", model, "--out", str(out), "--quiet",
+                                       "--shard", shard, "--tensor-parallel", degree, "--num-kv-blocks", "256"])
+        assert res.exit_code == 0, res.output
+        meta = json.loads(pq.read_table(out).schema.metadata[b"apcscore"])
+        assert meta["engine"]["tensor_parallel_size"] == int(degree)
+        outs.append(str(out))
+    res = CliRunner().invoke(app, ["merge", str(tmp_path / "m.parquet"), *outs])
+    assert res.exit_code == 2 and "tensor_parallel_size" in " ".join(res.output.split()), res.output
+
+
+def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, write_jsonl, tiny_model_dir,
+                                                                   monkeypatch) -> None:
+    """The worker is killed at the 4th step: a clear error (exit 1), the finished rows kept; --resume (on fresh
+    ranks) completes the file, bitwise what one uninterrupted degree-2 run writes."""
+    import pyarrow.parquet as pq
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+    from apcscore.engine.tensor_parallel import current_group
+    from apcscore.engine.tp_runner import ShardRunner
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i + 1)}
+                                              for i in range(10)])
+    args = ["--model", str(tiny_model_dir("llama")), "--quiet", "--tensor-parallel", "2", "--max-batch-tokens",
+            "32", "--max-num-seqs", "2", "--num-kv-blocks", "256", "--prompt-logprobs", "2"]
+    whole = tmp_path / "whole.parquet"
+    assert CliRunner().invoke(app, ["score", str(data), "--out", str(whole), *args]).exit_code == 0
+    steps = {"n": 0}
+    forward = ShardRunner._forward
+
+    def dying(self, batch):  # type: ignore[no-untyped-def]
+        steps["n"] += 1
+        if steps["n"] == 4:
+            for proc in current_group().processes:
+                proc.kill()
+                proc.join()
+        return forward(self, batch)
+
+    monkeypatch.setattr(ShardRunner, "_forward", dying)
+    out = tmp_path / "o.parquet"
+    res = CliRunner().invoke(app, ["score", str(data), "--out", str(out), *args])
+    assert res.exit_code == 1, res.output
+    assert "a tensor-parallel rank ended or stopped answering" in " ".join(res.output.split()), res.output
+    assert "Traceback" not in res.output
+    kept = sum(pq.read_table(part).num_rows for part in (tmp_path / "o.parquet.partial").glob("*.parquet"))
+    assert 0 < kept < 10
+    monkeypatch.setattr(ShardRunner, "_forward", forward)
+    res = CliRunner().invoke(app, ["score", str(data), "--out", str(out), "--resume", *args])
+    assert res.exit_code == 0, res.output
+    a, b = pq.read_table(whole), pq.read_table(out)
+    for name in ("id", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "sum_logprob"):
+        assert a.column(name).to_pylist() == b.column(name).to_pylist(), name
+
+
+def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_model_dir, monkeypatch) -> None:
+    """Rank 0 fails after the workers were told to score (they wait in a gather it never joins): the error
+    propagates, and the next engine ends those ranks and starts fresh ones at once instead of waiting for them."""
+    import time
+
+    from apcscore.engine import tp_runner
+
+    path = str(tiny_model_dir("llama"))
+    requests = score_requests(make_prompts([5, 30], 49152, seed=15))
+    want = run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+
+    def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(tp_runner, "parallel_token_logprobs", boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    monkeypatch.undo()
+    started = time.perf_counter()
+    assert_same(run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests), want, "after")
+    assert time.perf_counter() - started < 30
+
+
+def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
+    """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
+    within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()  # one process drives one degree at a time
+    path = str(tiny_model_dir("llama"))
+    # decoding 8 tokens carries each past a block boundary, so the tight pool below must preempt
+    requests = score_requests(make_prompts([13, 29, 60, 155], 49152, seed=13))
+    from test_invariance import columns
+
+    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
+    four = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)
+    worst = max(float(np.abs(one[r].prompt_logprobs.token_logprobs - four[r].prompt_logprobs.token_logprobs)
+                      .max(initial=0)) for r in one)
+    print(f"degree 4 vs 1 max |d logprob| {worst:.2e}")
+    assert 0 < worst <= 1e-5
+    # the matrix, lighter (four ranks share two cores): reversed order in a tight pool that preempts, at a budget
+    # of 64 (the longer prompts in chunks)
+    want = {r: columns(o) for r, o in four.items()}
+    held = [Request(r.request_id, r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
+                    sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for r in requests[::-1]]
+    tight = Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
+                                                 tensor_parallel_size=4))
+    assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
+    assert tight.stats.preemptions > 0
+
