@@ -81,3 +81,17 @@ def test_gpu_run_limits_fit_the_check() -> None:
             continue
         for match in re.finditer(r"timeout=(\d+)", text):
             assert int(match.group(1)) < limits["tests"], (path.name, match.group(0))
+
+
+def test_the_two_gpu_part_runs_small_on_the_cpu() -> None:
+    """scripts/gpu_check_tp.py (tensor parallelism over NCCL, for a machine with two GPUs) is not in
+    gpu_check.py's plan (the lent machines have one GPU); its --small form runs the same checks over gloo on the
+    CPU, so it cannot go stale either."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, "scripts/gpu_check_tp.py", "--small"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    lines = {ln["check"]: ln for ln in map(json.loads, filter(lambda s: s.startswith("{"), proc.stdout.splitlines()))}
+    assert proc.returncode == 0 and lines.get("end", {}).get("ok") is True, proc.stdout + proc.stderr[-3000:]
+    assert lines["exactness"]["ok"] is True and lines["exactness"]["budgets_and_alone_differ"] == []
+    assert 0 < lines["agreement"]["max_abs_logprob_diff"] <= 1e-5
