@@ -14,7 +14,6 @@ backend), saved as safetensors so that each rank reads only its slices, as `--mo
 
 from __future__ import annotations
 
-import json
 import sys
 import tempfile
 import time
