@@ -5,7 +5,7 @@
  * IEEE 754 defines fma as the exact a*b + c rounded once (round-to-nearest-even, which is fixed here, with
  * denormals kept: MXCSR is set to its power-on value for the call). So an element's bits depend on its row of
  * A, its row of B and K only: not on M, on the row's position in the call, on N, on the thread count, on the
- * tiling, on the instruction set (the AVX2 kernel and the scalar fmaf() kernel give the same bits), or on
+ * tiling, on the instruction set (the AVX-512, AVX2 and scalar fmaf() kernels give the same bits), or on
  * the CPU vendor. Tiles and K blocks only change *which* register holds a chain, never its order: a K block
  * resumes its chains from the fp32 values the previous block stored, bit for bit what an uninterrupted
  * chain holds. Edge tiles run the same micro-kernel on zero-padded copies.
@@ -183,13 +183,56 @@ __attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_f16(int64_t kc
                                                                        float *c, int64_t ldc) {
     ukernel_avx2(kc, ap, bp, DT_F16, c, ldc);
 }
+
+/* AVX-512: the same MR x NR tile with one 16-lane register per row. Each lane is one element's chain, fed the same
+ * a and b values in the same k order as the AVX2 and scalar kernels: the same bits, half the instructions. */
+__attribute__((target("avx512f"), always_inline)) static inline __m512 load_b16_512(const void *bp, int bdtype,
+                                                                                     int64_t kk) {
+    if (bdtype == DT_F32) return _mm512_loadu_ps((const float *)bp + kk * NR);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)bp + kk * NR));
+    if (bdtype == DT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+__attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx512(
+    int64_t kc, const float *ap, const void *bp, int bdtype, float *c, int64_t ldc) {
+    __m512 c0 = _mm512_loadu_ps(c + 0 * ldc), c1 = _mm512_loadu_ps(c + 1 * ldc), c2 = _mm512_loadu_ps(c + 2 * ldc);
+    __m512 c3 = _mm512_loadu_ps(c + 3 * ldc), c4 = _mm512_loadu_ps(c + 4 * ldc), c5 = _mm512_loadu_ps(c + 5 * ldc);
+    for (int64_t kk = 0; kk < kc; kk++) {
+        const __m512 b = load_b16_512(bp, bdtype, kk);
+        const float *ak = ap + kk * MR;
+        c0 = _mm512_fmadd_ps(_mm512_set1_ps(ak[0]), b, c0);
+        c1 = _mm512_fmadd_ps(_mm512_set1_ps(ak[1]), b, c1);
+        c2 = _mm512_fmadd_ps(_mm512_set1_ps(ak[2]), b, c2);
+        c3 = _mm512_fmadd_ps(_mm512_set1_ps(ak[3]), b, c3);
+        c4 = _mm512_fmadd_ps(_mm512_set1_ps(ak[4]), b, c4);
+        c5 = _mm512_fmadd_ps(_mm512_set1_ps(ak[5]), b, c5);
+    }
+    _mm512_storeu_ps(c + 0 * ldc, c0); _mm512_storeu_ps(c + 1 * ldc, c1); _mm512_storeu_ps(c + 2 * ldc, c2);
+    _mm512_storeu_ps(c + 3 * ldc, c3); _mm512_storeu_ps(c + 4 * ldc, c4); _mm512_storeu_ps(c + 5 * ldc, c5);
+}
+
+__attribute__((target("avx512f"))) static void ukernel_avx512_f32(int64_t kc, const float *ap, const void *bp,
+                                                                   float *c, int64_t ldc) {
+    ukernel_avx512(kc, ap, bp, DT_F32, c, ldc);
+}
+__attribute__((target("avx512f"))) static void ukernel_avx512_bf16(int64_t kc, const float *ap, const void *bp,
+                                                                    float *c, int64_t ldc) {
+    ukernel_avx512(kc, ap, bp, DT_BF16, c, ldc);
+}
+__attribute__((target("avx512f"))) static void ukernel_avx512_f16(int64_t kc, const float *ap, const void *bp,
+                                                                   float *c, int64_t ldc) {
+    ukernel_avx512(kc, ap, bp, DT_F16, c, ldc);
+}
 #endif
 
-/* Which micro-kernel runs: 1 = AVX2+FMA, 0 = portable scalar fmaf(). Both give the same bits (see the top). */
+/* Which micro-kernel runs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = portable scalar fmaf(). All give the same bits (see the
+ * top). (__builtin_cpu_supports also asks the OS: XGETBV for the AVX and AVX-512 register state.) */
 int apc_simd_level(void) {
 #ifdef APC_X86
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))) return 0;
+    return __builtin_cpu_supports("avx512f") ? 2 : 1;
 #else
     return 0;
 #endif
@@ -232,7 +275,11 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
                         for (int64_t i = 0; i < MR; i++) memset(cc + i * ldc, 0, NR * 4);
                     }
 #ifdef APC_X86
-                    if (simd)
+                    if (simd >= 2)
+                        (b_dtype == DT_F32 ? ukernel_avx512_f32 : b_dtype == DT_BF16 ? ukernel_avx512_bf16
+                                                                                     : ukernel_avx512_f16)(
+                            kc, ap, bp, dst, ld);
+                    else if (simd == 1)
                         (b_dtype == DT_F32 ? ukernel_avx2_f32 : b_dtype == DT_BF16 ? ukernel_avx2_bf16 : ukernel_avx2_f16)(
                             kc, ap, bp, dst, ld);
                     else
@@ -250,11 +297,12 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
 }
 
 /* C[m, n] (fp32, row stride ldc) = A[M, K] (dtype a_dtype, strides sa_m, sa_k) . Bpacked^T.
- * workspace: apc_workspace_bytes(k, nthreads) bytes. simd: -1 = best available, 0 = scalar. Thread t computes
+ * workspace: apc_workspace_bytes(k, nthreads) bytes. simd: -1 = best available, 0 = scalar, 1 = AVX2, 2 = AVX-512
+ * (at most what apc_simd_level() says). Thread t computes
  * panels [P*t/T, P*(t+1)/T) of N: which thread computes an element changes nothing in its chain. */
 void apc_gemm(int64_t m, int64_t n, int64_t k, const void *a, int a_dtype, int64_t sa_m, int64_t sa_k,
               const void *bpacked, int b_dtype, float *c, int64_t ldc, void *workspace, int nthreads, int simd) {
-    if (simd < 0) simd = apc_simd_level();
+    if (simd < 0 || simd > apc_simd_level()) simd = apc_simd_level(); /* never more than this CPU has */
     int64_t panels = (n + NR - 1) / NR;
     float *base = (float *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (nthreads > panels) nthreads = (int)panels;
@@ -321,7 +369,7 @@ void apc_bmm(int64_t b0, int64_t b1, int64_t m, int64_t n, int64_t k,
              const void *a, int a_dtype, int64_t sa0, int64_t sa1, int64_t sa_m, int64_t sa_k,
              const void *b, int b_dtype, int64_t sb0, int64_t sb1, int64_t sb_n, int64_t sb_k,
              float *c, int64_t sc0, int64_t sc1, int64_t ldc, void *workspace, int nthreads, int simd) {
-    if (simd < 0) simd = apc_simd_level();
+    if (simd < 0 || simd > apc_simd_level()) simd = apc_simd_level(); /* never more than this CPU has */
     int64_t items = b0 * b1, panels = (n + NR - 1) / NR, aes = elem_size(a_dtype), bes = elem_size(b_dtype);
     int64_t per_thread = (MC * k * 4 + apc_packed_b_bytes(n, k, b_dtype) + 64) & ~(int64_t)63;
     char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);

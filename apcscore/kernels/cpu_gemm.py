@@ -115,9 +115,12 @@ def available() -> bool:
         return False
 
 
+SIMD_NAMES = {2: "avx512-fma", 1: "avx2-fma", 0: "scalar-fma"}
+
+
 def simd_level() -> str:
-    """The micro-kernel this CPU runs: "avx2-fma" or "scalar-fma" (the same bits either way)."""
-    return "avx2-fma" if library().apc_simd_level() else "scalar-fma"
+    """The micro-kernel this CPU runs: "avx512-fma", "avx2-fma" or "scalar-fma" (the same bits on each)."""
+    return SIMD_NAMES[library().apc_simd_level()]
 
 
 def _code(t: torch.Tensor, name: str) -> int:
@@ -155,7 +158,7 @@ class FixedOrderLinear:
     mixed_dtypes = True
 
     def __init__(self, simd: int = -1) -> None:
-        self.simd = simd  # -1: the best micro-kernel of this CPU; 0: the portable scalar one (tests)
+        self.simd = simd  # -1: the best micro-kernel of this CPU; 0 scalar, 1 AVX2 (tests; at most the CPU's)
         self._packed: dict[tuple, PackedWeight] = {}
         self._workspace = torch.empty(0, dtype=torch.uint8)
 
