@@ -170,19 +170,16 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void ukern
     _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51);
 }
 
-/* one copy of the kernel per B dtype (the dtype branch leaves the k loop) */
-__attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_f32(int64_t kc, const float *ap, const void *bp,
-                                                                       float *c, int64_t ldc) {
-    ukernel_avx2(kc, ap, bp, DT_F32, c, ldc);
-}
-__attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_bf16(int64_t kc, const float *ap, const void *bp,
-                                                                        float *c, int64_t ldc) {
-    ukernel_avx2(kc, ap, bp, DT_BF16, c, ldc);
-}
-__attribute__((target("avx2,fma,f16c"))) static void ukernel_avx2_f16(int64_t kc, const float *ap, const void *bp,
-                                                                       float *c, int64_t ldc) {
-    ukernel_avx2(kc, ap, bp, DT_F16, c, ldc);
-}
+/* One copy of a kernel per B dtype, NAME_f32 / NAME_bf16 / NAME_f16 (the dtype branch leaves the k loop). */
+#define APC_PER_DTYPE(NAME, TARGET)                                                                                \
+    __attribute__((target(TARGET))) static void NAME##_f32(int64_t kc, const float *ap, const void *bp, float *c,   \
+                                                           int64_t ldc) { NAME(kc, ap, bp, DT_F32, c, ldc); }     \
+    __attribute__((target(TARGET))) static void NAME##_bf16(int64_t kc, const float *ap, const void *bp, float *c,  \
+                                                            int64_t ldc) { NAME(kc, ap, bp, DT_BF16, c, ldc); }   \
+    __attribute__((target(TARGET))) static void NAME##_f16(int64_t kc, const float *ap, const void *bp, float *c,   \
+                                                           int64_t ldc) { NAME(kc, ap, bp, DT_F16, c, ldc); }
+
+APC_PER_DTYPE(ukernel_avx2, "avx2,fma,f16c")
 
 /* AVX-512: the same MR x NR tile with one 16-lane register per row. Each lane is one element's chain, fed the same
  * a and b values in the same k order as the AVX2 and scalar kernels: the same bits, half the instructions. */
@@ -212,18 +209,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx
     _mm512_storeu_ps(c + 3 * ldc, c3); _mm512_storeu_ps(c + 4 * ldc, c4); _mm512_storeu_ps(c + 5 * ldc, c5);
 }
 
-__attribute__((target("avx512f"))) static void ukernel_avx512_f32(int64_t kc, const float *ap, const void *bp,
-                                                                   float *c, int64_t ldc) {
-    ukernel_avx512(kc, ap, bp, DT_F32, c, ldc);
-}
-__attribute__((target("avx512f"))) static void ukernel_avx512_bf16(int64_t kc, const float *ap, const void *bp,
-                                                                    float *c, int64_t ldc) {
-    ukernel_avx512(kc, ap, bp, DT_BF16, c, ldc);
-}
-__attribute__((target("avx512f"))) static void ukernel_avx512_f16(int64_t kc, const float *ap, const void *bp,
-                                                                   float *c, int64_t ldc) {
-    ukernel_avx512(kc, ap, bp, DT_F16, c, ldc);
-}
+APC_PER_DTYPE(ukernel_avx512, "avx512f")
 #endif
 
 /* Which micro-kernel runs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = portable scalar fmaf(). All give the same bits (see the
