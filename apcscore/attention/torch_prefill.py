@@ -29,7 +29,7 @@ from apcscore.attention.tiles import (KV_TILE, QUERY_ROW_TILE, gather, head_rows
 # 20 chunks of 110 took 1.3x and a scoring step of 20..400 1.9x).
 MAX_BATCHED_QUERIES = 64
 # A batch of chunks is closed when its padded area (rows x keys, summed over chunks) would exceed this many
-# times the chunks' own area, or its score tensor these many elements (memory).
+# times the chunks' own area, or its score tensor these many elements per KV head (memory).
 MAX_PADDING_FACTOR = 2.0
 MAX_BATCH_SCORES = 1 << 24
 
@@ -56,18 +56,17 @@ def batched_prefill_groups(meta: AttentionMetadata, group: int, device: torch.de
         return -(-lens[i] // KV_TILE) * KV_TILE, rows
 
     batches: list[list[int]] = []
-    own = 0  # the current batch's own area
-    for i in sorted((i for i in prefill if i not in alone), key=lambda i: (area(i), i)):
+    own = max_rows = 0  # the current batch's own area and its largest row count
+    for i in sorted((i for i in prefill if cu[i + 1] - cu[i] <= MAX_BATCHED_QUERIES), key=lambda i: (area(i), i)):
         keys, rows = area(i)
         if batches:
-            members = batches[-1] + [i]
-            padded = len(members) * keys * max(area(j)[1] for j in members)  # keys: the largest (sorted)
+            padded = (len(batches[-1]) + 1) * keys * max(max_rows, rows)  # keys: the largest (sorted)
             if padded <= MAX_PADDING_FACTOR * (own + keys * rows) and padded <= MAX_BATCH_SCORES:
                 batches[-1].append(i)
-                own += keys * rows
+                own, max_rows = own + keys * rows, max(max_rows, rows)
                 continue
         batches.append([i])
-        own = keys * rows
+        own, max_rows = keys * rows, rows
     meta.plans[key] = (batches, alone)
     return batches, alone
 
