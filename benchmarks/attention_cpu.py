@@ -126,6 +126,7 @@ def main() -> None:
         "prefill 64 seqs of 30 (winogrande-like)": [(30, 30)] * 64,
         "prefill 20 seqs of 110 (lambada-like)": [(110, 110)] * 20,
         "32 questions of 20 tokens after a cached 600-token prefix": [(20, 620)] * 32,
+        "16 questions of 80 tokens after a cached 430-token prefix (mmlu-like)": [(80, 510)] * 16,
         "prefill 1 seq of 400": [(400, 400)],
         "chunk 200 of 700 + 2 decodes": [(200, 700), (1, 50), (1, 300)],
         "decode 16 seqs, context ~350": [(1, 340 + i) for i in range(16)],

@@ -100,7 +100,7 @@ def test_decode_with_a_shared_prefix_equals_decode_alone_and_chunks_equal_the_wh
     n = lens[0]
     qs = torch.randn(n, HQ, D, generator=torch.Generator().manual_seed(3))
     whole = tb.paged_attention(qs, k, v, meta_for([(n, n)], [tables[0]]), D ** -0.5)
-    for a, b in ((0, 1), (0, 70), (63, 129), (200, n), (n - 1, n)):
+    for a, b in ((0, 1), (0, 70), (63, 129), (130, 200), (200, n), (n - 1, n)):
         chunk = torch.cat([q[:3], qs[a:b]])
         got = tb.paged_attention(chunk, k, v, meta_for([(1, lens[1]), (1, lens[2]), (1, lens[3]), (b - a, b)],
                                                        [tables[1], tables[2], tables[3], tables[0]]), D ** -0.5)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
-from apcscore.attention.tiles import KV_TILE, QUERY_ROW_TILE, gather, head_rows, tiled_softmax
+from apcscore.attention.tiles import KV_TILE, gather, head_rows, query_row_tile, tiled_softmax
 
 @dataclass
 class DecodePlan:
@@ -69,25 +69,26 @@ def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     group = num_heads // num_kv_heads
     num_seqs = len(seqs)
 
-    # queries: [Hkv, B, R, D] (row g < G: query head g of the kv group; rows padded to QUERY_ROW_TILE)
+    row_tile = query_row_tile(query.device)
+    # queries: [Hkv, B, R, D] (row g < G: query head g of the kv group; rows padded to row_tile)
     q = query[plan.rows].view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).float() * scale
     state = None
     if plan.shared_rows is not None:
         k = gather(k_cache, plan.shared_rows, plan.tail_start)  # [Hkv, Ls, D]
         v = gather(v_cache, plan.shared_rows, plan.tail_start)
-        # only the real rows of every sequence: [Hkv, B*G, D] (a multiple of QUERY_ROW_TILE rows)
+        # only the real rows of every sequence: [Hkv, B*G, D] (a multiple of row_tile rows)
         q_all = q.reshape(num_kv_heads, num_seqs * group, head_dim)
         real = q_all.shape[1]
-        if real % QUERY_ROW_TILE:
-            q_all = torch.nn.functional.pad(q_all, (0, 0, 0, QUERY_ROW_TILE - real % QUERY_ROW_TILE))
+        if real % row_tile:
+            q_all = torch.nn.functional.pad(q_all, (0, 0, 0, row_tile - real % row_tile))
         m, s_, acc = (x[:, :real] for x in tiled_softmax(q_all, k, v, None, 0, plan.tail_start, softcap=softcap))
         # back to [Hkv, B, R, ...]; padding rows start empty (max -inf, sum 0), as before any tile
-        pad_rows = -group % QUERY_ROW_TILE
+        pad_rows = -group % row_tile
         state = (torch.nn.functional.pad(m.view(num_kv_heads, num_seqs, group), (0, pad_rows), value=float("-inf")),
                  torch.nn.functional.pad(s_.view(num_kv_heads, num_seqs, group), (0, pad_rows)),
                  torch.nn.functional.pad(acc.view(num_kv_heads, num_seqs, group, head_dim), (0, 0, 0, pad_rows)))
-    if group % QUERY_ROW_TILE:  # same kernel, same rounding, whatever the batch
-        q = torch.nn.functional.pad(q, (0, 0, 0, -group % QUERY_ROW_TILE))
+    if group % row_tile:  # same kernel, same rounding, whatever the batch
+        q = torch.nn.functional.pad(q, (0, 0, 0, -group % row_tile))
 
     # the remaining tiles, per sequence: [Hkv, B, L', D]
     k = gather(k_cache, plan.tail_rows, *plan.past_end.shape)

@@ -20,7 +20,7 @@ import torch
 
 from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.products import fixed_order_available, products
-from apcscore.attention.tiles import (KV_TILE, QUERY_ROW_TILE, gather, head_rows, pad_slots, sequence_slots,
+from apcscore.attention.tiles import (KV_TILE, gather, head_rows, pad_slots, query_row_tile, sequence_slots,
                                       tiled_softmax)
 
 # Chunks of at most this many queries (one key tile's worth) are batched; longer ones take the per-chunk path,
@@ -29,9 +29,11 @@ from apcscore.attention.tiles import (KV_TILE, QUERY_ROW_TILE, gather, head_rows
 # 20 chunks of 110 took 1.3x and a scoring step of 20..400 1.9x).
 MAX_BATCHED_QUERIES = 64
 # A batch of chunks is closed when its padded area (rows x keys, summed over chunks) would exceed this many
-# times the chunks' own area, or its score tensor these many elements per KV head (memory).
+# times the chunks' own area, or its score tensor these many elements per KV head: ~3 MB for 3 KV heads, about
+# one core's L2; the score passes of a larger batch run from memory (benchmarks/attention_cpu.py, per 30 layers:
+# 32 questions of 20 after a 600-token prefix 0.52 s, against 1.04 s with 1 << 24 and 0.83 s with 1 << 16).
 MAX_PADDING_FACTOR = 2.0
-MAX_BATCH_SCORES = 1 << 24
+MAX_BATCH_SCORES = 1 << 18
 
 
 def batched_prefill_groups(meta: AttentionMetadata, group: int, device: torch.device) -> tuple[list[list[int]],
@@ -51,9 +53,8 @@ def batched_prefill_groups(meta: AttentionMetadata, group: int, device: torch.de
         return meta.plans[key]
     alone = [i for i in prefill if cu[i + 1] - cu[i] > MAX_BATCHED_QUERIES]
 
-    def area(i: int) -> tuple[int, int]:  # (padded key count, padded row count) of chunk i
-        rows = -(-(cu[i + 1] - cu[i]) * group // QUERY_ROW_TILE) * QUERY_ROW_TILE
-        return -(-lens[i] // KV_TILE) * KV_TILE, rows
+    def area(i: int) -> tuple[int, int]:  # (padded key count, row count) of chunk i (rows unpadded: the CPU's)
+        return -(-lens[i] // KV_TILE) * KV_TILE, (cu[i + 1] - cu[i]) * group
 
     batches: list[list[int]] = []
     own = max_rows = 0  # the current batch's own area and its largest row count
@@ -87,7 +88,7 @@ class _BatchPlan:
 def _batch_plan(meta: AttentionMetadata, seqs: list[int], hkv: int, group: int, cache: torch.Tensor) -> _BatchPlan:
     device, cu, lens = cache.device, meta.cu_seqlens_q_list, meta.seq_lens_list
     q_lens = [cu[i + 1] - cu[i] for i in seqs]
-    num_rows = max(-(-n * group // QUERY_ROW_TILE) * QUERY_ROW_TILE for n in q_lens)
+    num_rows = max(n * group for n in q_lens)  # (batched only on the CPU's fixed-order kernel: rows unpadded)
     num_keys = max(-(-lens[i] // KV_TILE) * KV_TILE for i in seqs)
     r = torch.arange(num_rows, device=device)
     q_len = torch.tensor(q_lens, device=device)[:, None]  # [B, 1]
@@ -138,7 +139,7 @@ def attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     """Attention of one sequence's prefill chunk, skipping the work the causal mask would zero.
 
     Query rows are ordered by position, so for each key tile only the rows that can see some key of it are
-    multiplied (rounded out to whole QUERY_ROW_TILE blocks), and only tiles that cross the diagonal are
+    multiplied (rounded out to whole blocks of query_row_tile rows), and only tiles that cross the diagonal are
     masked. Skipped rows would have had their running state left exactly unchanged: the bits are the same.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -159,21 +160,28 @@ def attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         hkv, q_len * group, head_dim).float()
     q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device).repeat_interleave(group)
     num_real = q.shape[1]
-    num_pad = max(QUERY_ROW_TILE, -(-num_real // QUERY_ROW_TILE) * QUERY_ROW_TILE) - num_real
+    row_tile = query_row_tile(query.device)
+    num_pad = max(row_tile, -(-num_real // row_tile) * row_tile) - num_real
     if num_pad:
         q = torch.nn.functional.pad(q, (0, 0, 0, num_pad))
         q_pos = torch.nn.functional.pad(q_pos, (0, num_pad), value=seq_len - 1)
     q = q * scale
     n_rows = q.shape[1]
-    m = torch.full((hkv, n_rows), float("-inf"), device=query.device)  # running max
-    s = torch.zeros(hkv, n_rows, device=query.device)  # running sum of exp
-    acc = torch.zeros_like(q)  # [Hkv, R, D]
     first = seq_len - q_len
     # tiles wholly before every row's window are skipped: they would leave each row's state as it was
-    for t0 in range(max(0, first - window + 1) // KV_TILE * KV_TILE if window else 0, seq_len, KV_TILE):
+    t_start = max(0, first - window + 1) // KV_TILE * KV_TILE if window else 0
+    before = 0 if window else first // KV_TILE * KV_TILE  # tiles every row sees whole (a cached prefix)
+    if before:  # all at once: tiled_softmax is this loop's arithmetic, tile by tile (the batched path's too)
+        m, s, acc = tiled_softmax(q, k, v, None, 0, before, None, softcap)
+        t_start = before
+    else:
+        m = torch.full((hkv, n_rows), float("-inf"), device=query.device)  # running max
+        s = torch.zeros(hkv, n_rows, device=query.device)  # running sum of exp
+        acc = torch.zeros_like(q)  # [Hkv, R, D]
+    for t0 in range(t_start, seq_len, KV_TILE):
         t1 = t0 + KV_TILE
         r0 = group * max(0, t0 - first)  # rows < r0 see no key here
-        r0 = min(r0 - r0 % QUERY_ROW_TILE, n_rows - QUERY_ROW_TILE)  # whole row tiles (n_rows is a multiple)
+        r0 = min(r0 - r0 % row_tile, n_rows - row_tile)  # whole row tiles (n_rows is a multiple)
         scores = products(q[:, r0:], k[:, t0:t1])  # [Hkv, R - r0, tile]
         if softcap:
             scores.div_(softcap).tanh_().mul_(softcap)
