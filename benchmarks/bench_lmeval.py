@@ -157,6 +157,16 @@ class RunFailed(Exception):
     pass
 
 
+def engine_work(folder: Path) -> dict:
+    """An apcscore run's engine counters (results.json's apcscore.timing): prompt tokens computed, prompt tokens
+    asked for (queried: what hf computes too, its padding aside), served by the prefix cache, generated."""
+    timing = json.loads((folder / "results.json").read_text())["apcscore"]["timing"]
+    pc = timing.get("prefix_cache", {})
+    return {"computed": timing.get("prompt_tokens"), "queried": pc.get("queried_tokens"),
+            "hit": pc.get("hit_tokens"), "generated": timing.get("generated_tokens"),
+            "load_s": timing.get("load_seconds"), "run_s": timing.get("run_seconds")}
+
+
 # ---- the equality check ----
 
 def load_run(folder: Path) -> tuple[dict, dict[str, list[dict]]]:
@@ -285,6 +295,7 @@ def main() -> None:
             checks: dict[str, list[str]] = {}
             WORST.clear()
             counts: dict[str, int] = {}
+            work: dict[str, list[dict]] = {}  # per apcscore contender, per run: engine_work()
             loads = []
             for rep in range(args.repeats):
                 for name, cmd in cmds.items():
@@ -306,6 +317,11 @@ def main() -> None:
                             n, diffs = {}, [f"comparison failed: {exc!r}"]
                         counts.update(n)
                         checks.setdefault(name, []).extend(diffs)
+                        try:
+                            work.setdefault(name, []).append(engine_work(Path(cmd[-1])))
+                            print(f"{task} {name} run {rep}: engine {work[name][-1]}", flush=True)
+                        except (OSError, KeyError, ValueError) as exc:
+                            print(f"{task} {name} run {rep}: no engine counters ({exc!r})", flush=True)
                         print(f"{task} {name} run {rep}: {'PASS' if not diffs else 'FAIL'} against hf "
                               f"({len(diffs)} differences)", flush=True)  # now: a stopped run keeps its verdicts
                     if rep or name != "hf":  # keep the first hf run: the reference of the checks
@@ -314,7 +330,7 @@ def main() -> None:
             worst_abs = max(WORST, default=(0.0, 0.0))
             worst_rel = max(WORST, default=(0.0, 0.0), key=lambda w: w[1])
             row = {"task": task, "docs": counts, "seconds": times, "load": loads, "checks": checks,
-                   "worst_abs": worst_abs, "worst_rel": worst_rel}
+                   "worst_abs": worst_abs, "worst_rel": worst_rel, "work": work}
             for name, values in times.items():
                 med = statistics.median(values)
                 print(f"{task} {name}: median {med:.1f} s, {med / base:.2f}x hf, runs {[round(v, 1) for v in values]}")
@@ -328,14 +344,16 @@ def main() -> None:
             report.append(row)
             if args.json:  # after every task: a long run that stops keeps what it measured
                 Path(args.json).write_text(json.dumps(report, indent=1))
-    print("\n| task | docs | hf s | apcscore | --exact-reuse | equal | largest abs (rel) difference | load |\n"
-          "| --- | ---: | ---: | ---: | ---: | --- | --- | --- |")
+    print("\n| task | docs | hf s | apcscore | --exact-reuse | prompt tokens computed / asked (exact) | equal | "
+          "largest abs (rel) difference | load |\n| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for row in report:
         base = statistics.median(row["seconds"]["hf"])
         cell = {n: f"{statistics.median(v):.1f} s ({statistics.median(v) / base:.2f}x)" for n, v in row["seconds"].items()}
         equal = "PASS" if not any(row["checks"].values()) else "FAIL"
+        w = (row["work"].get("apcscore --exact-reuse") or [{}])[-1]
+        tokens = f"{w['computed']:,} / {w['queried']:,}" if w.get("queried") else "-"
         print(f"| {row['task']} | {sum(row['docs'].values())} | {base:.1f} | {cell.get('apcscore', '-')} | "
-              f"{cell['apcscore --exact-reuse']} | {equal} | {row['worst_abs'][0]:.2g} ({row['worst_abs'][1]:.2g}) | "
+              f"{cell['apcscore --exact-reuse']} | {tokens} | {equal} | {row['worst_abs'][0]:.2g} ({row['worst_abs'][1]:.2g}) | "
               f"{min(row['load']):.1f}-{max(row['load']):.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -216,6 +216,10 @@ def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_mod
     assert len(json.loads(mc[0]["arguments"])) == 2 and isinstance(json.loads(mc[0]["response"])[0][0], float)
     meta = read_run_metadata(out / "requests.parquet")
     assert meta["command"] == "eval" and meta["tasks"] == ["apc_ll", "apc_mc"] and meta["dtype"] == "float32"
+    timing = meta["timing"]  # the engine's counters: what was computed, what the prefix cache served
+    assert timing["prompt_tokens"] > 0 and timing["generated_tokens"] == 0  # loglikelihood tasks only
+    assert timing["run_seconds"] > 0 and set(timing["prefix_cache"]) >= {"queried_tokens", "hit_tokens"}
+    assert results["apcscore"]["timing"] == timing
     again = CliRunner().invoke(app, ["eval", "--tasks", "apc_ll", "--include-path", str(TASK_DIR),
                                      "--out", str(out)])
     assert again.exit_code == 2 and "--overwrite" in again.output

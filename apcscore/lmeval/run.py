@@ -23,7 +23,8 @@ from apcscore import __version__
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.io.result_tables import write_atomic
-from apcscore.jobs.metadata import engine_sections, model_section, package_version, run_header, versions
+from apcscore.jobs.metadata import (add_timings, engine_sections, model_section, package_version, run_header,
+                                    versions)
 from apcscore.jobs.options import EvalOptions
 from apcscore.jobs.resolve import parse_gen_kwargs, parse_shard
 from apcscore.lmeval import outdir
@@ -156,14 +157,15 @@ def evaluate(opts: EvalOptions, echo: Any, note: Any, shards: list[Path] | None 
         raise ApcscoreError("lm-eval returned no results")
     run_seconds = time.perf_counter() - started - load_seconds
     counts = {"store": store.name, "computed": lm.computed, "read": lm.reused, "other_shards": lm.skipped}
+    timing = add_timings(None, lm.engine.counters().to_timings(load_seconds, run_seconds))
     if shard is not None:
-        _write_shard(out, opts, ident, sections, counts)
+        _write_shard(out, opts, ident, sections, counts, timing)
         if not opts.quiet:
             echo(f"shard {opts.shard}: {lm.computed} requests computed, {lm.reused} read, {lm.skipped} left to "
                  f"the other shards; wrote {out / store.name}. Join the shards with `apcscore merge OUT "
                  "SHARD_DIR...`")
         return 0
-    meta = run_info(sections, opts, names, results, load_seconds, run_seconds, lm.max_length, counts)
+    meta = run_info(sections, opts, names, results, timing, lm.max_length, counts)
     written = write_samples(out, results if opts.log_samples else {})  # before results.json: it marks a run done
     write_outputs(out, results, meta)
     if not opts.quiet:
@@ -177,8 +179,9 @@ def evaluate(opts: EvalOptions, echo: Any, note: Any, shards: list[Path] | None 
     return 0
 
 
-def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, counts: dict) -> None:
-    record = {"shard": opts.shard, "run": outdir.run_record(opts, ident), "config": sections, "responses": counts}
+def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, counts: dict, timing: dict) -> None:
+    record = {"shard": opts.shard, "run": outdir.run_record(opts, ident), "config": sections, "responses": counts,
+              "timing": timing}
     write_atomic(out / outdir.SHARD_FILE, (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode())
 
 
@@ -294,10 +297,11 @@ def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
 
 
 def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
-             load_seconds: float, run_seconds: float, max_length: int, responses: Mapping[str, Any]
-             ) -> dict[str, Any]:
+             timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any]) -> dict[str, Any]:
     """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
-    run records (jobs/metadata.py), with the eval's own; `responses`: how many were computed and read."""
+    run records (jobs/metadata.py), with the eval's own; `timing`: this process's seconds and engine counters
+    (jobs/metadata.add_timings: prompt tokens computed, the prefix cache's hits); `responses`: how many were
+    computed and read."""
     return {
         **run_header("eval"),
         "tasks": names, "num_fewshot": opts.num_fewshot, "limit": opts.limit,
@@ -307,5 +311,5 @@ def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], r
         "task_configs": task_configs(results),
         **{k: v for k, v in sections.items() if k != "apcscore_version"},
         "responses": dict(responses),
-        "timing": {"load_seconds": round(load_seconds, 3), "run_seconds": round(run_seconds, 3)},
+        "timing": dict(timing),
     }

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from apcscore.config import EngineConfig
+from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.options import EvalOptions
 from apcscore.lmeval import outdir
@@ -92,6 +93,9 @@ class RecordedEngine:
 
     def run(self, requests: Any, on_step: Any = None) -> Any:
         raise RuntimeError("a merge computes nothing: every response comes from the shards")
+
+    def counters(self) -> EngineCounters:
+        return EngineCounters()  # it computed nothing (the shards' counters are in their shard.json)
 
 
 def merge_eval(out: Path, paths: list[Path], overwrite: bool, echo: Any, note: Any) -> int:
