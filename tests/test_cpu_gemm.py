@@ -6,10 +6,12 @@ model's real projection shapes, in every dtype the engine runs; accuracy against
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
-from apcscore.kernels.cpu_gemm import FixedOrderLinear, simd_level
+from apcscore.kernels.cpu_gemm import FixedOrderLinear, fixed_order_bmm, simd_level
 
 # SmolLM2-135M: qkv, o, gate_up, down, LM head ([in, out]); then odd shapes (edge tiles, K not a block multiple)
 DEFAULT_MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
@@ -111,3 +113,34 @@ def test_bad_operands_are_refused() -> None:
         linear(torch.zeros(3, 4), torch.zeros(5, 6))
     with pytest.raises(ValueError, match="float64"):
         linear(torch.zeros(3, 4, dtype=torch.float64), torch.zeros(5, 4))
+
+
+@pytest.mark.parametrize("lead", [(1,), (3,), (2, 5)])
+def test_bmm_products_are_the_linear_layers_chains(lead: tuple[int, ...]) -> None:
+    """fixed_order_bmm (attention's products) gives each product bitwise what FixedOrderLinear gives its operands,
+    whatever the number of products and threads, and through a transposed operand (p @ v)."""
+    g = torch.Generator().manual_seed(len(lead))
+    a = torch.randn(*lead, 37, 64, generator=g)
+    b = torch.randn(*lead, 200, 64, generator=g)
+    v = torch.randn(*lead, 64, 48, generator=g)
+    got, pv = fixed_order_bmm(a, b), fixed_order_bmm(a, v.transpose(-1, -2))
+    linear = FixedOrderLinear()
+    for idx in itertools.product(*map(range, lead)):
+        assert torch.equal(got[idx], linear(a[idx], b[idx]))
+        assert torch.equal(pv[idx], linear(a[idx], v[idx].T.contiguous()))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(fixed_order_bmm(a, b), got)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_weight_at_a_freed_weights_address_is_packed_anew() -> None:
+    """Packed weights are keyed by address and shape: a temporary weight freed and another allocated at its address
+    must not be served the first one's packing."""
+    linear, x = FixedOrderLinear(), torch.randn(5, 64)
+    for seed in range(4):
+        weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(seed))
+        assert torch.equal(linear(x, weight), FixedOrderLinear()(x, weight))
+        del weight

@@ -140,6 +140,9 @@ class PackedWeight:
         self.code = _code(weight, "weight")
         self.n, self.k = weight.shape
         self.version = weight._version
+        # held, so that no other tensor can get this memory (and so this entry's key) while the entry lives: a
+        # freed temporary's address would otherwise serve the next temporary of its shape the old packing
+        self.weight = weight
         self.data = torch.empty(lib.apc_packed_b_bytes(self.n, self.k, self.code), dtype=torch.uint8)
         lib.apc_pack_b(weight.data_ptr(), self.code, self.n, self.k, weight.stride(0), weight.stride(1),
                        self.data.data_ptr(), nthreads)
