@@ -170,16 +170,17 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void ukern
     _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51);
 }
 
-/* One copy of a kernel per B dtype, NAME_f32 / NAME_bf16 / NAME_f16 (the dtype branch leaves the k loop). */
-#define APC_PER_DTYPE(NAME, TARGET)                                                                                \
-    __attribute__((target(TARGET))) static void NAME##_f32(int64_t kc, const float *ap, const void *bp, float *c,   \
-                                                           int64_t ldc) { NAME(kc, ap, bp, DT_F32, c, ldc); }     \
-    __attribute__((target(TARGET))) static void NAME##_bf16(int64_t kc, const float *ap, const void *bp, float *c,  \
-                                                            int64_t ldc) { NAME(kc, ap, bp, DT_BF16, c, ldc); }   \
-    __attribute__((target(TARGET))) static void NAME##_f16(int64_t kc, const float *ap, const void *bp, float *c,   \
-                                                           int64_t ldc) { NAME(kc, ap, bp, DT_F16, c, ldc); }
+/* One copy of a kernel per B dtype, NAME_f32 / NAME_bf16 / NAME_f16 (the dtype branch leaves the k loop). PARAMS:
+ * the copies' parameters; then the kernel's arguments before its B dtype (the copies end with c and ldc, as the
+ * kernels do). APC_BY_DTYPE picks the copy of a dtype. */
+#define APC_PER_DTYPE(NAME, TARGET, PARAMS, ...)                                                                   \
+    __attribute__((target(TARGET))) static void NAME##_f32 PARAMS { NAME(__VA_ARGS__, DT_F32, c, ldc); }           \
+    __attribute__((target(TARGET))) static void NAME##_bf16 PARAMS { NAME(__VA_ARGS__, DT_BF16, c, ldc); }         \
+    __attribute__((target(TARGET))) static void NAME##_f16 PARAMS { NAME(__VA_ARGS__, DT_F16, c, ldc); }
+#define APC_BY_DTYPE(NAME, DTYPE) ((DTYPE) == DT_F32 ? NAME##_f32 : (DTYPE) == DT_BF16 ? NAME##_bf16 : NAME##_f16)
+#define APC_KERNEL_PARAMS (int64_t kc, const float *ap, const void *bp, float *c, int64_t ldc)
 
-APC_PER_DTYPE(ukernel_avx2, "avx2,fma,f16c")
+APC_PER_DTYPE(ukernel_avx2, "avx2,fma,f16c", APC_KERNEL_PARAMS, kc, ap, bp)
 
 /* AVX-512: the same MR x NR tile with one 16-lane register per row. Each lane is one element's chain, fed the same
  * a and b values in the same k order as the AVX2 and scalar kernels: the same bits, half the instructions. */
@@ -209,7 +210,7 @@ __attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx
     _mm512_storeu_ps(c + 3 * ldc, c3); _mm512_storeu_ps(c + 4 * ldc, c4); _mm512_storeu_ps(c + 5 * ldc, c5);
 }
 
-APC_PER_DTYPE(ukernel_avx512, "avx512f")
+APC_PER_DTYPE(ukernel_avx512, "avx512f", APC_KERNEL_PARAMS, kc, ap, bp)
 
 /* AVX-512, WIDE panels side by side: the MR x (WIDE * NR) tile of WIDE consecutive B panels (pstride bytes apart)
  * in MR * WIDE accumulators (24 of the 32 registers). Six chains in flight leave the FMA units waiting on their
@@ -242,21 +243,9 @@ __attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx
         for (int g = 0; g < WIDE; g++) _mm512_storeu_ps(c + i * ldc + g * NR, acc[i][g]);
 }
 
-#define APC_PER_DTYPE_WIDE(NAME, TARGET)                                                                           \
-    __attribute__((target(TARGET))) static void NAME##_f32(int64_t kc, const float *ap, const void *bp,            \
-                                                           int64_t ps, float *c, int64_t ldc) {                   \
-        NAME(kc, ap, bp, ps, DT_F32, c, ldc);                                                                     \
-    }                                                                                                              \
-    __attribute__((target(TARGET))) static void NAME##_bf16(int64_t kc, const float *ap, const void *bp,           \
-                                                            int64_t ps, float *c, int64_t ldc) {                  \
-        NAME(kc, ap, bp, ps, DT_BF16, c, ldc);                                                                    \
-    }                                                                                                              \
-    __attribute__((target(TARGET))) static void NAME##_f16(int64_t kc, const float *ap, const void *bp,            \
-                                                           int64_t ps, float *c, int64_t ldc) {                   \
-        NAME(kc, ap, bp, ps, DT_F16, c, ldc);                                                                     \
-    }
-
-APC_PER_DTYPE_WIDE(ukernel_avx512_wide, "avx512f")
+APC_PER_DTYPE(ukernel_avx512_wide, "avx512f",
+              (int64_t kc, const float *ap, const void *bp, int64_t pstride, float *c, int64_t ldc), kc, ap, bp,
+              pstride)
 #endif
 
 /* Which micro-kernel runs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = portable scalar fmaf(). All give the same bits (see the
@@ -296,11 +285,9 @@ static void panel_rows(int64_t rows, int64_t ir0, int64_t pc, int64_t kc, int64_
         }
 #ifdef APC_X86
         if (simd >= 2)
-            (b_dtype == DT_F32 ? ukernel_avx512_f32 : b_dtype == DT_BF16 ? ukernel_avx512_bf16 : ukernel_avx512_f16)(
-                kc, ap, bp, dst, ld);
+            APC_BY_DTYPE(ukernel_avx512, b_dtype)(kc, ap, bp, dst, ld);
         else if (simd == 1)
-            (b_dtype == DT_F32 ? ukernel_avx2_f32 : b_dtype == DT_BF16 ? ukernel_avx2_bf16 : ukernel_avx2_f16)(
-                kc, ap, bp, dst, ld);
+            APC_BY_DTYPE(ukernel_avx2, b_dtype)(kc, ap, bp, dst, ld);
         else
 #endif
             ukernel_scalar(kc, ap, bp, b_dtype, dst, ld);
@@ -335,9 +322,7 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
                         float *cc = cp + ir * ldc;
                         if (pc == 0) /* every chain starts from +0 */
                             for (int64_t i = 0; i < MR; i++) memset(cc + i * ldc, 0, WIDE * NR * 4);
-                        (b_dtype == DT_F32    ? ukernel_avx512_wide_f32
-                         : b_dtype == DT_BF16 ? ukernel_avx512_wide_bf16
-                                              : ukernel_avx512_wide_f16)(kc, ap, bp, k * NR * bes, cc, ldc);
+                        APC_BY_DTYPE(ukernel_avx512_wide, b_dtype)(kc, ap, bp, k * NR * bes, cc, ldc);
                     }
                     for (int64_t g = 1; g < WIDE; g++) /* the last rows of the other panels, one panel at a time */
                         panel_rows(rows, full, pc, kc, k, apack, bp + g * k * NR * bes, b_dtype, cp + g * NR, ldc, NR,
