@@ -401,23 +401,33 @@ def test_wrappers_reject_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
 
 # ---------------------------------------------------------------------------------------------------------
 # The GPU build: the interpreter runs the kernels as Python, so it cannot catch what only the compiler rejects
-# (loop-carried types, constexpr misuse, tl.dot shapes). Compile them ahead of time for sm_90 (Hopper), down
-# to a cubin with Triton's bundled ptxas; no GPU needed.
+# (loop-carried types, constexpr misuse, tl.dot shapes), nor a configuration whose pipelined tiles overflow
+# Hopper's shared memory (a launch would fail with OutOfResources). Compile them ahead of time for sm_90
+# (Hopper), down to a cubin with Triton's bundled ptxas; no GPU needed. Pointers and the integers named
+# `aligned` are marked divisible by 16, as a launch with the engine's tensors specialises them: without that,
+# Triton neither pipelines the loads (num_stages) nor sizes shared memory as the GPU run will.
 
 AOT_SCRIPT = textwrap.dedent("""
     import importlib
+    import sys
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    def build(module, kernel, ptrs, floats, consts, num_warps):
+    SM90_SHARED = 232448  # bytes of shared memory one block may opt in to on sm_90 (227 KB)
+
+    def build(module, kernel, ptrs, floats, consts, num_warps, num_stages=3, aligned=()):
         fn = getattr(importlib.import_module("apcscore.kernels." + module), kernel)
         sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a.endswith("_ptr") else
                "fp32" if a in floats else "i32" for a in fn.arg_names}
-        out = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": num_warps})
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if a.endswith("_ptr") or a in aligned}
+        out = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                             options={"num_warps": num_warps, "num_stages": num_stages})
         assert out.asm["cubin"], kernel
-        print("compiled", module, consts)
+        assert out.metadata.shared <= SM90_SHARED, (kernel, consts, num_stages, out.metadata.shared)
+        print("compiled", module, consts, num_warps, num_stages, out.metadata.shared)
+        return out
 
     pa = importlib.import_module("apcscore.kernels.paged_attention")
     # causal (the three dtypes), then Gemma's sliding window and soft-cap (bf16, head_dim 256 like Gemma 2/3)
@@ -437,6 +447,20 @@ AOT_SCRIPT = textwrap.dedent("""
           w_ptr="fp32"), {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=1024), 4)
     build("logprobs", "_token_logprobs_kernel", dict(logits_ptr="bf16", targets_ptr="i64", lse_ptr="fp32",
           logprobs_ptr="fp32", ranks_ptr="i64"), set(), dict(BLOCK_V=4096), 8)
+
+    # every linear layer on CUDA: the table's default in the engine's dtypes (and the LM head's fp32 logits from
+    # bf16), and each candidate of the GPU check's sweep in bf16 (one that cannot launch costs the sweep its row)
+    sys.path.insert(0, "scripts")
+    from gpu_check_sweep import candidates
+    from apcscore.kernels.matmul_configs import DEFAULT
+    configs = [("bf16", "bf16", DEFAULT), ("bf16", "fp32", DEFAULT), ("fp16", "fp16", DEFAULT),
+               ("fp32", "fp32", DEFAULT)]
+    configs += [("bf16", "bf16", cfg) for name, cfg in candidates().items() if name != "default"]
+    for dt, out_dt, cfg in configs:
+        build("matmul", "_linear_kernel", dict(x_ptr=dt, w_ptr=dt, y_ptr=out_dt), set(),
+              dict(IEEE=dt == "fp32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                   GROUP_M=cfg.group_m), cfg.num_warps, cfg.num_stages,
+              aligned=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
 """)
 
 
@@ -450,7 +474,7 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 7
+    assert result.stdout.count("compiled") == 7 + 4 + 7, result.stdout
 
 
 def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:
