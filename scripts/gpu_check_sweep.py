@@ -22,16 +22,18 @@ CHECK_MS = (1, 57, 256, 2048)  # rows compared bitwise with the same rows at max
 
 
 def candidates() -> dict[str, Any]:
-    """name -> MatmulConfig: DEFAULT and variations of its block sizes, warps and stages (Hopper: at most
-    ~227 KB of shared memory per block, (BM x BK + BK x BN) x 2 bytes per stage in bf16)."""
+    """name -> MatmulConfig: DEFAULT, variations of its block sizes, warps and stages, and TMA persistent ones
+    (Hopper: at most 227 KB of shared memory per block: (BM x BK + BK x BN) x 2 bytes per stage in bf16, plus
+    BM x BN x the output's bytes for a TMA store; tests/test_kernels.py compiles each for sm_90 and checks it)."""
     from apcscore.kernels.matmul_configs import DEFAULT, MatmulConfig
 
     c = MatmulConfig
     table = {"default": DEFAULT,
-             "128x256x64_w8_s3": c(128, 256, 64, 8, 8, 3), "128x256x64_w8_s4": c(128, 256, 64, 8, 8, 4),
-             "256x128x64_w8_s3": c(256, 128, 64, 8, 8, 3), "128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4),
-             "128x128x128_w8_s3": c(128, 128, 128, 8, 8, 3), "64x128x64_w4_s4": c(64, 128, 64, 8, 4, 4),
-             "128x64x64_w4_s4": c(128, 64, 64, 8, 4, 4)}
+             "128x256x64_w8_s3": c(128, 256, 64, 8, 8, 3), "256x128x64_w8_s3": c(256, 128, 64, 8, 8, 3),
+             "128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4), "64x128x64_w4_s4": c(64, 128, 64, 8, 4, 4),
+             "tma_128x128x64_w8_s4": c(128, 128, 64, 8, 8, 4, tma_persistent=True),
+             "tma_128x256x64_w8_s3": c(128, 256, 64, 8, 8, 3, tma_persistent=True),
+             "tma_128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4, tma_persistent=True)}
     return table
 
 
@@ -65,8 +67,9 @@ def time_ms(fn, small: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def sweep_shape(n: int, k: int, small: bool, device: str, dtype) -> dict[str, Any]:
-    """Times and invariance of every candidate for weight [n, k]; the proposal (see the module doc)."""
+def sweep_shape(n: int, k: int, small: bool, device: str, dtype, out_dtype) -> dict[str, Any]:
+    """Times and invariance of every candidate for weight [n, k], writing `out_dtype` as the engine does (fp32
+    logits from the LM head); the proposal (see the module doc)."""
     import torch
     import torch.nn.functional as F
 
@@ -81,12 +84,13 @@ def sweep_shape(n: int, k: int, small: bool, device: str, dtype) -> dict[str, An
     row["cublas_ms"] = {m: rounded(time_ms(lambda: F.linear(x[:m], weight), small)) for m in ms}
     for name, cfg in candidates().items():
         try:
-            full = invariant_linear(x, weight, config=cfg)  # [max M, N]
-            bad = {m: int((invariant_linear(x[:m], weight, config=cfg) != full[:m]).any(dim=1).sum())
+            full = invariant_linear(x, weight, out_dtype=out_dtype, config=cfg)  # [max M, N]
+            bad = {m: int((invariant_linear(x[:m], weight, out_dtype=out_dtype, config=cfg) != full[:m])
+                           .any(dim=1).sum())
                    for m in check_ms}
             row["invariant"][name] = not any(bad.values())
-            row["ms"][name] = {m: rounded(time_ms(lambda: invariant_linear(x[:m], weight, config=cfg), small))
-                               for m in ms}
+            row["ms"][name] = {m: rounded(time_ms(lambda: invariant_linear(x[:m], weight, out_dtype=out_dtype,
+                                                                         config=cfg), small)) for m in ms}
         except Exception as e:  # out of shared memory / registers: that candidate is out, the sweep goes on
             row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
     ok = [name for name in row["ms"] if row["invariant"][name]]
@@ -100,7 +104,6 @@ def sweep_shape(n: int, k: int, small: bool, device: str, dtype) -> dict[str, An
                mean_time_over_best={name: rounded(v, 3) for name, v in score.items()},
                proposed_over_cublas={m: rounded(row["ms"][proposed][m] / row["cublas_ms"][m], 3) for m in ms},
                default_over_proposed={m: rounded(row["ms"]["default"][m] / row["ms"][proposed][m], 3) for m in ms})
-    del weight, x
     return row
 
 
@@ -121,7 +124,8 @@ def part_sweep(args) -> bool:
             if (n, k) in seen:
                 continue
             seen.add((n, k))
-            row = sweep_shape(n, k, small, device, dtype)
+            out_dtype = torch.float32 if gemm == "lm_head" else dtype  # the engine's logits are fp32
+            row = sweep_shape(n, k, small, device, dtype, out_dtype)
             ok &= row["proposed"] is not None
             emit({"part": "sweep", "model": model, "gemm": gemm, "n": n, "k": k, "capability": capability,
                   "dtype": dtype_name, **row})
@@ -129,7 +133,8 @@ def part_sweep(args) -> bool:
                 c = row["proposed_config"]
                 proposals.append(f'    ("{capability}", "{dtype_name}", {n}, {k}): MatmulConfig('
                                  f'{c["block_m"]}, {c["block_n"]}, {c["block_k"]}, {c["group_m"]}, '
-                                 f'{c["num_warps"]}, {c["num_stages"]}),  # {model} {gemm}')
+                                 f'{c["num_warps"]}, {c["num_stages"]}'
+                                 f'{", tma_persistent=True" if c["tma_persistent"] else ""}),  # {model} {gemm}')
     emit({"part": "sweep", "proposed_table": "TABLE: dict[Key, MatmulConfig] = {\n" + "\n".join(proposals)
           + ("\n" if proposals else "") + "}", "shapes": len(seen), "non_default": len(proposals)})
     return bool(ok)

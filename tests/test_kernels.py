@@ -417,9 +417,10 @@ AOT_SCRIPT = textwrap.dedent("""
     SM90_SHARED = 232448  # bytes of shared memory one block may opt in to on sm_90 (227 KB)
 
     def build(module, kernel, ptrs, floats, consts, num_warps, num_stages=3, aligned=()):
+        # ptrs: the dtype of each pointer, or the "tensordesc<dtype[block]>" type of each tensor descriptor
         fn = getattr(importlib.import_module("apcscore.kernels." + module), kernel)
-        sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a.endswith("_ptr") else
-               "fp32" if a in floats else "i32" for a in fn.arg_names}
+        sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a.endswith("_ptr") else ptrs[a] if
+               a.endswith("_desc") else "fp32" if a in floats else "i32" for a in fn.arg_names}
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                  if a.endswith("_ptr") or a in aligned}
         out = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
@@ -457,15 +458,26 @@ AOT_SCRIPT = textwrap.dedent("""
                ("fp32", "fp32", DEFAULT)]
     configs += [("bf16", "bf16", cfg) for name, cfg in candidates().items() if name != "default"]
     for dt, out_dt, cfg in configs:
-        build("matmul", "_linear_kernel", dict(x_ptr=dt, w_ptr=dt, y_ptr=out_dt), set(),
-              dict(IEEE=dt == "fp32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                   GROUP_M=cfg.group_m), cfg.num_warps, cfg.num_stages,
-              aligned=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
+        consts = dict(IEEE=dt == "fp32", BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                      GROUP_M=cfg.group_m)
+        if cfg.tma_persistent:  # tensor descriptors of the tiles; 132 programs, the H200's SMs
+            bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+            descs = dict(x_desc=f"tensordesc<{dt}[{bm}, {bk}]>", w_desc=f"tensordesc<{dt}[{bn}, {bk}]>",
+                         y_desc=f"tensordesc<{out_dt}[{bm}, {bn}]>")
+            out = build("matmul", "_linear_tma_persistent_kernel", descs, set(), dict(consts, NUM_PROGRAMS=132),
+                        cfg.num_warps, cfg.num_stages, aligned=("N", "K"))
+            assert "cp.async.bulk.tensor" in out.asm["ptx"], ("no TMA copy in", cfg)  # what the variant is for
+        else:
+            build("matmul", "_linear_kernel", dict(x_ptr=dt, w_ptr=dt, y_ptr=out_dt), set(), consts,
+                  cfg.num_warps, cfg.num_stages, aligned=("N", "K", "stride_xm", "stride_wn", "stride_ym"))
 """)
 
 
 def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     import triton
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "scripts"))
+    from gpu_check_sweep import candidates
 
     if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
         pytest.skip("this Triton build has no bundled ptxas (CUDA backend) to compile with")
@@ -474,7 +486,7 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 7 + 4 + 7, result.stdout
+    assert result.stdout.count("compiled") == 7 + 4 + len(candidates()) - 1, result.stdout
 
 
 def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:

@@ -132,3 +132,38 @@ def test_table_config_is_used_for_its_shape_and_rows_stay_invariant(monkeypatch)
     assert rows_differing(invariant_linear, x, weight, reference, counts=(1, 7, 33, 64, 100)) == []
     assert torch.equal(invariant_linear(x[:50], other), invariant_linear(x[:50], other,
                                                                          config=matmul_configs.DEFAULT))
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(_triton_device() is None, reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tma_persistent_config_is_batch_invariant_and_refuses_unaligned_rows(dtype: torch.dtype) -> None:
+    """A TMA persistent configuration (tiles fetched through tensor descriptors, zero-filled past the edges;
+    programs walking several tiles each): the product, each row's bits whatever M and wherever the rows sit,
+    `out` and the bias as the plain kernel honours them, fp32 logits from bf16, and a row stride TMA cannot
+    address refused with a message rather than summed another way."""
+    from apcscore.kernels import matmul
+    from apcscore.kernels.matmul_configs import MatmulConfig
+
+    device = _triton_device()
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the interpreter multiplies bf16 bit patterns in tl.dot (tests/test_kernels.py)")
+    tma = MatmulConfig(block_m=32, block_n=64, block_k=32, group_m=2, num_warps=4, num_stages=2,
+                       tma_persistent=True)
+    gen = torch.Generator().manual_seed(5)
+    weight = (torch.randn(200, 96, generator=gen) * 0.1).to(device, dtype)  # [N=200, K=96]: edge tiles in N, K
+    bias = torch.randn(200, generator=gen).to(device, dtype)
+    x = torch.randn(300, 96, generator=gen).to(device, dtype)  # [M=300, K]: 10 row tiles x 4 column tiles
+    reference = matmul.invariant_linear(x, weight, config=tma)  # [300, 200]
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(reference.float(), x.float() @ weight.float().t(), rtol=tolerance, atol=tolerance)
+    linear = lambda rows, w: matmul.invariant_linear(rows, w, config=tma)  # noqa: E731
+    assert rows_differing(linear, x, weight, reference, counts=(1, 7, 33, 57, 129, 257)) == []
+    assert torch.equal(matmul.invariant_linear(x[5:70], weight, bias, config=tma), reference[5:70] + bias)
+    out = torch.empty(128, 200, device=device, dtype=torch.float32)
+    logits = matmul.invariant_linear(x[:100], weight, out=out, out_dtype=torch.float32, config=tma)
+    assert logits.data_ptr() == out.data_ptr() and logits.dtype == torch.float32
+    assert torch.equal(logits.to(dtype), reference[:100])  # fp32 written; rounded, the bits of dtype's output
+    odd = torch.randn(40, 97, generator=gen).to(device, dtype)[:, :96]  # rows 97 elements apart
+    with pytest.raises(ValueError, match="TMA configuration needs 16-byte aligned rows"):
+        matmul.invariant_linear(odd, weight, config=tma)

@@ -5,8 +5,8 @@ many other rows share the call. Here every output tile [BLOCK_M, BLOCK_N] is com
 walks the whole K dimension in BLOCK_K steps, in the same order, with the same instruction, whatever M is:
 row i of y depends on row i of x and on w alone. M only changes the size of the grid (and it is never
 specialised on: `do_not_specialize`), so the bits of a row cannot depend on the batch. The configuration
-(block sizes, warps, stages) comes from kernels/matmul_configs.py, chosen by (device capability, dtype, N, K)
-and never by M.
+(block sizes, warps, stages, and whether the tiles are fetched by TMA in a persistent kernel) comes from
+kernels/matmul_configs.py, chosen by (device capability, dtype, N, K) and never by M.
 
 Accumulation is fp32; the output dtype is the caller's choice (fp32 logits from bf16 weights: the LM head
 of every logprob path). fp32 inputs use IEEE fp32 products (no TF32).
@@ -36,19 +36,23 @@ def capability_of(device: torch.device) -> str:
     return _CAPABILITY[index]
 
 
+@triton.jit
+def _tile_position(tile, num_m, num_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of output tile `tile`, in grouped order: GROUP_M row tiles share a column sweep
+    (L2 reuse of w). Where a tile is computed, never how: it does not touch the arithmetic."""
+    group = tile // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = min(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % (GROUP_M * num_n)) % size_m
+    pid_n = (tile % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    GROUP_M: tl.constexpr):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    # grouped order: GROUP_M row tiles share a column sweep (L2 reuse of w); does not touch the arithmetic
-    group = pid // (GROUP_M * num_n)
-    first_m = group * GROUP_M
-    size_m = min(num_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
-    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    pid_m, pid_n = _tile_position(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     cols = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     ks = tl.arange(0, BLOCK_K)  # [BK]
@@ -67,6 +71,64 @@ def _linear_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym
         w_tile += BLOCK_K
     y = y_ptr + rows[:, None] * stride_ym + cols[None, :]
     tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_tma_persistent_kernel(x_desc, w_desc, y_desc, M, N, K, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                                  NUM_PROGRAMS: tl.constexpr):
+    """The same tile arithmetic as _linear_kernel, with TMA loads and stores (tensor descriptors: the copy
+    engine fetches each [BLOCK, BLOCK_K] tile, zero-filled past M, N and K, as the masks do) and one program
+    per SM that walks the output tiles (NUM_PROGRAMS apart). Which program computes a tile, and how many
+    tiles there are (M), changes nothing in how that tile is summed: its K steps, in order, one tl.dot each."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+        pid_m, pid_n = _tile_position(tile, num_m, num_n, GROUP_M)
+        row, col = pid_m * BLOCK_M, pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = x_desc.load([row, k0])  # [BM, BK]
+            w = w_desc.load([col, k0])  # [BN, BK] (w is [N, K])
+            if IEEE:
+                acc = tl.dot(x, w.T, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(x, w.T, acc)
+        y_desc.store([row, col], acc.to(y_desc.dtype))
+
+
+_NUM_SMS: dict[int, int] = {}  # CUDA device index -> multiprocessors
+INTERPRETER_PROGRAMS = 3  # the persistent kernel's program count under the interpreter: several tiles each
+
+
+def _num_programs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NUM_SMS:
+        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _NUM_SMS[index]
+
+
+def _launch_tma_persistent(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
+    """out[:M] = x @ weight.T through tensor descriptors; refuses tensors TMA cannot address (16-byte aligned
+    bases and row strides) rather than computing them another way, which could sum in another order."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    for arg, t in (("x", x), ("weight", weight), ("out", out)):
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            raise ValueError(f"invariant_linear: a TMA configuration needs 16-byte aligned rows, but {arg} has "
+                             f"address {t.data_ptr()} and row stride {t.stride(0)} x {t.element_size()} bytes")
+    (m, k), n = x.shape, weight.shape[0]
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
+    y_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
+    programs = _num_programs(x.device)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _linear_tma_persistent_kernel[(min(programs, tiles),)](
+        x_desc, w_desc, y_desc, m, n, k, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, NUM_PROGRAMS=programs, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -99,9 +161,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     if m == 0:
         return out
     cfg = config or config_for(capability_of(x.device), str(x.dtype).removeprefix("torch."), n, k)  # never M
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _linear_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                         IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
-                         num_stages=cfg.num_stages)
+    if cfg.tma_persistent:
+        _launch_tma_persistent(x, weight, out, cfg)
+    else:
+        grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+        _linear_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                             IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                             BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
+                             num_stages=cfg.num_stages)
     return out if bias is None else out.add_(bias)

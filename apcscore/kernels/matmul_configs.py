@@ -30,6 +30,9 @@ class MatmulConfig:
     group_m: int = 8  # row tiles sharing a column sweep (L2 reuse of the weight); does not touch the arithmetic
     num_warps: int = 8
     num_stages: int = 3
+    # TMA tile loads and one program per SM walking the tiles (`_linear_tma_persistent_kernel`; Hopper and
+    # newer, 16-byte aligned rows): another kernel, so another entry's bits, never chosen by M either
+    tma_persistent: bool = False
 
 
 # The configuration of every shape before the table existed (run 1 on the H200: invariant for every M,
