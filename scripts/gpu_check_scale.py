@@ -146,6 +146,7 @@ def part_8b(args) -> None:
     del state, hf  # the engine holds its own copy; the random model's weights go
     if device == "cuda":
         torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()  # the peaks below are the engine's, not the load's (two copies)
     params = engine.info.num_parameters
     tag = {"part": "8b", "model": "llama-3.1-8b-" + ("tiny" if small else "shape"), "dtype": precision,
            "backend": backend, "params": params}

@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 
 from apcscore import Engine, EngineConfig
 from apcscore.cli import app
-from apcscore.engine.gemm_probe import probe_linear
+from apcscore.engine.gemm_probe import probe_linear, probe_model
 from apcscore.errors import ApcscoreError
+from apcscore.kernels._checks import interpreting
 from apcscore.kernels.cpu_gemm import FixedOrderLinear
 from apcscore.models import ops as ops_module
 from apcscore.models.loading import load_state_dict
@@ -128,3 +129,32 @@ def test_cli_warns_records_and_refuses(tmp_path, write_jsonl, tiny_model_dir, ro
     res = CliRunner().invoke(app, ["merge", str(tmp_path / "merged.parquet"), *parts])
     assert res.exit_code == 2 and "batch invariance does not hold" in res.output
     assert not (tmp_path / "merged.parquet").exists()
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not interpreting(), reason="the Triton matmul on the CPU needs TRITON_INTERPRET=1")
+def test_the_head_is_probed_as_compute_logits_multiplies_it_in_bf16(tiny_model_dir, monkeypatch) -> None:
+    """The LM head is probed through `model.logits_product()`, the product compute_logits runs: on CUDA the
+    Triton matmul reading bf16 rows and writing fp32 logits. Probing it with fp32 rows (as the probe once did)
+    made every bf16 engine on CUDA fail at start-up ("x is torch.float32 but weight is torch.bfloat16").
+    Here the CUDA product runs under the interpreter in its place."""
+    from apcscore.kernels.matmul import invariant_linear
+
+    parts, state = _tiny_parts(tiny_model_dir)
+    model = Engine.from_parts(parts.config, state, parts.tokenizer,
+                              EngineConfig(device="cpu", dtype="bfloat16")).model
+    head = model.lm_head_weight  # [V, H] bf16
+    calls = []
+
+    def cuda_product(x, weight, out=None):  # what logits_product returns on CUDA
+        calls.append((x.dtype, weight.dtype))
+        return invariant_linear(x, weight, out=out, out_dtype=torch.float32)
+
+    monkeypatch.setattr(model, "logits_product", lambda: (cuda_product, head, torch.bfloat16))
+    result = probe_model(model, model.ops.linear, budget=64)
+    assert result.passed, result.reason
+    assert result.shapes[-1][:2] == [parts.config.hidden_size, parts.config.vocab_size]
+    assert set(calls) == {(torch.bfloat16, torch.bfloat16)}
+    hidden = torch.randn(5, parts.config.hidden_size).to(torch.bfloat16)
+    logits = model.compute_logits(hidden)  # [5, V]
+    assert logits.dtype == torch.float32 and torch.equal(logits, cuda_product(hidden, head))

@@ -218,7 +218,7 @@ def test_kv_pool_leaves_room_for_the_largest_step(tiny_dir) -> None:
     """The pool sized from the profile of the largest step (engine/kv_cache.py): that step then runs inside
     fraction x total, its peak within 5% of the profiled one."""
     torch.cuda.empty_cache()
-    engine = cuda_engine(tiny_dir, dtype="bfloat16", num_kv_blocks=None, max_batch_tokens=2048,
+    engine = cuda_engine(tiny_dir("llama"), dtype="bfloat16", num_kv_blocks=None, max_batch_tokens=2048,
                          logprobs_chunk_size=2048, kv_cache_memory_fraction=0.3, graphs=False)
     _, total = torch.cuda.mem_get_info()
     pool = engine.block_manager.num_blocks * engine.config.block_size  # tokens

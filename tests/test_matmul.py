@@ -109,11 +109,25 @@ def test_matmul_configs_are_keyed_without_the_row_count() -> None:
 @pytest.mark.skipif(_triton_device() is None, reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU")
 def test_table_config_is_used_for_its_shape_and_rows_stay_invariant(monkeypatch) -> None:
     """An entry of matmul_configs.TABLE for (device, dtype, N, K) is what invariant_linear launches for that
-    weight shape (its bits are those of an explicit launch with it, and not those of DEFAULT, whose K steps
-    sum in another order), each row's bits still do not depend on M, and another (N, K) keeps DEFAULT."""
-    from apcscore.kernels import matmul_configs
+    weight shape (the launch's block sizes, warps and stages are the entry's, and its bits those of an explicit
+    launch with it), each row's bits still do not depend on M, and another (N, K) keeps DEFAULT. The launch is
+    watched rather than the bits compared with DEFAULT's: on a GPU an fp32 IEEE dot is one fma chain along K
+    whatever BLOCK_K, so two configurations can give the same bits."""
+    from apcscore.kernels import matmul, matmul_configs
     from apcscore.kernels.matmul import capability_of, invariant_linear
 
+    launched: list[matmul_configs.MatmulConfig] = []
+    kernel = matmul._linear_kernel
+
+    class WatchedKernel:  # kernel[grid](...) as Triton's launcher, recording the launch configuration
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(matmul_configs.MatmulConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"],
+                                                            kw["GROUP_M"], kw["num_warps"], kw["num_stages"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(matmul, "_linear_kernel", WatchedKernel())
     device = _triton_device()
     gen = torch.Generator().manual_seed(4)
     weight = (torch.randn(72, 160, generator=gen) * 0.1).to(device)  # [N=72, K=160]
@@ -121,17 +135,20 @@ def test_table_config_is_used_for_its_shape_and_rows_stay_invariant(monkeypatch)
     x = torch.randn(150, 160, generator=gen).to(device)  # [M=150, K]
     special = matmul_configs.MatmulConfig(block_m=32, block_n=32, block_k=32, group_m=2, num_warps=4,
                                           num_stages=2)  # 5 K steps of 32 instead of 64 + 64 + 32
-    default = invariant_linear(x, weight)  # [150, 72], DEFAULT (the table has no such entry yet)
+    invariant_linear(x, weight)
+    assert launched[-1] == matmul_configs.DEFAULT  # the table has no such entry yet
     cap = capability_of(x.device)
     monkeypatch.setitem(matmul_configs.TABLE, (cap, "float32", 72, 160), special)
     assert matmul_configs.config_for(cap, "float32", 72, 160) is special
     reference = invariant_linear(x, weight)  # [150, 72] through the table
+    assert launched[-1] == special
     assert torch.equal(reference, invariant_linear(x, weight, config=special))
-    assert not torch.equal(reference, default), "the table's entry was not used (or sums in DEFAULT's order)"
     torch.testing.assert_close(reference, x @ weight.t(), rtol=1e-5, atol=1e-5)
     assert rows_differing(invariant_linear, x, weight, reference, counts=(1, 7, 33, 64, 100)) == []
+    assert launched[-1] == special
     assert torch.equal(invariant_linear(x[:50], other), invariant_linear(x[:50], other,
                                                                          config=matmul_configs.DEFAULT))
+    assert launched[-2] == matmul_configs.DEFAULT
 
 
 @pytest.mark.triton

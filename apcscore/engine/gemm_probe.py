@@ -59,7 +59,7 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
     rows = probe_rows(budget)
     result = ProbeResult(passed=True, row_counts=rows, offsets=list(OFFSETS))
     seen: set[tuple] = set()
-    gen = torch.Generator().manual_seed(seed)
+    generators: dict[torch.device, torch.Generator] = {}  # drawn where the weights are: no host copy
     for weight in weights:
         n, k = weight.shape
         key = (n, k, weight.dtype, weight.device)
@@ -72,7 +72,10 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
         n_probe = n if total_rows * n * k <= MAC_BUDGET else min(n, fit)
         w = weight[:n_probe]
         result.shapes.append([k, n, n_probe])
-        x = torch.randn(m_ref, k, generator=gen).to(device=weight.device, dtype=dtype or weight.dtype)
+        if weight.device not in generators:
+            generators[weight.device] = torch.Generator(device=weight.device).manual_seed(seed)
+        x = torch.randn(m_ref, k, generator=generators[weight.device], device=weight.device)
+        x = x.to(dtype or weight.dtype)  # [m_ref, K]
         ref = linear(x, w)
         for m in rows[:-1]:
             if not torch.equal(linear(x[:m], w), ref[:m]):
@@ -110,15 +113,13 @@ def model_weights(model: torch.nn.Module, lm_head: torch.Tensor | None = None) -
 
 
 def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> ProbeResult:
-    """probe_linear over a decoder's weights, the LM head included as compute_logits multiplies it (fp32 rows;
-    a CPU half-precision head as its fp32 copy unless the linear reads mixed dtypes)."""
+    """probe_linear over a decoder's weights, then the LM head as compute_logits multiplies it
+    (`model.logits_product()`: on CUDA rows in the model dtype and fp32 logits, on the CPU fp32 rows)."""
     weights = model_weights(model)
-    head = model.lm_head_weight
-    if head.device.type == "cpu" and head.dtype != torch.float32 and not getattr(linear, "mixed_dtypes", False):
-        head = head.float()
     result = probe_linear(linear, weights, budget)
     if result.passed:
-        head_result = probe_linear(linear, [head], budget, dtype=torch.float32, seed=1)
+        head_linear, head, rows_dtype = model.logits_product()
+        head_result = probe_linear(head_linear, [head], budget, dtype=rows_dtype, seed=1)
         head_result.shapes = result.shapes + head_result.shapes
         head_result.seconds = round(result.seconds + head_result.seconds, 4)
         result = head_result

@@ -8,6 +8,7 @@ yarn, ...) gives exactly its cos/sin.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping
 
 import torch
@@ -238,22 +239,32 @@ class LlamaDecoder(nn.Module):
         """[N, H] -> fp32 logits [N, vocab], whatever the model dtype, through a batch-invariant GEMM.
 
         A bf16 logit is rounded by up to 2^-8 of its size: ~0.06 nats at |logit| 20, too coarse to score with.
-        On CUDA the Triton matmul reads bf16 and accumulates and writes fp32; on the CPU a half-precision
-        model's hidden states and LM head are upcast (the fp32 head is kept: vocab x hidden x 4 bytes).
-        `out` (fp32, rows: see Ops.linear) receives the logits if given.
+        How the head is multiplied is `logits_product`'s to say. `out` (fp32, rows: see Ops.linear) receives
+        the logits if given.
+        """
+        linear, weight, rows_dtype = self.logits_product()
+        return linear(hidden.to(rows_dtype), weight, out=out)
+
+    def logits_product(self) -> tuple[Callable[..., torch.Tensor], torch.Tensor, torch.dtype]:
+        """How compute_logits multiplies the LM head: (linear(x, weight, out=None) -> fp32 [N, vocab], weight,
+        the dtype x is cast to). The start-up probe (engine/gemm_probe.py) checks exactly this product.
+
+        On CUDA the Triton matmul reads the model dtype and accumulates and writes fp32; on the CPU a
+        half-precision model's hidden states and LM head are upcast (the fp32 head is kept: vocab x hidden x
+        4 bytes), unless the linear multiplies fp32 rows by half weights exactly (`mixed_dtypes`).
         """
         weight = self.lm_head_weight
         if weight.device.type == "cuda":
             from apcscore.kernels.matmul import invariant_linear
 
-            return invariant_linear(hidden, weight, out=out, out_dtype=torch.float32)
+            return functools.partial(invariant_linear, out_dtype=torch.float32), weight, weight.dtype
         if weight.dtype != torch.float32 and getattr(self.ops.linear, "mixed_dtypes", False):
-            return self.ops.linear(hidden.float(), weight, out=out)  # fp32 rows x half weights: exact upcast
+            return self.ops.linear, weight, torch.float32  # fp32 rows x half weights: exact upcast
         if weight.dtype != torch.float32:
             if self._lm_head_fp32 is None:
                 self._lm_head_fp32 = weight.float()
-            weight, hidden = self._lm_head_fp32, hidden.float()
-        return self.ops.linear(hidden, weight, out=out)
+            weight = self._lm_head_fp32
+        return self.ops.linear, weight, torch.float32
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
