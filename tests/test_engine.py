@@ -48,7 +48,8 @@ def arch_pair(request, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     path = tiny_model_dir(request.param)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    # eager attention, the reference: SDPA drops Gemma 2's attention soft-cap in transformers 5.17
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
     return request.param, path, hf
 
 

@@ -66,10 +66,11 @@ def run_both(model_dir, seed: int) -> dict:
 
 
 def hf_logprobs(model_dir, prompt: list[int]) -> np.ndarray:
-    """transformers' fp32 log-softmax [len - 1, V] of each prompt position that predicts the next token."""
+    """transformers' fp32 log-softmax [len - 1, V] of each prompt position that predicts the next token, with its
+    eager attention (its SDPA path drops Gemma 2's attention soft-cap in transformers 5.17, the H200's)."""
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         return torch.log_softmax(hf(torch.tensor([prompt])).logits[0, :-1].float(), -1).numpy()
 
