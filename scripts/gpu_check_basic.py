@@ -24,8 +24,9 @@ def part_env(args) -> bool:
             info[mod] = __import__(mod).__version__
         except Exception as e:  # report, do not fail: the other parts say what they need
             info[mod] = f"unavailable: {type(e).__name__}"
-    info["has_datasets"] = importlib.util.find_spec("datasets") is not None
-    info["has_gguf"] = importlib.util.find_spec("gguf") is not None
+    for mod in ("datasets", "gguf"):  # the repo's own datasets/ folder is a namespace package, not the library
+        spec = importlib.util.find_spec(mod)
+        info[f"has_{mod}"] = spec is not None and spec.origin not in (None, "namespace")
     info["cuda"] = torch.cuda.is_available()
     if info["cuda"]:
         props = torch.cuda.get_device_properties(0)
