@@ -93,7 +93,7 @@ def _sweep(lines) -> list[str]:
             rows.append([f"{ln['model']} {ln['gemm']}", f"{ln['n']} x {ln['k']}", ln["proposed"],
                          _fmt(ln["proposed_over_cublas"]), _fmt(ln["default_over_proposed"])])
         else:
-            rows.append([f"{ln['model']} {ln['gemm']}", f"{ln['n']} x {ln['k']}", "none invariant", "-", "-"])
+            rows.append([f"{ln['model']} {ln['gemm']}", f"{ln['n']} x {ln['k']}", "none invariant and right", "-", "-"])
     out = _table(["GEMM", "N x K", "proposed", "time / cuBLAS at M", "default / proposed at M"], rows) if rows \
         else ["no lines"]
     if table is not None:

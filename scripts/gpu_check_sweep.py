@@ -3,9 +3,11 @@
 For each weight shape (N, K) of the Llama-3.2-1B, Llama-3.1-8B and SmolLM2-135M shapes (in that order: the
 most used first, so a part cut short by its limit still has the 1B rows), every candidate of CANDIDATES is
 timed at M = 256, 2048 and 8192 (median of CUDA-event timings), next to cuBLAS (`F.linear`), and checked
-for batch invariance (rows of M = 1, 57, 256 and 2048 against the same rows at M = 8192, bitwise). The
-proposal for a shape is the invariant candidate with the lowest mean of (its time / the best candidate's
-time) over the three M: one configuration for every M, as kernels/matmul_configs.py requires. The part
+for batch invariance (rows of M = 1, 57, 256 and 2048 against the same rows at M = 8192, bitwise) and for
+being right (its first 256 rows against an fp32 product: max error at most 1% of the largest value; a
+kernel that is wrong the same way at every M is invariant too). The LM head writes fp32 logits, as in the
+engine. The proposal for a shape is the invariant, right candidate with the lowest mean of (its time / the
+best candidate's time) over the three M: one configuration for every M, as kernels/matmul_configs.py requires. The part
 prints one line per shape and, last, the proposed TABLE rows as Python text to paste into
 apcscore/kernels/matmul_configs.py (rows whose proposal is DEFAULT are left out: DEFAULT is the fallback).
 """
@@ -17,6 +19,8 @@ from typing import Any
 from gpu_check_common import emit, gemm_shapes, rounded
 
 MODELS = ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m")
+ACCURACY_ROWS = 256  # rows checked against an fp32 product
+MAX_RELATIVE_ERROR = 0.01  # max |y - fp32 product| / max |fp32 product|: bf16 outputs round by 2^-9 relative
 MS = (256, 2048, 8192)
 CHECK_MS = (1, 57, 256, 2048)  # rows compared bitwise with the same rows at max(MS)
 
@@ -80,7 +84,8 @@ def sweep_shape(n: int, k: int, small: bool, device: str, dtype, out_dtype) -> d
     gen = torch.Generator(device=device).manual_seed(n * 31 + k)
     weight = (torch.randn(n, k, generator=gen, device=device) * k ** -0.5).to(dtype)  # [N, K]
     x = torch.randn(max(ms), k, generator=gen, device=device).to(dtype)  # [max M, K]
-    row: dict[str, Any] = {"ms": {}, "invariant": {}, "errors": {}}
+    row: dict[str, Any] = {"ms": {}, "invariant": {}, "relative_error": {}, "errors": {}}
+    exact = F.linear(x[:ACCURACY_ROWS].float(), weight.float())  # [rows, N] fp32: is a candidate right at all?
     row["cublas_ms"] = {m: rounded(time_ms(lambda: F.linear(x[:m], weight), small)) for m in ms}
     for name, cfg in candidates().items():
         try:
@@ -89,11 +94,14 @@ def sweep_shape(n: int, k: int, small: bool, device: str, dtype, out_dtype) -> d
                            .any(dim=1).sum())
                    for m in check_ms}
             row["invariant"][name] = not any(bad.values())
+            row["relative_error"][name] = rounded(float((full[:ACCURACY_ROWS].float() - exact).abs().max()
+                                                        / exact.abs().max()), 3)
             row["ms"][name] = {m: rounded(time_ms(lambda: invariant_linear(x[:m], weight, out_dtype=out_dtype,
                                                                          config=cfg), small)) for m in ms}
         except Exception as e:  # out of shared memory / registers: that candidate is out, the sweep goes on
             row["errors"][name] = f"{type(e).__name__}: {str(e)[:200]}"
-    ok = [name for name in row["ms"] if row["invariant"][name]]
+    ok = [name for name in row["ms"] if row["invariant"][name]
+          and row["relative_error"][name] <= MAX_RELATIVE_ERROR]  # invariant and right
     if not ok:
         row["proposed"] = None
         return row

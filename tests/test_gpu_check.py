@@ -54,6 +54,8 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     sweep = by_part["sweep"]
     assert len(sweep) == 6 and "proposed_table" in sweep[-1]  # 5 tiny (N, K) (the 3 models coincide), the table
     assert all(row["proposed"] and all(row["invariant"].values()) for row in sweep[:-1]), sweep
+    assert all(len(row["relative_error"]) == len(row["invariant"]) and max(row["relative_error"].values()) < 1e-4
+               for row in sweep[:-1]), sweep  # every candidate right too (fp32 on the CPU)
     summary = lines[-1]
     assert summary["part"] == "summary" and summary["ok"] is True and summary["small"] is True, summary
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -80,10 +80,12 @@ def _linear_tma_persistent_kernel(x_desc, w_desc, y_desc, M, N, K, IEEE: tl.cons
     """The same tile arithmetic as _linear_kernel, with TMA loads and stores (tensor descriptors: the copy
     engine fetches each [BLOCK, BLOCK_K] tile, zero-filled past M, N and K, as the masks do) and one program
     per SM that walks the output tiles (NUM_PROGRAMS apart). Which program computes a tile, and how many
-    tiles there are (M), changes nothing in how that tile is summed: its K steps, in order, one tl.dot each."""
+    tiles there are (M), changes nothing in how that tile is summed: its K steps, in order, one tl.dot each.
+    `flatten` lets the compiler pipeline the tile loop and the K loop as one (the next tile's loads overlap
+    this tile's store), as Triton's persistent-matmul tutorial does on Hopper: a schedule, not an order."""
     num_m = tl.cdiv(M, BLOCK_M)
     num_n = tl.cdiv(N, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS):
+    for tile in tl.range(tl.program_id(0), num_m * num_n, NUM_PROGRAMS, flatten=True):
         pid_m, pid_n = _tile_position(tile, num_m, num_n, GROUP_M)
         row, col = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
