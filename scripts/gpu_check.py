@@ -8,6 +8,10 @@ first (a part cut short by its limit keeps the lines it printed; later parts sti
 
 - env         versions, device, and whether apcscore imports without `datasets` / `gguf` (absent there).
 - tests       `pytest -m "gpu or triton"` (TRITON_INTERPRET unset: the kernels and engines run on CUDA).
+- sweep       Triton matmul configurations per (N, K) of the 1B, 8B and SmolLM2-135M shapes at M = 256, 2048,
+              8192, and the proposed table for apcscore/kernels/matmul_configs.py. The parts after it run
+              with that proposal in the table (their end lines say how many entries): what a lease would commit
+              is what exactness, the tax and the benchmarks measure.
 - exactness   bitwise contracts end to end on the 1B shape in bf16: token budgets 57/64/100/191 and each prompt
               alone vs budget 8192; --exact-reuse (context reuse, score store) vs recompute; last-token
               alternatives vs separate requests; greedy generation alone, batched, eager, preempted.
@@ -16,8 +20,6 @@ first (a part cut short by its limit keeps the lines it printed; later parts sti
 - bench       apcscore against plain transformers (bf16, SDPA) on the same random weights, 1B shape: prompt
               logprobs (K=5, 64..2048 tokens) with model FLOP utilisation, and generation (256 prompts sharing a
               1,024-token prefix, 64 greedy tokens each).
-- sweep       Triton matmul configurations per (N, K) of the SmolLM2-135M, 1B and 8B shapes at M = 256, 2048,
-              8192, and the proposed table for apcscore/kernels/matmul_configs.py.
 - eval        5-shot multiple choice (350-token shared prefix, 1,000 questions x 4 one-token choices): recompute,
               --exact-reuse and transformers batched like lm-eval's hf; 64-token continuations, no shared prefix.
 - 8b          a Llama-3.1-8B shape built on the device: score tokens/s and MFU, generation of 256 x 512 tokens.
@@ -39,6 +41,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -51,16 +54,20 @@ from gpu_check_common import ROOT, SHAPES  # noqa: E402
 from gpu_check_exact import part_exactness, part_tax  # noqa: E402
 from gpu_check_scale import part_8b, part_eval, part_long  # noqa: E402
 from gpu_check_summary import write_summary  # noqa: E402
-from gpu_check_sweep import part_sweep  # noqa: E402
+from gpu_check_sweep import SWEPT_TABLE_ENV, apply_swept_table, part_sweep, swept_entries  # noqa: E402
 
 TOTAL_LIMIT_S = 540  # the whole check stays under 9 minutes (gpu_check.sh's backstop is 555 s)
 # Run 1 on the H200 (docs/gpu_runs/2026-12-01-h200-run1.jsonl) took env 9, tests 55, bench (1B) 26 s, and its
 # invariance part (budgets, tax) 22 s; each part process also pays ~5-8 s of imports and CUDA start-up.
 # tests: above 120 s, the longest subprocess timeout of a gpu/triton test (the Hopper AOT compile).
-PART_LIMITS_S = {"env": 15, "tests": 125, "exactness": 65, "tax": 50, "bench:llama-3.2-1b": 50, "sweep": 70,
+# The sweep runs before the engine parts: they run with its proposal (the table a lease would commit), so one
+# lease measures exactness, the tax and MFU with it. Without a proposal (no sweep, or all DEFAULT) they run
+# DEFAULT, today's configuration.
+PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 70, "exactness": 65, "tax": 50, "bench:llama-3.2-1b": 50,
                  "eval": 55, "8b": 70, "long": 40}
-SMALL_LIMITS_S = {"env": 60, "tests": 180, "exactness": 180, "tax": 120, "bench:llama-3.2-1b": 120,
-                  "sweep": 180, "eval": 180, "8b": 120, "long": 120}
+SMALL_LIMITS_S = {"env": 60, "tests": 180, "sweep": 180, "exactness": 180, "tax": 120, "bench:llama-3.2-1b": 120,
+                  "eval": 180, "8b": 120, "long": 120}
+WITHOUT_TABLE = {"env", "tests", "sweep"}  # parts that set their own matmul configurations (or none)
 INTERPRETED = {"sweep"}  # parts whose Triton kernels run under TRITON_INTERPRET=1 in --small
 
 PARTS = {"env": part_env, "tests": part_tests, "compare": part_compare, "bench": part_bench,
@@ -75,8 +82,9 @@ def part_argv(label: str) -> list[str]:
 
 
 def run_part(argv: list[str], label: str, limit: float, env: dict[str, str], log,
-             collected: list[str]) -> dict[str, Any]:
-    """Run one part in its own process group under `limit` seconds; pass its JSON lines through."""
+             collected: list[str], extra: dict[str, Any]) -> dict[str, Any]:
+    """Run one part in its own process group under `limit` seconds; pass its JSON lines through. `extra` goes
+    into its end line."""
     t0 = time.perf_counter()
     proc = subprocess.Popen([sys.executable, __file__, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -111,7 +119,7 @@ def run_part(argv: list[str], label: str, limit: float, env: dict[str, str], log
     pumper.join(timeout=5)
     reader.join(timeout=5)
     status = {"part": "end", "name": label, "rc": proc.returncode, "timed_out": timed_out, "limit_s": round(limit),
-              "seconds": round(time.perf_counter() - t0, 1), "json_lines": lines}
+              "seconds": round(time.perf_counter() - t0, 1), "json_lines": lines, **extra}
     if proc.returncode != 0:
         status["stderr_tail"] = "".join(err)[-3000:]
     write(json.dumps(status), log, collected)
@@ -135,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="CPU dry run: tiny shapes, fp32")
     args = parser.parse_args(argv)
     if args.part != "all":
+        if args.part not in WITHOUT_TABLE:
+            apply_swept_table()
         return 0 if PARTS[args.part](args) is not False else 1
     out_dir = os.environ.get("OUT")
     log = open(Path(out_dir) / "gpu_check.jsonl", "w", encoding="utf-8") if out_dir else None
@@ -143,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.perf_counter() + total
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    table = Path(out_dir or tempfile.mkdtemp(prefix="gpu_check_")) / "matmul_table.json"  # the sweep's proposal
+    table.unlink(missing_ok=True)
+    env[SWEPT_TABLE_ENV] = str(table)
     small = ["--small"] if args.small else []
     ok, lines = True, []
     for label in limits:
@@ -152,7 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
             continue
         part_env_vars = {**env, "TRITON_INTERPRET": "1"} if args.small and label in INTERPRETED else env
-        status = run_part(part_argv(label) + small, label, min(limits[label], left), part_env_vars, log, lines)
+        extra = {} if label in WITHOUT_TABLE else {"swept_table_entries": swept_entries(table)}
+        status = run_part(part_argv(label) + small, label, min(limits[label], left), part_env_vars, log, lines,
+                          extra)
         ok &= status["rc"] == 0
     write(json.dumps({"part": "summary", "ok": ok, "small": args.small,
                       "seconds": round(total - (deadline - time.perf_counter()), 1)}), log, lines)

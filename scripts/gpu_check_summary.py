@@ -35,8 +35,8 @@ def _env(lines) -> list[str]:
 
 def _parts(lines) -> list[str]:
     rows = [[e["name"], e.get("rc", "-"), e.get("timed_out", "-"), e.get("seconds", "-"), e.get("limit_s", "-"),
-             e.get("skipped", "")] for e in _by(lines, "end")]
-    return _table(["part", "rc", "timed out", "seconds", "limit s", "skipped"], rows)
+             e.get("swept_table_entries", "-"), e.get("skipped", "")] for e in _by(lines, "end")]
+    return _table(["part", "rc", "timed out", "seconds", "limit s", "swept table entries", "skipped"], rows)
 
 
 def _tests(lines) -> list[str]:

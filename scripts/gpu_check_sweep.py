@@ -14,9 +14,15 @@ apcscore/kernels/matmul_configs.py (rows whose proposal is DEFAULT are left out:
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import Any
 
 from gpu_check_common import emit, gemm_shapes, rounded
+
+# Where the orchestrator (gpu_check.py) has the sweep write its proposal, shape by shape, for the later parts
+SWEPT_TABLE_ENV = "GPU_CHECK_SWEPT_TABLE"
 
 MODELS = ("llama-3.2-1b", "llama-3.1-8b", "smollm2-135m")
 ACCURACY_ROWS = 256  # rows checked against an fp32 product
@@ -115,6 +121,33 @@ def sweep_shape(n: int, k: int, small: bool, device: str, dtype, out_dtype) -> d
     return row
 
 
+def write_table(path: Path, rows: list[list[Any]]) -> None:
+    """The proposal so far as JSON rows [capability, dtype, N, K, config fields], replaced atomically (a sweep
+    cut short by its limit leaves the shapes it finished)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(rows), encoding="utf-8")
+    tmp.replace(path)
+
+
+def apply_swept_table() -> int:
+    """In a part after the sweep: the sweep's proposal (the file named by $GPU_CHECK_SWEPT_TABLE) into
+    matmul_configs.TABLE, so that the part measures the table a lease would commit. Returns its entries."""
+    path = os.environ.get(SWEPT_TABLE_ENV)
+    if not path or not Path(path).exists():
+        return 0
+    from apcscore.kernels.matmul_configs import TABLE, MatmulConfig
+
+    rows = json.loads(Path(path).read_text(encoding="utf-8"))
+    for capability, dtype, n, k, fields in rows:
+        TABLE[(capability, dtype, n, k)] = MatmulConfig(**fields)
+    return len(rows)
+
+
+def swept_entries(path: Path) -> int:
+    """How many entries the sweep's proposal file holds now (0: none, or no sweep ran)."""
+    return len(json.loads(path.read_text(encoding="utf-8"))) if path.exists() else 0
+
+
 def part_sweep(args) -> bool:
     """One line per (N, K), then the proposed table; fails when a shape has no invariant candidate."""
     import torch
@@ -126,6 +159,8 @@ def part_sweep(args) -> bool:
     capability, dtype_name = capability_of(torch.device(device)), str(dtype).removeprefix("torch.")
     seen: set[tuple[int, int]] = set()
     proposals: list[str] = []
+    table_rows: list[list[Any]] = []
+    table_path = Path(os.environ[SWEPT_TABLE_ENV]) if os.environ.get(SWEPT_TABLE_ENV) else None
     ok = True
     for model in MODELS:
         for gemm, (n, k) in gemm_shapes(model, small).items():
@@ -143,6 +178,9 @@ def part_sweep(args) -> bool:
                                  f'{c["block_m"]}, {c["block_n"]}, {c["block_k"]}, {c["group_m"]}, '
                                  f'{c["num_warps"]}, {c["num_stages"]}'
                                  f'{", tma_persistent=True" if c["tma_persistent"] else ""}),  # {model} {gemm}')
+                table_rows.append([capability, dtype_name, n, k, c])
+                if table_path is not None:
+                    write_table(table_path, table_rows)
     emit({"part": "sweep", "proposed_table": "TABLE: dict[Key, MatmulConfig] = {\n" + "\n".join(proposals)
           + ("\n" if proposals else "") + "}", "shapes": len(seen), "non_default": len(proposals)})
     return bool(ok)

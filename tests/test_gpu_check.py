@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["env", "tests", "exactness", "tax", "bench:llama-3.2-1b", "sweep", "eval", "8b", "long"]
+PARTS = ["env", "tests", "sweep", "exactness", "tax", "bench:llama-3.2-1b", "eval", "8b", "long"]
 # what each part must have printed besides its end line: (part, key) pairs of its JSON lines
 EXPECTED = {"exactness": {"budgets", "exact_reuse", "last_token_alternatives", "greedy_generation"},
             "eval": {"5-shot multiple choice", "8-token continuations"}, "8b": {"score", "generate"}}
@@ -56,6 +56,8 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     assert all(row["proposed"] and all(row["invariant"].values()) for row in sweep[:-1]), sweep
     assert all(len(row["relative_error"]) == len(row["invariant"]) and max(row["relative_error"].values()) < 1e-4
                for row in sweep[:-1]), sweep  # every candidate right too (fp32 on the CPU)
+    proposed = sweep[-1]["non_default"]  # the later parts ran with the sweep's proposal in the table
+    assert [ends[p].get("swept_table_entries") for p in PARTS[3:]] == [proposed] * len(PARTS[3:]), ends
     summary = lines[-1]
     assert summary["part"] == "summary" and summary["ok"] is True and summary["small"] is True, summary
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -83,6 +85,25 @@ def test_gpu_run_limits_fit_the_check() -> None:
             continue
         for match in re.finditer(r"timeout=(\d+)", text):
             assert int(match.group(1)) < limits["tests"], (path.name, match.group(0))
+
+
+def test_parts_after_the_sweep_run_its_proposal(tmp_path: Path, monkeypatch) -> None:
+    """The sweep's proposal file, written shape by shape, is what a later part's matmul table holds: its
+    entries, and DEFAULT for every other shape."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_sweep
+
+    from apcscore.kernels import matmul_configs
+
+    path = tmp_path / "matmul_table.json"
+    monkeypatch.setenv(gpu_check_sweep.SWEPT_TABLE_ENV, str(path))
+    monkeypatch.setattr(matmul_configs, "TABLE", {})
+    assert gpu_check_sweep.apply_swept_table() == 0 and gpu_check_sweep.swept_entries(path) == 0
+    tma = matmul_configs.MatmulConfig(128, 256, 64, 8, 8, 3, tma_persistent=True)
+    gpu_check_sweep.write_table(path, [["sm90", "bfloat16", 3072, 2048, vars(tma)]])
+    assert gpu_check_sweep.swept_entries(path) == 1 and gpu_check_sweep.apply_swept_table() == 1
+    assert matmul_configs.config_for("sm90", "bfloat16", 3072, 2048) == tma
+    assert matmul_configs.config_for("sm90", "bfloat16", 2048, 2048) == matmul_configs.DEFAULT
 
 
 def test_the_two_gpu_part_runs_small_on_the_cpu() -> None:
