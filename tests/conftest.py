@@ -255,6 +255,27 @@ def write_jsonl() -> Callable[[Path, Iterable[dict[str, Any] | str]], Path]:
     return _write_jsonl
 
 
+@pytest.fixture
+def matmul_launches(monkeypatch) -> list:
+    """The configuration (a MatmulConfig) of every plain Triton matmul launch made in the test, in order:
+    kernels/matmul.py's `_linear_kernel[grid](...)` is watched, and still runs."""
+    from apcscore.kernels import matmul, matmul_configs
+
+    launched: list = []
+    kernel = matmul._linear_kernel
+
+    class WatchedKernel:  # kernel[grid](...) as Triton's launcher, recording the launch configuration
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append(matmul_configs.MatmulConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"],
+                                                            kw["GROUP_M"], kw["num_warps"], kw["num_stages"]))
+                return kernel[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(matmul, "_linear_kernel", WatchedKernel())
+    return launched
+
+
 @pytest.fixture(scope="module")
 def in_repo() -> Any:
     """The working directory at the repository root for a module: lm-eval task YAMLs

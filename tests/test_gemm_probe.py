@@ -158,3 +158,23 @@ def test_the_head_is_probed_as_compute_logits_multiplies_it_in_bf16(tiny_model_d
     hidden = torch.randn(5, parts.config.hidden_size).to(torch.bfloat16)
     logits = model.compute_logits(hidden)  # [5, V]
     assert logits.dtype == torch.float32 and torch.equal(logits, cuda_product(hidden, head))
+
+
+@pytest.mark.triton
+@pytest.mark.skipif(not interpreting(), reason="the Triton matmul on the CPU needs TRITON_INTERPRET=1")
+def test_a_weight_cut_to_the_time_budget_is_probed_with_its_whole_shapes_configuration(monkeypatch,
+                                                                                     matmul_launches) -> None:
+    """The probe multiplies only a weight's first output rows when the whole would exceed its time budget; the
+    Triton matmul picks its configuration by the weight's shape, so the probe must run the configuration of
+    the whole [N, K] (what the engine runs), not the one a slice's shape would get (DEFAULT)."""
+    from apcscore.engine import gemm_probe
+    from apcscore.kernels import matmul_configs
+    from apcscore.kernels.matmul import invariant_linear
+
+    monkeypatch.setattr(gemm_probe, "MAC_BUDGET", 1e5)  # cuts N to 16 columns
+    weight = torch.randn(256, 32, generator=torch.Generator().manual_seed(3))  # [N, K]
+    entry = matmul_configs.MatmulConfig(block_m=32, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=2)
+    monkeypatch.setitem(matmul_configs.TABLE, ("cpu", "float32", 256, 32), entry)
+    result = gemm_probe.probe_linear(invariant_linear, [weight], budget=64)
+    assert result.passed and result.shapes == [[32, 256, 16]]
+    assert matmul_launches and set(matmul_launches) == {entry}

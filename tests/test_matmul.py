@@ -107,27 +107,16 @@ def test_matmul_configs_are_keyed_without_the_row_count() -> None:
 
 @pytest.mark.triton
 @pytest.mark.skipif(_triton_device() is None, reason="Triton kernels need CUDA, or TRITON_INTERPRET=1 on a CPU")
-def test_table_config_is_used_for_its_shape_and_rows_stay_invariant(monkeypatch) -> None:
+def test_table_config_is_used_for_its_shape_and_rows_stay_invariant(monkeypatch, matmul_launches) -> None:
     """An entry of matmul_configs.TABLE for (device, dtype, N, K) is what invariant_linear launches for that
     weight shape (the launch's block sizes, warps and stages are the entry's, and its bits those of an explicit
     launch with it), each row's bits still do not depend on M, and another (N, K) keeps DEFAULT. The launch is
     watched rather than the bits compared with DEFAULT's: on a GPU an fp32 IEEE dot is one fma chain along K
     whatever BLOCK_K, so two configurations can give the same bits."""
-    from apcscore.kernels import matmul, matmul_configs
+    from apcscore.kernels import matmul_configs
     from apcscore.kernels.matmul import capability_of, invariant_linear
 
-    launched: list[matmul_configs.MatmulConfig] = []
-    kernel = matmul._linear_kernel
-
-    class WatchedKernel:  # kernel[grid](...) as Triton's launcher, recording the launch configuration
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.append(matmul_configs.MatmulConfig(kw["BLOCK_M"], kw["BLOCK_N"], kw["BLOCK_K"],
-                                                            kw["GROUP_M"], kw["num_warps"], kw["num_stages"]))
-                return kernel[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(matmul, "_linear_kernel", WatchedKernel())
+    launched = matmul_launches
     device = _triton_device()
     gen = torch.Generator().manual_seed(4)
     weight = (torch.randn(72, 160, generator=gen) * 0.1).to(device)  # [N=72, K=160]

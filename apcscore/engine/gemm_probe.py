@@ -11,6 +11,7 @@ Intel CPUs) turns the run's batch invariance off with the reason (docs/architect
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -71,22 +72,35 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
         fit = max(16, int(MAC_BUDGET / (total_rows * k)) // 16 * 16)  # columns within the budget
         n_probe = n if total_rows * n * k <= MAC_BUDGET else min(n, fit)
         w = weight[:n_probe]
+        run = for_whole_weight(linear, weight)
         result.shapes.append([k, n, n_probe])
         if weight.device not in generators:
             generators[weight.device] = torch.Generator(device=weight.device).manual_seed(seed)
         x = torch.randn(m_ref, k, generator=generators[weight.device], device=weight.device)
         x = x.to(dtype or weight.dtype)  # [m_ref, K]
-        ref = linear(x, w)
+        ref = run(x, w)
         for m in rows[:-1]:
-            if not torch.equal(linear(x[:m], w), ref[:m]):
+            if not torch.equal(run(x[:m], w), ref[:m]):
                 return _failed(result, started, f"a {m}-row call gives other bits than the same rows of a "
                                                 f"{m_ref}-row call ([{k} -> {n}] weight)")
         for off in OFFSETS:
-            if not torch.equal(linear(x[off:off + OFFSET_ROWS], w), ref[off:off + OFFSET_ROWS]):
+            if not torch.equal(run(x[off:off + OFFSET_ROWS], w), ref[off:off + OFFSET_ROWS]):
                 return _failed(result, started, f"rows give other bits when a call starts {off} rows later "
                                                 f"([{k} -> {n}] weight)")
     result.seconds = round(time.perf_counter() - started, 4)
     return result
+
+
+def for_whole_weight(linear: Callable[..., torch.Tensor], weight: torch.Tensor) -> Callable[..., torch.Tensor]:
+    """`linear` as it multiplies the whole `weight`, for the probe's calls on its first output rows: the Triton
+    matmul picks its configuration by the weight's shape (kernels/matmul_configs.py), so a slice of it would
+    otherwise run another configuration (DEFAULT) than the one the engine runs."""
+    base = linear.func if isinstance(linear, functools.partial) else linear
+    if getattr(base, "__module__", None) != "apcscore.kernels.matmul":
+        return linear
+    from apcscore.kernels.matmul import weight_config
+
+    return functools.partial(linear, config=weight_config(weight))
 
 
 def _failed(result: ProbeResult, started: float, reason: str) -> ProbeResult:

@@ -36,6 +36,13 @@ def capability_of(device: torch.device) -> str:
     return _CAPABILITY[index]
 
 
+def weight_config(weight: torch.Tensor) -> MatmulConfig:
+    """The configuration invariant_linear runs for `weight` [N, K]: matmul_configs' entry for its device,
+    dtype and shape (never a row count)."""
+    n, k = weight.shape
+    return config_for(capability_of(weight.device), str(weight.dtype).removeprefix("torch."), n, k)
+
+
 @triton.jit
 def _tile_position(tile, num_m, num_n, GROUP_M: tl.constexpr):
     """(row tile, column tile) of output tile `tile`, in grouped order: GROUP_M row tiles share a column sweep
@@ -117,14 +124,16 @@ def _launch_tma_persistent(x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
     bases and row strides) rather than computing them another way, which could sum in another order."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    strides = {}
     for arg, t in (("x", x), ("weight", weight), ("out", out)):
-        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+        strides[arg] = t.stride(0) if t.shape[0] > 1 else t.shape[1]  # one row: any stride torch gave it is moot
+        if t.data_ptr() % 16 or (strides[arg] * t.element_size()) % 16:
             raise ValueError(f"invariant_linear: a TMA configuration needs 16-byte aligned rows, but {arg} has "
                              f"address {t.data_ptr()} and row stride {t.stride(0)} x {t.element_size()} bytes")
     (m, k), n = x.shape, weight.shape[0]
-    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [cfg.block_m, cfg.block_k])
-    w_desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k])
-    y_desc = TensorDescriptor(out, [m, n], [out.stride(0), 1], [cfg.block_m, cfg.block_n])
+    x_desc = TensorDescriptor(x, [m, k], [strides["x"], 1], [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor(weight, [n, k], [strides["weight"], 1], [cfg.block_n, cfg.block_k])
+    y_desc = TensorDescriptor(out, [m, n], [strides["out"], 1], [cfg.block_m, cfg.block_n])
     programs = _num_programs(x.device)
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _linear_tma_persistent_kernel[(min(programs, tiles),)](
@@ -162,7 +171,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = out[:m]
     if m == 0:
         return out
-    cfg = config or config_for(capability_of(x.device), str(x.dtype).removeprefix("torch."), n, k)  # never M
+    cfg = config or weight_config(weight)  # never M
     if cfg.tma_persistent:
         _launch_tma_persistent(x, weight, out, cfg)
     else:
