@@ -54,7 +54,7 @@ from gpu_check_common import ROOT, SHAPES  # noqa: E402
 from gpu_check_exact import part_exactness, part_tax  # noqa: E402
 from gpu_check_scale import part_8b, part_eval, part_long  # noqa: E402
 from gpu_check_summary import write_summary  # noqa: E402
-from gpu_check_sweep import SWEPT_TABLE_ENV, apply_swept_table, part_sweep, swept_entries  # noqa: E402
+from gpu_check_sweep import SWEPT_TABLE_ENV, apply_swept_table, part_sweep, read_table  # noqa: E402
 
 TOTAL_LIMIT_S = 540  # the whole check stays under 9 minutes (gpu_check.sh's backstop is 555 s)
 # Run 1 on the H200 (docs/gpu_runs/2026-12-01-h200-run1.jsonl) took env 9, tests 55, bench (1B) 26 s, and its
@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
             ok = False
             continue
         part_env_vars = {**env, "TRITON_INTERPRET": "1"} if args.small and label in INTERPRETED else env
-        extra = {} if label in WITHOUT_TABLE else {"swept_table_entries": swept_entries(table)}
+        extra = {} if label in WITHOUT_TABLE else {"swept_table_entries": len(read_table(table))}
         status = run_part(part_argv(label) + small, label, min(limits[label], left), part_env_vars, log, lines,
                           extra)
         ok &= status["rc"] == 0

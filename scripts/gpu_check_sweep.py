@@ -166,23 +166,26 @@ def write_table(path: Path, rows: list[list[Any]]) -> None:
     tmp.replace(path)
 
 
-def apply_swept_table() -> int:
-    """In a part after the sweep: the sweep's proposal (the file named by $GPU_CHECK_SWEPT_TABLE) into
-    matmul_configs.TABLE, so that the part measures the table a lease would commit. Returns its entries."""
+def swept_table_path() -> Path | None:
+    """The file the orchestrator named for the sweep's proposal ($GPU_CHECK_SWEPT_TABLE), if any."""
     path = os.environ.get(SWEPT_TABLE_ENV)
-    if not path or not Path(path).exists():
-        return 0
+    return Path(path) if path else None
+
+
+def read_table(path: Path | None) -> list[list[Any]]:
+    """The rows write_table wrote ([] where no sweep wrote any)."""
+    return json.loads(path.read_text(encoding="utf-8")) if path is not None and path.exists() else []
+
+
+def apply_swept_table() -> int:
+    """In a part after the sweep: the sweep's proposal into matmul_configs.TABLE, so that the part measures the
+    table a lease would commit. Returns its entries."""
     from apcscore.kernels.matmul_configs import TABLE, MatmulConfig
 
-    rows = json.loads(Path(path).read_text(encoding="utf-8"))
+    rows = read_table(swept_table_path())
     for capability, dtype, n, k, fields in rows:
         TABLE[(capability, dtype, n, k)] = MatmulConfig(**fields)
     return len(rows)
-
-
-def swept_entries(path: Path) -> int:
-    """How many entries the sweep's proposal file holds now (0: none, or no sweep ran)."""
-    return len(json.loads(path.read_text(encoding="utf-8"))) if path.exists() else 0
 
 
 def part_sweep(args) -> bool:
@@ -197,7 +200,7 @@ def part_sweep(args) -> bool:
     seen: set[tuple[int, int]] = set()
     proposals: list[str] = []
     table_rows: list[list[Any]] = []
-    table_path = Path(os.environ[SWEPT_TABLE_ENV]) if os.environ.get(SWEPT_TABLE_ENV) else None
+    table_path = swept_table_path()
     ok = True
     for model in MODELS:
         for gemm, (n, k) in gemm_shapes(model, small).items():

@@ -98,10 +98,10 @@ def test_parts_after_the_sweep_run_its_proposal(tmp_path: Path, monkeypatch) -> 
     path = tmp_path / "matmul_table.json"
     monkeypatch.setenv(gpu_check_sweep.SWEPT_TABLE_ENV, str(path))
     monkeypatch.setattr(matmul_configs, "TABLE", {})
-    assert gpu_check_sweep.apply_swept_table() == 0 and gpu_check_sweep.swept_entries(path) == 0
+    assert gpu_check_sweep.apply_swept_table() == 0 and gpu_check_sweep.read_table(path) == []
     tma = matmul_configs.MatmulConfig(128, 256, 64, 8, 8, 3, tma_persistent=True)
     gpu_check_sweep.write_table(path, [["sm90", "bfloat16", 3072, 2048, vars(tma)]])
-    assert gpu_check_sweep.swept_entries(path) == 1 and gpu_check_sweep.apply_swept_table() == 1
+    assert len(gpu_check_sweep.read_table(path)) == 1 and gpu_check_sweep.apply_swept_table() == 1
     assert matmul_configs.config_for("sm90", "bfloat16", 3072, 2048) == tma
     assert matmul_configs.config_for("sm90", "bfloat16", 2048, 2048) == matmul_configs.DEFAULT
 

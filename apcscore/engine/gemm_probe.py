@@ -92,15 +92,12 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
 
 
 def for_whole_weight(linear: Callable[..., torch.Tensor], weight: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """`linear` as it multiplies the whole `weight`, for the probe's calls on its first output rows: the Triton
-    matmul picks its configuration by the weight's shape (kernels/matmul_configs.py), so a slice of it would
-    otherwise run another configuration (DEFAULT) than the one the engine runs."""
+    """`linear` as it multiplies the whole `weight`, for the probe's calls on its first output rows: a linear
+    that picks its configuration by the weight's shape (the Triton matmul: its `config_for_weight`) would
+    otherwise run another configuration on the slice (DEFAULT) than the one the engine runs."""
     base = linear.func if isinstance(linear, functools.partial) else linear
-    if getattr(base, "__module__", None) != "apcscore.kernels.matmul":
-        return linear
-    from apcscore.kernels.matmul import weight_config
-
-    return functools.partial(linear, config=weight_config(weight))
+    config_for_weight = getattr(base, "config_for_weight", None)
+    return functools.partial(linear, config=config_for_weight(weight)) if config_for_weight else linear
 
 
 def _failed(result: ProbeResult, started: float, reason: str) -> ProbeResult:

@@ -122,6 +122,7 @@ def _num_programs(device: torch.device) -> int:
 def _launch_tma_persistent(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
     """out[:M] = x @ weight.T through tensor descriptors; refuses tensors TMA cannot address (16-byte aligned
     bases and row strides) rather than computing them another way, which could sum in another order."""
+    # imported here: host tensor descriptors are newer than the Triton this module otherwise needs (>= 3.2)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     strides = {}
@@ -181,3 +182,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
                              BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, num_warps=cfg.num_warps,
                              num_stages=cfg.num_stages)
     return out if bias is None else out.add_(bias)
+
+
+# The configuration depends on the weight's shape: a caller that multiplies a slice of a weight as a stand-in for
+# the whole (the start-up probe, engine/gemm_probe.py) passes config=invariant_linear.config_for_weight(whole).
+invariant_linear.config_for_weight = weight_config  # type: ignore[attr-defined]
