@@ -49,7 +49,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the gpu_check_* modules beside this file
 
-from gpu_check_basic import part_bench, part_compare, part_env, part_tests  # noqa: E402
+from gpu_check_basic import PART_DEADLINE_ENV, part_bench, part_compare, part_env, part_tests  # noqa: E402
 from gpu_check_common import ROOT, SHAPES  # noqa: E402
 from gpu_check_exact import part_exactness, part_tax  # noqa: E402
 from gpu_check_scale import part_8b, part_eval, part_long  # noqa: E402
@@ -86,6 +86,7 @@ def run_part(argv: list[str], label: str, limit: float, env: dict[str, str], log
     """Run one part in its own process group under `limit` seconds; pass its JSON lines through. `extra` goes
     into its end line."""
     t0 = time.perf_counter()
+    env = {**env, PART_DEADLINE_ENV: str(time.time() + limit)}  # a part that can stop itself in time reads it
     proc = subprocess.Popen([sys.executable, __file__, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     err: list[str] = []

@@ -4,9 +4,10 @@
 #   scripts/gpu_check.sh             on the GPU machine (device tool: one call, timeout_s 590)
 #   scripts/gpu_check.sh --dry-run   anywhere, on the CPU: tiny shapes, end to end (= GPU_CHECK_SMALL=1)
 #
-# Parts (each its own process under its own timeout, see scripts/gpu_check.py): env, the gpu/triton tests,
-# exactness end to end, the invariance tax, the 1B benchmark against transformers, the matmul configuration
-# sweep, eval-shaped work, an 8B shape and long prompts. With $OUT set, the lines also go to
+# Parts, in this order (each its own process under its own timeout, see scripts/gpu_check.py): env, the
+# gpu/triton tests, the matmul configuration sweep (the later parts run with its proposed table), exactness end
+# to end, the invariance tax, the 1B benchmark against transformers, eval-shaped work, an 8B shape and long
+# prompts. With $OUT set, the lines also go to
 # $OUT/gpu_check.jsonl and a Markdown summary to $OUT/gpu_check_summary.md.
 # Uses the machine's own python3 (PYTHON=... to change it) with this checkout on PYTHONPATH: no install.
 set -euo pipefail

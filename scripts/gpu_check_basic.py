@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -47,33 +50,94 @@ def part_env(args) -> bool:
     return info["ok"]
 
 
-def part_tests(args) -> bool:
-    """pytest -m "gpu or triton"; one JSON line with the counts and the failures."""
-    import re
+# A part's deadline (epoch seconds), set by the orchestrator (gpu_check.py) for each part it starts
+PART_DEADLINE_ENV = "GPU_CHECK_PART_DEADLINE"
+PYTEST_GRACE_S = 8  # after SIGINT, pytest's time to finish the test it is in and print its summary
+EMIT_MARGIN_S = 4  # then the part's time to report before its own limit
+OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
+TEST_OUTCOME = re.compile(rf"^(?!(?:{OUTCOMES}) )(\S.*?::\S.*?) ({OUTCOMES})\b")  # -v's line; not -r's summary
 
-    env = dict(os.environ)
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu or triton", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-           "--continue-on-collection-errors", "--durations=8"]
+
+def run_pytest(pytest_args: list[str], cwd, env: dict[str, str], stop_after_s: float | None) -> dict[str, Any]:
+    """pytest -v PYTEST_ARGS in its own process group, its output echoed to stderr as it comes. After
+    `stop_after_s` seconds it gets SIGINT (a Ctrl-C: pytest ends the test it is in and prints its summary), and
+    PYTEST_GRACE_S later SIGKILL. So a run cut short still reports every test that finished: the counts are
+    taken from pytest's per-test lines, not from a summary that may never come. Returns the counts by outcome,
+    the failed and errored tests, the slowest durations, the tracebacks, rc and whether it was interrupted."""
+    cmd = [sys.executable, "-m", "pytest", "-v", *pytest_args]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:  # echoed to stderr as it comes: a part killed by its timeout still shows where
-        lines.append(line.rstrip("\n"))
-        print(line, end="", file=sys.stderr, flush=True)
-    rc = proc.wait()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own group: the SIGINT is pytest's alone
+    interrupted = threading.Event()
+
+    def kill_group() -> None:  # pytest and what its tests started
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+    def stop() -> None:
+        interrupted.set()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=PYTEST_GRACE_S)
+        except subprocess.TimeoutExpired:
+            kill_group()
+
+    def terminated(signum, frame) -> None:  # this part killed after all: its own group is not pytest's
+        kill_group()
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    timer = threading.Timer(max(stop_after_s, 0.0), stop) if stop_after_s is not None else None
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    lines, outcomes = [], {}
+    try:
+        for line in proc.stdout:  # echoed as it comes: a part killed all the same still shows where
+            lines.append(line.rstrip("\n"))
+            print(line, end="", file=sys.stderr, flush=True)
+            match = TEST_OUTCOME.match(line)
+            if match:
+                outcomes[match.group(1)] = match.group(2)
+        rc = proc.wait()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        kill_group()  # nothing of the run outlives it
+        signal.signal(signal.SIGTERM, previous)
+    counts: dict[str, int] = {}
+    for outcome in outcomes.values():
+        key = {"ERROR": "errors"}.get(outcome, outcome.lower())
+        counts[key] = counts.get(key, 0) + 1
     last = next((ln for ln in reversed(lines) if ln.strip()), "")
-    counts = {key: int(n) for n, key in re.findall(r"(\d+) (passed|failed|skipped|deselected|errors?|xfailed)", last)}
+    deselected = re.search(r"(\d+) deselected", last)
+    if deselected:
+        counts["deselected"] = int(deselected.group(1))
     text = "\n".join(lines)
     failures = text[text.find("= FAILURES ="):text.find("short test summary")] if "= FAILURES =" in text else ""
-    # Modules this machine cannot import (e.g. hypothesis absent) are collection errors: reported, not fatal.
-    failed = [ln for ln in lines if ln.startswith("FAILED") or (ln.startswith("ERROR") and "::" in ln)]
-    uncollected = [ln for ln in lines if ln.startswith("ERROR") and "::" not in ln]
-    ok = not failed and rc in (0, 1) and (counts.get("passed", 0) > 0 or args.small)
-    emit({"part": "tests", "rc": rc, "seconds": round(time.perf_counter() - t0, 1), **counts,
-          "failed_tests": failed[:30], "collection_errors": uncollected[:20],
-          "slowest": [ln.strip() for ln in lines if re.match(r"\s*\d+\.\d+s (call|setup)", ln)][:8],
-          "tracebacks": failures[:12000], "ok": ok})
+    return {"rc": rc, "interrupted": interrupted.is_set(), "seconds": round(time.perf_counter() - t0, 1), **counts,
+            "failed_tests": [f"{outcome} {test}" for test, outcome in outcomes.items()
+                             if outcome in ("FAILED", "ERROR")][:30],
+            # modules this machine cannot import (e.g. hypothesis absent): collection errors, reported, not fatal
+            "collection_errors": [ln for ln in lines if ln.startswith("ERROR") and "::" not in ln][:20],
+            "slowest": [ln.strip() for ln in lines if re.match(r"\s*\d+\.\d+s (call|setup)", ln)][:8],
+            "tracebacks": failures[:12000]}
+
+
+def part_tests(args) -> bool:
+    """pytest -m "gpu or triton"; one JSON line with the counts and the failures. Stopped before the part's
+    deadline, so that a run longer than the part's limit still reports the tests it finished."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    deadline = os.environ.get(PART_DEADLINE_ENV)
+    stop_after = float(deadline) - time.time() - PYTEST_GRACE_S - EMIT_MARGIN_S if deadline else None
+    result = run_pytest(["-m", "gpu or triton", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+                         "--continue-on-collection-errors", "--durations=8"], ROOT, env, stop_after)
+    ok = (not result["failed_tests"] and not result["interrupted"] and result["rc"] in (0, 1)
+          and (result.get("passed", 0) > 0 or args.small))
+    emit({"part": "tests", **result, "ok": ok})
     return ok
 
 

@@ -43,8 +43,9 @@ def _tests(lines) -> list[str]:
     t = next(iter(_by(lines, "tests")), None)
     if t is None:
         return ["no lines"]
-    counts = {k: t[k] for k in ("passed", "failed", "skipped", "errors", "error") if k in t}
-    return [f"`pytest -m \"gpu or triton\"`: {_fmt(counts)} in {t.get('seconds')} s; failed: "
+    counts = {k: t[k] for k in ("passed", "failed", "skipped", "errors", "xfail", "xpass") if k in t}
+    cut = " (stopped at the part's limit: the tests after these did not run)" if t.get("interrupted") else ""
+    return [f"`pytest -m \"gpu or triton\"`: {_fmt(counts)} in {t.get('seconds')} s{cut}; failed: "
             f"{', '.join(t.get('failed_tests', [])) or 'none'}."]
 
 

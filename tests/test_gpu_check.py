@@ -118,3 +118,77 @@ def test_the_two_gpu_part_runs_small_on_the_cpu() -> None:
     assert proc.returncode == 0 and lines.get("end", {}).get("ok") is True, proc.stdout + proc.stderr[-3000:]
     assert lines["exactness"]["ok"] is True and lines["exactness"]["budgets_and_alone_differ"] == []
     assert 0 < lines["agreement"]["max_abs_logprob_diff"] <= 1e-5
+
+
+SLOW_TESTS = '''
+import os, subprocess, sys, time
+
+def test_passes():
+    pass
+
+def test_fails():
+    assert 1 == 2
+
+def test_outlives_the_limit(tmp_path_factory):
+    child = subprocess.Popen(["sleep", "120"])
+    with open(os.environ["CHILD_PID_FILE"], "w") as f:
+        f.write(str(child.pid))
+    child.wait()
+
+def test_never_reached():
+    pass
+'''
+
+
+def gone(pid: int, within_s: float = 10.0) -> bool:
+    """Whether process `pid` has ended (or been reaped) within `within_s` seconds."""
+    import time
+
+    end = time.monotonic() + within_s
+    while time.monotonic() < end:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_tests_run_cut_short_reports_the_tests_it_finished(tmp_path: Path) -> None:
+    """The tests part stops pytest before the part's limit (SIGINT, then SIGKILL) and still reports each test
+    that finished, from pytest's per-test lines; nothing a test started outlives the run."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_check_basic
+
+    (tmp_path / "test_slow.py").write_text(SLOW_TESTS)
+    pid_file = tmp_path / "child.pid"
+    env = dict(os.environ, CHILD_PID_FILE=str(pid_file))
+    result = gpu_check_basic.run_pytest(["test_slow.py", "-p", "no:cacheprovider", "-rfE"], tmp_path, env,
+                                        stop_after_s=4)
+    assert result["interrupted"] is True and result["rc"] != 0, result
+    assert result.get("passed") == 1 and result.get("failed") == 1, result
+    assert result["failed_tests"] == ["FAILED test_slow.py::test_fails"], result
+    assert result["seconds"] < 4 + gpu_check_basic.PYTEST_GRACE_S + 5, result
+    assert gone(int(pid_file.read_text())), "the test's child outlived the stopped run"
+
+
+def test_a_killed_tests_part_takes_pytest_with_it(tmp_path: Path) -> None:
+    """The orchestrator kills a part's process group at its limit; pytest runs in a group of its own (so that the
+    stop's SIGINT reaches pytest alone), and the part's SIGTERM handler ends that group too."""
+    import signal
+    import time
+
+    (tmp_path / "test_slow.py").write_text(SLOW_TESTS)
+    pid_file = tmp_path / "child.pid"
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'scripts')!r}); import gpu_check_basic; "
+              f"gpu_check_basic.run_pytest(['test_slow.py', '-p', 'no:cacheprovider'], {str(tmp_path)!r}, "
+              "dict(__import__('os').environ), None)")
+    part = subprocess.Popen([sys.executable, "-c", script], env=dict(os.environ, CHILD_PID_FILE=str(pid_file)),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    end = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < end:
+        time.sleep(0.1)
+    assert pid_file.exists(), "the slow test never started"
+    os.killpg(part.pid, signal.SIGTERM)  # as gpu_check.run_part does at a part's limit
+    assert part.wait(timeout=20) == 128 + signal.SIGTERM
+    assert gone(int(pid_file.read_text())), "the test's child outlived its killed part"
