@@ -28,7 +28,8 @@ first (a part cut short by its limit keeps the lines it printed; later parts sti
 Parts live in gpu_check_basic.py (env, tests, compare, bench), gpu_check_exact.py (exactness, tax),
 gpu_check_sweep.py (sweep) and gpu_check_scale.py (eval, 8b, long); gpu_check_common.py holds the models and
 workloads, gpu_check_summary.py the Markdown summary ($OUT/gpu_check_summary.md, ready for docs/benchmarks.md).
-MFU is 2 x params x tokens / s / 989e12 (H100/H200 dense bf16), params including the embedding.
+MFU is 2 x params x tokens / s / 989e12 (H100/H200 dense bf16), params those a token is multiplied by
+(gpu_check_common.matmul_params: a tied embedding counts as the LM head, an untied one, a lookup, not at all).
 `--small` (GPU_CHECK_SMALL=1, or gpu_check.sh --dry-run) runs every part end to end on the CPU in fp32 with
 tiny shapes: the torch backend for the engines, the Triton interpreter for the compare and sweep parts.
 """

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpu_check_common import (PEAK_BF16_FLOPS, ROOT, common_prefix, emit, engine_generate, engine_score,
                               hf_generate, hf_score, llama_config, make_engine, random_hf_model, random_prompts,
-                              rounded, score_lengths, timed)
+                              matmul_params, rounded, score_lengths, timed)
 
 
 def part_env(args) -> bool:
@@ -234,9 +234,9 @@ def part_bench(args) -> None:
     hf = random_hf_model(cfg, dtype, device)
     state = {k: v.detach() for k, v in hf.state_dict().items()}
     engine = make_engine(cfg, state, device, dtype_name, backend)
-    params = engine.info.num_parameters
+    params = matmul_params(engine)
     graphs = engine.runner.cuda_graphs
-    emit({**base, "task": "setup", "params": params, "seconds": round(time.perf_counter() - t0, 1),
+    emit({**base, "task": "setup", "params": engine.info.num_parameters, "mfu_params": params, "seconds": round(time.perf_counter() - t0, 1),
           "cuda_graph_sizes": graphs.sizes if graphs is not None else None,
           "engine_config": engine.config.to_dict()})
 
@@ -266,11 +266,11 @@ def part_bench(args) -> None:
     warm = random_prompts([own] * 4, cfg.vocab_size, seed=5, prefix=prefix)  # another prefix: no cache hits
     engine_generate(engine, warm, 4)
     hf_generate(hf, warm, 4, batch_size=4)
-    hits0 = engine.block_manager.stats.hit_tokens
+    hits0, replays0 = engine.block_manager.stats.hit_tokens, graphs.num_replays if graphs is not None else 0
     ours, t_ours = timed(lambda: engine_generate(engine, gen_prompts, new))
-    hits = engine.block_manager.stats.hit_tokens - hits0
+    hits = engine.block_manager.stats.hit_tokens - hits0  # the timed run's, not the warm-up's
     theirs, t_hf = timed(lambda: hf_generate(hf, gen_prompts, new, batch_size=n_gen))
-    replays = graphs.num_replays if graphs is not None else 0
+    replays = graphs.num_replays - replays0 if graphs is not None else 0
     prompt_tokens = sum(len(p) for p in gen_prompts)
     for side, secs in (("apcscore", t_ours), ("transformers", t_hf)):
         emit({**base, "task": "generate", "side": side, "prompts": n_gen, "shared_prefix": prefix,

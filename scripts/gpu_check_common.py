@@ -17,6 +17,14 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
 
+
+def matmul_params(engine) -> int:
+    """The weights a token is multiplied by, for MFU (2 x this x tokens FLOPs): every parameter, less an untied
+    input embedding (a lookup; tied, it is the LM head's GEMM and counts once, as num_parameters has it)."""
+    model = engine.runner.model
+    untied = getattr(model, "lm_head", None) is not None
+    return engine.info.num_parameters - (model.embed_tokens.weight.numel() if untied else 0)
+
 # Llama-3.2-1B, SmolLM2-135M and Llama-3.1-8B shapes (transformers LlamaConfig arguments).
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
                    original_max_position_embeddings=8192)

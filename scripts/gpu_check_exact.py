@@ -15,7 +15,7 @@ import random
 from typing import Any
 
 from gpu_check_common import (PEAK_BF16_FLOPS, columns, emit, engine_and_state, engine_generate, engine_score,
-                              make_engine, median_time, random_prompts, rounded, score_lengths)
+                              make_engine, matmul_params, median_time, random_prompts, rounded, score_lengths)
 
 K = 5
 
@@ -166,7 +166,7 @@ def part_tax(args) -> None:
     cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
     engines = {inv: make_engine(cfg, state, device, precision, backend, batch_invariant=inv)
                for inv in (True, False)}
-    params = engines[True].info.num_parameters
+    params = matmul_params(engines[True])
     n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
     prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
     n_gen, prefix, own, new = (8, 64, 8, 8) if small else (256, 1024, 32, 64)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_check_common import (PEAK_BF16_FLOPS, emit, engine_and_state, engine_generate, engine_score, make_engine,
-                              peak_memory_gib, random_prompts, rounded, score_lengths, sync,
+                              matmul_params, peak_memory_gib, random_prompts, rounded, score_lengths, sync,
                               timed)
 
 HF_BATCH = 32  # lm-eval `--batch_size 32`
@@ -103,9 +103,10 @@ def part_eval(args) -> bool:
     for name, overrides in (("recompute", {}), ("exact_reuse", {"exact_reuse": True})):
         engine = make_engine(cfg, state, device, precision, backend, **overrides)
         engine_loglikelihoods(engine, warm)  # compile outside the timing (another prefix: no cache hits)
+        warm_tokens = engine.stats.prompt_tokens
         results[name], secs = timed(lambda: engine_loglikelihoods(engine, mc))
         results[name + "_s"] = secs
-        results[name + "_prompt_tokens"] = engine.stats.prompt_tokens
+        results[name + "_prompt_tokens"] = engine.stats.prompt_tokens - warm_tokens  # the timed run's
         del engine
     hf_loglikelihoods(hf, warm)
     results["hf"], results["hf_s"] = timed(lambda: hf_loglikelihoods(hf, mc))
@@ -147,9 +148,9 @@ def part_8b(args) -> None:
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()  # the peaks below are the engine's, not the load's (two copies)
-    params = engine.info.num_parameters
+    params = matmul_params(engine)
     tag = {"part": "8b", "model": "llama-3.1-8b-" + ("tiny" if small else "shape"), "dtype": precision,
-           "backend": backend, "params": params}
+           "backend": backend, "params": engine.info.num_parameters, "mfu_params": params}
     n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
     prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
     engine_score(engine, random_prompts([lo, hi], cfg.vocab_size, seed=3), 5)  # compile outside the timing
@@ -160,10 +161,11 @@ def part_8b(args) -> None:
           "peak_memory_gib": peak_memory_gib()})
     gen_prompts = random_prompts([prompt_len] * n_gen, cfg.vocab_size, seed=4)
     engine_generate(engine, gen_prompts[:4], 4)
+    preemptions0 = engine.stats.preemptions
     _, secs = timed(lambda: engine_generate(engine, gen_prompts, new))
     emit({**tag, "task": "generate", "prompts": n_gen, "prompt_tokens_each": prompt_len, "new_tokens_each": new,
           "seconds": rounded(secs), "generated_tokens_per_s": round(n_gen * new / secs),
-          "peak_memory_gib": peak_memory_gib(), "preemptions": engine.stats.preemptions})
+          "peak_memory_gib": peak_memory_gib(), "preemptions": engine.stats.preemptions - preemptions0})
 
 
 def part_long(args) -> bool:

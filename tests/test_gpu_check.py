@@ -48,6 +48,11 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     assert {ln["task"] for ln in by_part["eval"]} == EXPECTED["eval"]
     assert by_part["eval"][0]["exact_reuse_bitwise_recompute"] is True
     assert {ln["task"] for ln in by_part["8b"]} == EXPECTED["8b"]
+    # MFU counts the weights a token is multiplied by: the 8B's untied embedding (a lookup) is left out, the
+    # 1B's tied one is its LM head
+    assert all(ln["params"] - ln["mfu_params"] == 1024 * 64 for ln in by_part["8b"]), by_part["8b"]  # TINY
+    setup = next(ln for ln in by_part["bench"] if ln["task"] == "setup")
+    assert setup["mfu_params"] == setup["params"], setup
     assert [(ln["prompts"], ln["ok"]) for ln in by_part["long"]] == [(4, True), (2, True)]
     tax = by_part["tax"][0]
     assert tax["score_ratio"] > 0 and tax["generate_ratio"] > 0

@@ -230,6 +230,53 @@ def test_attention_is_batch_and_chunking_invariant() -> None:
     assert not torch.equal(other_tiles, whole)
 
 
+def test_attention_runs_one_kernel_for_every_block_table_width() -> None:
+    """The block table's width is the batch's longest sequence in blocks: a query's output is bitwise the same
+    at widths 1, 16 and 19 (table columns past a sequence's blocks are never read), and on CUDA those widths
+    (== 1, divisible by 16, neither: the value classes Triton specialises on) share one compiled kernel."""
+    from apcscore.kernels.paged_attention import _paged_attention_kernel
+
+    target = random_seq(3, 2, 3, 64, seed=5)
+    batch = build_batch([(target, 0, 3)], 4, seed=1)  # 3 tokens in one 4-token block: width 1
+    compiled = []
+    outs = []
+    for width in (1, 16, 19):
+        tables = torch.zeros(1, width, dtype=torch.int32, device=DEVICE)
+        tables[:, :1] = batch.meta.block_tables
+        k_cache, v_cache = batch.clone_caches()
+        store_kv(batch.key, batch.value, k_cache, v_cache, batch.meta.slot_mapping)
+        outs.append(paged_attention(batch.query, k_cache, v_cache, tables, batch.meta.cu_seqlens_q,
+                                    batch.meta.seq_lens, 0.125, **SMALL_TILES))
+        if DEVICE == "cuda":  # Triton's in-process cache of compiled variants (triton.runtime.jit.JITFunction)
+            compiled.append(len(_paged_attention_kernel.device_caches[torch.cuda.current_device()][0]))
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert compiled == [] or compiled[1:] == [compiled[0]] * 2, compiled
+
+
+# Integer kernel arguments whose value changes with the batch. Triton compiles a variant per value class of an
+# integer argument (== 1, divisible by 16, other) unless it is in the kernel's do_not_specialize; each of these
+# must be, so that every batch runs the same compiled code.
+BATCH_DEPENDENT_ARGS = {"paged_attention._paged_attention_kernel": {"num_seqs", "stride_bt"},
+                        "matmul._linear_kernel": {"M"}, "matmul._linear_tma_persistent_kernel": {"M"}}
+
+
+def test_kernels_do_not_specialise_on_the_batch() -> None:
+    script = textwrap.dedent(f"""
+        import importlib
+        for path, names in {BATCH_DEPENDENT_ARGS!r}.items():
+            module, kernel = path.split(".")
+            fn = getattr(importlib.import_module("apcscore.kernels." + module), kernel)
+            exempt = {{p.name for p in fn.params if p.do_not_specialize}}
+            assert set(names) <= exempt, (path, sorted(set(names) - exempt))
+            assert set(names) <= set(fn.arg_names), (path, "no such argument")
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the JIT's own kernel objects
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60,
+                            cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
 # ---------------------------------------------------------------------------------------------------------
 # store_kv
 

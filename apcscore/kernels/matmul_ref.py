@@ -50,3 +50,17 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     y = torch.mm(x, weight.t(), out=out[:x.shape[0]])
     return y if bias is None else y + bias
+
+
+def library_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The LM head without the invariance guarantee on CUDA (`--no-batch-invariant`): x [M, K] @ weight[N, K].T
+    -> fp32 [M, N] in one cuBLAS GEMM. Half-precision inputs write fp32 logits straight from the fp32
+    accumulator (torch.mm's out_dtype, CUDA only: pytorch/pytorch#150812), as the Triton matmul does on the
+    invariant path, so `--no-batch-invariant` changes the GEMM and not the logits' precision. `out` (fp32,
+    rows >= M) receives them when given."""
+    target = None if out is None else out[:x.shape[0]]
+    if weight.dtype == torch.float32:
+        return torch.mm(x, weight.t()) if target is None else torch.mm(x, weight.t(), out=target)
+    if target is None:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return torch.mm(x, weight.t(), out_dtype=torch.float32, out=target)

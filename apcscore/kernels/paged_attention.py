@@ -71,7 +71,11 @@ def _soft_cap(s, softcap_log2):
     return tl.where(s < 0, -t, t) * softcap_log2
 
 
-@triton.jit(do_not_specialize=["num_seqs", "window"])
+# Triton compiles a variant per integer argument's value class (== 1, divisible by 16, other) unless told not
+# to. The arguments that change with the batch (num_seqs; stride_bt, the block table's width: the longest
+# sequence's blocks) are exempt, so every batch runs one compiled kernel, and none compiles in the middle of a
+# run (window: one compile per model, not per value). The others are fixed by the model and the KV pool.
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
         scale_log2,  # softmax scale * log2(e): scores are kept in base 2

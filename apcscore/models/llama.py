@@ -249,11 +249,16 @@ class LlamaDecoder(nn.Module):
         """How compute_logits multiplies the LM head: (linear(x, weight, out=None) -> fp32 [N, vocab], weight,
         the dtype x is cast to). The start-up probe (engine/gemm_probe.py) checks exactly this product.
 
-        On CUDA the Triton matmul reads the model dtype and accumulates and writes fp32; on the CPU a
-        half-precision model's hidden states and LM head are upcast (the fp32 head is kept: vocab x hidden x
-        4 bytes), unless the linear multiplies fp32 rows by half weights exactly (`mixed_dtypes`).
+        On CUDA the Triton matmul reads the model dtype and accumulates and writes fp32 (without batch
+        invariance, cuBLAS does the same: matmul_ref.library_logits); on the CPU a half-precision model's hidden
+        states and LM head are upcast (the fp32 head is kept: vocab x hidden x 4 bytes), unless the linear
+        multiplies fp32 rows by half weights exactly (`mixed_dtypes`).
         """
         weight = self.lm_head_weight
+        if weight.device.type == "cuda" and not self.ops.batch_invariant:
+            from apcscore.kernels.matmul_ref import library_logits
+
+            return library_logits, weight, weight.dtype
         if weight.device.type == "cuda":
             from apcscore.kernels.matmul import invariant_linear
 
