@@ -127,6 +127,9 @@ class EngineConfig:
              f"--block-size must be a power of two, not {self.block_size}")
         need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
              f"--num-kv-blocks must be at least 1, not {self.num_kv_blocks}")
+        need(self.max_model_len is None or self.max_model_len >= 1,
+             f"--max-model-len must be at least 1 (tokens), not {self.max_model_len}; leave it out for the model's "
+             "own context length")
         need(self.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, not {self.max_num_seqs}")
         need(self.max_logprobs >= 0, f"--max-logprobs must be >= 0, not {self.max_logprobs}")

@@ -126,6 +126,16 @@ CASES = [
     Case("compare: damaged data page", ["compare", "{tmp}/done.parquet", "{tmp}/damaged.parquet"], "is damaged"),
     Case("compare: infinite threshold", ["compare", "{tmp}/done.parquet", "{tmp}/done.parquet",
                                         "--max-ppl-ratio", "inf"], "must be a finite number > 0"),
+    # ---- found by exploratory testing (2026-12-03)
+    Case("--max-model-len below 1", ["score", "{data}", "--max-model-len", "-5"], "--max-model-len must be at least 1"),
+    Case("--columns to a field no record has", ["score", "{data}", "--columns", "bogus=prompt"],
+         "'bogus' is not a field of a score record"),
+    Case("--columns from a column no record has", ["score", "{data}", "--columns", "prompt=nope"],
+         "d.jsonl has a column 'nope' (its records have 'id', 'prompt')"),
+    Case("an unpaired UTF-16 surrogate in a string", ["score", "{data}"],
+         "d.jsonl:1: prompt holds an unpaired UTF-16 surrogate escape", records=['{"prompt": "bad \\udc80"}']),
+    Case("--out where nothing can be written (/proc)", ["score", "{data}", "--out", "/proc/x.parquet"],
+         "--out /proc/x.parquet: "),
 ]
 
 
@@ -216,3 +226,11 @@ def _run_for_doc(case: Case, tmp: Path) -> str:
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
     print(errors_table())
+
+
+def test_a_max_model_len_above_the_models_context_is_said_not_taken(tmp_path, write_jsonl, tiny) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", OK)
+    res = CliRunner().invoke(app, ["score", str(data), "--model", tiny, "--max-model-len", "100000", "--out",
+                                   str(tmp_path / "o.parquet")], env={"COLUMNS": "300"})
+    assert res.exit_code == 0, res.output
+    assert "--max-model-len 100000 is above the model's context length" in " ".join(res.output.split())

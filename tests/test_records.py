@@ -159,10 +159,39 @@ def test_duplicate_ids_name_both_lines(tmp_path: Path) -> None:
     problems = problems_of(path, "score")
     assert problems == [
         f"{path}:2: duplicate id '1': line 1 has the same id (give every record a unique id; "
-        "a record without one gets its line number)",
+        "a record without one gets its line number); this error row's id is '1#line2'",
         f"{path}:4: duplicate id '3': line 3 has the same id (give every record a unique id; "
-        "a record without one gets its line number)",
+        "a record without one gets its line number); this error row's id is '3#line4'",
     ]
+
+
+def test_error_rows_of_duplicate_ids_have_ids_of_their_own(tmp_path: Path) -> None:
+    """With --skip-invalid a duplicate becomes an error row under an id no other row has (the output's ids stay
+    unique, as compare, show and merge require), and a later record cannot take that id either."""
+    path = write(tmp_path, ['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}', '{"id": "a#line2", "prompt": "z"}',
+                            '{"id": "a", "prompt": "w"}'])
+    data = load_dataset(path, "score", skip_invalid=True)
+    ids = [r.id for r in data.records] + [r.id for r in data.invalid]
+    assert [r.id for r in data.records] == ["a"]
+    assert [r.id for r in data.invalid] == ["a#line2", "a#line2#line3", "a#line4"]
+    assert len(set(ids)) == len(ids) == 4
+    assert "duplicate id 'a#line2': line 2 has the same id" in data.invalid[1].message
+
+
+def test_unpaired_surrogates_are_refused_with_their_place(tmp_path: Path) -> None:
+    """JSON allows a lone \\uD800..\\uDFFF escape, but the string it makes is not text: the tokenizer (and parquet)
+    would fail the whole run on it. It is one record's problem, named by its field; a complete pair is a character."""
+    path = write(tmp_path, ['{"id": "ok", "prompt": "pair \\ud83d\\ude00"}', '{"id": "s", "prompt": "bad \\udc80"}',
+                            '{"id": "m", "messages": [{"role": "user", "content": "\\ud800"}]}',
+                            '{"id": "x\\udfff", "prompt": "p"}'])
+    data = load_dataset(path, "generate", skip_invalid=True)
+    assert [(r.id, r.fields["prompt"]) for r in data.records] == [("ok", "pair \U0001f600")]
+    assert [r.id for r in data.invalid] == ["s", "m", "x\\udfff"]  # an id with one is shown as its escape
+    places = [r.message.split(": ", 1)[1].split(" holds")[0] for r in data.invalid]
+    assert places == ["prompt", "messages[0].content", "id"]
+    assert all("unpaired UTF-16 surrogate" in r.message and r.message.endswith(")") for r in data.invalid)
+    for r in data.invalid:
+        r.id.encode("utf-8")  # an error row's id can be written
 
 
 def test_invalid_utf8_names_line_and_byte_offset(tmp_path: Path) -> None:
@@ -178,7 +207,7 @@ def test_skip_invalid_returns_invalid_records_in_order(tmp_path: Path) -> None:
                             '{"id": "d", "prompt": "y"}', '{"id": "a", "prompt": "z"}'])
     ds = load_dataset(path, "score", skip_invalid=True)
     assert [(r.index, r.line, r.id) for r in ds.records] == [(0, 1, "a"), (3, 5, "d")]
-    assert [(r.index, r.line, r.id) for r in ds.invalid] == [(1, 2, "b"), (2, 4, "4"), (4, 6, "a")]
+    assert [(r.index, r.line, r.id) for r in ds.invalid] == [(1, 2, "b"), (2, 4, "4"), (4, 6, "a#line6")]
     assert ds.invalid[1].message.startswith(f"{path}:4: invalid JSON at column 1")
     assert ds.num_records == 5
 
@@ -189,11 +218,12 @@ def test_an_unparsable_line_claims_its_line_number_as_id(tmp_path: Path) -> None
                             '{"id": 2, "prompt": "z"}'])
     ds = load_dataset(path, "score", skip_invalid=True)
     assert [(r.line, r.id) for r in ds.records] == [(1, "a")]
-    assert [(r.line, r.id) for r in ds.invalid] == [(2, "2"), (3, "2"), (4, "2")]
+    assert [(r.line, r.id) for r in ds.invalid] == [(2, "2"), (3, "2#line3"), (4, "2#line4")]
     assert ds.invalid[1].message == (f"{path}:3: duplicate id '2': line 2 has the same id (give every record a "
-                                     "unique id; a record without one gets its line number)")
-    ids = [r.id for r in ds.records] + [r.id for r in ds.invalid if "duplicate id" not in r.message]
-    assert len(ids) == len(set(ids)) == 2  # one row per id apart from the rows refused as its duplicates
+                                     "unique id; a record without one gets its line number); this error row's id "
+                                     "is '2#line3'")
+    ids = [r.id for r in ds.records] + [r.id for r in ds.invalid]
+    assert len(ids) == len(set(ids)) == 4  # one row per record, each under an id of its own
 
 
 def test_limit_keeps_the_first_records_valid_or_not(tmp_path: Path) -> None:

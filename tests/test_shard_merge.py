@@ -156,6 +156,21 @@ def test_bad_shard_options_are_refused(tmp_path, write_jsonl, tiny) -> None:
     assert res.exit_code == 2 and "contradict" in res.output
 
 
+def test_shards_without_out_write_files_of_their_own(tmp_path, write_jsonl, tiny, monkeypatch) -> None:
+    """The default output names the shard: shard 1 does not find shard 0's file taken (or replace it), and
+    the two merge into the single run's file."""
+    data = write_jsonl(tmp_path / "d.jsonl", score_records()[:-1])
+    monkeypatch.chdir(tmp_path)
+    for i in range(2):
+        res = run("score", data, "--model", tiny, "--shard", f"{i}/2", "--quiet")
+        assert res.exit_code == 0, res.output
+    parts = sorted((tmp_path / "results").glob("*.parquet"))
+    assert [p.name for p in parts] == ["d.score.shard-0-of-2.parquet", "d.score.shard-1-of-2.parquet"]
+    assert run("score", data, "--model", tiny, "--out", tmp_path / "single.parquet", "--quiet").exit_code == 0
+    assert run("merge", tmp_path / "merged.parquet", *parts).exit_code == 0
+    assert_same_file(tmp_path / "merged.parquet", tmp_path / "single.parquet")
+
+
 # ---- the partitioner ---------------------------------------------------------------------------------------
 def items_of(prompts: list[list[int]], block_size: int = 4) -> list[Item]:
     return [Item(i, block_digests(p, block_size), len(p)) for i, p in enumerate(prompts)]

@@ -31,19 +31,25 @@ what ``datasets.load_dataset("json", ...)`` reads.
 Conventions where the format leaves room: a field whose value is null counts as absent (files exported
 by pandas or ``datasets.Dataset.to_json`` fill missing keys with null); a UTF-8 byte-order mark is
 skipped; ``NaN``/``Infinity`` (which Python's json accepts) and duplicate keys in an object are errors;
-an empty ``prompt`` or ``context`` is valid here (the job decides at run time, as for an empty ``text``).
+an empty ``prompt`` or ``context`` is valid here (the job decides at run time, as for an empty ``text``); a
+string holding a lone ``\\uD800``..``\\uDFFF`` escape (JSON allows it, but it is not text: the tokenizer and
+parquet refuse it) is that record's problem, named by its field. A record whose id another record has is
+refused; with ``--skip-invalid`` its error row gets an id of its own (``ID#lineN``), so the output's ids stay
+unique as compare, show and merge need (an OpenAI result line keeps its request's custom_id). ``--columns``
+must map to fields of the command's records, from columns that some record has.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.openai_batch import INPUT_FORMATS, is_batch_line, to_record
-from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record
+from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record, known_fields
 from apcscore.io.tabular_input import is_tabular, read_table_records, rename
 
 MAX_LISTED_PROBLEMS = 20
@@ -92,6 +98,36 @@ class _NotUtf8(ValueError):
     pass
 
 
+# A \\uD800..\\uDFFF escape: JSON pairs a high and a low one into one character, but a lone one parses into a
+# Python str that is not text (it cannot be encoded as UTF-8, so the tokenizer would refuse the whole batch).
+# Only lines with such an escape are searched (a raw surrogate cannot be in a line that decodes as UTF-8).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _lone_surrogate(obj: Any, where: str = "") -> str | None:
+    """The place (`prompt`, `messages[0].content`, a key) of the first string holding an unpaired surrogate."""
+    if isinstance(obj, str):
+        return where or "the value" if _SURROGATE.search(obj) else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
+    for key, value in items:
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return f"the key {key.encode('utf-8', 'backslashreplace').decode()!r}"
+        place = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
+        found = _lone_surrogate(value, place)
+        if found:
+            return found
+    return None
+
+
+def _surrogate_problem(obj: Any) -> str | None:
+    """The problem of a record holding an unpaired surrogate, else None."""
+    place = _lone_surrogate(obj)
+    return None if place is None else (
+        f"{place} holds an unpaired UTF-16 surrogate escape (\\uD800..\\uDFFF without its pair), which is not "
+        "text (write the character itself, or a complete pair)")
+
+
 def _parse_line(raw: bytes, file_offset: int) -> Any:
     """Decode and parse one line; raise ValueError (`_NotUtf8` for a decoding error) with the message."""
     try:
@@ -110,7 +146,7 @@ def _parse_line(raw: bytes, file_offset: int) -> Any:
     except _BadConstant as e:
         raise ValueError(f"invalid JSON: {e}") from None
     except RecursionError:
-        raise ValueError(f"invalid JSON: nested too deeply (flatten the record)") from None
+        raise ValueError("invalid JSON: nested too deeply (flatten the record)") from None
 
 
 def _sniff(path: Path, head: bytes) -> None:
@@ -169,10 +205,33 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
     # auto reads request lines only from JSONL (a table is our records)
     fmt = {"chosen": ("apcscore" if is_tabular(path) else None) if input_format == "auto" else input_format}
 
-    def accept(obj: Any, lineno: int, where: str) -> None:
-        """Check one parsed record (`where`: `FILE:LINE` or `FILE:row N`) into records or invalid."""
+    def unique_id(rid: str, lineno: int) -> str:
+        """`rid`, or with a suffix where some record has it, claimed for line `lineno`'s row (a later record
+        giving it is refused as a duplicate)."""
+        candidate, n = rid, 1
+        while candidate in first_line_of_id:
+            n += 1
+            candidate = f"{rid}.{n}"
+        first_line_of_id[candidate] = lineno
+        return candidate
+
+    unknown_targets = sorted(set(columns) - known_fields(command))
+    if unknown_targets:
+        raise ApcscoreError(f"--columns: {', '.join(map(repr, unknown_targets))} is not a field of a {command} record "
+                            f"(it reads {', '.join(sorted(known_fields(command)))}); write FIELD=COLUMN, the field "
+                            "first")
+    columns_seen: set[str] = set()  # mapped columns that some record has
+    keys_seen: dict[str, None] = {}  # every record key, in order of appearance (for the message)
+
+    def accept(obj: Any, lineno: int, where: str, escaped_surrogate: bool = False) -> None:
+        """Check one parsed record (`where`: `FILE:LINE` or `FILE:row N`) into records or invalid
+        (`escaped_surrogate`: its line has a \\uD800..\\uDFFF escape, which may be unpaired)."""
         if fmt["chosen"] is None:  # auto: the first line decides
             fmt["chosen"] = "openai-batch" if is_batch_line(obj) else "apcscore"
+        if columns and isinstance(obj, dict):
+            columns_seen.update(c for c in columns.values() if c in obj)
+            if len(keys_seen) < 50:
+                keys_seen.update(dict.fromkeys(obj))
         batch = fmt["chosen"] == "openai-batch"
         if batch:
             converted = to_record(obj, command, max_logprobs=max_logprobs, model_names=model_names)
@@ -190,11 +249,22 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             seen[1] += 1
         rid = checked.id if checked.id is not None else str(lineno)
         problems = checked.problems
+        surrogate = _surrogate_problem(obj) if escaped_surrogate else None
+        if surrogate:
+            problems = [*problems, surrogate]
+            if _SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
+                rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         label = "custom_id" if batch else "id"
         if rid in first_line_of_id:
+            # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
+            # and merge need them so); an OpenAI result line keeps its request's custom_id, which is how a
+            # client matches answers to requests
+            own = rid if batch else unique_id(f"{rid}#line{lineno}", lineno)
             problems = [*problems, f"duplicate {label} {rid!r}: line {first_line_of_id[rid]} has the same "
                                    f"{label} (give every record a unique {label}" +
-                        ("" if batch else "; a record without one gets its line number") + ")"]
+                        ("" if batch else "; a record without one gets its line number") + ")" +
+                        ("" if batch else f"; this error row's {label} is {own!r}")]
+            rid = own
         else:
             first_line_of_id[rid] = lineno
         if problems:
@@ -224,6 +294,13 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                             f"a {command} dataset is JSONL with one record per line: {accepted_kinds(command)}")
     if utf8_errors and utf8_errors == index:
         raise ApcscoreError(f"{name} is not UTF-8 text (no line decodes as UTF-8); save it as UTF-8 JSONL")
+    missing = {f: c for f, c in columns.items() if c not in columns_seen}
+    if missing and fmt["chosen"] != "openai-batch":
+        raise ApcscoreError(
+            f"--columns {', '.join(f'{f}={c}' for f, c in missing.items())}: no record of {name} has "
+            + (f"a column {next(iter(missing.values()))!r}" if len(missing) == 1 else "these columns")
+            + f" (its records have {', '.join(map(repr, keys_seen)) or 'no fields'}); give each column's name as "
+              "it is in the file")
     warnings = [
         f"{name}:{first}: unknown field {key!r} ignored" + (f" (in {count} records)" if count > 1 else "")
         + f" ({command} reads {accepted_kinds(command)})"
@@ -276,7 +353,7 @@ def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, unreadabl
                     unreadable(lineno, f"{name}:{lineno}: {e}")
                     index += 1
                     continue
-                accept(obj, lineno, f"{name}:{lineno}")
+                accept(obj, lineno, f"{name}:{lineno}", _SURROGATE_ESCAPE.search(body) is not None)
                 index += 1
         except OSError as e:
             raise ApcscoreError(f"cannot read {name}: {e.strerror or e}") from None

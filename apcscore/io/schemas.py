@@ -148,6 +148,11 @@ _KIND_FIELDS = {c: frozenset(f for k in kinds for f in _KINDS[k].required) for c
 _KNOWN = {c: _KIND_FIELDS[c] | _OPTIONAL[c].keys() | {"id"} for c in COMMANDS}
 
 
+def known_fields(command: str) -> frozenset[str]:
+    """Every field a record of `command` may have (the targets `--columns` may map to)."""
+    return frozenset(_KNOWN[command])
+
+
 def accepted_kinds(command: str) -> str:
     """The record kinds `command` accepts, as one line for messages and help texts."""
     kinds = " | ".join(_KINDS[k].example for k in _COMMAND_KINDS[command])

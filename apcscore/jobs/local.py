@@ -53,6 +53,10 @@ class LocalExecutor:
             # (--exact-reuse, which --verify-reuse needs, was refused by the engine)
             self.warnings.append((f"{engine.numerics['reason']}: a record's scores may depend on what shares its "
                                   "steps (metadata numerics.batch_invariant = false)", True))
+        if cfg.max_model_len and cfg.max_model_len > self.max_model_len and not engine.info.sliding_window:
+            self.warnings.append((f"--max-model-len {cfg.max_model_len} is above the model's context length: the "
+                                  f"context stays {self.max_model_len} tokens (longer prompts are refused or "
+                                  "truncated)", False))
         if engine.info.sliding_window:
             self.warnings.append((f"the model's sliding attention window is not implemented: the context is capped "
                                   f"at its {engine.info.sliding_window} tokens (longer prompts are refused or "

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,12 @@ from apcscore.io.schemas import InvalidRecord
 from apcscore.jobs.options import RunOptions
 
 
-def default_out(dataset: Path, command: str, suffix: str = ".parquet") -> Path:
-    """results/<dataset stem>.<command>.parquet (or `suffix`)"""
-    return Path("results") / f"{dataset.stem}.{command}{suffix}"
+def default_out(dataset: Path, command: str, suffix: str = ".parquet", shard: str | None = None) -> Path:
+    """results/<dataset stem>.<command>.parquet (or `suffix`); a `--shard I/N` run's file names its shard
+    (<stem>.<command>.shard-I-of-N.parquet), so the shards of one dataset do not take each other's file."""
+    index, _, count = (shard or "").partition("/")
+    part = f".shard-{index.strip()}-of-{count.strip()}" if shard else ""
+    return Path("results") / f"{dataset.stem}.{command}{part}{suffix}"
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -33,7 +37,7 @@ def _same_file(a: Path, b: Path) -> bool:
 
 
 def check_output(out_option: str | None, dataset: Path, command: str, *, overwrite: bool,
-                 resume: bool, suffix: str = ".parquet") -> tuple[Path, str | None]:
+                 resume: bool, suffix: str = ".parquet", shard: str | None = None) -> tuple[Path, str | None]:
     """The output path, and a warning to show (or None); raise ApcscoreError when it cannot be written.
 
     Refuses: an empty `--out`, `--out -`, the dataset itself, a directory, a path under a file or in a
@@ -45,7 +49,7 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     if out_option == "-":
         raise ApcscoreError("--out -: results cannot go to standard output (a parquet file needs a seekable file) "
                             "— give a file name such as results/out.parquet")
-    out = Path(out_option) if out_option is not None else default_out(dataset, command, suffix)
+    out = Path(out_option) if out_option is not None else default_out(dataset, command, suffix, shard)
     if _same_file(out, dataset):
         raise ApcscoreError(f"--out {out} is the dataset itself; writing results there would replace the data — "
                             "choose another --out")
@@ -75,6 +79,12 @@ def _check_writable_folder(out: Path) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
         raise ApcscoreError(f"--out {out}: the folder {folder} is not writable — choose another --out, "
                             "or fix the folder's permissions")
+    try:  # what permissions do not say: a read-only or full file system, /proc, ...
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ApcscoreError(f"--out {out}: cannot write in {folder} ({e.strerror or e}) — choose another --out") \
+            from None
 
 
 def check_against_model(command: str, opts: RunOptions, data: LoadedDataset, vocab_size: int,

@@ -68,7 +68,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                             "--output-format openai-batch: run the shards with parquet output (an --out not "
                             "ending in .jsonl) and merge them, or run without --shard")
     out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume,
-                             suffix=".jsonl" if lines else ".parquet")
+                             suffix=".jsonl" if lines else ".parquet", shard=opts.shard)
     data = load_dataset(dataset, command, skip_invalid=opts.skip_invalid, limit=opts.limit,
                         columns=parse_columns(opts.columns), input_format=getattr(opts, "input_format", "auto"),
                         max_logprobs=cfg.max_logprobs,
