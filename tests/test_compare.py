@@ -54,11 +54,11 @@ PERPLEXITY_SCHEMA = pa.schema([
 
 def write_results(path: Path, rows: list[dict], *, command: str = "score", dtype: str = "float32",
                   vocab_size: int | None = VOCAB, dataset_sha256: str = "ab" * 32, drop: tuple[str, ...] = (),
-                  metadata: bool = True, schema: pa.Schema = SCORE_SCHEMA) -> Path:
+                  metadata: bool = True, schema: pa.Schema = SCORE_SCHEMA, job: dict | None = None) -> Path:
     """Write rows (dicts; missing keys are null) as an apcscore result file with its `apcscore` metadata."""
     meta = {"apcscore_version": "0.1.0", "command": command, "dtype": dtype,
             "model": {"name": "tiny-random", **({"vocab_size": vocab_size} if vocab_size else {})},
-            "dataset": {"path": "data.jsonl", "sha256": dataset_sha256}}
+            "dataset": {"path": "data.jsonl", "sha256": dataset_sha256}, **({"job": job} if job else {})}
     schema = pa.schema([f for f in schema if f.name not in drop])
     table = pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
     if metadata:
@@ -526,6 +526,15 @@ def test_perplexity_files_without_per_token_columns(tmp_path) -> None:
     # A score file is not a perplexity file.
     score = write_results(tmp_path / "c.parquet", [{"id": "0", "status": "ok"}, {"id": "1", "status": "ok"}])
     assert "same command" in one_line(run_cli(base, score).stderr)
+    # Other windows measure another perplexity (a longer window conditions on more): refused, not gated.
+    window = {"window": 64, "stride": 64, "prefix_token_id": 1, "prompt_logprobs": None}
+    base = write_results(tmp_path / "w64.parquet", rows(2.0), job=window, **kw)
+    same = write_results(tmp_path / "w64b.parquet", rows(2.2), job=dict(window, prompt_logprobs=2), **kw)
+    other = write_results(tmp_path / "w32.parquet", rows(2.0), job=dict(window, window=32, stride=32), **kw)
+    assert run_cli(base, same, "--max-ppl-ratio", 1.5).exit_code == 0
+    r = run_cli(base, other, "--max-ppl-ratio", 1.5)
+    assert r.exit_code == 2 and ("other windows (baseline --window 64 --stride 64, candidate --window 32 "
+                                 "--stride 32)") in one_line(r.stderr), r.stderr
 
 
 def test_thresholds_from_toml(fp32_bf16, tmp_path) -> None:

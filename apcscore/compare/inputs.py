@@ -102,6 +102,9 @@ def examples(values: list[Any]) -> str:
     return head + (f" and {len(values) - EXAMPLES} more" if len(values) > EXAMPLES else "")
 
 
+WINDOWING = {"window": "--window", "stride": "--stride", "prefix_token_id": "prefix token"}  # perplexity's job
+
+
 def check_same_run_kind(base: ResultFile, new: ResultFile) -> None:
     """Refuse files of different commands, datasets or vocabularies (exit 2)."""
     cb, cn = base.meta.get("command"), new.meta.get("command")
@@ -114,6 +117,16 @@ def check_same_run_kind(base: ResultFile, new: ResultFile) -> None:
             f"the files are runs on different datasets: baseline {base.dataset.get('path', '?')} (sha256 "
             f"{str(hb)[:12]}...), candidate {new.dataset.get('path', '?')} (sha256 {str(hn)[:12]}...); "
             f"score the same dataset with both models")
+    if cb == cn == "perplexity":  # another window or stride is another measurement, not a regression
+        jb, jn = base.meta.get("job") or {}, new.meta.get("job") or {}
+        keys = [k for k in WINDOWING if k in jb and k in jn and jb[k] != jn[k]]
+        if keys:
+            def shown(job: dict) -> str:
+                return " ".join(f"{WINDOWING[k]} {job[k]}" for k in keys)
+
+            raise ApcscoreError(f"the files measure perplexity with other windows (baseline {shown(jb)}, candidate "
+                                f"{shown(jn)}), so their perplexities differ whatever the models do; compare two "
+                                "runs with the same windows")
     vb, vn = base.vocab_size, new.vocab_size
     if vb and vn and vb != vn:
         raise ApcscoreError(f"the models have different vocabularies (baseline {vb} tokens, candidate {vn}); "

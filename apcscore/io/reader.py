@@ -142,7 +142,8 @@ def _parse_line(raw: bytes, file_offset: int) -> Any:
         hint = "write each record as one complete JSON object on one line"
         if e.msg.startswith("Extra data"):
             hint = "one record per line: put a line break between two objects"
-        raise ValueError(f"invalid JSON at column {e.colno}: {e.msg} ({hint})") from None
+        what = e.msg.removesuffix(" at") + (" there" if e.msg.endswith(" at") else "")  # "... starting at" + pos
+        raise ValueError(f"invalid JSON at column {e.colno}: {what} ({hint})") from None
     except _BadConstant as e:
         raise ValueError(f"invalid JSON: {e}") from None
     except RecursionError:

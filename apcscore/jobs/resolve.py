@@ -99,7 +99,10 @@ def read_config(path: Path, command: str) -> dict[str, Any]:
                                 "',' or '=' (lm-eval's KEY=VALUE,... form) — fix the value")
                 continue
         if not any(key in k for k in keys.values()):
-            problems.append(f"{where}: unknown option {key!r} — known: {', '.join(sorted(keys[command]))}")
+            snake = key.replace("-", "_")
+            hint = (f"write {snake!r}: config keys are the options' names with underscores" if snake != key
+                    and any(snake in k for k in keys.values()) else f"known: {', '.join(sorted(keys[command]))}")
+            problems.append(f"{where}: unknown option {key!r} — {hint}")
         elif key not in keys[command]:
             users = [c for c, k in keys.items() if key in k]
             problems.append(f"{where}: {key!r} is an option of {' and '.join(users)}, not of {command} — "
