@@ -66,6 +66,9 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
             raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another --out")
     if resume and not partial.exists():
         warning = f"nothing to resume: {partial} does not exist; starting a fresh run"
+    elif out.suffix.lower() not in (".parquet", ".pq", suffix):
+        warning = (f"--out {out}: the results are written as {suffix.lstrip('.')} whatever the file's name says "
+                   f"(name it {out.with_suffix(suffix).name} to say so)")
     return out, warning
 
 

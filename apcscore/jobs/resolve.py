@@ -239,7 +239,9 @@ def parse_shard(value: str) -> tuple[int, int]:
         i, n = int(i_text), int(n_text)
     except ValueError:
         raise ApcscoreError(f"--shard must be I/N (e.g. 0/4: the first of 4 shards), not {value!r}") from None
-    if n < 1 or not 0 <= i < n:
-        raise ApcscoreError(f"--shard {value}: need N >= 1 and 0 <= I < N (shards are numbered from 0, so "
-                            f"the shards of {max(n, 1)} are 0/{max(n, 1)} .. {max(n, 1) - 1}/{max(n, 1)})")
+    if n < 1:
+        raise ApcscoreError(f"--shard {value}: need N >= 1 shards (and 0 <= I < N: the shards of 4 are 0/4 .. 3/4)")
+    if not 0 <= i < n:
+        raise ApcscoreError(f"--shard {value}: need 0 <= I < N (N >= 1; shards are numbered from 0, so "
+                            f"the shards of {n} are 0/{n} .. {n - 1}/{n})")
     return i, n
