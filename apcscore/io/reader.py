@@ -41,13 +41,12 @@ must map to fields of the command's records, from columns that some record has.
 from __future__ import annotations
 
 import hashlib
-import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from apcscore.errors import ApcscoreError
+from apcscore.io.json_line import SURROGATE, SURROGATE_ESCAPE, NotUtf8, parse_line, surrogate_problem
 from apcscore.io.openai_batch import INPUT_FORMATS, is_batch_line, to_record
 from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record, known_fields
 from apcscore.io.tabular_input import is_tabular, read_table_records, rename
@@ -73,82 +72,6 @@ class LoadedDataset:
 
 
 # ---------------------------------------------------------------- the file
-
-class _BadConstant(ValueError):
-    pass
-
-
-def _reject_constant(name: str) -> None:
-    raise _BadConstant(f"{name} is not valid JSON (write a number, a string or null instead)")
-
-
-def _object_pairs(pairs: list[tuple[str, Any]]) -> dict:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise _BadConstant(f"duplicate key {dup!r} in one object (keep only one of them)")
-    return obj
-
-
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, object_pairs_hook=_object_pairs)
-
-
-class _NotUtf8(ValueError):
-    pass
-
-
-# A \\uD800..\\uDFFF escape: JSON pairs a high and a low one into one character, but a lone one parses into a
-# Python str that is not text (it cannot be encoded as UTF-8, so the tokenizer would refuse the whole batch).
-# Only lines with such an escape are searched (a raw surrogate cannot be in a line that decodes as UTF-8).
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _lone_surrogate(obj: Any, where: str = "") -> str | None:
-    """The place (`prompt`, `messages[0].content`, a key) of the first string holding an unpaired surrogate."""
-    if isinstance(obj, str):
-        return where or "the value" if _SURROGATE.search(obj) else None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, list) else ()
-    for key, value in items:
-        if isinstance(key, str) and _SURROGATE.search(key):
-            return f"the key {key.encode('utf-8', 'backslashreplace').decode()!r}"
-        place = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else key
-        found = _lone_surrogate(value, place)
-        if found:
-            return found
-    return None
-
-
-def _surrogate_problem(obj: Any) -> str | None:
-    """The problem of a record holding an unpaired surrogate, else None."""
-    place = _lone_surrogate(obj)
-    return None if place is None else (
-        f"{place} holds an unpaired UTF-16 surrogate escape (\\uD800..\\uDFFF without its pair), which is not "
-        "text (write the character itself, or a complete pair)")
-
-
-def _parse_line(raw: bytes, file_offset: int) -> Any:
-    """Decode and parse one line; raise ValueError (`_NotUtf8` for a decoding error) with the message."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        bad = raw[e.start:e.start + 4].hex(" ")
-        raise _NotUtf8(f"invalid UTF-8 at byte offset {e.start} of the line "
-                      f"(offset {file_offset + e.start} in the file; bytes {bad}) (save the file as UTF-8)") from None
-    try:
-        return _DECODER.decode(text)
-    except json.JSONDecodeError as e:
-        hint = "write each record as one complete JSON object on one line"
-        if e.msg.startswith("Extra data"):
-            hint = "one record per line: put a line break between two objects"
-        what = e.msg.removesuffix(" at") + (" there" if e.msg.endswith(" at") else "")  # "... starting at" + pos
-        raise ValueError(f"invalid JSON at column {e.colno}: {what} ({hint})") from None
-    except _BadConstant as e:
-        raise ValueError(f"invalid JSON: {e}") from None
-    except RecursionError:
-        raise ValueError("invalid JSON: nested too deeply (flatten the record)") from None
-
 
 def _sniff(path: Path, head: bytes) -> None:
     """Raise for files that are not UTF-8 text at all (so nothing line-level makes sense)."""
@@ -250,10 +173,10 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             seen[1] += 1
         rid = checked.id if checked.id is not None else str(lineno)
         problems = checked.problems
-        surrogate = _surrogate_problem(obj) if escaped_surrogate else None
+        surrogate = surrogate_problem(obj) if escaped_surrogate else None
         if surrogate:
             problems = [*problems, surrogate]
-            if _SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
+            if SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         label = "custom_id" if batch else "id"
         if rid in first_line_of_id:
@@ -348,13 +271,13 @@ def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, unreadabl
                 if not body or body.isspace():
                     continue
                 try:
-                    obj = _parse_line(body, start)
+                    obj = parse_line(body, start)
                 except ValueError as e:
-                    utf8_errors += isinstance(e, _NotUtf8)
+                    utf8_errors += isinstance(e, NotUtf8)
                     unreadable(lineno, f"{name}:{lineno}: {e}")
                     index += 1
                     continue
-                accept(obj, lineno, f"{name}:{lineno}", _SURROGATE_ESCAPE.search(body) is not None)
+                accept(obj, lineno, f"{name}:{lineno}", SURROGATE_ESCAPE.search(body) is not None)
                 index += 1
         except OSError as e:
             raise ApcscoreError(f"cannot read {name}: {e.strerror or e}") from None
