@@ -445,6 +445,16 @@ def test_threshold_needing_a_missing_column_exit_2(tiny, tmp_path) -> None:
     assert r.exit_code == 2 and "no multiple-choice records" in one_line(r.stderr)
 
 
+def test_the_note_names_the_file_without_token_ids(tiny, tmp_path) -> None:
+    """Without token ids on one side the tokenizers are compared by token counts, and the note says which file
+    lacks them (not "no token_ids in the files" when one has them)."""
+    model, records = tiny
+    both = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, 0))
+    bare = write_results(tmp_path / "b.parquet", score_rows(model, records, torch.float32, 0), drop=("token_ids",))
+    assert any("no token_ids in the candidate file" in n for n in compare_files(both, bare).notes)
+    assert any("no token_ids in the files" in n for n in compare_files(bare, bare).notes)
+
+
 def test_bad_threshold_values_exit_2(fp32_bf16) -> None:
     r = run_cli(fp32_bf16[0], fp32_bf16[1], "--min-top1-agreement", 1.5)
     assert r.exit_code == 2 and "--min-top1-agreement must be" in one_line(r.stderr)

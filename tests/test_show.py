@@ -16,6 +16,7 @@ from apcscore.io.token_text import token_pieces
 
 RECORDS = [
     {"id": "q", "context": "The sky is", "choices": [" blue", " green"], "answer": 0},  # no per-token logprobs
+    {"id": "one", "prompt_token_ids": [5]},  # per-token logprobs, none of them scored: [null]
     {"id": "capital", "prompt": "The capital of France is Paris. [bold]Berlin[/bold] is in Germany."},
     {"id": "code", "prompt": "def add(a, b):\n    return a + b\n"},
 ]
@@ -83,12 +84,15 @@ def test_without_an_id_the_first_record_with_token_logprobs(files) -> None:
     path = files["score"]
     r = show(path)
     assert r.exit_code == 0, r.output
-    assert "record 'capital' (row 2 of 3 — the first record with per-token logprobs" in r.stdout
+    assert "record 'capital' (row 3 of 4 — the first record with per-token logprobs" in r.stdout
     rec = row(path, "capital")
     worst = min((lp, i) for i, lp in enumerate(rec["token_logprobs"]) if lp is not None)
     assert re.search(rf"│ {worst[1]} +│ .* │ {rec['token_ids'][worst[1]]} +│ {worst[0]:.4f} ", r.stdout)
     code = show(path, "--id", "code")
     assert code.exit_code == 0 and "return a + b" in code.stdout and "↵" in code.stdout
+    one = show(path, "--id", "one")  # a one-token prompt: said so, not an empty table of "0 least likely"
+    assert one.exit_code == 0 and "no position of this record is scored" in one.stdout, one.output
+    assert "least likely" not in one.stdout
 
 
 def test_completion_tokens_of_a_generate_run(files) -> None:
@@ -122,8 +126,8 @@ def test_a_moved_file_shows_ids_until_given_the_tokenizer(files, tmp_path) -> No
     ("a directory", ["{tmp}"], "is a directory — give a parquet file"),
     ("not parquet", ["{tmp}/x.jsonl"], "is not a parquet file"),
     ("not apcscore output", ["{tmp}/plain.parquet"], "is not apcscore output"),
-    ("unknown id", ["{score}", "--id", "nope"], ("no record with id 'nope' in ", "score.parquet (3 records: 'q', "
-                                                 "'capital', 'code')")),
+    ("unknown id", ["{score}", "--id", "nope"], ("no record with id 'nope' in ", "score.parquet (4 records: 'q', "
+                                                 "'one', 'capital', 'code')")),
     ("position out of range", ["{score}", "--id", "code", "--position", "99"],
      "--position 99 is out of range: record 'code' has 13 prompt tokens (positions 0 to 12)"),
     ("position 0", ["{score}", "--id", "code", "--position", "0"],

@@ -244,7 +244,9 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
             ids = bt["id"].filter(pa.array(diff)).to_pylist()
             raise ApcscoreError(f"the files were tokenized differently (another tokenizer?): num_tokens differs in "
                                 f"{len(ids)} record(s) ({examples(ids)})")
-        notes.append("no token_ids in the files: the tokenizers were compared by token counts only")
+        lacking = [f.role for f in (base, new) if not f.has("token_ids")]
+        where = "the files" if len(lacking) == 2 else f"the {lacking[0]} file"
+        notes.append(f"no token_ids in {where}: the tokenizers were compared by token counts only")
     vocab = base.vocab_size or new.vocab_size
     tokens = has_ids and base.has("token_logprobs") and new.has("token_logprobs")
     topk = tokens and all(f.has(c) for f in (base, new) for c in ("top_ids", "top_logprobs"))

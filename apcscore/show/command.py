@@ -93,7 +93,7 @@ def _columns(pf: Any, meta: dict[str, Any], path: Path, completion: bool) -> tup
 
 def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...]) -> tuple[dict[str, Any], int]:
     """The record's row (its id, summary and per-token columns) and its index in the file. Without an id: the first
-    row whose per-token logprobs are not null."""
+    row with a scored position (a per-token logprob that is not null)."""
     import pyarrow.compute as pc
 
     names = set(pf.schema_arrow.names)
@@ -111,8 +111,14 @@ def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...])
         group = next(g for g in range(pf.num_row_groups) if starts[g + 1] > index)
         row = pf.read_row_group(group, columns=wanted).slice(index - starts[group], 1).to_pylist()[0]
         return row, index
+    import numpy as np
+
     for g in range(pf.num_row_groups):
-        valid = pf.read_row_group(g, columns=[cols[1]])[cols[1]].is_valid().to_numpy(zero_copy_only=False)
+        lps = pf.read_row_group(g, columns=[cols[1]])[cols[1]].combine_chunks()  # [rows] lists of logprobs
+        scored = pc.list_parent_indices(lps).to_numpy()[pc.is_valid(pc.list_flatten(lps)).to_numpy(
+            zero_copy_only=False)]  # the row of every scored position (a one-token prompt has none)
+        valid = np.zeros(len(lps), dtype=bool)
+        valid[scored] = True
         if valid.any():
             first = int(valid.argmax())
             return pf.read_row_group(g, columns=wanted).slice(first, 1).to_pylist()[0], starts[g] + first
@@ -187,6 +193,10 @@ def render(console: Console, path: Path, row: dict[str, Any], index: int, num_ro
 
     if position is None:
         scored = sorted((lp, i) for i, lp in enumerate(t.logprobs) if lp is not None)[:_LOWEST]
+        if not scored:
+            console.print("no position of this record is scored (a first token has no logprob: nothing comes "
+                          "before it)", highlight=False)
+            return
         table = Table("position", "token", "id", "logprob", "rank", title=f"The {len(scored)} least likely tokens "
                       "(--position N shows a position's top-K)", title_justify="left")
         for lp, i in scored:
