@@ -50,8 +50,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the gpu_check_* modules beside this file
 
-from gpu_check_basic import PART_DEADLINE_ENV, part_bench, part_compare, part_env, part_tests  # noqa: E402
-from gpu_check_common import ROOT, SHAPES  # noqa: E402
+from gpu_check_basic import part_bench, part_compare, part_env, part_tests  # noqa: E402
+from gpu_check_common import PART_DEADLINE_ENV, ROOT, SHAPES  # noqa: E402
 from gpu_check_exact import part_exactness, part_tax  # noqa: E402
 from gpu_check_scale import part_8b, part_eval, part_long  # noqa: E402
 from gpu_check_summary import write_summary  # noqa: E402

@@ -11,9 +11,9 @@ import threading
 import time
 from typing import Any
 
-from gpu_check_common import (PEAK_BF16_FLOPS, ROOT, common_prefix, emit, engine_generate, engine_score,
-                              hf_generate, hf_score, llama_config, make_engine, random_hf_model, random_prompts,
-                              matmul_params, rounded, score_lengths, timed)
+from gpu_check_common import (PART_DEADLINE_ENV, PEAK_BF16_FLOPS, ROOT, common_prefix, emit, engine_generate,
+                              engine_score, hf_generate, hf_score, llama_config, make_engine, matmul_params, mfu,
+                              random_hf_model, random_prompts, rounded, score_lengths, timed)
 
 
 def part_env(args) -> bool:
@@ -50,8 +50,6 @@ def part_env(args) -> bool:
     return info["ok"]
 
 
-# A part's deadline (epoch seconds), set by the orchestrator (gpu_check.py) for each part it starts
-PART_DEADLINE_ENV = "GPU_CHECK_PART_DEADLINE"
 PYTEST_GRACE_S = 8  # after SIGINT, pytest's time to finish the test it is in and print its summary
 EMIT_MARGIN_S = 4  # then the part's time to report before its own limit
 OUTCOMES = "PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS"
@@ -236,7 +234,8 @@ def part_bench(args) -> None:
     engine = make_engine(cfg, state, device, dtype_name, backend)
     params = matmul_params(engine)
     graphs = engine.runner.cuda_graphs
-    emit({**base, "task": "setup", "params": engine.info.num_parameters, "mfu_params": params, "seconds": round(time.perf_counter() - t0, 1),
+    emit({**base, "task": "setup", "params": engine.info.num_parameters, "mfu_params": params,
+          "seconds": round(time.perf_counter() - t0, 1),
           "cuda_graph_sizes": graphs.sizes if graphs is not None else None,
           "engine_config": engine.config.to_dict()})
 
@@ -252,8 +251,8 @@ def part_bench(args) -> None:
     theirs, t_hf = timed(lambda: hf_score(hf, prompts, k, budget=8192))
     for side, secs in (("apcscore", t_ours), ("transformers", t_hf)):
         emit({**base, "task": "score", "side": side, "prompts": n_prompts, "tokens": tokens, "k": k,
-              "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs), "mfu": rounded(
-                  2 * params * tokens / secs / PEAK_BF16_FLOPS), "mfu_peak_flops": PEAK_BF16_FLOPS})
+              "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs), "mfu": mfu(params, tokens, secs),
+              "mfu_peak_flops": PEAK_BF16_FLOPS})
     d = np.concatenate([np.abs(o.token_logprobs - t[0]) for o, t in zip(ours, theirs)])
     top1 = np.concatenate([o.top_ids[:, 0] == t[1][:, 0] for o, t in zip(ours, theirs)])
     emit({**base, "task": "score", "speedup_vs_transformers": round(t_hf / t_ours, 2),

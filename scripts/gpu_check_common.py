@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 PEAK_BF16_FLOPS = 989e12  # H100/H200 SXM dense bf16
+# A part's deadline (epoch seconds), set by the orchestrator (gpu_check.py) for each part it starts
+PART_DEADLINE_ENV = "GPU_CHECK_PART_DEADLINE"
 
 
 def matmul_params(engine) -> int:
@@ -24,6 +26,13 @@ def matmul_params(engine) -> int:
     model = engine.runner.model
     untied = getattr(model, "lm_head", None) is not None
     return engine.info.num_parameters - (model.embed_tokens.weight.numel() if untied else 0)
+
+
+def mfu(params: int, tokens: int, secs: float) -> float:
+    """Model FLOP utilisation of `tokens` through `params` (matmul_params) weights in `secs`: 2 FLOPs per weight
+    and token, over PEAK_BF16_FLOPS."""
+    return rounded(2 * params * tokens / secs / PEAK_BF16_FLOPS)
+
 
 # Llama-3.2-1B, SmolLM2-135M and Llama-3.1-8B shapes (transformers LlamaConfig arguments).
 LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,

@@ -14,8 +14,8 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from gpu_check_common import (PEAK_BF16_FLOPS, columns, emit, engine_and_state, engine_generate, engine_score,
-                              make_engine, matmul_params, median_time, random_prompts, rounded, score_lengths)
+from gpu_check_common import (columns, emit, engine_and_state, engine_generate, engine_score, make_engine,
+                              matmul_params, median_time, mfu, random_prompts, rounded, score_lengths)
 
 K = 5
 
@@ -192,7 +192,7 @@ def part_tax(args) -> None:
             row[f"{task}_s_{side}"] = rounded(secs)
             if task == "score":
                 row[f"score_tokens_per_s_{side}"] = round(tokens / secs)
-                row[f"score_mfu_{side}"] = rounded(2 * params * tokens / secs / PEAK_BF16_FLOPS)
+                row[f"score_mfu_{side}"] = mfu(params, tokens, secs)
             else:
                 row[f"generate_tokens_per_s_{side}"] = round(n_gen * new / secs)
         row[f"{task}_ratio"] = rounded(row[f"{task}_s_invariant"] / row[f"{task}_s_library"], 3)

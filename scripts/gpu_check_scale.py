@@ -16,9 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_check_common import (PEAK_BF16_FLOPS, emit, engine_and_state, engine_generate, engine_score, make_engine,
-                              matmul_params, peak_memory_gib, random_prompts, rounded, score_lengths, sync,
-                              timed)
+from gpu_check_common import (emit, engine_and_state, engine_generate, engine_score, make_engine, matmul_params,
+                              mfu, peak_memory_gib, random_prompts, rounded, score_lengths, sync, timed)
 
 HF_BATCH = 32  # lm-eval `--batch_size 32`
 
@@ -157,7 +156,7 @@ def part_8b(args) -> None:
     tokens = sum(len(p) for p in prompts)
     _, secs = timed(lambda: engine_score(engine, prompts, 5))
     emit({**tag, "task": "score", "prompts": n_prompts, "tokens": tokens, "k": 5, "seconds": rounded(secs),
-          "tokens_per_s": round(tokens / secs), "mfu": rounded(2 * params * tokens / secs / PEAK_BF16_FLOPS),
+          "tokens_per_s": round(tokens / secs), "mfu": mfu(params, tokens, secs),
           "peak_memory_gib": peak_memory_gib()})
     gen_prompts = random_prompts([prompt_len] * n_gen, cfg.vocab_size, seed=4)
     engine_generate(engine, gen_prompts[:4], 4)

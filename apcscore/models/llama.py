@@ -255,11 +255,11 @@ class LlamaDecoder(nn.Module):
         multiplies fp32 rows by half weights exactly (`mixed_dtypes`).
         """
         weight = self.lm_head_weight
-        if weight.device.type == "cuda" and not self.ops.batch_invariant:
-            from apcscore.kernels.matmul_ref import library_logits
-
-            return library_logits, weight, weight.dtype
         if weight.device.type == "cuda":
+            if not self.ops.batch_invariant:
+                from apcscore.kernels.matmul_ref import library_logits
+
+                return library_logits, weight, weight.dtype
             from apcscore.kernels.matmul import invariant_linear
 
             return functools.partial(invariant_linear, out_dtype=torch.float32), weight, weight.dtype
