@@ -61,8 +61,9 @@ def assert_same_file(merged, single) -> None:
     for name in b.column_names:  # every column, bitwise (nulls in place)
         assert a.column(name).equals(b.column(name)), name
     ma, mb = meta(merged), meta(single)
-    for m in (ma, mb):  # the numerics as merge compares them (the start-up probe's timing is not a bit)
-        m["numerics"] = bits_of("numerics", m["numerics"])
+    for m in (ma, mb):  # engine and numerics as merge compares them (pool size, probe timing: not bits)
+        for key in ("engine", "numerics"):
+            m[key] = bits_of(key, m[key])
     assert {k: v for k, v in ma.items() if k not in PROVENANCE} == {k: v for k, v in mb.items() if k not in PROVENANCE}
 
 
@@ -161,12 +162,13 @@ def test_shards_without_out_write_files_of_their_own(tmp_path, write_jsonl, tiny
     the two merge into the single run's file."""
     data = write_jsonl(tmp_path / "d.jsonl", score_records()[:-1])
     monkeypatch.chdir(tmp_path)
+    common = ["--model", tiny, "--num-kv-blocks", 256, "--quiet"]  # a fixed pool: auto-sizing reads free memory
     for i in range(2):
-        res = run("score", data, "--model", tiny, "--shard", f"{i}/2", "--quiet")
+        res = run("score", data, *common, "--shard", f"{i}/2")
         assert res.exit_code == 0, res.output
     parts = sorted((tmp_path / "results").glob("*.parquet"))
     assert [p.name for p in parts] == ["d.score.shard-0-of-2.parquet", "d.score.shard-1-of-2.parquet"]
-    assert run("score", data, "--model", tiny, "--out", tmp_path / "single.parquet", "--quiet").exit_code == 0
+    assert run("score", data, *common, "--out", tmp_path / "single.parquet").exit_code == 0
     assert run("merge", tmp_path / "merged.parquet", *parts).exit_code == 0
     assert_same_file(tmp_path / "merged.parquet", tmp_path / "single.parquet")
 
