@@ -29,8 +29,10 @@ CODE_INVALID = "invalid_request_error"  # a line refused before the run (what --
 CODE_FAILED = "request_failed"  # a line that could not run (e.g. longer than the model's context)
 
 
-def _digest(custom_id: str) -> str:
-    return hashlib.sha256(custom_id.encode("utf-8")).hexdigest()
+def _digest(custom_id: str, index: int) -> str:
+    """The request's ids' hex digits: of its `custom_id` and its line (0-based), so two lines that share a
+    `custom_id` (the second an error line) still get ids of their own, and a rerun the same ids."""
+    return hashlib.sha256(f"{index}:{custom_id}".encode("utf-8")).hexdigest()
 
 
 def created_seconds(created: str | None) -> int:
@@ -63,7 +65,7 @@ class LineWriter:
     def line(self, index: int, row: dict) -> str:
         """The result line (JSON, no newline) of the row of dataset position `index`."""
         cid = row["id"]
-        h = _digest(cid)
+        h = _digest(cid, index)
         out: dict[str, Any] = {"id": f"batch_req_{h[:32]}", "custom_id": cid}
         fields = self.records.get(index)
         if row.get("status") != "ok" or fields is None:
