@@ -4,6 +4,7 @@ GGUF dequantized to fp32."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,8 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# What the caller's make would pass down: `make test TORCH_INDEX=...` (the Makefile's own advice for the CPU wheel)
+# reaches this make through MAKEFLAGS, and an exported TORCH_INDEX through `?=`; either is not the default asked for.
+CALLER_MAKE_VARIABLES = ("MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES", "MAKELEVEL", "TORCH_INDEX", "PYTHON")
+
+
 def torch_install_line(*args: str) -> str:
-    out = subprocess.run(["make", "-n", "-B", "install", *args], cwd=ROOT, capture_output=True, text=True,
+    env = {k: v for k, v in os.environ.items() if k not in CALLER_MAKE_VARIABLES}
+    out = subprocess.run(["make", "-n", "-B", "install", *args], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=60, check=True).stdout
     lines = [ln for ln in out.splitlines() if "pip install" in ln and "torch==" in ln]
     assert len(lines) == 1, out
