@@ -147,7 +147,9 @@ def test_markdown_report_renders_every_table(tmp_path, write_jsonl, tiny):
 def test_part_files_reach_the_disk_while_the_run_goes(tmp_path, write_jsonl, tiny):
     """A SIGKILL keeps the rows finished more than ~1 s earlier (the writer's time bound, checked every step)."""
     records = [{"id": "first", "prompt": "a b", "max_tokens": 1}]
-    records += [{"id": f"long{i}", "prompt": "c d", "max_tokens": 1000} for i in range(40)]
+    # "long0" must still be generating 1 s after "first" is done, or both land in the first part: 1,000 tokens took
+    # ~2 s here (2 ms a step), about 1 s on a CPU twice as fast; 2,000 (the tiny model's context is 2,048) doubles that
+    records += [{"id": f"long{i}", "prompt": "c d", "max_tokens": 2000} for i in range(40)]
     data = write_jsonl(tmp_path / "d.jsonl", records)
     out = tmp_path / "o.parquet"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
