@@ -249,3 +249,17 @@ def test_eos_stops_generation_unless_ignored_and_stop_token_ids_stop():
     assert ignored.output_token_ids == free and ignored.finish_reason == "length"
     by_id = gen(e, ignore_eos=True, stop_token_ids=(free[0],))
     assert by_id.output_token_ids == free[:1] and by_id.finish_reason == "stop"
+
+
+def test_a_prompt_as_long_as_the_context_generates_one_token_as_on_the_native_path(tiny_model_dir):
+    """A prompt of exactly the context's length still has the logits of its last position: one token, finish
+    'length', as the native engine (and vLLM) gives; a prompt one token shorter gets one too (crashed the run:
+    transformers refuses max_new_tokens=0)."""
+    model_dir = str(tiny_model_dir("llama"))
+    ids = list(range(5, 15))  # 10 tokens
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    for backend in ("native", "transformers"):
+        engine = load_engine(model_dir, EngineConfig(device="cpu", max_model_len=10, model_backend=backend))
+        outs = list(engine.run([Request("full", ids, params), Request("one-left", ids[:9], params)]))
+        assert [len(o.output_token_ids) for o in outs] == [1, 1], backend
+        assert [o.finish_reason for o in outs] == ["length", "length"], backend

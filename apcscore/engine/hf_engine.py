@@ -183,7 +183,8 @@ class TransformersEngine:
     def _generate(self, request: Request, arrival: int, out: RequestOutput) -> None:
         p = request.sampling
         ids = list(request.prompt_token_ids)
-        budget = min(p.max_tokens, self.info.max_model_len - len(ids))
+        # a prompt of the whole context still predicts one token (its last position's logits), as natively
+        budget = min(p.max_tokens, max(1, self.info.max_model_len - len(ids)))
         stop_ids = sorted(stop_tokens(p, self.eos_token_ids))
         kwargs: dict[str, Any] = dict(max_new_tokens=budget, min_new_tokens=0, do_sample=p.temperature > 0,
                                       output_logits=True, return_dict_in_generate=True,
