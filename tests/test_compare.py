@@ -601,3 +601,19 @@ def test_end_to_end_score_fp32_vs_bf16(tiny_model_dir, write_jsonl, tmp_path) ->
     assert 0.99 < report["metrics"]["ppl_ratio"] < 1.01
     r = gate(out["float32"], out["bfloat16"], "--max-mean-kld", 1e-2, "--max-ppl-ratio", 1.01)
     assert r.exit_code == 0, r.output
+
+
+def test_generate_files_are_refused_not_passed_with_nothing_compared(tmp_path) -> None:
+    """Two generate files have no prompt logprobs, perplexity or accuracy: compare used to print a table of '-'
+    and PASS (exit 0) whatever the completions were; a gate that measures nothing must not pass."""
+    schema = pa.schema([("id", pa.string()), ("status", pa.string()), ("error", pa.string()),
+                        ("completion", pa.string())])
+    base = write_results(tmp_path / "base.parquet", [{"id": "a", "status": "ok", "completion": "x"}],
+                         command="generate", schema=schema)
+    new = write_results(tmp_path / "new.parquet", [{"id": "a", "status": "ok", "completion": "y"}],
+                        command="generate", schema=schema)
+    res = run_cli(base, new)
+    assert res.exit_code == 2, res.output
+    assert "was written by `apcscore generate`" in one_line(res.output), res.output
+    with pytest.raises(ApcscoreError, match="compare gates"):
+        compare_files(base, new)

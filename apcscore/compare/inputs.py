@@ -18,6 +18,7 @@ from apcscore.io.token_text import tokenizer_path
 from apcscore.io.writer import METADATA_KEY
 
 EXAMPLES = 5  # ids quoted in an error message
+GATED_COMMANDS = ("score", "perplexity")  # the commands whose files compare measures
 
 
 _COLUMNS = (
@@ -77,6 +78,12 @@ def load_result_file(path: Path, role: str) -> ResultFile:
     except (ValueError, AssertionError):
         raise ApcscoreError(f"{role} file {path} is not apcscore output: its 'apcscore' metadata is not a JSON "
                             f"object") from None
+    command = meta.get("command")
+    if command is not None and command not in GATED_COMMANDS:
+        raise ApcscoreError(f"{role} file {path} was written by `apcscore {command}`: compare gates the files of "
+                            "`apcscore score` and `apcscore perplexity` (prompt logprobs, perplexity, accuracy), and "
+                            f"a {command} file has none of them to compare — score the same dataset with `apcscore "
+                            "score` for both models and compare those files")
     missing = [c for c in ("id", "status") if c not in schema.names]
     if missing:
         raise ApcscoreError(f"{role} file {path} is not apcscore output: no column {', '.join(missing)}")
