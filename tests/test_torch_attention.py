@@ -12,6 +12,7 @@ import torch
 from apcscore.attention import tiles
 from apcscore.attention import torch_backend as tb
 from apcscore.attention.metadata import AttentionMetadata
+from apcscore.attention.products import products
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -31,24 +32,26 @@ def caches(num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loop_reference(q, k, v, masked, start, end, state=None):
-    """The online softmax written as the plain loop over tiles (what _tiled_softmax batches)."""
+    """The online softmax written as the plain loop over tiles (what _tiled_softmax batches), with the backend's
+    own products (one fma chain per element on the CPU). Not `q @ k.T`: whether MKL's GEMM gives a tile those
+    same bits depends on its code path (with MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AMD EPYC, it did not)."""
     m, s, acc = state if state is not None else (None, None, None)
     for t0 in range(start, end, tiles.KV_TILE):
         lo, hi = t0 - start, t0 - start + tiles.KV_TILE
-        scores = q @ k[..., lo:hi, :].transpose(-1, -2)
+        scores = products(q, k[..., lo:hi, :])
         if masked is not None:
             scores = scores.masked_fill(masked[..., lo:hi], float("-inf"))
         tile_max = scores.amax(-1)
         if m is None:
             m = tile_max
             p = torch.exp(scores - m[..., None])
-            s, acc = p.sum(-1), p @ v[..., lo:hi, :]
+            s, acc = p.sum(-1), products(p, v[..., lo:hi, :].transpose(-1, -2))
             continue
         m_new = torch.maximum(m, tile_max)
         alpha = torch.exp(m - m_new)
         p = torch.exp(scores - m_new[..., None])
         s = s * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + p @ v[..., lo:hi, :]
+        acc = acc * alpha[..., None] + products(p, v[..., lo:hi, :].transpose(-1, -2))
         m = m_new
     return m, s, acc
 
