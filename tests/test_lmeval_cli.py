@@ -72,3 +72,31 @@ def test_apcscore_lm_eval_command_passes_arguments_through(tmp_path, default_mod
     res = lm_eval_run(["apcscore", "lm-eval"], "apc_gen", tmp_path / "out", str(default_model_files.path))
     assert "exact_match,none" in res["results"]["apc_gen"]
     assert res["config"]["model"] == "apcscore"
+
+
+def _lm_eval(args: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "apcscore.lmeval", "--model", "apcscore", "--tasks", "apc_mc",
+                           "--include_path", "tests/lmeval_tasks", "--limit", "2", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_an_apcscore_error_is_one_error_line_not_a_traceback(tmp_path) -> None:
+    done = _lm_eval(["--model_args", f"pretrained={tmp_path / 'none'}", "--device", "cpu"])
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "error: Unknown model" in done.stderr, done.stderr[-2000:]
+
+
+def test_without_device_a_machine_without_a_gpu_runs_on_the_cpu(tmp_path, tiny_model_dir) -> None:
+    """lm-eval's --device default is cuda:0 (given or not); like its hf model, a CUDA device where there is none
+    runs on the CPU (it failed: '--device cuda was asked for'), with a note."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: cuda:0 is available")
+    done = _lm_eval(["--model_args", f"pretrained={tiny_model_dir('llama')},dtype=float32,max_length=64",
+                     "--output_path", str(tmp_path / "out")])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "no CUDA device is available here; running on the CPU" in done.stderr
+    assert list((tmp_path / "out").rglob("results_*.json"))

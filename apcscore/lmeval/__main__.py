@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import sys
 
+from apcscore.errors import ApcscoreError
+
 
 def main(argv: list[str] | None = None) -> None:
     """Register the backend, then run lm-eval's CLI on `argv` (default: this process's arguments)."""
@@ -24,6 +26,9 @@ def main(argv: list[str] | None = None) -> None:
     sys.argv = ["lm-eval", *(sys.argv[1:] if argv is None else argv)]  # lm-eval's HarnessCLI reads sys.argv
     try:
         cli_evaluate()
+    except ApcscoreError as e:  # a problem the user can fix (a model path, a setting): one line, no traceback
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(e.exit_code) from None
     finally:
         sys.argv = saved
 

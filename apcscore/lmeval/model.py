@@ -19,6 +19,7 @@ Results come back in input order (lm-eval zips them with its requests).
 from __future__ import annotations
 
 import lm_eval.models  # noqa: F401  (fills the registry with the built-ins before ours is added)
+import sys
 from typing import Any, Callable
 
 import jinja2
@@ -44,6 +45,18 @@ _IGNORED_GEN_KWARGS = frozenset({"do_sample", "use_cache", "num_beams"})
 GEN_KWARGS = frozenset({"until", "max_gen_toks", "temperature", "top_p", "top_k", "seed"}) | _IGNORED_GEN_KWARGS
 
 
+def _device(extra: dict | None, in_model_args: bool) -> dict:
+    """lm-eval's --device (cuda:0 unless given) on a machine without a GPU: the CPU, as lm-eval's hf model does."""
+    extra, device = dict(extra or {}), (extra or {}).get("device")
+    if isinstance(device, str) and device.startswith("cuda") and not in_model_args:
+        import torch
+        if not torch.cuda.is_available():
+            print(f"note: lm-eval's --device {device}: no CUDA device is available here; running on the CPU",
+                  file=sys.stderr)
+            extra["device"] = "cpu"
+    return extra
+
+
 @register_model("apcscore")
 class ApcscoreLM(TemplateLM):
     """An lm-eval model backed by apcscore's Engine (paged KV cache, prefix caching, batch invariance).
@@ -56,6 +69,14 @@ class ApcscoreLM(TemplateLM):
     engine settings (EngineConfig field names, `no_*` flags, `exact_reuse`). batch_size is accepted and
     ignored: the engine batches by its token budget.
     """
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "ApcscoreLM":
+        return super().create_from_arg_string(arg_string, _device(additional_config, "device=" in arg_string))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "ApcscoreLM":
+        return super().create_from_arg_obj(arg_dict, _device(additional_config, "device" in arg_dict))
 
     def __init__(self, pretrained: str = "smollm2-135m", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, seed: int = 0,
