@@ -617,3 +617,15 @@ def test_generate_files_are_refused_not_passed_with_nothing_compared(tmp_path) -
     assert "was written by `apcscore generate`" in one_line(res.output), res.output
     with pytest.raises(ApcscoreError, match="compare gates"):
         compare_files(base, new)
+
+
+def test_config_files_with_a_utf8_byte_order_mark_are_read(tmp_path) -> None:
+    """Windows editors start a UTF-8 file with a BOM; tomllib refuses it ('Invalid statement at line 1, column 1',
+    with nothing visible there). Datasets skip it; so do --config files, the run commands' and compare's."""
+    from apcscore.jobs.resolve import read_config
+
+    cfg = tmp_path / "c.toml"
+    cfg.write_bytes(b"\xef\xbb\xbfprompt_logprobs = 2\r\n")
+    assert read_config(cfg, "score")["prompt_logprobs"] == 2
+    cfg.write_bytes(b"\xef\xbb\xbf[thresholds]\nmax_ppl_ratio = 1.5\n")
+    assert load_thresholds(cfg).max_ppl_ratio == 1.5

@@ -80,7 +80,7 @@ class Thresholds:
 def load_thresholds(path: Path) -> Thresholds:
     """Read thresholds from the `[thresholds]` table of a TOML file (see configs/compare.toml)."""
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM is skipped
     except FileNotFoundError:
         raise ApcscoreError(f"config file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:

@@ -74,7 +74,7 @@ def _config_line(text: str, key: str) -> int | None:
 def read_config(path: Path, command: str) -> dict[str, Any]:
     """The options of a TOML config file for `command`, type-checked; problems name FILE:LINE."""
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8-sig")  # a BOM (Windows editors) is skipped, as in datasets
     except FileNotFoundError:
         raise ApcscoreError(f"{path}: config file not found — check the --config path") from None
     except IsADirectoryError:
