@@ -101,6 +101,8 @@ def test_perplexity_accepts_empty_text_and_warns_on_unknown_fields(tmp_path: Pat
 @pytest.mark.parametrize("command, line, expected", [
     ("score", '{"prompt": "a"', r"invalid JSON at column 15: Expecting ',' delimiter"),
     ("score", '{"prompt": "a"} {"prompt": "b"}', r"column 17: Extra data \(one record per line"),
+    ("score", '{"prompt": "a"}\f', r"column 16: Extra data \(after the object the line holds \\x0c, which JSON"),
+    ("score", '{"prompt": "a"}\u00a0 ', r"Extra data \(after the object the line holds \\xa0, which JSON does not"),
     ("score", '["prompt", "a"]', r"the record is a list, not a JSON object \(write one object per line: "),
     ("score", '{"prompt": 3}', r"'prompt' must be a string, got 3"),
     ("score", '{"prompt_token_ids": [1, true]}', r"'prompt_token_ids' must hold integers >= 0, but item 1 is true"),

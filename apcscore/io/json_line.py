@@ -74,7 +74,11 @@ def parse_line(raw: bytes, file_offset: int) -> Any:
     except json.JSONDecodeError as e:
         hint = "write each record as one complete JSON object on one line"
         if e.msg.startswith("Extra data"):
+            rest = text[e.pos:]
             hint = "one record per line: put a line break between two objects"
+            if not rest.strip():  # only space that JSON does not count as space (a form feed, U+00A0, ...)
+                hint = (f"after the object the line holds {ascii(rest[0])[1:-1]}, which JSON does not count as "
+                        "space: remove it")
         what = e.msg.removesuffix(" at") + (" there" if e.msg.endswith(" at") else "")  # "... starting at" + pos
         raise ValueError(f"invalid JSON at column {e.colno}: {what} ({hint})") from None
     except _BadConstant as e:
