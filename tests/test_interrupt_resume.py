@@ -10,7 +10,6 @@ import sys
 import time
 
 import pyarrow.parquet as pq
-import pytest
 
 
 def apcscore(*args, **kw) -> subprocess.Popen:
