@@ -127,6 +127,15 @@ def test_the_reader_detects_request_lines_and_names_file_and_line(tmp_path, writ
     assert load_dataset(ours, "generate").format == "apcscore"
     with pytest.raises(ApcscoreError, match=r"o.jsonl:1: 'custom_id' must be a non-empty string"):
         load_dataset(ours, "generate", input_format="openai-batch")
+    # a line without a custom_id is refused for that alone, though its stand-in id (its line number, 2) is one a
+    # request gave: the user never wrote that custom_id twice
+    first = batch_lines()[0]
+    no_id = write_jsonl(tmp_path / "n.jsonl", [{**first, "custom_id": "2"}, {k: v for k, v in first.items()
+                                                                              if k != "custom_id"}])
+    with pytest.raises(ApcscoreError) as refused:
+        load_dataset(no_id, "generate", model_names=frozenset({"smollm2-135m"}))
+    assert "n.jsonl:2: 'custom_id' must be a non-empty string, got null" in str(refused.value)
+    assert "duplicate" not in str(refused.value)
 
 
 def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write_jsonl) -> None:

@@ -179,7 +179,9 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             if SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         label = "custom_id" if batch else "id"
-        if rid in first_line_of_id:
+        # a batch line without a custom_id is already refused for that: its stand-in (the line number) is no
+        # custom_id the user wrote, so it is not called a duplicate of one
+        if rid in first_line_of_id and not (batch and checked.id is None):
             # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
             # and merge need them so); an OpenAI result line keeps its request's custom_id, which is how a
             # client matches answers to requests
@@ -190,7 +192,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                         ("" if batch else f"; this error row's {label} is {own!r}")]
             rid = own
         else:
-            first_line_of_id[rid] = lineno
+            first_line_of_id.setdefault(rid, lineno)
         if problems:
             invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid,
                                          f"{where}: " + "; ".join(problems)))
