@@ -422,3 +422,28 @@ def test_gen_kwargs_may_be_a_toml_table(tmp_path):
     cfg.write_text('tasks = "apc_gen"\n\ngen_kwargs = {until = "a,b"}\n')
     with pytest.raises(ApcscoreError, match=r"e.toml:3: gen_kwargs as a table"):
         resolve_options("eval", {}, cfg)
+
+
+def test_eval_limit_takes_lm_eval_s_fractions(in_repo, tmp_path, tiny_model_dir):
+    """--limit below 1 is a fraction of each task's documents, as lm-eval's (ceil(5 x 0.5) = 3 of apc_ll's 5);
+    a whole number stays an int in the metadata; 0 and 2.5 are refused before anything loads."""
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    def run_eval(limit: str, out):
+        return CliRunner().invoke(app, ["eval", "--tasks", "apc_ll", "--include-path", str(TASK_DIR), "--limit",
+                                        limit, "--dtype", "float32", "--model", str(tiny_model_dir("llama")),
+                                        "--out", str(out), "-q"])
+
+    for limit, rows in (("0.5", 3), ("2", 2)):
+        result = run_eval(limit, tmp_path / limit)
+        assert result.exit_code == 0, result.output
+        assert pq.read_table(tmp_path / limit / "requests.parquet").num_rows == rows
+        meta = json.loads((tmp_path / limit / "results.json").read_text())["apcscore"]
+        assert meta["limit"] == float(limit) and isinstance(meta["limit"], int) == (limit == "2")
+    for bad in ("0", "2.5", "-1"):
+        result = run_eval(bad, tmp_path / "bad")
+        assert result.exit_code == 2, result.output
+        assert "--limit must be a whole number of documents (at least 1) or a fraction" in result.output
+        assert not (tmp_path / "bad").exists()

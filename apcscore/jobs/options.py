@@ -169,7 +169,9 @@ class EvalOptions(ScaleOptions):
     include_path: Path | None = option(None, "Folder of extra lm-eval task YAML files.")
     num_fewshot: int | None = option(None, "Few-shot examples per prompt.", show="the task's", at_least=0,
                                      click_min=True)
-    limit: int | None = option(None, "Only the first N documents of each task.", at_least=1, click_min=True)
+    # a whole number or a fraction below 1, as lm-eval's --limit (checked by jobs/resolve.check_eval_options)
+    limit: float | None = option(None, "Only the first N documents of each task; a number below 1 is that "
+                                 "fraction of each task's documents, as in lm-eval.")
     apply_chat_template: bool = option(False, "Wrap prompts in the model's chat template, as lm-eval does "
                                        "(few-shot examples as chat turns by default).")
     # None: lm-eval's default, on with --apply-chat-template, else off (lmeval/run.fewshot_as_multiturn)

@@ -177,6 +177,10 @@ def check_eval_options(opts: dict[str, Any]) -> None:
                             "--apply-chat-template — pass it too (or drop --fewshot-as-multiturn)")
     if opts.get("gen_kwargs") is not None:
         parse_gen_kwargs(opts["gen_kwargs"])
+    limit = opts.get("limit")
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
+        raise ApcscoreError(f"--limit must be a whole number of documents (at least 1) or a fraction of each "
+                            f"task's documents between 0 and 1, as in lm-eval, not {shown(limit)}")
 
 
 def parse_gen_kwargs(text: str) -> dict[str, str]:

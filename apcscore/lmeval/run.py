@@ -144,7 +144,7 @@ def evaluate(opts: EvalOptions, echo: Any, note: Any, shards: list[Path] | None 
         with _stop_on_signals(lm):
             results = lm_eval.simple_evaluate(
                 model=lm, tasks=names, task_manager=manager, num_fewshot=opts.num_fewshot,
-                limit=opts.limit, apply_chat_template=opts.apply_chat_template,
+                limit=lm_eval_limit(opts.limit), apply_chat_template=opts.apply_chat_template,
                 fewshot_as_multiturn=fewshot_as_multiturn(opts), system_instruction=opts.system_instruction,
                 gen_kwargs=gen_kwargs, log_samples=True)  # the samples make requests.parquet
     except Interrupted:
@@ -296,6 +296,12 @@ def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
     }
 
 
+def lm_eval_limit(limit: float | None) -> float | int | None:
+    """--limit as lm-eval takes it: a whole number of documents as an int (the command line reads 10 as 10.0),
+    a fraction below 1 as it is."""
+    return int(limit) if limit is not None and limit >= 1 else limit
+
+
 def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
              timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any]) -> dict[str, Any]:
     """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
@@ -304,7 +310,7 @@ def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], r
     computed and read."""
     return {
         **run_header("eval"),
-        "tasks": names, "num_fewshot": opts.num_fewshot, "limit": opts.limit,
+        "tasks": names, "num_fewshot": opts.num_fewshot, "limit": lm_eval_limit(opts.limit),
         "apply_chat_template": opts.apply_chat_template, "fewshot_as_multiturn": fewshot_as_multiturn(opts),
         "system_instruction": opts.system_instruction, "gen_kwargs": opts.gen_kwargs,
         "max_length": max_length,
