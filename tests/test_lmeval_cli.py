@@ -100,3 +100,8 @@ def test_without_device_a_machine_without_a_gpu_runs_on_the_cpu(tmp_path, tiny_m
     assert done.returncode == 0, done.stderr[-2000:]
     assert "no CUDA device is available here; running on the CPU" in done.stderr
     assert list((tmp_path / "out").rglob("results_*.json"))
+    # a device in --model_args is the user's own: it wins over lm-eval's --device default (both reached the
+    # constructor: a TypeError traceback, 'multiple values for keyword argument device'), and is refused here
+    done = _lm_eval(["--model_args", f"pretrained={tiny_model_dir('llama')},device=cuda"])
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert "error: --device cuda was asked for" in done.stderr, done.stderr[-2000:]

@@ -26,7 +26,7 @@ import jinja2
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
 from apcscore.engine.sampling_params import SamplingParams
@@ -45,10 +45,10 @@ _IGNORED_GEN_KWARGS = frozenset({"do_sample", "use_cache", "num_beams"})
 GEN_KWARGS = frozenset({"until", "max_gen_toks", "temperature", "top_p", "top_k", "seed"}) | _IGNORED_GEN_KWARGS
 
 
-def _device(extra: dict | None, in_model_args: bool) -> dict:
-    """lm-eval's --device (cuda:0 unless given) on a machine without a GPU: the CPU, as lm-eval's hf model does."""
-    extra, device = dict(extra or {}), (extra or {}).get("device")
-    if isinstance(device, str) and device.startswith("cuda") and not in_model_args:
+def _device(extra: dict | None, model_args: dict) -> dict:
+    """lm-eval's --device (cuda:0 unless given) without a GPU: the CPU, as hf does; a device in model_args wins."""
+    extra = {k: v for k, v in (extra or {}).items() if k != "device" or "device" not in model_args}
+    if isinstance(device := extra.get("device"), str) and device.startswith("cuda"):
         import torch
         if not torch.cuda.is_available():
             print(f"note: lm-eval's --device {device}: no CUDA device is available here; running on the CPU",
@@ -72,11 +72,11 @@ class ApcscoreLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "ApcscoreLM":
-        return super().create_from_arg_string(arg_string, _device(additional_config, "device=" in arg_string))
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)  # lm-eval's parse
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "ApcscoreLM":
-        return super().create_from_arg_obj(arg_dict, _device(additional_config, "device" in arg_dict))
+        return super().create_from_arg_obj(arg_dict, _device(additional_config, arg_dict))
 
     def __init__(self, pretrained: str = "smollm2-135m", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, seed: int = 0,
