@@ -24,9 +24,11 @@ first (a part cut short by its limit keeps the lines it printed; later parts sti
               --exact-reuse and transformers batched like lm-eval's hf; 64-token continuations, no shared prefix.
 - 8b          a Llama-3.1-8B shape built on the device: score tokens/s and MFU, generation of 256 x 512 tokens.
 - long        16 x 8,192 and 4 x 32,768-token prompts at K=20 (vocabulary 128k): tokens/s, peak memory.
+- profile     the tax's score and generate workloads under torch.profiler, invariant and cuBLAS: the GPU's busy
+              share of the wall time and kernel time by group (matmul, attention, logprobs, ...), top kernels.
 
 Parts live in gpu_check_basic.py (env, tests, compare, bench), gpu_check_exact.py (exactness, tax),
-gpu_check_sweep.py (sweep) and gpu_check_scale.py (eval, 8b, long); gpu_check_common.py holds the models and
+gpu_check_sweep.py (sweep), gpu_check_scale.py (eval, 8b, long) and gpu_check_profile.py (profile); gpu_check_common.py holds the models and
 workloads, gpu_check_summary.py the Markdown summary ($OUT/gpu_check_summary.md, ready for docs/benchmarks.md).
 MFU is 2 x params x tokens / s / 989e12 (H100/H200 dense bf16), params those a token is multiplied by
 (gpu_check_common.matmul_params: a tied embedding counts as the LM head, an untied one, a lookup, not at all).
@@ -53,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the gpu_check_* modu
 from gpu_check_basic import part_bench, part_compare, part_env, part_tests  # noqa: E402
 from gpu_check_common import PART_DEADLINE_ENV, ROOT, SHAPES  # noqa: E402
 from gpu_check_exact import part_exactness, part_tax  # noqa: E402
+from gpu_check_profile import part_profile  # noqa: E402
 from gpu_check_scale import part_8b, part_eval, part_long  # noqa: E402
 from gpu_check_summary import write_summary  # noqa: E402
 from gpu_check_sweep import SWEPT_TABLE_ENV, apply_swept_table, part_sweep, read_table  # noqa: E402
@@ -61,19 +64,22 @@ TOTAL_LIMIT_S = 540  # the whole check stays under 9 minutes (gpu_check.sh's bac
 # Run 1 on the H200 (docs/gpu_runs/2026-12-01-h200-run1.jsonl) took env 9, tests 55, bench (1B) 26 s, and its
 # invariance part (budgets, tax) 22 s; each part process also pays ~5-8 s of imports and CUDA start-up.
 # tests: above 120 s, the longest subprocess timeout of a gpu/triton test (the Hopper AOT compile).
+# Run 2 (2026-12-04, docs/gpu_runs/2026-12-04-h200-run2.jsonl) took 255 s in all: env 10, tests 74, sweep 20,
+# exactness 23, tax 25, bench 29, eval 26, 8b 31, long 18 s; the limits keep >= 1.7x of that (tests: the AOT
+# compile's 120 s), which left 45 s for the profile.
 # The sweep runs before the engine parts: they run with its proposal (the table a lease would commit), so one
 # lease measures exactness, the tax and MFU with it. Without a proposal (no sweep, or all DEFAULT) they run
 # DEFAULT, today's configuration.
-PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 70, "exactness": 65, "tax": 50, "bench:llama-3.2-1b": 50,
-                 "eval": 55, "8b": 70, "long": 40}
+PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 70, "exactness": 55, "tax": 50, "bench:llama-3.2-1b": 50,
+                 "eval": 45, "8b": 55, "long": 30, "profile": 45}
 SMALL_LIMITS_S = {"env": 60, "tests": 180, "sweep": 180, "exactness": 180, "tax": 120, "bench:llama-3.2-1b": 120,
-                  "eval": 180, "8b": 120, "long": 120}
+                  "eval": 180, "8b": 120, "long": 120, "profile": 120}
 WITHOUT_TABLE = {"env", "tests", "sweep"}  # parts that set their own matmul configurations (or none)
 INTERPRETED = {"sweep"}  # parts whose Triton kernels run under TRITON_INTERPRET=1 in --small
 
 PARTS = {"env": part_env, "tests": part_tests, "compare": part_compare, "bench": part_bench,
          "exactness": part_exactness, "tax": part_tax, "sweep": part_sweep, "eval": part_eval, "8b": part_8b,
-         "long": part_long}
+         "long": part_long, "profile": part_profile}
 
 
 def part_argv(label: str) -> list[str]:

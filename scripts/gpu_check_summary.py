@@ -123,6 +123,17 @@ def _scale(lines, part: str) -> list[str]:
     return _table(["model", "work", "time", "throughput", "peak GiB", "ok"], rows) if rows else ["no lines"]
 
 
+def _profile(lines) -> list[str]:
+    rows = []
+    for ln in _by(lines, "profile"):
+        groups = {g: f"{s / ln['kernel_s']:.0%}" for g, s in ln["groups_s"].items()} if ln["kernel_s"] else {}
+        top = "; ".join(f"{name} ({calls}x, {_fmt(secs)} s)" for name, calls, secs in ln["top"][:3])
+        rows.append([ln["task"], ln["side"], f"{ln['wall_s']} s", f"{ln['kernel_s']} s", ln["gpu_busy"],
+                     ", ".join(f"{g} {share}" for g, share in groups.items()), top])
+    return _table(["task", "side", "wall", "kernels", "GPU busy", "kernel time by group", "top 3 kernels"], rows) \
+        if rows else ["no lines"]
+
+
 def write_summary(lines: list[dict[str, Any]]) -> str:
     """Markdown for docs/benchmarks.md from the check's JSON lines (in the order they were printed)."""
     summary = next(iter(_by(lines, "summary")), {})
@@ -133,7 +144,8 @@ def write_summary(lines: list[dict[str, Any]]) -> str:
                 ("Invariance tax (Llama-3.2-1B shape)", _tax(lines)), ("apcscore vs transformers", _bench(lines)),
                 ("Matmul configurations per (N, K)", _sweep(lines)), ("Eval-shaped work", _eval(lines)),
                 ("Llama-3.1-8B shape", _scale(lines, "8b")), ("Long prompts (Llama-3.2-1B shape)",
-                                                              _scale(lines, "long"))]
+                                                              _scale(lines, "long")),
+                ("Where the time goes (Llama-3.2-1B shape, torch.profiler)", _profile(lines))]
     out: list[str] = []
     for title, body in sections:
         out += [f"### {title}", "", *body, ""]

@@ -44,7 +44,12 @@ def candidates() -> dict[str, Any]:
              "128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4), "64x128x64_w4_s4": c(64, 128, 64, 8, 4, 4),
              "tma_128x128x64_w8_s4": c(128, 128, 64, 8, 8, 4, tma_persistent=True),
              "tma_128x256x64_w8_s3": c(128, 256, 64, 8, 8, 3, tma_persistent=True),
-             "tma_128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4, tma_persistent=True)}
+             "tma_128x128x64_w4_s4": c(128, 128, 64, 8, 4, 4, tma_persistent=True),
+             # smaller tiles: at M = 256 (decode) a 2048-wide GEMM has 32 tiles of 128 x 128 for 132 SMs; in run 2
+             # the 1B's qkv, o and down took ~2x cuBLAS's time there, and generation paid a 1.14x tax
+             "tma_64x128x64_w4_s4": c(64, 128, 64, 8, 4, 4, tma_persistent=True),
+             "tma_128x64x64_w4_s4": c(128, 64, 64, 8, 4, 4, tma_persistent=True),
+             "tma_64x64x64_w4_s4": c(64, 64, 64, 8, 4, 4, tma_persistent=True)}
     return table
 
 
@@ -178,11 +183,16 @@ def read_table(path: Path | None) -> list[list[Any]]:
 
 
 def apply_swept_table() -> int:
-    """In a part after the sweep: the sweep's proposal into matmul_configs.TABLE, so that the part measures the
-    table a lease would commit. Returns its entries."""
+    """In a part after the sweep: the sweep's proposal as matmul_configs.TABLE, so that the part measures the
+    table a lease would commit. Where a sweep ran (its file exists, maybe empty), its proposal replaces the
+    committed table whole: a shape it proposed DEFAULT for runs DEFAULT, not an older entry. Returns its entries."""
     from apcscore.kernels.matmul_configs import TABLE, MatmulConfig
 
-    rows = read_table(swept_table_path())
+    path = swept_table_path()
+    if path is None or not path.exists():
+        return 0
+    rows = read_table(path)
+    TABLE.clear()
     for capability, dtype, n, k, fields in rows:
         TABLE[(capability, dtype, n, k)] = MatmulConfig(**fields)
     return len(rows)
@@ -201,6 +211,8 @@ def part_sweep(args) -> bool:
     proposals: list[str] = []
     table_rows: list[list[Any]] = []
     table_path = swept_table_path()
+    if table_path is not None:
+        write_table(table_path, [])  # the sweep ran: its proposal, however short, is the later parts' table
     ok = True
     for model in MODELS:
         for gemm, (n, k) in gemm_shapes(model, small).items():

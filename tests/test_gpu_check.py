@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PARTS = ["env", "tests", "sweep", "exactness", "tax", "bench:llama-3.2-1b", "eval", "8b", "long"]
+PARTS = ["env", "tests", "sweep", "exactness", "tax", "bench:llama-3.2-1b", "eval", "8b", "long", "profile"]
 # what each part must have printed besides its end line: (part, key) pairs of its JSON lines
 EXPECTED = {"exactness": {"budgets", "exact_reuse", "last_token_alternatives", "greedy_generation"},
             "eval": {"5-shot multiple choice", "8-token continuations"}, "8b": {"score", "generate"}}
@@ -54,6 +54,9 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     setup = next(ln for ln in by_part["bench"] if ln["task"] == "setup")
     assert setup["mfu_params"] == setup["params"], setup
     assert [(ln["prompts"], ln["ok"]) for ln in by_part["long"]] == [(4, True), (2, True)]
+    profile = {(ln["task"], ln["side"]): ln for ln in by_part["profile"]}
+    assert set(profile) == {(t, s) for t in ("score", "generate") for s in ("invariant", "library")}, profile
+    assert all(0 < ln["kernel_s"] and ln["groups_s"] and ln["top"] for ln in profile.values()), profile
     tax = by_part["tax"][0]
     assert tax["score_ratio"] > 0 and tax["generate_ratio"] > 0
     sweep = by_part["sweep"]
@@ -71,7 +74,7 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     assert [json.loads(ln) for ln in logged] == lines
     markdown = (tmp_path / "out" / "gpu_check_summary.md").read_text()
     for title in ("Exactness end to end", "Invariance tax", "Matmul configurations per (N, K)", "Eval-shaped work",
-                  "Llama-3.1-8B shape", "Long prompts"):
+                  "Llama-3.1-8B shape", "Long prompts", "Where the time goes"):
         assert f"### {title}" in markdown
     assert "no lines" not in markdown, markdown
 
@@ -94,7 +97,7 @@ def test_gpu_run_limits_fit_the_check() -> None:
 
 def test_parts_after_the_sweep_run_its_proposal(tmp_path: Path, monkeypatch) -> None:
     """The sweep's proposal file, written shape by shape, is what a later part's matmul table holds: its
-    entries, and DEFAULT for every other shape."""
+    entries, and DEFAULT for every other shape, also one the committed table has an entry for."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_check_sweep
 
@@ -102,8 +105,11 @@ def test_parts_after_the_sweep_run_its_proposal(tmp_path: Path, monkeypatch) -> 
 
     path = tmp_path / "matmul_table.json"
     monkeypatch.setenv(gpu_check_sweep.SWEPT_TABLE_ENV, str(path))
-    monkeypatch.setattr(matmul_configs, "TABLE", {})
+    committed = matmul_configs.MatmulConfig(64, 64, 64, 8, 4, 4, tma_persistent=True)
+    monkeypatch.setattr(matmul_configs, "TABLE", {("sm90", "bfloat16", 2048, 2048): committed})
+    # no sweep ran: the committed table stays
     assert gpu_check_sweep.apply_swept_table() == 0 and gpu_check_sweep.read_table(path) == []
+    assert matmul_configs.config_for("sm90", "bfloat16", 2048, 2048) == committed
     tma = matmul_configs.MatmulConfig(128, 256, 64, 8, 8, 3, tma_persistent=True)
     gpu_check_sweep.write_table(path, [["sm90", "bfloat16", 3072, 2048, vars(tma)]])
     assert len(gpu_check_sweep.read_table(path)) == 1 and gpu_check_sweep.apply_swept_table() == 1
