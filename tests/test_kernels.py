@@ -257,7 +257,9 @@ def test_attention_runs_one_kernel_for_every_block_table_width() -> None:
 # integer argument (== 1, divisible by 16, other) unless it is in the kernel's do_not_specialize; each of these
 # must be, so that every batch runs the same compiled code.
 BATCH_DEPENDENT_ARGS = {"paged_attention._paged_attention_kernel": {"num_seqs", "stride_bt"},
-                        "matmul._linear_kernel": {"M"}, "matmul._linear_tma_persistent_kernel": {"M"}}
+                        "matmul._linear_kernel": {"M"}, "matmul._linear_tma_persistent_kernel": {"M"},
+                        # the largest top-k of the batch's requests (logprobs.FUSED_TOP_K_MAX)
+                        "logprobs._token_logprobs_kernel": {"k"}}
 
 
 def test_kernels_do_not_specialise_on_the_batch() -> None:
@@ -394,6 +396,30 @@ def test_token_logprobs_matches_reference(dtype: torch.dtype, k: int) -> None:
         assert torch.all(top[:, :-1] >= top[:, 1:])  # sorted descending
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_top_k_is_bitwise_the_torch_topk_path(dtype: torch.dtype) -> None:
+    """The top-k kept in the kernel's pass (k <= FUSED_TOP_K_MAX) and torch.topk's (a larger k, or
+    fused_top_k_max=0) give the same bits: a batch's largest k, which picks the path, cannot reach a record.
+    Cases: ties at the top and across the k-th place, many ties everywhere, masked (-inf) leading chunks, an
+    all -inf row (its ids are the first k, its logprobs NaN), a chunk boundary inside a tie."""
+    logits, targets = make_logits(dtype)
+    g = torch.Generator().manual_seed(1)
+    ties = torch.randint(0, 4, (3, 1000), generator=g).to(dtype)  # many ties everywhere
+    logits = torch.cat([logits, ties, torch.full((1, 1000), float("-inf"), dtype=dtype)])
+    logits[-5, 120:136] = 30.0  # a tie of 16 at the top across the chunk boundary at 128
+    targets = torch.cat([targets, torch.randint(0, 1000, (4,), generator=g)]).to(DEVICE)
+    logits = logits.to(DEVICE)
+    for k in (1, 5, 20):
+        fused = token_logprobs(logits, targets, k, block_v=128)
+        library = token_logprobs(logits, targets, k, block_v=128, fused_top_k_max=0)
+        assert torch.equal(fused[2], library[2]), k
+        assert torch.equal(fused[3].isnan(), library[3].isnan()) and fused[3][-1].isnan().all()
+        finite = ~library[3].isnan()
+        assert torch.equal(fused[3][finite], library[3][finite]), k  # bitwise, not within a tolerance
+        assert torch.equal(fused[2].cpu(), stable_top_ids(logits.cpu(), k)), k
+    assert fused[2][-5, :16].tolist() == list(range(120, 136))  # the 16-way tie in id order, across chunks
+
+
 def with_scratch(logits, targets, k):
     """token_logprobs_torch on the CPU path that reuses buffers (ranks counted in an fp32 buffer)."""
     return token_logprobs_torch(logits, targets, k, scratch=Scratch())
@@ -463,7 +489,7 @@ AOT_SCRIPT = textwrap.dedent("""
 
     SM90_SHARED = 232448  # bytes of shared memory one block may opt in to on sm_90 (227 KB)
 
-    def build(module, kernel, ptrs, floats, consts, num_warps, num_stages=3, aligned=()):
+    def build(module, kernel, ptrs, floats, consts, num_warps, num_stages=3, aligned=(), fp_fusion=True):
         # ptrs: the dtype of each pointer, or the "tensordesc<dtype[block]>" type of each tensor descriptor
         fn = getattr(importlib.import_module("apcscore.kernels." + module), kernel)
         sig = {a: "constexpr" if a in consts else "*" + ptrs[a] if a.endswith("_ptr") else ptrs[a] if
@@ -471,7 +497,8 @@ AOT_SCRIPT = textwrap.dedent("""
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
                  if a.endswith("_ptr") or a in aligned}
         out = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
-                             options={"num_warps": num_warps, "num_stages": num_stages})
+                             options={"num_warps": num_warps, "num_stages": num_stages,
+                                      "enable_fp_fusion": fp_fusion})
         assert out.asm["cubin"], kernel
         assert out.metadata.shared <= SM90_SHARED, (kernel, consts, num_stages, out.metadata.shared)
         print("compiled", module, consts, num_warps, num_stages, out.metadata.shared)
@@ -493,8 +520,13 @@ AOT_SCRIPT = textwrap.dedent("""
           dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64), 4)
     build("rmsnorm", "_rms_norm_kernel", dict(out_ptr="fp32", res_out_ptr="bf16", x_ptr="bf16", res_ptr="bf16",
           w_ptr="fp32"), {"eps"}, dict(HAS_RESIDUAL=True, BLOCK=1024), 4)
-    build("logprobs", "_token_logprobs_kernel", dict(logits_ptr="bf16", targets_ptr="i64", lse_ptr="fp32",
-          logprobs_ptr="fp32", ranks_ptr="i64"), set(), dict(BLOCK_V=4096), 8)
+    build("logprobs", "_token_logprobs_kernel", dict(logits_ptr="fp32", targets_ptr="i64", lse_ptr="fp32",
+          logprobs_ptr="fp32", ranks_ptr="i64", top_ids_ptr="i64", top_lp_ptr="fp32"), set(),
+          dict(BLOCK_V=4096, K_PAD=64), 8)
+    for dt, bf16 in (("bf16", True), ("fp32", False)):  # rotary: fp-contraction off, as its wrapper launches it
+        ptrs = dict(q_ptr=dt, k_ptr=dt, cos_ptr=dt, sin_ptr=dt, q_out_ptr=dt, k_out_ptr=dt)
+        build("rotary", "_rotary_kernel", ptrs, set(), dict(HALF=32, BLOCK_H=4, BLOCK_D=32, IS_BF16=bf16), 4,
+              fp_fusion=False)
 
     # every linear layer on CUDA: the table's default in the engine's dtypes (and the LM head's fp32 logits from
     # bf16), and each candidate of the GPU check's sweep in bf16 (one that cannot launch costs the sweep its row)
@@ -535,7 +567,7 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 7 + 4 + len(candidates()) - 1, result.stdout
+    assert result.stdout.count("compiled") == 9 + 4 + len(candidates()) - 1, result.stdout
 
 
 def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:
