@@ -28,7 +28,7 @@ from torch import nn
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.ops import Ops
-from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
+from apcscore.models.llama import Device, Linear, LlamaDecoder
 
 SLIDING = "sliding_attention"
 
@@ -68,6 +68,7 @@ class GemmaAttention(nn.Module):
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
         self.layer_idx = layer_idx
         self.attention_backend = ops.attention
+        self.rotary = ops.rotary
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -79,9 +80,7 @@ class GemmaAttention(nn.Module):
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, D]
         extra = {name: value for name, value in (("window", self.window), ("softcap", self.softcap)) if value}
         out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale, **extra)  # [T, Hq, D]

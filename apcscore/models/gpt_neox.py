@@ -20,7 +20,7 @@ from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.ops import Ops
 from apcscore.models.weights import WeightCopier, param_shards
-from apcscore.models.llama import Device, Linear, LlamaDecoder, rotate_half
+from apcscore.models.llama import Device, Linear, LlamaDecoder
 
 
 class LayerNorm(nn.Module):
@@ -51,15 +51,14 @@ class NeoXAttention(nn.Module):
         self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, ops.linear, device)
         self.layer_idx = layer_idx
         self.attention_backend = ops.attention
+        self.rotary = ops.rotary
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t, h, d, r = hidden.shape[0], self.num_heads, self.head_dim, self.rotary_dim
+        t, h, d = hidden.shape[0], self.num_heads, self.head_dim
         q, k, v = (x.reshape(t, h, d) for x in self.qkv_proj(hidden).split(h * d, dim=-1))
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, r]
-        q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
-        k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
+        q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, r]: partial rotary
         out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))

@@ -50,11 +50,6 @@ class RMSNorm(nn.Module):
         return self.norm_fn(x, self.weight, self.eps, residual)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  device: Device = None) -> None:
@@ -72,6 +67,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.layer_idx = layer_idx
         self.attention_backend = ops.attention
+        self.rotary = ops.rotary
         self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
         self.v_cache = torch.empty(0)
 
@@ -85,14 +81,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
-        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, R]: R = D, or fewer with partial rotary
-        r = cos.shape[-1]
-        if r == self.head_dim:
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
-        else:  # partial rotary (Phi-4-mini): the first R dimensions of each head, as transformers' Phi-3
-            q = torch.cat([q[..., :r] * cos + rotate_half(q[..., :r]) * sin, q[..., r:]], dim=-1)
-            k = torch.cat([k[..., :r] * cos + rotate_half(k[..., :r]) * sin, k[..., r:]], dim=-1)
+        q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, R]: R = D, or fewer (partial rotary: Phi-4-mini)
         out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))

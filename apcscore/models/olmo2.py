@@ -16,7 +16,7 @@ from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.ops import Ops
-from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm, rotate_half
+from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm
 
 
 class Olmo2Attention(nn.Module):
@@ -36,6 +36,7 @@ class Olmo2Attention(nn.Module):
         self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.layer_idx = layer_idx
         self.attention_backend = ops.attention
+        self.rotary = ops.rotary
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
@@ -45,9 +46,7 @@ class Olmo2Attention(nn.Module):
         q = self.q_norm(q.contiguous()).reshape(t, self.num_heads, self.head_dim)
         k = self.k_norm(k.contiguous()).reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q, k = self.rotary(q, k, cos, sin)
         out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
                                    get_attention_metadata(), self.scale)
         return self.o_proj(out.reshape(t, self.q_size))

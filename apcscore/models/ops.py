@@ -19,6 +19,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from apcscore.kernels.rotary_ref import rotary_torch
+
 BACKENDS = ("torch", "triton")
 
 
@@ -33,6 +35,8 @@ class Ops:
         (write-then-read over the paged KV cache; apcscore.attention), optionally allocate_kv_cache(...).
     rms_norm: (x, weight, eps, residual=None) -> out, or (out, new residual) when residual is given.
     token_logprobs: (logits [N, V], targets [N], k, ranks=True) -> logprobs, ranks, top ids, top logprobs.
+    rotary: (q [T, Hq, D], k [T, Hkv, D], cos [T, R], sin [T, R]) -> rotated q, k (transformers' arithmetic;
+        R < D: partial rotary). The Triton one is one launch with torch's bits (kernels/rotary.py).
     """
 
     name: str
@@ -41,6 +45,7 @@ class Ops:
     attention: Any
     rms_norm: Callable[..., Any]
     token_logprobs: Callable[..., tuple[Any, ...]]
+    rotary: Callable[..., tuple[Any, Any]] = rotary_torch
 
 
 def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]:
@@ -96,5 +101,6 @@ def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True
     from apcscore.attention.triton_backend import TritonAttentionBackend
     from apcscore.kernels.logprobs import token_logprobs
     from apcscore.kernels.rmsnorm import rms_norm
+    from apcscore.kernels.rotary import rotary
 
-    return Ops("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs)
+    return Ops("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs, rotary)
