@@ -1,6 +1,7 @@
 """GPU check: every GPU measurement of apcscore in one call, printed as JSON lines, plus a Markdown summary.
 
     python3 scripts/gpu_check.py [--small]            # the plan: every part, each in its own process
+    python3 scripts/gpu_check.py --only tests,tax     # those parts of the plan, in its order (a short lease)
     python3 scripts/gpu_check.py PART [--model NAME] [--small]   # one part (also compare, bench:smollm2-135m)
 
 scripts/gpu_check.sh is the entry point (it sets PYTHONPATH and the overall limit). The plan, most valuable
@@ -149,7 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=list(SHAPES), default="llama-3.2-1b")
     parser.add_argument("--small", action="store_true", default=os.environ.get("GPU_CHECK_SMALL") == "1",
                         help="CPU dry run: tiny shapes, fp32")
+    parser.add_argument("--only", default="", help="comma-separated plan parts to run (in the plan's order); "
+                        "without sweep the parts run the committed matmul table")
     args = parser.parse_args(argv)
+    only = [label for label in args.only.split(",") if label]
+    unknown = sorted(set(only) - set(PART_LIMITS_S))
+    if unknown:
+        parser.error(f"--only: no such part {', '.join(unknown)}; the plan's parts: {', '.join(PART_LIMITS_S)}")
     if args.part != "all":
         if args.part not in WITHOUT_TABLE:
             apply_swept_table()
@@ -166,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     env[SWEPT_TABLE_ENV] = str(table)
     small = ["--small"] if args.small else []
     ok, lines = True, []
-    for label in limits:
+    for label in [label for label in limits if not only or label in only]:
         left = deadline - time.perf_counter()
         if left < 20:
             write(json.dumps({"part": "end", "name": label, "skipped": "no time left"}), log, lines)

@@ -9,7 +9,10 @@ runs), for the invariant engine and the cuBLAS one. One line per (workload, side
 - `wall_s`: the run's wall time under the profiler; `kernel_s`: the union of the kernels' intervals on the GPU;
   `gpu_busy`: their ratio (what is left is the GPU waiting for the host: scheduling, input staging, syncs);
 - `groups_s`: kernel time by group (matmul Triton / cuBLAS, attention, logprobs and top-K, RMSNorm, KV store,
-  copies and fills, other torch ops); `top`: the 12 kernels with the most time (name, calls, seconds).
+  copies and fills, other torch ops); `top`: the 12 kernels with the most time (name, calls, seconds);
+- `by_op`: from a second run with host-side op tracing too (its wall time is not reported), the device time of
+  the kernels each torch op launched itself (aten::mul, aten::cat, ...; Triton kernels appear under their own
+  names): which line of the model the "other torch ops" come from.
 
 On the CPU (--small) the same plumbing runs with CPU activity (op names, not kernels): it only shows the part works.
 """
@@ -56,7 +59,6 @@ def profiled(fn, on_cuda: bool) -> dict[str, Any]:
     """Run fn once under torch.profiler; its wall time, the kernels' busy time, time by group and the top kernels."""
     import time
 
-    import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -87,6 +89,24 @@ def profiled(fn, on_cuda: bool) -> dict[str, Any]:
             "top": [[name[:90], calls, rounded(us / 1e6)] for name, (calls, us) in top]}
 
 
+def device_time_by_op(fn, on_cuda: bool) -> list[list[Any]]:
+    """[op name, calls, seconds] of the TOP torch ops by the device time of the kernels they launched themselves
+    (on the CPU: their own CPU time), from one run of fn traced on the host and the device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    sync()
+    with profile(activities=activities) as prof:
+        fn()
+        sync()
+
+    def own(e) -> float:  # microseconds
+        return getattr(e, "self_device_time_total", 0) if on_cuda else e.self_cpu_time_total
+
+    ops = sorted((e for e in prof.key_averages() if own(e) > 0), key=lambda e: -own(e))[:TOP]
+    return [[e.key[:90], e.count, rounded(own(e) / 1e6)] for e in ops]
+
+
 def part_profile(args) -> None:
     small = args.small
     cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
@@ -96,13 +116,18 @@ def part_profile(args) -> None:
     gen_prompts = random_prompts([own] * n_gen, cfg.vocab_size, seed=4, prefix=prefix)
     tag = {"part": "profile", "model": "llama-3.2-1b-" + ("tiny" if small else "shape"), "dtype": precision,
            "backend": backend}
-    for invariant in (True, False):
-        engine = make_engine(cfg, state, device, precision, backend, batch_invariant=invariant)
-        workloads = {"score": (lambda: engine_score(engine, prompts, K), sum(len(p) for p in prompts)),
-                     "generate": (lambda: engine_generate(engine, gen_prompts, new), n_gen * new)}
-        for fn, _ in workloads.values():  # compile, pick cuBLAS kernels, fill the prefix cache: not profiled
-            fn()
-        for task, (fn, tokens) in workloads.items():
-            emit({**tag, "task": task, "side": "invariant" if invariant else "library", "tokens": tokens,
-                  **profiled(fn, device == "cuda")})
-        del engine
+    for invariant in (True, False):  # one engine at a time (freed when profile_side returns)
+        profile_side(make_engine(cfg, state, device, precision, backend, batch_invariant=invariant),
+                     {**tag, "side": "invariant" if invariant else "library"}, prompts, gen_prompts, new,
+                     device == "cuda")
+
+
+def profile_side(engine, tag: dict[str, Any], prompts: list[list[int]], gen_prompts: list[list[int]], new: int,
+                 on_cuda: bool) -> None:
+    """The score and generate lines of one engine (warm: compiled, cuBLAS kernels picked, prefix cache filled)."""
+    workloads = {"score": (lambda: engine_score(engine, prompts, K), sum(len(p) for p in prompts)),
+                 "generate": (lambda: engine_generate(engine, gen_prompts, new), len(gen_prompts) * new)}
+    for fn, _ in workloads.values():
+        fn()
+    for task, (fn, tokens) in workloads.items():
+        emit({**tag, "task": task, "tokens": tokens, **profiled(fn, on_cuda), "by_op": device_time_by_op(fn, on_cuda)})
