@@ -37,7 +37,6 @@ def _rounded(x, dt: tl.constexpr, IS_BF16: tl.constexpr):
 def _rotate_heads(x_ptr, out_ptr, stride_t, stride_h, num_heads, t, c1, c2, s1, s2, d, d_ok,
                   HALF: tl.constexpr, BLOCK_H: tl.constexpr, IS_BF16: tl.constexpr):
     """Rotate the num_heads heads of token t: x [H, 2 * HALF] (strided) -> out (contiguous [T, H, 2 * HALF])."""
-    dt: tl.constexpr = out_ptr.dtype.element_ty
     for h0 in range(0, num_heads, BLOCK_H):
         h = h0 + tl.arange(0, BLOCK_H)[:, None]  # [BLOCK_H, 1]
         mask = (h < num_heads) & d_ok  # [BLOCK_H, BLOCK_D]
@@ -45,6 +44,7 @@ def _rotate_heads(x_ptr, out_ptr, stride_t, stride_h, num_heads, t, c1, c2, s1, 
         f1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         f2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
         # torch: x * cos + cat(-x2, x1) * sin, each op rounded to dt (exact products of dt values in fp32)
+        dt = out_ptr.dtype.element_ty
         y1 = _rounded(_rounded(f1 * c1, dt, IS_BF16) + _rounded(-f2 * s1, dt, IS_BF16), dt, IS_BF16)
         y2 = _rounded(_rounded(f2 * c2, dt, IS_BF16) + _rounded(f1 * s2, dt, IS_BF16), dt, IS_BF16)
         dst = out_ptr + (t * num_heads + h) * (2 * HALF) + d
