@@ -7,12 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apcscore.kernels._checks import interpreting
 from apcscore.kernels.rotary_ref import rotary_torch
-
-INTERPRET = interpreting()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
+from test_kernels import DEVICE, HAS_CUDA, INTERPRET
 
 pytestmark = [
     pytest.mark.triton,
