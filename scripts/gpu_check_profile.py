@@ -32,6 +32,7 @@ GROUPS = (("matmul (triton)", ("_linear_kernel", "_linear_tma_persistent_kernel"
           ("attention", ("paged_attention", "flash", "attention")),
           ("logprobs and top-k", ("logprob", "top_k", "topk", "sort", "lse")),
           ("rmsnorm", ("rms_norm",)),
+          ("rotary", ("rotary",)),
           ("kv store", ("store_kv",)),
           ("copies and fills", ("memcpy", "memset", "copy", "fill")))
 
