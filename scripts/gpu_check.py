@@ -29,8 +29,9 @@ first (a part cut short by its limit keeps the lines it printed; later parts sti
               share of the wall time and kernel time by group (matmul, attention, logprobs, ...), top kernels.
 
 Parts live in gpu_check_basic.py (env, tests, compare, bench), gpu_check_exact.py (exactness, tax),
-gpu_check_sweep.py (sweep), gpu_check_scale.py (eval, 8b, long) and gpu_check_profile.py (profile); gpu_check_common.py holds the models and
-workloads, gpu_check_summary.py the Markdown summary ($OUT/gpu_check_summary.md, ready for docs/benchmarks.md).
+gpu_check_sweep.py (sweep), gpu_check_scale.py (eval, 8b, long) and gpu_check_profile.py (profile);
+gpu_check_common.py holds the models and workloads, gpu_check_summary.py the Markdown summary
+($OUT/gpu_check_summary.md, ready for docs/benchmarks.md).
 MFU is 2 x params x tokens / s / 989e12 (H100/H200 dense bf16), params those a token is multiplied by
 (gpu_check_common.matmul_params: a tied embedding counts as the LM head, an untied one, a lookup, not at all).
 `--small` (GPU_CHECK_SMALL=1, or gpu_check.sh --dry-run) runs every part end to end on the CPU in fp32 with
@@ -69,8 +70,8 @@ TOTAL_LIMIT_S = 540  # the whole check stays under 9 minutes (gpu_check.sh's bac
 # exactness 23, tax 25, bench 29, eval 26, 8b 31, long 18 s; the limits keep >= 1.7x of that (tests: the AOT
 # compile's 120 s), which left 45 s for the profile.
 # The sweep runs before the engine parts: they run with its proposal (the table a lease would commit), so one
-# lease measures exactness, the tax and MFU with it. Without a proposal (no sweep, or all DEFAULT) they run
-# DEFAULT, today's configuration.
+# lease measures exactness, the tax and MFU with it (a shape it proposes DEFAULT for runs DEFAULT). Without a
+# sweep (--only without it) they run the committed table.
 PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 70, "exactness": 55, "tax": 50, "bench:llama-3.2-1b": 50,
                  "eval": 45, "8b": 55, "long": 30, "profile": 45}
 SMALL_LIMITS_S = {"env": 60, "tests": 180, "sweep": 180, "exactness": 180, "tax": 120, "bench:llama-3.2-1b": 120,
