@@ -1,7 +1,7 @@
 """Triton kernel: rotary position embedding of q and k in one launch, bitwise transformers' arithmetic.
 
 The torch form (kernels/rotary_ref.rotary_torch: `x * cos + rotate_half(x) * sin`) is about ten launches per
-layer (products, negation, concatenation, sum, for q and k) over tensors of the batch's size: ~0.05 s of the 1B
+layer (products, negation, concatenation, sum, for q and k) over tensors of the batch's size: ~0.036 s of the 1B
 shape's 0.49 s of scoring kernels in run 3 on the H200, against 0.006 s for this kernel in run 4
 (docs/benchmarks.md). This kernel reads q and k where they lie (strided views of the fused qkv projection) and
 writes them rotated and contiguous. It rounds as torch
