@@ -203,3 +203,18 @@ def test_a_killed_tests_part_takes_pytest_with_it(tmp_path: Path) -> None:
     os.killpg(part.pid, signal.SIGTERM)  # as gpu_check.run_part does at a part's limit
     assert part.wait(timeout=20) == 128 + signal.SIGTERM
     assert gone(int(pid_file.read_text())), "the test's child outlived its killed part"
+
+
+def test_only_runs_those_parts_of_the_plan_and_refuses_others(tmp_path: Path) -> None:
+    """`--only` (a short second call in a lease) runs the named parts in the plan's order, and refuses a name that
+    is not a part before anything runs."""
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"))
+    run = lambda only: subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run", "--only", only],  # noqa: E731
+                                      cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    refused = run("env,tax,nonsense")
+    assert refused.returncode == 2 and "no such part nonsense" in refused.stderr, refused.stderr
+    assert not refused.stdout.strip()
+    proc = run("env")
+    lines = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert [ln["name"] for ln in lines if ln["part"] == "end"] == ["env"], lines
+    assert lines[-1]["part"] == "summary" and lines[-1]["ok"] is True and proc.returncode == 0, proc.stderr[-2000:]
