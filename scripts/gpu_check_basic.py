@@ -11,9 +11,10 @@ import threading
 import time
 from typing import Any
 
-from gpu_check_common import (PART_DEADLINE_ENV, PEAK_BF16_FLOPS, ROOT, common_prefix, emit, engine_generate,
-                              engine_score, hf_generate, hf_score, llama_config, make_engine, matmul_params, mfu,
-                              random_hf_model, random_prompts, rounded, score_lengths, timed)
+from gpu_check_common import (GENERATE_SHAPE, PART_DEADLINE_ENV, PEAK_BF16_FLOPS, ROOT, SCORE_SHAPE, common_prefix,
+                              emit, engine_generate, engine_score, generate_workload, hf_generate, hf_score,
+                              llama_config, make_engine, matmul_params, mfu, random_hf_model, random_prompts, rounded,
+                              score_workload, timed)
 
 
 def part_env(args) -> bool:
@@ -241,8 +242,8 @@ def part_bench(args) -> None:
 
     # -- scoring: K=5, lengths log-uniform in 64..2048
     k = 5
-    n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
-    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
+    n_prompts, lo, hi = SCORE_SHAPE[small]
+    prompts = score_workload(cfg.vocab_size, small)
     warm = random_prompts([lo, hi, (lo + hi) // 2], cfg.vocab_size, seed=3)
     engine_score(engine, warm, k)  # Triton compiles and cuBLAS picks its kernels outside the timing
     hf_score(hf, warm, k, budget=8192)
@@ -260,8 +261,8 @@ def part_bench(args) -> None:
                         "top1_agree": rounded(top1.mean())}})
 
     # -- generation: 256 prompts sharing a 1,024-token prefix (+ 32 own tokens), 64 greedy tokens each
-    n_gen, prefix, own, new = (8, 64, 8, 8) if small else (256, 1024, 32, 64)
-    gen_prompts = random_prompts([own] * n_gen, cfg.vocab_size, seed=4, prefix=prefix)
+    n_gen, prefix, own, new = GENERATE_SHAPE[small]
+    gen_prompts = generate_workload(cfg.vocab_size, small)
     warm = random_prompts([own] * 4, cfg.vocab_size, seed=5, prefix=prefix)  # another prefix: no cache hits
     engine_generate(engine, warm, 4)
     hf_generate(hf, warm, 4, batch_size=4)

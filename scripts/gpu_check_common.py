@@ -168,6 +168,25 @@ def random_prompts(lengths: list[int], vocab: int, seed: int, prefix: int = 0) -
     return [shared + rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
+# The score and generate workloads that the bench, tax, 8b and profile parts share, so that they measure the same
+# work: score 128 prompts of 64..2048 tokens (log-uniform); generate 256 prompts of a shared 1,024-token prefix
+# and 32 own tokens, 64 greedy tokens each. --small: tiny versions.
+SCORE_SHAPE = {False: (128, 64, 2048), True: (8, 16, 128)}  # (prompts, shortest, longest) by small
+GENERATE_SHAPE = {False: (256, 1024, 32, 64), True: (8, 64, 8, 8)}  # (prompts, shared prefix, own tokens, new)
+
+
+def score_workload(vocab: int, small: bool) -> list[list[int]]:
+    """The shared scoring prompts (SCORE_SHAPE; fixed seeds)."""
+    n, lo, hi = SCORE_SHAPE[small]
+    return random_prompts(score_lengths(n, lo, hi, seed=1), vocab, seed=2)
+
+
+def generate_workload(vocab: int, small: bool) -> list[list[int]]:
+    """The shared generation prompts (GENERATE_SHAPE; a fixed seed): a common prefix, then each its own tokens."""
+    n, prefix, own, _ = GENERATE_SHAPE[small]
+    return random_prompts([own] * n, vocab, seed=4, prefix=prefix)
+
+
 def score_lengths(n: int, lo: int, hi: int, seed: int) -> list[int]:
     """n lengths, log-uniform in [lo, hi] (fixed seed)."""
     import numpy as np

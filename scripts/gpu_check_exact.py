@@ -14,8 +14,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from gpu_check_common import (columns, emit, engine_and_state, engine_generate, engine_score, make_engine,
-                              matmul_params, median_time, mfu, random_prompts, rounded, score_lengths)
+from gpu_check_common import (GENERATE_SHAPE, columns, emit, engine_and_state, engine_generate, engine_score,
+                              generate_workload, make_engine, matmul_params, median_time, mfu, random_prompts,
+                              rounded, score_workload)
 
 K = 5
 
@@ -167,10 +168,8 @@ def part_tax(args) -> None:
     engines = {inv: make_engine(cfg, state, device, precision, backend, batch_invariant=inv)
                for inv in (True, False)}
     params = matmul_params(engines[True])
-    n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
-    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
-    n_gen, prefix, own, new = (8, 64, 8, 8) if small else (256, 1024, 32, 64)
-    gen_prompts = random_prompts([own] * n_gen, cfg.vocab_size, seed=4, prefix=prefix)
+    prompts, gen_prompts = score_workload(cfg.vocab_size, small), generate_workload(cfg.vocab_size, small)
+    n_prompts, n_gen, (_, prefix, _, new) = len(prompts), len(gen_prompts), GENERATE_SHAPE[small]
     tokens = sum(len(p) for p in prompts)
     reps = 1 if small else 3
     for eng in engines.values():  # compile, pick cuBLAS kernels, fill the prefix cache: outside the timing

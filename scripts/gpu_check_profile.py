@@ -8,8 +8,8 @@ runs), for the invariant engine and the cuBLAS one. One line per (workload, side
 
 - `wall_s`: the run's wall time under the profiler; `kernel_s`: the union of the kernels' intervals on the GPU;
   `gpu_busy`: their ratio (what is left is the GPU waiting for the host: scheduling, input staging, syncs);
-- `groups_s`: kernel time by group (matmul Triton / cuBLAS, attention, logprobs and top-K, RMSNorm, KV store,
-  copies and fills, other torch ops); `top`: the 12 kernels with the most time (name, calls, seconds);
+- `groups_s`: kernel time by group (matmul Triton / cuBLAS, attention, logprobs and top-K, RMSNorm, rotary, KV
+  store, copies and fills, other torch ops); `top`: the 12 kernels with the most time (name, calls, seconds);
 - `by_op`: from a second run with host-side op tracing too (its wall time is not reported), the device time of
   the kernels each torch op launched itself (aten::mul, aten::cat, ...; Triton kernels appear under their own
   names): which line of the model the "other torch ops" come from.
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_check_common import (emit, engine_and_state, engine_generate, engine_score, make_engine, random_prompts,
-                              rounded, score_lengths, sync)
+from gpu_check_common import (GENERATE_SHAPE, emit, engine_and_state, engine_generate, engine_score,
+                              generate_workload, make_engine, rounded, score_workload, sync)
 
 K = 5
 TOP = 12
@@ -81,7 +81,8 @@ def profiled(fn, on_cuda: bool) -> dict[str, Any]:
         calls_and_us[1] += e.time_range.end - e.time_range.start
     groups: dict[str, float] = {}
     for name, (_, us) in by_name.items():
-        groups[group_of(name)] = groups.get(group_of(name), 0.0) + us / 1e6
+        group = group_of(name)
+        groups[group] = groups.get(group, 0.0) + us / 1e6
     kernel_s = busy_seconds([(e.time_range.start, e.time_range.end) for e in events])
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP]
     return {"wall_s": rounded(wall), "kernel_s": rounded(kernel_s), "gpu_busy": rounded(kernel_s / wall, 3),
@@ -111,10 +112,8 @@ def device_time_by_op(fn, on_cuda: bool) -> list[list[Any]]:
 def part_profile(args) -> None:
     small = args.small
     cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
-    n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
-    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
-    n_gen, prefix, own, new = (8, 64, 8, 8) if small else (256, 1024, 32, 64)
-    gen_prompts = random_prompts([own] * n_gen, cfg.vocab_size, seed=4, prefix=prefix)
+    prompts, gen_prompts = score_workload(cfg.vocab_size, small), generate_workload(cfg.vocab_size, small)
+    new = GENERATE_SHAPE[small][3]
     tag = {"part": "profile", "model": "llama-3.2-1b-" + ("tiny" if small else "shape"), "dtype": precision,
            "backend": backend}
     for invariant in (True, False):  # one engine at a time (freed when profile_side returns)

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_check_common import (emit, engine_and_state, engine_generate, engine_score, make_engine, matmul_params,
-                              mfu, peak_memory_gib, random_prompts, rounded, score_lengths, sync, timed)
+from gpu_check_common import (SCORE_SHAPE, emit, engine_and_state, engine_generate, engine_score, make_engine,
+                              matmul_params, mfu, peak_memory_gib, random_prompts, rounded, score_lengths,
+                              score_workload, sync, timed)
 
 HF_BATCH = 32  # lm-eval `--batch_size 32`
 
@@ -150,8 +151,8 @@ def part_8b(args) -> None:
     params = matmul_params(engine)
     tag = {"part": "8b", "model": "llama-3.1-8b-" + ("tiny" if small else "shape"), "dtype": precision,
            "backend": backend, "params": engine.info.num_parameters, "mfu_params": params}
-    n_prompts, lo, hi = (8, 16, 128) if small else (128, 64, 2048)
-    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=1), cfg.vocab_size, seed=2)
+    n_prompts, lo, hi = SCORE_SHAPE[small]
+    prompts = score_workload(cfg.vocab_size, small)
     engine_score(engine, random_prompts([lo, hi], cfg.vocab_size, seed=3), 5)  # compile outside the timing
     tokens = sum(len(p) for p in prompts)
     _, secs = timed(lambda: engine_score(engine, prompts, 5))
