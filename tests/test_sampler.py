@@ -1,18 +1,29 @@
-"""The sampler reads nothing back from the device (issue 15, item 3): one token tensor for the whole batch,
-read by the model runner in one transfer, instead of one `.item()` per sampled row. Its tokens are those of
-the per-row sampler it replaced, bitwise, for the same seeds."""
+"""The sampler. On CUDA (its torch path, run here with the portable path switched off) it reads nothing back from
+the device (issue 15, item 3): one token tensor for the whole batch, read by the model runner in one transfer,
+and its tokens are those of the per-row sampler it replaced, bitwise, for the same seeds. On the CPU it draws by
+inverse transform sampling with portable bits (issue 39): checked against a plain-Python derivation of the same
+rule, and against the probabilities themselves (frequencies, the top-p nucleus)."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.sampling_params import SamplingParams
+from apcscore.kernels import rowmath
+
+
+@pytest.fixture
+def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sampler's torch path (CUDA's), on CPU tensors."""
+    monkeypatch.setattr(rowmath, "ours", lambda x: False)
 
 
 def per_row_reference(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> list[int]:
-    """The sampler before batching: one `.item()` per sampled row."""
+    """The torch path before batching: one `.item()` per sampled row."""
     greedy = logits.argmax(dim=-1).tolist()
     out = []
     for i, p in enumerate(params):
@@ -42,8 +53,57 @@ def generators(seed: int) -> list:
             for i, p in enumerate(PARAMS)]
 
 
+def inverse_transform_reference(logits: torch.Tensor, params: list[SamplingParams], gens: list) -> list[int]:
+    """The CPU rule in plain Python: top-k, top-p on running float64 sums of the sorted probabilities, then the
+    first token whose running sum exceeds u * total (u: one float64 uniform from the request's generator)."""
+    out = []
+    for i, p in enumerate(params):
+        if p.temperature == 0:
+            out.append(int(logits[i].argmax()))
+            continue
+        row = logits[i].float() / p.temperature
+        if p.top_k > 0 and p.top_k < row.shape[0]:
+            row = row.masked_fill(row < row.topk(p.top_k).values[-1], float("-inf"))
+        if p.top_p < 1.0:
+            sorted_logits, order = row.sort(descending=True, stable=True)
+            probs = rowmath.softmax(sorted_logits).double().tolist()
+            before = [c - q for c, q in zip(itertools.accumulate(probs), probs)]
+            for j, b in enumerate(before):
+                if b >= p.top_p:
+                    row[order[j]] = float("-inf")
+        running = list(itertools.accumulate(rowmath.softmax(row).double().tolist()))
+        u = float(torch.rand(1, dtype=torch.float64, generator=gens[i]))
+        out.append(next(j for j, c in enumerate(running) if c > u * running[-1]))
+    return out
+
+
 @pytest.mark.parametrize("seed", range(5))
-def test_batched_sampler_equals_the_per_row_one(seed: int) -> None:
+def test_cpu_sampler_is_inverse_transform_sampling(seed: int) -> None:
+    logits = 3 * torch.randn(len(PARAMS), 500, generator=torch.Generator().manual_seed(seed))
+    gens_ref, gens = generators(seed), generators(seed)
+    for _ in range(3):  # the generators advance alike, step after step
+        got = sample_rows(logits, PARAMS, gens)
+        assert got.dtype == torch.int64 and got.shape == (len(PARAMS),)
+        assert got.tolist() == inverse_transform_reference(logits, PARAMS, gens_ref)
+
+
+def test_cpu_sampler_draws_by_the_probabilities() -> None:
+    """Frequencies of 4,000 draws over 5 tokens are within 4 standard errors of softmax(logits); top_p keeps the
+    nucleus only (tokens sorted by probability 0.64, 0.24, 0.09, ...: top_p 0.8 keeps two)."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -2.0]])
+    probs = torch.softmax(logits[0].double(), -1)
+    gen = make_generator(7, torch.device("cpu"))
+    counts = torch.zeros(5)
+    for _ in range(4000):
+        counts[sample_rows(logits, [SamplingParams(temperature=1.0)], [gen])[0]] += 1
+    stderr = (probs * (1 - probs) / 4000).sqrt()
+    assert ((counts / 4000 - probs).abs() <= 4 * stderr + 1e-9).all(), (counts / 4000, probs)
+    nucleus = {int(sample_rows(logits, [SamplingParams(temperature=1.0, top_p=0.8)], [gen])[0]) for _ in range(500)}
+    assert nucleus == {0, 1}
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_batched_sampler_equals_the_per_row_one(seed: int, torch_path: None) -> None:
     logits = 3 * torch.randn(len(PARAMS), 500, generator=torch.Generator().manual_seed(seed))
     gens_ref, gens = generators(seed), generators(seed)
     for _ in range(3):  # the generators advance alike, step after step
@@ -52,7 +112,7 @@ def test_batched_sampler_equals_the_per_row_one(seed: int) -> None:
         assert got.tolist() == per_row_reference(logits, PARAMS, gens_ref)
 
 
-def test_sampler_reads_nothing_back(monkeypatch) -> None:
+def test_sampler_reads_nothing_back(monkeypatch, torch_path: None) -> None:
     logits = torch.randn(len(PARAMS), 300, generator=torch.Generator().manual_seed(0))
     gens = generators(0)
 

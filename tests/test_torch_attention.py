@@ -13,6 +13,7 @@ from apcscore.attention import tiles
 from apcscore.attention import torch_backend as tb
 from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.products import products
+from apcscore.kernels import rowmath
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -33,8 +34,9 @@ def caches(num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def loop_reference(q, k, v, masked, start, end, state=None):
     """The online softmax written as the plain loop over tiles (what _tiled_softmax batches), with the backend's
-    own products (one fma chain per element on the CPU). Not `q @ k.T`: whether MKL's GEMM gives a tile those
-    same bits depends on its code path (with MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AMD EPYC, it did not)."""
+    own products (one fma chain per element on the CPU) and its own exp and sums (apcscore.kernels.rowmath: the
+    portable ones on the CPU). Not `q @ k.T`: whether MKL's GEMM gives a tile those same bits depends on its code
+    path (with MKL_ENABLE_INSTRUCTIONS=AVX2, as on an AMD EPYC, it did not)."""
     m, s, acc = state if state is not None else (None, None, None)
     for t0 in range(start, end, tiles.KV_TILE):
         lo, hi = t0 - start, t0 - start + tiles.KV_TILE
@@ -44,13 +46,13 @@ def loop_reference(q, k, v, masked, start, end, state=None):
         tile_max = scores.amax(-1)
         if m is None:
             m = tile_max
-            p = torch.exp(scores - m[..., None])
-            s, acc = p.sum(-1), products(p, v[..., lo:hi, :].transpose(-1, -2))
+            p = rowmath.exp(scores - m[..., None])
+            s, acc = rowmath.row_sum(p), products(p, v[..., lo:hi, :].transpose(-1, -2))
             continue
         m_new = torch.maximum(m, tile_max)
-        alpha = torch.exp(m - m_new)
-        p = torch.exp(scores - m_new[..., None])
-        s = s * alpha + p.sum(-1)
+        alpha = rowmath.exp(m - m_new)
+        p = rowmath.exp(scores - m_new[..., None])
+        s = s * alpha + rowmath.row_sum(p)
         acc = acc * alpha[..., None] + products(p, v[..., lo:hi, :].transpose(-1, -2))
         m = m_new
     return m, s, acc

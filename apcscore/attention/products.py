@@ -1,8 +1,9 @@
 """The attention products of the torch backend: a @ b.T with a reduction order fixed by construction on the CPU.
 
-On the CPU every score (q . k over head_dim) and every weighted value (p . v over a key tile) is one fma chain in
-index order (apcscore.kernels.cpu_gemm, the construction of the linear layers), so a query's bits cannot depend
-on how many rows or keys share the call. Elsewhere (CUDA, where this backend is the Triton kernels' reference)
+On the CPU every score (q . k over head_dim) and every weighted value (p . v over a key tile) is summed in the
+GEMM's fixed order (apcscore.kernels.cpu_gemm, the construction of the linear layers: one fma chain per block
+of 64 indices, so a head_dim of 64 or a key tile is one chain), and a query's bits cannot depend on how many
+rows or keys share the call. Elsewhere (CUDA, where this backend is the Triton kernels' reference)
 and where the kernel cannot be built, torch.matmul.
 """
 
@@ -12,7 +13,7 @@ import torch
 
 def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b[..., N, K].T -> fp32 [..., M, N] (the same leading dims; `x.transpose(-1, -2)` as b for
-    a @ x). On the CPU every score and weighted value is one fma chain over k in order, whatever the rows or
+    a @ x). On the CPU every score and weighted value is summed in the GEMM's fixed order, whatever the rows or
     keys of the call (apcscore.kernels.cpu_gemm, the linear layers' construction); elsewhere torch.matmul."""
     if a.device.type != "cpu" or not fixed_order_available():
         return a @ b.transpose(-1, -2)
@@ -26,6 +27,6 @@ def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def fixed_order_available() -> bool:
     """Whether the fixed-order CPU kernel builds here (else torch.matmul, and the engine's probe says so)."""
-    from apcscore.kernels.cpu_gemm import available
+    from apcscore.kernels.cpu_library import available
 
     return available()

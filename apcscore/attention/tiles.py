@@ -2,7 +2,8 @@
 online softmax over tiles that the prefill and decode paths share (so their bits are the same).
 
 A query's keys are read in tiles of KV_TILE keys counted from position 0, and its softmax is reduced tile by
-tile in that order (docs/architecture.md, "Batch invariance", rule 3).
+tile in that order (docs/architecture.md, "Batch invariance", rule 3). Its exps, tile sums and soft-caps are
+apcscore.kernels.rowmath's: on the CPU, the same bits on every machine.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from apcscore.attention.products import fixed_order_available, products
+from apcscore.kernels import rowmath
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
 # Query rows of every attention product come in multiples of this where the products are torch.matmul (CUDA,
@@ -76,7 +78,7 @@ def tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: tor
     length = num_tiles * KV_TILE
     scores = products(q, k[..., :length, :])  # [..., M, L]
     if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = rowmath.softcap(scores, softcap)
     if masked is not None:
         scores = scores.masked_fill(masked[..., :length], float("-inf"))
     scores = scores.unflatten(-1, (num_tiles, KV_TILE))  # [..., M, T, tile]
@@ -89,8 +91,8 @@ def tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: tor
     subs = torch.stack(maxes, -1)  # [..., M, T]
     if windowed:  # a running max still -inf (nothing seen yet) subtracts 0: p = 0, not NaN
         subs = subs.masked_fill(subs == float("-inf"), 0.0)
-    p = torch.exp(scores - subs[..., None])  # [..., M, T, tile]
-    p_sums = p.sum(-1)  # [..., M, T]
+    p = rowmath.exp_(scores - subs[..., None])  # [..., M, T, tile]
+    p_sums = rowmath.row_sum(p)  # [..., M, T]
     v_tiles = v[..., :length, :].unflatten(-2, (num_tiles, KV_TILE))  # [..., T, tile, D]
     pv = products(p.transpose(-2, -3), v_tiles.transpose(-1, -2))  # [..., T, M, D]
     prev = state[0] if state is not None else None
@@ -98,7 +100,7 @@ def tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: tor
         if s is None:  # first tile: the same arithmetic as the general step with m = -inf, s = acc = 0
             s, acc = p_sums[..., t], pv[..., t, :, :]
         else:
-            alpha = torch.exp(prev - subs[..., t])
+            alpha = rowmath.exp(prev - subs[..., t])
             s = s * alpha + p_sums[..., t]
             acc = acc * alpha[..., None] + pv[..., t, :, :]
         prev = maxes[t]

@@ -22,6 +22,7 @@ from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.products import fixed_order_available, products
 from apcscore.attention.tiles import (KV_TILE, gather, head_rows, pad_slots, query_row_tile, sequence_slots,
                                       tiled_softmax)
+from apcscore.kernels import rowmath
 
 # Chunks of at most this many queries (one key tile's worth) are batched; longer ones take the per-chunk path,
 # whose causal skipping saves more than batching does there (benchmarks/attention_cpu.py, per 30 layers: 64
@@ -184,7 +185,7 @@ def attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         r0 = min(r0 - r0 % row_tile, n_rows - row_tile)  # whole row tiles (n_rows is a multiple)
         scores = products(q[:, r0:], k[:, t0:t1])  # [Hkv, R - r0, tile]
         if softcap:
-            scores.div_(softcap).tanh_().mul_(softcap)
+            rowmath.softcap(scores, softcap, inplace=True)
         # rows [r0, r_end) have a position below t1 - 1: they cannot see every key of the tile (the padding
         # rows sit at seq_len - 1, after the real ones); the rows after them see it all, unmasked
         r_end = group * min(max(t1 - 1 - first, 0), q_len) + (n_rows - num_real) * (seq_len < t1)
@@ -202,9 +203,9 @@ def attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         m_old, s_old, acc_old = m[:, r0:], s[:, r0:], acc[:, r0:]  # views: updated in place
         m_new = torch.maximum(m_old, scores.amax(-1))
         m_sub = m_new.masked_fill(m_new == float("-inf"), 0.0) if window else m_new  # no -inf - -inf = NaN
-        alpha = torch.exp(m_old - m_sub)
-        p = scores.sub_(m_sub[..., None]).exp_()
-        s_old.mul_(alpha).add_(p.sum(-1))
+        alpha = rowmath.exp(m_old - m_sub)
+        p = rowmath.exp_(scores.sub_(m_sub[..., None]))
+        s_old.mul_(alpha).add_(rowmath.row_sum(p))
         acc_old.mul_(alpha[..., None]).add_(products(p, v[:, t0:t1].transpose(1, 2)))
         m_old.copy_(m_new)
     o = (acc / s[..., None])[:, :num_real]  # [Hkv, q_len * G, D]

@@ -21,7 +21,7 @@ import torch
 
 from apcscore.engine.numerics import describe_numerics
 from apcscore.errors import ApcscoreError
-from apcscore.models.ops import linear_construction
+from apcscore.models.ops import linear_construction, portable_construction
 
 ROW_COUNTS = (1, 15, 16, 57, 64, 100, 191)
 OFFSETS = (1, 7, 33)  # extra calls of OFFSET_ROWS rows starting at these rows of the reference
@@ -155,5 +155,6 @@ def check_batch_invariance(model: Any, ops: Any, config: Any,
                           "metadata says numerics.batch_invariant = false", stacklevel=3)
     else:
         reason = "turned off (--no-batch-invariant)"
-    return describe_numerics(device, ops.batch_invariant and reason is None, linear_construction(ops.linear),
-                             probe, reason)
+    invariant = ops.batch_invariant and reason is None
+    return describe_numerics(device, invariant, linear_construction(ops.linear), probe, reason,
+                             portable=invariant and device.type == "cpu" and portable_construction(ops.linear))

@@ -1,9 +1,12 @@
 """What a run's bits depend on besides its inputs: the batch-invariance verdict, the linear construction, the
 start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`.
 
-batch_invariant, linear, cpu_capability and device_capability must agree for shards to be merged and runs to be
-resumed (apcscore.io.provenance leaves the rest out): `hardware` and `blas` describe the machine (a construction by
-design gives the same bits on another CPU model; the probe re-checks it there), and `torch_threads` changes no bit.
+batch_invariant, linear, portable, math, cpu_capability, simd and device_capability must agree for shards to be
+merged and runs to be resumed (apcscore.io.provenance leaves the rest out): `hardware` and `blas` describe the
+machine (a construction by design gives the same bits on another CPU model; the probe re-checks it there), and
+`torch_threads` changes no bit. Where `portable` is true (the CPU's fixed-order GEMM and portable math:
+docs/architecture.md, "Portable bits"), the bits do not depend on the CPU's capability or SIMD level either, so
+those are recorded but not compared.
 """
 
 from __future__ import annotations
@@ -55,12 +58,51 @@ def device_capability(device: torch.device) -> str | None:
     return f"sm_{major}{minor}"
 
 
+# The version of the portable CPU math (kernels/cpu_math.c, kernels/rowmath.py, the rope tables' functions, the
+# sampler's draw): raise it with any change to them that moves a bit (and update the golden digests).
+PORTABLE_MATH = "apcscore portable math v1"
+
+
+def cpu_simd() -> str | None:
+    """The SIMD level of apcscore's CPU kernels (cpu_gemm.simd_level), None where they cannot be built."""
+    from apcscore.kernels.cpu_gemm import simd_level
+    from apcscore.kernels.cpu_library import available
+
+    return simd_level() if available() else None
+
+
 def describe_numerics(device: torch.device, batch_invariant: bool, linear: str, probe: dict | None,
-                      reason: str | None) -> dict[str, Any]:
-    """The `numerics` metadata of an engine (see the module doc)."""
+                      reason: str | None, portable: bool = False) -> dict[str, Any]:
+    """The `numerics` metadata of an engine (see the module doc). portable: the run's bits are the same on every
+    CPU (asked by the caller: the fixed-order GEMM ran, and the portable math)."""
     hardware: dict[str, Any] = {"cpu": cpu_description()}
     if device.type == "cuda":
         hardware["gpu"] = torch.cuda.get_device_name(device)
     return {"batch_invariant": batch_invariant, "reason": reason, "linear": linear, "probe": probe,
+            "portable": portable, "math": PORTABLE_MATH if portable else "torch's ops (follow the CPU's ISA)",
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "simd": cpu_simd() if device.type == "cpu" else None,
             "device_capability": device_capability(device), "hardware": hardware, "blas": blas_description()}
+
+
+def exp(value: float) -> float:
+    """exp of a per-record figure (perplexity from a mean NLL): apcscore's portable double exp where the CPU library
+    is built, so the figure has the same bits on every machine (libm's differs by version and by FMA)."""
+    from apcscore.kernels.rowmath import exp_scalar
+
+    return exp_scalar(value)
+
+
+def log(value: float) -> float:
+    """log of a per-record figure (see exp)."""
+    from apcscore.kernels.rowmath import log_scalar
+
+    return log_scalar(value)
+
+
+def exact_sum(values: Any) -> float:
+    """The correctly rounded sum of float values (math.fsum): the same bits in every order and on every machine,
+    and the most accurate float64 there is (a sum of per-token logprobs)."""
+    import math
+
+    return math.fsum(values.tolist() if hasattr(values, "tolist") else values)

@@ -4,8 +4,9 @@ A file is one configuration: every session of a resumed run, every shard of a me
 agree on it. The `engine` and `numerics` sections are compared whole (so fields added to them later are covered)
 except the fields that differ between runs of one configuration without changing a bit: the KV pool size
 (`engine.num_kv_blocks`, auto-sized from free memory), the thread count (`numerics.torch_threads`), the machine's
-description and the start-up probe's details (`numerics.hardware`, `blas`, `probe`, `reason`), and under batch
-invariance the schedule's budget and width (docs/architecture.md, "The batch-invariance contract").
+description and the start-up probe's details (`numerics.hardware`, `blas`, `probe`, `reason`), under batch
+invariance the schedule's budget and width (docs/architecture.md, "The batch-invariance contract"), and with
+portable bits the CPU's capability and SIMD level (docs/architecture.md, "Portable bits").
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ NOT_BITS: dict[str, frozenset[str]] = {"engine": frozenset({"num_kv_blocks", "kv
                                        # the construction and the capabilities (apcscore.engine.numerics)
                                        "numerics": frozenset({"torch_threads", "hardware", "blas", "probe",
                                                               "reason"})}
+# numerics fields that change no bit where the run's bits are portable (numerics.portable: the same on every CPU)
+PORTABLE = frozenset({"cpu_capability", "simd"})
 # engine fields that only shape the schedule: with batch invariance they do not change bits either (the contract:
 # any budget, any batch), so a resumed or sharded run may change them; without it they are compared
 SCHEDULE = frozenset({"max_batch_tokens", "max_num_seqs"})
@@ -31,6 +34,8 @@ def bits_of(key: str, value: Any) -> Any:
     if drop and isinstance(value, dict):
         if key == "engine" and value.get("batch_invariant", False):
             drop = drop | SCHEDULE
+        if key == "numerics" and value.get("portable", False):
+            drop = drop | PORTABLE
         return {k: v for k, v in value.items() if k not in drop}
     return value
 

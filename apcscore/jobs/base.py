@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
+from apcscore.engine import numerics
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
@@ -157,8 +156,8 @@ def nll_summary(sum_logprob: float, count: int) -> dict:
     if not count:
         return {"sum_logprob": sum_logprob, "mean_nll": None, "perplexity": None}
     mean_nll = -sum_logprob / count
-    return {"sum_logprob": sum_logprob, "mean_nll": mean_nll, "perplexity": math.exp(mean_nll)}
+    return {"sum_logprob": sum_logprob, "mean_nll": mean_nll, "perplexity": numerics.exp(mean_nll)}
 
 
 def sum_logprobs(lps: PromptLogprobs | None) -> float:
-    return float(np.sum(lps.token_logprobs, dtype=np.float64)) if lps is not None else 0.0
+    return numerics.exact_sum(lps.token_logprobs) if lps is not None else 0.0

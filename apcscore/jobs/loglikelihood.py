@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from apcscore.engine import numerics
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 
@@ -133,7 +134,7 @@ def continuation_score(out: RequestOutput, last_token: int | None = None) -> Con
         i = int(np.flatnonzero(alts.token_ids == last_token)[0])  # the request must have listed it
         ids, logprobs, top1 = (np.concatenate([a[:-1], b[i:i + 1]]) for a, b in (
             (ids, alts.token_ids), (logprobs, alts.token_logprobs), (top1, alts.top_ids[:, 0])))
-    return ContinuationScore(float(np.sum(logprobs, dtype=np.float64)), len(ids), bool(np.all(top1 == ids)))
+    return ContinuationScore(numerics.exact_sum(logprobs), len(ids), bool(np.all(top1 == ids)))
 
 
 def trim_top(lps: PromptLogprobs | None, k: int) -> PromptLogprobs | None:

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from apcscore.engine import numerics
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
@@ -152,7 +153,7 @@ class PerplexityJob(Job):
             parts.append(replace(lps, positions=lps.positions + w.start))
         merged = PromptLogprobs(**vars(TokenLogprobs.concat(parts, self.k or 0)),
                                 positions=np.concatenate([p.positions for p in parts]))
-        total = float(np.sum(merged.token_logprobs, dtype=np.float64))
+        total = numerics.exact_sum(merged.token_logprobs)
         n, words, nbytes = len(seq) - 1, count_words(text), len(text.encode("utf-8"))
         row = {"id": record.id, "status": "ok", "error": None, "num_tokens": n, "num_words": words,
                "num_bytes": nbytes, "num_windows": len(windows), "sum_logprob": total,
@@ -189,7 +190,7 @@ class PerplexityJob(Job):
 def _per_unit(sum_logprob: float, tokens: int, words: int, nbytes: int) -> dict:
     """Token, word and byte perplexity and bits per byte of a total loglikelihood (lm-eval's aggregation)."""
     def ppl(count: int) -> float:
-        return math.exp(-sum_logprob / count) if count else math.nan
+        return numerics.exp(-sum_logprob / count) if count else math.nan
 
     return {"perplexity": ppl(tokens), "word_perplexity": ppl(words), "byte_perplexity": ppl(nbytes),
-            "bits_per_byte": -sum_logprob / nbytes / math.log(2) if nbytes else math.nan}
+            "bits_per_byte": -sum_logprob / nbytes / numerics.log(2.0) if nbytes else math.nan}

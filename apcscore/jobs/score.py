@@ -27,6 +27,7 @@ from apcscore.jobs.base import (COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nl
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, group_by_last_token, mean_stderr,
                                          prefix_token_id, trim_top)
+from apcscore.engine import numerics
 from apcscore.engine.request import Request, RequestOutput
 from apcscore.io.schemas import Record
 from apcscore.jobs.options import ScoreOptions
@@ -136,7 +137,7 @@ class ScoreJob(Job):
         if self._scored:
             mean_nll = -self._sum_logprob / self._scored
             lines += [("scored tokens", f"{self._scored:,}"), ("mean NLL", f"{mean_nll:.4f}"),
-                      ("perplexity", f"{math.exp(mean_nll):.3f}")]
+                      ("perplexity", f"{numerics.exp(mean_nll):.3f}")]
         if self._cont_greedy:
             n = len(self._cont_greedy)
             lines += [("continuations", f"{n:,} ({int(sum(self._cont_greedy)):,} greedy), "

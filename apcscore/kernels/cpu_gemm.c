@@ -1,14 +1,21 @@
 /* apcscore's CPU GEMM: C[M, N] (fp32) = A[M, K] . B[N, K]^T with a reduction order fixed by construction.
  *
- * Every output element is ONE chain of fused multiply-adds over k in ascending order, starting from +0:
- *     c = +0;  for k = 0 .. K-1:  c = fma(a[m, k], b[n, k], c)
- * IEEE 754 defines fma as the exact a*b + c rounded once (round-to-nearest-even, which is fixed here, with
- * denormals kept: MXCSR is set to its power-on value for the call). So an element's bits depend on its row of
- * A, its row of B and K only: not on M, on the row's position in the call, on N, on the thread count, on the
- * tiling, on the instruction set (the AVX-512, AVX2 and scalar fmaf() kernels give the same bits), or on
- * the CPU vendor. Tiles and K blocks only change *which* register holds a chain, never its order: a K block
- * resumes its chains from the fp32 values the previous block stored, bit for bit what an uninterrupted
- * chain holds. Edge tiles run the same micro-kernel on zero-padded copies.
+ * Every output element is the sum of its K products in one fixed order (APC_ORDER_VERSION names it):
+ *     c = +0
+ *     for each block b of KB consecutive k, counted from k = 0 (the last block may be shorter):
+ *         p = +0;  for k in b, ascending:  p = fma(a[m, k], b[n, k], p)      (one fma chain per block)
+ *         c = c + p                                                          (blocks added in ascending order)
+ * IEEE 754 defines fma as the exact a*b + c rounded once, and + as the exact sum rounded once (round-to-nearest-
+ * even, which is fixed here, with denormals kept: MXCSR is set to its power-on value for the call). So an
+ * element's bits depend on its row of A, its row of B and K only: not on M, on the row's position in the call, on
+ * N, on the thread count, on the tiling, on the instruction set (the AVX-512, AVX2 and scalar fmaf() kernels give
+ * the same bits), or on the CPU vendor. Tiles and cache blocks (KC, a multiple of KB) only change *which* register
+ * holds a chain, never its order. Edge tiles run the same micro-kernel on zero-padded copies.
+ *
+ * Why blocks: one chain over the whole of K accumulates rounding errors over K steps; KB-step chains whose sums
+ * are added up accumulate over KB + K/KB steps (K = 1536: 64 + 24 instead of 1536), which measured 2-3x closer
+ * to a float64 product than the single chain and as close as MKL (docs/architecture.md, "Portable bits"). A
+ * block's chain restarts from +0 in registers and is added to C in memory, so it costs one add per KB fmas.
  *
  * Layouts: B is packed once per weight into panels of NR columns, [ceil(N/NR)][K][NR], in B's own dtype
  * (fp32, bf16 or fp16; zero-padded columns); A is packed per call into [ceil(M/MR)][K][MR] fp32 (converted
@@ -27,7 +34,12 @@
 
 #define MR 6
 #define NR 16
-#define KC 256 /* k block: a B micro-panel [KC][NR] fp32 is 16 KiB (L1) */
+#define KC 256 /* k cache block: a B micro-panel [KC][NR] fp32 is 16 KiB (L1); a multiple of KB */
+#ifndef KB
+#define KB 64 /* k block of one fma chain (the order above; changing it changes bits) */
+#endif
+/* The order of the sums, as run metadata and the numerics fingerprint record it. */
+int apc_order_version(void) { return 2000 + KB; } /* 2: blocked chains; 1 (before): one chain over K */
 #define MC 96  /* rows of A per block: [MC][KC] fp32 is 96 KiB (L2) */
 
 enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
@@ -116,9 +128,14 @@ static void pack_a(const void *a, int dtype, int64_t m0, int64_t rows, int64_t k
 static void ukernel_scalar(int64_t kc, const float *ap, const void *bp, int bdtype, float *c, int64_t ldc) {
     for (int64_t i = 0; i < MR; i++) {
         for (int64_t j = 0; j < NR; j++) {
-            float acc = c[i * ldc + j];
-            for (int64_t kk = 0; kk < kc; kk++) acc = fmaf(ap[kk * MR + i], load_elem(bp, bdtype, kk * NR + j), acc);
-            c[i * ldc + j] = acc;
+            float sum = c[i * ldc + j];
+            for (int64_t k0 = 0; k0 < kc; k0 += KB) {
+                const int64_t k1 = kc - k0 < KB ? kc : k0 + KB;
+                float acc = 0.0f;
+                for (int64_t kk = k0; kk < k1; kk++) acc = fmaf(ap[kk * MR + i], load_elem(bp, bdtype, kk * NR + j), acc);
+                sum = sum + acc;
+            }
+            c[i * ldc + j] = sum;
         }
     }
 }
@@ -145,29 +162,32 @@ __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void load_
 
 __attribute__((target("avx2,fma,f16c"), always_inline)) static inline void ukernel_avx2(
     int64_t kc, const float *ap, const void *bp, int bdtype, float *c, int64_t ldc) {
-    __m256 c00 = _mm256_loadu_ps(c + 0 * ldc), c01 = _mm256_loadu_ps(c + 0 * ldc + 8);
-    __m256 c10 = _mm256_loadu_ps(c + 1 * ldc), c11 = _mm256_loadu_ps(c + 1 * ldc + 8);
-    __m256 c20 = _mm256_loadu_ps(c + 2 * ldc), c21 = _mm256_loadu_ps(c + 2 * ldc + 8);
-    __m256 c30 = _mm256_loadu_ps(c + 3 * ldc), c31 = _mm256_loadu_ps(c + 3 * ldc + 8);
-    __m256 c40 = _mm256_loadu_ps(c + 4 * ldc), c41 = _mm256_loadu_ps(c + 4 * ldc + 8);
-    __m256 c50 = _mm256_loadu_ps(c + 5 * ldc), c51 = _mm256_loadu_ps(c + 5 * ldc + 8);
-    for (int64_t kk = 0; kk < kc; kk++) {
-        __m256 b0, b1, a;
-        load_b16(bp, bdtype, kk, &b0, &b1);
-        const float *ak = ap + kk * MR;
-        a = _mm256_broadcast_ss(ak + 0); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
-        a = _mm256_broadcast_ss(ak + 1); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
-        a = _mm256_broadcast_ss(ak + 2); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
-        a = _mm256_broadcast_ss(ak + 3); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
-        a = _mm256_broadcast_ss(ak + 4); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
-        a = _mm256_broadcast_ss(ak + 5); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+    for (int64_t k0 = 0; k0 < kc; k0 += KB) { /* one chain per block from +0, then added to C */
+        const int64_t k1 = kc - k0 < KB ? kc : k0 + KB;
+        __m256 c00 = _mm256_setzero_ps(), c01 = _mm256_setzero_ps(), c10 = _mm256_setzero_ps();
+        __m256 c11 = _mm256_setzero_ps(), c20 = _mm256_setzero_ps(), c21 = _mm256_setzero_ps();
+        __m256 c30 = _mm256_setzero_ps(), c31 = _mm256_setzero_ps(), c40 = _mm256_setzero_ps();
+        __m256 c41 = _mm256_setzero_ps(), c50 = _mm256_setzero_ps(), c51 = _mm256_setzero_ps();
+        for (int64_t kk = k0; kk < k1; kk++) {
+            __m256 b0, b1, a;
+            load_b16(bp, bdtype, kk, &b0, &b1);
+            const float *ak = ap + kk * MR;
+            a = _mm256_broadcast_ss(ak + 0); c00 = _mm256_fmadd_ps(a, b0, c00); c01 = _mm256_fmadd_ps(a, b1, c01);
+            a = _mm256_broadcast_ss(ak + 1); c10 = _mm256_fmadd_ps(a, b0, c10); c11 = _mm256_fmadd_ps(a, b1, c11);
+            a = _mm256_broadcast_ss(ak + 2); c20 = _mm256_fmadd_ps(a, b0, c20); c21 = _mm256_fmadd_ps(a, b1, c21);
+            a = _mm256_broadcast_ss(ak + 3); c30 = _mm256_fmadd_ps(a, b0, c30); c31 = _mm256_fmadd_ps(a, b1, c31);
+            a = _mm256_broadcast_ss(ak + 4); c40 = _mm256_fmadd_ps(a, b0, c40); c41 = _mm256_fmadd_ps(a, b1, c41);
+            a = _mm256_broadcast_ss(ak + 5); c50 = _mm256_fmadd_ps(a, b0, c50); c51 = _mm256_fmadd_ps(a, b1, c51);
+        }
+#define APC_ADD8(P, R) _mm256_storeu_ps((P), _mm256_add_ps(_mm256_loadu_ps(P), (R)))
+        APC_ADD8(c + 0 * ldc, c00); APC_ADD8(c + 0 * ldc + 8, c01);
+        APC_ADD8(c + 1 * ldc, c10); APC_ADD8(c + 1 * ldc + 8, c11);
+        APC_ADD8(c + 2 * ldc, c20); APC_ADD8(c + 2 * ldc + 8, c21);
+        APC_ADD8(c + 3 * ldc, c30); APC_ADD8(c + 3 * ldc + 8, c31);
+        APC_ADD8(c + 4 * ldc, c40); APC_ADD8(c + 4 * ldc + 8, c41);
+        APC_ADD8(c + 5 * ldc, c50); APC_ADD8(c + 5 * ldc + 8, c51);
+#undef APC_ADD8
     }
-    _mm256_storeu_ps(c + 0 * ldc, c00); _mm256_storeu_ps(c + 0 * ldc + 8, c01);
-    _mm256_storeu_ps(c + 1 * ldc, c10); _mm256_storeu_ps(c + 1 * ldc + 8, c11);
-    _mm256_storeu_ps(c + 2 * ldc, c20); _mm256_storeu_ps(c + 2 * ldc + 8, c21);
-    _mm256_storeu_ps(c + 3 * ldc, c30); _mm256_storeu_ps(c + 3 * ldc + 8, c31);
-    _mm256_storeu_ps(c + 4 * ldc, c40); _mm256_storeu_ps(c + 4 * ldc + 8, c41);
-    _mm256_storeu_ps(c + 5 * ldc, c50); _mm256_storeu_ps(c + 5 * ldc + 8, c51);
 }
 
 /* One copy of a kernel per B dtype, NAME_f32 / NAME_bf16 / NAME_f16 (the dtype branch leaves the k loop). PARAMS:
@@ -194,20 +214,24 @@ __attribute__((target("avx512f"), always_inline)) static inline __m512 load_b16_
 
 __attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx512(
     int64_t kc, const float *ap, const void *bp, int bdtype, float *c, int64_t ldc) {
-    __m512 c0 = _mm512_loadu_ps(c + 0 * ldc), c1 = _mm512_loadu_ps(c + 1 * ldc), c2 = _mm512_loadu_ps(c + 2 * ldc);
-    __m512 c3 = _mm512_loadu_ps(c + 3 * ldc), c4 = _mm512_loadu_ps(c + 4 * ldc), c5 = _mm512_loadu_ps(c + 5 * ldc);
-    for (int64_t kk = 0; kk < kc; kk++) {
-        const __m512 b = load_b16_512(bp, bdtype, kk);
-        const float *ak = ap + kk * MR;
-        c0 = _mm512_fmadd_ps(_mm512_set1_ps(ak[0]), b, c0);
-        c1 = _mm512_fmadd_ps(_mm512_set1_ps(ak[1]), b, c1);
-        c2 = _mm512_fmadd_ps(_mm512_set1_ps(ak[2]), b, c2);
-        c3 = _mm512_fmadd_ps(_mm512_set1_ps(ak[3]), b, c3);
-        c4 = _mm512_fmadd_ps(_mm512_set1_ps(ak[4]), b, c4);
-        c5 = _mm512_fmadd_ps(_mm512_set1_ps(ak[5]), b, c5);
+    for (int64_t k0 = 0; k0 < kc; k0 += KB) { /* one chain per block from +0, then added to C */
+        const int64_t k1 = kc - k0 < KB ? kc : k0 + KB;
+        __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps(), c2 = _mm512_setzero_ps();
+        __m512 c3 = _mm512_setzero_ps(), c4 = _mm512_setzero_ps(), c5 = _mm512_setzero_ps();
+        for (int64_t kk = k0; kk < k1; kk++) {
+            const __m512 b = load_b16_512(bp, bdtype, kk);
+            const float *ak = ap + kk * MR;
+            c0 = _mm512_fmadd_ps(_mm512_set1_ps(ak[0]), b, c0);
+            c1 = _mm512_fmadd_ps(_mm512_set1_ps(ak[1]), b, c1);
+            c2 = _mm512_fmadd_ps(_mm512_set1_ps(ak[2]), b, c2);
+            c3 = _mm512_fmadd_ps(_mm512_set1_ps(ak[3]), b, c3);
+            c4 = _mm512_fmadd_ps(_mm512_set1_ps(ak[4]), b, c4);
+            c5 = _mm512_fmadd_ps(_mm512_set1_ps(ak[5]), b, c5);
+        }
+#define APC_ADD16(P, R) _mm512_storeu_ps((P), _mm512_add_ps(_mm512_loadu_ps(P), (R)))
+        APC_ADD16(c + 0 * ldc, c0); APC_ADD16(c + 1 * ldc, c1); APC_ADD16(c + 2 * ldc, c2);
+        APC_ADD16(c + 3 * ldc, c3); APC_ADD16(c + 4 * ldc, c4); APC_ADD16(c + 5 * ldc, c5);
     }
-    _mm512_storeu_ps(c + 0 * ldc, c0); _mm512_storeu_ps(c + 1 * ldc, c1); _mm512_storeu_ps(c + 2 * ldc, c2);
-    _mm512_storeu_ps(c + 3 * ldc, c3); _mm512_storeu_ps(c + 4 * ldc, c4); _mm512_storeu_ps(c + 5 * ldc, c5);
 }
 
 APC_PER_DTYPE(ukernel_avx512, "avx512f", APC_KERNEL_PARAMS, kc, ap, bp)
@@ -220,27 +244,30 @@ APC_PER_DTYPE(ukernel_avx512, "avx512f", APC_KERNEL_PARAMS, kc, ap, bp)
 #define WIDE 4
 __attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx512_wide(
     int64_t kc, const float *ap, const void *bp, int64_t pstride, int bdtype, float *c, int64_t ldc) {
-    __m512 acc[MR][WIDE];
+    for (int64_t k0 = 0; k0 < kc; k0 += KB) { /* one chain per block from +0, then added to C */
+        const int64_t k1 = kc - k0 < KB ? kc : k0 + KB;
+        __m512 acc[MR][WIDE];
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
+        for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int g = 0; g < WIDE; g++) acc[i][g] = _mm512_loadu_ps(c + i * ldc + g * NR);
-    for (int64_t kk = 0; kk < kc; kk++) {
-        __m512 b[WIDE];
+            for (int g = 0; g < WIDE; g++) acc[i][g] = _mm512_setzero_ps();
+        for (int64_t kk = k0; kk < k1; kk++) {
+            __m512 b[WIDE];
 #pragma GCC unroll 4
-        for (int g = 0; g < WIDE; g++) b[g] = load_b16_512((const char *)bp + g * pstride, bdtype, kk);
-        const float *ak = ap + kk * MR;
+            for (int g = 0; g < WIDE; g++) b[g] = load_b16_512((const char *)bp + g * pstride, bdtype, kk);
+            const float *ak = ap + kk * MR;
 #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
-            const __m512 a = _mm512_set1_ps(ak[i]);
+            for (int i = 0; i < MR; i++) {
+                const __m512 a = _mm512_set1_ps(ak[i]);
 #pragma GCC unroll 4
-            for (int g = 0; g < WIDE; g++) acc[i][g] = _mm512_fmadd_ps(a, b[g], acc[i][g]);
+                for (int g = 0; g < WIDE; g++) acc[i][g] = _mm512_fmadd_ps(a, b[g], acc[i][g]);
+            }
         }
-    }
 #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++)
+        for (int i = 0; i < MR; i++)
 #pragma GCC unroll 4
-        for (int g = 0; g < WIDE; g++) _mm512_storeu_ps(c + i * ldc + g * NR, acc[i][g]);
+            for (int g = 0; g < WIDE; g++) APC_ADD16(c + i * ldc + g * NR, acc[i][g]);
+    }
 }
 
 APC_PER_DTYPE(ukernel_avx512_wide, "avx512f",
@@ -248,7 +275,8 @@ APC_PER_DTYPE(ukernel_avx512_wide, "avx512f",
               pstride)
 #endif
 
-/* Which micro-kernel runs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = portable scalar fmaf(). All give the same bits (see the
+/* Which micro-kernel runs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = portable scalar fmaf() (the path of every other CPU:
+ * AArch64's fmaf is its fused multiply-add instruction). All give the same bits (see the
  * top). (__builtin_cpu_supports also asks the OS: XGETBV for the AVX and AVX-512 register state.) */
 int apc_simd_level(void) {
 #ifdef APC_X86
@@ -301,9 +329,15 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
                         const void *bpacked, int b_dtype, float *c, int64_t ldc, float *apack, int64_t p0, int64_t p1,
                         int simd) {
     int64_t bes = elem_size(b_dtype);
-#ifdef APC_X86
+#if defined(APC_X86)
     unsigned int csr = _mm_getcsr();
     _mm_setcsr(0x1F80); /* round to nearest even, no flush-to-zero, no denormals-are-zero, all masked */
+#elif defined(__aarch64__)
+    uint64_t fpcr, csr;
+    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
+    csr = fpcr; /* FZ off (torch's flush-denormal sets it), round to nearest, FZ16 off */
+    fpcr &= ~((uint64_t)1 << 24 | (uint64_t)3 << 22 | (uint64_t)1 << 19);
+    __asm__ volatile("msr fpcr, %0" : : "r"(fpcr));
 #endif
     for (int64_t ic = 0; ic < m && p0 < p1; ic += MC) {
         int64_t rows = m - ic < MC ? m - ic : MC;
@@ -334,8 +368,10 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
             }
         }
     }
-#ifdef APC_X86
+#if defined(APC_X86)
     _mm_setcsr(csr);
+#elif defined(__aarch64__)
+    __asm__ volatile("msr fpcr, %0" : : "r"(csr));
 #endif
 }
 
@@ -346,6 +382,10 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
 void apc_gemm(int64_t m, int64_t n, int64_t k, const void *a, int a_dtype, int64_t sa_m, int64_t sa_k,
               const void *bpacked, int b_dtype, float *c, int64_t ldc, void *workspace, int nthreads, int simd) {
     if (simd < 0 || simd > apc_simd_level()) simd = apc_simd_level(); /* never more than this CPU has */
+    if (k == 0) { /* no products: every sum is +0 (the block loop below would leave C as it was) */
+        for (int64_t i = 0; i < m; i++) memset(c + i * ldc, 0, (size_t)n * 4);
+        return;
+    }
     int64_t panels = (n + NR - 1) / NR;
     float *base = (float *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (nthreads > panels) nthreads = (int)panels;
@@ -418,6 +458,11 @@ void apc_bmm(int64_t b0, int64_t b1, int64_t m, int64_t n, int64_t k,
     char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
     if (nthreads > items) nthreads = (int)items;
     if (nthreads < 1) nthreads = 1;
+    if (k == 0) { /* no products: every sum is +0 */
+        for (int64_t it = 0; it < items; it++)
+            for (int64_t i = 0; i < m; i++) memset(c + (it / b1) * sc0 + (it % b1) * sc1 + i * ldc, 0, (size_t)n * 4);
+        return;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t it = 0; it < items; it++) {
         int64_t i0 = it / b1, i1 = it % b1;

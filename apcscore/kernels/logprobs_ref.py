@@ -4,12 +4,21 @@ For each row of logits and its target token: the target's logprob under an fp32 
 (1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
 and the top-k token ids with their logprobs, sorted by descending logit, equal logits by ascending token id
 (`top_k`). Imports no Triton.
+
+On the CPU (where apcscore's portable math is built) the log-softmax is not torch's: each row's log-sum-exp is
+taken in double in a fixed order (apcscore.kernels.rowmath.row_logsumexp), and a logprob is logit - lse in
+double, rounded once to fp32: the same bits on every CPU, and closer to the exact value than an fp32
+log_softmax. Only the entries asked for (targets, top-k) are computed, so no [N, V] logprob tensor is made.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
+
+from apcscore.kernels import rowmath
 
 
 class Scratch:
@@ -62,6 +71,22 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values, by_id.gather(-1, order2)
 
 
+def _logprobs_portable(logits: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids [N, j] -> their fp32 logprobs: logit - the row's log-sum-exp, in double, rounded once (module doc)."""
+    lse = rowmath.row_logsumexp(logits)[:, None]  # [N, 1] fp64
+    return lambda ids: (logits.gather(1, ids).double() - lse).float()
+
+
+def _logprobs_torch(logits: torch.Tensor, scratch: Scratch | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids [N, j] -> their logprobs under torch's fp32 log_softmax (materialised [N, V]; into scratch if given)."""
+    if scratch is None:
+        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
+    else:
+        log_probs = torch._log_softmax(logits.float(), -1, False,
+                                       out=scratch.get("log_probs", logits.shape, torch.float32, logits.device))
+    return lambda ids: log_probs.gather(1, ids)
+
+
 def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = True,
                          scratch: Scratch | None = None) -> tuple[torch.Tensor, ...]:
     """logits [N, V] (any float dtype), targets [N] int64 -> logprobs [N] f32, ranks [N] i64, top ids [N, k] i64,
@@ -80,12 +105,8 @@ def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ra
     vocab = logits.shape[1]
     valid = (targets >= 0) & (targets < vocab)  # [N]
     safe = torch.where(valid, targets, 0)[:, None]  # [N, 1]
-    if scratch is None:
-        log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
-    else:
-        log_probs = torch._log_softmax(logits.float(), -1, False,
-                                       out=scratch.get("log_probs", logits.shape, torch.float32, logits.device))
-    logprobs = torch.where(valid, log_probs.gather(1, safe).squeeze(1), float("nan"))
+    logprobs_at = _logprobs_portable(logits) if rowmath.ours(logits) else _logprobs_torch(logits, scratch)
+    logprobs = torch.where(valid, logprobs_at(safe).squeeze(1), float("nan"))
     if ranks:
         if scratch is None:
             greater = (logits > logits.gather(1, safe)).sum(dim=1, dtype=torch.int32).long()  # [N]
@@ -102,4 +123,4 @@ def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ra
     else:
         rank = torch.zeros_like(targets)
     _, top_ids = top_k(logits, k)
-    return logprobs, rank, top_ids, log_probs.gather(1, top_ids)
+    return logprobs, rank, top_ids, logprobs_at(top_ids)

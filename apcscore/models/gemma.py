@@ -27,7 +27,9 @@ from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
+from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
+from apcscore.models.rope import with_portable_math
 from apcscore.models.llama import Device, Linear, LlamaDecoder
 
 SLIDING = "sliding_attention"
@@ -42,9 +44,7 @@ class GemmaRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.float()
-        out = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (out * (1.0 + self.weight.float())).type_as(x)
+        return rowmath.rms_norm(x, self.weight, self.eps, offset=1.0)
 
 
 class GemmaAttention(nn.Module):
@@ -90,14 +90,12 @@ class GemmaAttention(nn.Module):
 class GemmaLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, ops: Ops, device: Device = None) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
-
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = GemmaAttention(cfg, layer_idx, gemma3, ops, device)
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(h, 2 * cfg.intermediate_size, False, ops.linear, device)
         self.down_proj = Linear(cfg.intermediate_size, h, False, ops.linear, device)
-        self.act = ACT2FN[cfg.hidden_activation]  # elementwise (gelu_pytorch_tanh)
+        self.act = rowmath.activation(cfg.hidden_activation)  # elementwise (gelu_pytorch_tanh)
         self.input_layernorm = GemmaRMSNorm(h, eps, device)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps, device)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps, device)
@@ -130,6 +128,7 @@ class GemmaDecoder(LlamaDecoder):
         for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_head made the global ones)
             self.register_buffer(name, torch.empty(0), persistent=False)
 
+    @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, D] from transformers' own Gemma rotary module (Gemma 3: one table per layer type)."""
         positions = torch.arange(self.max_positions)[None, :]
@@ -165,7 +164,7 @@ class GemmaDecoder(LlamaDecoder):
         """fp32 logits as LlamaDecoder.compute_logits, then soft-capped (tanh(l / c) * c) when configured."""
         logits = super().compute_logits(hidden, out)
         if self.final_softcap:
-            logits.div_(self.final_softcap).tanh_().mul_(self.final_softcap)
+            rowmath.softcap(logits, self.final_softcap, inplace=True)
         return logits
 
     def load_layer(self, layer: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],

@@ -18,7 +18,9 @@ from torch import nn
 
 from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
+from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
+from apcscore.models.rope import with_portable_math
 from apcscore.models.weights import WeightCopier, param_shards
 from apcscore.models.llama import Device, Linear, LlamaDecoder
 
@@ -33,7 +35,7 @@ class LayerNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+        return rowmath.layer_norm(x, self.weight, self.bias, self.eps)
 
 
 class NeoXAttention(nn.Module):
@@ -67,14 +69,12 @@ class NeoXAttention(nn.Module):
 class NeoXLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
-
         self.self_attn = NeoXAttention(cfg, layer_idx, ops, device)
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.up = Linear(cfg.hidden_size, cfg.intermediate_size, True, ops.linear, device)
         self.down = Linear(cfg.intermediate_size, cfg.hidden_size, True, ops.linear, device)
-        self.act = ACT2FN[cfg.hidden_act]  # elementwise
+        self.act = rowmath.activation(cfg.hidden_act)  # elementwise
         self.parallel = bool(cfg.use_parallel_residual)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,6 +107,7 @@ class GPTNeoXDecoder(LlamaDecoder):
         self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.init_head(cfg, ops, device, max_positions)
 
+    @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, rotary_dim] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding

@@ -18,7 +18,8 @@ from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.ops import Ops
-from apcscore.models.rope import rope_frequencies, rotary_tables
+from apcscore.kernels import rowmath
+from apcscore.models.rope import rope_frequencies, rotary_tables, with_portable_math
 from apcscore.models.weights import WeightCopier, param_shards
 
 RmsNormFn = Callable[..., Any]
@@ -99,7 +100,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(rowmath.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -192,6 +193,7 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
+    @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin for every position, exactly transformers' values.
 

@@ -28,6 +28,7 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
+from apcscore.kernels import rowmath
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, native_architecture
 from apcscore.models.ops import Ops
 from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder
@@ -44,8 +45,6 @@ class SparseMoe(nn.Module):
 
     def __init__(self, cfg: Any, family: str, ops: Ops, device: Device = None) -> None:
         super().__init__()
-        from transformers.activations import ACT2FN
-
         qwen = family == "qwen2_moe"
         self.num_experts = cfg.num_experts if qwen else cfg.num_local_experts
         self.intermediate = cfg.moe_intermediate_size if qwen else cfg.intermediate_size
@@ -53,7 +52,7 @@ class SparseMoe(nn.Module):
         self.normalize = bool(cfg.norm_topk_prob) if qwen else True
         self.weights_in_model_dtype = qwen  # Mixtral keeps the routing weights in fp32
         self.linear = ops.linear
-        self.act = ACT2FN[cfg.hidden_act]  # elementwise
+        self.act = rowmath.activation(cfg.hidden_act)  # elementwise
         e, i, h = self.num_experts, self.intermediate, cfg.hidden_size
         self.gate = Linear(h, e, False, ops.linear, device)  # the router
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device), requires_grad=False)  # [gate|up]
@@ -69,10 +68,10 @@ class SparseMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (routing weights [T, k], expert ids [T, k]), row by row as transformers' router."""
         logits = self.gate(x)  # [T, E]
-        probs = torch.softmax(logits.float(), dim=-1)
+        probs = rowmath.softmax(logits)  # fp32
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+            weights = weights / rowmath.row_sum(weights)[:, None]
         if self.weights_in_model_dtype:
             weights = weights.to(logits.dtype)
         return weights, experts
@@ -99,6 +98,8 @@ def sigmoid_rows(g: torch.Tensor) -> torch.Tensor:
     numel % 32 elements with a scalar loop whose exp may round differently: on [T, 1] which rows take the
     scalar path would depend on T. Padded to 32 columns, every element is computed by the vector path.
     """
+    if rowmath.ours(g):  # the portable sigmoid: element by element, whatever the shape
+        return rowmath.sigmoid(g)
     return torch.sigmoid(nn.functional.pad(g, (0, 31)))[:, :1]
 
 

@@ -6,7 +6,7 @@ imported only when one is selected, so choosing "torch" on a CPU never imports T
 
 Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
 on how many rows share the GEMM. On the CPU that is our fixed-order GEMM (apcscore.kernels.cpu_gemm: every
-element one fma chain over k, by construction); where it cannot be built (no C compiler) torch's GEMM on rows
+element summed in one fixed order over k, by construction); where it cannot be built (no C compiler) torch's GEMM on rows
 padded to a multiple of 16 (apcscore.kernels.matmul_ref), which holds on some CPUs only, so the engine's
 start-up probe (apcscore.engine.gemm_probe) decides and the run metadata says. On CUDA the
 fixed-configuration Triton matmul (apcscore.kernels.matmul), whichever attention backend runs.
@@ -59,7 +59,8 @@ def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]
 
         return invariant_linear
     try:
-        from apcscore.kernels.cpu_gemm import CpuGemmUnavailable, FixedOrderLinear, library
+        from apcscore.kernels.cpu_gemm import FixedOrderLinear
+        from apcscore.kernels.cpu_library import CpuGemmUnavailable, library
 
         library()  # compiled (once per machine) and loaded now, so a failure is seen here
         return FixedOrderLinear()
@@ -78,10 +79,18 @@ def linear_construction(linear: Callable[..., Any]) -> str:
     if linear is invariant_linear_torch:
         return "library GEMM on rows padded to 16 (probed, not by construction)"
     if type(linear).__name__ == "FixedOrderLinear":
-        from apcscore.kernels.cpu_gemm import simd_level
+        from apcscore.kernels.cpu_gemm import order_version
 
-        return f"apcscore fixed-order fma chain ({simd_level()})"
+        return f"apcscore fixed-order GEMM, order {order_version()} (blocked fma chains)"
     return "Triton matmul, one fixed configuration"
+
+
+def portable_construction(linear: Callable[..., Any]) -> bool:
+    """Whether a CPU model computing with `linear` gives the same bits on every CPU: our fixed-order GEMM, with the
+    portable row math (apcscore.kernels.rowmath), both from the one C library."""
+    from apcscore.kernels.rowmath import portable
+
+    return type(linear).__name__ == "FixedOrderLinear" and portable()
 
 
 def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Ops:
@@ -94,10 +103,9 @@ def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True
     if name == "torch":
         from apcscore.attention.torch_backend import TorchAttentionBackend
         from apcscore.kernels.logprobs_ref import token_logprobs_torch
-        from apcscore.kernels.rmsnorm_ref import rms_norm_torch
+        from apcscore.kernels.rowmath import rms_norm
 
-        return Ops("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm_torch,
-                       token_logprobs_torch)
+        return Ops("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm, token_logprobs_torch)
     from apcscore.attention.triton_backend import TritonAttentionBackend
     from apcscore.kernels.logprobs import token_logprobs
     from apcscore.kernels.rmsnorm import rms_norm

@@ -29,7 +29,7 @@ import torch
 
 from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, LlamaDecoder
-from apcscore.models.rope import RopeFrequencies, longrope_frequencies, rotary_tables
+from apcscore.models.rope import RopeFrequencies, longrope_frequencies, rotary_tables, with_portable_math
 
 
 def _rope_parameters(cfg: Any) -> dict[str, Any]:
@@ -48,6 +48,7 @@ class Phi3Decoder(LlamaDecoder):
         if self.longrope:
             self.long_rope_after = int(rope["original_max_position_embeddings"])
 
+    @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:
         """Default rope, full rotary: the Llama tables. Long-rope: [M + P, R] (short rows for positions < M, then
         long rows for positions < P); partial rotary: [P, R] with Phi-3's own default frequencies (R dimensions)."""

@@ -1,0 +1,109 @@
+"""Bindings of cpu_math.c, apcscore's portable CPU math, for CPU tensors: elementwise exp, tanh, SiLU, sigmoid and
+GELU, row sums and row log-sum-exp, and double-precision exp, log, sin, cos and erf.
+
+Their bits are a function of the inputs alone: the same on every CPU (scalar, AVX2, AVX-512; Intel, AMD, ARM),
+with any thread count and any torch version (cpu_math.c's header says why). The library is apcscore.kernels.cpu_library's
+(both C files in one), so `CpuGemmUnavailable` covers both. Callers go through apcscore.kernels.rowmath,
+which runs torch's ops instead on other devices.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from apcscore.kernels.cpu_library import forced_simd, library
+
+OP_EXP, OP_TANH, OP_SILU, OP_SIGMOID, OP_GELU_TANH = range(5)  # apc_map_f's op codes
+D_EXP, D_LOG, D_SIN, D_COS, D_ERF = range(5)  # apc_map_d's
+
+
+def _lib() -> ctypes.CDLL:
+    return library()
+
+
+def _level() -> int:
+    return forced_simd()
+
+
+PARALLEL_MIN_ELEMENTS = 1 << 16  # below this one thread does the work (a parallel region costs more)
+
+
+def _threads(numel: int) -> int:
+    return torch.get_num_threads() if numel >= PARALLEL_MIN_ELEMENTS else 1
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as contiguous fp32 rows [R, N] (a copy only where needed)."""
+    if x.device.type != "cpu":
+        raise ValueError(f"cpu_math: a tensor on {x.device}, not the CPU")
+    x = x.float().contiguous()
+    return x.view(-1, x.shape[-1]) if x.dim() else x.view(1, 1)
+
+
+def map_float(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    """op applied to every element of x (any float dtype: computed in fp32, rounded back to x's dtype)."""
+    if inplace and x.dtype == torch.float32 and x.is_contiguous() and x.device.type == "cpu":
+        src = out = x
+    else:
+        src = _rows(x)
+        out = torch.empty_like(src)
+    if src.numel():
+        _lib().apc_map_f(op, src.data_ptr(), out.data_ptr(), src.numel(), _level(), _threads(src.numel()))
+    if out is x:
+        return x
+    out = out.view(x.shape).to(x.dtype)
+    if inplace:
+        x.copy_(out)
+        return x
+    return out
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """The sums of x's last dimension, fp32 [...]: LANES interleaved fp32 partial sums and a fixed tree."""
+    rows = _rows(x)
+    sums = torch.empty(rows.shape[0], dtype=torch.float32)
+    if rows.numel():
+        _lib().apc_row_sums_f(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], sums.data_ptr(),
+                              _level(), _threads(rows.numel()))
+    else:
+        sums.zero_()
+    return sums.view(x.shape[:-1])
+
+
+def row_sums_double(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
+    """The sums of x's last dimension (of its squares with `squares`), fp64 [...], in double lanes and a fixed
+    tree: every square and conversion is exact, so the only roundings are the sums'."""
+    rows = _rows(x)
+    sums = torch.zeros(rows.shape[0], dtype=torch.float64)
+    if rows.numel():
+        _lib().apc_row_sums_d(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], 0 if squares else 1,
+                              sums.data_ptr(), _level(), _threads(rows.numel()))
+    return sums.view(x.shape[:-1])
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(row))) of each row of x [..., N], fp64 [...]: the max, float exps of x - max summed in double
+    lanes and a fixed tree, and our double log. All -inf rows give -inf, rows with a NaN give NaN."""
+    rows = _rows(x)
+    lse = torch.empty(rows.shape[0], dtype=torch.float64)
+    if rows.numel():
+        _lib().apc_row_logsumexp(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], lse.data_ptr(),
+                                 _level(), _threads(rows.numel()))
+    return lse.view(x.shape[:-1])
+
+
+def map_double(fn: int, x: torch.Tensor) -> torch.Tensor:
+    """fn (D_EXP, D_LOG, D_SIN, D_COS, D_ERF) of every element, computed and returned in fp64."""
+    src = x.to(device="cpu", dtype=torch.float64).contiguous()
+    out = torch.empty_like(src)
+    if src.numel():
+        _lib().apc_map_d(fn, src.data_ptr(), out.data_ptr(), src.numel())
+    return out
+
+
+def scalar(fn: int, value: float) -> float:
+    """fn of one Python float (D_EXP, D_LOG, ...), in double."""
+    lib = _lib()
+    return float([lib.apc_exp_d, lib.apc_log_d, lib.apc_sin_d, lib.apc_cos_d, lib.apc_erf_d][fn](float(value)))

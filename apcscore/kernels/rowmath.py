@@ -1,0 +1,201 @@
+"""The row ops and transcendental functions every model and attention path computes with: exp, tanh, SiLU, GELU,
+sigmoid, softmax, row sums, RMSNorm, LayerNorm, log-sum-exp, and the double functions of tables and per-record
+figures.
+
+On CPU tensors they are apcscore's portable construction (apcscore.kernels.cpu_math: fixed-order reductions, no
+fused multiply-adds, our own exp/log/tanh/erf/sin/cos), so a result's bits are the same on every CPU, vector
+width and thread count. Elsewhere (CUDA, where bits are per GPU model anyway) and where the C library cannot be
+built (no compiler: `portable()` is False, and the run metadata says so), torch's own ops, which follow the ISA.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def portable() -> bool:
+    """Whether the portable CPU math is available here (the C library builds and loads; asked once)."""
+    from apcscore.kernels.cpu_library import available
+
+    return available()
+
+
+def ours(x: torch.Tensor) -> bool:
+    """Whether x is computed with the portable construction: a CPU tensor, where the library is available."""
+    return x.device.type == "cpu" and portable()
+
+
+def _map(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
+    from apcscore.kernels.cpu_math import map_float
+
+    return map_float(op, x, inplace)
+
+
+def exp(x: torch.Tensor) -> torch.Tensor:
+    """exp(x), elementwise (fp32 math, x's dtype)."""
+    from apcscore.kernels.cpu_math import OP_EXP
+
+    return _map(OP_EXP, x) if ours(x) else torch.exp(x)
+
+
+def exp_(x: torch.Tensor) -> torch.Tensor:
+    """exp(x) in place."""
+    from apcscore.kernels.cpu_math import OP_EXP
+
+    return _map(OP_EXP, x, inplace=True) if ours(x) else x.exp_()
+
+
+def tanh(x: torch.Tensor) -> torch.Tensor:
+    """tanh(x), elementwise."""
+    from apcscore.kernels.cpu_math import OP_TANH
+
+    return _map(OP_TANH, x) if ours(x) else torch.tanh(x)
+
+
+def softcap(x: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
+    """tanh(x / cap) * cap (Gemma 2's soft-capping of attention scores and logits), each step rounded."""
+    if inplace:
+        x.div_(cap)
+        if ours(x):
+            from apcscore.kernels.cpu_math import OP_TANH
+
+            _map(OP_TANH, x, inplace=True)
+        else:
+            x.tanh_()
+        return x.mul_(cap)
+    return tanh(x / cap) * cap
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(x), as torch computes it: x / (1 + exp(-x)), in fp32, rounded to x's dtype."""
+    from apcscore.kernels.cpu_math import OP_SILU
+
+    return _map(OP_SILU, x) if ours(x) else torch.nn.functional.silu(x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(-x)), elementwise."""
+    from apcscore.kernels.cpu_math import OP_SIGMOID
+
+    return _map(OP_SIGMOID, x) if ours(x) else torch.sigmoid(x)
+
+
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU: approximate="tanh" is 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (torch's operation order);
+    "none" is the exact 0.5 x (1 + erf(x / sqrt 2)), erf in double."""
+    if not ours(x):
+        return torch.nn.functional.gelu(x, approximate=approximate)
+    if approximate == "tanh":
+        from apcscore.kernels.cpu_math import OP_GELU_TANH
+
+        return _map(OP_GELU_TANH, x)
+    from apcscore.kernels.cpu_math import D_ERF, map_double
+
+    h = x.float()
+    erf = map_double(D_ERF, h * math.sqrt(0.5)).float()  # the fp32 product, erf in double, rounded once
+    return (h * 0.5 * (1.0 + erf)).to(x.dtype)
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Sums over the last dimension, fp32 (a fixed order on the CPU: interleaved lanes, a fixed tree)."""
+    if ours(x):
+        from apcscore.kernels.cpu_math import row_sums
+
+        return row_sums(x)
+    return x.float().sum(-1)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dimension, fp32: exp(x - max) / sum."""
+    if not ours(x):
+        return torch.softmax(x.float(), dim=-1)
+    h = x.float()
+    e = exp(h - h.amax(-1, keepdim=True))
+    return e / row_sum(e)[..., None]
+
+
+def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """log(sum(exp(x))) over the last dimension, fp64 on the CPU (double sums and log), fp32 elsewhere."""
+    if ours(x):
+        from apcscore.kernels.cpu_math import row_logsumexp as lse
+
+        return lse(x)
+    return torch.logsumexp(x.float(), dim=-1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+             offset: float = 0.0) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype) (offset: Gemma's
+    (offset + weight) in fp32, applied before the cast); with `residual`: x += residual first, and the new residual
+    is returned too. On the CPU the mean of squares is a double sum in a fixed order, and 1 / sqrt(mean + eps) is
+    taken in double and rounded once."""
+    if residual is not None:
+        x = x + residual
+        residual = x
+    h = x.float()
+    if ours(x):
+        from apcscore.kernels.cpu_math import row_sums_double
+
+        mean = row_sums_double(h, squares=True) / h.shape[-1]  # [...] fp64
+        h = h * (1.0 / torch.sqrt(mean + eps)).float()[..., None]
+    else:
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        out = (h * (offset + weight.float())).to(x.dtype)
+    else:
+        out = weight * h.to(x.dtype)
+    return out if residual is None else (out, residual)
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dimension: (x - mean) * rsqrt(var + eps) * weight + bias, in fp32, x's dtype out.
+    On the CPU the mean and the variance are double sums in a fixed order, each rounded once."""
+    if not ours(x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    from apcscore.kernels.cpu_math import row_sums_double
+
+    h = x.float()
+    n = h.shape[-1]
+    centred = h - (row_sums_double(h) / n).float()[..., None]
+    var = row_sums_double(centred, squares=True) / n
+    rstd = (1.0 / torch.sqrt(var + eps)).float()[..., None]
+    return (centred * rstd * weight.float() + bias.float()).to(x.dtype)
+
+
+def exp_scalar(value: float) -> float:
+    """exp of a Python float, the same bits on every machine where the library is (libm's otherwise)."""
+    if portable():
+        from apcscore.kernels.cpu_math import D_EXP, scalar
+
+        return scalar(D_EXP, value)
+    return math.exp(value)
+
+
+def log_scalar(value: float) -> float:
+    """log of a Python float (see exp_scalar)."""
+    if portable():
+        from apcscore.kernels.cpu_math import D_LOG, scalar
+
+        return scalar(D_LOG, value)
+    return math.log(value)
+
+
+def activation(name: str):
+    """The MLP activation called `name` in a transformers config (ACT2FN's names), with the portable functions on
+    the CPU: silu / swish, gelu (erf), gelu_pytorch_tanh, relu. Other names take transformers' own (ACT2FN),
+    whose bits follow the CPU."""
+    if name in ("silu", "swish"):
+        return silu
+    if name == "gelu":
+        return gelu
+    if name == "gelu_pytorch_tanh":
+        return functools.partial(gelu, approximate="tanh")
+    if name == "relu":
+        return torch.relu
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[name]

@@ -1,0 +1,146 @@
+"""The CPU kernel library's build and cache (apcscore.kernels.cpu_library) and the GEMM's edges (issue 42, items 1-6):
+a cached library others can load, none loaded that another user owns or can write, one name per machine kind,
+build failures as clear errors, a cache that cannot be written, $CC as a command line, per-thread workspaces,
+K = 0, and the floating-point environment. The builds here compile a one-line C file (fast)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from apcscore.kernels import cpu_gemm
+from apcscore.kernels import cpu_library as cpu_build
+from apcscore.kernels.cpu_library import CpuGemmUnavailable
+
+
+@pytest.fixture
+def tiny_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A one-function C source in place of the kernels, and a fresh cache folder."""
+    src = tmp_path / "tiny.c"
+    src.write_text("int apc_tiny(void) { return 7; }\n")
+    monkeypatch.setattr(cpu_build, "SOURCES", (src,))
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CC", raising=False)
+    return tmp_path / "cache" / "kernels"
+
+
+def test_a_built_library_is_loadable_by_other_users(tiny_sources: Path) -> None:
+    path = cpu_build.library_path()
+    assert path.parent == tiny_sources
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755  # mkstemp's 0600 plus the linker's +x was -rwx--x--x
+
+
+@pytest.mark.parametrize("problem", ["writable", "foreign"])
+def test_a_cached_library_others_can_write_or_own_is_not_loaded(tiny_sources: Path, problem: str) -> None:
+    name = cpu_build.library_name(cpu_build.compiler())
+    tiny_sources.mkdir(parents=True)
+    planted = tiny_sources / name
+    planted.write_bytes(b"not a library")
+    if problem == "writable":
+        planted.chmod(0o777)
+    else:
+        planted.chmod(0o755)
+        if os.getuid() != 0:
+            pytest.skip("only root can give a file to another user")
+        os.chown(planted, 12345, 12345)
+    with pytest.warns(UserWarning, match="another user|can write it"):
+        path = cpu_build.library_path()
+    assert path != planted and path.name == name and path.read_bytes() != b"not a library"
+
+
+def test_the_name_covers_the_machine_and_its_c_library(tiny_sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cc = cpu_build.compiler()
+    here = cpu_build.library_name(cc)
+    monkeypatch.setattr(cpu_build.platform, "machine", lambda: "aarch64")
+    assert cpu_build.library_name(cc) != here
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_build.platform, "libc_ver", lambda: ("musl", "1.2"))
+    assert cpu_build.library_name(cc) != here
+
+
+def test_a_compile_that_takes_too_long_is_a_clear_error(tiny_sources: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    slow = tmp_path / "slowcc"
+    slow.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo slowcc 1; exit 0; fi\nsleep 5\n")
+    slow.chmod(0o755)
+    monkeypatch.setenv("CC", str(slow))
+    monkeypatch.setattr(cpu_build, "BUILD_TIMEOUT", 1)
+    with pytest.raises(CpuGemmUnavailable, match="took more than 1 s"):
+        cpu_build.library_path()
+
+
+def test_a_cache_that_cannot_be_written_builds_a_private_copy(tmp_path: Path, tiny_sources: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("APCSCORE_CACHE", str(blocker))  # kernels/ would be a folder under a file
+    with pytest.warns(UserWarning, match="cannot be written"):
+        path = cpu_build.library_path()
+    assert path.exists() and not str(path).startswith(str(blocker))
+
+
+def test_cc_may_be_a_command_line(tiny_sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "env gcc")  # as "ccache gcc" is written
+    assert cpu_build.compiler() == ["env", "gcc"]
+    assert cpu_build.library_path().exists()
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    with pytest.raises(CpuGemmUnavailable, match="is not a command"):
+        cpu_build.compiler()
+
+
+def test_workspaces_are_per_thread() -> None:
+    """Two engines in two threads never share a workspace: a regrow in one cannot free the other's under it."""
+    seen: dict[str, int] = {}
+
+    def grab(name: str) -> None:
+        seen[name] = cpu_gemm._workspace("gemm", 1 << 20).data_ptr()
+
+    threads = [threading.Thread(target=grab, args=(f"t{i}",)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(seen.values())) == 2
+    x, w = torch.randn(64, 300), torch.randn(96, 300)
+    want = cpu_gemm.FixedOrderLinear()(x, w)
+    results: list[bool] = []
+
+    def run() -> None:
+        linear = cpu_gemm.FixedOrderLinear()
+        for rows in (64, 7, 64, 33, 64):  # other sizes between: workspaces regrow
+            got = linear(x[:rows], w)
+            results.append(torch.equal(got, want[:rows]))
+
+    threads = [threading.Thread(target=run) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(results) and len(results) == 20
+
+
+def test_k_zero_gives_zeros_not_the_buffers_old_contents() -> None:
+    out = torch.full((4, 5), float("nan"))
+    got = cpu_gemm.FixedOrderLinear()(torch.zeros(3, 0), torch.zeros(5, 0), out=out)
+    assert torch.equal(got, torch.zeros(3, 5))
+    products = cpu_gemm.fixed_order_bmm(torch.zeros(2, 3, 0), torch.zeros(2, 4, 0))
+    assert torch.equal(products, torch.zeros(2, 3, 4))
+
+
+def test_denormals_are_kept_whatever_torch_flushes() -> None:
+    """torch.set_flush_denormal(True) sets MXCSR's FTZ/DAZ (FPCR.FZ on AArch64); the kernels set their own
+    environment for the call, so a denormal product is kept."""
+    x, w = torch.tensor([[1e-20]]), torch.tensor([[1e-20]])  # 1e-40: a denormal float
+    want = cpu_gemm.FixedOrderLinear()(x, w)
+    assert want.item() != 0.0
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        assert torch.equal(cpu_gemm.FixedOrderLinear()(x, w), want)
+    finally:
+        torch.set_flush_denormal(False)
