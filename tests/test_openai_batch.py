@@ -383,3 +383,38 @@ def test_sigint_then_resume_writes_the_lines_of_an_uninterrupted_run(tmp_path, w
     resumed, reference = lines(out), lines(ref)
     assert [x["custom_id"] for x in resumed] == [f"s{i}" for i in range(400)]
     assert resumed == reference and not partial.exists()
+
+
+# ---------------------------------------------------------------- issue 42: fidelity against OpenAI and vLLM
+
+class Tok:
+    """A tokenizer stand-in: token i reads as the letter chr(97 + i % 26)."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def result_line(body: dict, row: dict, url: str = "/v1/completions", command: str = "generate") -> dict:
+    """The result line LineWriter writes for `row`, the row of the request `body`."""
+    converted = convert(body, url=url, command=command)
+    assert not converted.problems, converted.problems
+    fields = {**converted.record, "openai": converted.line.to_dict()}
+    return json.loads(LineWriter(Tok(), "m", 0, {0: fields}, set()).line(0, {"id": "c", **row}))
+
+
+def test_non_finite_logprobs_are_written_as_vllms_finite_stand_in() -> None:
+    """Issue 42 item 12: a NaN or ±inf logprob crashed the final write (strict JSON), on every --resume too."""
+    nan, inf = float("nan"), float("inf")
+    row = {"status": "ok", "completion": "bc", "completion_token_ids": [1, 2], "finish_reason": "length",
+           "num_prompt_tokens": 2, "token_ids": [0, 1], "token_logprobs": [None, -inf], "token_ranks": [None, 9],
+           "top_ids": [None, [3]], "top_logprobs": [None, [nan]], "completion_logprobs": [nan, -inf],
+           "completion_top_ids": [[1], [2]], "completion_top_logprobs": [[inf], [-inf]]}
+    x = result_line({"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 2}, row)
+    lp = x["response"]["body"]["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [None, -9999.0, -9999.0, -9999.0]
+    assert lp["top_logprobs"][1:] == [{"d": -9999.0, "b": -9999.0}, {"b": -9999.0}, {"c": -9999.0}]
+    chat = result_line({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1},
+                       row, url="/v1/chat/completions")
+    content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-9999.0, -9999.0]
+    assert [c["top_logprobs"][0]["logprob"] for c in content] == [-9999.0, -9999.0]

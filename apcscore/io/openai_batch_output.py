@@ -16,17 +16,32 @@ One line per input record, in input order: ``{"id", "custom_id", "response": {"s
 - `usage`: prompt, completion and total tokens; `prompt_tokens_details.cached_tokens` where the row knows it
   (generate: prefix-cache hits).
 A token's text is `tokenizer.decode([id])` (a token that is part of a UTF-8 character reads U+FFFD there).
+A logprob that is not finite (-inf, +inf, NaN: strict JSON has no such number) is written as vLLM's stand-in
+`NONFINITE_LOGPROB` (-9999.0); the parquet results keep the value itself.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from typing import Any
 
 CODE_INVALID = "invalid_request_error"  # a line refused before the run (what --skip-invalid turned into a row)
 CODE_FAILED = "request_failed"  # a line that could not run (e.g. longer than the model's context)
+NONFINITE_LOGPROB = -9999.0  # what a -inf / +inf / NaN logprob is written as (vLLM's floor for -inf)
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is not finite (in lists and dicts too) replaced by `NONFINITE_LOGPROB`."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else NONFINITE_LOGPROB
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return value
 
 
 def _digest(custom_id: str, index: int) -> str:
@@ -74,7 +89,10 @@ class LineWriter:
         else:
             out.update(response={"status_code": 200, "request_id": f"req_{h[32:64]}",
                                  "body": self.body(row, fields, h)}, error=None)
-        return json.dumps(out, ensure_ascii=False, allow_nan=False)
+        try:
+            return json.dumps(out, ensure_ascii=False, allow_nan=False)
+        except ValueError:  # a non-finite logprob: only such lines pay for the walk
+            return json.dumps(finite(out), ensure_ascii=False, allow_nan=False)
 
     def body(self, row: dict, fields: dict, h: str) -> dict:
         batch = fields["openai"]
