@@ -418,3 +418,24 @@ def test_non_finite_logprobs_are_written_as_vllms_finite_stand_in() -> None:
     content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
     assert [c["logprob"] for c in content] == [-9999.0, -9999.0]
     assert [c["top_logprobs"][0]["logprob"] for c in content] == [-9999.0, -9999.0]
+
+
+def test_a_line_without_custom_id_claims_no_id_and_its_result_line_has_none(tmp_path, write_jsonl) -> None:
+    """Issue 42 item 13: a line without a custom_id claimed its line number, so a later line whose custom_id is
+    that number was refused as a duplicate, and both error lines carried it."""
+    first = line("x", "/v1/completions", {"prompt": "Hi"})
+    anonymous = {k: v for k, v in first.items() if k != "custom_id"}
+    data = write_jsonl(tmp_path / "b.jsonl", [anonymous, {**first, "custom_id": "1"}, "{not json",
+                                              {**first, "custom_id": "3"}])
+    loaded = load_dataset(data, "generate", skip_invalid=True, input_format="openai-batch")
+    assert [r.id for r in loaded.records] == ["1", "3"]
+    assert [(r.index, r.line) for r in loaded.invalid] == [(0, 1), (2, 3)]
+    assert "duplicate" not in " ".join(r.message for r in loaded.invalid)
+    assert loaded.no_custom_id == {0, 2}
+    # a first line that does not parse claims nothing either, once the next line shows the file is request lines
+    unparsed = write_jsonl(tmp_path / "u.jsonl", ["{not json", {**first, "custom_id": "1"}])
+    loaded = load_dataset(unparsed, "generate", skip_invalid=True)
+    assert [r.id for r in loaded.records] == ["1"] and loaded.no_custom_id == {0}
+    writer = LineWriter(Tok(), "m", 0, {1: {**loaded.records[0].fields}}, {0}, loaded.no_custom_id)
+    error = json.loads(writer.line(0, {"id": "1", "status": "error", "error": "u.jsonl:1: bad"}))
+    assert error["custom_id"] is None and error["error"]["code"] == "invalid_request_error"

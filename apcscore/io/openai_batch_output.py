@@ -61,11 +61,13 @@ def created_seconds(created: str | None) -> int:
 
 class LineWriter:
     """Turns the rows of one run into result lines; `tokenizer` decodes token ids (any object with
-    `decode(ids)`), `records` maps a dataset position to its record's fields (valid records only)."""
+    `decode(ids)`), `records` maps a dataset position to its record's fields (valid records only); the lines
+    at the positions `no_custom_id` gave none (their rows' id is a stand-in), so their `custom_id` is null."""
 
     def __init__(self, tokenizer: Any, model: str, created: int, records: dict[int, dict],
-                 invalid: set[int]) -> None:
+                 invalid: set[int], no_custom_id: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.no_custom_id = no_custom_id
         self.model = model
         self.created = created
         self.records = records
@@ -81,7 +83,8 @@ class LineWriter:
         """The result line (JSON, no newline) of the row of dataset position `index`."""
         cid = row["id"]
         h = _digest(cid, index)
-        out: dict[str, Any] = {"id": f"batch_req_{h[:32]}", "custom_id": cid}
+        out: dict[str, Any] = {"id": f"batch_req_{h[:32]}",
+                               "custom_id": None if index in self.no_custom_id else cid}
         fields = self.records.get(index)
         if row.get("status") != "ok" or fields is None:
             code = CODE_INVALID if index in self.invalid else CODE_FAILED

@@ -114,7 +114,8 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
     if lines:
         writer.lines = LineWriter(executor.tokenizer, opts.model, created_seconds(previous.get("created",
                                                                                                 metadata["created"])),
-                                  {r.index: r.fields for r in data.records}, {r.index for r in data.invalid}).line
+                                  {r.index: r.fields for r in data.records}, {r.index for r in data.invalid},
+                                  data.no_custom_id).line
     before = observe_previous(job, writer)
     quiet = opts.quiet
     rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
