@@ -439,3 +439,10 @@ def test_a_line_without_custom_id_claims_no_id_and_its_result_line_has_none(tmp_
     writer = LineWriter(Tok(), "m", 0, {1: {**loaded.records[0].fields}}, {0}, loaded.no_custom_id)
     error = json.loads(writer.line(0, {"id": "1", "status": "error", "error": "u.jsonl:1: bad"}))
     assert error["custom_id"] is None and error["error"]["code"] == "invalid_request_error"
+
+
+def test_text_parts_of_a_message_are_joined_with_a_newline_as_vllm_joins_them() -> None:
+    """Issue 42 item 14: the parts were joined with "" (vLLM: "\\n")."""
+    parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
+    chat = convert({"messages": [{"role": "user", "content": parts}]}, url="/v1/chat/completions")
+    assert not chat.problems and chat.record["messages"] == [{"role": "user", "content": "First part.\nSecond part."}]

@@ -7,7 +7,7 @@ prompt_token_ids record with generate's sampling overrides) and `BatchLine`, wha
 (endpoint, echo, how many logprobs the body asked for, its model). Every body field either maps onto one of
 ours or is refused: a field that would change the result and that we do not implement is never ignored.
 
-- chat (`/v1/chat/completions`): `messages` (string content, or a list of text parts joined), the chat
+- chat (`/v1/chat/completions`): `messages` (string content, or a list of text parts joined with "\\n"), the chat
   template with the generation prompt as for our messages records; `logprobs` (bool) + `top_logprobs` (int).
 - completions (`/v1/completions`): `prompt` a string, a list of token ids, or a list holding one of those;
   `logprobs` (int: top-K per sampled token), `echo` (the prompt's text, and with logprobs its per-token
@@ -79,7 +79,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _content(v: Any) -> tuple[Any, str | None]:
-    """A message's content as a string: a string, or a list of text parts joined (other parts refused)."""
+    """A message's content as a string: a string, or a list of text parts joined with "\\n" as vLLM joins them
+    (other parts refused)."""
     if not isinstance(v, list):
         return v, None
     texts = []
@@ -88,7 +89,7 @@ def _content(v: Any) -> tuple[Any, str | None]:
             return v, (f"a message content part must be {{\"type\": \"text\", \"text\": str}} (apcscore reads text "
                        f"only), got {_show(part)}")
         texts.append(part["text"])
-    return "".join(texts), None
+    return "\n".join(texts), None
 
 
 def _prompt(v: Any) -> tuple[dict | None, str | None]:
