@@ -446,3 +446,28 @@ def test_text_parts_of_a_message_are_joined_with_a_newline_as_vllm_joins_them() 
     parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
     chat = convert({"messages": [{"role": "user", "content": parts}]}, url="/v1/chat/completions")
     assert not chat.problems and chat.record["messages"] == [{"role": "user", "content": "First part.\nSecond part."}]
+
+
+def scored_row(n_completion: int = 1) -> dict:
+    """A generate row of prompt [0, 1, 2] with prompt and completion logprobs (top-3 everywhere)."""
+    top = [[5, 6, 7], [-0.5, -1.5, -2.5]]
+    return {"status": "ok", "completion": "d" * n_completion, "completion_token_ids": [3] * n_completion,
+            "finish_reason": "length", "num_prompt_tokens": 3, "token_ids": [0, 1, 2],
+            "token_logprobs": [None, -1.0, -2.0], "token_ranks": [None, 2, 4], "top_ids": [None, top[0], top[0]],
+            "top_logprobs": [None, top[1], top[1]], "completion_logprobs": [-0.25] * n_completion,
+            "completion_top_ids": [top[0]] * n_completion, "completion_top_logprobs": [top[1]] * n_completion}
+
+
+def test_vllm_prompt_logprobs_go_where_vllm_writes_them() -> None:
+    """Issue 42 item 15: a chat response's prompt_logprobs went on the choice (vLLM: on the response), and a
+    completions body with only prompt_logprobs got an empty logprobs object instead of null."""
+    chat = result_line({"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1}, scored_row(),
+                       url="/v1/chat/completions")["response"]["body"]
+    assert "prompt_logprobs" not in chat["choices"][0] and chat["choices"][0]["logprobs"] is None
+    assert chat["prompt_logprobs"][0] is None and set(chat["prompt_logprobs"][1]) == {"5", "1"}
+    comp = result_line({"prompt": "abc", "prompt_logprobs": 1}, scored_row())["response"]["body"]
+    assert "prompt_logprobs" not in comp and comp["choices"][0]["logprobs"] is None
+    assert comp["choices"][0]["prompt_logprobs"][2] == {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "f"},
+                                                        "2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}
+    echo_only = result_line({"prompt": "abc", "echo": True, "prompt_logprobs": 1}, scored_row())
+    assert echo_only["response"]["body"]["choices"][0]["logprobs"] is None

@@ -60,7 +60,8 @@ class BatchLine:
     logprobs: int | None = None  # top-K per generated token (chat: top_logprobs, 0 without it); None: none
     prompt_logprobs: int | None = None  # top-K per prompt token (echo with logprobs, or vLLM's prompt_logprobs)
     model: str | None = None  # the body's model, when it gives one
-    vllm_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs (a choice's prompt_logprobs)
+    vllm_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs (written beside the choices)
+    echo_logprobs: int | None = None  # completions with echo and logprobs: top-K of the echoed prompt tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -170,7 +171,7 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
                             "disagree — give one of them")
         record["max_tokens"] = mct
 
-    logprobs = prompt_logprobs = None
+    logprobs = prompt_logprobs = echo_logprobs = None
     echo = False
     usable = True  # False: the line has no prompt we could check further
     if endpoint == "chat":
@@ -225,7 +226,7 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             problems.append(f"'echo' must be true or false, got {_show(echo)}")
         echo = echo is True
         if echo and logprobs is not None:
-            prompt_logprobs = logprobs
+            prompt_logprobs = echo_logprobs = logprobs
     plp = body.get("prompt_logprobs")
     if plp is not None:
         if not _is_int(plp) or plp < 0:
@@ -248,5 +249,5 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         record = {k: v for k, v in record.items() if k in ("prompt", "prompt_token_ids")}
         prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else logprobs
         logprobs = None
-    line = BatchLine(endpoint, echo, logprobs, prompt_logprobs, model, vllm_prompt)
+    line = BatchLine(endpoint, echo, logprobs, prompt_logprobs, model, vllm_prompt, echo_logprobs)
     return Converted(cid, record if usable else None, line, problems)

@@ -13,6 +13,8 @@ One line per input record, in input order: ``{"id", "custom_id", "response": {"s
   (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, the token itself added as vLLM does,
   `text_offset` from the start of `text`); with echo the prompt's tokens come first, the first one's logprob
   and top_logprobs null (nothing predicts it).
+- vLLM's `prompt_logprobs` (`{token id: {logprob, rank, decoded_token}}` per prompt token, the first null) where
+  vLLM writes it: on the choice of a completion, on the response body of a chat completion.
 - `usage`: prompt, completion and total tokens; `prompt_tokens_details.cached_tokens` where the row knows it
   (generate: prefix-cache hits).
 A token's text is `tokenizer.decode([id])` (a token that is part of a UTF-8 character reads U+FFFD there).
@@ -117,12 +119,13 @@ class LineWriter:
                       "logprobs": logprobs, "finish_reason": finish}
         else:
             prefix = self.prompt_text(row, fields) if batch["echo"] else ""
+            # the legacy object only where the body's logprobs asked for it (vLLM's prompt_logprobs alone: null)
             logprobs = self.completion_logprobs(row, batch) if (
-                batch["logprobs"] is not None or batch["prompt_logprobs"] is not None) else None
+                batch["logprobs"] is not None or batch["echo_logprobs"] is not None) else None
             choice = {"index": 0, "text": prefix + completion, "logprobs": logprobs, "finish_reason": finish}
-        if batch.get("vllm_prompt_logprobs"):
-            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(row, batch["prompt_logprobs"])
         body.update(choices=[choice], usage=usage, system_fingerprint=None)
+        if batch["vllm_prompt_logprobs"]:  # vLLM's place: a completion choice's field, a chat response's
+            (body if chat else choice)["prompt_logprobs"] = self.vllm_prompt_logprobs(row, batch["prompt_logprobs"])
         return body
 
     def prompt_text(self, row: dict, fields: dict) -> str:
@@ -151,7 +154,7 @@ class LineWriter:
         tokens: list[str] = []
         token_lps: list[float | None] = []
         tops: list[dict | None] = []
-        if batch["echo"]:
+        if batch["echo_logprobs"] is not None:
             k = batch["prompt_logprobs"] or 0
             ids = row.get("token_ids") or []
             lps = row.get("token_logprobs") or [None] * len(ids)
