@@ -471,3 +471,17 @@ def test_vllm_prompt_logprobs_go_where_vllm_writes_them() -> None:
                                                         "2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}
     echo_only = result_line({"prompt": "abc", "echo": True, "prompt_logprobs": 1}, scored_row())
     assert echo_only["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_top_k_minus_one_and_the_developer_role_are_read_not_refused(tmp_path, write_jsonl) -> None:
+    """Issue 42 item 16: `top_k: -1` (the API's "off") and a `developer` message were refused per line."""
+    data = write_jsonl(tmp_path / "b.jsonl", [
+        line("a", "/v1/completions", {"prompt": "Hi", "top_k": -1}),
+        line("b", "/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
+                                                        {"role": "user", "content": "Hi"}], "top_k": 3}),
+        line("c", "/v1/completions", {"prompt": "Hi", "top_k": -2})])
+    loaded = load_dataset(data, "generate", skip_invalid=True)
+    assert [r.id for r in loaded.records] == ["a", "b"]
+    assert loaded.records[0].fields["top_k"] == 0  # off, whatever --top-k says
+    assert loaded.records[1].fields["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert "'top_k' must be an integer >= 0, got -2" in loaded.invalid[0].message

@@ -13,9 +13,10 @@ ours or is refused: a field that would change the result and that we do not impl
   `logprobs` (int: top-K per sampled token), `echo` (the prompt's text, and with logprobs its per-token
   logprobs, ahead of the completion). `echo: true` with `max_tokens: 0` is a score request.
 - both: `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `seed`, `stop`,
-  `n` (1 only), vLLM's `prompt_logprobs`; harmless: `model` (checked against --model), `user`, `metadata`,
-  `store`, `service_tier`, `stream` false, `stream_options` null; neutral values of the others (e.g.
-  `frequency_penalty: 0`) are accepted, any other value refused.
+  `n` (1 only), vLLM's `prompt_logprobs`; `top_k: -1` is off (our 0) and a `developer` message a system one;
+  harmless: `model` (checked against --model), `user`, `metadata`, `store`, `service_tier`, `stream` false,
+  `stream_options` null; neutral values of the others (e.g. `frequency_penalty: 0`) are accepted, any other
+  value refused.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
     for key in _SAMPLING:
         if body.get(key) is not None:
             record[key] = body[key]
+    if _is_int(record.get("top_k")) and record["top_k"] == -1:
+        record["top_k"] = 0  # the API's (and vLLM's) "off" is our 0, not --top-k: the body says it is off
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:
         mct = body["max_completion_tokens"]
         if "max_tokens" in record and record["max_tokens"] != mct:
@@ -193,6 +196,8 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
                     if why:
                         problems.append(f"'messages' {why}")
                     m = {**m, "content": content}
+                if isinstance(m, dict) and m.get("role") == "developer":
+                    m = {**m, "role": "system"}  # OpenAI's newer name for the system message; templates know system
                 fixed.append(m)
             messages = fixed
         record["messages"] = messages
