@@ -485,3 +485,15 @@ def test_top_k_minus_one_and_the_developer_role_are_read_not_refused(tmp_path, w
     assert loaded.records[0].fields["top_k"] == 0  # off, whatever --top-k says
     assert loaded.records[1].fields["messages"][0] == {"role": "system", "content": "Be brief."}
     assert "'top_k' must be an integer >= 0, got -2" in loaded.invalid[0].message
+
+
+def test_echoed_tokens_top_logprobs_follow_the_bodys_logprobs() -> None:
+    """Issue 42 item 17: echoed tokens' top_logprobs used max(prompt_logprobs, logprobs), not `logprobs`."""
+    body = result_line({"prompt": "abc", "echo": True, "logprobs": 1, "prompt_logprobs": 2, "max_tokens": 1},
+                       scored_row())["response"]["body"]
+    lp, plp = body["choices"][0]["logprobs"], body["choices"][0]["prompt_logprobs"]
+    assert lp["top_logprobs"] == [None, {"f": -0.5, "b": -1.0}, {"f": -0.5, "c": -2.0}, {"f": -0.5, "d": -0.25}]
+    assert [sorted(map(int, p)) for p in plp[1:]] == [[1, 5, 6], [2, 5, 6]]  # vLLM's: its own top-2
+    zero = result_line({"prompt": "abc", "prompt_logprobs": 0}, scored_row())["response"]["body"]["choices"][0]
+    assert zero["prompt_logprobs"] == [None, {"1": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}},
+                                       {"2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}]

@@ -59,9 +59,9 @@ class BatchLine:
     endpoint: str  # chat | completions
     echo: bool = False
     logprobs: int | None = None  # top-K per generated token (chat: top_logprobs, 0 without it); None: none
-    prompt_logprobs: int | None = None  # top-K per prompt token (echo with logprobs, or vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None  # top-K computed per prompt token: the larger of the two below
     model: str | None = None  # the body's model, when it gives one
-    vllm_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs (written beside the choices)
+    vllm_prompt_logprobs: int | None = None  # top-K of vLLM's prompt_logprobs the body asked for (None: none)
     echo_logprobs: int | None = None  # completions with echo and logprobs: top-K of the echoed prompt tokens
 
     def to_dict(self) -> dict:
@@ -238,7 +238,7 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             problems.append(f"'prompt_logprobs' must be an integer >= 0, got {_show(plp)}")
         else:
             prompt_logprobs = max(plp, prompt_logprobs or 0)
-    vllm_prompt = _is_int(plp) and plp >= 0
+    vllm_prompt = plp if _is_int(plp) and plp >= 0 else None
     for name, k in (("logprobs" if endpoint == "completions" else "top_logprobs", logprobs),
                     ("prompt_logprobs", prompt_logprobs)):
         if _is_int(k) and k > max_logprobs:

@@ -124,8 +124,8 @@ class LineWriter:
                 batch["logprobs"] is not None or batch["echo_logprobs"] is not None) else None
             choice = {"index": 0, "text": prefix + completion, "logprobs": logprobs, "finish_reason": finish}
         body.update(choices=[choice], usage=usage, system_fingerprint=None)
-        if batch["vllm_prompt_logprobs"]:  # vLLM's place: a completion choice's field, a chat response's
-            (body if chat else choice)["prompt_logprobs"] = self.vllm_prompt_logprobs(row, batch["prompt_logprobs"])
+        if (k := batch["vllm_prompt_logprobs"]) is not None:  # vLLM's place: a completion's choice, a chat response
+            (body if chat else choice)["prompt_logprobs"] = self.vllm_prompt_logprobs(row, k)
         return body
 
     def prompt_text(self, row: dict, fields: dict) -> str:
@@ -155,7 +155,7 @@ class LineWriter:
         token_lps: list[float | None] = []
         tops: list[dict | None] = []
         if batch["echo_logprobs"] is not None:
-            k = batch["prompt_logprobs"] or 0
+            k = batch["echo_logprobs"]  # the body's logprobs, though the row may hold more (prompt_logprobs)
             ids = row.get("token_ids") or []
             lps = row.get("token_logprobs") or [None] * len(ids)
             for pos, tid in enumerate(ids):
