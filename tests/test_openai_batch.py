@@ -497,3 +497,25 @@ def test_echoed_tokens_top_logprobs_follow_the_bodys_logprobs() -> None:
     zero = result_line({"prompt": "abc", "prompt_logprobs": 0}, scored_row())["response"]["body"]["choices"][0]
     assert zero["prompt_logprobs"] == [None, {"1": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}},
                                        {"2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}]
+
+
+def test_a_run_says_once_which_lines_take_our_defaults(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    """Issue 42 item 18: a body without max_tokens was cut at 16 tokens and one without temperature was greedy,
+    silently; the run now says so once (our defaults stay: bounded and reproducible)."""
+    data = write_jsonl(tmp_path / "b.jsonl", [
+        line("a", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+        line("b", "/v1/completions", {"prompt": "Hi", "temperature": 0.5, "max_tokens": 1}),
+        line("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})])
+    res = run("generate", data, "--model", tiny_model_dir("llama"), "--out", tmp_path / "o.jsonl", "-q")
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert text.count("note:") == 1
+    assert ("note: 2 of 3 request lines give no temperature: they use --temperature 0 (greedy) (the API's default: 1) — set them "
+            "in the bodies or on the command line") in text
+    both = write_jsonl(tmp_path / "c.jsonl", [line("a", "/v1/completions", {"prompt": "Hi"})])
+    res = run("generate", both, "--model", tiny_model_dir("llama"), "--out", tmp_path / "p.jsonl", "-q",
+              "--max-tokens", 1, "--temperature", 0.7)
+    assert res.exit_code == 0, res.output
+    assert ("note: 1 of 1 request lines give no max_tokens: they stop at --max-tokens 1 (the API's chat default: "
+            "until the context ends); 1 of 1 request lines give no temperature: they use --temperature 0.7 (the API's default: "
+            "1)") in " ".join(res.output.split())

@@ -256,3 +256,20 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         logprobs = None
     line = BatchLine(endpoint, echo, logprobs, prompt_logprobs, model, vllm_prompt, echo_logprobs)
     return Converted(cid, record if usable else None, line, problems)
+
+
+def defaults_note(records: list[Any], max_tokens: int, temperature: float) -> str | None:
+    """The note a generate run of request lines prints once: how many lines give no `max_tokens` / `temperature`
+    and what they get instead (ours, not the API's); None when every line gives both. `records` are the run's
+    valid records (`io/schemas.Record`)."""
+    n = len(records)
+    no_max = sum(r.fields.get("max_tokens") is None for r in records)
+    no_temp = sum(r.fields.get("temperature") is None for r in records)
+    parts = []
+    if no_max:
+        parts.append(f"{no_max} of {n} request lines give no max_tokens: they stop at --max-tokens {max_tokens} "
+                     "(the API's chat default: until the context ends)")
+    if no_temp:
+        parts.append(f"{no_temp} of {n} request lines give no temperature: they use --temperature {temperature:g}"
+                     + (" (greedy)" if temperature == 0 else "") + " (the API's default: 1)")
+    return "; ".join(parts) + " — set them in the bodies or on the command line" if parts else None

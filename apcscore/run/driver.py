@@ -30,6 +30,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
 from apcscore.errors import ApcscoreError
+from apcscore.io.openai_batch import defaults_note
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
@@ -81,8 +82,10 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         opts = batch_options(command, opts, data)
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
-    if note:
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    notes = [note, defaults_note(data.records, opts.max_tokens, opts.temperature)
+             if data.format == "openai-batch" and command == "generate" else None]
+    for text in filter(None, notes):  # the defaults' note: once per run, before the weights load
+        console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
     quiet = opts.quiet
     if opts.ray:
         from apcscore.scale.ray_run import RayExecutor as executor_class
