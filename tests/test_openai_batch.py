@@ -519,3 +519,33 @@ def test_a_run_says_once_which_lines_take_our_defaults(tmp_path, write_jsonl, ti
     assert ("note: 1 of 1 request lines give no max_tokens: they stop at --max-tokens 1 (the API's chat default: "
             "until the context ends); 1 of 1 request lines give no temperature: they use --temperature 0.7 (the API's default: "
             "1)") in " ".join(res.output.split())
+
+
+def test_errors_out_writes_the_error_lines_to_a_file_of_their_own(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    """Issue 42 item 19: OpenAI splits successes and failures into an output and an error file; --errors-out FILE
+    does, one file stays the default."""
+    lines = [line("a", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0}),
+             line("b", "/v1/completions", {"prompt": "Hi", "presence_penalty": 1}),
+             line("c", "/v1/completions", {"prompt": "Ho", "max_tokens": 1, "temperature": 0})]
+    data = write_jsonl(tmp_path / "b.jsonl", lines)
+    model = tiny_model_dir("llama")
+    out, errors = tmp_path / "o.jsonl", tmp_path / "sub" / "e.jsonl"
+    res = run("generate", data, "--model", model, "--skip-invalid", "--out", out, "--errors-out", errors)
+    assert res.exit_code == 0, res.output
+    assert "error lines: 1 in" in res.output
+    answered = [json.loads(x) for x in out.read_text().splitlines()]
+    failed = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert [x["custom_id"] for x in answered] == ["a", "c"] and all(x["error"] is None for x in answered)
+    assert [x["custom_id"] for x in failed] == ["b"] and failed[0]["response"] is None
+    one = tmp_path / "one.jsonl"  # the default: one file, in input order
+    assert run("generate", data, "--model", model, "--skip-invalid", "--out", one, "-q").exit_code == 0
+    assert [json.loads(x)["custom_id"] for x in one.read_text().splitlines()] == ["a", "b", "c"]
+    cases = [(("--errors-out", errors), f"--errors-out {errors} exists — pass --overwrite to replace it"),
+             (("--errors-out", data), "is the dataset itself"),
+             (("--errors-out", tmp_path / "new.jsonl", "--out", tmp_path / "new.jsonl"), "is --out itself"),
+             (("--errors-out", tmp_path / "x.jsonl", "--out", tmp_path / "x.parquet"),
+              "--errors-out writes the error lines of an OpenAI Batch result file apart from its answers, so it "
+              "needs --output-format openai-batch")]
+    for args, message in cases:
+        res = run("generate", data, "--model", model, "--skip-invalid", "--out", tmp_path / "n.jsonl", *args)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), (args, res.output)
