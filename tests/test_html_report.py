@@ -237,3 +237,21 @@ def test_page_in_headless_chromium(runs, tmp_path) -> None:
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, dest / shot.name)
         shutil.copy(page, dest / "compare_report.html")
+
+
+def test_infinite_logprobs_are_counted_not_drawn(tmp_path) -> None:
+    """Issue 42 item 20: a ±inf logprob in either file made np.histogram raise, so there was no page."""
+    import torch
+
+    model, records = TinyLM(), make_records(3)
+    b, n = score_rows(model, records, torch.float32, 2), score_rows(model, records, torch.bfloat16, 2)
+    n[0]["token_logprobs"][3] = float("-inf")  # Δ -inf
+    b[1]["token_logprobs"][2] = float("-inf")  # Δ +inf
+    b[2]["token_logprobs"][4] = n[2]["token_logprobs"][4] = float("-inf")  # Δ NaN
+    base = write_results(tmp_path / "a.parquet", b)
+    new = write_results(tmp_path / "b.parquet", n, dtype="bfloat16")
+    with np.errstate(invalid="ignore"):  # compare's own means of the infinite values
+        html = html_report.to_html(compare_files(base, new), worst=3)
+    assert "per token (candidate \\u2212 baseline) (3 not finite, not drawn)" in html  # plotly's JSON escapes
+    assert "3 with a logprob not finite, not drawn" in html
+    assert len(spans(html)) == sum(len(r["token_ids"]) for r in b)

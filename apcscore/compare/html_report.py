@@ -92,9 +92,14 @@ def _table(head: Row, rows: list[Row], classes: list[str] | None = None, table_i
 
 
 def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
+    """Counts of the finite values in BINS bins; the others (±inf, NaN: a -inf logprob on one side) are counted in
+    the title, since no bin holds them."""
     import plotly.graph_objects as go
 
-    counts, edges = np.histogram(values, bins=BINS)
+    finite = np.isfinite(values)
+    if not finite.all():
+        title += f" ({int((~finite).sum()):,} not finite, not drawn)"
+    counts, edges = np.histogram(values[finite], bins=BINS)
     fig = go.Figure(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), marker_color=color,
                            hovertemplate="%{x:.4g}: %{y} positions<extra></extra>"))
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title="positions (log scale)", yaxis_type="log",
@@ -106,16 +111,22 @@ def _scatter(c: Comparison):
     import plotly.graph_objects as go
 
     pos = c.aligned.positions
-    m = len(pos.record)
-    keep = np.arange(m)
+    finite = np.flatnonzero(np.isfinite(pos.base_lp) & np.isfinite(pos.new_lp))  # a -inf logprob has no place
+    m = len(finite)
+    keep = finite
+    off = len(pos.record) - m
     title = f"Target-token logprob, {m:,} positions"
     if m > MAX_SCATTER:  # the largest changes, and a fixed random sample of the rest
-        order = np.argsort(-np.abs(pos.new_lp - pos.base_lp), kind="stable")
+        order = finite[np.argsort(-np.abs(pos.new_lp - pos.base_lp)[finite], kind="stable")]
         top, rest = order[:MAX_SCATTER // 10], order[MAX_SCATTER // 10:]
         sample = np.random.default_rng(0).choice(rest, MAX_SCATTER - len(top), replace=False)
         keep = np.sort(np.concatenate([top, sample]))
         title = (f"Target-token logprob, {MAX_SCATTER:,} of {m:,} positions "
                  f"(the {len(top):,} largest |Δ| and a random sample)")
+    if off:
+        title += f"; {off:,} with a logprob not finite, not drawn"
+    if not m:
+        return None
     ids = c.aligned.base["id"].to_pylist()
     x, y = pos.base_lp[keep], pos.new_lp[keep]
     custom = [[_e(ids[r]), int(p)] for r, p in zip(pos.record[keep], pos.position[keep])]
@@ -142,7 +153,8 @@ def _figures(c: Comparison) -> list[tuple[str, object]]:
     if len(kl):
         figs.append(("plot-kl", _histogram(kl, "KL(base ‖ new) per token (lower bound from top-K)", "KL, nats",
                                            "#8250df")))
-    figs.append(("plot-scatter", _scatter(c)))
+    if (scatter := _scatter(c)) is not None:
+        figs.append(("plot-scatter", scatter))
     return figs
 
 
@@ -177,6 +189,8 @@ def _top_lines(label: str, ids: list[int] | None, lps: list[float] | None, targe
 
 
 def _colour(delta: float, scale: float) -> str:
+    if math.isnan(delta):  # -inf on both sides: no change to show
+        return ""
     r, g, b = _RED if delta < 0 else _BLUE
     return f"background: rgba({r},{g},{b},{0.85 * min(1.0, abs(delta) / scale):.3f})"
 
@@ -239,7 +253,9 @@ def _worst_section(c: Comparison, worst: int, pieces: Pieces) -> str:
     if a is None or a.positions is None or "token_ids" not in a.base.column_names:
         return "\n".join(out + ['<p class="muted">no per-token data in the files: no token view</p>'])
     rows = {rid: i for i, rid in enumerate(a.base["id"].to_pylist())}
-    scale = max((r.max_abs_logprob_diff for r in shown), default=0.0) or 1e-12
+    delta = np.abs(a.positions.new_lp - a.positions.base_lp)[np.isin(a.positions.record, [rows[r.id] for r in shown])]
+    # the largest finite |Δ| (an infinite one, from a -inf logprob, is drawn at full colour)
+    scale = float(delta[np.isfinite(delta)].max(initial=0.0)) or 1e-12
     out.append(f'<div class="legend"><span>Δ logprob (candidate − baseline):</span><span>{-scale:.3g}</span>'
                f'<span class="bar"></span><span>+{scale:.3g}</span><span class="muted">grey: not scored; '
                "hover a token for its logprobs and top-K, click to pin them</span></div>")
