@@ -4,7 +4,10 @@ The page holds the verdict and the thresholds, the metric tables (the rows of th
 plotly charts of the per-token figures (histograms of Δ logprob and KL, baseline against candidate logprob), the
 worst records with each token coloured by its Δ logprob (hover: both logprobs and both top-K lists; a click pins
 them in the side panel), and the multiple-choice flips. plotly.js is inlined, so the file needs no network when
-it is opened (about 5 MB). Every text that comes from the files (ids, tokens, paths, messages) is escaped.
+it is opened (about 5 MB). The page stays under MAX_PAGE_BYTES (10 MB): the worst, flips and excluded tables list
+at most MAX_TABLE_ROWS rows, and the worst records are shown token by token (a token's title with K=20 is ~1.5
+KB) while they fit; the page says what it left out. Every text that comes from the files (ids, tokens, paths,
+messages) is escaped.
 
 Δ logprob here is candidate − baseline of the actual next token: negative where the candidate gives it less
 probability (red), positive where more (blue).
@@ -27,6 +30,8 @@ from apcscore.io.token_text import Pieces, id_pieces
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
 MAX_TOKENS = 1024  # tokens shown of one record: a window around its largest |Δ|
 BINS = 60
+MAX_PAGE_BYTES = 10_000_000  # the page's bound (plotly.js is ~4.8 MB of it); token views fill what is left
+MAX_TABLE_ROWS = 500  # rows of the worst, flips and excluded tables
 _RED, _BLUE = (220, 38, 38), (37, 99, 235)
 
 _CSS = """
@@ -246,9 +251,17 @@ def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, pieces: Pieces, s
             f'<div class="tokens">{"".join(spans)}</div></div>')
 
 
-def _worst_section(c: Comparison, worst: int, pieces: Pieces) -> str:
-    shown = c.records[:worst]
-    out = [f"<h2>Worst {len(shown)} records</h2>", _table(_WORST_HEAD, _worst_rows(c, worst), table_id="worst")]
+def _left_out(n: int, what: str) -> str:
+    """The note under a table cut at MAX_TABLE_ROWS."""
+    return (f'<p class="note">... and {n:,} more {what}, not listed: the page lists at most {MAX_TABLE_ROWS:,} '
+            "(the JSON report, --report-json, has them all)</p>") if n > 0 else ""
+
+
+def _worst_section(c: Comparison, worst: int, pieces: Pieces, budget: int) -> str:
+    """The worst records' table and as many of them token by token as fit in `budget` bytes (in order)."""
+    shown = c.records[:min(worst, MAX_TABLE_ROWS)]
+    out = [f"<h2>Worst {len(shown)} records</h2>", _table(_WORST_HEAD, _worst_rows(c, len(shown)), table_id="worst"),
+           _left_out(min(worst, len(c.records)) - len(shown), "of the worst records")]
     a = c.aligned
     if a is None or a.positions is None or "token_ids" not in a.base.column_names:
         return "\n".join(out + ['<p class="muted">no per-token data in the files: no token view</p>'])
@@ -259,8 +272,18 @@ def _worst_section(c: Comparison, worst: int, pieces: Pieces) -> str:
     out.append(f'<div class="legend"><span>Δ logprob (candidate − baseline):</span><span>{-scale:.3g}</span>'
                f'<span class="bar"></span><span>+{scale:.3g}</span><span class="muted">grey: not scored; '
                "hover a token for its logprobs and top-K, click to pin them</span></div>")
-    out += [_record_tokens(c, rows[r.id], r, pieces, scale) for r in shown]
-    return "\n".join(out)
+    budget -= len("\n".join(out).encode()) + 1_000  # the note below
+    views = []
+    for r in shown:
+        view = _record_tokens(c, rows[r.id], r, pieces, scale)
+        if len(view.encode()) > budget:
+            out.append(f'<p class="note">{len(views)} of the {len(shown)} records are shown token by token: the '
+                       f"next would take the page over {MAX_PAGE_BYTES / 1e6:g} MB (the table above lists all "
+                       f"{len(shown)})</p>")
+            break
+        budget -= len(view.encode())
+        views.append(view)
+    return "\n".join(out + views)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -297,24 +320,31 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
     figs = _figures(c)
     parts += ["<h2>Per-token figures</h2>", _plot_divs(figs) if figs else
               '<p class="muted">no position was scored in both files: no charts</p>']
-    if c.records and worst:
-        parts.append(_worst_section(c, worst, pieces))
+    worst_at = len(parts)  # filled last: its token views take the bytes the rest leaves
     parts.append("<h2>Multiple-choice flips</h2>")
     if c.flips:
+        flips = c.flips[:MAX_TABLE_ROWS]
         classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
-                   f.correct_base else "" for f in c.flips]
+                   f.correct_base else "" for f in flips]
         parts.append(_table(_FLIP_HEAD, [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new),
-                                          str(f.correct_base), str(f.correct_new)) for f in c.flips], classes, "flips"))
+                                          str(f.correct_base), str(f.correct_new)) for f in flips], classes, "flips"))
+        parts.append(_left_out(len(c.flips) - len(flips), "flips"))
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
     if c.excluded:
         parts += ["<h2>Excluded records (status 'error')</h2>",
-                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded])]
+                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error)
+                                                            for e in c.excluded[:MAX_TABLE_ROWS]]),
+                  _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
     parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    head = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>apcscore compare: {_e(verdict)}</title><style>{_CSS}</style>"
-            f'<script type="text/javascript">{get_plotlyjs()}</script></head>\n'
-            f"<body><main>{''.join(parts)}</main>{aside}<script>{_JS}</script></body></html>\n")
+            f'<script type="text/javascript">{get_plotlyjs()}</script></head>\n<body><main>')
+    tail = f"</main>{aside}<script>{_JS}</script></body></html>\n"
+    if c.records and worst:
+        used = sum(len(x.encode()) for x in (head, tail, *parts))
+        parts.insert(worst_at, _worst_section(c, worst, pieces, MAX_PAGE_BYTES - used))
+    return head + "".join(parts) + tail
