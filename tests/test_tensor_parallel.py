@@ -353,3 +353,72 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
     assert tight.stats.preemptions > 0
 
+
+
+# ---------------------------------------------------------------- issue 42: signals, devices, hangs, cleanup
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_a_group_sigterm_stops_a_degree_2_run_gracefully(tmp_path, write_jsonl, tiny_model_dir,
+                                                                  signum: str) -> None:
+    """Issue 42 item 7: Ctrl-C (SIGINT to the terminal's process group) or a process-group SIGTERM reached the
+    spawned ranks too, which died mid-step, so the graceful stop ended as "a rank ended" (exit 1), not 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i % 7 + 1)}
+                                              for i in range(400)])
+    out = tmp_path / "o.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "apcscore", "score", str(data), "--model",
+                             str(tiny_model_dir("llama")), "--tensor-parallel", "2", "--max-num-seqs", "1",
+                             "--max-batch-tokens", "16", "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    partial = tmp_path / "o.parquet.partial"
+    deadline = time.time() + 120
+    while not any(partial.glob("part-*.parquet")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, getattr(signal, signum))  # as the terminal's Ctrl-C, or `kill -TERM -PGID`
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "interrupted:" in output and "rank ended" not in output, output
+
+
+def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_dir) -> None:
+    """Issue 42 item 7: the workers now ignore SIGTERM (rank 0 stops the group), so one whose rank 0 is gone
+    (here a process-group SIGTERM, which kills rank 0 before it has a handler) must not wait in a collective
+    until the timeout: it exits within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from apcscore import Engine, EngineConfig\n"
+        "from apcscore.engine.tensor_parallel import current_group\n"
+        "if __name__ == '__main__':\n"
+        f"    Engine.from_model(sys.argv[1], EngineConfig(**{BASE!r}, tensor_parallel_size=2))\n"
+        "    print('workers', *[p.pid for p in current_group().processes], flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir("llama"))], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    assert line.startswith("workers "), line
+    (worker,) = map(int, line.split()[1:])
+    os.killpg(proc.pid, signal.SIGTERM)  # the workers ignore it; rank 0 has no handler at this point: it dies
+    proc.wait(timeout=30)
+
+    def running(pid: int) -> bool:
+        status = Path(f"/proc/{pid}/status")
+        return status.exists() and "\nState:\tZ" not in status.read_text()
+
+    deadline = time.time() + 20
+    while running(worker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not running(worker)

@@ -9,7 +9,8 @@ keeps outputs (engine/tp_runner.py).
 
 How the ranks start:
 - by apcscore (the default): rank 0 spawns N - 1 processes with torch.multiprocessing (spawn), gloo on the
-  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file;
+  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file (engine/tp_spawn.py: the workers ignore
+  SIGINT and SIGTERM, which rank 0 handles for the group, and exit when rank 0 is gone);
 - by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): every rank runs the same command; rank 0 goes on, the others
   become workers when they reach the engine (`serve_if_worker`) and exit when rank 0 is done.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,6 +33,7 @@ import torch
 
 from apcscore.errors import ApcscoreError
 from apcscore.engine.tp_runner import Shard, torchrun_env
+from apcscore.engine.tp_spawn import spawn_workers
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 TIMEOUT = timedelta(minutes=30)  # of one collective: a step of a large model on the CPU can be long
@@ -96,9 +97,9 @@ class RankGroup:
         try:
             if self.in_sync and all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
-            else:
+            else:  # (SIGKILL: the workers ignore SIGTERM, engine/tp_spawn.py)
                 for p in self.processes:
-                    p.terminate()
+                    p.kill()
         except RuntimeError:  # a rank already gone: nothing to tell it
             pass
         finally:
@@ -137,21 +138,12 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         if not dist.is_initialized():
             dist.init_process_group(backend, timeout=TIMEOUT)
     else:
-        import torch.multiprocessing as mp
-
         rendezvous = tempfile.NamedTemporaryFile(prefix="apcscore-tp-", delete=False)
         rendezvous.close()
         os.unlink(rendezvous.name)  # the file store creates it
         init = f"file://{rendezvous.name}"
         threads = max(1, torch.get_num_threads() // world_size)
-        ctx = mp.get_context("spawn")
-        ready = [ctx.Event() for _ in range(1, world_size)]
-        for rank in range(1, world_size):
-            proc = ctx.Process(target=worker_main, args=(rank, world_size, init, backend, threads, ready[rank - 1]),
-                               daemon=True)
-            proc.start()
-            processes.append(proc)
-        _wait_ready(processes, ready)
+        processes = spawn_workers(world_size, init, backend, threads, TIMEOUT)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
     if _GROUP is None and not _EXIT_HOOK:
         atexit.register(_shutdown_at_exit)
@@ -173,37 +165,6 @@ def shutdown_ranks() -> None:
 
 def _shutdown_at_exit() -> None:
     shutdown_ranks()
-
-
-def _wait_ready(processes: list[Any], ready: list[Any]) -> None:
-    """Wait until every spawned rank runs apcscore's code; a rank that ends first is refused with the likely cause
-    (rather than a rendezvous that waits for it until the timeout)."""
-    while not all(event.is_set() for event in ready):
-        for rank, proc in enumerate(processes, 1):
-            if not proc.is_alive() and not ready[rank - 1].is_set():
-                for other in processes:
-                    other.kill()
-                raise ApcscoreError(
-                    f"tensor-parallel rank {rank} ended while starting (exit code {proc.exitcode}). The ranks are "
-                    "new Python processes (spawn) that import the main module first: a script that builds an "
-                    "engine must do so under `if __name__ == \"__main__\":`", exit_code=1)
-        time.sleep(0.02)
-
-
-def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int, ready: Any = None) -> None:
-    """A spawned worker: join the group, then serve rank 0 until it says shutdown."""
-    import torch.distributed as dist
-
-    if ready is not None:
-        ready.set()  # (the main module and apcscore are imported: rank 0 may rendezvous now)
-    torch.set_num_threads(threads)  # the ranks share the machine's cores (the thread count does not change bits)
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size, timeout=TIMEOUT)
-    try:
-        serve(TensorParallel(rank, world_size))
-    finally:
-        dist.destroy_process_group()
 
 
 def serve_if_worker(device: torch.device) -> None:
