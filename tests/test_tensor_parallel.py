@@ -422,3 +422,30 @@ def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_di
     while running(worker) and time.time() < deadline:
         time.sleep(0.2)
     assert not running(worker)
+
+
+def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first_collective(monkeypatch) -> None:
+    """Issue 42 item 8: under torchrun with NCCL the ranks never called set_device(LOCAL_RANK) before the first
+    collective, so every one of them used cuda:0. (No GPU needed: the calls are recorded in order.)"""
+    import torch.distributed as dist
+
+    from apcscore.engine import tensor_parallel
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(f"set_device {d}"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: events.append(f"init {backend}"))
+    monkeypatch.setattr(tensor_parallel, "serve", lambda tp: events.append(f"serve rank {tp.rank}"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "3")  # a worker on a second node: its GPU is its local rank
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit):
+        tensor_parallel.serve_if_worker(torch.device("cuda"))
+    assert events == ["set_device 1", "init nccl", "serve rank 3"]
+    events.clear()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(tensor_parallel, "_GROUP", None)
+    group = tensor_parallel.rank_group(2, torch.device("cuda"))
+    monkeypatch.setattr(tensor_parallel, "_GROUP", None)  # (nothing to shut down: no process was started)
+    assert events == ["set_device 0", "init nccl"] and group.backend == "nccl" and not group.processes

@@ -135,8 +135,7 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         if env[1] != world_size:
             raise ApcscoreError(f"the launcher started {env[1]} ranks (WORLD_SIZE) but --tensor-parallel is "
                                 f"{world_size}; make them equal")
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=TIMEOUT)
+        join_launched_group(backend, env[0])
     else:
         rendezvous = tempfile.NamedTemporaryFile(prefix="apcscore-tp-", delete=False)
         rendezvous.close()
@@ -167,16 +166,25 @@ def _shutdown_at_exit() -> None:
     shutdown_ranks()
 
 
+def join_launched_group(backend: str, rank: int) -> None:
+    """Join the group a launcher (torchrun) started. On NCCL this process's GPU becomes cuda:LOCAL_RANK first:
+    the collectives (the first broadcast included) run on the current device, which is otherwise cuda:0 on
+    every rank."""
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=TIMEOUT)
+
+
 def serve_if_worker(device: torch.device) -> None:
     """Under torchrun, a rank other than 0 serves rank 0 here and then exits the process (SystemExit 0): the
     command's own work (options, dataset, output) is rank 0's."""
-    import torch.distributed as dist
-
     env = torchrun_env()
     if env is None or env[0] == 0:
         return
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    join_launched_group("nccl" if device.type == "cuda" else "gloo", env[0])
     serve(TensorParallel(env[0], env[1]))
     raise SystemExit(0)
 
