@@ -449,3 +449,27 @@ def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first
     group = tensor_parallel.rank_group(2, torch.device("cuda"))
     monkeypatch.setattr(tensor_parallel, "_GROUP", None)  # (nothing to shut down: no process was started)
     assert events == ["set_device 0", "init nccl"] and group.backend == "nccl" and not group.processes
+
+
+def test_a_failure_while_profiling_marks_the_group_out_of_step(monkeypatch) -> None:
+    """Issue 42 item 9: Shard.profile (CUDA pool sizing) was not guarded as a step is: an out-of-memory on rank 0
+    left the workers in the profile's gather, and the shutdown broadcast waited for them until the 30-minute
+    timeout. Now the group is marked, so the next engine or the exit ends them at once."""
+    from apcscore.engine import tp_runner
+    from apcscore.models.tensor_parallel import TensorParallel
+
+    class Group:
+        def __init__(self) -> None:
+            self.in_sync, self.calls = True, []
+
+        def call(self, key, op, *args):  # type: ignore[no-untyped-def]
+            self.calls.append(op)
+
+    def oom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tp_runner, "profile_peak_memory", oom)
+    shard, group = tp_runner.Shard(TensorParallel(0, 2), None, None, torch.device("cpu"), torch.float32), Group()
+    with pytest.raises(torch.OutOfMemoryError):
+        shard.profile({"max_batch_tokens": 8}, group, 1)
+    assert group.calls == ["profile"] and group.in_sync is False

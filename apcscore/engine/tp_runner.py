@@ -158,8 +158,13 @@ class Shard:
         """The largest step's peak memory on this rank (CUDA KV pool sizing); rank 0 gets the largest of all."""
         if group is not None:
             group.call(key, "profile", {k: v for k, v in step.items() if k != "device"})
-        peak = profile_peak_memory(self.model, **{**step, "device": self.device})
-        peaks = self.tp.gather(torch.tensor([peak], dtype=torch.int64, device=self.device))
+        try:
+            peak = profile_peak_memory(self.model, **{**step, "device": self.device})
+            peaks = self.tp.gather(torch.tensor([peak], dtype=torch.int64, device=self.device))
+        except BaseException:  # (e.g. out of memory) as ShardRunner._run: the workers may wait in the gather
+            if group is not None:
+                group.in_sync = False
+            raise
         return int(max(int(p.item()) for p in peaks))
 
     # ---- a step's parts on a worker (engine/tensor_parallel.serve calls them by name) -------------------------
