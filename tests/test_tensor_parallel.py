@@ -473,3 +473,20 @@ def test_a_failure_while_profiling_marks_the_group_out_of_step(monkeypatch) -> N
     with pytest.raises(torch.OutOfMemoryError):
         shard.profile({"max_batch_tokens": 8}, group, 1)
     assert group.calls == ["profile"] and group.in_sync is False
+
+
+def test_an_engine_refused_after_loading_frees_the_workers_shards(tiny_model_dir) -> None:
+    """Issue 42 item 10: a refusal between the load and make_runner (here the KV pool check) left the workers'
+    shards of that engine alive for the rest of the process. Now they are dropped with the next call."""
+    from apcscore.engine.tensor_parallel import current_group
+
+    path = str(tiny_model_dir("llama"))
+    requests = score_requests(make_prompts([5, 9], 49152, seed=3))
+    engine = Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2))  # (the group is running)
+    group = current_group()
+    key = group.next_key
+    with pytest.raises(ApcscoreError, match="the KV pool of"):
+        Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 10**12}, tensor_parallel_size=2))
+    assert key in group.dropped
+    run(engine, requests)  # the drop travels with the next call, and the ranks stay in step
+    assert key not in group.dropped
