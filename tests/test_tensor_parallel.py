@@ -490,3 +490,18 @@ def test_an_engine_refused_after_loading_frees_the_workers_shards(tiny_model_dir
     assert key in group.dropped
     run(engine, requests)  # the drop travels with the next call, and the ranks stay in step
     assert key not in group.dropped
+
+
+def test_rank_0_takes_its_share_of_the_threads_while_the_ranks_run(tiny_model_dir) -> None:
+    """Issue 42 item 11: the workers got threads / N but rank 0 kept them all (N ranks oversubscribed the cores).
+    Rank 0 takes its share while the group runs and gets its count back at shutdown."""
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()  # a fresh group, started from this thread count
+    before = torch.get_num_threads()
+    try:
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        assert torch.get_num_threads() == max(1, before // 2)
+    finally:
+        shutdown_ranks()
+    assert torch.get_num_threads() == before

@@ -58,6 +58,7 @@ class RankGroup:
     # False once a call on rank 0 failed half-way: the workers may be waiting in a collective rank 0 left, so
     # shutdown ends them instead of broadcasting (which would wait for them until the timeout)
     in_sync: bool = True
+    threads_before: int | None = None  # rank 0's torch threads before it took its share (restored at shutdown)
 
     def new_key(self) -> int:
         """A key for one engine's shards on the workers; `register` frees them when rank 0's engine goes."""
@@ -109,6 +110,8 @@ class RankGroup:
                     p.kill()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if self.threads_before is not None:
+                torch.set_num_threads(self.threads_before)
 
 
 _GROUP: RankGroup | None = None
@@ -131,6 +134,7 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
     env = torchrun_env()
     processes: list[Any] = []
+    threads_before = None
     if env is not None:
         if env[1] != world_size:
             raise ApcscoreError(f"the launcher started {env[1]} ranks (WORLD_SIZE) but --tensor-parallel is "
@@ -141,13 +145,15 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         rendezvous.close()
         os.unlink(rendezvous.name)  # the file store creates it
         init = f"file://{rendezvous.name}"
-        threads = max(1, torch.get_num_threads() // world_size)
+        threads_before = torch.get_num_threads()
+        threads = max(1, threads_before // world_size)
         processes = spawn_workers(world_size, init, backend, threads, TIMEOUT)
+        torch.set_num_threads(threads)  # rank 0 takes its share of the cores too (threads do not change bits)
         dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
     if _GROUP is None and not _EXIT_HOOK:
         atexit.register(_shutdown_at_exit)
         _EXIT_HOOK.append(True)
-    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes)
+    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes, threads_before=threads_before)
     return _GROUP
 
 
