@@ -505,3 +505,26 @@ def test_rank_0_takes_its_share_of_the_threads_while_the_ranks_run(tiny_model_di
     finally:
         shutdown_ranks()
     assert torch.get_num_threads() == before
+
+
+def test_a_rank_that_never_starts_is_refused_after_the_start_timeout() -> None:
+    """Issue 42 item 11: waiting for the spawned ranks to start had no timeout (a rank stuck before apcscore's
+    code, e.g. swapping, kept rank 0 waiting for ever)."""
+    import threading
+    import time
+
+    from apcscore.engine import tp_spawn
+
+    class Stuck:  # a process that stays alive and never signals it is ready
+        pid, exitcode, killed = 4242, None, False
+
+        def is_alive(self) -> bool:
+            return not self.killed
+
+        def kill(self) -> None:
+            self.killed = True
+
+    proc, started = Stuck(), time.monotonic()
+    with pytest.raises(ApcscoreError, match=r"tensor-parallel rank 1 did not start within 0.2 s") as refused:
+        tp_spawn.wait_ready([proc], [threading.Event()], timeout=0.2)
+    assert refused.value.exit_code == 1 and proc.killed and time.monotonic() - started < 5

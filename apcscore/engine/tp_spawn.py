@@ -25,6 +25,7 @@ import torch
 from apcscore.errors import ApcscoreError
 
 PARENT_POLL_SECONDS = 1.0
+START_TIMEOUT = 300.0  # seconds for a spawned rank to reach apcscore's code (a new Python importing torch)
 
 
 def ignore_stop_signals() -> None:
@@ -60,9 +61,11 @@ def spawn_workers(world_size: int, init: str, backend: str, threads: int, timeou
     return processes
 
 
-def wait_ready(processes: list[Any], ready: list[Any]) -> None:
-    """Wait until every spawned rank runs apcscore's code; a rank that ends first is refused with the likely cause
-    (rather than a rendezvous that waits for it until the timeout)."""
+def wait_ready(processes: list[Any], ready: list[Any], timeout: float | None = None) -> None:
+    """Wait until every spawned rank runs apcscore's code, at most `timeout` seconds (START_TIMEOUT); a rank that
+    ends first is refused with the likely cause (rather than a rendezvous that waits for it until the timeout)."""
+    limit = START_TIMEOUT if timeout is None else timeout
+    deadline = time.monotonic() + limit
     while not all(event.is_set() for event in ready):
         for rank, proc in enumerate(processes, 1):
             if not proc.is_alive() and not ready[rank - 1].is_set():
@@ -72,6 +75,14 @@ def wait_ready(processes: list[Any], ready: list[Any]) -> None:
                     f"tensor-parallel rank {rank} ended while starting (exit code {proc.exitcode}). The ranks are "
                     "new Python processes (spawn) that import the main module first: a script that builds an "
                     "engine must do so under `if __name__ == \"__main__\":`", exit_code=1)
+        if time.monotonic() > deadline:
+            late = [rank for rank, event in enumerate(ready, 1) if not event.is_set()]
+            for other in processes:
+                other.kill()
+            raise ApcscoreError(
+                f"tensor-parallel rank {late[0]} did not start within {limit:g} s (a new Python process that imports "
+                "torch and apcscore; a machine short of memory or CPU slows that down) — rerun when the machine is "
+                "less loaded, or with a lower --tensor-parallel", exit_code=1)
         time.sleep(0.02)
 
 
