@@ -528,3 +528,35 @@ def test_a_rank_that_never_starts_is_refused_after_the_start_timeout() -> None:
     with pytest.raises(ApcscoreError, match=r"tensor-parallel rank 1 did not start within 0.2 s") as refused:
         tp_spawn.wait_ready([proc], [threading.Event()], timeout=0.2)
     assert refused.value.exit_code == 1 and proc.killed and time.monotonic() - started < 5
+
+
+def test_spawned_ranks_talk_over_the_loopback_interface(tiny_model_dir, monkeypatch) -> None:
+    """Issue 42 item 11: gloo listened on the interface the host name resolves to, though every spawned rank is
+    local. The ranks start with GLOO_SOCKET_IFNAME = the loopback interface (rank 0's environment is left as
+    it was); a value the user set wins."""
+    import os
+    from pathlib import Path
+
+    from apcscore.engine.tensor_parallel import current_group, shutdown_ranks
+    from apcscore.engine.tp_spawn import loopback_interface
+
+    lo = loopback_interface()
+    if lo is None or not Path("/proc/self/environ").exists():
+        pytest.skip("no loopback interface to name, or no /proc to read a rank's environment from")
+
+    def worker_env() -> dict[str, str]:
+        (proc,) = current_group().processes
+        raw = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    shutdown_ranks()
+    try:
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        assert worker_env().get("GLOO_SOCKET_IFNAME") == lo and "GLOO_SOCKET_IFNAME" not in os.environ
+        shutdown_ranks()
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", lo)  # the user's choice (here the same interface) is kept
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        assert os.environ["GLOO_SOCKET_IFNAME"] == lo
+    finally:
+        shutdown_ranks()

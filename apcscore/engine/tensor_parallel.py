@@ -33,7 +33,7 @@ import torch
 
 from apcscore.errors import ApcscoreError
 from apcscore.engine.tp_runner import Shard, torchrun_env
-from apcscore.engine.tp_spawn import spawn_workers
+from apcscore.engine.tp_spawn import on_loopback, spawn_workers
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 TIMEOUT = timedelta(minutes=30)  # of one collective: a step of a large model on the CPU can be long
@@ -147,9 +147,10 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         init = f"file://{rendezvous.name}"
         threads_before = torch.get_num_threads()
         threads = max(1, threads_before // world_size)
-        processes = spawn_workers(world_size, init, backend, threads, TIMEOUT)
+        with on_loopback(backend):  # (all the ranks are local)
+            processes = spawn_workers(world_size, init, backend, threads, TIMEOUT)
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
         torch.set_num_threads(threads)  # rank 0 takes its share of the cores too (threads do not change bits)
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
     if _GROUP is None and not _EXIT_HOOK:
         atexit.register(_shutdown_at_exit)
         _EXIT_HOOK.append(True)

@@ -9,16 +9,21 @@ signals and their lifetime.
 - **Lifetime.** A worker whose rank 0 is gone (SIGKILL, or a signal before rank 0 set its handlers) cannot be
   told to exit: it notices that its parent changed within a second and exits by itself (`watch_parent`), rather
   than waiting in a collective until the timeout.
+- **Loopback.** The ranks apcscore spawns are all on this machine, so gloo talks over the loopback interface
+  (`on_loopback`), not the one the host name resolves to (reachable from the network, or missing on a machine
+  whose name does not resolve); a GLOO_SOCKET_IFNAME the user set wins.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
+from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 
@@ -43,6 +48,30 @@ def watch_parent(parent: int) -> None:
         os._exit(1)
 
     threading.Thread(target=watch, name="apcscore-watch-rank-0", daemon=True).start()
+
+
+def loopback_interface() -> str | None:
+    """The loopback interface's name (lo on Linux, lo0 on macOS), or None where there is none to name."""
+    try:
+        names = {name for _, name in socket.if_nameindex()}
+    except OSError:
+        return None
+    return next((name for name in ("lo", "lo0") if name in names), None)
+
+
+@contextmanager
+def on_loopback(backend: str) -> Iterator[None]:
+    """GLOO_SOCKET_IFNAME = the loopback interface while the ranks start and join (the workers inherit it when
+    they are spawned), unless the user set it or the backend is not gloo; then the environment is as before."""
+    name = loopback_interface() if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ else None
+    if name is None:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def spawn_workers(world_size: int, init: str, backend: str, threads: int, timeout: timedelta) -> list[Any]:
