@@ -560,3 +560,51 @@ def test_spawned_ranks_talk_over_the_loopback_interface(tiny_model_dir, monkeypa
         assert os.environ["GLOO_SOCKET_IFNAME"] == lo
     finally:
         shutdown_ranks()
+
+
+def test_a_worker_that_fails_names_its_error_on_rank_0(tiny_model_dir) -> None:
+    """Issue 42 item 9: a worker exception left rank 0 in the op's collective (on NCCL until the 30-minute
+    watchdog; gloo notices the closed socket) with only the transport's error. The worker leaves its error in
+    the group's store; rank 0 reports it, and on NCCL a watch aborts the collective (tested below without GPUs)."""
+    from apcscore.engine.tensor_parallel import current_group
+    from apcscore.models.tensor_parallel import RanksFailed
+
+    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+    runner = engine.runner
+    # the worker runs "logits" before any forward: it has no hidden states and fails before its gather
+    with pytest.raises(RanksFailed) as failed:
+        runner._run("logits", ([0],), lambda: runner.tp.gather(torch.zeros(3)))
+    message = " ".join(str(failed.value).split())
+    assert "(rank 1 failed: AttributeError: 'NoneType' object has no attribute 'device')" in message, message
+    assert not current_group().in_sync  # the next engine starts fresh ranks
+
+
+def test_the_failure_watch_aborts_once_when_a_worker_fails_or_ends() -> None:
+    """The NCCL half of item 9 without GPUs: the watch calls abort once a worker left a failure note, or once a
+    spawned worker ended, and never while all is well."""
+    import time
+
+    from apcscore.engine.tp_faults import FailureWatch
+
+    class Proc:
+        def __init__(self) -> None:
+            self.alive = True
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+    for cause in ("note", "ended"):
+        proc, note, aborts = Proc(), {"text": None}, []
+        watch = FailureWatch([proc], note=lambda: note["text"], abort=lambda: aborts.append(1), poll=0.01).start()
+        time.sleep(0.1)
+        assert aborts == [] and not watch.fired
+        if cause == "note":
+            note["text"] = "rank 1 failed: OutOfMemoryError: CUDA out of memory"
+        else:
+            proc.alive = False
+        deadline = time.monotonic() + 5
+        while not aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert aborts == [1] and watch.fired, cause
+        watch.stop()

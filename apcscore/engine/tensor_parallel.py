@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from apcscore.errors import ApcscoreError
+from apcscore.engine.tp_faults import FailureWatch, failure_note, report_failure
 from apcscore.engine.tp_runner import Shard, torchrun_env
 from apcscore.engine.tp_spawn import on_loopback, spawn_workers
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
@@ -59,6 +60,7 @@ class RankGroup:
     # shutdown ends them instead of broadcasting (which would wait for them until the timeout)
     in_sync: bool = True
     threads_before: int | None = None  # rank 0's torch threads before it took its share (restored at shutdown)
+    watch: FailureWatch | None = None  # NCCL: aborts the group when a worker fails (engine/tp_faults.py)
 
     def new_key(self) -> int:
         """A key for one engine's shards on the workers; `register` frees them when rank 0's engine goes."""
@@ -80,7 +82,8 @@ class RankGroup:
         try:
             dist.broadcast_object_list([(key, op, args, drops)], src=0)
         except RuntimeError as e:
-            raise RanksFailed(e) from e
+            self.in_sync = False
+            raise RanksFailed(failure_note() or e) from e
 
     def check_alive(self) -> None:
         """Refuse to go on when a spawned rank has ended (RanksFailed)."""
@@ -95,6 +98,8 @@ class RankGroup:
 
         global _GROUP
         _GROUP = None
+        if self.watch is not None:
+            self.watch.stop()
         try:
             if self.in_sync and all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
@@ -108,8 +113,11 @@ class RankGroup:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except RuntimeError:  # (a group the watch aborted)
+                pass
             if self.threads_before is not None:
                 torch.set_num_threads(self.threads_before)
 
@@ -154,7 +162,8 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
     if _GROUP is None and not _EXIT_HOOK:
         atexit.register(_shutdown_at_exit)
         _EXIT_HOOK.append(True)
-    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes, threads_before=threads_before)
+    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes, threads_before=threads_before,
+                       watch=FailureWatch(processes).start() if backend == "nccl" else None)
     return _GROUP
 
 
@@ -210,10 +219,14 @@ def serve(tp: TensorParallel) -> None:
             shards.pop(d, None)
         if op == "shutdown":
             return
-        if op == "load":  # (built outside inference mode, as rank 0 builds its own)
-            shards[key] = Shard.load(tp, *args)
-        elif op == "make_runner":
-            shards[key].make_runner(*args)
-        else:
-            with torch.inference_mode():  # as ModelRunner.execute on rank 0
-                getattr(shards[key], op)(*args)
+        try:
+            if op == "load":  # (built outside inference mode, as rank 0 builds its own)
+                shards[key] = Shard.load(tp, *args)
+            elif op == "make_runner":
+                shards[key].make_runner(*args)
+            else:
+                with torch.inference_mode():  # as ModelRunner.execute on rank 0
+                    getattr(shards[key], op)(*args)
+        except BaseException as e:  # rank 0 may wait in this op's collective: tell it why this rank ends
+            report_failure(tp.rank, e)
+            raise

@@ -27,7 +27,8 @@ from apcscore.models.decoders import build_decoder
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import LazyCheckpoint
 from apcscore.models.ops import Ops, select_ops
-from apcscore.models.tensor_parallel import TensorParallel
+from apcscore.engine.tp_faults import failure_note
+from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -80,9 +81,11 @@ class ShardRunner(ModelRunner):
             self.group.call(self.key, op, *wire)
         try:
             return local()
-        except BaseException:
+        except BaseException as e:
             if self.group is not None:
                 self.group.in_sync = False  # the workers may wait in a collective this rank left
+                if isinstance(e, RanksFailed) and (note := failure_note()) is not None:
+                    raise RanksFailed(note) from e  # a worker failed: its own error, not the transport's
             raise
 
     def _forward(self, batch: Any) -> torch.Tensor:
