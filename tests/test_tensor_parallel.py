@@ -12,7 +12,11 @@
 - sharded loading reads only this rank's slices of the sharded weights, and they are the right ones;
 - the refusals before any load, the metadata's degree and merge refusing mixed degrees;
 - a rank killed mid-run: one clear error, the finished rows kept, --resume bitwise an uninterrupted run;
-- degree 4 (four partial sums: where their order matters): against degree 1, and exact across order and preemption.
+- issue 42: Ctrl-C and a group SIGTERM stop a run gracefully (exit 130), a worker outlives no rank 0, torchrun's
+  ranks take cuda:LOCAL_RANK first, failures while profiling or on a worker end no run in a hang, a refused engine
+  frees the workers' shards, rank 0's thread share, the start timeout, gloo on the loopback interface;
+- degree 4 (four partial sums: where their order matters): against degree 1, and exact across order and preemption
+  (last: it leaves the module's group at degree 4).
 
 The ranks start once for the module (the process keeps its group; engines after the first reuse it) and stop at
 its end.
@@ -326,35 +330,6 @@ def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_mode
     assert time.perf_counter() - started < 30
 
 
-def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
-    """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
-    within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
-    from apcscore.engine.tensor_parallel import shutdown_ranks
-
-    shutdown_ranks()  # one process drives one degree at a time
-    path = str(tiny_model_dir("llama"))
-    # decoding 8 tokens carries each past a block boundary, so the tight pool below must preempt
-    requests = score_requests(make_prompts([13, 29, 60, 155], 49152, seed=13))
-    from test_invariance import columns
-
-    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
-    four = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)
-    worst = max(float(np.abs(one[r].prompt_logprobs.token_logprobs - four[r].prompt_logprobs.token_logprobs)
-                      .max(initial=0)) for r in one)
-    print(f"degree 4 vs 1 max |d logprob| {worst:.2e}")
-    assert 0 < worst <= 1e-5
-    # the matrix, lighter (four ranks share two cores): reversed order in a tight pool that preempts, at a budget
-    # of 64 (the longer prompts in chunks)
-    want = {r: columns(o) for r, o in four.items()}
-    held = [Request(r.request_id, r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
-                    sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for r in requests[::-1]]
-    tight = Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
-                                                 tensor_parallel_size=4))
-    assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
-    assert tight.stats.preemptions > 0
-
-
-
 # ---------------------------------------------------------------- issue 42: signals, devices, hangs, cleanup
 
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
@@ -448,6 +423,7 @@ def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first
     monkeypatch.setattr(tensor_parallel, "_GROUP", None)
     group = tensor_parallel.rank_group(2, torch.device("cuda"))
     monkeypatch.setattr(tensor_parallel, "_GROUP", None)  # (nothing to shut down: no process was started)
+    group.watch.stop()  # (NCCL's failure watch)
     assert events == ["set_device 0", "init nccl"] and group.backend == "nccl" and not group.processes
 
 
@@ -608,3 +584,31 @@ def test_the_failure_watch_aborts_once_when_a_worker_fails_or_ends() -> None:
         time.sleep(0.05)
         assert aborts == [1] and watch.fired, cause
         watch.stop()
+
+
+def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
+    """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
+    within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()  # one process drives one degree at a time
+    path = str(tiny_model_dir("llama"))
+    # decoding 8 tokens carries each past a block boundary, so the tight pool below must preempt
+    requests = score_requests(make_prompts([13, 29, 60, 155], 49152, seed=13))
+    from test_invariance import columns
+
+    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
+    four = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)
+    worst = max(float(np.abs(one[r].prompt_logprobs.token_logprobs - four[r].prompt_logprobs.token_logprobs)
+                      .max(initial=0)) for r in one)
+    print(f"degree 4 vs 1 max |d logprob| {worst:.2e}")
+    assert 0 < worst <= 1e-5
+    # the matrix, lighter (four ranks share two cores): reversed order in a tight pool that preempts, at a budget
+    # of 64 (the longer prompts in chunks)
+    want = {r: columns(o) for r, o in four.items()}
+    held = [Request(r.request_id, r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
+                    sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for r in requests[::-1]]
+    tight = Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
+                                                 tensor_parallel_size=4))
+    assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
+    assert tight.stats.preemptions > 0
