@@ -32,8 +32,8 @@ from typing import Any
 import torch
 
 from apcscore.errors import ApcscoreError
-from apcscore.engine.tp_faults import FailureWatch, failure_note, report_failure
-from apcscore.engine.tp_runner import Shard, torchrun_env
+from apcscore.engine.tp_faults import FailureWatch, failure_note
+from apcscore.engine.tp_runner import serve, torchrun_env
 from apcscore.engine.tp_spawn import on_loopback, spawn_workers
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
@@ -203,30 +203,3 @@ def serve_if_worker(device: torch.device) -> None:
     join_launched_group("nccl" if device.type == "cuda" else "gloo", env[0])
     serve(TensorParallel(env[0], env[1]))
     raise SystemExit(0)
-
-
-def serve(tp: TensorParallel) -> None:
-    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's shard
-    (engine/tp_runner.Shard)."""
-    import torch.distributed as dist
-
-    shards: dict[int, Shard] = {}
-    while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0)
-        key, op, args, drops = message[0]
-        for d in drops:
-            shards.pop(d, None)
-        if op == "shutdown":
-            return
-        try:
-            if op == "load":  # (built outside inference mode, as rank 0 builds its own)
-                shards[key] = Shard.load(tp, *args)
-            elif op == "make_runner":
-                shards[key].make_runner(*args)
-            else:
-                with torch.inference_mode():  # as ModelRunner.execute on rank 0
-                    getattr(shards[key], op)(*args)
-        except BaseException as e:  # rank 0 may wait in this op's collective: tell it why this rank ends
-            report_failure(tp.rank, e)
-            raise

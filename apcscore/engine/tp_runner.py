@@ -27,7 +27,7 @@ from apcscore.models.decoders import build_decoder
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import LazyCheckpoint
 from apcscore.models.ops import Ops, select_ops
-from apcscore.engine.tp_faults import failure_note
+from apcscore.engine.tp_faults import failure_note, report_failure
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 
@@ -179,6 +179,33 @@ class Shard:
 
     def logits(self, rows: list[int]) -> None:
         self.runner.local_rows_logits(self.hidden, rows)
+
+
+def serve(tp: TensorParallel) -> None:
+    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's shard
+    (`Shard`; rank 0 sends them through engine/tensor_parallel.RankGroup.call)."""
+    import torch.distributed as dist
+
+    shards: dict[int, Shard] = {}
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        key, op, args, drops = message[0]
+        for d in drops:
+            shards.pop(d, None)
+        if op == "shutdown":
+            return
+        try:
+            if op == "load":  # (built outside inference mode, as rank 0 builds its own)
+                shards[key] = Shard.load(tp, *args)
+            elif op == "make_runner":
+                shards[key].make_runner(*args)
+            else:
+                with torch.inference_mode():  # as ModelRunner.execute on rank 0
+                    getattr(shards[key], op)(*args)
+        except BaseException as e:  # rank 0 may wait in this op's collective: tell it why this rank ends
+            report_failure(tp.rank, e)
+            raise
 
 
 def load_args(hf_config: Any, state: Any, rope: Any, max_positions: int, config: EngineConfig,

@@ -53,7 +53,6 @@ INDEX_COLUMN = "index"
 _PART_GLOB = "part-*.parquet"
 _FINAL_TMP = "final.parquet.tmp"
 _LINES_TMP = "final.jsonl.tmp"
-_ERRORS_TMP = "errors.jsonl.tmp"
 
 
 @dataclass(frozen=True)
@@ -231,8 +230,7 @@ class ResultsWriter:
         """The final file as JSON lines (`self.lines`), written under a temporary name and renamed into place, so
         `<out>` is complete whenever it exists; then the partial goes."""
         assert self.lines is not None
-        tmp = self.partial_path / _LINES_TMP
-        errors_tmp = self.partial_path / _ERRORS_TMP
+        tmp, errors_tmp = self.partial_path / _LINES_TMP, self.partial_path / "errors.jsonl.tmp"
 
         def write() -> None:
             with tmp.open("w", encoding="utf-8") as f, \
@@ -245,10 +243,7 @@ class ResultsWriter:
                 self.errors_path.parent.mkdir(parents=True, exist_ok=True)
                 os.replace(errors_tmp, self.errors_path)
 
-        try:
-            self._put_in_place(tmp, write)
-        finally:
-            errors_tmp.unlink(missing_ok=True)
+        self._put_in_place(tmp, write)  # (a failure leaves errors_tmp in the partial, which --resume keeps)
 
     def _put_in_place(self, tmp: Path, write: Any) -> None:
         """`write()` the final file to `tmp`, rename it to `<out>` (complete whenever it exists), drop the
