@@ -237,3 +237,55 @@ def test_page_in_headless_chromium(runs, tmp_path) -> None:
         dest.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, dest / shot.name)
         shutil.copy(page, dest / "compare_report.html")
+
+
+def test_infinite_logprobs_are_counted_not_drawn(tmp_path) -> None:
+    """Issue 42 item 20: a ±inf logprob in either file made np.histogram raise, so there was no page."""
+    import torch
+
+    model, records = TinyLM(), make_records(3)
+    b, n = score_rows(model, records, torch.float32, 2), score_rows(model, records, torch.bfloat16, 2)
+    n[0]["token_logprobs"][3] = float("-inf")  # Δ -inf
+    b[1]["token_logprobs"][2] = float("-inf")  # Δ +inf
+    b[2]["token_logprobs"][4] = n[2]["token_logprobs"][4] = float("-inf")  # Δ NaN
+    base = write_results(tmp_path / "a.parquet", b)
+    new = write_results(tmp_path / "b.parquet", n, dtype="bfloat16")
+    with np.errstate(invalid="ignore"):  # compare's own means of the infinite values
+        html = html_report.to_html(compare_files(base, new), worst=3)
+    assert "per token (candidate \\u2212 baseline) (3 not finite, not drawn)" in html  # plotly's JSON escapes
+    assert "3 with a logprob not finite, not drawn" in html
+    assert len(spans(html)) == sum(len(r["token_ids"]) for r in b)
+
+
+def test_the_page_stays_under_its_bound_and_says_what_it_left_out(tmp_path, monkeypatch) -> None:
+    """Issue 42 item 21: at K=20 the default 10 worst records of 1,024 tokens made a ~20 MB page, --worst was
+    unbounded, and the flips and excluded tables listed every row."""
+    import torch
+
+    from test_compare import VOCAB
+
+    rng = np.random.default_rng(0)
+    model = TinyLM()
+    records = {f"r{i}": rng.integers(0, VOCAB, 1024).tolist() for i in range(10)}
+    base = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, 20))
+    new = write_results(tmp_path / "b.parquet", score_rows(model, records, torch.bfloat16, 20), dtype="bfloat16")
+    c = compare_files(base, new)
+    html = html_report.to_html(c)  # the default --worst 10
+    assert len(html.encode()) <= 10_000_000
+    shown = len(re.findall(r'<div class="record"', html))
+    assert 1 <= shown < 10 and f"{shown} of the 10 records are shown token by token: the next would take the page " \
+        "over 10 MB (the table above lists all 10)" in html
+    # the tables: at most MAX_TABLE_ROWS rows each, --worst however large
+    from apcscore.compare.inputs import Excluded
+    from apcscore.compare.metrics import Flip
+
+    monkeypatch.setattr(html_report, "MAX_TABLE_ROWS", 3)
+    c.flips = [Flip(f"f{i}", "acc", 0, 0, 1, True, False) for i in range(5)]
+    c.excluded = [Excluded(f"x{i}", "both", "failed") for i in range(4)]
+    html = html_report.to_html(c, worst=1_000_000)
+    assert "<h2>Worst 3 records</h2>" in html and len(re.findall(r'<div class="record"', html)) <= 3
+    assert "... and 7 more of the worst records, not listed: the page lists at most 3 (the JSON report, " \
+        "--report-json, has them all)" in html
+    assert "... and 2 more flips, not listed" in html and "... and 1 more excluded records, not listed" in html
+    assert "<td>f2</td>" in html and "<td>f3</td>" not in html
+    assert "<td>x2</td>" in html and "<td>x3</td>" not in html

@@ -383,3 +383,169 @@ def test_sigint_then_resume_writes_the_lines_of_an_uninterrupted_run(tmp_path, w
     resumed, reference = lines(out), lines(ref)
     assert [x["custom_id"] for x in resumed] == [f"s{i}" for i in range(400)]
     assert resumed == reference and not partial.exists()
+
+
+# ---------------------------------------------------------------- issue 42: fidelity against OpenAI and vLLM
+
+class Tok:
+    """A tokenizer stand-in: token i reads as the letter chr(97 + i % 26)."""
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def result_line(body: dict, row: dict, url: str = "/v1/completions", command: str = "generate") -> dict:
+    """The result line LineWriter writes for `row`, the row of the request `body`."""
+    converted = convert(body, url=url, command=command)
+    assert not converted.problems, converted.problems
+    fields = {**converted.record, "openai": converted.line.to_dict()}
+    return json.loads(LineWriter(Tok(), "m", 0, {0: fields}, set()).line(0, {"id": "c", **row}))
+
+
+def test_non_finite_logprobs_are_written_as_vllms_finite_stand_in() -> None:
+    """Issue 42 item 12: a NaN or ±inf logprob crashed the final write (strict JSON), on every --resume too."""
+    nan, inf = float("nan"), float("inf")
+    row = {"status": "ok", "completion": "bc", "completion_token_ids": [1, 2], "finish_reason": "length",
+           "num_prompt_tokens": 2, "token_ids": [0, 1], "token_logprobs": [None, -inf], "token_ranks": [None, 9],
+           "top_ids": [None, [3]], "top_logprobs": [None, [nan]], "completion_logprobs": [nan, -inf],
+           "completion_top_ids": [[1], [2]], "completion_top_logprobs": [[inf], [-inf]]}
+    x = result_line({"prompt": "ab", "echo": True, "logprobs": 1, "max_tokens": 2}, row)
+    lp = x["response"]["body"]["choices"][0]["logprobs"]
+    assert lp["token_logprobs"] == [None, -9999.0, -9999.0, -9999.0]
+    assert lp["top_logprobs"][1:] == [{"d": -9999.0, "b": -9999.0}, {"b": -9999.0}, {"c": -9999.0}]
+    chat = result_line({"messages": [{"role": "user", "content": "Hi"}], "logprobs": True, "top_logprobs": 1},
+                       row, url="/v1/chat/completions")
+    content = chat["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == [-9999.0, -9999.0]
+    assert [c["top_logprobs"][0]["logprob"] for c in content] == [-9999.0, -9999.0]
+
+
+def test_a_line_without_custom_id_claims_no_id_and_its_result_line_has_none(tmp_path, write_jsonl) -> None:
+    """Issue 42 item 13: a line without a custom_id claimed its line number, so a later line whose custom_id is
+    that number was refused as a duplicate, and both error lines carried it."""
+    first = line("x", "/v1/completions", {"prompt": "Hi"})
+    anonymous = {k: v for k, v in first.items() if k != "custom_id"}
+    data = write_jsonl(tmp_path / "b.jsonl", [anonymous, {**first, "custom_id": "1"}, "{not json",
+                                              {**first, "custom_id": "3"}])
+    loaded = load_dataset(data, "generate", skip_invalid=True, input_format="openai-batch")
+    assert [r.id for r in loaded.records] == ["1", "3"]
+    assert [(r.index, r.line) for r in loaded.invalid] == [(0, 1), (2, 3)]
+    assert "duplicate" not in " ".join(r.message for r in loaded.invalid)
+    assert loaded.no_custom_id == {0, 2}
+    # a first line that does not parse claims nothing either, once the next line shows the file is request lines
+    unparsed = write_jsonl(tmp_path / "u.jsonl", ["{not json", {**first, "custom_id": "1"}])
+    loaded = load_dataset(unparsed, "generate", skip_invalid=True)
+    assert [r.id for r in loaded.records] == ["1"] and loaded.no_custom_id == {0}
+    writer = LineWriter(Tok(), "m", 0, {1: {**loaded.records[0].fields}}, {0}, loaded.no_custom_id)
+    error = json.loads(writer.line(0, {"id": "1", "status": "error", "error": "u.jsonl:1: bad"}))
+    assert error["custom_id"] is None and error["error"]["code"] == "invalid_request_error"
+
+
+def test_text_parts_of_a_message_are_joined_with_a_newline_as_vllm_joins_them() -> None:
+    """Issue 42 item 14: the parts were joined with "" (vLLM: "\\n")."""
+    parts = [{"type": "text", "text": "First part."}, {"type": "text", "text": "Second part."}]
+    chat = convert({"messages": [{"role": "user", "content": parts}]}, url="/v1/chat/completions")
+    assert not chat.problems and chat.record["messages"] == [{"role": "user", "content": "First part.\nSecond part."}]
+
+
+def scored_row(n_completion: int = 1) -> dict:
+    """A generate row of prompt [0, 1, 2] with prompt and completion logprobs (top-3 everywhere)."""
+    top = [[5, 6, 7], [-0.5, -1.5, -2.5]]
+    return {"status": "ok", "completion": "d" * n_completion, "completion_token_ids": [3] * n_completion,
+            "finish_reason": "length", "num_prompt_tokens": 3, "token_ids": [0, 1, 2],
+            "token_logprobs": [None, -1.0, -2.0], "token_ranks": [None, 2, 4], "top_ids": [None, top[0], top[0]],
+            "top_logprobs": [None, top[1], top[1]], "completion_logprobs": [-0.25] * n_completion,
+            "completion_top_ids": [top[0]] * n_completion, "completion_top_logprobs": [top[1]] * n_completion}
+
+
+def test_vllm_prompt_logprobs_go_where_vllm_writes_them() -> None:
+    """Issue 42 item 15: a chat response's prompt_logprobs went on the choice (vLLM: on the response), and a
+    completions body with only prompt_logprobs got an empty logprobs object instead of null."""
+    chat = result_line({"messages": [{"role": "user", "content": "Hi"}], "prompt_logprobs": 1}, scored_row(),
+                       url="/v1/chat/completions")["response"]["body"]
+    assert "prompt_logprobs" not in chat["choices"][0] and chat["choices"][0]["logprobs"] is None
+    assert chat["prompt_logprobs"][0] is None and set(chat["prompt_logprobs"][1]) == {"5", "1"}
+    comp = result_line({"prompt": "abc", "prompt_logprobs": 1}, scored_row())["response"]["body"]
+    assert "prompt_logprobs" not in comp and comp["choices"][0]["logprobs"] is None
+    assert comp["choices"][0]["prompt_logprobs"][2] == {"5": {"logprob": -0.5, "rank": 1, "decoded_token": "f"},
+                                                        "2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}
+    echo_only = result_line({"prompt": "abc", "echo": True, "prompt_logprobs": 1}, scored_row())
+    assert echo_only["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_top_k_minus_one_and_the_developer_role_are_read_not_refused(tmp_path, write_jsonl) -> None:
+    """Issue 42 item 16: `top_k: -1` (the API's "off") and a `developer` message were refused per line."""
+    data = write_jsonl(tmp_path / "b.jsonl", [
+        line("a", "/v1/completions", {"prompt": "Hi", "top_k": -1}),
+        line("b", "/v1/chat/completions", {"messages": [{"role": "developer", "content": "Be brief."},
+                                                        {"role": "user", "content": "Hi"}], "top_k": 3}),
+        line("c", "/v1/completions", {"prompt": "Hi", "top_k": -2})])
+    loaded = load_dataset(data, "generate", skip_invalid=True)
+    assert [r.id for r in loaded.records] == ["a", "b"]
+    assert loaded.records[0].fields["top_k"] == 0  # off, whatever --top-k says
+    assert loaded.records[1].fields["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert "'top_k' must be an integer >= 0, got -2" in loaded.invalid[0].message
+
+
+def test_echoed_tokens_top_logprobs_follow_the_bodys_logprobs() -> None:
+    """Issue 42 item 17: echoed tokens' top_logprobs used max(prompt_logprobs, logprobs), not `logprobs`."""
+    body = result_line({"prompt": "abc", "echo": True, "logprobs": 1, "prompt_logprobs": 2, "max_tokens": 1},
+                       scored_row())["response"]["body"]
+    lp, plp = body["choices"][0]["logprobs"], body["choices"][0]["prompt_logprobs"]
+    assert lp["top_logprobs"] == [None, {"f": -0.5, "b": -1.0}, {"f": -0.5, "c": -2.0}, {"f": -0.5, "d": -0.25}]
+    assert [sorted(map(int, p)) for p in plp[1:]] == [[1, 5, 6], [2, 5, 6]]  # vLLM's: its own top-2
+    zero = result_line({"prompt": "abc", "prompt_logprobs": 0}, scored_row())["response"]["body"]["choices"][0]
+    assert zero["prompt_logprobs"] == [None, {"1": {"logprob": -1.0, "rank": 2, "decoded_token": "b"}},
+                                       {"2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}]
+
+
+def test_a_run_says_once_which_lines_take_our_defaults(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    """Issue 42 item 18: a body without max_tokens was cut at 16 tokens and one without temperature was greedy,
+    silently; the run now says so once (our defaults stay: bounded and reproducible)."""
+    data = write_jsonl(tmp_path / "b.jsonl", [
+        line("a", "/v1/completions", {"prompt": "Hi", "max_tokens": 1}),
+        line("b", "/v1/completions", {"prompt": "Hi", "temperature": 0.5, "max_tokens": 1}),
+        line("c", "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1})])
+    res = run("generate", data, "--model", tiny_model_dir("llama"), "--out", tmp_path / "o.jsonl", "-q")
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert text.count("note:") == 1
+    assert ("note: 2 of 3 request lines give no temperature: they use --temperature 0 (greedy) (the API's default: 1) — set them "
+            "in the bodies or on the command line") in text
+    both = write_jsonl(tmp_path / "c.jsonl", [line("a", "/v1/completions", {"prompt": "Hi"})])
+    res = run("generate", both, "--model", tiny_model_dir("llama"), "--out", tmp_path / "p.jsonl", "-q",
+              "--max-tokens", 1, "--temperature", 0.7)
+    assert res.exit_code == 0, res.output
+    assert ("note: 1 of 1 request lines give no max_tokens: they stop at --max-tokens 1 (the API's chat default: "
+            "until the context ends); 1 of 1 request lines give no temperature: they use --temperature 0.7 (the API's default: "
+            "1)") in " ".join(res.output.split())
+
+
+def test_errors_out_writes_the_error_lines_to_a_file_of_their_own(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    """Issue 42 item 19: OpenAI splits successes and failures into an output and an error file; --errors-out FILE
+    does, one file stays the default."""
+    lines = [line("a", "/v1/completions", {"prompt": "Hi", "max_tokens": 1, "temperature": 0}),
+             line("b", "/v1/completions", {"prompt": "Hi", "presence_penalty": 1}),
+             line("c", "/v1/completions", {"prompt": "Ho", "max_tokens": 1, "temperature": 0})]
+    data = write_jsonl(tmp_path / "b.jsonl", lines)
+    model = tiny_model_dir("llama")
+    out, errors = tmp_path / "o.jsonl", tmp_path / "sub" / "e.jsonl"
+    res = run("generate", data, "--model", model, "--skip-invalid", "--out", out, "--errors-out", errors)
+    assert res.exit_code == 0, res.output
+    assert "error lines: 1 in" in res.output
+    answered = [json.loads(x) for x in out.read_text().splitlines()]
+    failed = [json.loads(x) for x in errors.read_text().splitlines()]
+    assert [x["custom_id"] for x in answered] == ["a", "c"] and all(x["error"] is None for x in answered)
+    assert [x["custom_id"] for x in failed] == ["b"] and failed[0]["response"] is None
+    one = tmp_path / "one.jsonl"  # the default: one file, in input order
+    assert run("generate", data, "--model", model, "--skip-invalid", "--out", one, "-q").exit_code == 0
+    assert [json.loads(x)["custom_id"] for x in one.read_text().splitlines()] == ["a", "b", "c"]
+    cases = [(("--errors-out", errors), f"--errors-out {errors} exists — pass --overwrite to replace it"),
+             (("--errors-out", data), "is the dataset itself"),
+             (("--errors-out", tmp_path / "new.jsonl", "--out", tmp_path / "new.jsonl"), "is --out itself"),
+             (("--errors-out", tmp_path / "x.jsonl", "--out", tmp_path / "x.parquet"),
+              "--errors-out writes the error lines of an OpenAI Batch result file apart from its answers, so it "
+              "needs --output-format openai-batch")]
+    for args, message in cases:
+        res = run("generate", data, "--model", model, "--skip-invalid", "--out", tmp_path / "n.jsonl", *args)
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), (args, res.output)

@@ -12,7 +12,11 @@
 - sharded loading reads only this rank's slices of the sharded weights, and they are the right ones;
 - the refusals before any load, the metadata's degree and merge refusing mixed degrees;
 - a rank killed mid-run: one clear error, the finished rows kept, --resume bitwise an uninterrupted run;
-- degree 4 (four partial sums: where their order matters): against degree 1, and exact across order and preemption.
+- issue 42: Ctrl-C and a group SIGTERM stop a run gracefully (exit 130), a worker outlives no rank 0, torchrun's
+  ranks take cuda:LOCAL_RANK first, failures while profiling or on a worker end no run in a hang, a refused engine
+  frees the workers' shards, rank 0's thread share, the start timeout, gloo on the loopback interface;
+- degree 4 (four partial sums: where their order matters): against degree 1, and exact across order and preemption
+  (last: it leaves the module's group at degree 4).
 
 The ranks start once for the module (the process keeps its group; engines after the first reuse it) and stop at
 its end.
@@ -326,6 +330,262 @@ def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_mode
     assert time.perf_counter() - started < 30
 
 
+# ---------------------------------------------------------------- issue 42: signals, devices, hangs, cleanup
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_or_a_group_sigterm_stops_a_degree_2_run_gracefully(tmp_path, write_jsonl, tiny_model_dir,
+                                                                  signum: str) -> None:
+    """Issue 42 item 7: Ctrl-C (SIGINT to the terminal's process group) or a process-group SIGTERM reached the
+    spawned ranks too, which died mid-step, so the graceful stop ended as "a rank ended" (exit 1), not 130."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i % 7 + 1)}
+                                              for i in range(400)])
+    out = tmp_path / "o.parquet"
+    proc = subprocess.Popen([sys.executable, "-m", "apcscore", "score", str(data), "--model",
+                             str(tiny_model_dir("llama")), "--tensor-parallel", "2", "--max-num-seqs", "1",
+                             "--max-batch-tokens", "16", "--out", str(out), "--quiet"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    partial = tmp_path / "o.parquet.partial"
+    deadline = time.time() + 120
+    while not any(partial.glob("part-*.parquet")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    os.killpg(proc.pid, getattr(signal, signum))  # as the terminal's Ctrl-C, or `kill -TERM -PGID`
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "interrupted:" in output and "rank ended" not in output, output
+
+
+def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_dir) -> None:
+    """Issue 42 item 7: the workers now ignore SIGTERM (rank 0 stops the group), so one whose rank 0 is gone
+    (here a process-group SIGTERM, which kills rank 0 before it has a handler) must not wait in a collective
+    until the timeout: it exits within seconds."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    script = tmp_path / "rank0.py"
+    script.write_text(
+        "import sys, time\n"
+        "from apcscore import Engine, EngineConfig\n"
+        "from apcscore.engine.tensor_parallel import current_group\n"
+        "if __name__ == '__main__':\n"
+        f"    Engine.from_model(sys.argv[1], EngineConfig(**{BASE!r}, tensor_parallel_size=2))\n"
+        "    print('workers', *[p.pid for p in current_group().processes], flush=True)\n"
+        "    time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir("llama"))], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    assert line.startswith("workers "), line
+    (worker,) = map(int, line.split()[1:])
+    os.killpg(proc.pid, signal.SIGTERM)  # the workers ignore it; rank 0 has no handler at this point: it dies
+    proc.wait(timeout=30)
+
+    def running(pid: int) -> bool:
+        status = Path(f"/proc/{pid}/status")
+        return status.exists() and "\nState:\tZ" not in status.read_text()
+
+    deadline = time.time() + 20
+    while running(worker) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not running(worker)
+
+
+def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first_collective(monkeypatch) -> None:
+    """Issue 42 item 8: under torchrun with NCCL the ranks never called set_device(LOCAL_RANK) before the first
+    collective, so every one of them used cuda:0. (No GPU needed: the calls are recorded in order.)"""
+    import torch.distributed as dist
+
+    from apcscore.engine import tensor_parallel
+
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(f"set_device {d}"))
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: events.append(f"init {backend}"))
+    monkeypatch.setattr(tensor_parallel, "serve", lambda tp: events.append(f"serve rank {tp.rank}"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "3")  # a worker on a second node: its GPU is its local rank
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit):
+        tensor_parallel.serve_if_worker(torch.device("cuda"))
+    assert events == ["set_device 1", "init nccl", "serve rank 3"]
+    events.clear()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr(tensor_parallel, "_GROUP", None)
+    group = tensor_parallel.rank_group(2, torch.device("cuda"))
+    monkeypatch.setattr(tensor_parallel, "_GROUP", None)  # (nothing to shut down: no process was started)
+    group.watch.stop()  # (NCCL's failure watch)
+    assert events == ["set_device 0", "init nccl"] and group.backend == "nccl" and not group.processes
+
+
+def test_a_failure_while_profiling_marks_the_group_out_of_step(monkeypatch) -> None:
+    """Issue 42 item 9: Shard.profile (CUDA pool sizing) was not guarded as a step is: an out-of-memory on rank 0
+    left the workers in the profile's gather, and the shutdown broadcast waited for them until the 30-minute
+    timeout. Now the group is marked, so the next engine or the exit ends them at once."""
+    from apcscore.engine import tp_runner
+    from apcscore.models.tensor_parallel import TensorParallel
+
+    class Group:
+        def __init__(self) -> None:
+            self.in_sync, self.calls = True, []
+
+        def call(self, key, op, *args):  # type: ignore[no-untyped-def]
+            self.calls.append(op)
+
+    def oom(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(tp_runner, "profile_peak_memory", oom)
+    shard, group = tp_runner.Shard(TensorParallel(0, 2), None, None, torch.device("cpu"), torch.float32), Group()
+    with pytest.raises(torch.OutOfMemoryError):
+        shard.profile({"max_batch_tokens": 8}, group, 1)
+    assert group.calls == ["profile"] and group.in_sync is False
+
+
+def test_an_engine_refused_after_loading_frees_the_workers_shards(tiny_model_dir) -> None:
+    """Issue 42 item 10: a refusal between the load and make_runner (here the KV pool check) left the workers'
+    shards of that engine alive for the rest of the process. Now they are dropped with the next call."""
+    from apcscore.engine.tensor_parallel import current_group
+
+    path = str(tiny_model_dir("llama"))
+    requests = score_requests(make_prompts([5, 9], 49152, seed=3))
+    engine = Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2))  # (the group is running)
+    group = current_group()
+    key = group.next_key
+    with pytest.raises(ApcscoreError, match="the KV pool of"):
+        Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 10**12}, tensor_parallel_size=2))
+    assert key in group.dropped
+    run(engine, requests)  # the drop travels with the next call, and the ranks stay in step
+    assert key not in group.dropped
+
+
+def test_rank_0_takes_its_share_of_the_threads_while_the_ranks_run(tiny_model_dir) -> None:
+    """Issue 42 item 11: the workers got threads / N but rank 0 kept them all (N ranks oversubscribed the cores).
+    Rank 0 takes its share while the group runs and gets its count back at shutdown."""
+    from apcscore.engine.tensor_parallel import shutdown_ranks
+
+    shutdown_ranks()  # a fresh group, started from this thread count
+    before = torch.get_num_threads()
+    try:
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        assert torch.get_num_threads() == max(1, before // 2)
+    finally:
+        shutdown_ranks()
+    assert torch.get_num_threads() == before
+
+
+def test_a_rank_that_never_starts_is_refused_after_the_start_timeout() -> None:
+    """Issue 42 item 11: waiting for the spawned ranks to start had no timeout (a rank stuck before apcscore's
+    code, e.g. swapping, kept rank 0 waiting for ever)."""
+    import threading
+    import time
+
+    from apcscore.engine import tp_spawn
+
+    class Stuck:  # a process that stays alive and never signals it is ready
+        pid, exitcode, killed = 4242, None, False
+
+        def is_alive(self) -> bool:
+            return not self.killed
+
+        def kill(self) -> None:
+            self.killed = True
+
+    proc, started = Stuck(), time.monotonic()
+    with pytest.raises(ApcscoreError, match=r"tensor-parallel rank 1 did not start within 0.2 s") as refused:
+        tp_spawn.wait_ready([proc], [threading.Event()], timeout=0.2)
+    assert refused.value.exit_code == 1 and proc.killed and time.monotonic() - started < 5
+
+
+def test_spawned_ranks_talk_over_the_loopback_interface(tiny_model_dir, monkeypatch) -> None:
+    """Issue 42 item 11: gloo listened on the interface the host name resolves to, though every spawned rank is
+    local. The ranks start with GLOO_SOCKET_IFNAME = the loopback interface (rank 0's environment is left as
+    it was); a value the user set wins."""
+    import os
+    from pathlib import Path
+
+    from apcscore.engine.tensor_parallel import current_group, shutdown_ranks
+    from apcscore.engine.tp_spawn import loopback_interface
+
+    lo = loopback_interface()
+    if lo is None or not Path("/proc/self/environ").exists():
+        pytest.skip("no loopback interface to name, or no /proc to read a rank's environment from")
+
+    def worker_env() -> dict[str, str]:
+        (proc,) = current_group().processes
+        raw = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        return dict(item.decode(errors="replace").partition("=")[::2] for item in raw if item)
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    shutdown_ranks()
+    try:
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        assert worker_env().get("GLOO_SOCKET_IFNAME") == lo and "GLOO_SOCKET_IFNAME" not in os.environ
+        shutdown_ranks()
+        monkeypatch.setenv("GLOO_SOCKET_IFNAME", lo)  # the user's choice (here the same interface) is kept
+        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        assert os.environ["GLOO_SOCKET_IFNAME"] == lo
+    finally:
+        shutdown_ranks()
+
+
+def test_a_worker_that_fails_names_its_error_on_rank_0(tiny_model_dir) -> None:
+    """Issue 42 item 9: a worker exception left rank 0 in the op's collective (on NCCL until the 30-minute
+    watchdog; gloo notices the closed socket) with only the transport's error. The worker leaves its error in
+    the group's store; rank 0 reports it, and on NCCL a watch aborts the collective (tested below without GPUs)."""
+    from apcscore.engine.tensor_parallel import current_group
+    from apcscore.models.tensor_parallel import RanksFailed
+
+    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+    runner = engine.runner
+    # the worker runs "logits" before any forward: it has no hidden states and fails before its gather
+    with pytest.raises(RanksFailed) as failed:
+        runner._run("logits", ([0],), lambda: runner.tp.gather(torch.zeros(3)))
+    message = " ".join(str(failed.value).split())
+    assert "(rank 1 failed: AttributeError: 'NoneType' object has no attribute 'device')" in message, message
+    assert not current_group().in_sync  # the next engine starts fresh ranks
+
+
+def test_the_failure_watch_aborts_once_when_a_worker_fails_or_ends() -> None:
+    """The NCCL half of item 9 without GPUs: the watch calls abort once a worker left a failure note, or once a
+    spawned worker ended, and never while all is well."""
+    import time
+
+    from apcscore.engine.tp_faults import FailureWatch
+
+    class Proc:
+        def __init__(self) -> None:
+            self.alive = True
+
+        def is_alive(self) -> bool:
+            return self.alive
+
+    for cause in ("note", "ended"):
+        proc, note, aborts = Proc(), {"text": None}, []
+        watch = FailureWatch([proc], note=lambda: note["text"], abort=lambda: aborts.append(1), poll=0.01).start()
+        time.sleep(0.1)
+        assert aborts == [] and not watch.fired
+        if cause == "note":
+            note["text"] = "rank 1 failed: OutOfMemoryError: CUDA out of memory"
+        else:
+            proc.alive = False
+        deadline = time.monotonic() + 5
+        while not aborts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.05)
+        assert aborts == [1] and watch.fired, cause
+        watch.stop()
+
+
 def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
     within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
@@ -352,4 +612,3 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
                                                  tensor_parallel_size=4))
     assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
     assert tight.stats.preemptions > 0
-

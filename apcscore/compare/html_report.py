@@ -4,7 +4,10 @@ The page holds the verdict and the thresholds, the metric tables (the rows of th
 plotly charts of the per-token figures (histograms of Δ logprob and KL, baseline against candidate logprob), the
 worst records with each token coloured by its Δ logprob (hover: both logprobs and both top-K lists; a click pins
 them in the side panel), and the multiple-choice flips. plotly.js is inlined, so the file needs no network when
-it is opened (about 5 MB). Every text that comes from the files (ids, tokens, paths, messages) is escaped.
+it is opened (about 5 MB). The page stays under MAX_PAGE_BYTES (10 MB): the worst, flips and excluded tables list
+at most MAX_TABLE_ROWS rows, and the worst records are shown token by token (a token's title with K=20 is ~1.5
+KB) while they fit; the page says what it left out. Every text that comes from the files (ids, tokens, paths,
+messages) is escaped.
 
 Δ logprob here is candidate − baseline of the actual next token: negative where the candidate gives it less
 probability (red), positive where more (blue).
@@ -27,6 +30,8 @@ from apcscore.io.token_text import Pieces, id_pieces
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
 MAX_TOKENS = 1024  # tokens shown of one record: a window around its largest |Δ|
 BINS = 60
+MAX_PAGE_BYTES = 10_000_000  # the page's bound (plotly.js is ~4.8 MB of it); token views fill what is left
+MAX_TABLE_ROWS = 500  # rows of the worst, flips and excluded tables
 _RED, _BLUE = (220, 38, 38), (37, 99, 235)
 
 _CSS = """
@@ -92,9 +97,14 @@ def _table(head: Row, rows: list[Row], classes: list[str] | None = None, table_i
 
 
 def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
+    """Counts of the finite values in BINS bins; the others (±inf, NaN: a -inf logprob on one side) are counted in
+    the title, since no bin holds them."""
     import plotly.graph_objects as go
 
-    counts, edges = np.histogram(values, bins=BINS)
+    finite = np.isfinite(values)
+    if not finite.all():
+        title += f" ({int((~finite).sum()):,} not finite, not drawn)"
+    counts, edges = np.histogram(values[finite], bins=BINS)
     fig = go.Figure(go.Bar(x=(edges[:-1] + edges[1:]) / 2, y=counts, width=np.diff(edges), marker_color=color,
                            hovertemplate="%{x:.4g}: %{y} positions<extra></extra>"))
     fig.update_layout(title=title, xaxis_title=xlabel, yaxis_title="positions (log scale)", yaxis_type="log",
@@ -106,16 +116,22 @@ def _scatter(c: Comparison):
     import plotly.graph_objects as go
 
     pos = c.aligned.positions
-    m = len(pos.record)
-    keep = np.arange(m)
+    finite = np.flatnonzero(np.isfinite(pos.base_lp) & np.isfinite(pos.new_lp))  # a -inf logprob has no place
+    m = len(finite)
+    keep = finite
+    off = len(pos.record) - m
     title = f"Target-token logprob, {m:,} positions"
     if m > MAX_SCATTER:  # the largest changes, and a fixed random sample of the rest
-        order = np.argsort(-np.abs(pos.new_lp - pos.base_lp), kind="stable")
+        order = finite[np.argsort(-np.abs(pos.new_lp - pos.base_lp)[finite], kind="stable")]
         top, rest = order[:MAX_SCATTER // 10], order[MAX_SCATTER // 10:]
         sample = np.random.default_rng(0).choice(rest, MAX_SCATTER - len(top), replace=False)
         keep = np.sort(np.concatenate([top, sample]))
         title = (f"Target-token logprob, {MAX_SCATTER:,} of {m:,} positions "
                  f"(the {len(top):,} largest |Δ| and a random sample)")
+    if off:
+        title += f"; {off:,} with a logprob not finite, not drawn"
+    if not m:
+        return None
     ids = c.aligned.base["id"].to_pylist()
     x, y = pos.base_lp[keep], pos.new_lp[keep]
     custom = [[_e(ids[r]), int(p)] for r, p in zip(pos.record[keep], pos.position[keep])]
@@ -142,7 +158,8 @@ def _figures(c: Comparison) -> list[tuple[str, object]]:
     if len(kl):
         figs.append(("plot-kl", _histogram(kl, "KL(base ‖ new) per token (lower bound from top-K)", "KL, nats",
                                            "#8250df")))
-    figs.append(("plot-scatter", _scatter(c)))
+    if (scatter := _scatter(c)) is not None:
+        figs.append(("plot-scatter", scatter))
     return figs
 
 
@@ -177,6 +194,8 @@ def _top_lines(label: str, ids: list[int] | None, lps: list[float] | None, targe
 
 
 def _colour(delta: float, scale: float) -> str:
+    if math.isnan(delta):  # -inf on both sides: no change to show
+        return ""
     r, g, b = _RED if delta < 0 else _BLUE
     return f"background: rgba({r},{g},{b},{0.85 * min(1.0, abs(delta) / scale):.3f})"
 
@@ -232,19 +251,39 @@ def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, pieces: Pieces, s
             f'<div class="tokens">{"".join(spans)}</div></div>')
 
 
-def _worst_section(c: Comparison, worst: int, pieces: Pieces) -> str:
-    shown = c.records[:worst]
-    out = [f"<h2>Worst {len(shown)} records</h2>", _table(_WORST_HEAD, _worst_rows(c, worst), table_id="worst")]
+def _left_out(n: int, what: str) -> str:
+    """The note under a table cut at MAX_TABLE_ROWS."""
+    return (f'<p class="note">... and {n:,} more {what}, not listed: the page lists at most {MAX_TABLE_ROWS:,} '
+            "(the JSON report, --report-json, has them all)</p>") if n > 0 else ""
+
+
+def _worst_section(c: Comparison, worst: int, pieces: Pieces, budget: int) -> str:
+    """The worst records' table and as many of them token by token as fit in `budget` bytes (in order)."""
+    shown = c.records[:min(worst, MAX_TABLE_ROWS)]
+    out = [f"<h2>Worst {len(shown)} records</h2>", _table(_WORST_HEAD, _worst_rows(c, len(shown)), table_id="worst"),
+           _left_out(min(worst, len(c.records)) - len(shown), "of the worst records")]
     a = c.aligned
     if a is None or a.positions is None or "token_ids" not in a.base.column_names:
         return "\n".join(out + ['<p class="muted">no per-token data in the files: no token view</p>'])
     rows = {rid: i for i, rid in enumerate(a.base["id"].to_pylist())}
-    scale = max((r.max_abs_logprob_diff for r in shown), default=0.0) or 1e-12
+    delta = np.abs(a.positions.new_lp - a.positions.base_lp)[np.isin(a.positions.record, [rows[r.id] for r in shown])]
+    # the largest finite |Δ| (an infinite one, from a -inf logprob, is drawn at full colour)
+    scale = float(delta[np.isfinite(delta)].max(initial=0.0)) or 1e-12
     out.append(f'<div class="legend"><span>Δ logprob (candidate − baseline):</span><span>{-scale:.3g}</span>'
                f'<span class="bar"></span><span>+{scale:.3g}</span><span class="muted">grey: not scored; '
                "hover a token for its logprobs and top-K, click to pin them</span></div>")
-    out += [_record_tokens(c, rows[r.id], r, pieces, scale) for r in shown]
-    return "\n".join(out)
+    budget -= len("\n".join(out).encode()) + 1_000  # the note below
+    views = []
+    for r in shown:
+        view = _record_tokens(c, rows[r.id], r, pieces, scale)
+        if len(view.encode()) > budget:
+            out.append(f'<p class="note">{len(views)} of the {len(shown)} records are shown token by token: the '
+                       f"next would take the page over {MAX_PAGE_BYTES / 1e6:g} MB (the table above lists all "
+                       f"{len(shown)})</p>")
+            break
+        budget -= len(view.encode())
+        views.append(view)
+    return "\n".join(out + views)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -281,24 +320,31 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
     figs = _figures(c)
     parts += ["<h2>Per-token figures</h2>", _plot_divs(figs) if figs else
               '<p class="muted">no position was scored in both files: no charts</p>']
-    if c.records and worst:
-        parts.append(_worst_section(c, worst, pieces))
+    worst_at = len(parts)  # filled last: its token views take the bytes the rest leaves
     parts.append("<h2>Multiple-choice flips</h2>")
     if c.flips:
+        flips = c.flips[:MAX_TABLE_ROWS]
         classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
-                   f.correct_base else "" for f in c.flips]
+                   f.correct_base else "" for f in flips]
         parts.append(_table(_FLIP_HEAD, [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new),
-                                          str(f.correct_base), str(f.correct_new)) for f in c.flips], classes, "flips"))
+                                          str(f.correct_base), str(f.correct_new)) for f in flips], classes, "flips"))
+        parts.append(_left_out(len(c.flips) - len(flips), "flips"))
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
     if c.excluded:
         parts += ["<h2>Excluded records (status 'error')</h2>",
-                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded])]
+                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error)
+                                                            for e in c.excluded[:MAX_TABLE_ROWS]]),
+                  _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
     parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")
-    return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+    head = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>apcscore compare: {_e(verdict)}</title><style>{_CSS}</style>"
-            f'<script type="text/javascript">{get_plotlyjs()}</script></head>\n'
-            f"<body><main>{''.join(parts)}</main>{aside}<script>{_JS}</script></body></html>\n")
+            f'<script type="text/javascript">{get_plotlyjs()}</script></head>\n<body><main>')
+    tail = f"</main>{aside}<script>{_JS}</script></body></html>\n"
+    if c.records and worst:
+        used = sum(len(x.encode()) for x in (head, tail, *parts))
+        parts.insert(worst_at, _worst_section(c, worst, pieces, MAX_PAGE_BYTES - used))
+    return head + "".join(parts) + tail

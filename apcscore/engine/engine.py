@@ -164,21 +164,30 @@ class Engine:
             key = group.new_key()
             args = load_args(hf_config, state_dict, rope, max_len, config, dtype, device)
             group.call(key, "load", args)
-            shard = Shard.load(group.tp, args)
+            try:
+                shard = Shard.load(group.tp, args)
+            except BaseException:
+                group.dropped.append(key)  # the workers' shards of `key` go with the next call
+                raise
             model, ops, device, parallel = shard.model, shard.ops, shard.device, (shard, group, key)
         else:
             model = build_decoder(hf_config, ops, max_len, device, dtype, state_dict, rope, consume_state)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()  # the KV pool is sized from free memory: return what loading cached
-        # the parameter count of the whole model (a rank holds a part: count a copy built on "meta", free)
-        whole = model if parallel is None else decoder_class(hf_config)(hf_config, ops, device="meta")
-        info = ModelInfo(
-            name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
-            max_model_len=max_len, fingerprint=fingerprint,
-            num_parameters=sum(p.numel() for p in whole.parameters()),
-            sliding_window=capping_window(hf_config, config, window_cap),
-        )
-        return cls(model, tokenizer, config, info, device, dtype, ops, parallel)
+        try:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the KV pool is sized from free memory: return what loading cached
+            # the parameter count of the whole model (a rank holds a part: count a copy built on "meta", free)
+            whole = model if parallel is None else decoder_class(hf_config)(hf_config, ops, device="meta")
+            info = ModelInfo(
+                name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
+                max_model_len=max_len, fingerprint=fingerprint,
+                num_parameters=sum(p.numel() for p in whole.parameters()),
+                sliding_window=capping_window(hf_config, config, window_cap),
+            )
+            return cls(model, tokenizer, config, info, device, dtype, ops, parallel)
+        except BaseException:
+            if parallel is not None:  # (e.g. the KV pool check refused): the engine never owns the workers' shards
+                parallel[1].dropped.append(parallel[2])
+            raise
 
     def counters(self) -> EngineCounters:
         """This engine's counters since it was built: its stats, its prefix cache's and its KV pool's."""

@@ -9,7 +9,8 @@ keeps outputs (engine/tp_runner.py).
 
 How the ranks start:
 - by apcscore (the default): rank 0 spawns N - 1 processes with torch.multiprocessing (spawn), gloo on the
-  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file;
+  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file (engine/tp_spawn.py: the workers ignore
+  SIGINT and SIGTERM, which rank 0 handles for the group, and exit when rank 0 is gone);
 - by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): every rank runs the same command; rank 0 goes on, the others
   become workers when they reach the engine (`serve_if_worker`) and exit when rank 0 is done.
 
@@ -23,7 +24,6 @@ from __future__ import annotations
 import atexit
 import os
 import tempfile
-import time
 import weakref
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -32,7 +32,9 @@ from typing import Any
 import torch
 
 from apcscore.errors import ApcscoreError
-from apcscore.engine.tp_runner import Shard, torchrun_env
+from apcscore.engine.tp_faults import FailureWatch, failure_note
+from apcscore.engine.tp_runner import serve, torchrun_env
+from apcscore.engine.tp_spawn import on_loopback, spawn_workers
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 TIMEOUT = timedelta(minutes=30)  # of one collective: a step of a large model on the CPU can be long
@@ -57,6 +59,8 @@ class RankGroup:
     # False once a call on rank 0 failed half-way: the workers may be waiting in a collective rank 0 left, so
     # shutdown ends them instead of broadcasting (which would wait for them until the timeout)
     in_sync: bool = True
+    threads_before: int | None = None  # rank 0's torch threads before it took its share (restored at shutdown)
+    watch: FailureWatch | None = None  # NCCL: aborts the group when a worker fails (engine/tp_faults.py)
 
     def new_key(self) -> int:
         """A key for one engine's shards on the workers; `register` frees them when rank 0's engine goes."""
@@ -78,7 +82,8 @@ class RankGroup:
         try:
             dist.broadcast_object_list([(key, op, args, drops)], src=0)
         except RuntimeError as e:
-            raise RanksFailed(e) from e
+            self.in_sync = False
+            raise RanksFailed(failure_note() or e) from e
 
     def check_alive(self) -> None:
         """Refuse to go on when a spawned rank has ended (RanksFailed)."""
@@ -93,12 +98,14 @@ class RankGroup:
 
         global _GROUP
         _GROUP = None
+        if self.watch is not None:
+            self.watch.stop()
         try:
             if self.in_sync and all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
-            else:
+            else:  # (SIGKILL: the workers ignore SIGTERM, engine/tp_spawn.py)
                 for p in self.processes:
-                    p.terminate()
+                    p.kill()
         except RuntimeError:  # a rank already gone: nothing to tell it
             pass
         finally:
@@ -106,8 +113,13 @@ class RankGroup:
                 p.join(timeout=30)
                 if p.is_alive():
                     p.kill()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            try:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+            except RuntimeError:  # (a group the watch aborted)
+                pass
+            if self.threads_before is not None:
+                torch.set_num_threads(self.threads_before)
 
 
 _GROUP: RankGroup | None = None
@@ -130,33 +142,28 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
     backend = "nccl" if device.type == "cuda" else "gloo"
     env = torchrun_env()
     processes: list[Any] = []
+    threads_before = None
     if env is not None:
         if env[1] != world_size:
             raise ApcscoreError(f"the launcher started {env[1]} ranks (WORLD_SIZE) but --tensor-parallel is "
                                 f"{world_size}; make them equal")
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=TIMEOUT)
+        join_launched_group(backend, env[0])
     else:
-        import torch.multiprocessing as mp
-
         rendezvous = tempfile.NamedTemporaryFile(prefix="apcscore-tp-", delete=False)
         rendezvous.close()
         os.unlink(rendezvous.name)  # the file store creates it
         init = f"file://{rendezvous.name}"
-        threads = max(1, torch.get_num_threads() // world_size)
-        ctx = mp.get_context("spawn")
-        ready = [ctx.Event() for _ in range(1, world_size)]
-        for rank in range(1, world_size):
-            proc = ctx.Process(target=worker_main, args=(rank, world_size, init, backend, threads, ready[rank - 1]),
-                               daemon=True)
-            proc.start()
-            processes.append(proc)
-        _wait_ready(processes, ready)
-        dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
+        threads_before = torch.get_num_threads()
+        threads = max(1, threads_before // world_size)
+        with on_loopback(backend):  # (all the ranks are local)
+            processes = spawn_workers(world_size, init, backend, threads, TIMEOUT)
+            dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
+        torch.set_num_threads(threads)  # rank 0 takes its share of the cores too (threads do not change bits)
     if _GROUP is None and not _EXIT_HOOK:
         atexit.register(_shutdown_at_exit)
         _EXIT_HOOK.append(True)
-    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes)
+    _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes, threads_before=threads_before,
+                       watch=FailureWatch(processes).start() if backend == "nccl" else None)
     return _GROUP
 
 
@@ -175,69 +182,24 @@ def _shutdown_at_exit() -> None:
     shutdown_ranks()
 
 
-def _wait_ready(processes: list[Any], ready: list[Any]) -> None:
-    """Wait until every spawned rank runs apcscore's code; a rank that ends first is refused with the likely cause
-    (rather than a rendezvous that waits for it until the timeout)."""
-    while not all(event.is_set() for event in ready):
-        for rank, proc in enumerate(processes, 1):
-            if not proc.is_alive() and not ready[rank - 1].is_set():
-                for other in processes:
-                    other.kill()
-                raise ApcscoreError(
-                    f"tensor-parallel rank {rank} ended while starting (exit code {proc.exitcode}). The ranks are "
-                    "new Python processes (spawn) that import the main module first: a script that builds an "
-                    "engine must do so under `if __name__ == \"__main__\":`", exit_code=1)
-        time.sleep(0.02)
-
-
-def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int, ready: Any = None) -> None:
-    """A spawned worker: join the group, then serve rank 0 until it says shutdown."""
+def join_launched_group(backend: str, rank: int) -> None:
+    """Join the group a launcher (torchrun) started. On NCCL this process's GPU becomes cuda:LOCAL_RANK first:
+    the collectives (the first broadcast included) run on the current device, which is otherwise cuda:0 on
+    every rank."""
     import torch.distributed as dist
 
-    if ready is not None:
-        ready.set()  # (the main module and apcscore are imported: rank 0 may rendezvous now)
-    torch.set_num_threads(threads)  # the ranks share the machine's cores (the thread count does not change bits)
     if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world_size, timeout=TIMEOUT)
-    try:
-        serve(TensorParallel(rank, world_size))
-    finally:
-        dist.destroy_process_group()
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=TIMEOUT)
 
 
 def serve_if_worker(device: torch.device) -> None:
     """Under torchrun, a rank other than 0 serves rank 0 here and then exits the process (SystemExit 0): the
     command's own work (options, dataset, output) is rank 0's."""
-    import torch.distributed as dist
-
     env = torchrun_env()
     if env is None or env[0] == 0:
         return
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=TIMEOUT)
+    join_launched_group("nccl" if device.type == "cuda" else "gloo", env[0])
     serve(TensorParallel(env[0], env[1]))
     raise SystemExit(0)
-
-
-def serve(tp: TensorParallel) -> None:
-    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's shard
-    (engine/tp_runner.Shard)."""
-    import torch.distributed as dist
-
-    shards: dict[int, Shard] = {}
-    while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0)
-        key, op, args, drops = message[0]
-        for d in drops:
-            shards.pop(d, None)
-        if op == "shutdown":
-            return
-        if op == "load":  # (built outside inference mode, as rank 0 builds its own)
-            shards[key] = Shard.load(tp, *args)
-        elif op == "make_runner":
-            shards[key].make_runner(*args)
-        else:
-            with torch.inference_mode():  # as ModelRunner.execute on rank 0
-                getattr(shards[key], op)(*args)

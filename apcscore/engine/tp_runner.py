@@ -27,7 +27,8 @@ from apcscore.models.decoders import build_decoder
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import LazyCheckpoint
 from apcscore.models.ops import Ops, select_ops
-from apcscore.models.tensor_parallel import TensorParallel
+from apcscore.engine.tp_faults import failure_note, report_failure
+from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 
 def torchrun_env() -> tuple[int, int] | None:
@@ -80,9 +81,11 @@ class ShardRunner(ModelRunner):
             self.group.call(self.key, op, *wire)
         try:
             return local()
-        except BaseException:
+        except BaseException as e:
             if self.group is not None:
                 self.group.in_sync = False  # the workers may wait in a collective this rank left
+                if isinstance(e, RanksFailed) and (note := failure_note()) is not None:
+                    raise RanksFailed(note) from e  # a worker failed: its own error, not the transport's
             raise
 
     def _forward(self, batch: Any) -> torch.Tensor:
@@ -158,8 +161,13 @@ class Shard:
         """The largest step's peak memory on this rank (CUDA KV pool sizing); rank 0 gets the largest of all."""
         if group is not None:
             group.call(key, "profile", {k: v for k, v in step.items() if k != "device"})
-        peak = profile_peak_memory(self.model, **{**step, "device": self.device})
-        peaks = self.tp.gather(torch.tensor([peak], dtype=torch.int64, device=self.device))
+        try:
+            peak = profile_peak_memory(self.model, **{**step, "device": self.device})
+            peaks = self.tp.gather(torch.tensor([peak], dtype=torch.int64, device=self.device))
+        except BaseException:  # (e.g. out of memory) as ShardRunner._run: the workers may wait in the gather
+            if group is not None:
+                group.in_sync = False
+            raise
         return int(max(int(p.item()) for p in peaks))
 
     # ---- a step's parts on a worker (engine/tensor_parallel.serve calls them by name) -------------------------
@@ -171,6 +179,33 @@ class Shard:
 
     def logits(self, rows: list[int]) -> None:
         self.runner.local_rows_logits(self.hidden, rows)
+
+
+def serve(tp: TensorParallel) -> None:
+    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's shard
+    (`Shard`; rank 0 sends them through engine/tensor_parallel.RankGroup.call)."""
+    import torch.distributed as dist
+
+    shards: dict[int, Shard] = {}
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0)
+        key, op, args, drops = message[0]
+        for d in drops:
+            shards.pop(d, None)
+        if op == "shutdown":
+            return
+        try:
+            if op == "load":  # (built outside inference mode, as rank 0 builds its own)
+                shards[key] = Shard.load(tp, *args)
+            elif op == "make_runner":
+                shards[key].make_runner(*args)
+            else:
+                with torch.inference_mode():  # as ModelRunner.execute on rank 0
+                    getattr(shards[key], op)(*args)
+        except BaseException as e:  # rank 0 may wait in this op's collective: tell it why this rank ends
+            report_failure(tp.rank, e)
+            raise
 
 
 def load_args(hf_config: Any, state: Any, rope: Any, max_positions: int, config: EngineConfig,

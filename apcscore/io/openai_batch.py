@@ -7,15 +7,16 @@ prompt_token_ids record with generate's sampling overrides) and `BatchLine`, wha
 (endpoint, echo, how many logprobs the body asked for, its model). Every body field either maps onto one of
 ours or is refused: a field that would change the result and that we do not implement is never ignored.
 
-- chat (`/v1/chat/completions`): `messages` (string content, or a list of text parts joined), the chat
+- chat (`/v1/chat/completions`): `messages` (string content, or a list of text parts joined with "\\n"), the chat
   template with the generation prompt as for our messages records; `logprobs` (bool) + `top_logprobs` (int).
 - completions (`/v1/completions`): `prompt` a string, a list of token ids, or a list holding one of those;
   `logprobs` (int: top-K per sampled token), `echo` (the prompt's text, and with logprobs its per-token
   logprobs, ahead of the completion). `echo: true` with `max_tokens: 0` is a score request.
 - both: `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `seed`, `stop`,
-  `n` (1 only), vLLM's `prompt_logprobs`; harmless: `model` (checked against --model), `user`, `metadata`,
-  `store`, `service_tier`, `stream` false, `stream_options` null; neutral values of the others (e.g.
-  `frequency_penalty: 0`) are accepted, any other value refused.
+  `n` (1 only), vLLM's `prompt_logprobs`; `top_k: -1` is off (our 0) and a `developer` message a system one;
+  harmless: `model` (checked against --model), `user`, `metadata`, `store`, `service_tier`, `stream` false,
+  `stream_options` null; neutral values of the others (e.g. `frequency_penalty: 0`) are accepted, any other
+  value refused.
 """
 
 from __future__ import annotations
@@ -58,9 +59,10 @@ class BatchLine:
     endpoint: str  # chat | completions
     echo: bool = False
     logprobs: int | None = None  # top-K per generated token (chat: top_logprobs, 0 without it); None: none
-    prompt_logprobs: int | None = None  # top-K per prompt token (echo with logprobs, or vLLM's prompt_logprobs)
+    prompt_logprobs: int | None = None  # top-K computed per prompt token: the larger of the two below
     model: str | None = None  # the body's model, when it gives one
-    vllm_prompt_logprobs: bool = False  # the body asked for vLLM's prompt_logprobs (a choice's prompt_logprobs)
+    vllm_prompt_logprobs: int | None = None  # top-K of vLLM's prompt_logprobs the body asked for (None: none)
+    echo_logprobs: int | None = None  # completions with echo and logprobs: top-K of the echoed prompt tokens
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,7 +81,8 @@ def _is_int(v: Any) -> bool:
 
 
 def _content(v: Any) -> tuple[Any, str | None]:
-    """A message's content as a string: a string, or a list of text parts joined (other parts refused)."""
+    """A message's content as a string: a string, or a list of text parts joined with "\\n" as vLLM joins them
+    (other parts refused)."""
     if not isinstance(v, list):
         return v, None
     texts = []
@@ -88,7 +91,7 @@ def _content(v: Any) -> tuple[Any, str | None]:
             return v, (f"a message content part must be {{\"type\": \"text\", \"text\": str}} (apcscore reads text "
                        f"only), got {_show(part)}")
         texts.append(part["text"])
-    return "".join(texts), None
+    return "\n".join(texts), None
 
 
 def _prompt(v: Any) -> tuple[dict | None, str | None]:
@@ -162,6 +165,8 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
     for key in _SAMPLING:
         if body.get(key) is not None:
             record[key] = body[key]
+    if _is_int(record.get("top_k")) and record["top_k"] == -1:
+        record["top_k"] = 0  # the API's (and vLLM's) "off" is our 0, not --top-k: the body says it is off
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:
         mct = body["max_completion_tokens"]
         if "max_tokens" in record and record["max_tokens"] != mct:
@@ -169,7 +174,7 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
                             "disagree — give one of them")
         record["max_tokens"] = mct
 
-    logprobs = prompt_logprobs = None
+    logprobs = prompt_logprobs = echo_logprobs = None
     echo = False
     usable = True  # False: the line has no prompt we could check further
     if endpoint == "chat":
@@ -191,6 +196,8 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
                     if why:
                         problems.append(f"'messages' {why}")
                     m = {**m, "content": content}
+                if isinstance(m, dict) and m.get("role") == "developer":
+                    m = {**m, "role": "system"}  # OpenAI's newer name for the system message; templates know system
                 fixed.append(m)
             messages = fixed
         record["messages"] = messages
@@ -224,14 +231,14 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             problems.append(f"'echo' must be true or false, got {_show(echo)}")
         echo = echo is True
         if echo and logprobs is not None:
-            prompt_logprobs = logprobs
+            prompt_logprobs = echo_logprobs = logprobs
     plp = body.get("prompt_logprobs")
     if plp is not None:
         if not _is_int(plp) or plp < 0:
             problems.append(f"'prompt_logprobs' must be an integer >= 0, got {_show(plp)}")
         else:
             prompt_logprobs = max(plp, prompt_logprobs or 0)
-    vllm_prompt = _is_int(plp) and plp >= 0
+    vllm_prompt = plp if _is_int(plp) and plp >= 0 else None
     for name, k in (("logprobs" if endpoint == "completions" else "top_logprobs", logprobs),
                     ("prompt_logprobs", prompt_logprobs)):
         if _is_int(k) and k > max_logprobs:
@@ -247,5 +254,22 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         record = {k: v for k, v in record.items() if k in ("prompt", "prompt_token_ids")}
         prompt_logprobs = prompt_logprobs if prompt_logprobs is not None else logprobs
         logprobs = None
-    line = BatchLine(endpoint, echo, logprobs, prompt_logprobs, model, vllm_prompt)
+    line = BatchLine(endpoint, echo, logprobs, prompt_logprobs, model, vllm_prompt, echo_logprobs)
     return Converted(cid, record if usable else None, line, problems)
+
+
+def defaults_note(records: list[Any], max_tokens: int, temperature: float) -> str | None:
+    """The note a generate run of request lines prints once: how many lines give no `max_tokens` / `temperature`
+    and what they get instead (ours, not the API's); None when every line gives both. `records` are the run's
+    valid records (`io/schemas.Record`)."""
+    n = len(records)
+    no_max = sum(r.fields.get("max_tokens") is None for r in records)
+    no_temp = sum(r.fields.get("temperature") is None for r in records)
+    parts = []
+    if no_max:
+        parts.append(f"{no_max} of {n} request lines give no max_tokens: they stop at --max-tokens {max_tokens} "
+                     "(the API's chat default: until the context ends)")
+    if no_temp:
+        parts.append(f"{no_temp} of {n} request lines give no temperature: they use --temperature {temperature:g}"
+                     + (" (greedy)" if temperature == 0 else "") + " (the API's default: 1)")
+    return "; ".join(parts) + " — set them in the bodies or on the command line" if parts else None

@@ -13,20 +13,37 @@ One line per input record, in input order: ``{"id", "custom_id", "response": {"s
   (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, the token itself added as vLLM does,
   `text_offset` from the start of `text`); with echo the prompt's tokens come first, the first one's logprob
   and top_logprobs null (nothing predicts it).
+- vLLM's `prompt_logprobs` (`{token id: {logprob, rank, decoded_token}}` per prompt token, the first null) where
+  vLLM writes it: on the choice of a completion, on the response body of a chat completion.
 - `usage`: prompt, completion and total tokens; `prompt_tokens_details.cached_tokens` where the row knows it
   (generate: prefix-cache hits).
 A token's text is `tokenizer.decode([id])` (a token that is part of a UTF-8 character reads U+FFFD there).
+A logprob that is not finite (-inf, +inf, NaN: strict JSON has no such number) is written as vLLM's stand-in
+`NONFINITE_LOGPROB` (-9999.0); the parquet results keep the value itself.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from typing import Any
 
 CODE_INVALID = "invalid_request_error"  # a line refused before the run (what --skip-invalid turned into a row)
 CODE_FAILED = "request_failed"  # a line that could not run (e.g. longer than the model's context)
+NONFINITE_LOGPROB = -9999.0  # what a -inf / +inf / NaN logprob is written as (vLLM's floor for -inf)
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is not finite (in lists and dicts too) replaced by `NONFINITE_LOGPROB`."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else NONFINITE_LOGPROB
+    if isinstance(value, list):
+        return [finite(v) for v in value]
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    return value
 
 
 def _digest(custom_id: str, index: int) -> str:
@@ -46,11 +63,13 @@ def created_seconds(created: str | None) -> int:
 
 class LineWriter:
     """Turns the rows of one run into result lines; `tokenizer` decodes token ids (any object with
-    `decode(ids)`), `records` maps a dataset position to its record's fields (valid records only)."""
+    `decode(ids)`), `records` maps a dataset position to its record's fields (valid records only); the lines
+    at the positions `no_custom_id` gave none (their rows' id is a stand-in), so their `custom_id` is null."""
 
     def __init__(self, tokenizer: Any, model: str, created: int, records: dict[int, dict],
-                 invalid: set[int]) -> None:
+                 invalid: set[int], no_custom_id: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.no_custom_id = no_custom_id
         self.model = model
         self.created = created
         self.records = records
@@ -66,7 +85,8 @@ class LineWriter:
         """The result line (JSON, no newline) of the row of dataset position `index`."""
         cid = row["id"]
         h = _digest(cid, index)
-        out: dict[str, Any] = {"id": f"batch_req_{h[:32]}", "custom_id": cid}
+        out: dict[str, Any] = {"id": f"batch_req_{h[:32]}",
+                               "custom_id": None if index in self.no_custom_id else cid}
         fields = self.records.get(index)
         if row.get("status") != "ok" or fields is None:
             code = CODE_INVALID if index in self.invalid else CODE_FAILED
@@ -74,7 +94,10 @@ class LineWriter:
         else:
             out.update(response={"status_code": 200, "request_id": f"req_{h[32:64]}",
                                  "body": self.body(row, fields, h)}, error=None)
-        return json.dumps(out, ensure_ascii=False, allow_nan=False)
+        try:
+            return json.dumps(out, ensure_ascii=False, allow_nan=False)
+        except ValueError:  # a non-finite logprob: only such lines pay for the walk
+            return json.dumps(finite(out), ensure_ascii=False, allow_nan=False)
 
     def body(self, row: dict, fields: dict, h: str) -> dict:
         batch = fields["openai"]
@@ -96,12 +119,13 @@ class LineWriter:
                       "logprobs": logprobs, "finish_reason": finish}
         else:
             prefix = self.prompt_text(row, fields) if batch["echo"] else ""
+            # the legacy object only where the body's logprobs asked for it (vLLM's prompt_logprobs alone: null)
             logprobs = self.completion_logprobs(row, batch) if (
-                batch["logprobs"] is not None or batch["prompt_logprobs"] is not None) else None
+                batch["logprobs"] is not None or batch["echo_logprobs"] is not None) else None
             choice = {"index": 0, "text": prefix + completion, "logprobs": logprobs, "finish_reason": finish}
-        if batch.get("vllm_prompt_logprobs"):
-            choice["prompt_logprobs"] = self.vllm_prompt_logprobs(row, batch["prompt_logprobs"])
         body.update(choices=[choice], usage=usage, system_fingerprint=None)
+        if (k := batch["vllm_prompt_logprobs"]) is not None:  # vLLM's place: a completion's choice, a chat response
+            (body if chat else choice)["prompt_logprobs"] = self.vllm_prompt_logprobs(row, k)
         return body
 
     def prompt_text(self, row: dict, fields: dict) -> str:
@@ -130,8 +154,8 @@ class LineWriter:
         tokens: list[str] = []
         token_lps: list[float | None] = []
         tops: list[dict | None] = []
-        if batch["echo"]:
-            k = batch["prompt_logprobs"] or 0
+        if batch["echo_logprobs"] is not None:
+            k = batch["echo_logprobs"]  # the body's logprobs, though the row may hold more (prompt_logprobs)
             ids = row.get("token_ids") or []
             lps = row.get("token_logprobs") or [None] * len(ids)
             for pos, tid in enumerate(ids):

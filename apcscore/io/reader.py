@@ -64,6 +64,9 @@ class LoadedDataset:
     invalid: list[InvalidRecord]
     warnings: list[str] = field(default_factory=list)
     format: str = "apcscore"  # or "openai-batch" (request lines; each record's fields["openai"] is its BatchLine)
+    # openai-batch: the invalid lines that gave no custom_id (their rows' id is the line number, their result
+    # lines' custom_id null)
+    no_custom_id: frozenset[int] = frozenset()
 
     @property
     def num_records(self) -> int:
@@ -120,7 +123,8 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
     records: list[Record] = []
     invalid: list[InvalidRecord] = []
     unknown_seen: dict[str, list[int]] = {}  # field -> [first line, count]
-    first_line_of_id: dict[str, int] = {}
+    first_line_of_id: dict[str, int] = {}  # ids the records gave, and (apcscore records only) line-number stand-ins
+    no_custom_id: set[int] = set()  # openai-batch: indices of lines without a custom_id
     columns = columns or {}
     if input_format not in INPUT_FORMATS:
         raise ApcscoreError(f"--input-format must be one of {', '.join(INPUT_FORMATS)}, not {input_format!r}")
@@ -152,6 +156,9 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         (`escaped_surrogate`: its line has a \\uD800..\\uDFFF escape, which may be unpaired)."""
         if fmt["chosen"] is None:  # auto: the first line decides
             fmt["chosen"] = "openai-batch" if is_batch_line(obj) else "apcscore"
+            if fmt["chosen"] == "openai-batch":  # lines before it that did not parse gave no custom_id
+                no_custom_id.update(r.index for r in invalid)
+                first_line_of_id.clear()
         if columns and isinstance(obj, dict):
             columns_seen.update(c for c in columns.values() if c in obj)
             if len(keys_seen) < 50:
@@ -180,8 +187,12 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         label = "custom_id" if batch else "id"
         # a batch line without a custom_id is already refused for that: its stand-in (the line number) is no
-        # custom_id the user wrote, so it is not called a duplicate of one
-        if rid in first_line_of_id and not (batch and checked.id is None):
+        # custom_id the user wrote, so it is neither called a duplicate of one nor claimed (a later line may give
+        # that custom_id)
+        standin = batch and checked.id is None
+        if standin:
+            no_custom_id.add(len(records) + len(invalid))
+        elif rid in first_line_of_id:
             # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
             # and merge need them so); an OpenAI result line keeps its request's custom_id, which is how a
             # client matches answers to requests
@@ -203,7 +214,10 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         """A line that does not parse: an error row whose id is its line number, claimed like any other id (so a
         later record giving that id explicitly is refused as a duplicate)."""
         rid = str(lineno)
-        first_line_of_id.setdefault(rid, lineno)
+        if fmt["chosen"] == "openai-batch":  # no custom_id given: nothing claimed, and the result line's is null
+            no_custom_id.add(len(records) + len(invalid))
+        else:
+            first_line_of_id.setdefault(rid, lineno)
         invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid, message))
 
     if is_tabular(path):
@@ -238,7 +252,8 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             + _too_many([r.message for r in invalid])
             + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest."
         )
-    return LoadedDataset(path, digest, records, invalid, warnings, fmt["chosen"] or "apcscore")
+    return LoadedDataset(path, digest, records, invalid, warnings, fmt["chosen"] or "apcscore",
+                         frozenset(no_custom_id) if fmt["chosen"] == "openai-batch" else frozenset())
 
 
 def _read_jsonl(path: Path, name: str, limit: int | None, accept: Any, unreadable: Any) -> tuple[str, int, int]:

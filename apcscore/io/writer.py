@@ -32,6 +32,7 @@ is strict and readable by any JSON parser.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
 import shutil
@@ -80,6 +81,8 @@ class ResultsWriter:
 
     `lines(index, row) -> str`, when set (also after construction), makes the final file JSON lines instead of
     parquet: one line per row, in dataset order (`--output-format openai-batch`); the partial is the same.
+    `errors_path`, when set with `lines`, takes the lines of the rows whose status is not "ok" (`--errors-out`,
+    OpenAI's error file; always written, empty when no row failed), `<out>` the others.
     """
 
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
@@ -108,6 +111,7 @@ class ResultsWriter:
         self.previous_metadata: dict | None = None  # the resumed partial's metadata (None: a fresh run)
         self._resume_compare = resume_compare or {}
         self.lines: Callable[[int, dict], str] | None = None
+        self.errors_path: Path | None = None
 
         if self.out_path.is_dir():
             raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
@@ -226,16 +230,20 @@ class ResultsWriter:
         """The final file as JSON lines (`self.lines`), written under a temporary name and renamed into place, so
         `<out>` is complete whenever it exists; then the partial goes."""
         assert self.lines is not None
-        tmp = self.partial_path / _LINES_TMP
+        tmp, errors_tmp = self.partial_path / _LINES_TMP, self.partial_path / "errors.jsonl.tmp"
 
         def write() -> None:
-            with tmp.open("w", encoding="utf-8") as f:
+            with tmp.open("w", encoding="utf-8") as f, \
+                    (errors_tmp.open("w", encoding="utf-8") if self.errors_path else contextlib.nullcontext(f)) as e:
                 for chunk in self._merged(total):
                     for row in chunk.to_pylist():
                         index = row.pop(INDEX_COLUMN)
-                        f.write(self.lines(index, row) + "\n")
+                        (f if row.get("status") == "ok" else e).write(self.lines(index, row) + "\n")
+            if self.errors_path is not None:  # first, so that <out> existing still means the run is complete
+                self.errors_path.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(errors_tmp, self.errors_path)
 
-        self._put_in_place(tmp, write)
+        self._put_in_place(tmp, write)  # (a failure leaves errors_tmp in the partial, which --resume keeps)
 
     def _put_in_place(self, tmp: Path, write: Any) -> None:
         """`write()` the final file to `tmp`, rename it to `<out>` (complete whenever it exists), drop the

@@ -95,6 +95,11 @@ def _output_format() -> Any:
                   show="openai-batch for an --out ending in .jsonl, else parquet")
 
 
+def _errors_out() -> Any:
+    return option(None, "With --output-format openai-batch: write the error lines to this file (OpenAI's error "
+                  "file) and only the answered requests to --out.")
+
+
 def _ignore_body_model() -> Any:
     return option(False, "OpenAI Batch input: answer every line with --model, whatever model its body names.")
 
@@ -108,12 +113,14 @@ def _truncate() -> Any:
 class ScoreOptions(RunOptions):
     """`apcscore score`."""
 
-    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "ignore_body_model", *RUN_CLI)
+    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "errors_out", "ignore_body_model",
+           *RUN_CLI)
 
     prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
     truncate: str | None = _truncate()
     input_format: str = _input_format()
     output_format: str | None = _output_format()
+    errors_out: str | None = _errors_out()
     ignore_body_model: bool = _ignore_body_model()
 
 
@@ -122,7 +129,7 @@ class GenerateOptions(RunOptions):
     """`apcscore generate` (the sampling options are the defaults of records that do not set their own)."""
 
     CLI = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
-           "truncate", "input_format", "output_format", "ignore_body_model", *RUN_CLI)
+           "truncate", "input_format", "output_format", "errors_out", "ignore_body_model", *RUN_CLI)
 
     max_tokens: int = option(16, "Most tokens to generate.", show=True)
     temperature: float = option(0.0, "0 = greedy.", show=True)
@@ -135,6 +142,7 @@ class GenerateOptions(RunOptions):
     truncate: str | None = _truncate()
     input_format: str = _input_format()
     output_format: str | None = _output_format()
+    errors_out: str | None = _errors_out()
     ignore_body_model: bool = _ignore_body_model()
 
 

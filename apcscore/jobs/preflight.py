@@ -72,21 +72,40 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     return out, warning
 
 
-def _check_writable_folder(out: Path) -> None:
+def check_errors_out(option: str, out: Path, dataset: Path, *, overwrite: bool) -> Path:
+    """The `--errors-out` path (OpenAI Batch error lines): a writable file path that is neither the dataset nor
+    `out`, and that does not exist unless --overwrite."""
+    path = Path(option)
+    if not option.strip() or option == "-":
+        raise ApcscoreError(f"--errors-out {option!r} is not a file name — give one such as results/errors.jsonl")
+    for other, what in ((dataset, "the dataset itself"), (out, "--out itself")):
+        if _same_file(path, other):
+            raise ApcscoreError(f"--errors-out {path} is {what}; the error lines need a file of their own — choose "
+                                "another --errors-out")
+    if path.is_dir():
+        raise ApcscoreError(f"--errors-out {path} is a directory — give a file name such as {path / 'errors.jsonl'}")
+    if path.exists() and not overwrite:
+        raise ApcscoreError(f"--errors-out {path} exists — pass --overwrite to replace it, or choose another "
+                            "--errors-out")
+    _check_writable_folder(path, "--errors-out")
+    return path
+
+
+def _check_writable_folder(out: Path, flag: str = "--out") -> None:
     """The nearest existing folder above `out` must be a writable directory (the rest is created)."""
     folder = out.absolute().parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise ApcscoreError(f"--out {out}: {folder} is a file, not a folder — choose another --out")
+        raise ApcscoreError(f"{flag} {out}: {folder} is a file, not a folder — choose another {flag}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ApcscoreError(f"--out {out}: the folder {folder} is not writable — choose another --out, "
+        raise ApcscoreError(f"{flag} {out}: the folder {folder} is not writable — choose another {flag}, "
                             "or fix the folder's permissions")
     try:  # what permissions do not say: a read-only or full file system, /proc, ...
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ApcscoreError(f"--out {out}: cannot write in {folder} ({e.strerror or e}) — choose another --out") \
+        raise ApcscoreError(f"{flag} {out}: cannot write in {folder} ({e.strerror or e}) — choose another {flag}") \
             from None
 
 

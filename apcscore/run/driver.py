@@ -30,13 +30,14 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
 from apcscore.errors import ApcscoreError
+from apcscore.io.openai_batch import defaults_note
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
 from apcscore.jobs.metadata import add_timings, dataset_metadata, now
 from apcscore.jobs.options import RunOptions
-from apcscore.jobs.preflight import check_against_model, check_output
+from apcscore.jobs.preflight import check_against_model, check_errors_out, check_output
 from apcscore.jobs.registry import job_class
 from apcscore.jobs.resolve import resolve_options
 from apcscore.jobs.verify import describe
@@ -69,6 +70,12 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                             "ending in .jsonl) and merge them, or run without --shard")
     out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume,
                              suffix=".jsonl" if lines else ".parquet", shard=opts.shard)
+    errors_out = getattr(opts, "errors_out", None)
+    if errors_out is not None and not lines:
+        raise ApcscoreError("--errors-out writes the error lines of an OpenAI Batch result file apart from its "
+                            "answers, so it needs --output-format openai-batch (or an --out ending in .jsonl); "
+                            "parquet keeps error rows beside the others (status, error)")
+    errors_path = check_errors_out(errors_out, out, dataset, overwrite=opts.overwrite) if errors_out else None
     data = load_dataset(dataset, command, skip_invalid=opts.skip_invalid, limit=opts.limit,
                         columns=parse_columns(opts.columns), input_format=getattr(opts, "input_format", "auto"),
                         max_logprobs=cfg.max_logprobs,
@@ -81,8 +88,10 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         opts = batch_options(command, opts, data)
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
-    if note:
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    notes = [note, defaults_note(data.records, opts.max_tokens, opts.temperature)
+             if data.format == "openai-batch" and command == "generate" else None]
+    for text in filter(None, notes):  # the defaults' note: once per run, before the weights load
+        console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
     quiet = opts.quiet
     if opts.ray:
         from apcscore.scale.ray_run import RayExecutor as executor_class
@@ -99,14 +108,15 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     try:
         for text, soft_wrap in executor.warnings if not quiet else ():
             console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)
-        return _drive(executor, command, opts, data, out, console, lines)
+        return _drive(executor, command, opts, data, out, console, lines, errors_path)
     finally:
         executor.close()
 
 
 def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
-           console: Console, lines: bool = False) -> int:
-    """Write the executor's rows of `data` to `out` (`lines`: as OpenAI Batch result lines); the exit code."""
+           console: Console, lines: bool = False, errors_path: Path | None = None) -> int:
+    """Write the executor's rows of `data` to `out` (`lines`: as OpenAI Batch result lines, the error lines to
+    `errors_path` when given); the exit code."""
     job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
     writer, data = _open_writer(job, data, out, metadata, opts)
@@ -114,7 +124,9 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
     if lines:
         writer.lines = LineWriter(executor.tokenizer, opts.model, created_seconds(previous.get("created",
                                                                                                 metadata["created"])),
-                                  {r.index: r.fields for r in data.records}, {r.index for r in data.invalid}).line
+                                  {r.index: r.fields for r in data.records}, {r.index for r in data.invalid},
+                                  data.no_custom_id).line
+        writer.errors_path = errors_path
     before = observe_previous(job, writer)
     quiet = opts.quiet
     rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
@@ -140,6 +152,8 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
     final = writer.close()
     if not quiet:
         print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
+        if errors_path is not None:
+            console.print(f"error lines: {errors:,} in {escape(str(errors_path))}", highlight=False)
         if (line := executor.closing_line()) is not None:
             console.print(line, highlight=False)
     if verified is not None and verified["mismatches"]:
@@ -147,7 +161,7 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
                       f"re-scored requests differ from full recompute:\n{escape(describe(verified))}",
                       highlight=False, soft_wrap=True)
         return 1
-    return exit_code(console, final, rows, errors)
+    return exit_code(console, errors_path or final, rows, errors)
 
 
 def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
