@@ -8,7 +8,8 @@
 The runs (on the embedded default model unless --model): score of datasets/sample_prompts.jsonl with K=5, the
 multiple-choice set datasets/sample_choices.jsonl, perplexity of the first text of datasets/sample_texts.jsonl
 (window 256, stride 128), greedy and seeded-sampled generation of the sample prompts (16 tokens, with the sampled
-tokens' logprobs), each in float32 and bfloat16. A digest covers every column of the result file but `id`
+tokens' logprobs), each in float32 and bfloat16 (`generate-scored`, for other models: 8 sampled tokens with the
+prompts' logprobs too, every path in one run). A digest covers every column of the result file but `id`
 and `status` (each value written exactly: floats as their hex form), so any differing bit changes it.
 
 tests/golden_digests.json holds the digests committed with the code; tests/test_portable_bits.py recomputes them
@@ -39,7 +40,11 @@ RUNS: dict[str, list[str]] = {
     "generate-greedy": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "16", "--logprobs", "3"],
     "generate-sampled": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "16", "--temperature", "0.8",
                          "--top-p", "0.95", "--seed", "1234", "--logprobs", "3"],
+    # one run through every path (scored prefill, decode, sampling), for the many small models of the tests
+    "generate-scored": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "8", "--temperature", "0.8",
+                        "--top-p", "0.95", "--seed", "1234", "--logprobs", "3", "--prompt-logprobs", "5"],
 }
+GOLDEN_RUNS = ["score", "choices", "perplexity", "generate-greedy", "generate-sampled"]
 NOT_BITS = {"id", "status"}
 
 
@@ -99,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--write", type=Path, help="write the digests to this file")
     parser.add_argument("--model", action="append", help="a model directory (default: the embedded default "
                         "model); repeat for several")
-    parser.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated: {', '.join(RUNS)}")
+    parser.add_argument("--runs", default=",".join(GOLDEN_RUNS), help=f"comma-separated: {', '.join(RUNS)}")
     parser.add_argument("--dtypes", default=",".join(DTYPES))
     args = parser.parse_args(argv)
     runs, dtypes = args.runs.split(","), args.dtypes.split(",")
