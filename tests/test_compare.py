@@ -365,6 +365,32 @@ def test_fp32_vs_bf16_gate(fp32_bf16, tmp_path) -> None:
     assert kld_lines[4].startswith(f"| {kld['num_positions']} | {kld['mean']:.6g} |")
 
 
+def test_a_report_never_replaces_an_input_or_a_file_that_is_not_a_report(fp32_bf16, tmp_path) -> None:
+    """Issue 46, item 1: `--report-json A` replaced the baseline A with JSON and passed."""
+    base, new = fp32_bf16[:2]
+    before = Path(base).read_bytes()
+    for opt in ("--report-json", "--report-md", "--report-html"):
+        r = run_cli(base, new, opt, base, "--overwrite")
+        assert r.exit_code == 2, r.output
+        assert f"{opt} {base} is the baseline file itself" in one_line(r.output)
+    assert Path(base).read_bytes() == before
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "keep me"}\n')
+    r = run_cli(base, new, "--report-md", data)
+    assert r.exit_code == 2 and "exists and is not a report of apcscore compare — pass --overwrite" in one_line(
+        r.output)
+    assert data.read_text() == '{"prompt": "keep me"}\n'
+    r = run_cli(base, new, "--report-md", tmp_path / "r", "--report-json", tmp_path / "r")
+    assert r.exit_code == 2 and "--report-md and --report-json are both" in one_line(r.output)
+    md, js, html = tmp_path / "r.md", tmp_path / "r.json", tmp_path / "r.html"
+    md.touch()  # an empty file such as $GITHUB_STEP_SUMMARY
+    for _ in range(2):  # an earlier report is replaced without --overwrite
+        r = run_cli(base, new, "--report-md", md, "--report-json", js, "--report-html", html)
+        assert r.exit_code == 0, r.output
+    assert run_cli(base, new, "--report-md", data, "--overwrite").exit_code == 0
+    assert data.read_text().startswith("## apcscore compare:")
+
+
 def test_vocab_size_missing_from_metadata_is_inferred(tiny, tmp_path) -> None:
     model, records = tiny
     a = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, VOCAB), vocab_size=None)
