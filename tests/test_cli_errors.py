@@ -33,7 +33,7 @@ def test_skip_invalid_turns_bad_records_into_error_rows(tmp_path, write_jsonl, t
     assert res.exit_code == 0, res.output
     rows = pq.read_table(out).to_pylist()
     assert [r["status"] for r in rows] == ["ok", "error", "error", "ok"]
-    assert [r["id"] for r in rows] == ["a", "2", "c", "d"]
+    assert [r["id"] for r in rows] == ["a", "#line2", "c", "d"]  # a line that does not parse claims no id
     assert ":2:" in rows[1]["error"] and "prompt" in rows[2]["error"]
 
 

@@ -138,6 +138,18 @@ def test_the_reader_detects_request_lines_and_names_file_and_line(tmp_path, writ
     assert "duplicate" not in str(refused.value)
 
 
+def test_an_invalid_lines_stand_in_id_never_takes_a_valid_custom_id(tmp_path, write_jsonl) -> None:
+    """Issue 46, item 3: line 2's `"custom_id": ""` made its error row "2", and line 3's valid custom_id "2" then
+    shared it: under --skip-invalid line 3 never ran and compare refused the file for duplicate ids."""
+    first = batch_lines()[0]
+    data = write_jsonl(tmp_path / "b.jsonl", [{**first, "custom_id": "a"}, {**first, "custom_id": ""},
+                                              {**first, "custom_id": "2"}])
+    loaded = load_dataset(data, "generate", skip_invalid=True, model_names=frozenset({"smollm2-135m"}))
+    assert [(r.line, r.id) for r in loaded.records] == [(1, "a"), (3, "2")]
+    assert [(r.line, r.id) for r in loaded.invalid] == [(2, "#line2")]
+    assert "b.jsonl:2: 'custom_id' must be a non-empty string" in loaded.invalid[0].message
+
+
 def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write_jsonl) -> None:
     """The writer's partial is the parquet one, so --resume works for result lines too; <out> appears only
     complete (written under a temporary name inside the partial, then renamed)."""
