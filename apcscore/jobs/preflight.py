@@ -1,7 +1,7 @@
 """Checks that run before the model's weights load: where the output goes, what the model can take.
 
-- `check_output`: the output file is a writable file path that is not the dataset, and `--resume` /
-  `--overwrite` say what to do with what is already there.
+- `check_output`: the output file is a writable file path (`check_file_path`, which merge's OUT gets too) that is
+  not the dataset, and `--resume` / `--overwrite` say what to do with what is already there.
 - `check_against_model`: with the model's config and tokenizer (read before its weights), records that
   cannot run (token ids outside the vocabulary, prompts without tokens) are refused like any other invalid
   record, and top-K requests above the vocabulary are refused.
@@ -53,9 +53,7 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     if _same_file(out, dataset):
         raise ApcscoreError(f"--out {out} is the dataset itself; writing results there would replace the data — "
                             "choose another --out")
-    if out.is_dir():
-        raise ApcscoreError(f"--out {out} is a directory — give a file name such as {out / 'results.parquet'}")
-    _check_writable_folder(out)
+    check_file_path(out)
     partial = out.with_name(out.name + ".partial")
     warning = None
     if out.exists() and not overwrite:
@@ -72,21 +70,24 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     return out, warning
 
 
-def _check_writable_folder(out: Path) -> None:
-    """The nearest existing folder above `out` must be a writable directory (the rest is created)."""
+def check_file_path(out: Path, what: str = "--out") -> None:
+    """`out` (the option or argument `what` names) must be a file path in a folder that can be written: not a
+    directory, not under a file, not in a read-only or pseudo file system (the missing folders are created)."""
+    if out.is_dir():
+        raise ApcscoreError(f"{what} {out} is a directory — give a file name such as {out / 'results.parquet'}")
     folder = out.absolute().parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise ApcscoreError(f"--out {out}: {folder} is a file, not a folder — choose another --out")
+        raise ApcscoreError(f"{what} {out}: {folder} is a file, not a folder — choose another {what}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ApcscoreError(f"--out {out}: the folder {folder} is not writable — choose another --out, "
+        raise ApcscoreError(f"{what} {out}: the folder {folder} is not writable — choose another {what}, "
                             "or fix the folder's permissions")
     try:  # what permissions do not say: a read-only or full file system, /proc, ...
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ApcscoreError(f"--out {out}: cannot write in {folder} ({e.strerror or e}) — choose another --out") \
+        raise ApcscoreError(f"{what} {out}: cannot write in {folder} ({e.strerror or e}) — choose another {what}") \
             from None
 
 

@@ -25,6 +25,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import bits_of, differing
 from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.jobs.metadata import add_timings
+from apcscore.jobs.preflight import check_file_path
 from apcscore.scale.shard import SHARD_COLUMN
 
 # metadata that must be equal in every shard (the run's configuration); "engine" and "numerics" are compared
@@ -107,6 +108,7 @@ def check_shards(paths: list[Path]) -> list[dict]:
 
 def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple[Path, int]:
     """Check the shards and write `out`; return (out, rows)."""
+    check_file_path(out, "OUT")  # as score's --out: not a folder, not under a file, somewhere writable
     if out.exists() and not overwrite:
         raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another OUT")
     if any(out.resolve() == p.resolve() for p in paths):
