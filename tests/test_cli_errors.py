@@ -111,3 +111,58 @@ def test_truncate_left_keeps_the_newest_tokens_and_counts_the_dropped(tmp_path, 
     res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(tmp_path / "x.parquet"),
                               "--truncate", "right"])
     assert res.exit_code == 2 and "--truncate" in res.output
+
+
+def one_line(res) -> str:
+    return " ".join(res.output.split())
+
+
+def test_a_bad_apcscore_cache_is_one_clear_error(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 8: $APCSCORE_CACHE naming a file or an impossible path was a traceback (converting the
+    default model) or a silent fallback from the fixed-order CPU GEMM (a tiny model)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    (tmp_path / "file").write_text("x")
+    cases = {str(tmp_path / "file"): "is a file, not a folder", str(tmp_path / "file" / "sub"): "is a file, not a folder",
+             "/proc/apcscore-cache": "cannot write in /proc"}
+    for cache, message in cases.items():
+        for model in ([tiny], []):
+            res = runner.invoke(app, ["score", str(data), *(["--model", *model] if model else []), "--out",
+                                      str(tmp_path / "o.parquet"), "-q"], env={"APCSCORE_CACHE": cache})
+            assert res.exit_code == 2 and f"APCSCORE_CACHE={cache}" in one_line(res) and message in one_line(res), \
+                res.output
+            assert "Traceback" not in res.output and not (tmp_path / "o.parquet").exists()
+
+
+def test_a_truncated_safetensors_names_the_file_and_what_to_delete(tmp_path, write_jsonl, tiny, monkeypatch):
+    """Issue 46, item 8: a truncated model.safetensors was safetensors' traceback; in a model folder the file is
+    named, in the model cache the converted copy's folder to delete."""
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    cached = shutil.copytree(tiny, tmp_path / "cache" / "models" / "tiny-0123456789ab")
+    for copy in (folder, cached):
+        weights = copy / "model.safetensors"
+        with weights.open("r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    res = runner.invoke(app, ["score", str(data), "--model", str(folder), "--out", str(tmp_path / "o.parquet"), "-q"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"{folder / 'model.safetensors'}: the weight file is damaged or incomplete" in one_line(res)
+    res = runner.invoke(app, ["score", str(data), "--model", str(cached), "--out", str(tmp_path / "o.parquet"), "-q"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"the cached converted copy of the model is damaged" in one_line(res)
+    assert f"delete the folder {cached}; the next run converts the model again" in one_line(res)
+
+
+def test_a_damaged_run_json_on_resume_is_one_clear_error(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 8: a damaged OUT.partial/run.json was a JSONDecodeError traceback on --resume."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    out = tmp_path / "o.parquet"
+    (tmp_path / "o.parquet.partial").mkdir()
+    for damaged in ('{"metadata": {"comm', '{"metadata": {}}', '[1, 2]', '{"metadata": 5, "schema": "zz"}'):
+        (tmp_path / "o.parquet.partial" / "run.json").write_text(damaged)
+        res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--resume", "-q"])
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert f"cannot resume: {out}.partial/run.json is damaged" in one_line(res)
+        assert "pass --overwrite to start over" in one_line(res)

@@ -295,8 +295,14 @@ class ResultsWriter:
                 leftover.unlink()
             self._write_run_file()
             return
-        run = json.loads(run_file.read_text(encoding="utf-8"))
-        old_meta = run["metadata"]
+        try:
+            run = json.loads(run_file.read_text(encoding="utf-8"))
+            old_meta, old_schema = run["metadata"], pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
+            if not isinstance(old_meta, dict):
+                raise ValueError("its metadata is not an object")
+        except (ValueError, KeyError, TypeError, pa.ArrowException) as e:
+            raise ApcscoreError(f"cannot resume: {run_file} is damaged ({type(e).__name__}: {e}) — pass --overwrite "
+                                "to start over (the rows in the partial are discarded)") from None
         self.previous_metadata = old_meta
 
         def same(key: str) -> bool:
@@ -316,7 +322,6 @@ class ResultsWriter:
             details = "; ".join(detail(k) for k in differ)
             raise ApcscoreError(f"cannot resume {self.partial_path}: it was written by a different run "
                                 f"({details}); rerun with the same settings, or pass --overwrite to start over")
-        old_schema = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
         if not old_schema.remove_metadata().equals(self.schema.remove_metadata()):
             raise ApcscoreError(f"cannot resume {self.partial_path}: it was written with other columns "
                                 f"({', '.join(old_schema.names)}); pass --overwrite to start over")
