@@ -166,3 +166,19 @@ def test_a_damaged_run_json_on_resume_is_one_clear_error(tmp_path, write_jsonl, 
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         assert f"cannot resume: {out}.partial/run.json is damaged" in one_line(res)
         assert "pass --overwrite to start over" in one_line(res)
+
+
+def test_a_model_folder_without_its_tokenizer_is_bad_input(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 9: a model folder without its tokenizer files exited 1 (a run that failed), where bad input
+    exits 2; the message (transformers' holds line breaks) is one line."""
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    res = runner.invoke(app, ["score", str(data), "--model", str(folder), "--out", str(tmp_path / "o.parquet"), "-q"],
+                        env={"COLUMNS": "100000"})
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.output.startswith(f"error: Could not load a tokenizer from {folder}") and res.output.count("\n") == 1
+    assert "tokenizer.json and tokenizer_config.json" in res.output and not (tmp_path / "o.parquet").exists()

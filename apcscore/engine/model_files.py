@@ -4,7 +4,8 @@ is one clear error (exit 2) naming it, not a traceback from deep inside a loader
 - `check_cache_env`: `$APCSCORE_CACHE`, where set, is a folder apcscore can create and write (converted models,
   compiled kernels);
 - `check_weight_files`: every safetensors file of a model directory is complete (its header and the tensor bytes
-  it announces), and a damaged converted copy in the cache is named with the folder to delete.
+  it announces), and a damaged converted copy in the cache is named with the folder to delete;
+- `resolve_parts`: the config and tokenizer (`models.resolved`), whose refusals are bad input (exit 2, one line).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import struct
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.models.gguf_cache import cache_root
@@ -80,3 +82,14 @@ def check_weight_files(model_dir: Path) -> None:
                                 f"the folder {folder}; the next run converts the model again")
         raise ApcscoreError(f"{file}: the weight file is damaged or incomplete ({problem}) — copy or download it "
                             "again")
+
+
+def resolve_parts(model_dir: Path) -> Any:
+    """`models.resolved.resolve_model_parts(model_dir)`; a refusal (a folder without its tokenizer, a config no path
+    runs) comes before anything ran, so it is bad input: exit 2, its message on one line."""
+    from apcscore.models.resolved import resolve_model_parts
+
+    try:
+        return resolve_model_parts(model_dir)
+    except ApcscoreError as e:
+        raise ApcscoreError(" ".join(str(e).split()), exit_code=2) from None

@@ -54,9 +54,8 @@ class Interrupted(Exception):
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
                 console: Console) -> int:
     """Run `command`; return the exit code."""
-    from apcscore.engine.model_files import check_cache_env, check_weight_files
+    from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
     from apcscore.models.locate import check_model_spec, resolve_model
-    from apcscore.models.resolved import resolve_model_parts
 
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
@@ -96,7 +95,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
         files = resolve_model(opts.model)
         check_weight_files(files.path)
-        parts = resolve_model_parts(files.path)
+        parts = resolve_parts(files.path)
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         executor = executor_class(command, opts, files, parts)
     try:
