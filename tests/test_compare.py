@@ -637,6 +637,14 @@ def test_thresholds_from_toml(fp32_bf16, tmp_path) -> None:
     cfg.write_text("[thresholds\n")
     with pytest.raises(ApcscoreError, match="not valid TOML"):
         load_thresholds(cfg)
+    # issue 46, item 11: max_new_errors = 1.5 was taken, where --max-new-errors 1.5 is refused (a count)
+    for value in ("1.5", "2.0"):
+        cfg.write_text(f"# the gate\n[thresholds]\nmax_new_errors = {value}\n")
+        with pytest.raises(ApcscoreError, match=rf"gate.toml:3: \[thresholds\] max_new_errors must be a whole "
+                                                rf"number of records, not {value}"):
+            load_thresholds(cfg)
+    cfg.write_text("[thresholds]\nmax_new_errors = 2\n")
+    assert load_thresholds(cfg).max_new_errors == 2
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -307,6 +307,11 @@ def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
         check_gen_kwargs("top_p=0")
     with pytest.raises(ApcscoreError, match="do_sample must be true or false"):
         check_gen_kwargs("do_sample=maybe")
+    # issue 46, item 11: an empty until dropped every task's stop strings without a word (generate --stop= is
+    # refused)
+    for text in ("until=", "temperature=0.5,until="):
+        with pytest.raises(ApcscoreError, match="--gen-kwargs until must not be an empty string"):
+            check_gen_kwargs(text)
     opts = SimpleNamespace(apply_chat_template=True, fewshot_as_multiturn=None)
     assert fewshot_as_multiturn(opts) is True  # lm-eval's default with the chat template
     assert fewshot_as_multiturn(SimpleNamespace(apply_chat_template=False, fewshot_as_multiturn=None)) is False

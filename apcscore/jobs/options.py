@@ -237,6 +237,12 @@ def defaults(cls: type[Options]) -> dict[str, Any]:
     return {k: s.default for k, s in settings(cls).items() if s.default is not NOT_GIVEN}
 
 
+def engine_keys() -> frozenset[str]:
+    """The keys `engine_config` reads: EngineConfig's field names and their off-flags (`no_prefix_caching`)."""
+    names = {f.name for f in fields(EngineConfig)}
+    return frozenset(names | {neg for f in fields(EngineConfig) if (neg := spec_of(f).negation)})  # type: ignore
+
+
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
     """EngineConfig from flat option values (EngineConfig field names and the off-flags, e.g. lm-eval's
     model_args); None means not given, a true off-flag turns its setting off, other keys are ignored."""

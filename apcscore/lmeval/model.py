@@ -34,7 +34,7 @@ from apcscore.engine.request import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
 from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
-from apcscore.jobs.options import engine_config
+from apcscore.jobs.options import engine_config, engine_keys
 from apcscore.lmeval.store import generation_key, loglikelihood_key
 from apcscore.scale.partition import Item, assign, block_digests
 
@@ -55,6 +55,23 @@ def _device(extra: dict | None, model_args: dict) -> dict:
                   file=sys.stderr)
             extra["device"] = "cpu"
     return extra
+
+
+def _check_model_args(engine_options: dict) -> None:
+    """Refuse a model_args key the backend does not read (a typo such as dtpye=float32 ran with the default, exit
+    0), as lm-eval's hf refuses one; lm-eval's own max_batch_size is accepted and ignored, as batch_size is."""
+    known = engine_keys() | {"max_batch_size"}
+    unknown = sorted(set(engine_options) - known)
+    if unknown:
+        import difflib
+
+        close = difflib.get_close_matches(unknown[0], [*known, *_OWN_ARGS], n=1)
+        raise ApcscoreError(f"--model_args {', '.join(unknown)}: not a setting of the apcscore model"
+                            + (f" (did you mean {close[0]}?)" if close else "") + f" — it takes {', '.join(_OWN_ARGS)} "
+                            f"and the engine settings {', '.join(sorted(engine_keys()))}")
+
+
+_OWN_ARGS = ("pretrained", "max_length", "max_gen_toks", "add_bos_token", "seed", "batch_size")
 
 
 @register_model("apcscore")
@@ -82,6 +99,7 @@ class ApcscoreLM(TemplateLM):
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, seed: int = 0,
                  engine: Any = None, batch_size: Any = None, progress: bool = True, **engine_options: Any) -> None:
         super().__init__()
+        _check_model_args(engine_options)
         if engine is None:
             from apcscore.engine.loader import load_engine
 

@@ -266,6 +266,10 @@ def check_gen_kwargs(text: str) -> dict[str, Any]:
     if unknown:
         raise ApcscoreError(f"--gen-kwargs {', '.join(unknown)}: not a generation setting the apcscore backend "
                             f"reads — use only {', '.join(sorted(GEN_KWARGS))}")
+    if values.get("until") == "":  # lm-eval would drop the task's stop strings for none
+        raise ApcscoreError("--gen-kwargs until must not be an empty string (the same check as a generate record's "
+                            "'stop', and generate --stop=) — give a stop string, or leave until out to keep each "
+                            "task's own")
     for key, field in _GEN_KWARG_CHECKS.items():
         if key in values and (why := RECORD_FIELDS[field](values[key])) is not None:
             raise ApcscoreError(f"--gen-kwargs {key} {why} (the same check as a generate record's {field!r})")
