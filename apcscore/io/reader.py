@@ -88,6 +88,15 @@ def _sniff(path: Path, head: bytes) -> None:
                             "give a UTF-8 JSONL file, one JSON object per line")
 
 
+def _head(path: Path, n: int) -> bytes:
+    """The first n bytes of a file (b"" when it cannot be read: the reader says why)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
 def _too_many(lines: list[str], indent: str = "  ") -> str:
     shown = lines[:MAX_LISTED_PROBLEMS]
     text = "\n".join(indent + m for m in shown)
@@ -118,6 +127,9 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         raise ApcscoreError(f"--limit must be at least 1, not {limit}")
     path = Path(path)
     name = str(path)
+    if path.suffix.lower() not in (".parquet", ".pq") and path.is_file() and _head(path, 4) == b"PAR1":
+        raise ApcscoreError(f"{name} is a parquet file whatever its name says (results of apcscore?); to read it as "
+                            f"a dataset, name it {path.with_suffix('.parquet').name}")
 
     records: list[Record] = []
     invalid: list[InvalidRecord] = []

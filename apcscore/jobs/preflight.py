@@ -29,6 +29,13 @@ def default_out(dataset: Path, command: str, suffix: str = ".parquet", shard: st
     return Path("results") / f"{dataset.stem}.{command}{part}{suffix}"
 
 
+# --out suffixes that name a format apcscore reads as a dataset or a compressed file: a parquet file under such a
+# name is refused (other names, e.g. .out, get a note)
+_OTHER_FORMATS = {".csv": "CSV", ".tsv": "tab-separated text", ".json": "JSON", ".jsonl": "JSON lines",
+                  ".ndjson": "JSON lines", ".txt": "text", ".gz": "gzip-compressed data", ".bz2": "bzip2-compressed data",
+                  ".xz": "xz-compressed data", ".zst": "zstd-compressed data", ".zip": "a zip archive"}
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -62,6 +69,11 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
                                 "to run it again, or choose another --out")
         if not resume:
             raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another --out")
+    other = _OTHER_FORMATS.get(out.suffix.lower())
+    if other is not None and out.suffix.lower() != suffix:
+        raise ApcscoreError(f"--out {out}: the results are written as {suffix.lstrip('.')}, and a {out.suffix} name "
+                            f"says {other} (read back as a dataset, the file would not decode) — name it "
+                            f"{out.with_suffix(suffix).name}")
     if resume and not partial.exists():
         warning = f"nothing to resume: {partial} does not exist; starting a fresh run"
     elif out.suffix.lower() not in (".parquet", ".pq", suffix):
