@@ -19,9 +19,9 @@ class ApcscoreError(Exception):
 def shown(v: Any) -> str:
     """A value as the user wrote it: JSON for scalars, the JSON type for containers."""
     if isinstance(v, dict):
-        return "an object"
+        return "an object" if v else "an empty object"
     if isinstance(v, (list, tuple)):
-        return "a list"
+        return "a list" if v else "an empty list"
     try:
         text = json.dumps(v, ensure_ascii=False)
     except TypeError:  # not a JSON value (a value given from Python)

@@ -147,6 +147,15 @@ CASES = [
          "r.jsonl.parquet"),
     Case("a parquet file read as a dataset under another name", ["score", "{tmp}/done.csv"],
          "done.csv is a parquet file whatever its name says"),
+    # issue 46, item 13: the line of a [table], and messages that named options that do not exist
+    Case("config: a [table] on line 2", ["score", "{data}", "--config", "{cfg}"],
+         "c.toml:2: unknown option 'engine'", config="quiet = true\n[engine]\nblock_size = 16\n"),
+    Case("--logprobs-chunk-size 0", ["score", "{data}", "--logprobs-chunk-size", "0"],
+         "--logprobs-chunk-size must be at least 1, not 0"),
+    Case("--kv-cache-memory-fraction above 0.95", ["score", "{data}", "--kv-cache-memory-fraction", "2"],
+         "--kv-cache-memory-fraction must be in (0, 0.95], not 2.0"),
+    Case("--tensor-parallel 0", ["score", "{data}", "--tensor-parallel", "0"],
+         "error: --tensor-parallel must be at least 1, not 0"),
 ]
 
 

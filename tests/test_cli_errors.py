@@ -182,3 +182,20 @@ def test_a_model_folder_without_its_tokenizer_is_bad_input(tmp_path, write_jsonl
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
     assert res.output.startswith(f"error: Could not load a tokenizer from {folder}") and res.output.count("\n") == 1
     assert "tokenizer.json and tokenizer_config.json" in res.output and not (tmp_path / "o.parquet").exists()
+
+
+def test_a_choices_record_too_long_is_reported_by_its_longest_choice(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 13: a multiple-choice record too long for the context reported its first choice's length."""
+    from pathlib import Path
+
+    from apcscore.models.loading import load_tokenizer
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "m", "context": "one two three", "choices": [
+        " four five six seven eight nine", " five six seven eight nine ten eleven twelve thirteen fourteen", " x"], "answer": 0}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--max-model-len", "8", "-q"])
+    assert res.exit_code == 1, res.output  # every record failed
+    (row,) = pq.read_table(out).to_pylist()
+    tok = load_tokenizer(Path(tiny))
+    longest = len(tok.encode("one two three five six seven eight nine ten eleven twelve thirteen fourteen"))
+    assert row["error"].startswith(f"context and continuation have {longest} tokens, more than the model's context")

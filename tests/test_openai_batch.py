@@ -150,6 +150,16 @@ def test_an_invalid_lines_stand_in_id_never_takes_a_valid_custom_id(tmp_path, wr
     assert "b.jsonl:2: 'custom_id' must be a non-empty string" in loaded.invalid[0].message
 
 
+def test_an_empty_prompt_or_messages_list_is_called_empty(tmp_path, write_jsonl) -> None:
+    """Issue 46, item 13: `"prompt": []` and `"messages": []` were refused as "got a list"."""
+    data = write_jsonl(tmp_path / "b.jsonl", [line("p", "/v1/completions", {"prompt": []}),
+                                              line("m", "/v1/chat/completions", {"messages": []})])
+    loaded = load_dataset(data, "generate", skip_invalid=True)
+    prompt, messages = (r.message for r in loaded.invalid)
+    assert "b.jsonl:1: 'prompt' must be a string or a list of token ids, got an empty list" in prompt
+    assert "b.jsonl:2: 'messages' must be a non-empty list" in messages and "got an empty list" in messages
+
+
 def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write_jsonl) -> None:
     """The writer's partial is the parquet one, so --resume works for result lines too; <out> appears only
     complete (written under a temporary name inside the partial, then renamed)."""

@@ -264,7 +264,11 @@ def cli_values(cli: Mapping[str, Any], cls: type[Options] | None = None) -> dict
 
 
 def option_name(key: str) -> str:
-    """`max_tokens` -> `--max-tokens`."""
+    """`max_tokens` -> `--max-tokens`; an engine setting declared with flags of its own names its first
+    (`tensor_parallel_size` -> `--tensor-parallel`)."""
+    for f in fields(EngineConfig):
+        if f.name == key and (spec := spec_of(f)) is not None and spec.flags:
+            return spec.flags[0]
     return "--" + key.replace("_", "-")
 
 

@@ -70,6 +70,9 @@ def _open(path: Path) -> tuple[Any, dict[str, Any]]:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
         meta = None
+    if isinstance(meta, dict) and meta.get("command") == "eval":
+        raise ApcscoreError(f"{path} holds the requests of an `apcscore eval` run (one row per lm-eval request, no "
+                            "per-token logprobs); show reads files written by apcscore score, perplexity or generate")
     if not isinstance(meta, dict) or "id" not in pf.schema_arrow.names:
         raise ApcscoreError(f"{path} is not apcscore output (no 'apcscore' run metadata or no id column); show "
                             "reads files written by apcscore score, perplexity or generate")
@@ -249,6 +252,9 @@ def show(
         t = _tokens(row, cols)
         if position is not None:
             _check_position(t, str(row["id"]), position)
+        if tokenizer is not None and tokenizer.is_file():
+            raise ApcscoreError(f"--tokenizer {tokenizer} is a file — give the tokenizer's folder (a model directory "
+                                "holding tokenizer.json and tokenizer_config.json)")
         tok, why = try_load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path(meta))
         if tok is None and tokenizer is not None:
             raise ApcscoreError(f"--tokenizer {tokenizer}: {why}")
