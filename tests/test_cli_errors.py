@@ -199,3 +199,54 @@ def test_a_choices_record_too_long_is_reported_by_its_longest_choice(tmp_path, w
     tok = load_tokenizer(Path(tiny))
     longest = len(tok.encode("one two three five six seven eight nine ten eleven twelve thirteen fourteen"))
     assert row["error"].startswith(f"context and continuation have {longest} tokens, more than the model's context")
+
+
+def test_truncate_left_reserves_room_for_generation_for_every_prompt(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 14: with --truncate left, room for --max-tokens was reserved only for prompts longer than the
+    context: in a context of 8, a 9-token prompt got 4 new tokens, a 5-token one 3 and a 7-token one 1. Every
+    prompt now keeps its newest tokens so that the new tokens fit."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"n{n}", "prompt_token_ids": list(range(100, 100 + n))}
+                                              for n in (4, 5, 7, 9)])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["generate", str(data), "--model", tiny, "--out", str(out), "--max-model-len", "8",
+                              "--max-tokens", "4", "--truncate", "left", "-q"])
+    assert res.exit_code == 0, res.output
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert {k: r["num_truncated_tokens"] for k, r in rows.items()} == {"n4": 0, "n5": 1, "n7": 3, "n9": 5}
+    assert all(len(r["completion_token_ids"]) == 4 or r["finish_reason"] == "stop" for r in rows.values())
+
+
+def test_a_partial_another_run_is_writing_is_refused_untouched(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 5: run B, started with --resume (or --overwrite) on the .partial of a run A still going,
+    finished first and A then failed ("partial ... is inconsistent"). The partial is locked (flock on the folder)
+    while a run writes it; B is refused with one line and touches nothing."""
+    from apcscore.io.partial import PartialLock
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}, {"prompt": "there"}])
+    out, partial = tmp_path / "o.parquet", tmp_path / "o.parquet.partial"
+    partial.mkdir()
+    (partial / "run.json").write_text('{"metadata": {}, "schema": ""}')  # what run A wrote (not read: refused first)
+    held = PartialLock(partial)  # run A, still going
+    try:
+        for flag in ("--resume", "--overwrite"):
+            res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), flag, "-q"])
+            assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+            assert f"{partial} is in use by another apcscore run that is still going" in one_line(res)
+            assert [p.name for p in partial.iterdir()] == ["run.json"] and not out.exists()
+    finally:
+        held.release()
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--overwrite", "-q"])
+    assert res.exit_code == 0 and out.exists() and not partial.exists(), res.output  # A gone: the lock went with it
+
+
+def test_a_partial_without_run_json_is_discarded_with_a_note(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 14: a .partial without run.json (its run ended before writing one) was discarded on --resume
+    without a word."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    out, partial = tmp_path / "o.parquet", tmp_path / "o.parquet.partial"
+    partial.mkdir()
+    (partial / "part-000000.parquet.tmp").write_text("")
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--resume", "-q"])
+    assert res.exit_code == 0 and out.exists(), res.output
+    assert (f"note: {partial} had no run.json (its run ended before writing one), so it held no rows; its 1 "
+            "leftover file(s) were removed; starting a fresh run") in one_line(res)

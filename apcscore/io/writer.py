@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import bits_of, short
+from apcscore.io.partial import PartialLock, check_run_file, in_use
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
@@ -115,17 +115,35 @@ class ResultsWriter:
         if self.out_path.exists() and not overwrite:
             raise ApcscoreError(f"{self.out_path} already exists; pass --overwrite to replace it "
                                 "or choose another --out")
-        if self.partial_path.exists():
+        self.notes: list[str] = []  # what a caller should tell the user (a partial discarded on --resume)
+        self._lock: PartialLock | None = None  # the partial's lock, held until it is assembled or removed
+        existed = self.partial_path.exists()
+        if existed:
             self._check_ours()
-            if resume:
-                self._resume(resume_keys)
-                return
-            if not overwrite:
-                raise ApcscoreError(f"{self.partial_path} holds an unfinished run; pass --resume to continue "
-                                    "it, or --overwrite to discard it and start over")
-            shutil.rmtree(self.partial_path)
-        self.out_path.parent.mkdir(parents=True, exist_ok=True)
-        self.partial_path.mkdir()
+            self._lock = PartialLock(self.partial_path)  # a run still writing it: refused before touching it
+        else:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.partial_path.mkdir()
+            except FileExistsError:  # another run created it a moment ago
+                raise in_use(self.partial_path) from None
+            self._lock = PartialLock(self.partial_path)
+        try:
+            self._open_partial(existed, resume, overwrite, resume_keys)
+        except BaseException:
+            self.release()
+            raise
+
+    def _open_partial(self, existed: bool, resume: bool, overwrite: bool, resume_keys: Iterable[str]) -> None:
+        """Continue (`resume`) or empty (`overwrite`) the locked partial that `existed`, or start a new one."""
+        if existed and resume:
+            self._resume(resume_keys)
+            return
+        if existed and not overwrite:
+            raise ApcscoreError(f"{self.partial_path} holds an unfinished run; pass --resume to continue it, or "
+                                "--overwrite to discard it and start over")
+        for child in self.partial_path.iterdir() if existed else ():  # emptied, not removed: the lock is on it
+            child.unlink()
         self._write_run_file()
 
     # ------------------------------------------------------------------ public interface
@@ -163,6 +181,13 @@ class ResultsWriter:
         block the next run; keep it otherwise."""
         if not self._closed and not self.done_indices and self.partial_path.is_dir():
             shutil.rmtree(self.partial_path, ignore_errors=True)
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the partial's lock (the run is over, however it ended); its files stay as they are."""
+        if self._lock is not None:
+            self._lock.release()
+        self._lock = None
 
     def flush(self) -> None:
         """Write the buffered rows as one part file (safe to call from a signal handler between adds)."""
@@ -201,6 +226,7 @@ class ResultsWriter:
         expected = self.num_rows if self.num_rows is not None else len(self.done_indices)
         if len(self.done_indices) != expected or (expected and max(self.done_indices) != expected - 1):
             missing = sorted(set(range(expected)) - self.done_indices)
+            self.release()  # the partial is kept for a --resume, which needs its lock
             raise ApcscoreError(
                 f"{len(missing)} of {expected} rows are missing (indices {missing[:10]}"
                 f"{' ...' if len(missing) > 10 else ''}); the finished rows are kept in {self.partial_path}: "
@@ -247,6 +273,7 @@ class ResultsWriter:
             tmp.unlink(missing_ok=True)
             raise
         shutil.rmtree(self.partial_path)
+        self.release()
         self._closed = True
 
     def _merged(self, total: int):
@@ -289,42 +316,17 @@ class ResultsWriter:
                                 "or choose another --out")
 
     def _resume(self, resume_keys: Iterable[str]) -> None:
-        run_file = self.partial_path / _RUN_FILE
-        if not run_file.exists():  # the previous run died before writing anything
-            for leftover in self.partial_path.iterdir():
+        old_meta = check_run_file(self.partial_path, self._metadata, self.schema, resume_keys, self._resume_compare)
+        if old_meta is None:  # the previous run died before writing anything
+            leftovers = list(self.partial_path.iterdir())
+            for leftover in leftovers:
                 leftover.unlink()
+            self.notes.append(f"{self.partial_path} had no {_RUN_FILE} (its run ended before writing one), so it "
+                              f"held no rows" + (f"; its {len(leftovers)} leftover file(s) were removed" if leftovers
+                                                 else "") + "; starting a fresh run")
             self._write_run_file()
             return
-        try:
-            run = json.loads(run_file.read_text(encoding="utf-8"))
-            old_meta, old_schema = run["metadata"], pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
-            if not isinstance(old_meta, dict):
-                raise ValueError("its metadata is not an object")
-        except (ValueError, KeyError, TypeError, pa.ArrowException) as e:
-            raise ApcscoreError(f"cannot resume: {run_file} is damaged ({type(e).__name__}: {e}) — pass --overwrite "
-                                "to start over (the rows in the partial are discarded)") from None
         self.previous_metadata = old_meta
-
-        def same(key: str) -> bool:
-            compare = self._resume_compare.get(key)
-            old, new = old_meta.get(key), self._metadata.get(key)
-            return compare(old, new) if compare is not None and old is not None and new is not None else old == new
-
-        differ = [k for k in resume_keys if not same(k)]
-        if differ:
-            def detail(k: str) -> str:
-                old, new = bits_of(k, old_meta.get(k)), bits_of(k, self._metadata.get(k))
-                if isinstance(old, dict) and isinstance(new, dict):  # name the fields that differ
-                    fields = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
-                    return "; ".join(f"{k}.{f}: partial {short(old.get(f), 80)}, this run {short(new.get(f), 80)}"
-                                     for f in fields)
-                return f"{k}: partial {short(old, 80)}, this run {short(new, 80)}"
-            details = "; ".join(detail(k) for k in differ)
-            raise ApcscoreError(f"cannot resume {self.partial_path}: it was written by a different run "
-                                f"({details}); rerun with the same settings, or pass --overwrite to start over")
-        if not old_schema.remove_metadata().equals(self.schema.remove_metadata()):
-            raise ApcscoreError(f"cannot resume {self.partial_path}: it was written with other columns "
-                                f"({', '.join(old_schema.names)}); pass --overwrite to start over")
         for leftover in self.partial_path.glob("*.tmp"):
             leftover.unlink()
         for path in sorted(self.partial_path.glob(_PART_GLOB)):

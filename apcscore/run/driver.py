@@ -112,6 +112,17 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
     job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
     writer, data = _open_writer(job, data, out, metadata, opts)
+    for note in writer.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    try:
+        return _drive_open(executor, command, opts, job, data, writer, metadata, console, lines)
+    finally:
+        writer.release()  # the partial's lock: whatever happened, this run no longer writes it
+
+
+def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
+                metadata: dict, console: Console, lines: bool) -> int:
+    """`_drive` once the writer holds the partial."""
     sessions, previous = start_session(writer, metadata["created"])
     if lines:
         writer.lines = LineWriter(executor.tokenizer, opts.model, created_seconds(previous.get("created",
