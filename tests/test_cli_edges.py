@@ -238,9 +238,10 @@ def _run_for_doc(case: Case, tmp: Path) -> str:
     finally:
         os.chdir(cwd)
     text = " ".join(res.output.split())
-    if "Error" in text and "Usage:" in text:  # a click usage error in its box: keep the message
-        text = "error: " + text.split("Error", 1)[1].strip(" ─╮╯╰│")
-        text = " ".join(text.replace("│", " ").replace("╰", " ").replace("─", "").split())
+    if "Error" in text and "Usage:" in text:  # a click usage error: Typer prints it in a box under the usage lines
+        text = text.split("Error", 1)[1].strip(" ─╮╯╰│")
+        text = "(Typer's usage lines, then this in a box titled Error) " + " ".join(
+            text.replace("│", " ").replace("╰", " ").replace("─", "").split())
     text = text.replace("|", "\\|")
     return (text[:300] + " ...") if len(text) > 300 else text
 

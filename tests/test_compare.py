@@ -700,6 +700,18 @@ def test_generate_files_are_refused_not_passed_with_nothing_compared(tmp_path) -
     assert "was written by `apcscore generate`" in one_line(res.output), res.output
     with pytest.raises(ApcscoreError, match="compare gates"):
         compare_files(base, new)
+    # issue 46, item 14: "a eval file"
+    ev = write_results(tmp_path / "ev.parquet", [{"id": "a", "status": "ok", "completion": "x"}], command="eval",
+                       schema=schema)
+    assert "and an eval file has none of them" in one_line(run_cli(ev, ev).output)
+
+
+def test_counts_and_articles_read_as_english() -> None:
+    """Issue 46, item 14: messages said "1 rows" and "a eval"."""
+    from apcscore.errors import a, count
+
+    assert (count(1, "row"), count(0, "row"), count(2500, "shard")) == ("1 row", "0 rows", "2,500 shards")
+    assert (a("eval"), a("score"), a("generate"), a("Ollama")) == ("an eval", "a score", "a generate", "an Ollama")
 
 
 def test_config_files_with_a_utf8_byte_order_mark_are_read(tmp_path) -> None:

@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, count
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
@@ -138,7 +138,8 @@ def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: L
     rows, errors = before[0] + rows, before[1] + errors
     if (failure := executor.failure()) is not None:
         writer.flush()
-        console.print(f"[bold red]error:[/] {escape(failure)}\n{rows} rows are saved in "
+        saved = f"{count(rows, 'row')} {'is' if rows == 1 else 'are'} saved in"
+        console.print(f"[bold red]error:[/] {escape(failure)}\n{saved} "
                       f"{escape(str(writer.partial_path))}; fix the cause (e.g. memory) and rerun the same command "
                       "plus --resume", highlight=False, soft_wrap=True)
         return 1

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, count
 
 # (lowest logprob of the band, Rich style, legend) from the most to the least likely; the 16 standard colours,
 # which every colour terminal shows as distinct
@@ -110,7 +110,8 @@ def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...])
         if index < 0:
             sample = ", ".join(repr(x) for x in ids.slice(0, 5).to_pylist())
             more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
-            raise ApcscoreError(f"no record with id {record_id!r} in {path} ({len(ids)} records: {sample}{more})")
+            raise ApcscoreError(f"no record with id {record_id!r} in {path} ({count(len(ids), 'record')}: "
+                                f"{sample}{more})")
         group = next(g for g in range(pf.num_row_groups) if starts[g + 1] > index)
         row = pf.read_row_group(group, columns=wanted).slice(index - starts[group], 1).to_pylist()[0]
         return row, index
