@@ -182,6 +182,7 @@ def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write
     first = ResultsWriter(out, schema, {"m": 1}, num_rows=3)
     first.add(2, row(2))
     first.flush()  # an interrupt: the finished row is on disk, <out> does not exist
+    first.release()  # that run ended: its lock on the partial went with it
     assert not out.exists() and first.partial_path.is_dir()
     second = ResultsWriter(out, schema, {"m": 1}, num_rows=3, resume=True, resume_keys=["m"])
     assert second.done_indices == {2}

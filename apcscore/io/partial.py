@@ -1,5 +1,5 @@
-"""A run's `<out>.partial` folder beyond its rows (io/writer.py writes those): the lock that keeps a second run out
-of it, and the check of its run.json when a run resumes it.
+"""A run's `<out>.partial` folder (io/writer.py writes its rows): the lock that keeps a second run out of it, the
+check of its run.json when a run resumes it, and the merge of its part files into dataset order.
 
 The lock is an exclusive `flock` on the folder itself, held by the writer from creating or opening the partial
 until it is assembled into `<out>` or removed. The kernel drops it when the process ends in any way (SIGKILL
@@ -9,17 +9,21 @@ touches anything.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import bits_of, short
 from apcscore.io.result_tables import RUN_FILE
+
+INDEX_COLUMN = "index"  # a part file's extra column: the row's record position
 
 
 def in_use(partial: Path) -> ApcscoreError:
@@ -91,3 +95,30 @@ def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys
         raise ApcscoreError(f"cannot resume {partial}: it was written with other columns "
                             f"({', '.join(old_schema.names)}); pass --overwrite to start over")
     return old_meta
+
+
+def merged_parts(parts: list[tuple[Path, int]], part_schema: pa.Schema, total: int, row_group_size: int,
+                 partial: Path) -> Iterator[pa.Table]:
+    """Tables of `row_group_size` consecutive indices 0..total-1, in order, merged from part files (each sorted by
+    index; `parts` are (path, first index)). Memory follows the parts overlapping the window, not the dataset."""
+    parts = sorted(parts, key=lambda p: p[1])
+    next_part = 0
+    open_parts: list[pa.Table] = []  # unconsumed rows of parts overlapping the output window
+    for start in range(0, total, row_group_size):
+        end = min(start + row_group_size, total)
+        while next_part < len(parts) and parts[next_part][1] < end:
+            open_parts.append(pq.read_table(parts[next_part][0], schema=part_schema))
+            next_part += 1
+        pieces, keep = [], []
+        for table in open_parts:
+            indices = table.column(INDEX_COLUMN).to_pylist()  # sorted within a part
+            cut = bisect.bisect_left(indices, end)
+            pieces.append(table.slice(0, cut))
+            if cut < table.num_rows:
+                keep.append(table.slice(cut))
+        open_parts = keep
+        chunk = pa.concat_tables(pieces).sort_by(INDEX_COLUMN) if pieces else part_schema.empty_table()
+        if chunk.column(INDEX_COLUMN).to_pylist() != list(range(start, end)):
+            raise RuntimeError(f"partial {partial} is inconsistent: rows {start}..{end - 1} are not all present "
+                               "exactly once")
+        yield chunk

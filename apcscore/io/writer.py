@@ -31,7 +31,6 @@ is strict and readable by any JSON parser.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 import shutil
@@ -44,11 +43,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.partial import PartialLock, check_run_file, in_use
+from apcscore.io.partial import INDEX_COLUMN, PartialLock, check_run_file, in_use, merged_parts
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
-INDEX_COLUMN = "index"
 _PART_GLOB = "part-*.parquet"
 _FINAL_TMP = "final.parquet.tmp"
 _LINES_TMP = "final.jsonl.tmp"
@@ -108,6 +106,7 @@ class ResultsWriter:
         self.previous_metadata: dict | None = None  # the resumed partial's metadata (None: a fresh run)
         self._resume_compare = resume_compare or {}
         self.lines: Callable[[int, dict], str] | None = None
+        self._before_flush: Callable[[], None] | None = None
 
         if self.out_path.is_dir():
             raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
@@ -189,12 +188,18 @@ class ResultsWriter:
             self._lock.release()
         self._lock = None
 
+    def before_flush(self, hook: Callable[[], None] | None) -> None:
+        """Call `hook()` before each part file is written (the driver keeps the timings so far in run.json)."""
+        self._before_flush = hook
+
     def flush(self) -> None:
         """Write the buffered rows as one part file (safe to call from a signal handler between adds)."""
         if self._flushing or not self._buffer:
             return
         self._flushing = True
         try:
+            if self._before_flush is not None:
+                self._before_flush()
             buffered, self._buffer = self._buffer, []
             buffered.sort(key=lambda item: item[0])
             rows = [{INDEX_COLUMN: i, **row} for i, row in buffered]
@@ -276,31 +281,10 @@ class ResultsWriter:
         self.release()
         self._closed = True
 
-    def _merged(self, total: int):
+    def _merged(self, total: int) -> Iterator[pa.Table]:
         """Tables of `row_group_size` consecutive indices, in order, merged from the sorted parts."""
-        parts = sorted(self._parts, key=lambda p: p.first)
-        next_part = 0
-        open_parts: list[pa.Table] = []  # unconsumed rows of parts overlapping the output window
-        for start in range(0, total, self.row_group_size):
-            end = min(start + self.row_group_size, total)
-            while next_part < len(parts) and parts[next_part].first < end:
-                open_parts.append(pq.read_table(parts[next_part].path, schema=self._part_schema))
-                next_part += 1
-            pieces, keep = [], []
-            for table in open_parts:
-                indices = table.column(INDEX_COLUMN).to_pylist()  # sorted within a part
-                cut = bisect.bisect_left(indices, end)
-                pieces.append(table.slice(0, cut))
-                if cut < table.num_rows:
-                    keep.append(table.slice(cut))
-            open_parts = keep
-            chunk = pa.concat_tables(pieces).sort_by(INDEX_COLUMN) if pieces else \
-                self._part_schema.empty_table()
-            got = chunk.column(INDEX_COLUMN).to_pylist()
-            if got != list(range(start, end)):
-                raise RuntimeError(f"partial {self.partial_path} is inconsistent: rows {start}..{end - 1} "
-                                   f"are not all present exactly once")
-            yield chunk
+        return merged_parts([(p.path, p.first) for p in self._parts], self._part_schema, total, self.row_group_size,
+                            self.partial_path)
 
     def _write_run_file(self) -> None:
         run = {"metadata": self._metadata, "schema": self.schema.serialize().to_pybytes().hex()}

@@ -129,6 +129,13 @@ def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: L
                                                                                                 metadata["created"])),
                                   {r.index: r.fields for r in data.records}, {r.index for r in data.invalid}).line
     before = observe_previous(job, writer)
+    started = time.perf_counter()
+
+    def keep_timings() -> None:  # before each part reaches the partial, so that a session killed outright counts
+        if (so_far := executor.snapshot(time.perf_counter() - started)) is not None:
+            writer.update_metadata({"timings": add_timings(previous.get("timings"), so_far)})
+
+    writer.before_flush(keep_timings)
     quiet = opts.quiet
     rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
                                                      show_progress=not quiet and console.is_terminal)

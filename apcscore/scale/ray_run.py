@@ -185,6 +185,10 @@ class RayExecutor:
     def progress(self) -> dict:
         return {}
 
+    def snapshot(self, run_seconds: float) -> dict | None:
+        """None: the replicas' counters are read at the end only (a killed Ray session's tokens are not kept)."""
+        return None
+
     def _stats(self, interrupted: bool) -> list[dict | None]:
         """Each replica's counters; None for a failed replica, or one still busy after an interrupt."""
         ray, dead = self.ray, {r for r, _, _ in self.failed}
