@@ -151,7 +151,7 @@ def test_a_truncated_safetensors_names_the_file_and_what_to_delete(tmp_path, wri
     assert f"{folder / 'model.safetensors'}: the weight file is damaged or incomplete" in one_line(res)
     res = runner.invoke(app, ["score", str(data), "--model", str(cached), "--out", str(tmp_path / "o.parquet"), "-q"])
     assert res.exit_code == 2 and "Traceback" not in res.output, res.output
-    assert f"the cached converted copy of the model is damaged" in one_line(res)
+    assert "the cached converted copy of the model is damaged" in one_line(res)
     assert f"delete the folder {cached}; the next run converts the model again" in one_line(res)
 
 
