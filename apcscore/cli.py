@@ -19,7 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from apcscore import __version__
 from apcscore.compare.command import compare
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, count
 from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
                                    cli_params)
 from apcscore.show.command import show
@@ -240,7 +240,7 @@ def merge(
         path, rows = merge_shards(out, shards, overwrite=overwrite)
     except ApcscoreError as exc:
         raise _error(exc) from None
-    console.print(f"merged {len(shards)} shards: {rows:,} rows -> {escape(str(path))}", highlight=False)
+    console.print(f"merged {count(len(shards), 'shard')}: {count(rows, 'row')} -> {escape(str(path))}", highlight=False)
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model

@@ -133,7 +133,7 @@ class EngineConfig:
         need(self.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
         need(self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, not {self.max_num_seqs}")
         need(self.max_logprobs >= 0, f"--max-logprobs must be >= 0, not {self.max_logprobs}")
-        need(self.logprobs_chunk_size >= 1, "logprobs_chunk_size must be at least 1")
+        need(self.logprobs_chunk_size >= 1, f"--logprobs-chunk-size must be at least 1, not {self.logprobs_chunk_size}")
         need(self.attention_backend in ("auto", "torch", "triton"),
              f"--attention-backend must be auto, torch or triton, not {self.attention_backend!r}")
         need(self.model_backend in ("auto", "native", "transformers"),
@@ -144,7 +144,7 @@ class EngineConfig:
              f"--tensor-parallel {self.tensor_parallel_size} needs the native engine: the transformers fallback "
              "(--model-backend transformers) runs on one device — drop one of the two")
         need(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
-             "kv_cache_memory_fraction must be in (0, 0.95]")
+             f"--kv-cache-memory-fraction must be in (0, 0.95], not {self.kv_cache_memory_fraction}")
         need(not self.exact_reuse or self.batch_invariant,
              "--exact-reuse needs batch invariance: without it a cached block's KV is not bitwise what a fresh "
              "prefill writes, so reused scores could differ from a full recompute — drop --no-batch-invariant "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,6 +137,25 @@ CASES = [
          "d.jsonl:1: prompt holds an unpaired UTF-16 surrogate escape", records=['{"prompt": "bad \\udc80"}']),
     Case("--out where nothing can be written (/proc)", ["score", "{data}", "--out", "/proc/x.parquet"],
          "--out /proc/x.parquet: "),
+    # issue 46, item 12: a parquet file under a name of a data format apcscore reads (read back, it did not decode)
+    Case("--out named as CSV", ["score", "{data}", "--out", "{tmp}/r.csv"],
+         "r.csv: the results are written as parquet, and a .csv name says CSV"),
+    Case("--out named as JSON lines", ["score", "{data}", "--out", "{tmp}/r.ndjson"],
+         "r.ndjson: the results are written as parquet, and a .ndjson name says JSON lines"),
+    Case("--out named as compressed", ["score", "{data}", "--out", "{tmp}/r.jsonl.gz"],
+         "a .gz name says gzip-compressed data (read back as a dataset, the file would not decode) — name it "
+         "r.jsonl.parquet"),
+    Case("a parquet file read as a dataset under another name", ["score", "{tmp}/done.csv"],
+         "done.csv is a parquet file whatever its name says"),
+    # issue 46, item 13: the line of a [table], and messages that named options that do not exist
+    Case("config: a [table] on line 2", ["score", "{data}", "--config", "{cfg}"],
+         "c.toml:2: unknown option 'engine'", config="quiet = true\n[engine]\nblock_size = 16\n"),
+    Case("--logprobs-chunk-size 0", ["score", "{data}", "--logprobs-chunk-size", "0"],
+         "--logprobs-chunk-size must be at least 1, not 0"),
+    Case("--kv-cache-memory-fraction above 0.95", ["score", "{data}", "--kv-cache-memory-fraction", "2"],
+         "--kv-cache-memory-fraction must be in (0, 0.95], not 2.0"),
+    Case("--tensor-parallel 0", ["score", "{data}", "--tensor-parallel", "0"],
+         "error: --tensor-parallel must be at least 1, not 0"),
 ]
 
 
@@ -172,6 +192,7 @@ def test_bad_input_gets_a_clear_message_and_exit_code(case: Case, tmp_path, writ
     (tmp_path / "fake.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 64)
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "x"}\n'))
     _done_parquet(tmp_path / "done.parquet", tmp_path / "damaged.parquet")
+    shutil.copy(tmp_path / "done.parquet", tmp_path / "done.csv")
     before = set(os.listdir(tmp_path))
     fill = {"data": str(tmp_path / "d.jsonl"), "cfg": str(tmp_path / "c.toml"), "tmp": str(tmp_path), "tiny": tiny}
     args = [a.format(**fill) for a in case.args]
@@ -205,6 +226,7 @@ def _run_for_doc(case: Case, tmp: Path) -> str:
     (tmp / "fake.gguf").write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\x00" * 64)
     (tmp / "d.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "x"}\n'))
     _done_parquet(tmp / "done.parquet", tmp / "damaged.parquet")
+    shutil.copy(tmp / "done.parquet", tmp / "done.csv")
     fill = {"data": "d.jsonl", "cfg": "c.toml", "tmp": ".", "tiny": os.environ.get("TINY", "tiny")}
     args = [a.format(**fill) for a in case.args]
     if args[0] != "compare":
@@ -216,9 +238,10 @@ def _run_for_doc(case: Case, tmp: Path) -> str:
     finally:
         os.chdir(cwd)
     text = " ".join(res.output.split())
-    if "Error" in text and "Usage:" in text:  # a click usage error in its box: keep the message
-        text = "error: " + text.split("Error", 1)[1].strip(" ─╮╯╰│")
-        text = " ".join(text.replace("│", " ").replace("╰", " ").replace("─", "").split())
+    if "Error" in text and "Usage:" in text:  # a click usage error: Typer prints it in a box under the usage lines
+        text = text.split("Error", 1)[1].strip(" ─╮╯╰│")
+        text = "(Typer's usage lines, then this in a box titled Error) " + " ".join(
+            text.replace("│", " ").replace("╰", " ").replace("─", "").split())
     text = text.replace("|", "\\|")
     return (text[:300] + " ...") if len(text) > 300 else text
 

@@ -33,7 +33,7 @@ def test_skip_invalid_turns_bad_records_into_error_rows(tmp_path, write_jsonl, t
     assert res.exit_code == 0, res.output
     rows = pq.read_table(out).to_pylist()
     assert [r["status"] for r in rows] == ["ok", "error", "error", "ok"]
-    assert [r["id"] for r in rows] == ["a", "2", "c", "d"]
+    assert [r["id"] for r in rows] == ["a", "#line2", "c", "d"]  # a line that does not parse claims no id
     assert ":2:" in rows[1]["error"] and "prompt" in rows[2]["error"]
 
 
@@ -111,3 +111,142 @@ def test_truncate_left_keeps_the_newest_tokens_and_counts_the_dropped(tmp_path, 
     res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(tmp_path / "x.parquet"),
                               "--truncate", "right"])
     assert res.exit_code == 2 and "--truncate" in res.output
+
+
+def one_line(res) -> str:
+    return " ".join(res.output.split())
+
+
+def test_a_bad_apcscore_cache_is_one_clear_error(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 8: $APCSCORE_CACHE naming a file or an impossible path was a traceback (converting the
+    default model) or a silent fallback from the fixed-order CPU GEMM (a tiny model)."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    (tmp_path / "file").write_text("x")
+    cases = {str(tmp_path / "file"): "is a file, not a folder", str(tmp_path / "file" / "sub"): "is a file, not a folder",
+             "/proc/apcscore-cache": "cannot write in /proc"}
+    for cache, message in cases.items():
+        for model in ([tiny], []):
+            res = runner.invoke(app, ["score", str(data), *(["--model", *model] if model else []), "--out",
+                                      str(tmp_path / "o.parquet"), "-q"], env={"APCSCORE_CACHE": cache})
+            assert res.exit_code == 2 and f"APCSCORE_CACHE={cache}" in one_line(res) and message in one_line(res), \
+                res.output
+            assert "Traceback" not in res.output and not (tmp_path / "o.parquet").exists()
+
+
+def test_a_truncated_safetensors_names_the_file_and_what_to_delete(tmp_path, write_jsonl, tiny, monkeypatch):
+    """Issue 46, item 8: a truncated model.safetensors was safetensors' traceback; in a model folder the file is
+    named, in the model cache the converted copy's folder to delete."""
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    cached = shutil.copytree(tiny, tmp_path / "cache" / "models" / "tiny-0123456789ab")
+    for copy in (folder, cached):
+        weights = copy / "model.safetensors"
+        with weights.open("r+b") as f:
+            f.truncate(weights.stat().st_size // 2)
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    res = runner.invoke(app, ["score", str(data), "--model", str(folder), "--out", str(tmp_path / "o.parquet"), "-q"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert f"{folder / 'model.safetensors'}: the weight file is damaged or incomplete" in one_line(res)
+    res = runner.invoke(app, ["score", str(data), "--model", str(cached), "--out", str(tmp_path / "o.parquet"), "-q"])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "the cached converted copy of the model is damaged" in one_line(res)
+    assert f"delete the folder {cached}; the next run converts the model again" in one_line(res)
+
+
+def test_a_damaged_run_json_on_resume_is_one_clear_error(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 8: a damaged OUT.partial/run.json was a JSONDecodeError traceback on --resume."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    out = tmp_path / "o.parquet"
+    (tmp_path / "o.parquet.partial").mkdir()
+    for damaged in ('{"metadata": {"comm', '{"metadata": {}}', '[1, 2]', '{"metadata": 5, "schema": "zz"}'):
+        (tmp_path / "o.parquet.partial" / "run.json").write_text(damaged)
+        res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--resume", "-q"])
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert f"cannot resume: {out}.partial/run.json is damaged" in one_line(res)
+        assert "pass --overwrite to start over" in one_line(res)
+
+
+def test_a_model_folder_without_its_tokenizer_is_bad_input(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 9: a model folder without its tokenizer files exited 1 (a run that failed), where bad input
+    exits 2; the message (transformers' holds line breaks) is one line."""
+    import shutil
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    folder = shutil.copytree(tiny, tmp_path / "m")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    res = runner.invoke(app, ["score", str(data), "--model", str(folder), "--out", str(tmp_path / "o.parquet"), "-q"],
+                        env={"COLUMNS": "100000"})
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert res.output.startswith(f"error: Could not load a tokenizer from {folder}") and res.output.count("\n") == 1
+    assert "tokenizer.json and tokenizer_config.json" in res.output and not (tmp_path / "o.parquet").exists()
+
+
+def test_a_choices_record_too_long_is_reported_by_its_longest_choice(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 13: a multiple-choice record too long for the context reported its first choice's length."""
+    from pathlib import Path
+
+    from apcscore.models.loading import load_tokenizer
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": "m", "context": "one two three", "choices": [
+        " four five six seven eight nine", " five six seven eight nine ten eleven twelve thirteen fourteen", " x"], "answer": 0}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--max-model-len", "8", "-q"])
+    assert res.exit_code == 1, res.output  # every record failed
+    (row,) = pq.read_table(out).to_pylist()
+    tok = load_tokenizer(Path(tiny))
+    longest = len(tok.encode("one two three five six seven eight nine ten eleven twelve thirteen fourteen"))
+    assert row["error"].startswith(f"context and continuation have {longest} tokens, more than the model's context")
+
+
+def test_truncate_left_reserves_room_for_generation_for_every_prompt(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 14: with --truncate left, room for --max-tokens was reserved only for prompts longer than the
+    context: in a context of 8, a 9-token prompt got 4 new tokens, a 5-token one 3 and a 7-token one 1. Every
+    prompt now keeps its newest tokens so that the new tokens fit."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"n{n}", "prompt_token_ids": list(range(100, 100 + n))}
+                                              for n in (4, 5, 7, 9)])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["generate", str(data), "--model", tiny, "--out", str(out), "--max-model-len", "8",
+                              "--max-tokens", "4", "--truncate", "left", "-q"])
+    assert res.exit_code == 0, res.output
+    rows = {r["id"]: r for r in pq.read_table(out).to_pylist()}
+    assert {k: r["num_truncated_tokens"] for k, r in rows.items()} == {"n4": 0, "n5": 1, "n7": 3, "n9": 5}
+    assert all(len(r["completion_token_ids"]) == 4 or r["finish_reason"] == "stop" for r in rows.values())
+
+
+def test_a_partial_another_run_is_writing_is_refused_untouched(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 5: run B, started with --resume (or --overwrite) on the .partial of a run A still going,
+    finished first and A then failed ("partial ... is inconsistent"). The partial is locked (flock on the folder)
+    while a run writes it; B is refused with one line and touches nothing."""
+    from apcscore.io.partial import PartialLock
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}, {"prompt": "there"}])
+    out, partial = tmp_path / "o.parquet", tmp_path / "o.parquet.partial"
+    partial.mkdir()
+    (partial / "run.json").write_text('{"metadata": {}, "schema": ""}')  # what run A wrote (not read: refused first)
+    held = PartialLock(partial)  # run A, still going
+    try:
+        for flag in ("--resume", "--overwrite"):
+            res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), flag, "-q"])
+            assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+            assert f"{partial} is in use by another apcscore run that is still going" in one_line(res)
+            assert [p.name for p in partial.iterdir()] == ["run.json"] and not out.exists()
+    finally:
+        held.release()
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--overwrite", "-q"])
+    assert res.exit_code == 0 and out.exists() and not partial.exists(), res.output  # A gone: the lock went with it
+
+
+def test_a_partial_without_run_json_is_discarded_with_a_note(tmp_path, write_jsonl, tiny):
+    """Issue 46, item 14: a .partial without run.json (its run ended before writing one) was discarded on --resume
+    without a word."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    out, partial = tmp_path / "o.parquet", tmp_path / "o.parquet.partial"
+    partial.mkdir()
+    (partial / "part-000000.parquet.tmp").write_text("")
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--resume", "-q"])
+    assert res.exit_code == 0 and out.exists(), res.output
+    assert (f"note: {partial} had no run.json (its run ended before writing one), so it held no rows; its 1 "
+            "leftover file(s) were removed; starting a fresh run") in one_line(res)

@@ -89,7 +89,8 @@ def test_truncate_left_cuts_only_what_does_not_fit(tmp_path, write_jsonl, tiny):
     assert rows["mc"]["status"] == "ok" and rows["mc"]["num_truncated_tokens"] > 600
     meta = json.loads(pq.read_table(out).schema.metadata[b"apcscore"])
     assert meta["job"]["truncate"] == "left" and os.path.isabs(meta["dataset"]["path"])
-    # generate: a prompt that fits stays whole, even when max_tokens would not fit after it
+    # generate: a prompt that leaves less than max_tokens of the context keeps its newest tokens too (issue 46,
+    # item 14: it stayed whole, so a shorter prompt got fewer new tokens than a longer, truncated one)
     gen = write_jsonl(tmp_path / "g.jsonl", [{"id": "short", "prompt_token_ids": [5, 6, 7, 8, 9], "max_tokens": 62}])
     cfg = tmp_path / "c.toml"
     cfg.write_text("max_model_len = 64\n")  # a short context, so that 5 + 62 tokens do not fit
@@ -97,7 +98,7 @@ def test_truncate_left_cuts_only_what_does_not_fit(tmp_path, write_jsonl, tiny):
               "--config", cfg)
     assert res.exit_code == 0, res.output
     row = pq.read_table(tmp_path / "g.parquet").to_pylist()[0]
-    assert row["num_prompt_tokens"] == 5 and row["num_truncated_tokens"] == 0
+    assert row["num_prompt_tokens"] == 2 and row["num_truncated_tokens"] == 3
 
 
 def test_one_token_prompt_is_null_not_nan_and_one_question_has_no_nan(tmp_path, write_jsonl, tiny):

@@ -290,6 +290,88 @@ def test_kl_stays_finite_and_a_bound_when_float32_rounding_eats_the_tail() -> No
 # ---------------------------------------------------------------------------------------------------------
 
 
+LARGE_K_UNDER_A_MEMORY_CAP = """
+import resource, sys
+import numpy as np
+resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))  # 1 GiB of address space for this process
+from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk
+rng = np.random.default_rng(0)
+n, k, v = 280, 4096, 20000
+def side(lp, target):
+    top = np.argsort(-lp, axis=1, kind="stable")[:, :k]
+    return TopKLogprobs(target, np.take_along_axis(lp, target[:, None], 1)[:, 0], top, np.take_along_axis(lp, top, 1))
+def log_softmax(x):
+    x = x - x.max(1, keepdims=True)
+    return x - np.log(np.exp(x).sum(1, keepdims=True))
+lp = log_softmax(2 * rng.normal(size=(n, v)))
+lq = log_softmax(lp + 0.3 * rng.normal(size=(n, v)))
+target = rng.integers(0, v, n)
+kl = kl_divergence_topk(side(lp, target), side(lq, target), v)
+exact = (np.exp(lp) * (lp - lq)).sum(1)
+assert kl.shape == (n,) and np.isfinite(kl).all() and (kl >= 0).all() and (kl <= exact + 1e-9).all(), kl
+print("ok", float(kl.mean()), float(exact.mean()))
+"""
+
+
+def test_kl_bound_of_a_large_top_k_fits_in_a_small_memory(tmp_path) -> None:
+    """Issue 46, item 2: the bound matched the two sides' known tokens in an [n, K+1, K+1] array: K = 4096 over
+    280 positions needed ~5 GB (compare was killed at 24 GB on a 9-token file at K = 49152). Matching by one
+    sort is O(n x K): the same case runs under a 1 GiB address-space cap, and stays a lower bound of the KL."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", LARGE_K_UNDER_A_MEMORY_CAP], capture_output=True, text=True,
+                         env={"PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"},
+                         timeout=300)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stderr[-2000:]
+
+
+COMPARE_UNDER_A_MEMORY_CAP = """
+import resource, sys
+import pyarrow as pa
+pa.set_cpu_count(1); pa.set_io_thread_count(1)  # each thread reserves address space of its own
+resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+from apcscore.cli import main
+sys.argv = ["apcscore", "compare", *sys.argv[1:]]
+main()
+"""
+
+
+def test_compare_of_top_4096_files_runs_under_a_memory_cap(tmp_path) -> None:
+    """Issue 46, item 2, end to end: `apcscore compare` of two files scored at top-4096 (276 positions) under a
+    3 GiB address-space cap. The [n, K+1, K+1] matching asked for 4.3 GiB at once and was refused there."""
+    import subprocess
+    import sys
+
+    rng, noise = np.random.default_rng(0), np.random.default_rng(1)
+    k, v, length = 4096, 20_000, 70
+    rows: dict[str, list[dict]] = {"a": [], "b": []}
+    for r in range(4):
+        ids = rng.integers(0, v, length).tolist()
+        sides = {name: ([None], [None], [None]) for name in rows}
+        for p in range(1, length):
+            base = 2 * rng.normal(size=v)
+            for name, lp in (("a", base), ("b", base + 0.1 * noise.normal(size=v))):
+                lp = lp - lp.max() - np.log(np.exp(lp - lp.max()).sum())
+                top = np.argsort(-lp, kind="stable")[:k]
+                sides[name][0].append(float(lp[ids[p]]))
+                sides[name][1].append(top.tolist())
+                sides[name][2].append(lp[top].tolist())
+        for name, (target, top_ids, top_lp) in sides.items():
+            total = float(sum(target[1:]))
+            rows[name].append({"id": f"r{r}", "status": "ok", "num_tokens": length, "num_scored": length - 1,
+                               "sum_logprob": total, "mean_nll": -total / (length - 1),
+                               "perplexity": math.exp(-total / (length - 1)), "token_ids": ids,
+                               "token_logprobs": target, "token_ranks": [None] + [1] * (length - 1),
+                               "top_ids": top_ids, "top_logprobs": top_lp})
+    a, b = (write_results(tmp_path / f"{name}.parquet", rows[name], vocab_size=v) for name in rows)
+    res = subprocess.run([sys.executable, "-c", COMPARE_UNDER_A_MEMORY_CAP, str(a), str(b), "--max-mean-kld", "1"],
+                         capture_output=True, text=True, timeout=300,
+                         env={"PYTHONPATH": str(REPO), "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+                              "COLUMNS": "200"})
+    assert res.returncode == 0 and "PASS" in res.stdout, (res.stdout[-1500:], res.stderr[-1500:])
+
+
 @pytest.fixture(scope="module")
 def fp32_bf16(tiny, tmp_path_factory) -> tuple[Path, Path, Path, Path]:
     model, records = tiny
@@ -300,6 +382,19 @@ def fp32_bf16(tiny, tmp_path_factory) -> tuple[Path, Path, Path, Path]:
         write_results(d / "fp32_kv.parquet", score_rows(model, records, torch.float32, VOCAB)),
         write_results(d / "bf16_kv.parquet", score_rows(model, records, torch.bfloat16, VOCAB), dtype="bfloat16"),
     )
+
+
+def test_large_top_k_files_are_read_in_smaller_chunks_with_the_same_figures(fp32_bf16, monkeypatch) -> None:
+    """At a large K the positions read at once shrink, so that a chunk holds at most _CHUNK_ENTRIES top-K entries
+    per side (the figures stay those of one chunk)."""
+    from apcscore.compare import metrics
+
+    whole = compare_files(fp32_bf16[2], fp32_bf16[3]).metrics
+    monkeypatch.setattr(metrics, "_CHUNK_ENTRIES", 3 * VOCAB)  # K = VOCAB: 3 positions per chunk (whole records)
+    chunked = compare_files(fp32_bf16[2], fp32_bf16[3]).metrics
+    assert chunked.num_positions == whole.num_positions and chunked.top1_agreement == whole.top1_agreement
+    assert chunked.kld.mean == pytest.approx(whole.kld.mean, rel=1e-12)
+    assert chunked.kld.max == pytest.approx(whole.kld.max, rel=1e-12)
 
 
 def test_file_against_itself(fp32_bf16) -> None:
@@ -363,6 +458,32 @@ def test_fp32_vs_bf16_gate(fp32_bf16, tmp_path) -> None:
     assert kld_lines[2] == "| positions | mean | max | 99.9% | 99% | 95% | 90% | 50% |"
     kld = data["metrics"]["kld"]
     assert kld_lines[4].startswith(f"| {kld['num_positions']} | {kld['mean']:.6g} |")
+
+
+def test_a_report_never_replaces_an_input_or_a_file_that_is_not_a_report(fp32_bf16, tmp_path) -> None:
+    """Issue 46, item 1: `--report-json A` replaced the baseline A with JSON and passed."""
+    base, new = fp32_bf16[:2]
+    before = Path(base).read_bytes()
+    for opt in ("--report-json", "--report-md", "--report-html"):
+        r = run_cli(base, new, opt, base, "--overwrite")
+        assert r.exit_code == 2, r.output
+        assert f"{opt} {base} is the baseline file itself" in one_line(r.output)
+    assert Path(base).read_bytes() == before
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "keep me"}\n')
+    r = run_cli(base, new, "--report-md", data)
+    assert r.exit_code == 2 and "exists and is not a report of apcscore compare — pass --overwrite" in one_line(
+        r.output)
+    assert data.read_text() == '{"prompt": "keep me"}\n'
+    r = run_cli(base, new, "--report-md", tmp_path / "r", "--report-json", tmp_path / "r")
+    assert r.exit_code == 2 and "--report-md and --report-json are both" in one_line(r.output)
+    md, js, html = tmp_path / "r.md", tmp_path / "r.json", tmp_path / "r.html"
+    md.touch()  # an empty file such as $GITHUB_STEP_SUMMARY
+    for _ in range(2):  # an earlier report is replaced without --overwrite
+        r = run_cli(base, new, "--report-md", md, "--report-json", js, "--report-html", html)
+        assert r.exit_code == 0, r.output
+    assert run_cli(base, new, "--report-md", data, "--overwrite").exit_code == 0
+    assert data.read_text().startswith("## apcscore compare:")
 
 
 def test_vocab_size_missing_from_metadata_is_inferred(tiny, tmp_path) -> None:
@@ -562,6 +683,14 @@ def test_thresholds_from_toml(fp32_bf16, tmp_path) -> None:
     cfg.write_text("[thresholds\n")
     with pytest.raises(ApcscoreError, match="not valid TOML"):
         load_thresholds(cfg)
+    # issue 46, item 11: max_new_errors = 1.5 was taken, where --max-new-errors 1.5 is refused (a count)
+    for value in ("1.5", "2.0"):
+        cfg.write_text(f"# the gate\n[thresholds]\nmax_new_errors = {value}\n")
+        with pytest.raises(ApcscoreError, match=rf"gate.toml:3: \[thresholds\] max_new_errors must be a whole "
+                                                rf"number of records, not {value}"):
+            load_thresholds(cfg)
+    cfg.write_text("[thresholds]\nmax_new_errors = 2\n")
+    assert load_thresholds(cfg).max_new_errors == 2
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -617,6 +746,18 @@ def test_generate_files_are_refused_not_passed_with_nothing_compared(tmp_path) -
     assert "was written by `apcscore generate`" in one_line(res.output), res.output
     with pytest.raises(ApcscoreError, match="compare gates"):
         compare_files(base, new)
+    # issue 46, item 14: "a eval file"
+    ev = write_results(tmp_path / "ev.parquet", [{"id": "a", "status": "ok", "completion": "x"}], command="eval",
+                       schema=schema)
+    assert "and an eval file has none of them" in one_line(run_cli(ev, ev).output)
+
+
+def test_counts_and_articles_read_as_english() -> None:
+    """Issue 46, item 14: messages said "1 rows" and "a eval"."""
+    from apcscore.errors import a, count
+
+    assert (count(1, "row"), count(0, "row"), count(2500, "shard")) == ("1 row", "0 rows", "2,500 shards")
+    assert (a("eval"), a("score"), a("generate"), a("Ollama")) == ("an eval", "a score", "a generate", "an Ollama")
 
 
 def test_config_files_with_a_utf8_byte_order_mark_are_read(tmp_path) -> None:

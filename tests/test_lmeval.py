@@ -307,6 +307,11 @@ def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
         check_gen_kwargs("top_p=0")
     with pytest.raises(ApcscoreError, match="do_sample must be true or false"):
         check_gen_kwargs("do_sample=maybe")
+    # issue 46, item 11: an empty until dropped every task's stop strings without a word (generate --stop= is
+    # refused)
+    for text in ("until=", "temperature=0.5,until="):
+        with pytest.raises(ApcscoreError, match="--gen-kwargs until must not be an empty string"):
+            check_gen_kwargs(text)
     opts = SimpleNamespace(apply_chat_template=True, fewshot_as_multiturn=None)
     assert fewshot_as_multiturn(opts) is True  # lm-eval's default with the chat template
     assert fewshot_as_multiturn(SimpleNamespace(apply_chat_template=False, fewshot_as_multiturn=None)) is False
@@ -447,3 +452,23 @@ def test_eval_limit_takes_lm_eval_s_fractions(in_repo, tmp_path, tiny_model_dir)
         assert result.exit_code == 2, result.output
         assert "--limit must be a whole number of documents (at least 1) or a fraction" in result.output
         assert not (tmp_path / "bad").exists()
+
+
+def test_eval_more_few_shot_examples_than_the_split_holds_is_one_clear_error(in_repo, tmp_path, tiny_model_dir):
+    """Issue 46, item 8: `eval --num-fewshot 100` on a task whose few-shot split holds 4 documents was lm-eval's
+    ValueError traceback ("Sample larger than population"); it is one line, exit 2, and the run it started leaves
+    nothing behind (the same command with a smaller --num-fewshot then runs without --overwrite)."""
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    out = tmp_path / "ev"
+    args = ["eval", "--tasks", "apc_mc", "--include-path", str(TASK_DIR), "--limit", "1", "--dtype", "float32",
+            "--model", str(tiny_model_dir("llama")), "--out", str(out), "-q"]
+    result = CliRunner().invoke(app, [*args, "--num-fewshot", "100"])
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "--num-fewshot 100 asks for more few-shot examples than a task's few-shot split holds" in text
+    assert "choose a smaller --num-fewshot" in text
+    assert not [p for p in out.iterdir() if p.is_file()]
+    assert CliRunner().invoke(app, [*args, "--num-fewshot", "1"]).exit_code == 0

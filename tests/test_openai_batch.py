@@ -138,6 +138,28 @@ def test_the_reader_detects_request_lines_and_names_file_and_line(tmp_path, writ
     assert "duplicate" not in str(refused.value)
 
 
+def test_an_invalid_lines_stand_in_id_never_takes_a_valid_custom_id(tmp_path, write_jsonl) -> None:
+    """Issue 46, item 3: line 2's `"custom_id": ""` made its error row "2", and line 3's valid custom_id "2" then
+    shared it: under --skip-invalid line 3 never ran and compare refused the file for duplicate ids."""
+    first = batch_lines()[0]
+    data = write_jsonl(tmp_path / "b.jsonl", [{**first, "custom_id": "a"}, {**first, "custom_id": ""},
+                                              {**first, "custom_id": "2"}])
+    loaded = load_dataset(data, "generate", skip_invalid=True, model_names=frozenset({"smollm2-135m"}))
+    assert [(r.line, r.id) for r in loaded.records] == [(1, "a"), (3, "2")]
+    assert [(r.line, r.id) for r in loaded.invalid] == [(2, "#line2")]
+    assert "b.jsonl:2: 'custom_id' must be a non-empty string" in loaded.invalid[0].message
+
+
+def test_an_empty_prompt_or_messages_list_is_called_empty(tmp_path, write_jsonl) -> None:
+    """Issue 46, item 13: `"prompt": []` and `"messages": []` were refused as "got a list"."""
+    data = write_jsonl(tmp_path / "b.jsonl", [line("p", "/v1/completions", {"prompt": []}),
+                                              line("m", "/v1/chat/completions", {"messages": []})])
+    loaded = load_dataset(data, "generate", skip_invalid=True)
+    prompt, messages = (r.message for r in loaded.invalid)
+    assert "b.jsonl:1: 'prompt' must be a string or a list of token ids, got an empty list" in prompt
+    assert "b.jsonl:2: 'messages' must be a non-empty list" in messages and "got an empty list" in messages
+
+
 def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write_jsonl) -> None:
     """The writer's partial is the parquet one, so --resume works for result lines too; <out> appears only
     complete (written under a temporary name inside the partial, then renamed)."""
@@ -160,6 +182,7 @@ def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write
     first = ResultsWriter(out, schema, {"m": 1}, num_rows=3)
     first.add(2, row(2))
     first.flush()  # an interrupt: the finished row is on disk, <out> does not exist
+    first.release()  # that run ended: its lock on the partial went with it
     assert not out.exists() and first.partial_path.is_dir()
     second = ResultsWriter(out, schema, {"m": 1}, num_rows=3, resume=True, resume_keys=["m"])
     assert second.done_indices == {2}

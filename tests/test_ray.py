@@ -253,3 +253,15 @@ def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_re
               "--replicas", 2, "--out", out, "--resume")
     assert res.exit_code == 0, res.output
     assert pq.read_table(out).column("id").to_pylist() == [r["id"] for r in records]
+
+
+def test_resources_the_cluster_does_not_have_are_refused_not_waited_for(tmp_path, write_jsonl, tiny, cluster) -> None:
+    """Issue 46, item 7: `--gpus-per-replica 1` on a cluster without a GPU waited forever, without a word (the
+    actor is never placed). One replica's resources are checked against the cluster's before any starts."""
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    out = tmp_path / "o.parquet"
+    for args, message in ((["--gpus-per-replica", 1], "--gpus-per-replica 1: the Ray cluster has 0 GPUs in all (CPU 2)"),
+                          (["--cpus-per-replica", 3], "--cpus-per-replica 3: the Ray cluster has 2 CPUs in all")):
+        res = run("score", data, "--model", tiny, "--ray", "auto", *args, "--out", out, "-q")
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+        assert message in " ".join(res.output.split()) and not out.exists()

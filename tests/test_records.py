@@ -209,23 +209,23 @@ def test_skip_invalid_returns_invalid_records_in_order(tmp_path: Path) -> None:
                             '{"id": "d", "prompt": "y"}', '{"id": "a", "prompt": "z"}'])
     ds = load_dataset(path, "score", skip_invalid=True)
     assert [(r.index, r.line, r.id) for r in ds.records] == [(0, 1, "a"), (3, 5, "d")]
-    assert [(r.index, r.line, r.id) for r in ds.invalid] == [(1, 2, "b"), (2, 4, "4"), (4, 6, "a#line6")]
+    assert [(r.index, r.line, r.id) for r in ds.invalid] == [(1, 2, "b"), (2, 4, "#line4"), (4, 6, "a#line6")]
     assert ds.invalid[1].message.startswith(f"{path}:4: invalid JSON at column 1")
     assert ds.num_records == 5
 
 
-def test_an_unparsable_line_claims_its_line_number_as_id(tmp_path: Path) -> None:
-    # line 2 does not parse: its error row gets id "2"; a later record giving id "2" must not share it
-    path = write(tmp_path, ['{"id": "a", "prompt": "x"}', '{"prompt": ', '{"id": "2", "prompt": "y"}',
-                            '{"id": 2, "prompt": "z"}'])
+def test_a_stand_in_id_never_takes_a_real_one(tmp_path: Path) -> None:
+    """Issue 46, item 3: an error row whose record gave no usable id (a line that does not parse, an id of the
+    wrong type, none on an invalid record) took its line number as id, and a valid record giving that id later
+    became a duplicate. Its stand-in is `#lineN`, given once every real id is known (suffixed if one is it)."""
+    path = write(tmp_path, ['{"id": true, "prompt": "x"}', '{"id": "1", "prompt": "y"}', '{"prompt": ',
+                            '{"id": 3, "prompt": "z"}', '{"prompt": 5}', '{"id": "#line5", "prompt": "w"}'])
     ds = load_dataset(path, "score", skip_invalid=True)
-    assert [(r.line, r.id) for r in ds.records] == [(1, "a")]
-    assert [(r.line, r.id) for r in ds.invalid] == [(2, "2"), (3, "2#line3"), (4, "2#line4")]
-    assert ds.invalid[1].message == (f"{path}:3: duplicate id '2': line 2 has the same id (give every record a "
-                                     "unique id; a record without one gets its line number); this error row's id "
-                                     "is '2#line3'")
+    assert [(r.line, r.id) for r in ds.records] == [(2, "1"), (4, "3"), (6, "#line5")]
+    assert [(r.line, r.id) for r in ds.invalid] == [(1, "#line1"), (3, "#line3"), (5, "#line5.2")]
+    assert not any("duplicate" in r.message for r in ds.invalid)
     ids = [r.id for r in ds.records] + [r.id for r in ds.invalid]
-    assert len(ids) == len(set(ids)) == 4  # one row per record, each under an id of its own
+    assert len(ids) == len(set(ids)) == 6  # one row per record, each under an id of its own
 
 
 def test_limit_keeps_the_first_records_valid_or_not(tmp_path: Path) -> None:

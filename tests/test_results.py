@@ -184,6 +184,9 @@ def test_partial_needs_resume_or_overwrite(tmp_path: Path) -> None:
     out = tmp_path / "o.parquet"
     writer = ResultsWriter(out, SCHEMA, META, row_group_size=1)
     writer.add(0, make_row(0))
+    with pytest.raises(ApcscoreError, match="is in use by another apcscore run"):  # issue 46, item 5
+        ResultsWriter(out, SCHEMA, META, overwrite=True)
+    writer.release()  # its run ended (a crash): the lock went with it
     with pytest.raises(ApcscoreError, match="--resume.*--overwrite"):
         ResultsWriter(out, SCHEMA, META)
     writer = ResultsWriter(out, SCHEMA, META, overwrite=True)  # discards the partial
@@ -195,6 +198,7 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     out = tmp_path / "o.parquet"
     writer = ResultsWriter(out, SCHEMA, META, row_group_size=1)
     writer.add(0, make_row(0))
+    writer.release()  # its run ended (a crash): the lock went with it
     other = {**META, "dtype": "bfloat16", "model": {"name": "tiny", "fingerprint": "zzz"}, "timings": {"s": 1}}
     with pytest.raises(ApcscoreError) as err:
         ResultsWriter(out, SCHEMA, other, resume=True, resume_keys=KEYS)

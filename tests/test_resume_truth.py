@@ -115,3 +115,37 @@ def test_interrupted_and_resumed_sampled_generation_equals_an_uninterrupted_one(
     lim = tmp_path / "lim.parquet"
     assert run(*common, "--out", lim, "--limit", 3).exit_code == 0
     assert pq.read_table(lim).to_pylist() == a.slice(0, 3).to_pylist()
+
+
+class Killed(BaseException):
+    """A session ended outright (SIGKILL): nothing after it runs, no final metadata is written."""
+
+
+def test_a_killed_sessions_tokens_count_in_the_resumed_run(tmp_path, write_jsonl, tiny, monkeypatch):
+    """Issue 46, item 14: after SIGKILL and --resume, "tokens prefilled" left out the killed session's tokens (its
+    timings were written only when a session ended). They are kept in the partial as the run goes."""
+    from apcscore.io.result_tables import read_run_metadata
+
+    data = write_jsonl(tmp_path / "d.jsonl", records(12))
+    out = tmp_path / "o.parquet"
+    common = ["score", data, "--model", tiny, "--out", out, "--max-num-seqs", 1, "--max-batch-tokens", 16]
+    original = ResultsWriter.add
+
+    def add(self, index, row):
+        original(self, index, row)
+        if len(self.done_indices) == 6:
+            self.flush()  # as the writer does within a second
+            raise Killed()
+    monkeypatch.setattr(ResultsWriter, "add", add)
+    with pytest.raises(Killed):
+        run(*common)
+    monkeypatch.undo()
+    killed = read_run_metadata(tmp_path / "o.parquet.partial")["timings"]  # the killed session's, so far
+    assert killed["prompt_tokens"] > 0
+    res = run(*common, "--resume")
+    assert res.exit_code == 0, res.output
+    total = meta(out)["timings"]
+    ref = tmp_path / "ref.parquet"
+    assert run("score", data, "--model", tiny, "--out", ref).exit_code == 0
+    assert total["prompt_tokens"] > killed["prompt_tokens"]
+    assert total["prompt_tokens"] >= meta(ref)["timings"]["prompt_tokens"]  # both sessions added up

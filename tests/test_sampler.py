@@ -124,3 +124,16 @@ def test_sampler_reads_nothing_back(monkeypatch, torch_path: None) -> None:
     tokens = sample_rows(logits, PARAMS, gens)
     monkeypatch.undo()
     assert tokens.tolist() == per_row_reference(logits, PARAMS, generators(0))
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 1e-46, 5e-324])
+def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
+    """Issue 46, item 4: a top_p in (0, 1] that is 0 in fp32 dropped every token, and multinomial raised on the
+    NaN row (a traceback, the whole run lost). The top token stays, as in vLLM: the row is sampled greedily."""
+    logits = 3 * torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0, top_p=top_p), SamplingParams(temperature=0.5, top_k=7, top_p=top_p),
+              SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.0)]
+    gens = [make_generator(i, torch.device("cpu")) for i in range(4)]
+    got = sample_rows(logits, params, gens).tolist()
+    greedy = logits.argmax(-1).tolist()
+    assert got[:2] == greedy[:2] and got[3] == greedy[3]

@@ -146,6 +146,42 @@ def test_merge_refuses_gaps_overlaps_other_splits_and_configurations(tmp_path, w
     assert pq.read_table(tmp_path / "ok.parquet").equals(pq.read_table(plain))
 
 
+def test_merge_checks_out_as_score_checks_its_out(tmp_path) -> None:
+    """Issue 46, item 6: a folder OUT with --overwrite raised IsADirectoryError, /proc/out.parquet
+    FileNotFoundError and a path under a file FileExistsError; each is now one line, exit 2, before any shard
+    is read."""
+    shard = tmp_path / "s0.parquet"
+    shard.write_text("not read")
+    (tmp_path / "dir").mkdir()
+    cases = {(tmp_path / "dir", "--overwrite"): f"OUT {tmp_path / 'dir'} is a directory — give a file name such as",
+             (tmp_path / "s0.parquet" / "m.parquet",): f"{tmp_path / 's0.parquet'} is a file, not a folder — choose "
+                                                       "another OUT",
+             ("/proc/out.parquet",): "OUT /proc/out.parquet: cannot write in /proc"}
+    for (out, *extra), message in cases.items():
+        res = run("merge", out, shard, *extra)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 2 and message in text and "Traceback" not in text, res.output
+
+
+def test_merge_names_what_it_was_given_wrongly(tmp_path) -> None:
+    """Issue 46, item 13: an eval shard folder beside a score file was "no such shard file"; a finished eval run
+    without --shard was called unfinished."""
+    folder, done, shard = tmp_path / "ev0", tmp_path / "ev", tmp_path / "s0.parquet"
+    folder.mkdir()
+    done.mkdir()
+    shard.write_text("not read")
+    (done / "eval_run.json").write_text("{}")
+    (done / "results.json").write_text("{}")
+    res = run("merge", tmp_path / "m.parquet", folder, shard)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and f"{folder} is a folder (an eval shard?) and {shard} is not" in text, res.output
+    res = run("merge", tmp_path / "m", done)
+    text = " ".join(res.output.split())
+    assert res.exit_code == 2 and "a finished eval run without --shard: there is nothing to merge" in text, \
+        res.output
+    assert "unfinished" not in text
+
+
 def test_bad_shard_options_are_refused(tmp_path, write_jsonl, tiny) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
     for value, text in (("3/3", "0 <= I < N"), ("1-3", "must be I/N"), ("0/0", "N >= 1")):

@@ -142,6 +142,11 @@ def test_a_moved_file_shows_ids_until_given_the_tokenizer(files, tmp_path) -> No
                                                                    "completion logprobs")),
     ("no record with token logprobs", ["{tmp}/choices.parquet"], "no record of "),
     ("--tokenizer not a tokenizer", ["{score}", "--tokenizer", "{tmp}"], "--tokenizer"),
+    # issue 46, item 13: a file was said to be a folder that does not exist; an eval's requests.parquet "not
+    # apcscore output"
+    ("--tokenizer a file", ["{score}", "--tokenizer", "{tmp}/x.jsonl"], ("x.jsonl is a file — give the "
+                                                                        "tokenizer's folder",)),
+    ("an eval's requests.parquet", ["{tmp}/requests.parquet"], "holds the requests of an `apcscore eval` run"),
 ])
 def test_clear_errors(files, tmp_path, case, args, message) -> None:
     import pyarrow as pa
@@ -149,6 +154,8 @@ def test_clear_errors(files, tmp_path, case, args, message) -> None:
 
     (tmp_path / "x.jsonl").write_text("{}\n")
     pq.write_table(pa.table({"id": ["a"]}), tmp_path / "plain.parquet")
+    pq.write_table(pa.table({"task": ["t"]}).replace_schema_metadata({b"apcscore": json.dumps({"command": "eval"})}),
+                   tmp_path / "requests.parquet")
     scored = pq.read_table(files["score"])  # its multiple-choice record alone
     pq.write_table(scored.filter(pc.equal(scored["id"], "q")), tmp_path / "choices.parquet")
     where = {"tmp": tmp_path, **files}

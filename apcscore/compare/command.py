@@ -56,6 +56,9 @@ def compare(
     max_excluded_fraction: Annotated[Optional[float], typer.Option(
         help="Fail when a larger share of records failed on either side (0..1) and so left every figure.")] = None,
     worst: Annotated[int, typer.Option(min=0, help="How many of the worst records (by KL) to list.")] = 10,
+    overwrite: Annotated[bool, typer.Option(
+        help="Let a report replace an existing file that is not a report of compare (an earlier report, or an "
+             "empty file, is replaced without it).")] = False,
 ) -> None:
     """Compare two result files of the same dataset; the exit code says whether the thresholds hold."""
     try:
@@ -63,7 +66,11 @@ def compare(
 
         from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
         from apcscore.compare.report import render_console, to_json, to_markdown, write_report
+        from apcscore.compare.report_paths import check_report_paths
 
+        check_report_paths({"--report-md": report_md, "--report-json": report_json, "--report-html": report_html},
+                           {"baseline file": baseline, "candidate file": candidate, "--config file": config},
+                           overwrite)
         thresholds = load_thresholds(config) if config is not None else Thresholds()
         thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,
                                                     max_abs_logprob_diff, max_accuracy_drop, max_new_errors,

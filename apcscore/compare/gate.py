@@ -17,6 +17,7 @@ compared raise `ApcscoreError` (exit code 2).
 from __future__ import annotations
 
 import math
+import re
 import sys
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -77,10 +78,17 @@ class Thresholds:
                              else getattr(self, f.name) for f in fields(self)})
 
 
+def _key_line(text: str, key: str) -> int:
+    """The line of a TOML text that sets `key` (1 when it cannot be found), for FILE:LINE messages."""
+    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+    return next((n for n, line in enumerate(text.splitlines(), start=1) if pattern.match(line)), 1)
+
+
 def load_thresholds(path: Path) -> Thresholds:
     """Read thresholds from the `[thresholds]` table of a TOML file (see configs/compare.toml)."""
     try:
-        data = tomllib.loads(Path(path).read_text(encoding="utf-8-sig"))  # a BOM is skipped
+        text = Path(path).read_text(encoding="utf-8-sig")  # a BOM is skipped
+        data = tomllib.loads(text)
     except FileNotFoundError:
         raise ApcscoreError(f"config file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
@@ -96,10 +104,15 @@ def load_thresholds(path: Path) -> Thresholds:
         raise ApcscoreError(f"{path}: 'thresholds' must be a table ([thresholds])")
     values: dict[str, float] = {}
     for key, value in table.items():
+        where = f"{path}:{_key_line(text, key)}"
         if key not in known:
-            raise ApcscoreError(f"{path}: unknown threshold {key!r} in [thresholds]; known: {', '.join(sorted(known))}")
+            raise ApcscoreError(f"{where}: unknown threshold {key!r} in [thresholds]; known: "
+                                f"{', '.join(sorted(known))}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ApcscoreError(f"{path}: [thresholds] {key} must be a finite number, not {value!r}")
+            raise ApcscoreError(f"{where}: [thresholds] {key} must be a finite number, not {value!r}")
+        if key == "max_new_errors" and not isinstance(value, int):  # a count of records, as --max-new-errors takes
+            raise ApcscoreError(f"{where}: [thresholds] max_new_errors must be a whole number of records, not "
+                                f"{value!r} (as --max-new-errors) — fix the value")
         values[key] = float(value)
     return Thresholds(**values)
 

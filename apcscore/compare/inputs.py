@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, a
 from apcscore.io.token_text import tokenizer_path
 from apcscore.io.writer import METADATA_KEY
 
@@ -82,8 +82,8 @@ def load_result_file(path: Path, role: str) -> ResultFile:
     if command is not None and command not in GATED_COMMANDS:
         raise ApcscoreError(f"{role} file {path} was written by `apcscore {command}`: compare gates the files of "
                             "`apcscore score` and `apcscore perplexity` (prompt logprobs, perplexity, accuracy), and "
-                            f"a {command} file has none of them to compare — score the same dataset with `apcscore "
-                            "score` for both models and compare those files")
+                            f"{a(str(command))} file has none of them to compare — score the same dataset with "
+                            "`apcscore score` for both models and compare those files")
     missing = [c for c in ("id", "status") if c not in schema.names]
     if missing:
         raise ApcscoreError(f"{role} file {path} is not apcscore output: no column {', '.join(missing)}")

@@ -118,6 +118,23 @@ def _compact(v: np.ndarray) -> np.ndarray:
     return v[:, : max(1, int((v > 0).sum(axis=1).max(initial=0)))]
 
 
+def _match(ids: np.ndarray, other: np.ndarray) -> np.ndarray:
+    """[n, K] column in `other`'s row of each known id (>= 0) of `ids`, -1 where that row lacks it or it is
+    padding. A row's known ids are distinct. One sort of row-tagged keys: O(n x K) memory, not O(n x K x K')."""
+    n = len(ids)
+    if n == 0 or ids.shape[1] == 0 or other.shape[1] == 0:
+        return np.full(ids.shape, -1, dtype=np.int64)
+    span = int(max(ids.max(), other.max())) + 2  # keys: row * span + id + 1, distinct across rows
+    rows = np.arange(n, dtype=np.int64)[:, None] * span  # [n, 1]
+    keys = (rows + other + 1).ravel()  # [n * K']
+    order = np.argsort(keys, kind="stable")
+    sorted_keys = keys[order]
+    wanted = (rows + ids + 1).ravel()  # [n * K]
+    at = np.minimum(np.searchsorted(sorted_keys, wanted), len(sorted_keys) - 1)
+    hit = (sorted_keys[at] == wanted) & (ids.ravel() >= 0)
+    return np.where(hit, order[at] % other.shape[1], -1).reshape(ids.shape)
+
+
 def kl_divergence_topk(base: TopKLogprobs, new: TopKLogprobs, vocab_size: int | None = None) -> np.ndarray:
     """Per-position KL(base || new) in nats from the stored top-K: the smallest KL any pair of full
     distributions consistent with both files' top-K, target logprobs and tail masses can have.
@@ -135,9 +152,9 @@ def kl_divergence_topk(base: TopKLogprobs, new: TopKLogprobs, vocab_size: int | 
     # has no tail at all.
     tail_p = np.where(np.isnan(tail_p), 0.0, tail_p)
     tail_q = np.where(np.isnan(tail_q), 0.0, np.maximum(tail_q, np.minimum(TAIL_TOL, tail_p)))
-    same = (ids_p[:, :, None] == ids_q[:, None, :]) & (ids_p[:, :, None] >= 0)  # [n, Kp+1, Kq+1]
-    in_q, in_p = same.any(axis=2), same.any(axis=1)  # [n, Kp+1], [n, Kq+1]
-    q_of_p = np.take_along_axis(q, same.argmax(axis=2), axis=1)  # [n, Kp+1], meaningful where in_q
+    col = _match(ids_p, ids_q)  # [n, Kp+1]: where each base token is among new's known tokens, -1 if not
+    in_q, in_p = col >= 0, _match(ids_q, ids_p) >= 0  # [n, Kp+1], [n, Kq+1]
+    q_of_p = np.take_along_axis(q, np.maximum(col, 0), axis=1)  # [n, Kp+1], meaningful where in_q
     kl = _plogq(np.where(in_q, p, 0.0), q_of_p).sum(axis=1)  # [n]: tokens both sides know
     a = np.where(in_q, 0.0, p)  # [n, Kp+1] base-only tokens
     b = np.where(in_p, 0.0, q)  # [n, Kq+1] new-only tokens

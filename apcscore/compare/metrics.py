@@ -15,6 +15,7 @@ from apcscore.errors import ApcscoreError
 
 KLD_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0)
 _CHUNK_POSITIONS = 1 << 16  # positions processed at once: bounds memory to O(chunk x K)
+_CHUNK_ENTRIES = 1 << 22  # ... and at most this many top-K entries per side (32 MiB a float64 array) at large K
 
 
 @dataclass
@@ -112,6 +113,13 @@ def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dty
     return out
 
 
+def _top_k(t: pa.Table) -> int:
+    """The longest top-K list of a table (0 without a top_ids column), read without materializing the lists."""
+    if "top_ids" not in t.column_names:
+        return 0
+    return int(pc.max(pc.list_value_length(pc.list_flatten(t["top_ids"]))).as_py() or 0)
+
+
 def _logprobs(t: pa.Table, lengths: np.ndarray) -> np.ndarray:
     """token_logprobs flattened to float64 positions, NaN where a position (or a whole record: a null list,
     e.g. a multiple-choice record) was not scored. [sum(lengths)]"""
@@ -157,9 +165,11 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
     parts: list[Positions] = []
     kb = kn = 0
     ends = np.cumsum(lengths)
+    chunk = max(1, min(_CHUNK_POSITIONS, _CHUNK_ENTRIES // max(_top_k(base), _top_k(new), 1))) if topk else \
+        _CHUNK_POSITIONS
     start = 0
     while start < len(base):
-        stop = max(start + 1, int(np.searchsorted(ends, ends[start] - lengths[start] + _CHUNK_POSITIONS, "right")))
+        stop = max(start + 1, int(np.searchsorted(ends, ends[start] - lengths[start] + chunk, "right")))
         b, n, ln = base.slice(start, stop - start), new.slice(start, stop - start), lengths[start:stop]
         rec = np.repeat(np.arange(start, stop), ln)  # [p]
         at = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)  # [p] index within the record

@@ -16,6 +16,7 @@ from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import TransformersEngine
+from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
 from apcscore.engine.model_info import check_backend_device, context_length, resolve_device, resolve_dtype
 from apcscore.models.architecture import choose_model_backend
 from apcscore.models.decoders import decoder_class
@@ -32,14 +33,15 @@ def load_engine(spec: str, config: EngineConfig | None = None, resolved: tuple[A
     before any weights are read.
     """
     from apcscore.models.locate import resolve_model
-    from apcscore.models.resolved import resolve_model_parts
 
     config = config or EngineConfig()
     check_backend_device(config)
     resolve_dtype(config.dtype, resolve_device(config.device))
+    check_cache_env()
     files, parts = resolved if resolved is not None else (None, None)
     files = files or resolve_model(spec)
-    parts = parts or resolve_model_parts(files.path)
+    check_weight_files(files.path)
+    parts = parts or resolve_parts(files.path)
     if choose_model_backend(parts.config, config.model_backend) == "transformers":
         check_single_device(parts.config, config)
         return TransformersEngine.from_model(spec, config, resolved=(files, parts))

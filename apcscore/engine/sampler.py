@@ -47,8 +47,10 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
         if p.top_p < 1.0:
             sorted_logits, order = row.sort(descending=True)
             probs = sorted_logits.softmax(-1)
-            # drop a token when the mass before it already reaches top_p (the first token always stays)
+            # drop a token when the mass before it already reaches top_p; the top token always stays, also when
+            # top_p rounds to 0 in fp32 (1e-300 passes the (0, 1] check), as in vLLM
             drop = (probs.cumsum(-1) - probs) >= p.top_p
+            drop[0] = False
             row = torch.empty_like(row).scatter_(0, order, sorted_logits.masked_fill(drop, float("-inf")))
         probs = row.softmax(-1)
         tokens[i] = torch.multinomial(probs, 1, generator=generators[i])[0]

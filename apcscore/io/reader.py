@@ -35,13 +35,15 @@ an empty ``prompt`` or ``context`` is valid here (the job decides at run time, a
 string holding a lone ``\\uD800``..``\\uDFFF`` escape (JSON allows it, but it is not text: the tokenizer and
 parquet refuse it) is that record's problem, named by its field. A record whose id another record has is
 refused; with ``--skip-invalid`` its error row gets an id of its own (``ID#lineN``), so the output's ids stay
-unique as compare, show and merge need (an OpenAI result line keeps its request's custom_id). ``--columns``
+unique as compare, show and merge need (an OpenAI result line keeps its request's custom_id). The error row of a
+record without a usable id (or of a line that does not parse) is ``#lineN``, given once every id is read and
+suffixed as above where a record wrote it, so a stand-in never takes a real record's id. ``--columns``
 must map to fields of the command's records, from columns that some record has.
 """
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,15 @@ def _sniff(path: Path, head: bytes) -> None:
                             "give a UTF-8 JSONL file, one JSON object per line")
 
 
+def _head(path: Path, n: int) -> bytes:
+    """The first n bytes of a file (b"" when it cannot be read: the reader says why)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(n)
+    except OSError:
+        return b""
+
+
 def _too_many(lines: list[str], indent: str = "  ") -> str:
     shown = lines[:MAX_LISTED_PROBLEMS]
     text = "\n".join(indent + m for m in shown)
@@ -119,9 +130,13 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         raise ApcscoreError(f"--limit must be at least 1, not {limit}")
     path = Path(path)
     name = str(path)
+    if path.suffix.lower() not in (".parquet", ".pq") and path.is_file() and _head(path, 4) == b"PAR1":
+        raise ApcscoreError(f"{name} is a parquet file whatever its name says (results of apcscore?); to read it as "
+                            f"a dataset, name it {path.with_suffix('.parquet').name}")
 
     records: list[Record] = []
     invalid: list[InvalidRecord] = []
+    unnamed: list[int] = []  # indexes into invalid of error rows whose record gave no usable id
     unknown_seen: dict[str, list[int]] = {}  # field -> [first line, count]
     first_line_of_id: dict[str, int] = {}  # ids the records gave, and (apcscore records only) line-number stand-ins
     no_custom_id: set[int] = set()  # openai-batch: indices of lines without a custom_id
@@ -186,13 +201,10 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             if SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         label = "custom_id" if batch else "id"
-        # a batch line without a custom_id is already refused for that: its stand-in (the line number) is no
-        # custom_id the user wrote, so it is neither called a duplicate of one nor claimed (a later line may give
-        # that custom_id)
-        standin = batch and checked.id is None
-        if standin:
+        unnamed_row = checked.id is None and bool(problems)  # its stand-in id is given once every real id is known
+        if batch and checked.id is None:  # no custom_id (refused for that): the result line's custom_id is null
             no_custom_id.add(len(records) + len(invalid))
-        elif rid in first_line_of_id:
+        if not unnamed_row and rid in first_line_of_id:
             # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
             # and merge need them so); an OpenAI result line keeps its request's custom_id, which is how a
             # client matches answers to requests
@@ -202,23 +214,24 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                         ("" if batch else "; a record without one gets its line number") + ")" +
                         ("" if batch else f"; this error row's {label} is {own!r}")]
             rid = own
-        else:
+        elif not unnamed_row:
             first_line_of_id.setdefault(rid, lineno)
-        if problems:
+        if unnamed_row:
+            unnamed.append(len(invalid))
+            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, "", f"{where}: " + "; ".join(problems)))
+        elif problems:
             invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid,
                                          f"{where}: " + "; ".join(problems)))
         else:
             records.append(Record(len(records) + len(invalid), lineno, rid, checked.kind, checked.fields))
 
     def unreadable(lineno: int, message: str) -> None:
-        """A line that does not parse: an error row whose id is its line number, claimed like any other id (so a
-        later record giving that id explicitly is refused as a duplicate)."""
-        rid = str(lineno)
-        if fmt["chosen"] == "openai-batch":  # no custom_id given: nothing claimed, and the result line's is null
+        """A line that does not parse: an error row without an id of its own (given at the end); in an OpenAI
+        batch file, its result line's custom_id is null."""
+        if fmt["chosen"] == "openai-batch":
             no_custom_id.add(len(records) + len(invalid))
-        else:
-            first_line_of_id.setdefault(rid, lineno)
-        invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid, message))
+        unnamed.append(len(invalid))
+        invalid.append(InvalidRecord(len(records) + len(invalid), lineno, "", message))
 
     if is_tabular(path):
         digest, rows = read_table_records(path, columns)
@@ -229,6 +242,10 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         index, utf8_errors = len(records) + len(invalid), 0
     else:
         digest, index, utf8_errors = _read_jsonl(path, name, limit, accept, unreadable)
+    # An error row whose record gave no usable id (none, an invalid one, a line that does not parse) is named
+    # `#lineN` (an empty id's `ID#lineN`), suffixed where a record wrote that: a stand-in never takes a real id.
+    for i in unnamed:
+        invalid[i] = replace(invalid[i], id=unique_id(f"#line{invalid[i].line}", invalid[i].line))
     if index == 0:
         raise ApcscoreError(f"{name} has no records (it is empty or holds only blank lines); "
                             f"a {command} dataset is JSONL with one record per line: {accepted_kinds(command)}")

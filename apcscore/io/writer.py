@@ -31,7 +31,6 @@ is strict and readable by any JSON parser.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import json
 import os
@@ -45,11 +44,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import bits_of, short
+from apcscore.io.partial import INDEX_COLUMN, PartialLock, check_run_file, in_use, merged_parts
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
-INDEX_COLUMN = "index"
 _PART_GLOB = "part-*.parquet"
 _FINAL_TMP = "final.parquet.tmp"
 _LINES_TMP = "final.jsonl.tmp"
@@ -112,6 +110,7 @@ class ResultsWriter:
         self._resume_compare = resume_compare or {}
         self.lines: Callable[[int, dict], str] | None = None
         self.errors_path: Path | None = None
+        self._before_flush: Callable[[], None] | None = None
 
         if self.out_path.is_dir():
             raise ApcscoreError(f"--out {self.out_path} is a directory; give a file name such as "
@@ -119,17 +118,35 @@ class ResultsWriter:
         if self.out_path.exists() and not overwrite:
             raise ApcscoreError(f"{self.out_path} already exists; pass --overwrite to replace it "
                                 "or choose another --out")
-        if self.partial_path.exists():
+        self.notes: list[str] = []  # what a caller should tell the user (a partial discarded on --resume)
+        self._lock: PartialLock | None = None  # the partial's lock, held until it is assembled or removed
+        existed = self.partial_path.exists()
+        if existed:
             self._check_ours()
-            if resume:
-                self._resume(resume_keys)
-                return
-            if not overwrite:
-                raise ApcscoreError(f"{self.partial_path} holds an unfinished run; pass --resume to continue "
-                                    "it, or --overwrite to discard it and start over")
-            shutil.rmtree(self.partial_path)
-        self.out_path.parent.mkdir(parents=True, exist_ok=True)
-        self.partial_path.mkdir()
+            self._lock = PartialLock(self.partial_path)  # a run still writing it: refused before touching it
+        else:
+            self.out_path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.partial_path.mkdir()
+            except FileExistsError:  # another run created it a moment ago
+                raise in_use(self.partial_path) from None
+            self._lock = PartialLock(self.partial_path)
+        try:
+            self._open_partial(existed, resume, overwrite, resume_keys)
+        except BaseException:
+            self.release()
+            raise
+
+    def _open_partial(self, existed: bool, resume: bool, overwrite: bool, resume_keys: Iterable[str]) -> None:
+        """Continue (`resume`) or empty (`overwrite`) the locked partial that `existed`, or start a new one."""
+        if existed and resume:
+            self._resume(resume_keys)
+            return
+        if existed and not overwrite:
+            raise ApcscoreError(f"{self.partial_path} holds an unfinished run; pass --resume to continue it, or "
+                                "--overwrite to discard it and start over")
+        for child in self.partial_path.iterdir() if existed else ():  # emptied, not removed: the lock is on it
+            child.unlink()
         self._write_run_file()
 
     # ------------------------------------------------------------------ public interface
@@ -167,6 +184,17 @@ class ResultsWriter:
         block the next run; keep it otherwise."""
         if not self._closed and not self.done_indices and self.partial_path.is_dir():
             shutil.rmtree(self.partial_path, ignore_errors=True)
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the partial's lock (the run is over, however it ended); its files stay as they are."""
+        if self._lock is not None:
+            self._lock.release()
+        self._lock = None
+
+    def before_flush(self, hook: Callable[[], None] | None) -> None:
+        """Call `hook()` before each part file is written (the driver keeps the timings so far in run.json)."""
+        self._before_flush = hook
 
     def flush(self) -> None:
         """Write the buffered rows as one part file (safe to call from a signal handler between adds)."""
@@ -174,6 +202,8 @@ class ResultsWriter:
             return
         self._flushing = True
         try:
+            if self._before_flush is not None:
+                self._before_flush()
             buffered, self._buffer = self._buffer, []
             buffered.sort(key=lambda item: item[0])
             rows = [{INDEX_COLUMN: i, **row} for i, row in buffered]
@@ -205,6 +235,7 @@ class ResultsWriter:
         expected = self.num_rows if self.num_rows is not None else len(self.done_indices)
         if len(self.done_indices) != expected or (expected and max(self.done_indices) != expected - 1):
             missing = sorted(set(range(expected)) - self.done_indices)
+            self.release()  # the partial is kept for a --resume, which needs its lock
             raise ApcscoreError(
                 f"{len(missing)} of {expected} rows are missing (indices {missing[:10]}"
                 f"{' ...' if len(missing) > 10 else ''}); the finished rows are kept in {self.partial_path}: "
@@ -255,33 +286,13 @@ class ResultsWriter:
             tmp.unlink(missing_ok=True)
             raise
         shutil.rmtree(self.partial_path)
+        self.release()
         self._closed = True
 
-    def _merged(self, total: int):
+    def _merged(self, total: int) -> Iterator[pa.Table]:
         """Tables of `row_group_size` consecutive indices, in order, merged from the sorted parts."""
-        parts = sorted(self._parts, key=lambda p: p.first)
-        next_part = 0
-        open_parts: list[pa.Table] = []  # unconsumed rows of parts overlapping the output window
-        for start in range(0, total, self.row_group_size):
-            end = min(start + self.row_group_size, total)
-            while next_part < len(parts) and parts[next_part].first < end:
-                open_parts.append(pq.read_table(parts[next_part].path, schema=self._part_schema))
-                next_part += 1
-            pieces, keep = [], []
-            for table in open_parts:
-                indices = table.column(INDEX_COLUMN).to_pylist()  # sorted within a part
-                cut = bisect.bisect_left(indices, end)
-                pieces.append(table.slice(0, cut))
-                if cut < table.num_rows:
-                    keep.append(table.slice(cut))
-            open_parts = keep
-            chunk = pa.concat_tables(pieces).sort_by(INDEX_COLUMN) if pieces else \
-                self._part_schema.empty_table()
-            got = chunk.column(INDEX_COLUMN).to_pylist()
-            if got != list(range(start, end)):
-                raise RuntimeError(f"partial {self.partial_path} is inconsistent: rows {start}..{end - 1} "
-                                   f"are not all present exactly once")
-            yield chunk
+        return merged_parts([(p.path, p.first) for p in self._parts], self._part_schema, total, self.row_group_size,
+                            self.partial_path)
 
     def _write_run_file(self) -> None:
         run = {"metadata": self._metadata, "schema": self.schema.serialize().to_pybytes().hex()}
@@ -297,37 +308,17 @@ class ResultsWriter:
                                 "or choose another --out")
 
     def _resume(self, resume_keys: Iterable[str]) -> None:
-        run_file = self.partial_path / _RUN_FILE
-        if not run_file.exists():  # the previous run died before writing anything
-            for leftover in self.partial_path.iterdir():
+        old_meta = check_run_file(self.partial_path, self._metadata, self.schema, resume_keys, self._resume_compare)
+        if old_meta is None:  # the previous run died before writing anything
+            leftovers = list(self.partial_path.iterdir())
+            for leftover in leftovers:
                 leftover.unlink()
+            self.notes.append(f"{self.partial_path} had no {_RUN_FILE} (its run ended before writing one), so it "
+                              f"held no rows" + (f"; its {len(leftovers)} leftover file(s) were removed" if leftovers
+                                                 else "") + "; starting a fresh run")
             self._write_run_file()
             return
-        run = json.loads(run_file.read_text(encoding="utf-8"))
-        old_meta = run["metadata"]
         self.previous_metadata = old_meta
-
-        def same(key: str) -> bool:
-            compare = self._resume_compare.get(key)
-            old, new = old_meta.get(key), self._metadata.get(key)
-            return compare(old, new) if compare is not None and old is not None and new is not None else old == new
-
-        differ = [k for k in resume_keys if not same(k)]
-        if differ:
-            def detail(k: str) -> str:
-                old, new = bits_of(k, old_meta.get(k)), bits_of(k, self._metadata.get(k))
-                if isinstance(old, dict) and isinstance(new, dict):  # name the fields that differ
-                    fields = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
-                    return "; ".join(f"{k}.{f}: partial {short(old.get(f), 80)}, this run {short(new.get(f), 80)}"
-                                     for f in fields)
-                return f"{k}: partial {short(old, 80)}, this run {short(new, 80)}"
-            details = "; ".join(detail(k) for k in differ)
-            raise ApcscoreError(f"cannot resume {self.partial_path}: it was written by a different run "
-                                f"({details}); rerun with the same settings, or pass --overwrite to start over")
-        old_schema = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
-        if not old_schema.remove_metadata().equals(self.schema.remove_metadata()):
-            raise ApcscoreError(f"cannot resume {self.partial_path}: it was written with other columns "
-                                f"({', '.join(old_schema.names)}); pass --overwrite to start over")
         for leftover in self.partial_path.glob("*.tmp"):
             leftover.unlink()
         for path in sorted(self.partial_path.glob(_PART_GLOB)):

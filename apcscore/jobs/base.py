@@ -86,17 +86,18 @@ class Job:
         return schema
 
     def fit_context(self, ids: list[int], reserve: int = 0) -> tuple[list[int], int]:
-        """(a prompt that fits the model's context, the tokens dropped). A prompt that fits stays whole. One
-        longer than the context is an error (raised here, so the message can name the option), or with
-        --truncate left keeps its newest tokens, leaving `reserve` of the context for generated tokens where
-        it can (at least one prompt token stays)."""
+        """(a prompt that fits the model's context, the tokens dropped). Without --truncate a prompt that fits
+        stays whole and one longer than the context is an error (raised here, so the message can name the
+        option). With --truncate left a prompt keeps its newest tokens wherever it would leave less than
+        `reserve` of the context for generated tokens (at least one prompt token stays), so a shorter prompt
+        never gets fewer new tokens than a longer one."""
         max_len = self.max_model_len
-        if len(ids) <= max_len:
+        keep = max(1, max_len - reserve) if self.truncate == "left" else max_len
+        if len(ids) <= keep:
             return ids, 0
         if self.truncate != "left":
             raise ApcscoreError(f"the prompt has {len(ids)} tokens, more than the model's context of {max_len} "
                                 "tokens — shorten it, or pass --truncate left to drop its oldest tokens")
-        keep = max(1, max_len - reserve)
         return ids[len(ids) - keep:], len(ids) - keep
 
     def fit_scoring(self, request: Request) -> tuple[Request, int]:

@@ -82,6 +82,10 @@ class LocalExecutor:
     def finish(self, interrupted: bool, run_seconds: float) -> tuple[dict, dict]:
         return self.engine.counters().to_timings(self.load_seconds, run_seconds), {}
 
+    def snapshot(self, run_seconds: float) -> dict | None:
+        """This session's timings so far (kept in the partial, so that a killed session still counts)."""
+        return self.engine.counters().to_timings(self.load_seconds, run_seconds)
+
     def verify(self) -> dict | None:
         return self.verifier.check(self.engine) if self.verifier is not None else None
 

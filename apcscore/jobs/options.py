@@ -245,6 +245,12 @@ def defaults(cls: type[Options]) -> dict[str, Any]:
     return {k: s.default for k, s in settings(cls).items() if s.default is not NOT_GIVEN}
 
 
+def engine_keys() -> frozenset[str]:
+    """The keys `engine_config` reads: EngineConfig's field names and their off-flags (`no_prefix_caching`)."""
+    names = {f.name for f in fields(EngineConfig)}
+    return frozenset(names | {neg for f in fields(EngineConfig) if (neg := spec_of(f).negation)})  # type: ignore
+
+
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
     """EngineConfig from flat option values (EngineConfig field names and the off-flags, e.g. lm-eval's
     model_args); None means not given, a true off-flag turns its setting off, other keys are ignored."""
@@ -266,7 +272,11 @@ def cli_values(cli: Mapping[str, Any], cls: type[Options] | None = None) -> dict
 
 
 def option_name(key: str) -> str:
-    """`max_tokens` -> `--max-tokens`."""
+    """`max_tokens` -> `--max-tokens`; an engine setting declared with flags of its own names its first
+    (`tensor_parallel_size` -> `--tensor-parallel`)."""
+    for f in fields(EngineConfig):
+        if f.name == key and (spec := spec_of(f)) is not None and spec.flags:
+            return spec.flags[0]
     return "--" + key.replace("_", "-")
 
 

@@ -1,7 +1,7 @@
 """Checks that run before the model's weights load: where the output goes, what the model can take.
 
-- `check_output`: the output file is a writable file path that is not the dataset, and `--resume` /
-  `--overwrite` say what to do with what is already there.
+- `check_output`: the output file is a writable file path (`check_file_path`, which merge's OUT gets too) that is
+  not the dataset, and `--resume` / `--overwrite` say what to do with what is already there.
 - `check_against_model`: with the model's config and tokenizer (read before its weights), records that
   cannot run (token ids outside the vocabulary, prompts without tokens) are refused like any other invalid
   record, and top-K requests above the vocabulary are refused.
@@ -29,6 +29,13 @@ def default_out(dataset: Path, command: str, suffix: str = ".parquet", shard: st
     return Path("results") / f"{dataset.stem}.{command}{part}{suffix}"
 
 
+# --out suffixes that name a format apcscore reads as a dataset or a compressed file: a parquet file under such a
+# name is refused (other names, e.g. .out, get a note)
+_OTHER_FORMATS = {".csv": "CSV", ".tsv": "tab-separated text", ".json": "JSON", ".jsonl": "JSON lines",
+                  ".ndjson": "JSON lines", ".txt": "text", ".gz": "gzip-compressed data", ".bz2": "bzip2-compressed data",
+                  ".xz": "xz-compressed data", ".zst": "zstd-compressed data", ".zip": "a zip archive"}
+
+
 def _same_file(a: Path, b: Path) -> bool:
     try:
         return a.resolve() == b.resolve() or (a.exists() and b.exists() and os.path.samefile(a, b))
@@ -53,9 +60,7 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     if _same_file(out, dataset):
         raise ApcscoreError(f"--out {out} is the dataset itself; writing results there would replace the data — "
                             "choose another --out")
-    if out.is_dir():
-        raise ApcscoreError(f"--out {out} is a directory — give a file name such as {out / 'results.parquet'}")
-    _check_writable_folder(out)
+    check_file_path(out)
     partial = out.with_name(out.name + ".partial")
     warning = None
     if out.exists() and not overwrite:
@@ -64,6 +69,11 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
                                 "to run it again, or choose another --out")
         if not resume:
             raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another --out")
+    other = _OTHER_FORMATS.get(out.suffix.lower())
+    if other is not None and out.suffix.lower() != suffix:
+        raise ApcscoreError(f"--out {out}: the results are written as {suffix.lstrip('.')}, and a {out.suffix} name "
+                            f"says {other} (read back as a dataset, the file would not decode) — name it "
+                            f"{out.with_suffix(suffix).name}")
     if resume and not partial.exists():
         warning = f"nothing to resume: {partial} does not exist; starting a fresh run"
     elif out.suffix.lower() not in (".parquet", ".pq", suffix):
@@ -87,25 +97,28 @@ def check_errors_out(option: str, out: Path, dataset: Path, *, overwrite: bool) 
     if path.exists() and not overwrite:
         raise ApcscoreError(f"--errors-out {path} exists — pass --overwrite to replace it, or choose another "
                             "--errors-out")
-    _check_writable_folder(path, "--errors-out")
+    check_file_path(path, "--errors-out")
     return path
 
 
-def _check_writable_folder(out: Path, flag: str = "--out") -> None:
-    """The nearest existing folder above `out` must be a writable directory (the rest is created)."""
+def check_file_path(out: Path, what: str = "--out") -> None:
+    """`out` (the option or argument `what` names) must be a file path in a folder that can be written: not a
+    directory, not under a file, not in a read-only or pseudo file system (the missing folders are created)."""
+    if out.is_dir():
+        raise ApcscoreError(f"{what} {out} is a directory — give a file name such as {out / 'results.parquet'}")
     folder = out.absolute().parent
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():
-        raise ApcscoreError(f"{flag} {out}: {folder} is a file, not a folder — choose another {flag}")
+        raise ApcscoreError(f"{what} {out}: {folder} is a file, not a folder — choose another {what}")
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise ApcscoreError(f"{flag} {out}: the folder {folder} is not writable — choose another {flag}, "
+        raise ApcscoreError(f"{what} {out}: the folder {folder} is not writable — choose another {what}, "
                             "or fix the folder's permissions")
     try:  # what permissions do not say: a read-only or full file system, /proc, ...
         with tempfile.TemporaryFile(dir=folder):
             pass
     except OSError as e:
-        raise ApcscoreError(f"{flag} {out}: cannot write in {folder} ({e.strerror or e}) — choose another {flag}") \
+        raise ApcscoreError(f"{what} {out}: cannot write in {folder} ({e.strerror or e}) — choose another {what}") \
             from None
 
 

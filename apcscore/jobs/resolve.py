@@ -64,7 +64,8 @@ _TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
 
 def _config_line(text: str, key: str) -> int | None:
     """The line of the config file that sets `key` (for FILE:LINE messages), if it can be found."""
-    pattern = re.compile(rf"^\s*[\"']?{re.escape(key)}[\"']?\s*=")
+    name = rf"[\"']?{re.escape(key)}[\"']?"
+    pattern = re.compile(rf"^\s*(?:{name}\s*[=.]|\[\[?\s*{name}\s*[\].])")  # key = ..., key.x = ..., [key], [[key]]
     for lineno, line in enumerate(text.splitlines(), start=1):
         if pattern.match(line):
             return lineno

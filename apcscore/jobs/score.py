@@ -77,8 +77,11 @@ class ScoreJob(Job):
                 continuation_request(self.tokenizer, f["context"], f["continuation"], self.prefix_id, self.k))
             return [req], ScorePlan(record, dropped)
         if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
-            fitted = [self.fit_scoring(continuation_request(self.tokenizer, f["context"], c, self.prefix_id,
-                                                            0)) for c in f["choices"]]
+            built = [continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0) for c in f["choices"]]
+            # the longest first: a record too long for the context is reported by its longest choice
+            for req in sorted(built, key=lambda r: -len(r.prompt_token_ids)):
+                self.fit_scoring(req)
+            fitted = [self.fit_scoring(req) for req in built]
             separate = [req for req, _ in fitted]
             merged, owner = group_by_last_token(separate)  # one-token choices of the context share a request
             choices = tuple((o, r.prompt_token_ids[-1]) for o, r in zip(owner, separate))

@@ -19,7 +19,6 @@ Results come back in input order (lm-eval zips them with its requests).
 from __future__ import annotations
 
 import lm_eval.models  # noqa: F401  (fills the registry with the built-ins before ours is added)
-import sys
 from typing import Any, Callable
 
 import jinja2
@@ -35,6 +34,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
 from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
 from apcscore.jobs.options import engine_config
+from apcscore.lmeval.model_args import check_model_args, device_args
 from apcscore.lmeval.store import generation_key, loglikelihood_key
 from apcscore.scale.partition import Item, assign, block_digests
 
@@ -43,18 +43,6 @@ DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 _IGNORED_GEN_KWARGS = frozenset({"do_sample", "use_cache", "num_beams"})
 # every generation kwarg the backend takes (`sampling_params`); others are refused
 GEN_KWARGS = frozenset({"until", "max_gen_toks", "temperature", "top_p", "top_k", "seed"}) | _IGNORED_GEN_KWARGS
-
-
-def _device(extra: dict | None, model_args: dict) -> dict:
-    """lm-eval's --device (cuda:0 unless given) without a GPU: the CPU, as hf does; a device in model_args wins."""
-    extra = {k: v for k, v in (extra or {}).items() if k != "device" or "device" not in model_args}
-    if isinstance(device := extra.get("device"), str) and device.startswith("cuda"):
-        import torch
-        if not torch.cuda.is_available():
-            print(f"note: lm-eval's --device {device}: no CUDA device is available here; running on the CPU",
-                  file=sys.stderr)
-            extra["device"] = "cpu"
-    return extra
 
 
 @register_model("apcscore")
@@ -76,12 +64,13 @@ class ApcscoreLM(TemplateLM):
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "ApcscoreLM":
-        return super().create_from_arg_obj(arg_dict, _device(additional_config, arg_dict))
+        return super().create_from_arg_obj(arg_dict, device_args(additional_config, arg_dict))
 
     def __init__(self, pretrained: str = "smollm2-135m", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, seed: int = 0,
                  engine: Any = None, batch_size: Any = None, progress: bool = True, **engine_options: Any) -> None:
         super().__init__()
+        check_model_args(engine_options)
         if engine is None:
             from apcscore.engine.loader import load_engine
 

@@ -151,6 +151,15 @@ def evaluate(opts: EvalOptions, echo: Any, note: Any, shards: list[Path] | None 
         note(f"interrupted: {lm.computed} responses computed in this session, {len(store)} kept in "
              f"{out / store.name}; rerun the same command with --resume to continue")
         return 130
+    except ValueError as exc:  # random.sample in lm-eval's few-shot sampler: more shots than its split holds
+        if "larger than population" not in str(exc):
+            raise
+        store.close()
+        if not resumed:
+            outdir.clear(out)  # the run that was just started computed nothing worth keeping
+        asked = f"--num-fewshot {opts.num_fewshot}" if opts.num_fewshot is not None else "a task's num_fewshot"
+        raise ApcscoreError(f"{asked} asks for more few-shot examples than a task's few-shot split holds (lm-eval: "
+                            f"{exc}) — choose a smaller --num-fewshot") from None
     finally:
         store.close()
     if results is None:
@@ -257,6 +266,10 @@ def check_gen_kwargs(text: str) -> dict[str, Any]:
     if unknown:
         raise ApcscoreError(f"--gen-kwargs {', '.join(unknown)}: not a generation setting the apcscore backend "
                             f"reads — use only {', '.join(sorted(GEN_KWARGS))}")
+    if values.get("until") == "":  # lm-eval would drop the task's stop strings for none
+        raise ApcscoreError("--gen-kwargs until must not be an empty string (the same check as a generate record's "
+                            "'stop', and generate --stop=) — give a stop string, or leave until out to keep each "
+                            "task's own")
     for key, field in _GEN_KWARG_CHECKS.items():
         if key in values and (why := RECORD_FIELDS[field](values[key])) is not None:
             raise ApcscoreError(f"--gen-kwargs {key} {why} (the same check as a generate record's {field!r})")

@@ -48,7 +48,9 @@ def read_shards(paths: list[Path]) -> list[dict[str, Any]]:
     records = []
     for path in paths:
         if not (path / outdir.SHARD_FILE).exists():
-            why = "unfinished: rerun it with --resume" if (path / outdir.RUN_FILE).exists() else \
+            why = ("a finished eval run without --shard: there is nothing to merge, its results are in "
+                   f"{path / 'results.json'}") if (path / "results.json").exists() else \
+                "unfinished: rerun it with --resume" if (path / outdir.RUN_FILE).exists() else \
                 "not the folder of an `apcscore eval --shard` run"
             raise ApcscoreError(f"{path}: no {outdir.SHARD_FILE} ({why})")
         records.append({**outdir.read_json(path / outdir.SHARD_FILE, "an eval shard record"), "_path": path})

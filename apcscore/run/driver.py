@@ -29,7 +29,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, count
 from apcscore.io.openai_batch import defaults_note
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
@@ -55,8 +55,8 @@ class Interrupted(Exception):
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
                 console: Console) -> int:
     """Run `command`; return the exit code."""
+    from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
     from apcscore.models.locate import check_model_spec, resolve_model
-    from apcscore.models.resolved import resolve_model_parts
 
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
@@ -100,9 +100,11 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         from apcscore.jobs.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)
+    check_cache_env()
     with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
         files = resolve_model(opts.model)
-        parts = resolve_model_parts(files.path)
+        check_weight_files(files.path)
+        parts = resolve_parts(files.path)
         data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
         executor = executor_class(command, opts, files, parts)
     try:
@@ -120,6 +122,17 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
     job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
     writer, data = _open_writer(job, data, out, metadata, opts)
+    for note in writer.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+    try:
+        return _drive_open(executor, command, opts, job, data, writer, metadata, console, lines, errors_path)
+    finally:
+        writer.release()  # the partial's lock: whatever happened, this run no longer writes it
+
+
+def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
+                metadata: dict, console: Console, lines: bool, errors_path: Path | None) -> int:
+    """`_drive` once the writer holds the partial."""
     sessions, previous = start_session(writer, metadata["created"])
     if lines:
         writer.lines = LineWriter(executor.tokenizer, opts.model, created_seconds(previous.get("created",
@@ -128,6 +141,13 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
                                   data.no_custom_id).line
         writer.errors_path = errors_path
     before = observe_previous(job, writer)
+    started = time.perf_counter()
+
+    def keep_timings() -> None:  # before each part reaches the partial, so that a session killed outright counts
+        if (so_far := executor.snapshot(time.perf_counter() - started)) is not None:
+            writer.update_metadata({"timings": add_timings(previous.get("timings"), so_far)})
+
+    writer.before_flush(keep_timings)
     quiet = opts.quiet
     rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
                                                      show_progress=not quiet and console.is_terminal)
@@ -137,7 +157,8 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
     rows, errors = before[0] + rows, before[1] + errors
     if (failure := executor.failure()) is not None:
         writer.flush()
-        console.print(f"[bold red]error:[/] {escape(failure)}\n{rows} rows are saved in "
+        saved = f"{count(rows, 'row')} {'is' if rows == 1 else 'are'} saved in"
+        console.print(f"[bold red]error:[/] {escape(failure)}\n{saved} "
                       f"{escape(str(writer.partial_path))}; fix the cause (e.g. memory) and rerun the same command "
                       "plus --resume", highlight=False, soft_wrap=True)
         return 1

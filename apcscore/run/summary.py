@@ -11,10 +11,13 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from apcscore.errors import count
+
 
 def print_interrupted(console: Console, rows: int, partial: Path) -> None:
     """The note of an interrupted run: what is saved where, and how to continue."""
-    console.print(f"[yellow]interrupted:[/] {rows} rows are saved in {escape(str(partial))}; continue with the "
+    console.print(f"[yellow]interrupted:[/] {count(rows, 'row')} {'is' if rows == 1 else 'are'} saved in "
+                  f"{escape(str(partial))}; continue with the "
                   "same command plus --resume", highlight=False)
 
 
@@ -22,8 +25,9 @@ def exit_code(console: Console, final: Path, rows: int, errors: int) -> int:
     """0, or 1 (said on the console) when every record of the finished file failed."""
     if rows and errors == rows:
         where = "each line's 'error'" if final.suffix.lower() == ".jsonl" else "the 'error' column"
-        console.print(f"[bold red]error:[/] every record failed ({errors} of {rows} rows are errors); see "
-                      f"{where} of {escape(str(final))}", highlight=False, soft_wrap=True)
+        failed = "its row is an error" if rows == 1 else f"{errors:,} of {rows:,} rows are errors"
+        console.print(f"[bold red]error:[/] every record failed ({failed}); see {where} of {escape(str(final))}",
+                      highlight=False, soft_wrap=True)
         return 1
     return 0
 

@@ -25,6 +25,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.provenance import bits_of, differing
 from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.jobs.metadata import add_timings
+from apcscore.jobs.preflight import check_file_path
 from apcscore.scale.shard import SHARD_COLUMN
 
 # metadata that must be equal in every shard (the run's configuration); "engine" and "numerics" are compared
@@ -57,6 +58,11 @@ def check_shards(paths: list[Path]) -> list[dict]:
     if not paths:
         raise ApcscoreError("merge needs the shard files to join: apcscore merge OUT SHARD...")
     metas = []
+    folders = [p for p in paths if p.is_dir()]
+    if folders:  # the cli sends all-folder merges to eval's; a mix is refused here
+        raise ApcscoreError(f"{folders[0]} is a folder (an eval shard?) and {next(p for p in paths if p not in folders)} "
+                            "is not: merge joins the shard files of one score, generate or perplexity run, or the "
+                            "shard folders of one eval run — give shards of one kind")
     for path in paths:
         if not path.is_file():
             partial = path.with_name(path.name + ".partial")
@@ -107,6 +113,7 @@ def check_shards(paths: list[Path]) -> list[dict]:
 
 def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple[Path, int]:
     """Check the shards and write `out`; return (out, rows)."""
+    check_file_path(out, "OUT")  # as score's --out: not a folder, not under a file, somewhere writable
     if out.exists() and not overwrite:
         raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another OUT")
     if any(out.resolve() == p.resolve() for p in paths):

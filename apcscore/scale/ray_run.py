@@ -89,6 +89,14 @@ def replica_resources(ray: Any, opts: Any) -> tuple[float, float]:
     if gpus is None:
         gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
     cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
+    have = ray.cluster_resources()
+    for name, key, need in (("GPU", "gpus", gpus), ("CPU", "cpus", cpus)):
+        if need > have.get(name, 0):  # the actor would wait for them forever, without a word
+            shown = ", ".join(f"{k} {v:g}" for k, v in sorted(have.items()) if k in ("CPU", "GPU")) or "none"
+            raise ApcscoreError(f"--{key}-per-replica {need:g}: the Ray cluster has {have.get(name, 0):g} {name}s "
+                                f"in all ({shown}), so no replica could start — ask for at most "
+                                f"{have.get(name, 0):g}" + (" (--gpus-per-replica 0 runs on the CPU)" if name == "GPU"
+                                                            else "") + ", or join a cluster that has them (--ray ADDRESS)")
     return cpus, gpus
 
 
@@ -119,7 +127,12 @@ class RayExecutor:
         self.tokenizer = parts.tokenizer
         self.warnings: list[tuple[str, bool]] = []
         self.started_ray = connect(ray, opts.ray)
-        cpus, gpus = replica_resources(ray, opts)
+        self.actors: list[Any] = []
+        try:
+            cpus, gpus = replica_resources(ray, opts)
+        except ApcscoreError:
+            self.close()  # the Ray this call started
+            raise
         self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
         remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                              max_task_retries=MAX_TASK_RETRIES)
@@ -184,6 +197,10 @@ class RayExecutor:
 
     def progress(self) -> dict:
         return {}
+
+    def snapshot(self, run_seconds: float) -> dict | None:
+        """None: the replicas' counters are read at the end only (a killed Ray session's tokens are not kept)."""
+        return None
 
     def _stats(self, interrupted: bool) -> list[dict | None]:
         """Each replica's counters; None for a failed replica, or one still busy after an interrupt."""

@@ -21,7 +21,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from apcscore.errors import ApcscoreError
+from apcscore.errors import ApcscoreError, count
 
 # (lowest logprob of the band, Rich style, legend) from the most to the least likely; the 16 standard colours,
 # which every colour terminal shows as distinct
@@ -70,6 +70,9 @@ def _open(path: Path) -> tuple[Any, dict[str, Any]]:
         meta = json.loads(raw) if raw is not None else None
     except ValueError:
         meta = None
+    if isinstance(meta, dict) and meta.get("command") == "eval":
+        raise ApcscoreError(f"{path} holds the requests of an `apcscore eval` run (one row per lm-eval request, no "
+                            "per-token logprobs); show reads files written by apcscore score, perplexity or generate")
     if not isinstance(meta, dict) or "id" not in pf.schema_arrow.names:
         raise ApcscoreError(f"{path} is not apcscore output (no 'apcscore' run metadata or no id column); show "
                             "reads files written by apcscore score, perplexity or generate")
@@ -107,7 +110,8 @@ def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...])
         if index < 0:
             sample = ", ".join(repr(x) for x in ids.slice(0, 5).to_pylist())
             more = f" and {len(ids) - 5} more" if len(ids) > 5 else ""
-            raise ApcscoreError(f"no record with id {record_id!r} in {path} ({len(ids)} records: {sample}{more})")
+            raise ApcscoreError(f"no record with id {record_id!r} in {path} ({count(len(ids), 'record')}: "
+                                f"{sample}{more})")
         group = next(g for g in range(pf.num_row_groups) if starts[g + 1] > index)
         row = pf.read_row_group(group, columns=wanted).slice(index - starts[group], 1).to_pylist()[0]
         return row, index
@@ -249,6 +253,9 @@ def show(
         t = _tokens(row, cols)
         if position is not None:
             _check_position(t, str(row["id"]), position)
+        if tokenizer is not None and tokenizer.is_file():
+            raise ApcscoreError(f"--tokenizer {tokenizer} is a file — give the tokenizer's folder (a model directory "
+                                "holding tokenizer.json and tokenizer_config.json)")
         tok, why = try_load_tokenizer(tokenizer if tokenizer is not None else tokenizer_path(meta))
         if tok is None and tokenizer is not None:
             raise ApcscoreError(f"--tokenizer {tokenizer}: {why}")

@@ -1,0 +1,124 @@
+"""A run's `<out>.partial` folder (io/writer.py writes its rows): the lock that keeps a second run out of it, the
+check of its run.json when a run resumes it, and the merge of its part files into dataset order.
+
+The lock is an exclusive `flock` on the folder itself, held by the writer from creating or opening the partial
+until it is assembled into `<out>` or removed. The kernel drops it when the process ends in any way (SIGKILL
+included), so a crashed run never leaves a stale lock; a second run that finds it taken is refused before it
+touches anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import fcntl
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from apcscore.errors import ApcscoreError
+from apcscore.io.provenance import bits_of, short
+from apcscore.io.result_tables import RUN_FILE
+
+INDEX_COLUMN = "index"  # a part file's extra column: the row's record position
+
+
+def in_use(partial: Path) -> ApcscoreError:
+    """The refusal of a run that finds `partial` locked (or created a moment ago) by another."""
+    return ApcscoreError(f"{partial} is in use by another apcscore run that is still going; wait for it to finish "
+                         "(or stop it), then rerun — with --resume to continue its rows")
+
+
+class PartialLock:
+    """The exclusive lock on a partial folder: taken when made, given back by `release()` or when the object goes
+    (a writer dropped without closing, as a library user may)."""
+
+    def __init__(self, partial: Path) -> None:
+        self._fd: int | None = None
+        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise in_use(partial) from None
+        self._fd = fd
+
+    def release(self) -> None:
+        """Give the lock back (again: nothing)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self) -> None:
+        self.release()
+
+
+def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys: Iterable[str],
+                   resume_compare: dict[str, Callable[[Any, Any], bool]]) -> dict | None:
+    """The metadata of the run that wrote `partial` (None: it has no run.json, its run died before writing one),
+    after checking that it is this run (every key of `resume_keys` equal, by `resume_compare` where given) and
+    has the same columns; ApcscoreError otherwise, or when run.json is damaged."""
+    run_file = partial / RUN_FILE
+    if not run_file.exists():
+        return None
+    try:
+        run = json.loads(run_file.read_text(encoding="utf-8"))
+        old_meta, old_schema = run["metadata"], pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
+        if not isinstance(old_meta, dict):
+            raise ValueError("its metadata is not an object")
+    except (ValueError, KeyError, TypeError, pa.ArrowException) as e:
+        raise ApcscoreError(f"cannot resume: {run_file} is damaged ({type(e).__name__}: {e}) — pass --overwrite "
+                            "to start over (the rows in the partial are discarded)") from None
+
+    def same(key: str) -> bool:
+        compare = resume_compare.get(key)
+        old, new = old_meta.get(key), metadata.get(key)
+        return compare(old, new) if compare is not None and old is not None and new is not None else old == new
+
+    def detail(k: str) -> str:
+        old, new = bits_of(k, old_meta.get(k)), bits_of(k, metadata.get(k))
+        if isinstance(old, dict) and isinstance(new, dict):  # name the fields that differ
+            fields = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
+            return "; ".join(f"{k}.{f}: partial {short(old.get(f), 80)}, this run {short(new.get(f), 80)}"
+                             for f in fields)
+        return f"{k}: partial {short(old, 80)}, this run {short(new, 80)}"
+
+    differ = [k for k in resume_keys if not same(k)]
+    if differ:
+        raise ApcscoreError(f"cannot resume {partial}: it was written by a different run "
+                            f"({'; '.join(detail(k) for k in differ)}); rerun with the same settings, or pass "
+                            "--overwrite to start over")
+    if not old_schema.remove_metadata().equals(schema.remove_metadata()):
+        raise ApcscoreError(f"cannot resume {partial}: it was written with other columns "
+                            f"({', '.join(old_schema.names)}); pass --overwrite to start over")
+    return old_meta
+
+
+def merged_parts(parts: list[tuple[Path, int]], part_schema: pa.Schema, total: int, row_group_size: int,
+                 partial: Path) -> Iterator[pa.Table]:
+    """Tables of `row_group_size` consecutive indices 0..total-1, in order, merged from part files (each sorted by
+    index; `parts` are (path, first index)). Memory follows the parts overlapping the window, not the dataset."""
+    parts = sorted(parts, key=lambda p: p[1])
+    next_part = 0
+    open_parts: list[pa.Table] = []  # unconsumed rows of parts overlapping the output window
+    for start in range(0, total, row_group_size):
+        end = min(start + row_group_size, total)
+        while next_part < len(parts) and parts[next_part][1] < end:
+            open_parts.append(pq.read_table(parts[next_part][0], schema=part_schema))
+            next_part += 1
+        pieces, keep = [], []
+        for table in open_parts:
+            indices = table.column(INDEX_COLUMN).to_pylist()  # sorted within a part
+            cut = bisect.bisect_left(indices, end)
+            pieces.append(table.slice(0, cut))
+            if cut < table.num_rows:
+                keep.append(table.slice(cut))
+        open_parts = keep
+        chunk = pa.concat_tables(pieces).sort_by(INDEX_COLUMN) if pieces else part_schema.empty_table()
+        if chunk.column(INDEX_COLUMN).to_pylist() != list(range(start, end)):
+            raise RuntimeError(f"partial {partial} is inconsistent: rows {start}..{end - 1} are not all present "
+                               "exactly once")
+        yield chunk
