@@ -26,8 +26,10 @@ from apcscore.models.resolved import resolve_model_parts
 
 
 class SplitKAboveRows:
-    """A row-count-dependent linear: above `rows` rows it sums two halves of K (a split-K kernel), below it runs
-    one chain. Exactly the kind of choice a BLAS makes by M."""
+    """A row-count-dependent linear: above `rows` rows it sums two parts of K (a split-K kernel), below it runs
+    the fixed order. Exactly the kind of choice a BLAS makes by M. The split is one past the middle: split at a
+    multiple of 64, two calls of the fixed-order GEMM would add the same block sums in the same order, which is
+    its own order (the blocks of 64 k: kernels/cpu_gemm.c), so no bit could differ."""
 
     def __init__(self, rows: int = 64) -> None:
         self.rows, self.inner = rows, FixedOrderLinear()
@@ -36,7 +38,7 @@ class SplitKAboveRows:
         if x.shape[0] <= self.rows:
             y = self.inner(x, weight)
         else:
-            h = x.shape[1] // 2
+            h = x.shape[1] // 2 + 1
             y = self.inner(x[:, :h], weight[:, :h]) + self.inner(x[:, h:], weight[:, h:])
         if out is not None:
             out[:y.shape[0]].copy_(y)
@@ -96,7 +98,7 @@ def test_engine_records_a_passing_probe(tiny_model_dir) -> None:
     engine = Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
     n = engine.numerics
     assert engine.batch_invariant and n["batch_invariant"] and n["reason"] is None and n["probe"]["passed"]
-    assert n["linear"].startswith("apcscore fixed-order fma chain")
+    assert n["linear"].startswith("apcscore fixed-order GEMM, order 2064")
     assert n["hardware"]["cpu"]["vendor"] and n["blas"]["library"]
     assert {s[0] for s in n["probe"]["shapes"]} == {parts.config.hidden_size, parts.config.intermediate_size}
 

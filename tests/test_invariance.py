@@ -234,7 +234,9 @@ def test_cli_records_the_contract_and_can_turn_it_off(tmp_path, write_jsonl, tin
     assert numerics["batch_invariant"] is True and numerics["reason"] is None and numerics["probe"]["passed"]
     assert numerics["torch_threads"] == torch.get_num_threads()
     assert numerics["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
-    assert numerics["linear"].startswith("apcscore fixed-order fma chain")
+    assert numerics["linear"].startswith("apcscore fixed-order GEMM, order 2064")
+    assert numerics["portable"] is True and numerics["math"] == "apcscore portable math v1"  # issue 39
+    assert numerics["simd"] in ("avx512-fma", "avx2-fma", "scalar-fma")
     assert numerics["hardware"]["cpu"]["vendor"] in open("/proc/cpuinfo").read()
     assert meta["engine"]["batch_invariant"] is True and "triton" in meta["versions"]
     _, chunked = score("chunked", "--max-batch-tokens", "57")
@@ -242,4 +244,5 @@ def test_cli_records_the_contract_and_can_turn_it_off(tmp_path, write_jsonl, tin
     meta, plain = score("plain", "--no-batch-invariant")
     assert meta["numerics"]["batch_invariant"] is False and meta["engine"]["batch_invariant"] is False
     assert meta["numerics"]["probe"] is None and "--no-batch-invariant" in meta["numerics"]["reason"]
+    assert meta["numerics"]["portable"] is False  # MKL's GEMM: its bits follow the CPU
     np.testing.assert_allclose([x for r in plain for x in r[1:]], [x for r in whole for x in r[1:]], atol=1e-4)
