@@ -45,7 +45,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import bits_of, short
+from apcscore.io.identity import short
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
@@ -75,7 +75,8 @@ class ResultsWriter:
 
     An existing `out` is only replaced with `overwrite=True` (and only at `close`, atomically). An existing
     partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True` the
-    partial's metadata must equal `metadata` in every key of `resume_keys`, and its columns the schema's.
+    partial's metadata must equal `metadata` in every key of `resume_keys` (or, given `resume_check(old, new)`,
+    that must find no difference: a run's identity, io/identity.py), and its columns the schema's.
     `num_rows`, when given, is the number of rows the final file must have (indices 0..num_rows-1);
     otherwise `close` requires the indices added to be exactly 0..n-1.
 
@@ -88,7 +89,7 @@ class ResultsWriter:
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
                  resume: bool = False, resume_keys: Iterable[str] = (), row_group_size: int = 256,
                  num_rows: int | None = None, max_buffer_seconds: float = 1.0,
-                 resume_compare: dict[str, Callable[[Any, Any], bool]] | None = None) -> None:
+                 resume_check: Callable[[dict, dict], list[str]] | None = None) -> None:
         if INDEX_COLUMN in schema.names:
             raise ValueError(f"the schema may not have a column named {INDEX_COLUMN!r} (the writer's own)")
         if row_group_size < 1:
@@ -109,7 +110,7 @@ class ResultsWriter:
         self._next_part = 0
         self.done_indices: set[int] = set()
         self.previous_metadata: dict | None = None  # the resumed partial's metadata (None: a fresh run)
-        self._resume_compare = resume_compare or {}
+        self._resume_check = resume_check
         self.lines: Callable[[int, dict], str] | None = None
         self.errors_path: Path | None = None
 
@@ -307,23 +308,15 @@ class ResultsWriter:
         old_meta = run["metadata"]
         self.previous_metadata = old_meta
 
-        def same(key: str) -> bool:
-            compare = self._resume_compare.get(key)
-            old, new = old_meta.get(key), self._metadata.get(key)
-            return compare(old, new) if compare is not None and old is not None and new is not None else old == new
-
-        differ = [k for k in resume_keys if not same(k)]
+        if self._resume_check is not None:  # (old metadata, this run's) -> what differs, in words
+            differ = self._resume_check(old_meta, self._metadata)
+        else:
+            differ = [f"{k}: partial {short(old_meta.get(k), 80)}, this run {short(self._metadata.get(k), 80)}"
+                      for k in resume_keys if old_meta.get(k) != self._metadata.get(k)]
         if differ:
-            def detail(k: str) -> str:
-                old, new = bits_of(k, old_meta.get(k)), bits_of(k, self._metadata.get(k))
-                if isinstance(old, dict) and isinstance(new, dict):  # name the fields that differ
-                    fields = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
-                    return "; ".join(f"{k}.{f}: partial {short(old.get(f), 80)}, this run {short(new.get(f), 80)}"
-                                     for f in fields)
-                return f"{k}: partial {short(old, 80)}, this run {short(new, 80)}"
-            details = "; ".join(detail(k) for k in differ)
             raise ApcscoreError(f"cannot resume {self.partial_path}: it was written by a different run "
-                                f"({details}); rerun with the same settings, or pass --overwrite to start over")
+                                f"({'; '.join(differ)}); rerun with the same settings, or start afresh: "
+                                "--overwrite, or another --out")
         old_schema = pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(run["schema"])))
         if not old_schema.remove_metadata().equals(self.schema.remove_metadata()):
             raise ApcscoreError(f"cannot resume {self.partial_path}: it was written with other columns "
