@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from apcscore.cli import app
 from apcscore.io.writer import ResultsWriter
+from apcscore.jobs import metadata as run_metadata
 
 runner = CliRunner()
 
@@ -70,6 +71,18 @@ def test_resume_compares_settings_as_resolved_not_as_typed(interrupted, model) -
     assert m["device"] == "cpu" and m["engine"]["device"] == "cpu"
 
 
+def test_resume_refuses_other_numerics_code_and_says_how_to_start_afresh(interrupted, model, monkeypatch) -> None:
+    out, data = interrupted()
+    recorded = json.loads((out.with_name(out.name + ".partial") / "run.json").read_text())["metadata"]
+    assert set(recorded["code"]) == {"kernels", "matmul_configs", "models"}
+    monkeypatch.setattr(run_metadata, "code_fingerprint", lambda: {**recorded["code"], "matmul_configs": "0" * 16})
+    res = run("score", data, "--model", model, "--out", out, "--resume")
+    assert res.exit_code == 2, res.output
+    text = " ".join(res.output.split())
+    assert "code.matmul_configs" in text and "computes other bits" in text
+    assert "--overwrite" in text and "another --out" in text
+
+
 def test_shards_of_auto_and_cpu_merge(tmp_path, write_jsonl, model) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", records(6))
     a, b, merged = tmp_path / "a.parquet", tmp_path / "b.parquet", tmp_path / "m.parquet"
@@ -80,3 +93,30 @@ def test_shards_of_auto_and_cpu_merge(tmp_path, write_jsonl, model) -> None:
     res = run("merge", merged, a, b)
     assert res.exit_code == 0, res.output
     assert pq.read_table(merged).num_rows == 6
+
+
+def test_code_fingerprint_names_the_part_that_changed(tmp_path) -> None:
+    package = Path(run_metadata.__file__).resolve().parents[1]
+    root = tmp_path / "apcscore"
+    for part in ("kernels", "models", "attention", "engine"):
+        shutil.copytree(package / part, root / part, ignore=shutil.ignore_patterns("__pycache__"))
+    before = run_metadata.code_fingerprint(root)
+    assert before == run_metadata.code_fingerprint()  # the copy hashes as the package
+    (root / "kernels" / "matmul_configs.py").write_text((root / "kernels" / "matmul_configs.py").read_text() + "#\n")
+    (root / "attention" / "tiles.py").write_text((root / "attention" / "tiles.py").read_text() + "#\n")
+    run_metadata.code_fingerprint.cache_clear()
+    after = run_metadata.code_fingerprint(root)
+    assert after["kernels"] == before["kernels"]
+    assert after["matmul_configs"] != before["matmul_configs"] and after["models"] != before["models"]
+    (root / "kernels" / "cpu_gemm.c").write_text((root / "kernels" / "cpu_gemm.c").read_text() + "\n")
+    run_metadata.code_fingerprint.cache_clear()
+    assert run_metadata.code_fingerprint(root)["kernels"] != before["kernels"]
+
+
+def test_apcscore_version_comes_from_the_package_metadata(monkeypatch) -> None:
+    monkeypatch.setattr(run_metadata, "package_version", lambda name: "9.9" if name == "apcscore" else None)
+    assert run_metadata.apcscore_version() == "9.9" and run_metadata.run_header("score")["apcscore_version"] == "9.9"
+    monkeypatch.setattr(run_metadata, "package_version", lambda name: None)
+    import apcscore
+
+    assert run_metadata.apcscore_version() == apcscore.__version__
