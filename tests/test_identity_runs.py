@@ -71,10 +71,24 @@ def test_resume_compares_settings_as_resolved_not_as_typed(interrupted, model) -
     assert m["device"] == "cpu" and m["engine"]["device"] == "cpu"
 
 
+def test_resume_refuses_an_edited_config_or_tokenizer(interrupted, model) -> None:
+    out, data = interrupted()
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "rms_norm_eps": 1e-3}))
+    res = run("score", data, "--model", model, "--out", out, "--resume")
+    assert res.exit_code == 2 and "model.files.config.json" in res.output, res.output
+    (model / "config.json").write_text(json.dumps(config))
+    tokenizer = model / "tokenizer.json"
+    tokenizer.write_text(tokenizer.read_text() + "\n")  # any byte: the identity is the file's sha256
+    res = run("score", data, "--model", model, "--out", out, "--resume")
+    assert res.exit_code == 2 and "model.files.tokenizer.json" in res.output, res.output
+
+
 def test_resume_refuses_other_numerics_code_and_says_how_to_start_afresh(interrupted, model, monkeypatch) -> None:
     out, data = interrupted()
     recorded = json.loads((out.with_name(out.name + ".partial") / "run.json").read_text())["metadata"]
     assert set(recorded["code"]) == {"kernels", "matmul_configs", "models"}
+    assert recorded["versions"]["tokenizers"] and recorded["model"]["files"]["tokenizer.json"]
     monkeypatch.setattr(run_metadata, "code_fingerprint", lambda: {**recorded["code"], "matmul_configs": "0" * 16})
     res = run("score", data, "--model", model, "--out", out, "--resume")
     assert res.exit_code == 2, res.output

@@ -91,10 +91,12 @@ def code_fingerprint(root: Path | None = None) -> dict[str, str]:
 
 
 def model_section(engine: Any) -> dict:
-    """The metadata's `model`: what ran, its weights' fingerprint and context."""
+    """The metadata's `model`: what ran, its weights' fingerprint, its other files' digests and context."""
+    from apcscore.models.loading import model_files_digest
+
     info = engine.info
     return {"name": info.name, "path": info.path, "architecture": info.architecture,
-            "fingerprint": info.fingerprint, "vocab_size": info.vocab_size,
+            "fingerprint": info.fingerprint, "files": model_files_digest(info.path), "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
             "context_capped_by_sliding_window": info.sliding_window}
 
@@ -108,11 +110,12 @@ def engine_sections(engine: Any, cfg: Any) -> dict:
 
 
 def versions(**extra: str | None) -> dict:
-    """The library versions the bits depend on: torch, transformers, and `extra` (triton, lm_eval)."""
+    """The library versions the bits depend on: torch, transformers, tokenizers, and `extra` (triton, lm_eval)."""
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, **extra}
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": package_version("tokenizers"), **extra}
 
 
 def package_version(name: str) -> str | None:

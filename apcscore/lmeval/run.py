@@ -292,7 +292,7 @@ def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
         "model": model_section(engine),
         **engine_sections(engine, config),
         "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
-        "versions": versions(lm_eval=package_version("lm_eval")),
+        "versions": versions(lm_eval=package_version("lm_eval"), triton=package_version("triton")),
     }
 
 
