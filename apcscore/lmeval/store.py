@@ -69,21 +69,24 @@ class ResponseStore:
         self.name = f"{PREFIX}{identity_id(self.identity)}.jsonl"
         self._values: dict[str, Any] = {}
         journals = [Path(j) for j in dict.fromkeys(journals)]
+        held: dict[Path, set[str]] = {}
         for folder in dict.fromkeys([*map(Path, folders), *journals]):
-            self._load(folder / self.name)
+            held[folder] = self._load(folder / self.name)
         self.read = len(self._values)  # responses found in the folders
-        self._files = []
+        self._files: list[tuple[Any, set[str]]] = []  # each journal and the keys it holds
         for folder in journals:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / self.name
             fresh = not path.exists() or path.stat().st_size == 0
-            self._files.append(open(path, "a", encoding="utf-8"))
+            self._files.append((open(path, "a", encoding="utf-8"), held[folder]))
             if fresh:
                 self._write({"apcscore_responses": 1, "identity": self.identity})
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path) -> set[str]:
+        """Read the store file `path` (refused when of another identity); the keys it holds."""
+        keys: set[str] = set()
         if not path.is_file():
-            return
+            return keys
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
         head = _parse(lines[0]) if lines else None
@@ -99,6 +102,8 @@ class ResponseStore:
             entry = _parse(line)
             if isinstance(entry, dict) and "k" in entry and "v" in entry:  # a cut last line is skipped
                 self._values.setdefault(entry["k"], entry["v"])
+                keys.add(entry["k"])
+        return keys
 
     def __len__(self) -> int:
         return len(self._values)
@@ -107,31 +112,39 @@ class ResponseStore:
         return key in self._values
 
     def get(self, key: str) -> Any:
-        """The stored value of `key` (KeyError if none)."""
-        return self._values[key]
+        """The stored value of `key` (KeyError if none), appended to each journal that lacks it (a hit in the
+        results cache goes into this run's journal too, so a shard's journal holds every response it gave)."""
+        value = self._values[key]
+        self._write({"k": key, "v": value}, key)
+        return value
 
     def put(self, key: str, value: Any) -> None:
         """Keep `value` under `key` and append it to the journal (flushed: an interruption loses none)."""
         if key in self._values:
             return
         self._values[key] = value
-        self._write({"k": key, "v": value})
+        self._write({"k": key, "v": value}, key)
 
     def write_all(self) -> None:
         """Append every response held to the journals (a merge's folder gets the union of its shards')."""
         for key, value in self._values.items():
-            self._write({"k": key, "v": value})
+            self._write({"k": key, "v": value}, key)
 
-    def _write(self, entry: dict) -> None:
+    def _write(self, entry: dict, key: str | None = None) -> None:
+        """Append `entry` to each journal (those that do not hold `key` yet, when given)."""
         # one write of a whole line to a file opened for appending: concurrent writers do not interleave lines
         line = json.dumps(entry, separators=(",", ":")) + "\n"
-        for f in self._files:
+        for f, keys in self._files:
+            if key is not None:
+                if key in keys:
+                    continue
+                keys.add(key)
             f.write(line)
             f.flush()
 
     def close(self) -> None:
         """Flush the journals to disk and close them."""
-        for f in self._files:
+        for f, _ in self._files:
             if not f.closed:
                 f.flush()
                 os.fsync(f.fileno())
