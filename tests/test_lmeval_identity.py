@@ -100,3 +100,28 @@ def test_eval_merge_names_what_differs_between_shards(tmp_path) -> None:
     finished_shard(tmp_path / "s1", values, "1/2", {"model.fingerprint": "f2", "dtype": "float32"})
     with pytest.raises(ApcscoreError, match=r"different configurations \(model.fingerprint: \"f1\" vs \"f2\"\)"):
         read_shards([tmp_path / "s0", tmp_path / "s1"])
+
+
+def test_eval_records_the_numerics_code_model_files_and_library_versions(tiny_model_dir) -> None:
+    """What the eval identity is made of (lmeval/run.config_sections): apcscore's code, the model's files, and the
+    tokenizers and Triton versions among the libraries (issue 40 items 2, 3)."""
+    from types import SimpleNamespace
+
+    from apcscore.config import EngineConfig
+    from apcscore.engine.counters import EngineCounters
+    from apcscore.jobs.metadata import package_version
+    from apcscore.lmeval.run import config_sections
+
+    path = tiny_model_dir("llama")
+    info = SimpleNamespace(name="tiny", path=str(path), architecture="LlamaForCausalLM", fingerprint="f",
+                           vocab_size=10, max_model_len=64, num_parameters=1, sliding_window=None)
+    engine = SimpleNamespace(info=info, dtype="torch.float32", device="cpu", attention_backend="torch",
+                             model_backend="native", counters=EngineCounters, numerics=base()["numerics"])
+    sections = config_sections(SimpleNamespace(engine=engine), EngineConfig())
+    assert sections["code"] == code_fingerprint() and sections["apcscore_version"] == apcscore_version()
+    assert {"config.json", "tokenizer.json"} <= set(sections["model"]["files"])
+    versions = sections["versions"]
+    assert versions["tokenizers"] == package_version("tokenizers") and "triton" in versions
+    assert versions["triton"] == package_version("triton") and versions["lm_eval"] == package_version("lm_eval")
+    ident = identity(sections)
+    assert ident["code.models"] == code_fingerprint()["models"] and "versions.triton" in ident
