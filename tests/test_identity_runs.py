@@ -84,7 +84,8 @@ def test_resume_refuses_an_edited_config_or_tokenizer(interrupted, model) -> Non
     assert res.exit_code == 2 and "model.files.tokenizer.json" in res.output, res.output
 
 
-def test_resume_refuses_other_numerics_code_and_says_how_to_start_afresh(interrupted, model, monkeypatch) -> None:
+def test_resume_refuses_other_numerics_code_and_says_how_to_start_afresh(interrupted, model,
+                                                                        monkeypatch) -> None:
     out, data = interrupted()
     recorded = json.loads((out.with_name(out.name + ".partial") / "run.json").read_text())["metadata"]
     assert set(recorded["code"]) == {"kernels", "matmul_configs", "models"}
