@@ -153,6 +153,20 @@ def test_cache_reads_this_model_s_responses_only(whole, model, tiny_model_dir, t
     assert refused.exit_code == 2 and "another configuration" in refused.output
 
 
+def test_shards_with_a_warm_cache_merge(whole, model, tmp_path):
+    """A cache hit goes into the shard's journal too (issue 40): shards answered wholly from a warm --cache merge
+    (before, the merge found "N of M requests have no response in the shards' stores")."""
+    cache = tmp_path / "cache"
+    assert run("--out", tmp_path / "warm", "--cache", cache, model=model).exit_code == 0
+    shards = [tmp_path / f"s{i}" for i in range(2)]
+    for i, folder in enumerate(shards):
+        result = run("--out", folder, "--shard", f"{i}/2", "--cache", cache, model=model)
+        assert result.exit_code == 0, result.output
+        assert json.loads((folder / "shard.json").read_text())["responses"]["computed"] == 0
+    merged = CliRunner().invoke(app, ["merge", str(tmp_path / "m"), *map(str, shards)])
+    assert merged.exit_code == 0, merged.output
+    assert_same_run(whole, tmp_path / "m")
+
 @pytest.mark.ray
 def test_eval_on_ray_equals_one_process(whole, model, tmp_path):
     pytest.importorskip("ray")

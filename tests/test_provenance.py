@@ -1,5 +1,6 @@
-"""Provenance that --resume and merge check (issue 24, item 2): engine, numerics (whole, so fields added later are
-covered, but not the thread count or the auto-sized KV pool), versions and the --columns mapping."""
+"""Provenance that --resume and merge check (issue 24, item 2; since issue 40 the views of io/identity.py): the
+engine and numerics fields that change bits (and fields added later, until classified), but not the thread count or
+the auto-sized KV pool; versions and the --columns mapping. tests/test_identity.py checks every field by the table."""
 
 from __future__ import annotations
 
@@ -10,10 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import differing
+from apcscore.io.identity import MERGE, differing, resume_check
 from apcscore.io.result_tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
-from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
 from apcscore.scale.merge import check_shards
 
 SCHEMA = pa.schema([pa.field("id", pa.string())])
@@ -41,23 +41,22 @@ def metadata(**changes) -> dict:
 
 def partial(tmp_path, meta: dict):
     out = tmp_path / "r.parquet"
-    writer = ResultsWriter(out, SCHEMA, meta, resume_keys=RESUME_KEYS, resume_compare=RESUME_COMPARE, num_rows=2)
+    writer = ResultsWriter(out, SCHEMA, meta, resume_check=resume_check, num_rows=2)
     writer.add(0, {"id": "a"})
     writer.flush()
     return out
 
 
 def resume(out, meta: dict) -> ResultsWriter:
-    return ResultsWriter(out, SCHEMA, meta, resume=True, resume_keys=RESUME_KEYS, resume_compare=RESUME_COMPARE,
-                         num_rows=2)
+    return ResultsWriter(out, SCHEMA, meta, resume=True, resume_check=resume_check, num_rows=2)
 
 
 @pytest.mark.parametrize("change, named", [
     ({"numerics__batch_invariant": False}, "numerics.batch_invariant"),  # --no-batch-invariant
     ({"numerics__cpu_model": "EPYC"}, "numerics.cpu_model"),  # a field the numerics gain later: covered
     ({"versions__torch": "2.14"}, "versions.torch"),
-    ({"engine__exact_reuse": True}, "engine.exact_reuse"),
-    ({"engine__batch_invariant": False, "engine__max_batch_tokens": 64}, "engine.max_batch_tokens"),
+    ({"engine__tensor_parallel_size": 2}, "engine.tensor_parallel_size"),
+    ({"apcscore_version": "0.2"}, "apcscore_version"),
     ({"dataset__columns": {"prompt": "text"}}, "dataset.columns"),  # --columns
 ])
 def test_resume_refuses_another_configuration_naming_the_field(tmp_path, change: dict, named: str) -> None:
@@ -100,8 +99,8 @@ def test_merge_refuses_shards_of_other_columns_or_numerics(tmp_path, change: dic
 
 
 def test_differing_names_fields_of_sections() -> None:
-    assert differing(metadata(), metadata(numerics__torch_threads=1), ["numerics"]) == []
-    assert differing(metadata(), metadata(numerics__cpu_model="EPYC"), ["numerics", "dtype"]) == \
+    assert differing(metadata(), metadata(numerics__torch_threads=1), MERGE) == []
+    assert differing(metadata(), metadata(numerics__cpu_model="EPYC"), MERGE) == \
         ['numerics.cpu_model: "Xeon" vs "EPYC"']
 
 

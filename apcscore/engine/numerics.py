@@ -1,12 +1,11 @@
 """What a run's bits depend on besides its inputs: the batch-invariance verdict, the linear construction, the
 start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`.
 
-batch_invariant, linear, portable, math, cpu_capability, simd and device_capability must agree for shards to be
-merged and runs to be resumed (apcscore.io.provenance leaves the rest out): `hardware` and `blas` describe the
-machine (a construction by design gives the same bits on another CPU model; the probe re-checks it there), and
-`torch_threads` changes no bit. Where `portable` is true (the CPU's fixed-order GEMM and portable math:
-docs/architecture.md, "Portable bits"), the bits do not depend on the CPU's capability or SIMD level either, so
-those are recorded but not compared.
+Which of them resume, merge, Ray replicas and the eval cache compare, and when, is io/identity.py's: the verdict,
+the construction (`linear`, with the GEMM's order version), `portable`, `math` and `device_capability` always;
+`cpu_capability` where the bits are not portable; `hardware` and `blas` where the GEMM is a library one (the
+probe failed, or `--no-batch-invariant`); never `torch_threads`, `simd` (our kernels' copies give the same bits),
+or the probe's details.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@ import fcntl
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import bits_of, short
+from apcscore.io.identity import short
 from apcscore.io.result_tables import RUN_FILE
 
 INDEX_COLUMN = "index"  # a part file's extra column: the row's record position
@@ -57,10 +57,11 @@ class PartialLock:
 
 
 def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys: Iterable[str],
-                   resume_compare: dict[str, Callable[[Any, Any], bool]]) -> dict | None:
+                   resume_check: Callable[[dict, dict], list[str]] | None = None) -> dict | None:
     """The metadata of the run that wrote `partial` (None: it has no run.json, its run died before writing one),
-    after checking that it is this run (every key of `resume_keys` equal, by `resume_compare` where given) and
-    has the same columns; ApcscoreError otherwise, or when run.json is damaged."""
+    after checking that it is this run and has the same columns; ApcscoreError otherwise, or when run.json is
+    damaged. `resume_check(old, new)` says in words what differs (apcscore.io.identity's resume view); without it,
+    every key of `resume_keys` must be equal."""
     run_file = partial / RUN_FILE
     if not run_file.exists():
         return None
@@ -72,25 +73,14 @@ def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys
     except (ValueError, KeyError, TypeError, pa.ArrowException) as e:
         raise ApcscoreError(f"cannot resume: {run_file} is damaged ({type(e).__name__}: {e}) — pass --overwrite "
                             "to start over (the rows in the partial are discarded)") from None
-
-    def same(key: str) -> bool:
-        compare = resume_compare.get(key)
-        old, new = old_meta.get(key), metadata.get(key)
-        return compare(old, new) if compare is not None and old is not None and new is not None else old == new
-
-    def detail(k: str) -> str:
-        old, new = bits_of(k, old_meta.get(k)), bits_of(k, metadata.get(k))
-        if isinstance(old, dict) and isinstance(new, dict):  # name the fields that differ
-            fields = sorted(f for f in old.keys() | new.keys() if old.get(f) != new.get(f))
-            return "; ".join(f"{k}.{f}: partial {short(old.get(f), 80)}, this run {short(new.get(f), 80)}"
-                             for f in fields)
-        return f"{k}: partial {short(old, 80)}, this run {short(new, 80)}"
-
-    differ = [k for k in resume_keys if not same(k)]
+    if resume_check is not None:
+        differ = resume_check(old_meta, metadata)
+    else:
+        differ = [f"{k}: partial {short(old_meta.get(k), 80)}, this run {short(metadata.get(k), 80)}"
+                  for k in resume_keys if old_meta.get(k) != metadata.get(k)]
     if differ:
-        raise ApcscoreError(f"cannot resume {partial}: it was written by a different run "
-                            f"({'; '.join(detail(k) for k in differ)}); rerun with the same settings, or pass "
-                            "--overwrite to start over")
+        raise ApcscoreError(f"cannot resume {partial}: it was written by a different run ({'; '.join(differ)}); "
+                            "rerun with the same settings, or start afresh: --overwrite, or another --out")
     if not old_schema.remove_metadata().equals(schema.remove_metadata()):
         raise ApcscoreError(f"cannot resume {partial}: it was written with other columns "
                             f"({', '.join(old_schema.names)}); pass --overwrite to start over")

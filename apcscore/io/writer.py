@@ -73,7 +73,8 @@ class ResultsWriter:
 
     An existing `out` is only replaced with `overwrite=True` (and only at `close`, atomically). An existing
     partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True` the
-    partial's metadata must equal `metadata` in every key of `resume_keys`, and its columns the schema's.
+    partial's metadata must equal `metadata` in every key of `resume_keys` (or, given `resume_check(old, new)`,
+    that must find no difference: a run's identity, io/identity.py), and its columns the schema's.
     `num_rows`, when given, is the number of rows the final file must have (indices 0..num_rows-1);
     otherwise `close` requires the indices added to be exactly 0..n-1.
 
@@ -86,7 +87,7 @@ class ResultsWriter:
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
                  resume: bool = False, resume_keys: Iterable[str] = (), row_group_size: int = 256,
                  num_rows: int | None = None, max_buffer_seconds: float = 1.0,
-                 resume_compare: dict[str, Callable[[Any, Any], bool]] | None = None) -> None:
+                 resume_check: Callable[[dict, dict], list[str]] | None = None) -> None:
         if INDEX_COLUMN in schema.names:
             raise ValueError(f"the schema may not have a column named {INDEX_COLUMN!r} (the writer's own)")
         if row_group_size < 1:
@@ -107,7 +108,7 @@ class ResultsWriter:
         self._next_part = 0
         self.done_indices: set[int] = set()
         self.previous_metadata: dict | None = None  # the resumed partial's metadata (None: a fresh run)
-        self._resume_compare = resume_compare or {}
+        self._resume_check = resume_check
         self.lines: Callable[[int, dict], str] | None = None
         self.errors_path: Path | None = None
         self._before_flush: Callable[[], None] | None = None
@@ -308,7 +309,7 @@ class ResultsWriter:
                                 "or choose another --out")
 
     def _resume(self, resume_keys: Iterable[str]) -> None:
-        old_meta = check_run_file(self.partial_path, self._metadata, self.schema, resume_keys, self._resume_compare)
+        old_meta = check_run_file(self.partial_path, self._metadata, self.schema, resume_keys, self._resume_check)
         if old_meta is None:  # the previous run died before writing anything
             leftovers = list(self.partial_path.iterdir())
             for leftover in leftovers:

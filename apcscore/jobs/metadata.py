@@ -7,13 +7,15 @@ process would (scale/replica.py) and the driver adds what only it knows (argv, c
 
 from __future__ import annotations
 
+import hashlib
 import sys
 import time
+from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from apcscore import __version__
+import apcscore
 from apcscore.io.tabular_input import parse_columns
 from apcscore.jobs.options import RunOptions
 
@@ -51,14 +53,50 @@ def run_metadata(command: str, engine: Any, job: Any, opts: RunOptions, dataset:
 
 def run_header(command: str) -> dict:
     """The first keys of every run's metadata (score, generate, perplexity and eval alike)."""
-    return {"apcscore_version": __version__, "command": command, "argv": sys.argv, "created": now()}
+    return {"apcscore_version": apcscore_version(), "code": code_fingerprint(), "command": command,
+            "argv": sys.argv, "created": now()}
+
+
+def apcscore_version() -> str:
+    """apcscore's version as installed (the package metadata), else the source's `__version__`."""
+    return package_version("apcscore") or apcscore.__version__
+
+
+# The numerics fingerprint's parts: the files of the package that decide a result's numbers
+# (docs/architecture.md, "A run's identity"). A change to any of them gives the part another hash.
+CODE_PARTS: dict[str, tuple[str, ...]] = {
+    "kernels": ("kernels/*.c", "kernels/*.py"),
+    "matmul_configs": ("kernels/matmul_configs.py",),
+    "models": ("models/*.py", "attention/*.py", "engine/logprobs.py", "engine/sampler.py", "engine/tp_logprobs.py",
+               "engine/numerics.py"),
+}
+
+
+@lru_cache(maxsize=1)
+def code_fingerprint(root: Path | None = None) -> dict[str, str]:
+    """The metadata's `code`: per part of CODE_PARTS, the first 16 hex digits of the sha256 of its files (each
+    file's path under the package and its bytes, in path order). The matmul table is its own part, not in
+    `kernels`, so a message can say which changed."""
+    root = Path(apcscore.__file__).parent if root is None else root
+    out = {}
+    for part, patterns in CODE_PARTS.items():
+        files = sorted({f for pattern in patterns for f in root.glob(pattern)})
+        if part == "kernels":
+            files = [f for f in files if f.name != "matmul_configs.py"]
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f"{f.relative_to(root).as_posix()}\0".encode() + f.read_bytes() + b"\0")
+        out[part] = h.hexdigest()[:16]
+    return out
 
 
 def model_section(engine: Any) -> dict:
-    """The metadata's `model`: what ran, its weights' fingerprint and context."""
+    """The metadata's `model`: what ran, its weights' fingerprint, its other files' digests and context."""
+    from apcscore.models.loading import model_files_digest
+
     info = engine.info
     return {"name": info.name, "path": info.path, "architecture": info.architecture,
-            "fingerprint": info.fingerprint, "vocab_size": info.vocab_size,
+            "fingerprint": info.fingerprint, "files": model_files_digest(info.path), "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
             "context_capped_by_sliding_window": info.sliding_window}
 
@@ -72,11 +110,12 @@ def engine_sections(engine: Any, cfg: Any) -> dict:
 
 
 def versions(**extra: str | None) -> dict:
-    """The library versions the bits depend on: torch, transformers, and `extra` (triton, lm_eval)."""
+    """The library versions the bits depend on: torch, transformers, tokenizers, and `extra` (triton, lm_eval)."""
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__, **extra}
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": package_version("tokenizers"), **extra}
 
 
 def package_version(name: str) -> str | None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import short
+from apcscore.io.identity import short
 from apcscore.io.result_tables import write_atomic
 from apcscore.jobs.options import EvalOptions
 from apcscore.lmeval.store import store_files
@@ -87,15 +87,20 @@ def start(out: Path, record: dict[str, Any], resume: bool) -> bool:
             raise ApcscoreError(f"--resume: {path} is not readable JSON ({exc}); rerun with --overwrite") from None
         diffs = [f"{k}: {short(old.get('run', {}).get(k))} vs {short(record['run'][k])}"
                  for k in RUN_KEYS if old.get("run", {}).get(k) != record["run"][k]]
-        if old.get("identity") != record["identity"]:
-            diffs.append("the model or engine configuration (numerics, dtype, device or versions)")
+        diffs += identity_differences(old.get("identity") or {}, record["identity"])
         if diffs:
             raise ApcscoreError(f"--resume: the unfinished run in {out} was asked otherwise ({'; '.join(diffs)}); "
-                                "run it with its own options, or pass --overwrite to start over")
+                                "run it with its own options, or start afresh: --overwrite, or another --out")
         return True
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return False
+
+
+def identity_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Where two eval identities (lmeval/store.identity) differ, each as `field: OLD vs NEW`."""
+    return [f"{k}: {short(old.get(k), 80)} vs {short(new.get(k), 80)}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -19,12 +19,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
-from apcscore import __version__
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.io.result_tables import write_atomic
-from apcscore.jobs.metadata import (add_timings, engine_sections, model_section, package_version, run_header,
-                                    versions)
+from apcscore.jobs.metadata import (add_timings, apcscore_version, code_fingerprint, engine_sections,
+                                    model_section, package_version, run_header, versions)
 from apcscore.jobs.options import EvalOptions
 from apcscore.jobs.resolve import parse_gen_kwargs, parse_shard
 from apcscore.lmeval import outdir
@@ -301,11 +300,12 @@ def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
     records them): what fixes the bits, so the responses' identity is made of them (lmeval/store.identity)."""
     engine = lm.engine
     return {
-        "apcscore_version": __version__,
+        "apcscore_version": apcscore_version(),
+        "code": code_fingerprint(),
         "model": model_section(engine),
         **engine_sections(engine, config),
         "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
-        "versions": versions(lm_eval=package_version("lm_eval")),
+        "versions": versions(lm_eval=package_version("lm_eval"), triton=package_version("triton")),
     }
 
 
@@ -328,7 +328,7 @@ def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], r
         "system_instruction": opts.system_instruction, "gen_kwargs": opts.gen_kwargs,
         "max_length": max_length,
         "task_configs": task_configs(results),
-        **{k: v for k, v in sections.items() if k != "apcscore_version"},
+        **{k: v for k, v in sections.items() if k not in ("apcscore_version", "code")},
         "responses": dict(responses),
         "timing": dict(timing),
     }

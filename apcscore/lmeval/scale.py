@@ -32,6 +32,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
+from apcscore.io.identity import short
 from apcscore.jobs.options import EvalOptions
 from apcscore.lmeval import outdir
 
@@ -63,8 +64,10 @@ def read_shards(paths: list[Path]) -> list[dict[str, Any]]:
             raise ApcscoreError(f"{rec['_path']} and {first['_path']} are shards of different runs (they differ in "
                                 f"{', '.join(diffs)})")
         if rec["run"]["identity"] != first["run"]["identity"]:
-            raise ApcscoreError(f"{rec['_path']} and {first['_path']} ran under different configurations (model, "
-                                "numerics, dtype, device or versions): their responses cannot make one run")
+            diffs = outdir.identity_differences(first["run"]["identity"], rec["run"]["identity"])
+            raise ApcscoreError(f"{rec['_path']} and {first['_path']} ran under different configurations "
+                                f"({'; '.join(diffs)}): their responses cannot make one run; rerun the odd shard "
+                                "with the others' apcscore and settings")
     n = int(first["shard"].split("/")[1])
     index = {}
     for rec in records:
@@ -140,6 +143,7 @@ def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
         refs = []
         for i, folder in enumerate(folders):
             if (folder / outdir.SHARD_FILE).exists():  # finished in an earlier session of this run
+                check_finished(folder, values, f"{i}/{n}")
                 continue
             shard = {**values, "out": str(folder), "shard": f"{i}/{n}", "ray": None, "replicas": 1,
                      "cpus_per_replica": None, "gpus_per_replica": None, "overwrite": False, "resume": True,
@@ -153,6 +157,27 @@ def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
         note(f"a shard was interrupted; rerun with --resume to continue ({out / SHARDS})")
         return 130
     return merge_eval(out, folders, opts.overwrite, echo, note)
+
+
+def check_finished(folder: Path, values: dict[str, Any], shard: str) -> None:
+    """`eval --ray --resume`: refuse a finished shard that was asked otherwise than this run (the options of
+    outdir.RUN_KEYS) or computed by another apcscore (its version and numerics code). The rest of its identity
+    (numerics, versions) is compared with the other shards' by the merge."""
+    from apcscore.jobs.metadata import apcscore_version, code_fingerprint
+
+    record = outdir.read_json(folder / outdir.SHARD_FILE, "an eval shard record")
+    asked = (record.get("run") or {}).get("run") or {}
+    ident = (record.get("run") or {}).get("identity") or {}
+    now = {**{k: values.get(k) for k in outdir.RUN_KEYS}, "shard": shard}
+    diffs = [f"{k}: {short(asked.get(k), 80)} vs {short(now[k], 80)}" for k in outdir.RUN_KEYS
+             if asked.get(k) != now[k]]
+    code = {"apcscore_version": apcscore_version(), **{f"code.{k}": v for k, v in code_fingerprint().items()}}
+    diffs += [f"{k}: {short(ident.get(k), 80)} vs {short(v, 80)}" for k, v in code.items()
+              if ident.get(k) != v]
+    if diffs:
+        raise ApcscoreError(f"--resume: the finished shard {folder} was run otherwise than this run "
+                            f"({'; '.join(diffs)}); run it with its own options, or start afresh: --overwrite, "
+                            "or another --out")
 
 
 def _shard_task(values: dict[str, Any]) -> int:

@@ -2,11 +2,11 @@
 `eval --shard` / `--ray`, and the results cache of `eval --cache DIR`.
 
 A store folder holds one file per engine configuration, `responses-<id>.jsonl`, where <id> is the first 16
-hex digits of the sha256 of the configuration's *identity* (`identity`: the model's weight fingerprint, dtype,
-device, attention and model backend, the engine's settings and numerics without the fields that change no
-bit, io/provenance.bits_of, and the torch, transformers and apcscore versions). So a folder can hold the
-responses of many models side by side, and a run reads only the file of its own configuration: never
-another model's, never other numerics (the file's first line repeats the identity, and it is compared whole).
+hex digits of the sha256 of the configuration's *identity* (`identity`: the EVAL view of io/identity.py, every
+field that changes a response's numbers and none that does not: the model's weights and files, dtype, device
+type, backends, numerics, apcscore's version and numerics code, the library versions). So a folder can hold the
+responses of many models side by side, and a run reads only the file of its own configuration: never another
+model's, never other numerics (the file's first line repeats the identity, and it is compared whole).
 
 Each further line is `{"k": KEY, "v": VALUE}`, appended and flushed as a response is finished, so an
 interrupted run keeps everything it finished (a line cut by a crash is ignored when read). KEY is the sha256
@@ -28,29 +28,14 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import bits_of, differing
+from apcscore.io.identity import EVAL, short, view
 
 PREFIX = "responses-"
-IDENTITY_KEYS = ("model", "dtype", "device", "attention_backend", "model_backend", "engine", "numerics",
-                 "versions")
-# engine fields left out of the identity beyond provenance's: the seed (each request's own seed is in its key),
-# and on a batch-invariant engine the reuse switches (exact reuse and prefix caching are bitwise a recompute:
-# docs/architecture.md, "The contract"), so a recompute's responses serve an --exact-reuse run and back
-NOT_IN_KEY = frozenset({"seed"})
-REUSE = frozenset({"enable_prefix_caching", "exact_reuse"})
 
 
 def identity(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity of a configuration from a run's metadata (lmeval/run.run_info): its model fingerprint and
-    the sections that fix the bits (engine and numerics without their NOT_BITS fields, the engine without
-    NOT_IN_KEY and, batch invariant, REUSE)."""
-    out = {key: bits_of(key, meta.get(key)) for key in IDENTITY_KEYS}
-    engine = out.get("engine") or {}
-    drop = NOT_IN_KEY | (REUSE if engine.get("batch_invariant", False) else frozenset())
-    out["engine"] = {k: v for k, v in engine.items() if k not in drop}
-    out["model"] = {"fingerprint": (meta.get("model") or {}).get("fingerprint")}
-    out["versions"] = {**(meta.get("versions") or {}), "apcscore": meta.get("apcscore_version")}
-    return json.loads(json.dumps(out, sort_keys=True, default=str))  # plain JSON: compared with what is read
+    """The identity of a configuration from a run's metadata (lmeval/run.config_sections): io/identity's EVAL view."""
+    return view(meta, EVAL)
 
 
 def identity_id(ident: Mapping[str, Any]) -> str:
@@ -84,27 +69,32 @@ class ResponseStore:
         self.name = f"{PREFIX}{identity_id(self.identity)}.jsonl"
         self._values: dict[str, Any] = {}
         journals = [Path(j) for j in dict.fromkeys(journals)]
+        held: dict[Path, set[str]] = {}
         for folder in dict.fromkeys([*map(Path, folders), *journals]):
-            self._load(folder / self.name)
+            held[folder] = self._load(folder / self.name)
         self.read = len(self._values)  # responses found in the folders
-        self._files = []
+        self._files: list[tuple[Any, set[str]]] = []  # each journal and the keys it holds
         for folder in journals:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / self.name
             fresh = not path.exists() or path.stat().st_size == 0
-            self._files.append(open(path, "a", encoding="utf-8"))
+            self._files.append((open(path, "a", encoding="utf-8"), held[folder]))
             if fresh:
                 self._write({"apcscore_responses": 1, "identity": self.identity})
 
-    def _load(self, path: Path) -> None:
+    def _load(self, path: Path) -> set[str]:
+        """Read the store file `path` (refused when of another identity); the keys it holds."""
+        keys: set[str] = set()
         if not path.is_file():
-            return
+            return keys
         with open(path, encoding="utf-8") as f:
             lines = f.read().split("\n")
         head = _parse(lines[0]) if lines else None
         if not isinstance(head, dict) or head.get("identity") != self.identity:
             found = head.get("identity") if isinstance(head, dict) else None
-            why = "; ".join(differing(found, self.identity, sorted(self.identity))) if isinstance(found, dict) \
+            why = "; ".join(f"{k}: {short(found.get(k), 80)} vs {short(self.identity.get(k), 80)}"
+                            for k in sorted(found.keys() | self.identity.keys())
+                            if found.get(k) != self.identity.get(k)) if isinstance(found, dict) \
                 else "its first line is not a store header"
             raise ApcscoreError(f"{path}: responses of another configuration ({why}); this is not this run's "
                                 "store — remove the file or choose another folder")
@@ -112,6 +102,8 @@ class ResponseStore:
             entry = _parse(line)
             if isinstance(entry, dict) and "k" in entry and "v" in entry:  # a cut last line is skipped
                 self._values.setdefault(entry["k"], entry["v"])
+                keys.add(entry["k"])
+        return keys
 
     def __len__(self) -> int:
         return len(self._values)
@@ -120,31 +112,39 @@ class ResponseStore:
         return key in self._values
 
     def get(self, key: str) -> Any:
-        """The stored value of `key` (KeyError if none)."""
-        return self._values[key]
+        """The stored value of `key` (KeyError if none), appended to each journal that lacks it (a hit in the
+        results cache goes into this run's journal too, so a shard's journal holds every response it gave)."""
+        value = self._values[key]
+        self._write({"k": key, "v": value}, key)
+        return value
 
     def put(self, key: str, value: Any) -> None:
         """Keep `value` under `key` and append it to the journal (flushed: an interruption loses none)."""
         if key in self._values:
             return
         self._values[key] = value
-        self._write({"k": key, "v": value})
+        self._write({"k": key, "v": value}, key)
 
     def write_all(self) -> None:
         """Append every response held to the journals (a merge's folder gets the union of its shards')."""
         for key, value in self._values.items():
-            self._write({"k": key, "v": value})
+            self._write({"k": key, "v": value}, key)
 
-    def _write(self, entry: dict) -> None:
+    def _write(self, entry: dict, key: str | None = None) -> None:
+        """Append `entry` to each journal (those that do not hold `key` yet, when given)."""
         # one write of a whole line to a file opened for appending: concurrent writers do not interleave lines
         line = json.dumps(entry, separators=(",", ":")) + "\n"
-        for f in self._files:
+        for f, keys in self._files:
+            if key is not None:
+                if key in keys:
+                    continue
+                keys.add(key)
             f.write(line)
             f.flush()
 
     def close(self) -> None:
         """Flush the journals to disk and close them."""
-        for f in self._files:
+        for f, _ in self._files:
             if not f.closed:
                 f.flush()
                 os.fsync(f.fileno())

@@ -19,6 +19,11 @@ if TYPE_CHECKING:
     import torch
 
 FINGERPRINT_FILE = ".apcscore-fingerprint.json"
+# A model directory's files besides the weights that change numbers: the config (rope, eps, soft-caps, window,
+# eos), the generation config, the tokenizer's files and the chat template (models/resolved.py keys by them too)
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
+               "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+               "vocab.json", "merges.txt", "tokenizer.model")
 
 
 def load_state_dict(
@@ -188,6 +193,16 @@ def weights_fingerprint(path: Path) -> str:
     except OSError:
         pass
     return digest[:16]
+
+
+def model_files_digest(path: str | Path) -> dict[str, str]:
+    """{file name: the first 16 hex digits of its sha256} for each of MODEL_FILES present in the directory `path`
+    (the run metadata's `model.files`: with the weights' fingerprint, the whole model). Empty for no directory."""
+    path = Path(path) if path else None
+    if path is None or not path.is_dir():
+        return {}
+    return {name: hashlib.sha256((path / name).read_bytes()).hexdigest()[:16] for name in MODEL_FILES
+            if (path / name).is_file()}
 
 
 def eos_token_ids(model_config: Any, tokenizer: Any) -> set[int]:

@@ -27,13 +27,11 @@ import torch
 from apcscore.models.architecture import (LLAMA_FAMILIES, SUPPORTED_ARCHITECTURES, choose_model_backend,
                                           native_architecture)
 from apcscore.models.gguf_cache import cache_root
-from apcscore.models.loading import load_config, load_tokenizer
+from apcscore.models.loading import MODEL_FILES, load_config, load_tokenizer
 from apcscore.models.rope import RopeFrequencies, rope_frequencies
 
 FORMAT = 1  # bump when what is stored changes
-KEY_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",  # the key's files
-             "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
-             "vocab.json", "merges.txt", "tokenizer.model")
+KEY_FILES = MODEL_FILES  # the key's files: the config and tokenizer files
 
 
 @dataclass

@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from apcscore.io.provenance import RESUME_COMPARE, RESUME_KEYS
+from apcscore.io.identity import resume_check
 from apcscore.errors import ApcscoreError, count
 from apcscore.io.openai_batch import defaults_note
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
@@ -189,8 +189,7 @@ def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
                  opts: RunOptions) -> tuple[Any, LoadedDataset]:
     """The results writer and the records it takes: with --shard a ShardWriter and this shard's records (its
     file has the extra column record_index), else a ResultsWriter and every record."""
-    writing = dict(overwrite=opts.overwrite, resume=opts.resume, resume_keys=RESUME_KEYS,
-                   resume_compare=RESUME_COMPARE)
+    writing = dict(overwrite=opts.overwrite, resume=opts.resume, resume_check=resume_check)
     schema = job.output_schema()
     if not opts.shard:
         return ResultsWriter(out, schema, metadata, num_rows=data.num_records, **writing), data

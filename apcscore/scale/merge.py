@@ -3,8 +3,8 @@
 Checks, before anything is written (each refusal is an ApcscoreError, exit 2, naming the files):
 - every file is a finished apcscore shard file (metadata `shard`, the `record_index` column);
 - all are shards of one dataset (content hash, record count, `--columns` mapping), split the same way (count,
-  partitioning, block size, fingerprint of the assignment), under one configuration (`SAME_KEYS` of the
-  metadata, the engine settings and numerics but the fields that do not change bits: io/provenance.py);
+  partitioning, block size, fingerprint of the assignment), under one configuration (the MERGE view of a run's
+  identity, io/identity.py: every field that changes bits, as the settings resolved);
 - no shard is given twice and none is missing; their rows cover the dataset exactly once.
 
 The output: the shards' rows in dataset order without `record_index`, the command's schema, row groups of 256
@@ -22,28 +22,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import bits_of, differing
+from apcscore.io.identity import MERGE, code_changed, differing
 from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.jobs.metadata import add_timings
 from apcscore.jobs.preflight import check_file_path
 from apcscore.scale.shard import SHARD_COLUMN
 
-# metadata that must be equal in every shard (the run's configuration); "engine" and "numerics" are compared
-# without the fields that differ between machines without changing bits
-SAME_KEYS = ("apcscore_version", "command", "model", "tokenizer", "dtype", "device", "attention_backend",
-             "model_backend", "job", "versions")
 _SPLIT_KEYS = ("count", "partition", "block_size", "fingerprint")
 ROW_GROUP_SIZE = 256
-
-
-def configuration(meta: dict) -> dict:
-    """What must be equal in every shard: SAME_KEYS, engine and numerics as io/provenance compares them, and the
-    dataset's content, record count and --columns mapping."""
-    dataset = meta.get("dataset") or {}
-    return {**{k: meta.get(k) for k in SAME_KEYS}, "engine": bits_of("engine", meta.get("engine") or {}),
-            "numerics": bits_of("numerics", meta.get("numerics") or {}),
-            "dataset": {"sha256": dataset.get("sha256"), "num_records": dataset.get("num_records"),
-                        "columns": dataset.get("columns") or {}}}
 
 
 def _probe_failure(meta: dict) -> str | None:
@@ -80,12 +66,13 @@ def check_shards(paths: list[Path]) -> list[dict]:
         metas.append(meta)
     first, first_path = metas[0], paths[0]
     for path, meta in zip(paths[1:], metas[1:]):
-        a, b = configuration(first), configuration(meta)
-        differ = [k for k in a if a[k] != b[k]]
+        differ = differing(first, meta, MERGE)
         if differ:
+            fix = ("rerun every shard with one apcscore (the same version and numerics code), or start afresh "
+                   "with a new --out per shard" if code_changed(differ) else "rerun the odd shard with the "
+                   "others' settings")
             raise ApcscoreError(f"{path} and {first_path} are not shards of one dataset under one configuration "
-                                f"({first_path.name} vs {path.name}: {'; '.join(differing(a, b, differ))}); rerun "
-                                "the odd shard with the others' settings")
+                                f"({first_path.name} vs {path.name}: {'; '.join(differ)}); {fix}")
         split_a = {k: first["shard"].get(k) for k in _SPLIT_KEYS}
         split_b = {k: meta["shard"].get(k) for k in _SPLIT_KEYS}
         if split_a != split_b:

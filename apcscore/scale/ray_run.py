@@ -25,7 +25,7 @@ retries them). SIGINT / SIGTERM stop the driver after the chunks in hand: the fi
 `<out>.partial` and `--resume` continues (the split is recomputed over the whole dataset, so it is the same).
 
 Provenance: every replica describes itself before any work; replicas that differ in what fixes the bits
-(merge.configuration: versions, numerics, engine settings, device ...) are refused, and each replica's
+(the RAY view of io/identity.py: versions, numerics, engine settings, device ...) are refused, and each replica's
 device, numerics, versions and KV pool are recorded in `ray.per_replica`.
 
 Why plain actors and not Ray Data's `map_batches` with an actor pool (the issue's suggestion): an actor pool
@@ -43,12 +43,11 @@ from typing import Any, Callable, Iterator
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.loader import engine_context_length
 from apcscore.errors import ApcscoreError
-from apcscore.io.provenance import differing
+from apcscore.io.identity import RAY, differing
 from apcscore.io.reader import LoadedDataset
 from apcscore.jobs.metadata import add_timings
 from apcscore.jobs.options import RunOptions
 from apcscore.jobs.verify import combine_reports
-from apcscore.scale.merge import configuration
 from apcscore.scale.replica import Replica
 from apcscore.scale.shard import Split, split_dataset
 
@@ -260,9 +259,8 @@ class RayExecutor:
 
 def _check_replicas(metas: list[dict]) -> None:
     """Refuse replicas that would write one file of several configurations (other hardware, numerics, versions)."""
-    base = configuration(metas[0])
     for r, meta in enumerate(metas[1:], start=1):
-        diff = differing(base, configuration(meta), base.keys())
+        diff = differing(metas[0], meta, RAY)
         if diff:
             raise ApcscoreError(f"--ray: replica {r} does not run the configuration of replica 0 ("
                                 f"{'; '.join(diff)}), so their rows would differ in bits; run the replicas on one "
