@@ -13,6 +13,7 @@ import torch
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import load_config, load_tokenizer
 from apcscore.models.resolved import resolve_model_parts
+from apcscore.models.rope import portable_math
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a prime number."}]
@@ -60,10 +61,15 @@ def test_a_remembered_model_equals_what_transformers_resolves(arch, tiny_model_d
     assert again.tokenizer.all_special_ids == reference_tokenizer.all_special_ids
     assert (again.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
             == reference_tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True))
-    # rotary tables bitwise equal to transformers' own module, from the remembered frequencies
-    want = transformers_tables(reference_config, 300)
+    # rotary tables bitwise equal to transformers' own module, from the remembered frequencies: its arithmetic with
+    # the portable pow / cos / sin (issue 39: models/rope.portable_math), and within an ulp of its torch functions
+    with portable_math():
+        want = transformers_tables(reference_config, 300)
     got = our_tables(again.config, again.rope, 300)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    plain = transformers_tables(reference_config, 300)
+    for ours, theirs in zip(got, plain):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=3e-7)
 
 
 def test_a_changed_config_or_a_damaged_entry_is_resolved_again(tiny_model_dir, tmp_path, own_cache):
