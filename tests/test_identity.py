@@ -167,8 +167,9 @@ def resume_refused(tmp_path: Path, a: dict, b: dict) -> bool:
     writer = ResultsWriter(out, SCHEMA, a, num_rows=2, resume_check=identity.resume_check)
     writer.add(0, {"id": "a"})
     writer.flush()
+    writer.release()  # the first run ended: its partial is no longer locked
     try:
-        ResultsWriter(out, SCHEMA, b, num_rows=2, resume=True, resume_check=identity.resume_check)
+        ResultsWriter(out, SCHEMA, b, num_rows=2, resume=True, resume_check=identity.resume_check).release()
     except ApcscoreError as err:
         assert "cannot resume" in str(err) and "--overwrite" in str(err)
         return True
