@@ -21,6 +21,7 @@ Data helpers:
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -328,3 +329,17 @@ def pytest_runtest_logreport(report) -> None:
         reporter.write("\n")
         reporter.write_line(f"[slow: {report.when} {report.duration:.0f} s, {elapsed:.0f} s into the run] "
                             f"{report.nodeid}")
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handlers_on_closed_streams():
+    """After each test, drop logging handlers whose stream is closed. A CLI run inside typer's CliRunner that sets
+    up logging (lm-eval adds a StreamHandler on the sys.stdout of the moment) leaves a handler on the runner's
+    captured stream, closed when the invocation ends; every later log record in the session then prints a
+    '--- Logging error --- ... Traceback' report into the next test's output (seen in the full suite: a later
+    eval test's output held 14 of them). A user's process has no such closed stream."""
+    yield
+    for logger in [logging.getLogger()] + [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)]:
+        for handler in list(getattr(logger, "handlers", [])):
+            if getattr(getattr(handler, "stream", None), "closed", False):
+                logger.removeHandler(handler)
