@@ -15,12 +15,13 @@ import math
 
 import torch
 
+from apcscore.kernels import cpu_math
+from apcscore.kernels.cpu_library import available
+
 
 @functools.lru_cache(maxsize=1)
 def portable() -> bool:
     """Whether the portable CPU math is available here (the C library builds and loads; asked once)."""
-    from apcscore.kernels.cpu_library import available
-
     return available()
 
 
@@ -29,31 +30,19 @@ def ours(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and portable()
 
 
-def _map(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
-    from apcscore.kernels.cpu_math import map_float
-
-    return map_float(op, x, inplace)
-
-
 def exp(x: torch.Tensor) -> torch.Tensor:
     """exp(x), elementwise (fp32 math, x's dtype)."""
-    from apcscore.kernels.cpu_math import OP_EXP
-
-    return _map(OP_EXP, x) if ours(x) else torch.exp(x)
+    return cpu_math.map_float(cpu_math.OP_EXP, x) if ours(x) else torch.exp(x)
 
 
 def exp_(x: torch.Tensor) -> torch.Tensor:
     """exp(x) in place."""
-    from apcscore.kernels.cpu_math import OP_EXP
-
-    return _map(OP_EXP, x, inplace=True) if ours(x) else x.exp_()
+    return cpu_math.map_float(cpu_math.OP_EXP, x, inplace=True) if ours(x) else x.exp_()
 
 
 def tanh(x: torch.Tensor) -> torch.Tensor:
     """tanh(x), elementwise."""
-    from apcscore.kernels.cpu_math import OP_TANH
-
-    return _map(OP_TANH, x) if ours(x) else torch.tanh(x)
+    return cpu_math.map_float(cpu_math.OP_TANH, x) if ours(x) else torch.tanh(x)
 
 
 def softcap(x: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
@@ -61,9 +50,7 @@ def softcap(x: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
     if inplace:
         x.div_(cap)
         if ours(x):
-            from apcscore.kernels.cpu_math import OP_TANH
-
-            _map(OP_TANH, x, inplace=True)
+            cpu_math.map_float(cpu_math.OP_TANH, x, inplace=True)
         else:
             x.tanh_()
         return x.mul_(cap)
@@ -72,16 +59,12 @@ def softcap(x: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
 
 def silu(x: torch.Tensor) -> torch.Tensor:
     """x * sigmoid(x), as torch computes it: x / (1 + exp(-x)), in fp32, rounded to x's dtype."""
-    from apcscore.kernels.cpu_math import OP_SILU
-
-    return _map(OP_SILU, x) if ours(x) else torch.nn.functional.silu(x)
+    return cpu_math.map_float(cpu_math.OP_SILU, x) if ours(x) else torch.nn.functional.silu(x)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     """1 / (1 + exp(-x)), elementwise."""
-    from apcscore.kernels.cpu_math import OP_SIGMOID
-
-    return _map(OP_SIGMOID, x) if ours(x) else torch.sigmoid(x)
+    return cpu_math.map_float(cpu_math.OP_SIGMOID, x) if ours(x) else torch.sigmoid(x)
 
 
 def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
@@ -90,22 +73,17 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     if not ours(x):
         return torch.nn.functional.gelu(x, approximate=approximate)
     if approximate == "tanh":
-        from apcscore.kernels.cpu_math import OP_GELU_TANH
-
-        return _map(OP_GELU_TANH, x)
-    from apcscore.kernels.cpu_math import D_ERF, map_double
-
+        return cpu_math.map_float(cpu_math.OP_GELU_TANH, x)
     h = x.float()
-    erf = map_double(D_ERF, h * math.sqrt(0.5)).float()  # the fp32 product, erf in double, rounded once
+    # the fp32 product, erf in double, rounded once
+    erf = cpu_math.map_double(cpu_math.D_ERF, h * math.sqrt(0.5)).float()
     return (h * 0.5 * (1.0 + erf)).to(x.dtype)
 
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Sums over the last dimension, fp32 (a fixed order on the CPU: interleaved lanes, a fixed tree)."""
     if ours(x):
-        from apcscore.kernels.cpu_math import row_sums
-
-        return row_sums(x)
+        return cpu_math.row_sums(x)
     return x.float().sum(-1)
 
 
@@ -121,9 +99,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """log(sum(exp(x))) over the last dimension, fp64 on the CPU (double sums and log), fp32 elsewhere."""
     if ours(x):
-        from apcscore.kernels.cpu_math import row_logsumexp as lse
-
-        return lse(x)
+        return cpu_math.row_logsumexp(x)
     return torch.logsumexp(x.float(), dim=-1)
 
 
@@ -138,9 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         residual = x
     h = x.float()
     if ours(x):
-        from apcscore.kernels.cpu_math import row_sums_double
-
-        mean = row_sums_double(h, squares=True) / h.shape[-1]  # [...] fp64
+        mean = cpu_math.row_sums_double(h, squares=True) / h.shape[-1]  # [...] fp64
         h = h * (1.0 / torch.sqrt(mean + eps)).float()[..., None]
     else:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
@@ -156,12 +130,10 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
     On the CPU the mean and the variance are double sums in a fixed order, each rounded once."""
     if not ours(x):
         return torch.nn.functional.layer_norm(x, (x.shape[-1],), weight, bias, eps)
-    from apcscore.kernels.cpu_math import row_sums_double
-
     h = x.float()
     n = h.shape[-1]
-    centred = h - (row_sums_double(h) / n).float()[..., None]
-    var = row_sums_double(centred, squares=True) / n
+    centred = h - (cpu_math.row_sums_double(h) / n).float()[..., None]
+    var = cpu_math.row_sums_double(centred, squares=True) / n
     rstd = (1.0 / torch.sqrt(var + eps)).float()[..., None]
     return (centred * rstd * weight.float() + bias.float()).to(x.dtype)
 
@@ -169,18 +141,14 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 def exp_scalar(value: float) -> float:
     """exp of a Python float, the same bits on every machine where the library is (libm's otherwise)."""
     if portable():
-        from apcscore.kernels.cpu_math import D_EXP, scalar
-
-        return scalar(D_EXP, value)
+        return cpu_math.scalar(cpu_math.D_EXP, value)
     return math.exp(value)
 
 
 def log_scalar(value: float) -> float:
     """log of a Python float (see exp_scalar)."""
     if portable():
-        from apcscore.kernels.cpu_math import D_LOG, scalar
-
-        return scalar(D_LOG, value)
+        return cpu_math.scalar(cpu_math.D_LOG, value)
     return math.log(value)
 
 
