@@ -96,9 +96,11 @@ def test_cc_may_be_a_command_line(tiny_sources: Path, monkeypatch: pytest.Monkey
 def test_workspaces_are_per_thread() -> None:
     """Two engines in two threads never share a workspace: a regrow in one cannot free the other's under it."""
     seen: dict[str, int] = {}
+    both_hold = threading.Barrier(2)  # a finished thread's buffer is freed: its address may be reused after
 
     def grab(name: str) -> None:
         seen[name] = cpu_gemm._workspace("gemm", 1 << 20).data_ptr()
+        both_hold.wait(timeout=30)
 
     threads = [threading.Thread(target=grab, args=(f"t{i}",)) for i in range(2)]
     for t in threads:
