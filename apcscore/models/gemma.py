@@ -25,12 +25,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
-from apcscore.models.llama import Device, Linear, LlamaDecoder
+from apcscore.models.llama import Device, Linear, LlamaDecoder, PagedAttention
 
 SLIDING = "sliding_attention"
 
@@ -47,7 +46,7 @@ class GemmaRMSNorm(nn.Module):
         return rowmath.rms_norm(x, self.weight, self.eps, offset=1.0)
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(PagedAttention):
     """Attention of one layer: its window (sliding layers), soft-cap (Gemma 2) and q/k norms (Gemma 3); the
     attributes the KV pool reads (num_kv_heads, head_dim, ops, k_cache, v_cache) as Llama's Attention."""
 
@@ -66,11 +65,7 @@ class GemmaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, ops.linear, device)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
-        self.layer_idx = layer_idx
-        self.attention_backend = ops.attention
-        self.rotary = ops.rotary
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self._paged(layer_idx, ops)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -82,8 +77,7 @@ class GemmaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, D]
         extra = {name: value for name, value in (("window", self.window), ("softcap", self.softcap)) if value}
-        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
-                                   get_attention_metadata(), self.scale, **extra)  # [T, Hq, D]
+        out = self.attend(q, k, v, **extra)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.q_size))
 
 

@@ -16,13 +16,12 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
 from apcscore.models.weights import WeightCopier, param_shards
-from apcscore.models.llama import Device, Linear, LlamaDecoder
+from apcscore.models.llama import Device, Linear, LlamaDecoder, PagedAttention
 
 
 class LayerNorm(nn.Module):
@@ -38,7 +37,7 @@ class LayerNorm(nn.Module):
         return rowmath.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-class NeoXAttention(nn.Module):
+class NeoXAttention(PagedAttention):
     """Multi-head attention with partial rotary over the paged KV cache (the attributes the KV pool reads:
     num_kv_heads, head_dim, ops, k_cache, v_cache)."""
 
@@ -51,18 +50,13 @@ class NeoXAttention(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", True))
         self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, ops.linear, device)
         self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, ops.linear, device)
-        self.layer_idx = layer_idx
-        self.attention_backend = ops.attention
-        self.rotary = ops.rotary
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self._paged(layer_idx, ops)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t, h, d = hidden.shape[0], self.num_heads, self.head_dim
         q, k, v = (x.reshape(t, h, d) for x in self.qkv_proj(hidden).split(h * d, dim=-1))
         q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, r]: partial rotary
-        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
-                                   get_attention_metadata(), self.scale)  # [T, H, D]
+        out = self.attend(q, k, v)  # [T, H, D]
         return self.o_proj(out.reshape(t, h * d))
 
 

@@ -14,12 +14,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch import nn
 
-from apcscore.attention.metadata import get_attention_metadata
 from apcscore.models.ops import Ops
-from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, RMSNorm
+from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, PagedAttention, RMSNorm
 
 
-class Olmo2Attention(nn.Module):
+class Olmo2Attention(PagedAttention):
     """Attention with q/k RMSNorm over the full projection; the KV pool's attributes as Llama's Attention."""
 
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
@@ -34,11 +33,7 @@ class Olmo2Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, ops.linear, device)
         self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, ops.rms_norm, device)
-        self.layer_idx = layer_idx
-        self.attention_backend = ops.attention
-        self.rotary = ops.rotary
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self._paged(layer_idx, ops)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -47,8 +42,7 @@ class Olmo2Attention(nn.Module):
         k = self.k_norm(k.contiguous()).reshape(t, self.num_kv_heads, self.head_dim)
         v = v.reshape(t, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(q, k, cos, sin)
-        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
-                                   get_attention_metadata(), self.scale)
+        out = self.attend(q, k, v)
         return self.o_proj(out.reshape(t, self.q_size))
 
 
