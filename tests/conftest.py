@@ -11,6 +11,7 @@ Model fixtures (all session scoped, built once per test run):
 - `tiny_model_dir(arch)`: a small random-weight Hugging Face model directory (config.json, model.safetensors,
   the default model's tokenizer) for arch in `TINY_ARCHS`. Shared by every test: copy it
   (`shutil.copytree`) before changing anything in it.
+- `tiny`: the path (a str, as the CLI takes it) of the tiny llama directory, the model of most CLI tests.
 
 Data helpers:
 
@@ -238,6 +239,12 @@ def tiny_model_dir(tmp_path_factory, default_tokenizer) -> Callable[[str], Path]
         return built[arch]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_model_dir) -> str:
+    """The tiny llama model directory's path, as `--model` takes it (shared: copy it before changing it)."""
+    return str(tiny_model_dir("llama"))
 
 
 def _write_jsonl(path: Path, records: Iterable[dict[str, Any] | str]) -> Path:

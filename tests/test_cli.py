@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pyarrow.parquet as pq
-import pytest
 from typer.testing import CliRunner
 
 from apcscore.cli import app
@@ -18,11 +17,6 @@ runner = CliRunner()
 def invoke(*args: str):
     result = runner.invoke(app, [str(a) for a in args])
     return result
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
 
 
 def test_score_writes_one_row_per_record_in_dataset_order(tmp_path, write_jsonl, tiny):

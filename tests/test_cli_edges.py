@@ -177,11 +177,6 @@ def _done_parquet(path: Path, damaged: Path) -> None:
     damaged.write_bytes(bytes(data))
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
 @pytest.mark.parametrize("case", CASES, ids=[c.kind for c in CASES])
 def test_bad_input_gets_a_clear_message_and_exit_code(case: Case, tmp_path, write_jsonl, tiny) -> None:
     if case.kind == "dataset empty":

@@ -11,11 +11,6 @@ from apcscore.cli import app
 runner = CliRunner()
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
 def test_invalid_dataset_is_refused_with_file_and_line(tmp_path, write_jsonl, tiny):
     data = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "fine"}, "{not json", {"prompt": 5}, {"text": "x"}])
     out = tmp_path / "o.parquet"

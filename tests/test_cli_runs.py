@@ -12,7 +12,6 @@ import sys
 import time
 
 import pyarrow.parquet as pq
-import pytest
 from typer.testing import CliRunner
 
 from apcscore.cli import app
@@ -22,11 +21,6 @@ runner = CliRunner()
 
 def run(*args) -> object:
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
 
 
 def test_max_tokens_0_among_others_and_tiny_temperatures_do_not_crash(tmp_path, write_jsonl, tiny):

@@ -42,11 +42,6 @@ def cluster():
     ray.shutdown()
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir) -> str:
-    return str(tiny_model_dir("llama"))
-
-
 def meta(path) -> dict:
     return json.loads(pq.read_schema(path).metadata[b"apcscore"])
 

@@ -22,11 +22,6 @@ def run(*args) -> object:
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir):
-    return str(tiny_model_dir("llama"))
-
-
 @pytest.fixture
 def interrupt_after(monkeypatch):
     """interrupt_after(n): the next run gets SIGINT once n rows were added (the runner stops after the step)."""

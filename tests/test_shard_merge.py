@@ -25,11 +25,6 @@ def run(*args) -> object:
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_model_dir) -> str:
-    return str(tiny_model_dir("llama"))
-
-
 def shared_prefix_records(groups: int = 5, per_group: int = 4, seed: int = 3) -> list[dict]:
     """Token-id prompts in `groups` groups sharing a 40-token prefix (2 full blocks of 16), shuffled."""
     rng = random.Random(seed)
