@@ -102,7 +102,7 @@ class EngineConfig:
         False, "Scoring reads cached KV of the blocks before each record's first scored position (shared "
         "contexts, few-shot prefixes computed once); results stay bitwise those of a full recompute. Needs "
         "batch invariance.")
-    # ranks one model is split over (engine/tensor_parallel.py); 1 = one device, the plain single-process engine
+    # ranks one model is split over (engine/parallel/ranks.py); 1 = one device, the plain single-process engine
     tensor_parallel_size: int = option(
         1, "Split the model over N ranks (tensor parallelism on torch.distributed: NCCL on CUDA, one GPU per rank; "
         "gloo on the CPU). Results are exact within a degree.", "--tensor-parallel",

@@ -43,7 +43,7 @@ BASE = dict(device="cpu", dtype="float32", num_kv_blocks=512, max_num_seqs=16, m
 def ranks():
     """Stop this process's ranks after the module (they start with its first degree-2 engine)."""
     yield
-    from apcscore.engine.tensor_parallel import shutdown_ranks
+    from apcscore.engine.parallel.ranks import shutdown_ranks
 
     shutdown_ranks()
 
@@ -142,7 +142,7 @@ def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
 
 
 class ThreadRanks:
-    """In-process ranks for engine/tp_logprobs (threads meeting at a barrier): the combination logic tested
+    """In-process ranks for engine/parallel/logprobs (threads meeting at a barrier): the combination logic tested
     without processes."""
 
     def __init__(self, n: int) -> None:
@@ -168,7 +168,7 @@ class ThreadRanks:
 def test_vocab_parallel_logprobs_match_one_device_on_ties(n: int) -> None:
     """Integer logits (many ties, across shard boundaries and across the K-th place): ranks and top-K ids are
     exactly the one-device function's, logprobs within fp32 rounding."""
-    from apcscore.engine.tp_logprobs import parallel_token_logprobs
+    from apcscore.engine.parallel.logprobs import parallel_token_logprobs
     from apcscore.kernels.logprobs_ref import token_logprobs_torch
     from apcscore.models.tensor_parallel import vocab_range
 
@@ -228,7 +228,7 @@ def test_a_rank_reads_only_its_slices(tiny_model_dir, monkeypatch) -> None:
 
 def test_refusals_before_any_load(tiny_model_dir) -> None:
     from apcscore.engine.loader import load_engine
-    from apcscore.engine.tensor_parallel import check_devices
+    from apcscore.engine.parallel.ranks import check_devices
 
     with pytest.raises(ApcscoreError, match="does not divide the model's 4 attention heads"):
         Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=3))
@@ -271,8 +271,8 @@ def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, wri
     from typer.testing import CliRunner
 
     from apcscore.cli import app
-    from apcscore.engine.tensor_parallel import current_group
-    from apcscore.engine.tp_runner import ShardRunner
+    from apcscore.engine.parallel.ranks import current_group
+    from apcscore.engine.parallel.runner import SliceRunner
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": str(i), "prompt": "the quick brown fox " * (i + 1)}
                                               for i in range(10)])
@@ -281,7 +281,7 @@ def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, wri
     whole = tmp_path / "whole.parquet"
     assert CliRunner().invoke(app, ["score", str(data), "--out", str(whole), *args]).exit_code == 0
     steps = {"n": 0}
-    forward = ShardRunner._forward
+    forward = SliceRunner._forward
 
     def dying(self, batch):  # type: ignore[no-untyped-def]
         steps["n"] += 1
@@ -291,7 +291,7 @@ def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, wri
                 proc.join()
         return forward(self, batch)
 
-    monkeypatch.setattr(ShardRunner, "_forward", dying)
+    monkeypatch.setattr(SliceRunner, "_forward", dying)
     out = tmp_path / "o.parquet"
     res = CliRunner().invoke(app, ["score", str(data), "--out", str(out), *args])
     assert res.exit_code == 1, res.output
@@ -299,7 +299,7 @@ def test_a_rank_that_dies_ends_the_run_and_keeps_the_finished_rows(tmp_path, wri
     assert "Traceback" not in res.output
     kept = sum(pq.read_table(part).num_rows for part in (tmp_path / "o.parquet.partial").glob("*.parquet"))
     assert 0 < kept < 10
-    monkeypatch.setattr(ShardRunner, "_forward", forward)
+    monkeypatch.setattr(SliceRunner, "_forward", forward)
     res = CliRunner().invoke(app, ["score", str(data), "--out", str(out), "--resume", *args])
     assert res.exit_code == 0, res.output
     a, b = pq.read_table(whole), pq.read_table(out)
@@ -312,7 +312,7 @@ def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_mode
     propagates, and the next engine ends those ranks and starts fresh ones at once instead of waiting for them."""
     import time
 
-    from apcscore.engine import tp_runner
+    from apcscore.engine.parallel import runner as tp_runner
 
     path = str(tiny_model_dir("llama"))
     requests = score_requests(make_prompts([5, 30], 49152, seed=15))
@@ -376,7 +376,7 @@ def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_di
     script.write_text(
         "import sys, time\n"
         "from apcscore import Engine, EngineConfig\n"
-        "from apcscore.engine.tensor_parallel import current_group\n"
+        "from apcscore.engine.parallel.ranks import current_group\n"
         "if __name__ == '__main__':\n"
         f"    Engine.from_model(sys.argv[1], EngineConfig(**{BASE!r}, tensor_parallel_size=2))\n"
         "    print('workers', *[p.pid for p in current_group().processes], flush=True)\n"
@@ -404,7 +404,7 @@ def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first
     collective, so every one of them used cuda:0. (No GPU needed: the calls are recorded in order.)"""
     import torch.distributed as dist
 
-    from apcscore.engine import tensor_parallel
+    from apcscore.engine.parallel import ranks as tensor_parallel
 
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(f"set_device {d}"))
@@ -428,10 +428,10 @@ def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first
 
 
 def test_a_failure_while_profiling_marks_the_group_out_of_step(monkeypatch) -> None:
-    """Issue 42 item 9: Shard.profile (CUDA pool sizing) was not guarded as a step is: an out-of-memory on rank 0
+    """Issue 42 item 9: RankSlice.profile (CUDA pool sizing) was not guarded as a step is: an out-of-memory on rank 0
     left the workers in the profile's gather, and the shutdown broadcast waited for them until the 30-minute
     timeout. Now the group is marked, so the next engine or the exit ends them at once."""
-    from apcscore.engine import tp_runner
+    from apcscore.engine.parallel import runner as tp_runner
     from apcscore.models.tensor_parallel import TensorParallel
 
     class Group:
@@ -445,7 +445,7 @@ def test_a_failure_while_profiling_marks_the_group_out_of_step(monkeypatch) -> N
         raise torch.OutOfMemoryError("CUDA out of memory")
 
     monkeypatch.setattr(tp_runner, "profile_peak_memory", oom)
-    shard, group = tp_runner.Shard(TensorParallel(0, 2), None, None, torch.device("cpu"), torch.float32), Group()
+    shard, group = tp_runner.RankSlice(TensorParallel(0, 2), None, None, torch.device("cpu"), torch.float32), Group()
     with pytest.raises(torch.OutOfMemoryError):
         shard.profile({"max_batch_tokens": 8}, group, 1)
     assert group.calls == ["profile"] and group.in_sync is False
@@ -454,7 +454,7 @@ def test_a_failure_while_profiling_marks_the_group_out_of_step(monkeypatch) -> N
 def test_an_engine_refused_after_loading_frees_the_workers_shards(tiny_model_dir) -> None:
     """Issue 42 item 10: a refusal between the load and make_runner (here the KV pool check) left the workers'
     shards of that engine alive for the rest of the process. Now they are dropped with the next call."""
-    from apcscore.engine.tensor_parallel import current_group
+    from apcscore.engine.parallel.ranks import current_group
 
     path = str(tiny_model_dir("llama"))
     requests = score_requests(make_prompts([5, 9], 49152, seed=3))
@@ -471,7 +471,7 @@ def test_an_engine_refused_after_loading_frees_the_workers_shards(tiny_model_dir
 def test_rank_0_takes_its_share_of_the_threads_while_the_ranks_run(tiny_model_dir) -> None:
     """Issue 42 item 11: the workers got threads / N but rank 0 kept them all (N ranks oversubscribed the cores).
     Rank 0 takes its share while the group runs and gets its count back at shutdown."""
-    from apcscore.engine.tensor_parallel import shutdown_ranks
+    from apcscore.engine.parallel.ranks import shutdown_ranks
 
     shutdown_ranks()  # a fresh group, started from this thread count
     before = torch.get_num_threads()
@@ -489,7 +489,7 @@ def test_a_rank_that_never_starts_is_refused_after_the_start_timeout() -> None:
     import threading
     import time
 
-    from apcscore.engine import tp_spawn
+    from apcscore.engine.parallel import spawn as tp_spawn
 
     class Stuck:  # a process that stays alive and never signals it is ready
         pid, exitcode, killed = 4242, None, False
@@ -513,8 +513,8 @@ def test_spawned_ranks_talk_over_the_loopback_interface(tiny_model_dir, monkeypa
     import os
     from pathlib import Path
 
-    from apcscore.engine.tensor_parallel import current_group, shutdown_ranks
-    from apcscore.engine.tp_spawn import loopback_interface
+    from apcscore.engine.parallel.ranks import current_group, shutdown_ranks
+    from apcscore.engine.parallel.spawn import loopback_interface
 
     lo = loopback_interface()
     if lo is None or not Path("/proc/self/environ").exists():
@@ -542,7 +542,7 @@ def test_a_worker_that_fails_names_its_error_on_rank_0(tiny_model_dir) -> None:
     """Issue 42 item 9: a worker exception left rank 0 in the op's collective (on NCCL until the 30-minute
     watchdog; gloo notices the closed socket) with only the transport's error. The worker leaves its error in
     the group's store; rank 0 reports it, and on NCCL a watch aborts the collective (tested below without GPUs)."""
-    from apcscore.engine.tensor_parallel import current_group
+    from apcscore.engine.parallel.ranks import current_group
     from apcscore.models.tensor_parallel import RanksFailed
 
     engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
@@ -560,7 +560,7 @@ def test_the_failure_watch_aborts_once_when_a_worker_fails_or_ends() -> None:
     spawned worker ended, and never while all is well."""
     import time
 
-    from apcscore.engine.tp_faults import FailureWatch
+    from apcscore.engine.parallel.faults import FailureWatch
 
     class Proc:
         def __init__(self) -> None:
@@ -589,7 +589,7 @@ def test_the_failure_watch_aborts_once_when_a_worker_fails_or_ends() -> None:
 def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
     within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""
-    from apcscore.engine.tensor_parallel import shutdown_ranks
+    from apcscore.engine.parallel.ranks import shutdown_ranks
 
     shutdown_ranks()  # one process drives one degree at a time
     path = str(tiny_model_dir("llama"))

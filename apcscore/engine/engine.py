@@ -37,8 +37,8 @@ from apcscore.models.tensor_parallel import check_tensor_parallel
 
 def check_parallel(hf_config: Any, config: EngineConfig, device: torch.device) -> None:
     """Refuse a tensor-parallel configuration that cannot run, before any weights are read; under torchrun, a rank
-    other than 0 becomes a worker here (engine/tensor_parallel.serve_if_worker) and never returns."""
-    from apcscore.engine.tensor_parallel import check_devices, serve_if_worker
+    other than 0 becomes a worker here (engine/parallel/ranks.serve_if_worker) and never returns."""
+    from apcscore.engine.parallel.ranks import check_devices, serve_if_worker
 
     check_tensor_parallel(hf_config, decoder_class(hf_config), config.tensor_parallel_size)
     check_devices(config.tensor_parallel_size, device)
@@ -57,7 +57,7 @@ class Engine:
 
     def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo,
                  device: torch.device, dtype: torch.dtype, ops: Ops, parallel: Any = None) -> None:
-        """parallel: (rank 0's tp_runner.Shard, the RankGroup, this engine's key) under tensor parallelism."""
+        """parallel: rank 0's engine.parallel.runner.ParallelContext under tensor parallelism, else None."""
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -76,13 +76,13 @@ class Engine:
                         k=min(config.max_logprobs, info.vocab_size))
             profile = lambda: profile_peak_memory(model, **step)  # noqa: E731
             if parallel is not None:  # every rank runs the step (its collectives): the largest peak of all
-                profile = lambda: parallel[0].profile(step, *parallel[1:])  # noqa: E731
+                profile = lambda: parallel.profile(step)  # noqa: E731
         # exact reuse keeps a score-store entry per cached block (engine/score_store.py) in host memory: on the CPU
         # the pool's share of memory pays for it, on CUDA it is checked against free host memory
         store_per_block = store_bytes_per_block(config.block_size, model.config.hidden_size,
                                                 torch.finfo(dtype).bits // 8, config.max_logprobs) \
             if config.exact_reuse else 0
-        pool_config = model.config if parallel is None else parallel[0].pool_config()  # (a rank's heads)
+        pool_config = model.config if parallel is None else parallel.rank_slice.pool_config()  # (a rank's heads)
         num_blocks = config.num_kv_blocks or default_num_kv_blocks(
             pool_config, config.block_size, dtype, device, config.kv_cache_memory_fraction, profile,
             host_bytes_per_block=store_per_block)
@@ -98,11 +98,11 @@ class Engine:
                                       config.logprobs_chunk_size, config.seed, ops.token_logprobs,
                                       use_cuda_graphs=config.use_cuda_graphs, max_num_seqs=config.max_num_seqs,
                                       capture_block_hidden=self.store is not None)
-        else:  # the workers build theirs too, with the same pool size (engine/tp_runner.py)
-            self.runner = parallel[0].make_runner(num_blocks, dict(
+        else:  # the workers build theirs too, with the same pool size (engine/parallel/runner.py)
+            self.runner = parallel.make_runner(num_blocks, dict(
                 block_size=config.block_size, logprobs_chunk_size=config.logprobs_chunk_size, base_seed=config.seed,
-                max_num_seqs=config.max_num_seqs, capture_block_hidden=self.store is not None), *parallel[1:])
-            parallel[1].register(self, parallel[2])
+                max_num_seqs=config.max_num_seqs, capture_block_hidden=self.store is not None))
+            parallel.group.register(self, parallel.key)
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
         self.long_rope_after = model.long_rope_after  # long-rope: longer sequences use the long frequencies
         self.stats = EngineStats()
@@ -157,19 +157,20 @@ class Engine:
         parallel = None
         if config.tensor_parallel_size > 1:
             check_parallel(hf_config, config, device)
-            from apcscore.engine.tensor_parallel import rank_group
-            from apcscore.engine.tp_runner import Shard, load_args
+            from apcscore.engine.parallel.ranks import rank_group
+            from apcscore.engine.parallel.runner import ParallelContext, RankSlice, load_args
 
             group = rank_group(config.tensor_parallel_size, device)
             key = group.new_key()
             args = load_args(hf_config, state_dict, rope, max_len, config, dtype, device)
             group.call(key, "load", args)
             try:
-                shard = Shard.load(group.tp, args)
+                rank_slice = RankSlice.load(group.tp, args)
             except BaseException:
-                group.dropped.append(key)  # the workers' shards of `key` go with the next call
+                group.dropped.append(key)  # the workers' slices of `key` go with the next call
                 raise
-            model, ops, device, parallel = shard.model, shard.ops, shard.device, (shard, group, key)
+            model, ops, device = rank_slice.model, rank_slice.ops, rank_slice.device
+            parallel = ParallelContext(rank_slice, group, key)
         else:
             model = build_decoder(hf_config, ops, max_len, device, dtype, state_dict, rope, consume_state)
         try:
@@ -185,8 +186,8 @@ class Engine:
             )
             return cls(model, tokenizer, config, info, device, dtype, ops, parallel)
         except BaseException:
-            if parallel is not None:  # (e.g. the KV pool check refused): the engine never owns the workers' shards
-                parallel[1].dropped.append(parallel[2])
+            if parallel is not None:  # (e.g. the KV pool check refused): the engine never owns the workers' slices
+                parallel.drop()
             raise
 
     def counters(self) -> EngineCounters:

@@ -96,7 +96,7 @@ class ModelRunner:
         return StepOutput(prompt_lps, self._sample(batch, hidden), captured, alternatives)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The step's final hidden states [T, H] (eager); engine/tp_runner.py broadcasts the inputs first."""
+        """The step's final hidden states [T, H] (eager); engine/parallel/runner.py broadcasts the inputs first."""
         return self.forward_inputs(self._step_inputs(batch))
 
     def forward_inputs(self, inp: StepInputs) -> torch.Tensor:

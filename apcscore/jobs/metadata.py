@@ -67,8 +67,8 @@ def apcscore_version() -> str:
 CODE_PARTS: dict[str, tuple[str, ...]] = {
     "kernels": ("kernels/*.c", "kernels/*.py"),
     "matmul_configs": ("kernels/matmul_configs.py",),
-    "models": ("models/*.py", "attention/*.py", "engine/logprobs.py", "engine/sampler.py", "engine/tp_logprobs.py",
-               "engine/numerics.py"),
+    "models": ("models/*.py", "attention/*.py", "engine/logprobs.py", "engine/sampler.py",
+               "engine/parallel/logprobs.py", "engine/numerics.py"),
 }
 
 

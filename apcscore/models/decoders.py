@@ -28,12 +28,12 @@ def build_decoder(hf_config: Any, ops: Any, max_positions: int, device: Any, dty
                   rope: Any = None, consume: bool = False, tp: Any = None) -> LlamaDecoder:
     """The decoder of hf_config on `device` in `dtype`, its weights copied from `state` (a state dict, or a
     models.loading.LazyCheckpoint), in eval mode. tp: a models.tensor_parallel.TensorParallel to build that rank's
-    shard (None: the whole model)."""
+    slice (None: the whole model)."""
     model = decoder_class(hf_config)(hf_config, ops, max_positions=max_positions, device="meta")
     if tp is not None:
-        from apcscore.models.tensor_parallel import shard_decoder
+        from apcscore.models.tensor_parallel import slice_decoder
 
-        shard_decoder(model, tp)
+        slice_decoder(model, tp)
     model = model.materialize(device, dtype)
     model.load_hf_weights(state, rope, consume=consume)
     model.eval()

@@ -20,7 +20,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
-from apcscore.models.weights import WeightCopier, param_shards
+from apcscore.models.weights import WeightCopier, param_slices
 from apcscore.models.llama import Device, Linear, LlamaDecoder, PagedAttention
 
 
@@ -125,12 +125,12 @@ class GPTNeoXDecoder(LlamaDecoder):
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
         """Copy GPTNeoXForCausalLM weights into place (query_key_value rows regrouped); every weight must be used."""
         self._lm_head_fp32 = None
-        shards = param_shards(self) if self.tensor_parallel is not None else {}
-        copier = WeightCopier(state, consume, shards)
+        slices = param_slices(self) if self.tensor_parallel is not None else {}
+        copier = WeightCopier(state, consume, slices)
         heads = self.layers[0].self_attn.num_heads  # (a tensor-parallel rank's own heads)
 
         def copy(param: torch.Tensor, name: str, regroup: bool = False) -> None:
-            if id(param) in shards:  # a rank's part (models.tensor_parallel): its heads are contiguous rows here
+            if id(param) in slices:  # a rank's part (models.tensor_parallel): its heads are contiguous rows here
                 copier(param, name)
                 if regroup:
                     param.copy_(param.reshape(heads, 3, -1, *param.shape[1:]).transpose(0, 1).reshape(param.shape)

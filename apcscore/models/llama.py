@@ -20,7 +20,7 @@ from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architec
 from apcscore.models.ops import Ops
 from apcscore.kernels import rowmath
 from apcscore.models.rope import rope_frequencies, rotary_tables, with_portable_math
-from apcscore.models.weights import WeightCopier, param_shards
+from apcscore.models.weights import WeightCopier, param_slices
 
 RmsNormFn = Callable[..., Any]
 Device = torch.device | str | None
@@ -147,7 +147,7 @@ class LlamaDecoder(nn.Module):
     # position; their cos/sin rows follow the short ones, at table row position + long_rope_after (the engine
     # offsets such a sequence's positions: apcscore.engine.step_inputs). None: one table, rows = positions.
     long_rope_after: int | None = None
-    # tensor parallelism (apcscore.models.tensor_parallel.shard_decoder): this rank's rows [start, end) of the
+    # tensor parallelism (apcscore.models.tensor_parallel.slice_decoder): this rank's rows [start, end) of the
     # vocabulary in the LM head, and the ranks; None: the whole model in this process
     vocab_range: tuple[int, int] | None = None
     tensor_parallel: Any = None
@@ -191,8 +191,8 @@ class LlamaDecoder(nn.Module):
         """[V, H], or this rank's rows of it under tensor parallelism (a tied head: the rank's embedding rows)."""
         if self.lm_head is not None:
             return self.lm_head.weight
-        if self.vocab_range is None or getattr(self.embed_tokens, "shard", None) is not None:
-            return self.embed_tokens.weight  # (a sharded embedding holds this rank's rows already)
+        if self.vocab_range is None or getattr(self.embed_tokens, "weight_slice", None) is not None:
+            return self.embed_tokens.weight  # (a sliced embedding holds this rank's rows already)
         return self.embed_tokens.weight[self.vocab_range[0]:self.vocab_range[1]]
 
     def init_head(self, cfg: Any, ops: Ops, device: Device, max_positions: int | None,
@@ -285,7 +285,7 @@ class LlamaDecoder(nn.Module):
         apcscore.models.weights.WeightCopier). Then builds the rotary tables (`rope`: see build_rotary_tables).
         """
         self._lm_head_fp32 = None
-        copy = WeightCopier(state, consume, param_shards(self) if self.tensor_parallel is not None else None)
+        copy = WeightCopier(state, consume, param_slices(self) if self.tensor_parallel is not None else None)
         copy(self.embed_tokens.weight, "model.embed_tokens.weight")
         copy(self.norm.weight, "model.norm.weight")
         if self.lm_head is not None:

@@ -62,7 +62,7 @@ class SparseMoe(nn.Module):
         self.shared_expert_gate = Linear(h, 1, False, ops.linear, device) if qwen else None
         # tensor parallelism (models.tensor_parallel): this rank's part of every expert's intermediate, and the
         # ranks whose partial outputs are summed; None: the whole layer here
-        self.expert_shards: tuple[Any, Any] | None = None  # ShardSpecs of one expert's gate_up [2I, H], down [H, I]
+        self.expert_slices: tuple[Any, Any] | None = None  # SliceSpecs of one expert's gate_up [2I, H], down [H, I]
         self.tp: Any = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,12 +130,12 @@ class MoeDecoder(LlamaDecoder):
         if self.family == "mixtral" and prefix + "gate.weight" not in state:
             prefix = prefix[:-len("mlp.")] + "block_sparse_moe."  # the original Mixtral checkpoints' name
         copy(mlp.gate.weight, prefix + "gate.weight")
-        shards = mlp.expert_shards  # a tensor-parallel rank reads its rows / columns of every expert
+        slices = mlp.expert_slices  # a tensor-parallel rank reads its rows / columns of every expert
 
         def put(param: torch.Tensor, spec: Any, *names: str) -> None:
-            copy(param, *names) if spec is None else copy.copy_shard(param, spec, names)
+            copy(param, *names) if spec is None else copy.copy_slice(param, spec, names)
 
-        gu_spec, down_spec = shards or (None, None)
+        gu_spec, down_spec = slices or (None, None)
         if prefix + "experts.gate_up_proj" in state:  # transformers 5's stacked layout [E, ...]: one more dim
             lift = (lambda sp: None if sp is None else type(sp)(sp.dim + 1, sp.ranges, sp.full))  # noqa: E731
             put(mlp.gate_up_proj, lift(gu_spec), prefix + "experts.gate_up_proj")

@@ -1,9 +1,9 @@
-"""Tensor-parallel layers: one rank's shard of a decoder, and the cross-rank sums in a fixed order.
+"""Tensor-parallel layers: one rank's slice of a decoder, and the cross-rank sums in a fixed order.
 
 Megatron's split (as vLLM's): column-parallel qkv and gate/up (each rank computes its attention heads and its
 part of the MLP's intermediate), row-parallel o and down (each rank multiplies its columns; the partial results
 are summed across ranks), a vocabulary-parallel LM head (each rank holds a contiguous range of the vocabulary's
-rows; apcscore.engine.tp_logprobs combines logprobs without gathering [tokens, vocab]) and a vocabulary-parallel
+rows; apcscore.engine.parallel.logprobs combines logprobs without gathering [tokens, vocab]) and a vocabulary-parallel
 input embedding (a tied head is its rows). Norms are replicated: after each sum every rank holds the full hidden
 state, bitwise the same on all of them.
 
@@ -15,8 +15,8 @@ bits are then a function of its own partials, which the batch-invariant GEMM mak
 the batch-invariance contract holds within a degree; against degree 1 the split of each o/down sum along K rounds
 differently (docs/architecture.md, "Tensor parallelism").
 
-`shard_decoder` turns a decoder built on "meta" into rank r's shard before its weights are read; the checkpoint
-slices each rank reads are the parameters' `ShardSpec`s (models/weights.py).
+`slice_decoder` turns a decoder built on "meta" into rank r's slice before its weights are read; the checkpoint
+slices each rank reads are the parameters' `SliceSpec`s (models/weights.py).
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ from torch import nn
 
 from apcscore.errors import ApcscoreError
 from apcscore.models.llama import MLP, Attention, Linear, LlamaDecoder, RMSNorm
-from apcscore.models.weights import ShardSpec
+from apcscore.models.weights import SliceSpec
 
-# the decoder classes whose layers shard_decoder knows: every native one (a decoder added later is refused until it
+# the decoder classes whose layers slice_decoder knows: every native one (a decoder added later is refused until it
 # is taught here). Gemma's soft-caps, windows and q/k norms are per head or per logit, so they run on a rank's heads
 # or vocabulary rows unchanged
-SHARDABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder", "MoeDecoder")
+SLICEABLE = ("LlamaDecoder", "Phi3Decoder", "GemmaDecoder", "Olmo2Decoder", "GPTNeoXDecoder", "MoeDecoder")
 # decoders whose q/k norms span the whole projection (all heads): a rank gathers q and k to norm them (GatheredRMSNorm)
 WHOLE_PROJECTION_NORMS = ("Olmo2Decoder",)
 
@@ -85,7 +85,7 @@ def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
     return min(vocab, rank * per), min(vocab, (rank + 1) * per)
 
 
-def shard_sizes(hf_config: Any, world_size: int) -> tuple[int, int, int]:
+def slice_sizes(hf_config: Any, world_size: int) -> tuple[int, int, int]:
     """(query heads, KV heads, intermediate size) per rank; KV heads are replicated when fewer than ranks."""
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
@@ -97,7 +97,7 @@ def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> s
     if world_size == 1:
         return None
     n = world_size
-    if decoder.__name__ not in SHARDABLE:
+    if decoder.__name__ not in SLICEABLE:
         return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3, "
                 f"Gemma 2/3, OLMo 2, GPT-NeoX, Mixtral and Qwen2-MoE, not for {decoder.__name__}; run it with "
                 "--tensor-parallel 1")
@@ -125,13 +125,13 @@ def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> Non
 
 
 class ColumnParallelLinear(Linear):
-    """This rank's output rows of a projection (`shard`: which rows of the full, fused weight; the bias alike)."""
+    """This rank's output rows of a projection (`weight_slice`: which rows of the full, fused weight; the bias alike)."""
 
-    def __init__(self, in_features: int, shard: ShardSpec, bias: bool, linear_fn: Callable[..., torch.Tensor],
+    def __init__(self, in_features: int, rank_slice: SliceSpec, bias: bool, linear_fn: Callable[..., torch.Tensor],
                  device: Any = None) -> None:
-        super().__init__(in_features, sum(n for _, n in shard.ranges), bias, linear_fn, device)
-        self.shard = shard
-        self.bias_shard = shard if bias else None
+        super().__init__(in_features, sum(n for _, n in rank_slice.ranges), bias, linear_fn, device)
+        self.weight_slice = rank_slice
+        self.bias_slice = rank_slice if bias else None
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -142,7 +142,7 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, full: nn.Embedding, start: int, end: int, tp: TensorParallel, device: Any) -> None:
         dim = full.embedding_dim
         super().__init__(end - start, dim, _weight=torch.empty(end - start, dim, device=device))
-        self.shard = ShardSpec(0, ((start, end - start),), full.num_embeddings)
+        self.weight_slice = SliceSpec(0, ((start, end - start),), full.num_embeddings)
         self.start, self.end, self.tp = start, end, tp
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -156,10 +156,10 @@ class RowParallelLinear(Linear):
     """This rank's input columns of a projection; the partial products are summed across ranks in rank order,
     then the (replicated) bias is added once, as the full layer adds it after its sum."""
 
-    def __init__(self, shard: ShardSpec, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
+    def __init__(self, rank_slice: SliceSpec, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
                  tp: TensorParallel, device: Any = None) -> None:
-        super().__init__(sum(n for _, n in shard.ranges), out_features, bias, linear_fn, device)
-        self.shard = shard
+        super().__init__(sum(n for _, n in rank_slice.ranges), out_features, bias, linear_fn, device)
+        self.weight_slice = rank_slice
         self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,41 +193,41 @@ def _gather_qk_norms(attn: nn.Module, tp: TensorParallel, kv: int) -> None:
     attn.k_norm = GatheredRMSNorm(attn.k_norm, tp, kv_sources, device)
 
 
-def _shard_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
+def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
     heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     n, r = tp.world_size, tp.rank
     hq = heads // n
     hkv = max(1, kv // n)
     k0 = r * hkv if kv >= n else (r * hq) // (heads // kv)  # the KV head(s) this rank's query heads read
     full = heads * d + 2 * kv * d
-    qkv = ShardSpec(0, ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)),
+    qkv = SliceSpec(0, ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)),
                     full)
     old = attn.qkv_proj
     attn.qkv_proj = ColumnParallelLinear(old.weight.shape[1], qkv, old.bias is not None, old.linear_fn, device)
     o = attn.o_proj
-    attn.o_proj = RowParallelLinear(ShardSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
+    attn.o_proj = RowParallelLinear(SliceSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
                                     o.bias is not None, o.linear_fn, tp, device)
     attn.num_heads, attn.num_kv_heads = hq, hkv  # the forward reshapes to these: [T, hq, D], [T, hkv, D]
     attn.q_size, attn.kv_size = hq * d, hkv * d
 
 
-def _shard_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
+def _slice_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
     """The gate/up and down projections of `mlp` (a module with gate_up_proj, down_proj and intermediate: Llama's
     MLP, or a Gemma layer itself)."""
     inter = mlp.intermediate
     n, r = tp.world_size, tp.rank
     part = inter // n
     gu = mlp.gate_up_proj
-    mlp.gate_up_proj = ColumnParallelLinear(gu.weight.shape[1], ShardSpec(0, ((r * part, part),
+    mlp.gate_up_proj = ColumnParallelLinear(gu.weight.shape[1], SliceSpec(0, ((r * part, part),
                                                                               (inter + r * part, part)), 2 * inter),
                                             gu.bias is not None, gu.linear_fn, device)
     down = mlp.down_proj
-    mlp.down_proj = RowParallelLinear(ShardSpec(1, ((r * part, part),), inter), down.weight.shape[0],
+    mlp.down_proj = RowParallelLinear(SliceSpec(1, ((r * part, part),), inter), down.weight.shape[0],
                                       down.bias is not None, down.linear_fn, tp, device)
     mlp.intermediate = part
 
 
-def _shard_experts(moe: nn.Module, tp: TensorParallel) -> None:
+def _slice_experts(moe: nn.Module, tp: TensorParallel) -> None:
     """A sparse-MoE layer (models.moe.SparseMoe): every expert's intermediate split as a dense MLP's (gate/up rows,
     down columns); the router and the routing are replicated, so every rank picks the same experts; the ranks'
     partial outputs (each the weighted sum of its parts of the experts) are summed in rank order once per layer."""
@@ -237,62 +237,62 @@ def _shard_experts(moe: nn.Module, tp: TensorParallel) -> None:
     device = moe.down_proj.device
     moe.gate_up_proj = nn.Parameter(torch.empty(e, 2 * part, h, device=device), requires_grad=False)
     moe.down_proj = nn.Parameter(torch.empty(e, h, part, device=device), requires_grad=False)
-    moe.expert_shards = (ShardSpec(0, ((r * part, part), (inter + r * part, part)), 2 * inter),
-                         ShardSpec(1, ((r * part, part),), inter))
+    moe.expert_slices = (SliceSpec(0, ((r * part, part), (inter + r * part, part)), 2 * inter),
+                         SliceSpec(1, ((r * part, part),), inter))
     moe.intermediate = part
     moe.tp = tp
     if moe.shared_expert is not None:
-        _shard_mlp(moe.shared_expert, tp, device)
+        _slice_mlp(moe.shared_expert, tp, device)
 
 
-def _shard_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None:
+def _slice_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None:
     """GPT-NeoX: its checkpoint's query_key_value holds [q | k | v] per head, so a rank's heads are one contiguous
     block of rows (models.gpt_neox regroups them after reading); the MLP is up / down with biases."""
     attn, n, r = layer.self_attn, tp.world_size, tp.rank
     heads, d = attn.num_heads, attn.head_dim
     hq = heads // n
     qkv, o = attn.qkv_proj, attn.o_proj
-    attn.qkv_proj = ColumnParallelLinear(qkv.weight.shape[1], ShardSpec(0, ((r * hq * 3 * d, hq * 3 * d),),
+    attn.qkv_proj = ColumnParallelLinear(qkv.weight.shape[1], SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),),
                                                                         3 * heads * d),
                                          qkv.bias is not None, qkv.linear_fn, device)
-    attn.o_proj = RowParallelLinear(ShardSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
+    attn.o_proj = RowParallelLinear(SliceSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
                                     o.bias is not None, o.linear_fn, tp, device)
     attn.num_heads = attn.num_kv_heads = hq
     inter = layer.up.weight.shape[0]
     part = inter // n
     up, down = layer.up, layer.down
-    layer.up = ColumnParallelLinear(up.weight.shape[1], ShardSpec(0, ((r * part, part),), inter),
+    layer.up = ColumnParallelLinear(up.weight.shape[1], SliceSpec(0, ((r * part, part),), inter),
                                     up.bias is not None, up.linear_fn, device)
-    layer.down = RowParallelLinear(ShardSpec(1, ((r * part, part),), inter), down.weight.shape[0],
+    layer.down = RowParallelLinear(SliceSpec(1, ((r * part, part),), inter), down.weight.shape[0],
                                    down.bias is not None, down.linear_fn, tp, device)
 
 
-def shard_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
-    """Make `model` (built on "meta", before `materialize`) rank tp.rank's shard: its layers' projections and
-    head hold this rank's parts, which `load_hf_weights` then reads (models.weights.param_shards)."""
+def slice_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
+    """Make `model` (built on "meta", before `materialize`) rank tp.rank's slice: its layers' projections and
+    head hold this rank's parts, which `load_hf_weights` then reads (models.weights.param_slices)."""
     check_tensor_parallel(model.config, type(model), tp.world_size)
     device = model.embed_tokens.weight.device
     whole_norms = type(model).__name__ in WHOLE_PROJECTION_NORMS
     for layer in model.layers:
         if type(model).__name__ == "GPTNeoXDecoder":
-            _shard_neox_layer(layer, tp, device)
+            _slice_neox_layer(layer, tp, device)
             continue
-        kv = layer.self_attn.num_kv_heads  # (before sharding)
-        _shard_attention(layer.self_attn, tp, device)
+        kv = layer.self_attn.num_kv_heads  # (before slicing)
+        _slice_attention(layer.self_attn, tp, device)
         if whole_norms:
             _gather_qk_norms(layer.self_attn, tp, kv)
         mlp = getattr(layer, "mlp", layer)
-        if hasattr(mlp, "expert_shards"):
-            _shard_experts(mlp, tp)
+        if hasattr(mlp, "expert_slices"):
+            _slice_experts(mlp, tp)
         else:
-            _shard_mlp(mlp, tp, device)
+            _slice_mlp(mlp, tp, device)
     vocab = model.config.vocab_size
     start, end = vocab_range(vocab, tp.rank, tp.world_size)
     model.vocab_range = (start, end)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, tp, device)
-    if model.lm_head is not None:  # a tied head is the (sharded) embedding itself (lm_head_weight)
+    if model.lm_head is not None:  # a tied head is the (sliced) embedding itself (lm_head_weight)
         head = model.lm_head
-        model.lm_head = ColumnParallelLinear(head.weight.shape[1], ShardSpec(0, ((start, end - start),), vocab),
+        model.lm_head = ColumnParallelLinear(head.weight.shape[1], SliceSpec(0, ((start, end - start),), vocab),
                                              False, head.linear_fn, device)
     model.tensor_parallel = tp
     return model

@@ -11,7 +11,7 @@ from apcscore.errors import ApcscoreError
 
 
 @dataclass(frozen=True)
-class ShardSpec:
+class SliceSpec:
     """Which part of a full parameter one tensor-parallel rank holds (apcscore.models.tensor_parallel).
 
     The full parameter is the concatenation of its named checkpoint tensors along `dim` (q, k, v rows of a fused
@@ -23,17 +23,17 @@ class ShardSpec:
     full: int
 
 
-def param_shards(model: torch.nn.Module) -> dict[int, ShardSpec]:
-    """id(parameter) -> ShardSpec of every parameter of `model` a tensor-parallel rank holds a part of: the
-    modules' `shard` (weight) and `bias_shard` (apcscore.models.tensor_parallel). Call it after materialize."""
-    out: dict[int, ShardSpec] = {}
+def param_slices(model: torch.nn.Module) -> dict[int, SliceSpec]:
+    """id(parameter) -> SliceSpec of every parameter of `model` a tensor-parallel rank holds a part of: the
+    modules' `weight_slice` (weight) and `bias_slice` (apcscore.models.tensor_parallel). Call it after materialize."""
+    out: dict[int, SliceSpec] = {}
     for module in model.modules():
-        shard = getattr(module, "shard", None)
-        if isinstance(shard, ShardSpec):
-            out[id(module.weight)] = shard
-            bias_shard = getattr(module, "bias_shard", None)
-            if isinstance(bias_shard, ShardSpec):
-                out[id(module.bias)] = bias_shard
+        rank_slice = getattr(module, "weight_slice", None)
+        if isinstance(rank_slice, SliceSpec):
+            out[id(module.weight)] = rank_slice
+            bias_slice = getattr(module, "bias_slice", None)
+            if isinstance(bias_slice, SliceSpec):
+                out[id(module.bias)] = bias_slice
     return out
 
 
@@ -48,14 +48,14 @@ class WeightCopier:
     """
 
     def __init__(self, state: Mapping[str, torch.Tensor], consume: bool = False,
-                 shards: Mapping[int, ShardSpec] | None = None) -> None:
-        """shards: id(parameter) -> its ShardSpec, for the parameters a tensor-parallel rank holds a part of (the
+                 slices: Mapping[int, SliceSpec] | None = None) -> None:
+        """slices: id(parameter) -> its SliceSpec, for the parameters a tensor-parallel rank holds a part of (the
         others are copied whole). A state that offers `lazy(name)` (models.loading.LazyCheckpoint) is read only
-        in the slices a sharded parameter needs."""
+        in the slices a sliced parameter needs."""
         self.state = state
         self.consume = consume
         self.used: set[str] = set()
-        self.shards = shards or {}
+        self.slices = slices or {}
 
     def take(self, name: str) -> torch.Tensor:
         """The checkpoint tensor `name`, marked used."""
@@ -65,9 +65,9 @@ class WeightCopier:
         return self.state.pop(name) if self.consume else self.state[name]  # type: ignore[attr-defined]
 
     def __call__(self, param: torch.Tensor, *names: str) -> None:
-        spec = self.shards.get(id(param))
+        spec = self.slices.get(id(param))
         if spec is not None:
-            return self.copy_shard(param, spec, names)
+            return self.copy_slice(param, spec, names)
         sources = [self.take(n) for n in names]
         shape = (sum(s.shape[0] for s in sources), *sources[0].shape[1:])
         if any(s.shape[1:] != sources[0].shape[1:] for s in sources) or shape != tuple(param.shape):
@@ -78,7 +78,7 @@ class WeightCopier:
             param[row:row + src.shape[0]].copy_(src)
             row += src.shape[0]
 
-    def copy_shard(self, param: torch.Tensor, spec: ShardSpec, names: tuple[str, ...]) -> None:
+    def copy_slice(self, param: torch.Tensor, spec: SliceSpec, names: tuple[str, ...]) -> None:
         """Fill `param` with the ranges `spec` names of the concatenation of `names` along spec.dim, reading
         only those slices (lazily where the state allows)."""
         lazy = getattr(self.state, "lazy", None)

@@ -1,20 +1,20 @@
 """The ranks of a tensor-parallel engine (`EngineConfig.tensor_parallel_size` N > 1) on torch.distributed.
 
 Rank 0 is the process that builds the `Engine`: its scheduler, block manager and score store run there only,
-as vLLM's driver worker. The other ranks hold their shard of the model (models/tensor_parallel.py) and a KV
+as vLLM's driver worker. The other ranks hold their slice of the model (models/tensor_parallel.py) and a KV
 cache of their heads, and do what rank 0 tells them: rank 0 broadcasts each call (`RankGroup.call`: an
 operation and its arguments, e.g. a step's host inputs, engine/step_inputs.StepInputs), then every rank runs
 it, meeting in the same collectives (the layers' gathers, the logprobs' gathers) in the same order; only rank 0
-keeps outputs (engine/tp_runner.py).
+keeps outputs (engine/parallel/runner.py).
 
 How the ranks start:
 - by apcscore (the default): rank 0 spawns N - 1 processes with torch.multiprocessing (spawn), gloo on the
-  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file (engine/tp_spawn.py: the workers ignore
+  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file (engine/parallel/spawn.py: the workers ignore
   SIGINT and SIGTERM, which rank 0 handles for the group, and exit when rank 0 is gone);
 - by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): every rank runs the same command; rank 0 goes on, the others
   become workers when they reach the engine (`serve_if_worker`) and exit when rank 0 is done.
 
-One process drives one group, started on first use and kept for later engines (each engine's shards are keyed on
+One process drives one group, started on first use and kept for later engines (each engine's slices are keyed on
 the workers, dropped when rank 0's engine is collected), so tests and a driver that builds several engines pay the
 start once.
 """
@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from apcscore.errors import ApcscoreError
-from apcscore.engine.tp_faults import FailureWatch, failure_note
-from apcscore.engine.tp_runner import serve, torchrun_env
-from apcscore.engine.tp_spawn import on_loopback, spawn_workers
+from apcscore.engine.parallel.faults import FailureWatch, failure_note
+from apcscore.engine.parallel.runner import serve, torchrun_env
+from apcscore.engine.parallel.spawn import on_loopback, spawn_workers
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 TIMEOUT = timedelta(minutes=30)  # of one collective: a step of a large model on the CPU can be long
@@ -60,15 +60,15 @@ class RankGroup:
     # shutdown ends them instead of broadcasting (which would wait for them until the timeout)
     in_sync: bool = True
     threads_before: int | None = None  # rank 0's torch threads before it took its share (restored at shutdown)
-    watch: FailureWatch | None = None  # NCCL: aborts the group when a worker fails (engine/tp_faults.py)
+    watch: FailureWatch | None = None  # NCCL: aborts the group when a worker fails (engine/parallel/faults.py)
 
     def new_key(self) -> int:
-        """A key for one engine's shards on the workers; `register` frees them when rank 0's engine goes."""
+        """A key for one engine's slices on the workers; `register` frees them when rank 0's engine goes."""
         key, self.next_key = self.next_key, self.next_key + 1
         return key
 
     def register(self, owner: Any, key: int) -> None:
-        """Free the workers' shards of `key` once `owner` (rank 0's engine) is garbage collected. The drop
+        """Free the workers' slices of `key` once `owner` (rank 0's engine) is garbage collected. The drop
         travels with the next call: a finalizer may run between two collectives, where a broadcast would
         desynchronise the ranks."""
         weakref.finalize(owner, self.dropped.append, key)
@@ -103,7 +103,7 @@ class RankGroup:
         try:
             if self.in_sync and all(p.is_alive() for p in self.processes):
                 dist.broadcast_object_list([(0, "shutdown", (), [])], src=0)
-            else:  # (SIGKILL: the workers ignore SIGTERM, engine/tp_spawn.py)
+            else:  # (SIGKILL: the workers ignore SIGTERM, engine/parallel/spawn.py)
                 for p in self.processes:
                     p.kill()
         except RuntimeError:  # a rank already gone: nothing to tell it

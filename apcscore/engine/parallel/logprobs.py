@@ -8,8 +8,8 @@ state). Per row chunk, every rank computes
 and all of them are all-gathered once. The global max M is the max of the m_r (exact), the sum
 S = sum_r s_r * exp(m_r - M) is added in rank order (fixed: it cannot depend on timing or message size), and
 lse = M + log(S). The merged top-K is the first K of the gathered candidates in the same order as
-kernels/logprobs_ref.top_k (every global top-K entry is in its own shard's top-K, so the merge is exact, ties by
-lowest id across shards too). The rank is 1 + the sum over ranks of each shard's count of logits strictly above
+kernels/logprobs_ref.top_k (every global top-K entry is in its own slice's top-K, so the merge is exact, ties by
+lowest id across slices too). The rank is 1 + the sum over ranks of each slice's count of logits strictly above
 the target's (integers: exact), one more gather. Everything per row, so batch invariant.
 """
 
@@ -47,7 +47,7 @@ def _chunk(tp: TensorParallel, logits: torch.Tensor, targets: torch.Tensor, k: i
     own = torch.where(here, own, float("-inf"))  # [c]: the target's logit on the rank that holds it
     kk = min(k, local)
     values, ids = top_k(logits, kk)  # [c, kk] each
-    if kk < k:  # a shard smaller than K: padding sorts last (no finite logit is -inf)
+    if kk < k:  # a slice smaller than K: padding sorts last (no finite logit is -inf)
         values = torch.cat([values, values.new_full((c, k - kk), float("-inf"))], dim=1)
         ids = torch.cat([ids, torch.full((c, k - kk), vocab, dtype=torch.int64, device=ids.device)], dim=1)
     # ids travel as fp32: exact below 2^24 (checked by the caller); [c, 3 + 2k]
@@ -76,7 +76,7 @@ def _chunk(tp: TensorParallel, logits: torch.Tensor, targets: torch.Tensor, k: i
         rank = torch.zeros_like(targets)
     cand_v = torch.cat([p[:, 3:3 + k] for p in parts], dim=1)  # [c, n * k]
     cand_i = torch.cat([p[:, 3 + k:] for p in parts], dim=1).long()
-    # by id, then a stable sort by value keeps equal values in id order (the shards are ascending id ranges in
+    # by id, then a stable sort by value keeps equal values in id order (the slices are ascending id ranges in
     # rank order, so the concatenation is already so for ties: this states the order rather than relying on it)
     by_id, order = cand_i.sort(dim=-1)
     vals, order2 = cand_v.gather(-1, order).sort(dim=-1, descending=True, stable=True)
@@ -105,6 +105,6 @@ def gathered_logits(tp: TensorParallel, local: torch.Tensor, vocab: int) -> torc
     """Every rank's logits [S, Vr] side by side: [S, vocab] (for sampling: S rows, one per sampling sequence).
     A concatenation, no arithmetic: the same values on every rank."""
     per = -(-vocab // tp.world_size)
-    if local.shape[1] < per:  # the last shard may be shorter: pad to the common width
+    if local.shape[1] < per:  # the last slice may be shorter: pad to the common width
         local = torch.cat([local, local.new_full((local.shape[0], per - local.shape[1]), float("-inf"))], dim=1)
     return torch.cat(tp.gather(local), dim=1)[:, :vocab]

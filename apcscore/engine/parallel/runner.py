@@ -1,8 +1,8 @@
-"""One engine's part on one tensor-parallel rank (`Shard`: the model shard and its runner) and the runner that
-drives a step across the ranks (`ShardRunner`).
+"""One engine's part on one tensor-parallel rank (`RankSlice`: the model slice and its runner) and the runner that
+drives a step across the ranks (`SliceRunner`).
 
-On rank 0 the ShardRunner is the engine's model runner: before each collective part of a step it broadcasts the
-call through the RankGroup (engine/tensor_parallel.py), so the workers' ShardRunners run the same forward
+On rank 0 the SliceRunner is the engine's model runner: before each collective part of a step it broadcasts the
+call through the RankGroup (engine/parallel/ranks.py), so the workers' SliceRunners run the same forward
 (the step's host inputs: StepInputs), the same vocabulary-parallel logprobs (rows, targets, K) or the same logits
 gather (the sampling rows) in step with it. Hidden states are replicated after every row-parallel sum, so the
 workers index their own copy by the row numbers rank 0 sends; only rank 0 keeps the results.
@@ -22,12 +22,12 @@ from apcscore.engine.kv_cache import profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner
 from apcscore.engine.request import TokenLogprobs
 from apcscore.engine.step_inputs import StepInputs
-from apcscore.engine.tp_logprobs import gathered_logits, parallel_token_logprobs
+from apcscore.engine.parallel.logprobs import gathered_logits, parallel_token_logprobs
 from apcscore.models.decoders import build_decoder
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import LazyCheckpoint
 from apcscore.models.ops import Ops, select_ops
-from apcscore.engine.tp_faults import failure_note, report_failure
+from apcscore.engine.parallel.faults import failure_note, report_failure
 from apcscore.models.tensor_parallel import RanksFailed, TensorParallel
 
 
@@ -50,7 +50,7 @@ def rank_device(device_type: str, rank: int) -> torch.device:
 
 @dataclass(frozen=True)
 class LoadArgs:
-    """What every rank needs to build its shard: rank 0 broadcasts it."""
+    """What every rank needs to build its slice: rank 0 broadcasts it."""
 
     hf_config: Any
     weights: str | dict[str, torch.Tensor]  # a model directory (each rank reads only its slices) or a state dict
@@ -61,7 +61,7 @@ class LoadArgs:
     device_type: str
 
 
-class ShardRunner(ModelRunner):
+class SliceRunner(ModelRunner):
     """The model runner of one rank; on rank 0 (`group` given) it also tells the workers what to run."""
 
     def __init__(self, model: LlamaDecoder, tp: TensorParallel, group: Any = None, key: int = 0,
@@ -103,7 +103,7 @@ class ShardRunner(ModelRunner):
     # ---- what every rank computes ----------------------------------------------------------------------------
     def local_logprobs(self, hidden: torch.Tensor, rows: list[int], extra: list[torch.Tensor], targets: list[int],
                        k: int, ranks: bool) -> TokenLogprobs:
-        """ModelRunner._token_logprobs over the vocabulary-parallel head (engine/tp_logprobs.py)."""
+        """ModelRunner._token_logprobs over the vocabulary-parallel head (engine/parallel/logprobs.py)."""
         if extra:
             hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
         dev = hidden.device
@@ -117,18 +117,18 @@ class ShardRunner(ModelRunner):
         return gathered_logits(self.tp, self._local_logits(picked), self.vocab)
 
 
-class Shard:
-    """One engine's shard on one rank: built by `load`, then `make_runner`; the rest are a step's parts."""
+class RankSlice:
+    """One engine's slice on one rank: built by `load`, then `make_runner`; the rest are a step's parts."""
 
     def __init__(self, tp: TensorParallel, model: LlamaDecoder, ops: Ops, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.tp, self.model, self.ops, self.device, self.dtype = tp, model, ops, device, dtype
-        self.runner: ShardRunner | None = None
+        self.runner: SliceRunner | None = None
         self.hidden: torch.Tensor | None = None  # the last forward's final hidden states [T, H]
 
     @classmethod
-    def load(cls, tp: TensorParallel, args: LoadArgs) -> "Shard":
-        """This rank's model shard, its weights read from args.weights (only its slices of a directory)."""
+    def load(cls, tp: TensorParallel, args: LoadArgs) -> "RankSlice":
+        """This rank's model slice, its weights read from args.weights (only its slices of a directory)."""
         cfg = args.config
         device = rank_device(args.device_type, tp.rank)
         ops = select_ops(cfg.attention_backend, device.type, cfg.batch_invariant)
@@ -138,12 +138,12 @@ class Shard:
         return cls(tp, model, ops, device, args.dtype)
 
     def make_runner(self, num_kv_blocks: int, runner: dict[str, Any], group: Any = None, key: int = 0
-                    ) -> ShardRunner:
+                    ) -> SliceRunner:
         """The rank's runner and KV cache (its KV heads) of `num_kv_blocks` blocks; `runner`: ModelRunner's other
         settings (block_size, logprobs_chunk_size, base_seed, max_num_seqs, capture_block_hidden)."""
         if group is not None:
             group.call(key, "make_runner", num_kv_blocks, {**runner, "capture_block_hidden": False})
-        self.runner = ShardRunner(self.model, self.tp, group, key, num_kv_blocks=num_kv_blocks, device=self.device,
+        self.runner = SliceRunner(self.model, self.tp, group, key, num_kv_blocks=num_kv_blocks, device=self.device,
                                   dtype=self.dtype, logprob_fn=self.ops.token_logprobs, **runner)
         return self.runner
 
@@ -164,13 +164,13 @@ class Shard:
         try:
             peak = profile_peak_memory(self.model, **{**step, "device": self.device})
             peaks = self.tp.gather(torch.tensor([peak], dtype=torch.int64, device=self.device))
-        except BaseException:  # (e.g. out of memory) as ShardRunner._run: the workers may wait in the gather
+        except BaseException:  # (e.g. out of memory) as SliceRunner._run: the workers may wait in the gather
             if group is not None:
                 group.in_sync = False
             raise
         return int(max(int(p.item()) for p in peaks))
 
-    # ---- a step's parts on a worker (engine/tensor_parallel.serve calls them by name) -------------------------
+    # ---- a step's parts on a worker (serve, below, calls them by name) -------------------------
     def forward(self, inp: StepInputs) -> None:
         self.hidden = self.runner.forward_inputs(inp)
 
@@ -181,28 +181,50 @@ class Shard:
         self.runner.local_rows_logits(self.hidden, rows)
 
 
+@dataclass(frozen=True)
+class ParallelContext:
+    """Rank 0's view of one engine under tensor parallelism: its own slice, the group of ranks, and the key the
+    workers file this engine's slices under."""
+
+    rank_slice: RankSlice
+    group: Any  # engine.parallel.ranks.RankGroup
+    key: int
+
+    def make_runner(self, num_kv_blocks: int, runner: dict[str, Any]) -> SliceRunner:
+        """Rank 0's runner; the workers build theirs with the same pool size."""
+        return self.rank_slice.make_runner(num_kv_blocks, runner, self.group, self.key)
+
+    def profile(self, step: dict[str, Any]) -> int:
+        """The largest step's peak memory over every rank (CUDA KV pool sizing)."""
+        return self.rank_slice.profile(step, self.group, self.key)
+
+    def drop(self) -> None:
+        """The engine was not built (or is gone): the workers free its slices with the next call."""
+        self.group.dropped.append(self.key)
+
+
 def serve(tp: TensorParallel) -> None:
-    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's shard
-    (`Shard`; rank 0 sends them through engine/tensor_parallel.RankGroup.call)."""
+    """The worker loop: receive (engine key, operation, arguments) from rank 0 and run it on this rank's slice
+    (`RankSlice`; rank 0 sends them through engine/parallel/ranks.RankGroup.call)."""
     import torch.distributed as dist
 
-    shards: dict[int, Shard] = {}
+    slices: dict[int, RankSlice] = {}
     while True:
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0)
         key, op, args, drops = message[0]
         for d in drops:
-            shards.pop(d, None)
+            slices.pop(d, None)
         if op == "shutdown":
             return
         try:
             if op == "load":  # (built outside inference mode, as rank 0 builds its own)
-                shards[key] = Shard.load(tp, *args)
+                slices[key] = RankSlice.load(tp, *args)
             elif op == "make_runner":
-                shards[key].make_runner(*args)
+                slices[key].make_runner(*args)
             else:
                 with torch.inference_mode():  # as ModelRunner.execute on rank 0
-                    getattr(shards[key], op)(*args)
+                    getattr(slices[key], op)(*args)
         except BaseException as e:  # rank 0 may wait in this op's collective: tell it why this rank ends
             report_failure(tp.rank, e)
             raise

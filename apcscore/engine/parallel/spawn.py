@@ -117,10 +117,10 @@ def wait_ready(processes: list[Any], ready: list[Any], timeout: float | None = N
 
 def worker_main(rank: int, world_size: int, init: str, backend: str, threads: int, ready: Any,
                 timeout: timedelta, parent: int) -> None:
-    """A spawned worker: join the group, then serve rank 0 (engine/tp_runner.serve) until it says shutdown."""
+    """A spawned worker: join the group, then serve rank 0 (engine/parallel.runner.serve) until it says shutdown."""
     import torch.distributed as dist
 
-    from apcscore.engine.tp_runner import serve
+    from apcscore.engine.parallel.runner import serve
     from apcscore.models.tensor_parallel import TensorParallel
 
     ignore_stop_signals()
