@@ -18,7 +18,7 @@ from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer
-from apcscore.engine.gemm_probe import check_batch_invariance
+from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.model_info import (ModelInfo, capping_window, check_backend_device, context_length,
                                         resolve_device, resolve_dtype, stop_string_cut, stop_tokens)
@@ -36,13 +36,11 @@ from apcscore.models.tensor_parallel import check_tensor_parallel
 
 
 def check_parallel(hf_config: Any, config: EngineConfig, device: torch.device) -> None:
-    """Refuse a tensor-parallel configuration that cannot run, before any weights are read; under torchrun, a rank
-    other than 0 becomes a worker here (engine/parallel/ranks.serve_if_worker) and never returns."""
-    from apcscore.engine.parallel.ranks import check_devices, serve_if_worker
+    """Refuse a tensor-parallel configuration that cannot run, before any weights are read."""
+    from apcscore.engine.parallel.ranks import check_devices
 
     check_tensor_parallel(hf_config, decoder_class(hf_config), config.tensor_parallel_size)
     check_devices(config.tensor_parallel_size, device)
-    serve_if_worker(device)
 
 
 class Engine:
@@ -66,7 +64,7 @@ class Engine:
         self.dtype = dtype
         self.ops = ops
         self.attention_backend = ops.name  # "torch" | "triton", as the run metadata records it
-        self.numerics = check_batch_invariance(model, ops, config, device)
+        self.numerics = probe_numerics(model, ops, config, device)
         self.batch_invariant = self.numerics["batch_invariant"]
         profile = None
         if device.type == "cuda":  # the pool takes what the largest step leaves (kv_cache.profile_peak_memory)
@@ -130,6 +128,9 @@ class Engine:
         check_architecture(parts.config)  # before the weights are read
         if config.tensor_parallel_size > 1:  # each rank reads only its slices of the weights
             check_parallel(parts.config, config, device)
+            from apcscore.engine.parallel.ranks import serve_if_worker
+
+            serve_if_worker(device)  # under torchrun a rank other than 0 serves rank 0 from here: never returns
             state: Any = LazyCheckpoint(files.path, dtype)
         else:
             state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
@@ -157,7 +158,9 @@ class Engine:
         parallel = None
         if config.tensor_parallel_size > 1:
             check_parallel(hf_config, config, device)
-            from apcscore.engine.parallel.ranks import rank_group
+            from apcscore.engine.parallel.ranks import rank_group, serve_if_worker
+
+            serve_if_worker(device)  # under torchrun a rank other than 0 serves rank 0 from here: never returns
             from apcscore.engine.parallel.runner import ParallelContext, RankSlice, load_args
 
             group = rank_group(config.tensor_parallel_size, device)

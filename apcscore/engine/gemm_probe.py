@@ -137,10 +137,9 @@ def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) ->
     return result
 
 
-def check_batch_invariance(model: Any, ops: Any, config: Any,
-                           device: torch.device) -> dict:
-    """Probe the linear construction on this machine (apcscore.engine.gemm_probe) and return the numerics
-    metadata. Where batch invariance was asked for but does not hold: one warning, and --exact-reuse refused."""
+def probe_numerics(model: Any, ops: Any, config: Any, device: torch.device) -> dict:
+    """Probe the linear construction on this machine (the start-up probe above) and return the run metadata's
+    `numerics`. Where batch invariance was asked for but does not hold: one warning, and --exact-reuse refused."""
     probe, reason = None, None
     if ops.batch_invariant:
         result = probe_model(model, ops.linear, config.max_batch_tokens)
