@@ -20,10 +20,11 @@ from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
-from apcscore.engine.model_info import (ModelInfo, capping_window, check_backend_device, context_length,
-                                        resolve_device, resolve_dtype, stop_string_cut, stop_tokens)
+from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
+from apcscore.engine.model_info import ModelInfo, capping_window, context_length
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
+from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.score_store import ScoreStore, store_bytes_per_block
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.engine.sequence import Sequence

@@ -27,8 +27,9 @@ from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
-from apcscore.engine.model_info import (ModelInfo, context_length, resolve_device, resolve_dtype,
-                                        stop_string_cut, stop_tokens)
+from apcscore.engine.devices import resolve_device, resolve_dtype
+from apcscore.engine.model_info import ModelInfo, context_length
+from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError

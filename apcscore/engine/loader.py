@@ -17,7 +17,8 @@ from apcscore.errors import ApcscoreError
 from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import TransformersEngine
 from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
-from apcscore.engine.model_info import check_backend_device, context_length, resolve_device, resolve_dtype
+from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
+from apcscore.engine.model_info import context_length
 from apcscore.models.architecture import choose_model_backend
 from apcscore.models.decoders import decoder_class
 

@@ -2,28 +2,19 @@
 
 - `ModelInfo`: what the run metadata records about the model;
 - `context_length`: the one context-length rule (`max_model_len`), with the sliding-window cap the native
-  decoder needs (`capping_window`);
-- the device and dtype of a run: `resolve_device`, `resolve_dtype`, `DTYPES`, `check_backend_device`;
-- the stop rule of a completion: `stop_tokens` (end-of-sequence and stop token ids) and `stop_string_cut`
-  (stop strings, through the incremental detokenizer).
+  decoder needs (`capping_window`).
 
-The engines' counters are in `apcscore.engine.counters` (torch-free).
+The device and dtype of a run are in `apcscore.engine.devices`, the stop rule in `apcscore.engine.stopping`, the
+engines' counters in `apcscore.engine.counters` (torch-free).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from apcscore.config import EngineConfig
-from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.sampling_params import SamplingParams
 from apcscore.errors import ApcscoreError
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -80,46 +71,3 @@ def capping_window(hf_config: Any, config: EngineConfig, window_cap: bool = True
     None (what `ModelInfo.sliding_window` and the metadata's context_capped_by_sliding_window record)."""
     window = unmasked_window(hf_config) if window_cap else None
     return window if window and (not config.max_model_len or config.max_model_len > window) else None
-
-
-# ---- device and dtype ---------------------------------------------------------------------------------
-def resolve_device(device: str) -> torch.device:
-    """The torch device of --device (auto: CUDA when available, else the CPU); an error for CUDA without
-    one."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ApcscoreError("--device cuda was asked for, but no CUDA device is available; use --device cpu")
-    return torch.device(device)
-
-
-def check_backend_device(config: EngineConfig) -> None:
-    """Refuse --attention-backend triton where no GPU runs it (the Triton interpreter, for tests,
-    excepted)."""
-    if config.attention_backend == "triton" and resolve_device(config.device).type != "cuda" \
-            and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ApcscoreError("--attention-backend triton needs a CUDA GPU, and this run is on the CPU — use "
-                            "--attention-backend torch (or auto, which picks torch on a CPU)")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of --dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
-
-
-# ---- the stop rule ------------------------------------------------------------------------------------
-def stop_tokens(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:
-    """The token ids that end a completion: its stop_token_ids, and the model's end-of-sequence ids unless
-    ignore_eos. The stopping token is part of the completion (finish reason "stop")."""
-    return set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
-
-
-def stop_string_cut(detokenizer: IncrementalDetokenizer, token_ids: list[int], prompt_len: int,
-                    stop: tuple[str, ...]) -> int | None:
-    """Where the completion's text ends at its first stop string, or None: decodes only the new tokens' window
-    (engine/detokenizer.py), so a whole completion costs O(n). token_ids: prompt and completion so far."""
-    searched = len(detokenizer.text)
-    detokenizer.update(token_ids, start=prompt_len)
-    return find_stop(detokenizer.text, stop, searched)

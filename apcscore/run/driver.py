@@ -96,7 +96,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     if opts.ray:
         from apcscore.scale.ray_run import RayExecutor as executor_class
     else:
-        from apcscore.engine.model_info import check_backend_device
+        from apcscore.engine.devices import check_backend_device
         from apcscore.jobs.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)

@@ -13,7 +13,7 @@ import time
 from typing import Any
 
 from apcscore.engine.loader import load_engine
-from apcscore.engine.model_info import check_backend_device
+from apcscore.engine.devices import check_backend_device
 from apcscore.jobs.metadata import run_metadata
 from apcscore.jobs.options import RunOptions
 from apcscore.jobs.registry import job_class
