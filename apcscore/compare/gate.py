@@ -311,5 +311,6 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
     thresholds = thresholds or Thresholds()
     if bt.num_rows:
         c.stats = paired_stats(bt, nt, pos, thresholds.significance or DEFAULT_ALPHA, samples, seed)
+        c.notes += c.stats.notes
     c.checks = evaluate(c, thresholds)
     return c

@@ -69,6 +69,7 @@ class PairedStats:
     power: float = POWER
     mcnemar: list[McNemar] = field(default_factory=list)
     intervals: list[Interval] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # where the sample is too small to decide
 
 
 def _log_binom_pmf_half(n: int) -> np.ndarray:
@@ -198,7 +199,12 @@ def paired_stats(base: pa.Table, new: pa.Table, pos: Positions | None, alpha: fl
             continue
         cb, cn = (pc.fill_null(t[correct], False).to_numpy(zero_copy_only=False)[mc].astype(bool)
                   for t in (base, new))
-        s.mcnemar.append(mcnemar(kind, cb, cn, alpha))
+        t = mcnemar(kind, cb, cn, alpha)
+        s.mcnemar.append(t)
+        if t.mde is None or t.mde > (t.lost + t.gained) / t.num_records:
+            s.notes.append(f"{kind}: with {t.lost + t.gained} flip(s) between right and wrong in {t.num_records} "
+                           f"records, no accuracy drop can be detected at alpha {alpha:g} with power {POWER:g} "
+                           "(minimum detectable drop above the discordant rate): the sample is too small to decide")
         iv = paired_interval("accuracy" if kind == "acc" else kind, cn.astype(np.float64) - cb, np.ones(len(cb)),
                              "negative", alpha, samples, seed)
         s.intervals += [iv] if iv is not None else []
