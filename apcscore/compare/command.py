@@ -4,6 +4,8 @@
 Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared).
 By default one record that is ok in the baseline and an error in the candidate fails the gate
 (`--max-new-errors 0`).
+In GitHub Actions (GITHUB_ACTIONS=true) it also prints workflow commands, and it appends the Markdown report to
+$GITHUB_STEP_SUMMARY when that is set (apcscore.compare.ci_outputs).
 The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this module
 (and `apcscore --help`) stays fast.
 """
@@ -52,7 +54,8 @@ def compare(
         help="TOML file whose 'thresholds' table sets these limits (see configs/compare.toml); options given "
              "here override it.")] = None,
     report_md: Annotated[Optional[Path], typer.Option(
-        help="Also write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+        help="Also write the report as Markdown here (in GitHub Actions it is appended to $GITHUB_STEP_SUMMARY "
+             "without this).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(
         help="Also write every figure, per record included, as JSON here.")] = None,
     report_junit: Annotated[Optional[Path], typer.Option(
