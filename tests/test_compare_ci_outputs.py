@@ -97,3 +97,13 @@ def test_annotations_only_when_github_actions_is_true(tmp_path, monkeypatch, val
     base, new = _files(tmp_path)
     monkeypatch.setenv("GITHUB_ACTIONS", value)
     assert "::" not in run_cli(base, new, "--max-accuracy-drop", 0.1).output
+
+
+def test_a_usage_error_is_an_annotation_too(tmp_path, monkeypatch) -> None:
+    base, _ = _files(tmp_path)
+    monkeypatch.setenv("GITHUB_ACTIONS", "true")
+    r = run_cli(base, base, "--max-mean-kld", 0.1)  # multiple-choice files hold no top-K: exit 2
+    assert r.exit_code == 2
+    line = next(x for x in r.output.splitlines() if x.startswith("::error"))
+    assert line.startswith("::error title=apcscore compare%3A nothing compared (exit 2)::--max-mean-kld cannot be "
+                           "checked")

@@ -262,3 +262,46 @@ def test_fp32_vs_bf16_on_200_questions_with_the_default_model(write_jsonl, tmp_p
     print(f"\n200 questions, float32 -> bfloat16: accuracy {cb.mean():.3f} -> {cn.mean():.3f}, {lost} lost, "
           f"{gained} gained, McNemar p {acc['p_value']:.4g}, 95% interval [{iv['low']:+.4f}, {iv['high']:+.4f}], "
           f"MDE {acc['mde']}")
+
+
+@pytest.mark.slow
+def test_nll_bootstrap_and_divergence_block_on_the_default_model(tmp_path) -> None:
+    """float32 against bfloat16 on datasets/sample_prompts.jsonl: the bootstrap of ln(PPL ratio), delta p and the
+    KL block recomputed from the files' columns with pyarrow, numpy and scipy."""
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    data = Path(__file__).resolve().parents[1] / "datasets" / "sample_prompts.jsonl"
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        out[dtype] = tmp_path / f"{dtype}.parquet"
+        r = CliRunner().invoke(app, ["score", str(data), "--device", "cpu", "--dtype", dtype, "--prompt-logprobs",
+                                     "5", "--out", str(out[dtype]), "--quiet"])
+        assert r.exit_code == 0, r.output
+    c = compare_files(out["float32"], out["bfloat16"], Thresholds(significance=0.05))
+    tb, tn = (pq.read_table(out[d], columns=["id", "token_logprobs"]).to_pylist() for d in ("float32", "bfloat16"))
+    assert [r["id"] for r in tb] == [r["id"] for r in tn]
+    lp_b = [np.array(r["token_logprobs"][1:], dtype=np.float64) for r in tb]
+    lp_n = [np.array(r["token_logprobs"][1:], dtype=np.float64) for r in tn]
+    num = np.array([(b - n).sum() for b, n in zip(lp_b, lp_n)])
+    den = np.array([len(b) for b in lp_b], dtype=np.float64)
+    ref = sps.bootstrap((num, den), _ratio, paired=True, vectorized=True, n_resamples=2000, method="percentile",
+                        rng=np.random.default_rng(0))
+    iv = c.stats.intervals[0]
+    assert (iv.figure, iv.num_records) == ("ln PPL ratio", len(tb))
+    assert (iv.low, iv.high) == pytest.approx(tuple(ref.confidence_interval), rel=1e-9)
+    assert iv.se == pytest.approx(ref.standard_error, rel=1e-9)
+    b, n = np.concatenate(lp_b), np.concatenate(lp_n)
+    dp = np.exp(n) - np.exp(b)
+    d = c.metrics.delta_p
+    assert list(d.percentiles.values()) == pytest.approx(
+        list(np.percentile(dp, (99.9, 99, 95, 90, 75, 50, 25, 10, 5, 1, 0.1))), rel=1e-9, abs=1e-12)
+    assert (d.min, d.max, d.mean_se) == pytest.approx((dp.min(), dp.max(), sps.sem(dp)), rel=1e-9, abs=1e-12)
+    assert c.metrics.mean_ln_ppl_ratio_se == pytest.approx(sps.sem(b - n), rel=1e-9)
+    kl = c.aligned.positions.kld
+    k = c.metrics.kld
+    assert list(k.percentiles.values()) == pytest.approx(
+        list(np.percentile(kl, (99.9, 99, 95, 90, 50, 10, 5, 1, 0.1))), rel=1e-9, abs=1e-15)
+    assert (k.min, k.mean_se) == pytest.approx((kl.min(), sps.sem(kl)), rel=1e-9, abs=1e-15)
+    assert 0 < k.mean < 1e-2 and 0.9 < c.metrics.top1_agreement <= 1

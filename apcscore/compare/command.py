@@ -12,6 +12,7 @@ The metrics live in the other modules of apcscore.compare and are imported when 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -108,6 +109,10 @@ def compare(
         github_outputs(result, worst, report_md)
     except ApcscoreError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        if os.environ.get("GITHUB_ACTIONS") == "true":  # the usage error as an annotation on the run
+            from apcscore.compare.ci_outputs import annotation
+
+            print(annotation("error", "apcscore compare: nothing compared (exit 2)", str(e)))
         raise typer.Exit(2) from None
     raise typer.Exit(0 if result.passed else 1)
 
