@@ -243,7 +243,8 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         sig = significance_checks(c.stats) if c.stats is not None else []
         if not sig:
             raise ApcscoreError("--significance cannot be checked: it needs multiple-choice records (pred, correct) "
-                                "or NLL (token_logprobs, or sum_logprob with a token count; two records at least) in both files")
+                                "or NLL (token_logprobs, or sum_logprob with a token count; two records at least) "
+                                "in both files")
         checks += [Check("--significance", what, v, op, limit, bool(ok)) for what, v, op, limit, ok in sig]
     return checks
 

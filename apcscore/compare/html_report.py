@@ -23,8 +23,8 @@ import numpy as np
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables, _metric_rows,
-                                     _sides, _verdict, _worst_rows)
+from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
+                                     _metric_rows, _sides, _verdict, _worst_rows)
 from apcscore.io.token_text import Pieces, id_pieces
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
