@@ -350,3 +350,12 @@ def _no_log_handlers_on_closed_streams():
         for handler in list(getattr(logger, "handlers", [])):
             if getattr(getattr(handler, "stream", None), "closed", False):
                 logger.removeHandler(handler)
+
+
+@pytest.fixture(autouse=True)
+def _not_in_github_actions(monkeypatch):
+    """Tests run as on a developer's machine even inside GitHub Actions: `apcscore compare` prints workflow
+    commands when GITHUB_ACTIONS is "true" and appends to the file GITHUB_STEP_SUMMARY names (the CI job's real
+    summary). Tests of those outputs set both themselves."""
+    monkeypatch.delenv("GITHUB_ACTIONS", raising=False)
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY", raising=False)

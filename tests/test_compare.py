@@ -450,12 +450,13 @@ def test_fp32_vs_bf16_gate(fp32_bf16, tmp_path) -> None:
     data = json.loads(js.read_text())
     assert data["passed"] is True and len(data["checks"]) == 5  # 4 given + --max-new-errors 0 (the default)
     assert 0 < data["metrics"]["kld"]["mean"] < 0.05
-    assert set(data["metrics"]["kld"]["percentiles"]) == {"99.9", "99", "95", "90", "50"}
+    assert list(data["metrics"]["kld"]["percentiles"]) == ["99.9", "99", "95", "90", "50", "10", "5", "1", "0.1"]
     assert len(data["records"]) == 8 and data["records"][0]["mean_kld"] >= data["records"][-1]["mean_kld"]
     text = md.read_text()
     assert text.startswith("## apcscore compare: ✅ PASS") and "| --max-mean-kld |" in text
     kld_lines = text.split("### KL(base || new)")[1].splitlines()
-    assert kld_lines[2] == "| positions | mean | max | 99.9% | 99% | 95% | 90% | 50% |"
+    assert kld_lines[2] == ("| positions | mean | +/- SE | max | 99.9% | 99% | 95% | 90% | 50% | 10% | 5% | 1% | 0.1% "
+                            "| min |")
     kld = data["metrics"]["kld"]
     assert kld_lines[4].startswith(f"| {kld['num_positions']} | {kld['mean']:.6g} |")
 

@@ -4,12 +4,15 @@
 Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared).
 By default one record that is ok in the baseline and an error in the candidate fails the gate
 (`--max-new-errors 0`).
+In GitHub Actions (GITHUB_ACTIONS=true) it also prints workflow commands, and it appends the Markdown report to
+$GITHUB_STEP_SUMMARY when that is set (apcscore.compare.ci_outputs).
 The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this module
 (and `apcscore --help`) stays fast.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Optional
 
@@ -39,13 +42,26 @@ def compare(
     max_accuracy_drop: Annotated[Optional[float], typer.Option(
         help="Fail when multiple-choice accuracy (or acc_norm) drops by more than this fraction "
              "(0.02 = 2 points).")] = None,
+    significance: Annotated[Optional[float], typer.Option(
+        help="Fail a figure whose worsening is significant at this level (e.g. 0.05): accuracy by the exact McNemar "
+             "test, NLL by the paired bootstrap; two-sided at this level, failing only on a worsening "
+             "(docs/compare.md). Also sets the level of the reported tests and intervals. \\[default: report at "
+             "0.05, gate nothing]")] = None,
+    bootstrap_samples: Annotated[int, typer.Option(
+        min=100, help="Resamples of the paired bootstrap of the per-record deltas.")] = 2000,
+    seed: Annotated[int, typer.Option(min=0, help="Seed of the bootstrap: the same seed gives the same intervals.")
+                    ] = 0,
     config: Annotated[Optional[Path], typer.Option(
         help="TOML file whose 'thresholds' table sets these limits (see configs/compare.toml); options given "
              "here override it.")] = None,
     report_md: Annotated[Optional[Path], typer.Option(
-        help="Also write the report as Markdown here (e.g. $GITHUB_STEP_SUMMARY).")] = None,
+        help="Also write the report as Markdown here (in GitHub Actions it is appended to $GITHUB_STEP_SUMMARY "
+             "without this).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(
         help="Also write every figure, per record included, as JSON here.")] = None,
+    report_junit: Annotated[Optional[Path], typer.Option(
+        help="Also write a JUnit XML file here: one testcase per threshold, failures with their figures (CI test "
+             "reports).")] = None,
     report_html: Annotated[Optional[Path], typer.Option(
         help="Also write a self-contained HTML page here (no network needed to view it): the verdict, charts of "
              "the per-token figures, the worst records token by token (hover a token for its top-K), the flips.")
@@ -64,19 +80,21 @@ def compare(
     try:
         import pyarrow as pa
 
+        from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit
         from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
         from apcscore.compare.report import render_console, to_json, to_markdown, write_report
         from apcscore.compare.report_paths import check_report_paths
 
-        check_report_paths({"--report-md": report_md, "--report-json": report_json, "--report-html": report_html},
+        check_report_paths({"--report-md": report_md, "--report-json": report_json, "--report-html": report_html,
+                            "--report-junit": report_junit},
                            {"baseline file": baseline, "candidate file": candidate, "--config file": config},
                            overwrite)
         thresholds = load_thresholds(config) if config is not None else Thresholds()
         thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,
                                                     max_abs_logprob_diff, max_accuracy_drop, max_new_errors,
-                                                    max_excluded_fraction))
+                                                    max_excluded_fraction, significance))
         try:
-            result = compare_files(baseline, candidate, thresholds)
+            result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed)
         except (pa.ArrowException, OSError) as e:  # a file damaged past its footer
             raise ApcscoreError(f"cannot read the result files: {e} — write them again") from None
         render_console(result, Console(), worst)
@@ -86,8 +104,15 @@ def compare(
             write_report(report_json, to_json(result))
         if report_html is not None:
             write_report(report_html, _html(result, worst))
+        if report_junit is not None:
+            write_report(report_junit, to_junit(checks_to_cases(result.checks), "apcscore compare"))
+        github_outputs(result, worst, report_md)
     except ApcscoreError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        if os.environ.get("GITHUB_ACTIONS") == "true":  # the usage error as an annotation on the run
+            from apcscore.compare.ci_outputs import annotation
+
+            print(annotation("error", "apcscore compare: nothing compared (exit 2)", str(e)))
         raise typer.Exit(2) from None
     raise typer.Exit(0 if result.passed else 1)
 

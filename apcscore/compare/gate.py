@@ -36,6 +36,8 @@ from apcscore.compare.inputs import (Excluded, FileInfo, align, check_same_run_k
                                      file_info, load_result_file, split_excluded)
 from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, flips, position_data, record_level,
                                       record_rows, token_summary)
+from apcscore.compare.stats import DEFAULT_ALPHA, DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, paired_stats, \
+    significance_checks
 from apcscore.errors import ApcscoreError
 
 
@@ -57,12 +59,14 @@ class Thresholds:
     max_new_errors: float | None = 0
     # share of records left out of every figure because they failed on either side
     max_excluded_fraction: float | None = None
+    # fail a figure whose worsening is significant at this level (apcscore.compare.stats.significance_checks)
+    significance: float | None = None
 
     def __post_init__(self) -> None:
         ranges = {"max_ppl_ratio": (0.0, math.inf, False), "max_mean_kld": (0.0, math.inf, True),
                   "min_top1_agreement": (0.0, 1.0, True), "max_abs_logprob_diff": (0.0, math.inf, True),
                   "max_accuracy_drop": (-1.0, 1.0, True), "max_new_errors": (0.0, math.inf, True),
-                  "max_excluded_fraction": (0.0, 1.0, True)}
+                  "max_excluded_fraction": (0.0, 1.0, True), "significance": (0.0, 0.5, False)}
         for name, (lo, hi, lo_ok) in ranges.items():
             v = getattr(self, name)
             if v is None:
@@ -160,6 +164,7 @@ class Comparison:
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     aligned: Aligned | None = field(default=None, repr=False)  # the data behind the figures; not in to_dict
+    stats: PairedStats | None = None  # McNemar tests, bootstrap intervals, minimum detectable effects
 
     @property
     def passed(self) -> bool:
@@ -234,11 +239,23 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
             add("--max-accuracy-drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
                 "<=", t.max_accuracy_drop)
+    if t.significance is not None:
+        sig = significance_checks(c.stats) if c.stats is not None else []
+        if not sig:
+            raise ApcscoreError("--significance cannot be checked: it needs multiple-choice records (pred, correct) "
+                                "or NLL (token_logprobs, or sum_logprob with a token count; two records at least) "
+                                "in both files")
+        checks += [Check("--significance", what, v, op, limit, bool(ok)) for what, v, op, limit, ok in sig]
     return checks
 
 
-def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None = None) -> Comparison:
-    """Compare two apcscore result files of the same dataset; raise ApcscoreError when they are not comparable."""
+def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None = None,
+                  samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED) -> Comparison:
+    """Compare two apcscore result files of the same dataset; raise ApcscoreError when they are not comparable.
+
+    `samples` and `seed` set the paired bootstrap (apcscore.compare.stats), at the level of
+    `thresholds.significance` (0.05 when unset).
+    """
     base, new = load_result_file(baseline, "baseline"), load_result_file(candidate, "candidate")
     check_same_run_kind(base, new)
     order = align(base, new)
@@ -292,5 +309,9 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
         notes.append(f"{len(excluded)} record(s) with status 'error' left out of every figure (listed)")
     c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred, bt.num_rows + len(excluded),
                    bt.num_rows, m, records, flips(bt, nt), excluded, [], notes, Aligned(bt, nt, pos))
-    c.checks = evaluate(c, thresholds or Thresholds())
+    thresholds = thresholds or Thresholds()
+    if bt.num_rows:
+        c.stats = paired_stats(bt, nt, pos, thresholds.significance or DEFAULT_ALPHA, samples, seed)
+        c.notes += c.stats.notes
+    c.checks = evaluate(c, thresholds)
     return c

@@ -23,8 +23,8 @@ import numpy as np
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _kld_row, _metric_rows,
-                                     _sides, _verdict, _worst_rows)
+from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
+                                     _metric_rows, _sides, _verdict, _worst_rows)
 from apcscore.io.token_text import Pieces, id_pieces
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
@@ -311,9 +311,8 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
         parts.append('<p class="muted">no thresholds given: nothing was judged</p>')
     parts += ["<h2>Metrics</h2>", _table(("metric", "baseline", "candidate", "change"), _metric_rows(c),
                                          table_id="metrics")]
-    if c.metrics.kld is not None:
-        head, row = _kld_row(c.metrics.kld)
-        parts += ["<h3>KL(base ‖ new) per position, nats (lower bound from top-K)</h3>", _table(head, [row])]
+    for title, head, rows in _extra_tables(c):  # KL and delta p blocks, paired statistics
+        parts += [f"<h3>{_e(title.replace('||', '‖'))}</h3>", _table(head, rows)]
     all_notes = [*c.notes, *(notes or [])]
     if all_notes:
         parts.append("<ul>" + "".join(f'<li class="note">note: {_e(n)}</li>' for n in all_notes) + "</ul>")

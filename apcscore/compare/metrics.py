@@ -10,22 +10,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, share_se
 from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk
 from apcscore.errors import ApcscoreError
 
-KLD_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0)
 _CHUNK_POSITIONS = 1 << 16  # positions processed at once: bounds memory to O(chunk x K)
 _CHUNK_ENTRIES = 1 << 22  # ... and at most this many top-K entries per side (32 MiB a float64 array) at large K
-
-
-@dataclass
-class KldSummary:
-    """Distribution of the per-position KL(base || new) lower bound, nats."""
-
-    num_positions: int
-    mean: float
-    max: float
-    percentiles: dict[str, float]  # "99.9", "99", "95", "90", "50" -> value
 
 
 @dataclass
@@ -41,7 +31,9 @@ class Metrics:
     mean_ln_ppl_ratio: float | None = None  # mean over positions of nll_new - nll_base = ln(PPL_new / PPL_base)
     mean_ln_ppl_ratio_se: float | None = None  # standard error of that mean (positions taken as independent)
     kld: KldSummary | None = None
-    top1_agreement: float | None = None
+    top1_agreement: float | None = None  # llama.cpp's "same top p"
+    top1_agreement_se: float | None = None  # its binomial standard error, as llama.cpp
+    delta_p: DeltaPSummary | None = None  # llama.cpp's delta p block: percentiles, min, max, SEs
     mean_delta_p: float | None = None  # mean of p_new(target) - p_base(target)
     rms_delta_p: float | None = None
     max_abs_logprob_diff: float | None = None  # max |logprob_new - logprob_base| of a target token
@@ -220,13 +212,11 @@ def token_summary(m: Metrics, pos: Positions) -> None:
     m.mean_delta_p, m.rms_delta_p = float(dp.mean()), float(np.sqrt((dp * dp).mean()))
     m.max_abs_logprob_diff = float(np.abs(d).max())
     known = pos.top1 >= 0
+    m.delta_p = delta_p_summary(dp)
     if known.any():
         m.top1_agreement = float(pos.top1[known].mean())
-    kl = pos.kld[~np.isnan(pos.kld)]
-    if len(kl):
-        pct = np.percentile(kl, KLD_PERCENTILES)
-        m.kld = KldSummary(len(kl), float(kl.mean()), float(kl.max()),
-                           {f"{p:g}": float(v) for p, v in zip(KLD_PERCENTILES, pct)})
+        m.top1_agreement_se = share_se(m.top1_agreement, int(known.sum()))
+    m.kld = kld_summary(pos.kld[~np.isnan(pos.kld)])
 
 
 def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:

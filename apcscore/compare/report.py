@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 from rich import box
@@ -11,7 +12,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from apcscore.compare.gate import Comparison
-from apcscore.compare.metrics import KldSummary
+from apcscore.compare.metrics import DeltaPSummary, KldSummary
+from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
 
 Row = tuple[str, ...]
@@ -61,10 +63,11 @@ def _metric_rows(c: Comparison) -> list[Row]:
     if m.bits_per_byte_base is not None:
         rows.append(("bits per byte", _num(m.bits_per_byte_base), _num(m.bits_per_byte_new),
                      _diff(m.bits_per_byte_base, m.bits_per_byte_new)))
+    dp = m.delta_p
     rows += [
-        ("top-1 agreement", "", "", _pct(m.top1_agreement)),
-        ("mean delta p (target)", "", "", _pct(m.mean_delta_p, 4)),
-        ("RMS delta p (target)", "", "", _pct(m.rms_delta_p, 4)),
+        ("same top p (top-1 agreement)", "", "", _pct(m.top1_agreement) + _pm(m.top1_agreement_se, True)),
+        ("mean delta p (target)", "", "", _pct(m.mean_delta_p, 4) + _pm(dp.mean_se if dp else None, True)),
+        ("RMS delta p (target)", "", "", _pct(m.rms_delta_p, 4) + _pm(dp.rms_se if dp else None, True)),
         ("max |delta logprob|", "", "", _num(m.max_abs_logprob_diff)),
     ]
     if m.accuracy_base is not None:
@@ -76,9 +79,59 @@ def _metric_rows(c: Comparison) -> list[Row]:
     return rows
 
 
+def _pm(se: float | None, pct: bool = False) -> str:
+    """" +/- SE" (in percent when pct), or nothing without one."""
+    return "" if se is None else f" +/- {_pct(se, 4) if pct else _num(se, 3)}"
+
+
 def _kld_row(k: KldSummary) -> tuple[Row, Row]:
-    head = ("positions", "mean", "max", *(f"{p}%" for p in k.percentiles))
-    return head, (str(k.num_positions), _num(k.mean), _num(k.max), *(_num(v) for v in k.percentiles.values()))
+    """llama.cpp's KL block: mean, its SE, max, percentiles 99.9 down to 0.1, min."""
+    head = ("positions", "mean", "+/- SE", "max", *(f"{p}%" for p in k.percentiles), "min")
+    return head, (str(k.num_positions), _num(k.mean), _num(k.mean_se, 3), _num(k.max),
+                  *(_num(v) for v in k.percentiles.values()), _num(k.min))
+
+
+def _delta_p_row(d: DeltaPSummary) -> tuple[Row, Row]:
+    """llama.cpp's delta p block, in percent: max, percentiles 99.9 down to 0.1, min."""
+    head = ("max", *(f"{p}%" for p in d.percentiles), "min")
+    return head, (_pct(d.max, 4), *(_pct(v, 4) for v in d.percentiles.values()), _pct(d.min, 4))
+
+
+def _stats_tables(s: PairedStats) -> list[tuple[str, Row, list[Row]]]:
+    """The paired statistics: bootstrap intervals of the per-record deltas, and McNemar tests."""
+    conf, out = f"{100 * s.confidence:g}%", []
+    if s.intervals:
+        rows = []
+        for iv in s.intervals:
+            # accuracy deltas in percentage points, the ln PPL ratio in nats
+            f = (lambda v: f"{100 * v:+.2f}%") if iv.worse_if == "negative" else (lambda v: f"{v:+.4g}")
+            rows.append((iv.figure, str(iv.num_records), f(iv.estimate), f"[{f(iv.low)}, {f(iv.high)}]",
+                         f(iv.se).lstrip("+"), f(iv.mde).lstrip("+")))
+            if iv.figure == "ln PPL ratio":
+                rows.append(("PPL ratio (exp of the above)", str(iv.num_records), _num(math.exp(iv.estimate)),
+                             f"[{_num(math.exp(iv.low))}, {_num(math.exp(iv.high))}]", "-", "-"))
+        out.append((f"Paired bootstrap over records (candidate - baseline; {s.samples} resamples, seed {s.seed})",
+                    ("figure", "records", "change", f"{conf} interval", "SE", f"min. detectable (power {s.power:g})"),
+                    rows))
+    if s.mcnemar:
+        out.append((f"McNemar exact test (alpha {s.alpha:g})",
+                    ("metric", "records", "lost (right to wrong)", "gained (wrong to right)", "p (two-sided)",
+                     f"min. detectable drop (power {s.power:g})"),
+                    [(t.kind, str(t.num_records), str(t.lost), str(t.gained), _num(t.p_value, 4), _pct(t.mde, 2))
+                     for t in s.mcnemar]))
+    return out
+
+
+def _extra_tables(c: Comparison) -> list[tuple[str, Row, list[Row]]]:
+    """(title, head, rows) of the tables below the metrics: KL block, delta p block, paired statistics."""
+    out = []
+    if c.metrics.kld is not None:
+        head, row = _kld_row(c.metrics.kld)
+        out.append(("KL(base || new) per position, nats (lower bound from top-K)", head, [row]))
+    if c.metrics.delta_p is not None:
+        head, row = _delta_p_row(c.metrics.delta_p)
+        out.append(("Delta p of the target token per position (candidate - baseline)", head, [row]))
+    return out + (_stats_tables(c.stats) if c.stats is not None else [])
 
 
 def _check_rows(c: Comparison) -> list[Row]:
@@ -108,6 +161,9 @@ def _verdict(c: Comparison) -> str:
     return "PASS" if not failed else f"FAIL ({failed} of {len(c.checks)} thresholds)"
 
 
+verdict = _verdict  # the public name (ci_outputs)
+
+
 def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     """Print the comparison as Rich tables; failing thresholds in red."""
 
@@ -119,9 +175,8 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
 
     table("Compared runs", ("", "baseline", "candidate"), _sides(c))
     table("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
-    if c.metrics.kld is not None:
-        head, row = _kld_row(c.metrics.kld)
-        table("KL(base || new) per position, nats (lower bound from top-K)", head, [row])
+    for title, head, rows in _extra_tables(c):
+        table(title, head, rows)
     if c.records and worst:
         table(f"Worst {min(worst, len(c.records))} records", _WORST_HEAD, _worst_rows(c, worst))
     if c.flips:
@@ -155,9 +210,8 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
         rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
         out += [_md_table(_CHECK_HEAD, rows), ""]
     out += ["### Metrics", "", _md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
-    if c.metrics.kld is not None:
-        head, row = _kld_row(c.metrics.kld)
-        out += ["### KL(base || new) per position, nats (lower bound from top-K)", "", _md_table(head, [row]), ""]
+    for title, head, rows in _extra_tables(c):
+        out += [f"### {title}", "", _md_table(head, rows), ""]
     if c.records and worst:
         out += [f"### Worst {min(worst, len(c.records))} records", "",
                 _md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]

@@ -12,9 +12,11 @@ from pathlib import Path
 
 from apcscore.errors import ApcscoreError
 
-# The first characters of each report compare writes (report.to_markdown, to_json, html_report.to_html).
+# The first characters of each report compare writes (report.to_markdown, to_json, html_report.to_html,
+# ci_outputs.to_junit).
 _REPORT_STARTS = ("## apcscore compare:", '{\n  "passed": ',
-                  '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>apcscore compare:')
+                  '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>apcscore compare:',
+                  '<?xml version="1.0" encoding="UTF-8"?>\n<testsuites name="apcscore compare"')
 
 
 def _same(a: Path, b: Path) -> bool:

@@ -1,0 +1,105 @@
+"""Outputs of `apcscore compare` that CI systems read natively.
+
+- JUnit XML (`--report-junit FILE`): one testcase per gate case, a failing case carrying its figures in the
+  failure message. The writer takes generic `Case`s, so other gates (eval tasks) add their own.
+- GitHub Actions: when `GITHUB_ACTIONS=true`, one `::error` workflow command per failed case and a `::notice`
+  with the verdict; when `GITHUB_STEP_SUMMARY` names a file, the Markdown report is appended to it (the job
+  summary), unless `--report-md` already writes that very file.
+"""
+
+from __future__ import annotations
+
+import os
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+from apcscore.compare.gate import Check, Comparison
+from apcscore.compare.report import to_markdown, verdict
+from apcscore.errors import ApcscoreError
+
+SUITES_NAME = "apcscore compare"  # the <testsuites> name; report_paths knows a JUnit report by it
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pass/fail unit of a gate: a JUnit testcase, a GitHub annotation when it fails."""
+
+    name: str  # e.g. "--max-ppl-ratio: PPL ratio (new / base)"
+    passed: bool
+    message: str  # the figures: value, limit, what was measured
+    classname: str = "apcscore.compare"
+
+
+def _num(v: float) -> str:
+    return f"{v:.6g}"
+
+
+def checks_to_cases(checks: Iterable[Check]) -> list[Case]:
+    """One case per threshold check of `apcscore compare`, named by option and figure."""
+    return [Case(f"{ch.option}: {ch.metric}", ch.passed,
+                 f"{ch.metric} = {_num(ch.value)}, limit {ch.op} {_num(ch.threshold)}: "
+                 f"{'PASS' if ch.passed else 'FAIL'}") for ch in checks]
+
+
+def to_junit(cases: list[Case], suite: str = "thresholds") -> str:
+    """JUnit XML of the cases: <testsuites name="apcscore compare"> holding one <testsuite name=suite>, a
+    <failure> (message = the figures) in each failed case and the figures in <system-out> of each passed one.
+    No case at all gives an empty suite (tests="0")."""
+    failures = sum(not c.passed for c in cases)
+    counts = {"tests": str(len(cases)), "failures": str(failures), "errors": "0", "skipped": "0", "time": "0"}
+    root = ET.Element("testsuites", {"name": SUITES_NAME, **counts})
+    ts = ET.SubElement(root, "testsuite", {"name": suite, **counts})
+    for c in cases:
+        tc = ET.SubElement(ts, "testcase", {"classname": c.classname, "name": c.name, "time": "0"})
+        if c.passed:
+            ET.SubElement(tc, "system-out").text = c.message
+        else:
+            ET.SubElement(tc, "failure", {"message": c.message, "type": "threshold"}).text = c.message
+    ET.indent(root)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(root, encoding="unicode") + "\n"
+
+
+def _escape_data(s: str) -> str:
+    """A workflow command's message, escaped as GitHub's runner (toolkit/core `escapeData`) does."""
+    return s.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(s: str) -> str:
+    """A workflow command's property value (title=...), escaped as `escapeProperty`: also ':' and ','."""
+    return _escape_data(s).replace(":", "%3A").replace(",", "%2C")
+
+
+def annotation(kind: str, title: str, message: str) -> str:
+    """One GitHub workflow command line, e.g. `::error title=T::M` (kind: error | warning | notice)."""
+    return f"::{kind} title={_escape_property(title)}::{_escape_data(message)}"
+
+
+def annotations(cases: list[Case], verdict: str, title: str = SUITES_NAME) -> list[str]:
+    """`::error` per failed case and one `::notice` with the verdict."""
+    lines = [annotation("error", f"{title}: {c.name}", c.message) for c in cases if not c.passed]
+    return lines + [annotation("notice", title, verdict)]
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return a.resolve() == b.resolve()
+
+
+def github_outputs(result: Comparison, worst: int, report_md: Path | None,
+                   echo: Callable[[str], None] = print) -> None:
+    """GitHub Actions outputs, read from the environment: annotations when GITHUB_ACTIONS is "true", the
+    Markdown report appended to the file GITHUB_STEP_SUMMARY names (skipped when --report-md is that file)."""
+    if os.environ.get("GITHUB_ACTIONS") == "true":
+        for line in annotations(checks_to_cases(result.checks), verdict(result)):
+            echo(line)
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    if summary and not (report_md is not None and _same_file(Path(summary), report_md)):
+        try:
+            with open(summary, "a", encoding="utf-8") as f:
+                f.write(to_markdown(result, worst) + "\n")
+        except OSError as e:
+            raise ApcscoreError(f"cannot append the summary to GITHUB_STEP_SUMMARY={summary}: {e}") from None

@@ -1,0 +1,211 @@
+"""`apcscore compare`: paired statistics on the compared records (numpy and the standard library only).
+
+- Multiple choice: the exact McNemar test on the records whose correctness flipped (`lost`: right in the
+  baseline, wrong in the candidate; `gained`: the reverse). Under "no change" lost ~ Binomial(lost + gained,
+  1/2); the two-sided p is 2 P(X <= min(lost, gained)), at most 1 (scipy.stats.binomtest(lost, n, 0.5)).
+- Per-record deltas (candidate - baseline) of the mean NLL (= ln(PPL_new / PPL_base)), of accuracy and of
+  acc_norm: a paired percentile bootstrap over records, seeded. Resampling whole records keeps the tokens of a
+  record together (they are correlated), which the position-level standard error does not.
+- The minimum detectable effect (MDE) at the sample size: the smallest worsening the test would detect at
+  `alpha` with power 0.8 (docs/compare.md gives the formulas).
+
+`significance_checks` turns these into the gate of `--significance ALPHA`: a figure fails when its change is
+significant at ALPHA (two-sided) and is a worsening.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from statistics import NormalDist
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from apcscore.compare.metrics import Positions
+
+POWER = 0.8  # the power the minimum detectable effect is given at
+DEFAULT_ALPHA = 0.05  # the level of the reported tests and intervals when --significance is not given
+DEFAULT_SAMPLES = 2000  # bootstrap resamples
+DEFAULT_SEED = 0
+_CHUNK = 1 << 22  # resampled indices drawn at once (32 MiB of int64)
+
+
+@dataclass
+class McNemar:
+    """Exact McNemar test of one correctness column ("acc": correct, "acc_norm": correct_norm)."""
+
+    kind: str
+    num_records: int  # records with a prediction on both sides
+    lost: int  # right in the baseline, wrong in the candidate
+    gained: int  # wrong in the baseline, right in the candidate
+    p_value: float  # exact, two-sided
+    mde: float | None  # smallest accuracy drop (fraction) detectable at alpha with POWER; None: no flips at all
+
+
+@dataclass
+class Interval:
+    """Paired bootstrap of one per-record delta (candidate - baseline)."""
+
+    figure: str  # "ln PPL ratio" | "accuracy" | "acc_norm"
+    num_records: int
+    estimate: float  # the delta on the records as they are
+    low: float  # percentile interval at the reported confidence
+    high: float
+    se: float  # standard deviation of the bootstrap replicates (ddof=1)
+    mde: float  # (z_(1-alpha/2) + z_POWER) * se
+    worse_if: str  # "positive" (NLL rises) | "negative" (accuracy falls)
+
+
+@dataclass
+class PairedStats:
+    """Every paired statistic of a comparison and the settings that produced it."""
+
+    alpha: float
+    confidence: float  # 1 - alpha, of the bootstrap intervals
+    samples: int
+    seed: int
+    power: float = POWER
+    mcnemar: list[McNemar] = field(default_factory=list)
+    intervals: list[Interval] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # where the sample is too small to decide
+
+
+def _log_binom_pmf_half(n: int) -> np.ndarray:
+    """ln P(X = k) for X ~ Binomial(n, 1/2), k = 0..n. [n + 1]"""
+    k = np.arange(1, n + 1)
+    return np.concatenate([[0.0], np.cumsum(np.log((n - k + 1) / k))]) - n * math.log(2)
+
+
+def mcnemar_exact_p(lost: int, gained: int) -> float:
+    """Two-sided exact McNemar p: the binomial test of lost among lost + gained discordant pairs at 1/2."""
+    n = lost + gained
+    if n == 0 or lost == gained:
+        return 1.0
+    logs = _log_binom_pmf_half(n)[: min(lost, gained) + 1]  # [min + 1] the lower tail
+    top = logs.max()
+    return float(min(1.0, 2 * math.exp(top) * np.exp(logs - top).sum()))
+
+
+def mcnemar_mde(n: int, discordant: int, alpha: float, power: float = POWER) -> float | None:
+    """Smallest accuracy drop d (fraction) that McNemar's test detects at two-sided `alpha` with `power`, for n
+    paired records with the observed discordant rate psi = discordant / n (normal approximation, Connor 1987):
+    sqrt(n) d = z_(1-alpha/2) sqrt(psi) + z_power sqrt(psi - d^2), solved for d. None when psi = 0."""
+    if n <= 0 or discordant <= 0:
+        return None
+    psi, za, zb = discordant / n, NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
+    a = 1 + zb * zb / n  # the quadratic in u = sqrt(n) d: a u^2 - 2 za sqrt(psi) u + (za^2 - zb^2) psi = 0
+    disc = za * za * psi - a * (za * za - zb * zb) * psi
+    u = (za * math.sqrt(psi) + math.sqrt(max(disc, 0.0))) / a
+    return u / math.sqrt(n)
+
+
+def mcnemar(kind: str, correct_base: np.ndarray, correct_new: np.ndarray, alpha: float) -> McNemar:
+    """The exact McNemar test of two aligned boolean arrays [n] of one correctness column."""
+    lost = int(np.sum(correct_base & ~correct_new))
+    gained = int(np.sum(~correct_base & correct_new))
+    n = len(correct_base)
+    return McNemar(kind, n, lost, gained, mcnemar_exact_p(lost, gained), mcnemar_mde(n, lost + gained, alpha))
+
+
+def bootstrap_replicates(num: np.ndarray, den: np.ndarray, samples: int, seed: int) -> np.ndarray:
+    """sum(num[i]) / sum(den[i]) over `samples` resamples i of the records, drawn as
+    numpy.random.default_rng(seed).integers(0, n, (samples, n)) (so scipy.stats.bootstrap with the same
+    generator draws the same resamples), in chunks that bound the memory. [samples]"""
+    n = len(num)
+    rng = np.random.default_rng(seed)
+    out = np.empty(samples)
+    rows = max(1, _CHUNK // max(n, 1))
+    for start in range(0, samples, rows):
+        idx = rng.integers(0, n, (min(rows, samples - start), n))  # [rows, n]
+        out[start:start + len(idx)] = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+    return out
+
+
+def paired_interval(figure: str, num: np.ndarray, den: np.ndarray, worse_if: str, alpha: float, samples: int,
+                    seed: int) -> Interval | None:
+    """Percentile bootstrap interval at 1 - alpha of sum(num) / sum(den), records resampled in pairs
+    (num [n] the per-record delta sums, den [n] their weights). None below two records."""
+    if len(num) < 2:
+        return None
+    reps = bootstrap_replicates(num, den, samples, seed)
+    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+    se = float(reps.std(ddof=1))
+    z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(POWER)
+    return Interval(figure, len(num), float(num.sum() / den.sum()), float(low), float(high), se, z * se, worse_if)
+
+
+def significance_checks(s: PairedStats) -> list[tuple[str, float, str, float, bool]]:
+    """The checks of `--significance s.alpha`: (what is measured, value, op, limit, passed) per figure.
+
+    Accuracy (McNemar): fails when p < alpha and more records were lost than gained. NLL (bootstrap): fails
+    when the whole 1 - alpha interval of ln(PPL_new / PPL_base) lies above 0. Each is a two-sided test at
+    alpha that fails only on a worsening, i.e. a one-sided test of a worsening at alpha / 2.
+    """
+    out = []
+    for t in s.mcnemar:
+        drop = t.lost > t.gained
+        what = (f"{t.kind}: McNemar exact p, two-sided ({t.lost} lost, {t.gained} gained"
+                f"{'' if drop else ': not a drop'})")
+        out.append((what, t.p_value, ">=", s.alpha, t.p_value >= s.alpha or not drop))
+    for iv in s.intervals:
+        if iv.worse_if == "positive":
+            out.append((f"{iv.figure}: low end of the {100 * s.confidence:g}% bootstrap interval", iv.low, "<=",
+                        0.0, iv.low <= 0))
+    return out
+
+
+def _column(t: pa.Table, name: str) -> np.ndarray | None:
+    return pc.cast(t[name], pa.float64()).to_numpy(zero_copy_only=False) if name in t.column_names else None
+
+
+def _nll_deltas(base: pa.Table, new: pa.Table, pos: Positions | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per record: the sum over its compared positions of nll_new - nll_base, and their count ([r], [r]), for the
+    records with at least one position; from the per-token logprobs, else from sum_logprob and the token count
+    (num_scored, else -sum_logprob / ln(perplexity)), as the overall figures are computed."""
+    if pos is not None and len(pos.record):
+        r = base.num_rows
+        num = np.bincount(pos.record, weights=pos.base_lp - pos.new_lp, minlength=r)
+        den = np.bincount(pos.record, minlength=r).astype(np.float64)
+    else:
+        slp_b, slp_n = _column(base, "sum_logprob"), _column(new, "sum_logprob")
+        if slp_b is None or slp_n is None:
+            return None
+        den = _column(base, "num_scored")
+        if den is None and "perplexity" in base.column_names:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                den = np.rint(-slp_b / np.log(_column(base, "perplexity")))
+        if den is None:
+            return None
+        num = slp_b - slp_n
+    ok = np.isfinite(num) & np.isfinite(den) & (den > 0)
+    return num[ok], den[ok]
+
+
+def paired_stats(base: pa.Table, new: pa.Table, pos: Positions | None, alpha: float = DEFAULT_ALPHA,
+                 samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED) -> PairedStats:
+    """McNemar tests and bootstrap intervals of aligned tables (row i of each = the same record, all ok)."""
+    s = PairedStats(alpha, 1 - alpha, samples, seed)
+    nll = _nll_deltas(base, new, pos)
+    if nll is not None:
+        iv = paired_interval("ln PPL ratio", *nll, "positive", alpha, samples, seed)
+        s.intervals += [iv] if iv is not None else []
+    for pred, correct, kind in (("pred", "correct", "acc"), ("pred_norm", "correct_norm", "acc_norm")):
+        if not all(c in t.column_names for t in (base, new) for c in (pred, correct)):
+            continue
+        mc = pc.and_(base[pred].is_valid(), new[pred].is_valid()).to_numpy(zero_copy_only=False)
+        if not mc.any():
+            continue
+        cb, cn = (pc.fill_null(t[correct], False).to_numpy(zero_copy_only=False)[mc].astype(bool)
+                  for t in (base, new))
+        t = mcnemar(kind, cb, cn, alpha)
+        s.mcnemar.append(t)
+        if t.mde is None or t.mde > (t.lost + t.gained) / t.num_records:
+            s.notes.append(f"{kind}: with {t.lost + t.gained} flip(s) between right and wrong in {t.num_records} "
+                           f"records, no accuracy drop can be detected at alpha {alpha:g} with power {POWER:g} "
+                           "(minimum detectable drop above the discordant rate): the sample is too small to decide")
+        iv = paired_interval("accuracy" if kind == "acc" else kind, cn.astype(np.float64) - cb, np.ones(len(cb)),
+                             "negative", alpha, samples, seed)
+        s.intervals += [iv] if iv is not None else []
+    return s
