@@ -40,7 +40,7 @@ from apcscore.jobs.preflight import check_against_model, check_errors_out, check
 from apcscore.jobs.registry import job_class
 from apcscore.jobs.resolve import resolve_options
 from apcscore.jobs.verify import describe
-from apcscore.run.signals import Interrupted, stop_on_signals
+from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
 from apcscore.run.summary import exit_code, print_interrupted, print_summary
 
 # columns too big to read back for the summary of a resumed run (no job's summary reads them)
@@ -160,7 +160,7 @@ def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: L
         return 1
     if interrupted:
         print_interrupted(console, rows, writer.partial_path)
-        return 130
+        return EXIT_INTERRUPTED
     verified = executor.verify()
     if verified is not None:
         writer.update_metadata({"verify_reuse": verified})

@@ -33,7 +33,7 @@ from apcscore.lmeval.store import ResponseStore, identity
 from apcscore.lmeval.tasks import EvalPlan, import_lm_eval, load_tasks, plan, simple_evaluate, split_tasks
 from apcscore.run import eval_folder
 from apcscore.run.eval_shards import SHARDS, check_finished, prepare_merge
-from apcscore.run.signals import Interrupted, stop_on_signals
+from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
 
 BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
 
@@ -60,21 +60,20 @@ def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
         note(BATCH_SIZE_NOTE)
     if opts.ray is not None:
         return eval_on_ray(opts, echo, note)
-    return evaluate(opts, echo, note, parsed)
+    return evaluate(opts, parsed, echo, note)
 
 
-def evaluate(opts: EvalOptions, echo: Any, note: Any, parsed: EvalPlan | None = None,
-             shards: list[Path] | None = None, engine: Any = None) -> int:
+def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: list[Path] | None = None,
+             engine: Any = None) -> int:
     """One eval process: load the tasks and the model, answer lm-eval's requests from the journal in --out
-    (and --cache) or the engine, and write the results (a --shard run: its shard.json). parsed: `plan(opts)`
-    when the caller has it. shards: the folders of the shard runs a merge reads every response from (nothing
+    (and --cache) or the engine, and write the results (a --shard run: its shard.json). parsed: `plan(opts)`,
+    made once by the caller. shards: the folders of the shard runs a merge reads every response from (nothing
     is computed: a missing one is an error), with `engine` their stand-in (run/eval_shards.RecordedEngine: no
     weights)."""
     from apcscore.lmeval.model import ApcscoreLM
     from apcscore.lmeval.requests import write_outputs, write_samples
 
     out = Path(opts.out)
-    parsed = parsed or plan(opts)
     manager = load_tasks(parsed.tasks, opts.include_path)
     if opts.overwrite:
         eval_folder.clear(out)
@@ -100,7 +99,7 @@ def evaluate(opts: EvalOptions, echo: Any, note: Any, parsed: EvalPlan | None = 
     except Interrupted:
         note(f"interrupted: {lm.computed} responses computed in this session, {len(store)} kept in "
              f"{out / store.name}; rerun the same command with --resume to continue")
-        return 130
+        return EXIT_INTERRUPTED
     except ValueError as exc:  # random.sample in lm-eval's few-shot sampler: more shots than its split holds
         if "larger than population" not in str(exc):
             raise
@@ -146,7 +145,7 @@ def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, coun
 def merge_eval(out: Path, paths: list[Path], overwrite: bool, echo: Any, note: Any) -> int:
     """`apcscore merge OUT SHARD_DIR...` of eval shards: check them, then write OUT as one run would have."""
     opts, engine = prepare_merge(out, paths, overwrite)
-    return evaluate(opts, echo, note, shards=paths, engine=engine)
+    return evaluate(opts, plan(opts), echo, note, shards=paths, engine=engine)
 
 
 def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
@@ -182,11 +181,11 @@ def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
             ray.shutdown()
     if any(codes):
         note(f"a shard was interrupted; rerun with --resume to continue ({out / SHARDS})")
-        return 130
+        return EXIT_INTERRUPTED
     return merge_eval(out, folders, opts.overwrite, echo, note)
 
 
 def _shard_task(values: dict[str, Any]) -> int:
     """One shard of `eval --ray`, in a Ray worker."""
     opts = replace(eval_folder.options_from(values), quiet=True)
-    return evaluate(opts, lambda text: None, lambda text: None)
+    return evaluate(opts, plan(opts), lambda text: None, lambda text: None)

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+EXIT_INTERRUPTED = 130  # every command's exit code after SIGINT/SIGTERM (128 + SIGINT, as a shell reports it)
 _handlers_before: dict[int, Any] = {}  # while a run's handlers are installed: the ones they replaced
 
 
