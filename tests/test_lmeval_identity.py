@@ -18,7 +18,7 @@ from tests.test_identity import base
 
 
 def sections(**numerics) -> dict:
-    """lmeval/run.config_sections' shape: the sections of a run's metadata that describe model and engine."""
+    """lmeval/results.config_sections' shape: the sections of a run's metadata that describe model and engine."""
     meta = base()
     meta["numerics"].update(numerics)
     return {k: meta[k] for k in ("apcscore_version", "code", "model", "dtype", "device", "attention_backend",

@@ -9,7 +9,7 @@ from typing import Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.options import EvalOptions
-from apcscore.jobs.resolve import parse_gen_kwargs, parse_shard
+from apcscore.jobs.resolve import parse_shard
 
 
 def import_lm_eval() -> Any:
@@ -117,13 +117,13 @@ _GEN_KWARG_CHECKS = {"max_gen_toks": "max_tokens", "temperature": "temperature",
 
 def check_gen_kwargs(text: str) -> dict[str, Any]:
     """--gen-kwargs as lm-eval parses it (`simple_parse_args_string`: numbers and true/false converted), its
-    keys those the backend reads and its values checked as a generate record's, before the model loads."""
+    keys those the backend reads and its values checked as a generate record's, before the model loads. Its form
+    (KEY=VALUE,...) was checked when the options were resolved (jobs/resolve.parse_gen_kwargs)."""
     from lm_eval.utils import simple_parse_args_string
 
     from apcscore.config import RECORD_FIELDS
     from apcscore.lmeval.model import GEN_KWARGS
 
-    parse_gen_kwargs(text)  # the form KEY=VALUE,...
     values = simple_parse_args_string(text)
     unknown = sorted(set(values) - GEN_KWARGS)
     if unknown:
