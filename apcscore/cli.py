@@ -19,7 +19,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from apcscore import __version__
 from apcscore.compare.command import compare
-from apcscore.errors import ApcscoreError, count
+from apcscore.errors import ApcscoreError
 from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
                                    cli_params)
 from apcscore.show.command import show
@@ -190,7 +190,7 @@ def eval_(**params: Any) -> None:
     Writes lm-eval's results JSON and a per-request parquet to --out and prints lm-eval's table. Needs the
     `lmeval` extra (pip install 'apcscore[lmeval]').
     """
-    from apcscore.lmeval.command import run_eval
+    from apcscore.run.eval import run_eval
 
     try:
         code = run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False),
@@ -227,20 +227,15 @@ def merge(
     """Join the files of `--shard I/N` runs into the file one run would have written (checks they are the shards
     of one dataset under one configuration, refuses gaps and overlaps). The folders of `eval --shard I/N` runs
     are joined into the folder one eval would have written (no model weights are loaded)."""
-    from apcscore.scale.merge import merge_shards
+    from apcscore.run.merge import merge as merge_any
 
     try:
-        if shards and all(p.is_dir() for p in shards):
-            from apcscore.lmeval.scale import merge_eval
-
-            code = merge_eval(out, shards, overwrite, lambda text: out_console.print(text, markup=False,
-                                                                                    highlight=False),
-                              lambda text: console.print(text, markup=False, highlight=False))
-            raise typer.Exit(code)
-        path, rows = merge_shards(out, shards, overwrite=overwrite)
+        code = merge_any(out, shards, overwrite, lambda text: out_console.print(text, markup=False, highlight=False),
+                         lambda text: console.print(text, markup=False, highlight=False))
     except ApcscoreError as exc:
         raise _error(exc) from None
-    console.print(f"merged {count(len(shards), 'shard')}: {count(rows, 'row')} -> {escape(str(path))}", highlight=False)
+    if code:
+        raise typer.Exit(code)
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model

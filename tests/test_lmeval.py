@@ -177,7 +177,7 @@ def test_task_errors_are_clear(in_repo, monkeypatch):
     import datasets
     import huggingface_hub.constants
 
-    from apcscore.lmeval.run import load_tasks
+    from apcscore.lmeval.tasks import load_tasks
 
     with pytest.raises(ApcscoreError, match="unknown lm-eval task"):
         load_tasks(["no_such_task_xyz"], TASK_DIR)  # not in the folder: the full index is searched too
@@ -297,7 +297,7 @@ def test_eval_options_resolve_like_the_other_commands(tmp_path):
 
 
 def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
-    from apcscore.lmeval.run import check_gen_kwargs, fewshot_as_multiturn
+    from apcscore.lmeval.tasks import check_gen_kwargs, fewshot_as_multiturn
 
     assert check_gen_kwargs("temperature=0.5,do_sample=true,max_gen_toks=8,until=Q:") == {
         "temperature": 0.5, "do_sample": True, "max_gen_toks": 8, "until": "Q:"}
@@ -417,7 +417,7 @@ def test_eval_model_backend_transformers_runs_the_model_s_own_code(in_repo, tmp_
 def test_gen_kwargs_may_be_a_toml_table(tmp_path):
     """`gen_kwargs = {max_gen_toks = 64, do_sample = false}` in --config is lm-eval's `KEY=VALUE,...` string."""
     from apcscore.jobs.resolve import resolve_options
-    from apcscore.lmeval.run import check_gen_kwargs
+    from apcscore.lmeval.tasks import check_gen_kwargs
 
     cfg = tmp_path / "e.toml"
     cfg.write_text('tasks = "apc_gen"\ngen_kwargs = {max_gen_toks = 64, do_sample = false, temperature = 0.5}\n')

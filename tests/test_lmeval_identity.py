@@ -11,14 +11,14 @@ import pytest
 
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.metadata import apcscore_version, code_fingerprint
-from apcscore.lmeval import outdir
-from apcscore.lmeval.scale import check_finished, read_shards
+from apcscore.run import eval_folder as outdir
+from apcscore.run.eval_shards import check_finished, read_shards
 from apcscore.lmeval.store import ResponseStore, identity
 from tests.test_identity import base
 
 
 def sections(**numerics) -> dict:
-    """lmeval/run.config_sections' shape: the sections of a run's metadata that describe model and engine."""
+    """lmeval/results.config_sections' shape: the sections of a run's metadata that describe model and engine."""
     meta = base()
     meta["numerics"].update(numerics)
     return {k: meta[k] for k in ("apcscore_version", "code", "model", "dtype", "device", "attention_backend",
@@ -103,14 +103,14 @@ def test_eval_merge_names_what_differs_between_shards(tmp_path) -> None:
 
 
 def test_eval_records_the_numerics_code_model_files_and_library_versions(tiny_model_dir) -> None:
-    """What the eval identity is made of (lmeval/run.config_sections): apcscore's code, the model's files, and the
+    """What the eval identity is made of (lmeval/results.config_sections): apcscore's code, the model's files, and the
     tokenizers and Triton versions among the libraries (issue 40 items 2, 3)."""
     from types import SimpleNamespace
 
     from apcscore.config import EngineConfig
     from apcscore.engine.counters import EngineCounters
     from apcscore.jobs.metadata import package_version
-    from apcscore.lmeval.run import config_sections
+    from apcscore.lmeval.results import config_sections
 
     path = tiny_model_dir("llama")
     info = SimpleNamespace(name="tiny", path=str(path), architecture="LlamaForCausalLM", fingerprint="f",

@@ -1,8 +1,9 @@
-"""apcscore eval's SIGINT/SIGTERM handlers and forked children (lm-eval's bootstrap pool forks workers).
+"""The run's SIGINT/SIGTERM handlers (run/signals.py, every command's, eval's too) and forked children (lm-eval's
+bootstrap pool forks workers).
 
-A worker forked while the eval's handlers are installed must die of `Pool.terminate`'s SIGTERM, even while it
-waits on a lock (where the pool's workers sit when it terminates them); the eval itself must still stop after
-the current step. No model is loaded: the handlers are tested with a stand-in for the lm.
+A worker forked while the run's handlers are installed must die of `Pool.terminate`'s SIGTERM, even while it
+waits on a lock (where the pool's workers sit when it terminates them); the run itself must still stop after
+the current step (its tick raises). No model is loaded.
 """
 
 from __future__ import annotations
@@ -10,11 +11,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-from types import SimpleNamespace
 
 import pytest
 
-from apcscore.lmeval.run import Interrupted, _stop_on_signals
+from apcscore.run.signals import Interrupted, stop_on_signals
 
 
 def _report_and_wait(conn, lock) -> None:
@@ -37,12 +37,11 @@ def plain_handlers():
 
 def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step(plain_handlers) -> None:
     ctx = multiprocessing.get_context("fork")
-    lm = SimpleNamespace(on_step=None)
     lock = ctx.Lock()
     lock.acquire()
     parent, child = ctx.Pipe()
     before = signal.getsignal(signal.SIGTERM)
-    with _stop_on_signals(lm):
+    with stop_on_signals() as stop:
         worker = ctx.Process(target=_report_and_wait, args=(child, lock))
         worker.start()
         try:
@@ -56,7 +55,8 @@ def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step(plain
             if worker.is_alive():
                 worker.kill()
             lock.release()
-        os.kill(os.getpid(), signal.SIGTERM)  # the eval's own process: stops after the current step
+        stop.check()  # no signal yet: the run goes on
+        os.kill(os.getpid(), signal.SIGTERM)  # the run's own process: stops after the current step
         with pytest.raises(Interrupted):
-            lm.on_step()
-    assert signal.getsignal(signal.SIGTERM) == before and lm.on_step is None
+            stop.check()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -182,7 +182,7 @@ class EvalOptions(ScaleOptions):
                                  "fraction of each task's documents, as in lm-eval.")
     apply_chat_template: bool = option(False, "Wrap prompts in the model's chat template, as lm-eval does "
                                        "(few-shot examples as chat turns by default).")
-    # None: lm-eval's default, on with --apply-chat-template, else off (lmeval/run.fewshot_as_multiturn)
+    # None: lm-eval's default, on with --apply-chat-template, else off (lmeval/tasks.fewshot_as_multiturn)
     fewshot_as_multiturn: bool | None = option(
         None, "With the chat template: each few-shot example its own user/assistant turn (the default, as in "
         "lm-eval); the --no- form puts them all in one user turn.",

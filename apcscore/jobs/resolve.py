@@ -172,7 +172,7 @@ def check_options(command: str, opts: dict[str, Any]) -> None:
 
 def check_eval_options(opts: dict[str, Any]) -> None:
     """eval's own: --fewshot-as-multiturn needs the chat template (lm-eval refuses it without), --gen-kwargs
-    is lm-eval's KEY=VALUE,... (its keys are checked by lmeval/run.py, which knows the model's)."""
+    is lm-eval's KEY=VALUE,... (its keys are checked by lmeval/tasks.py, which knows the model's)."""
     if opts.get("fewshot_as_multiturn") and not opts.get("apply_chat_template"):
         raise ApcscoreError("--fewshot-as-multiturn makes each few-shot example a chat turn, which needs "
                             "--apply-chat-template — pass it too (or drop --fewshot-as-multiturn)")

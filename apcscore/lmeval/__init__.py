@@ -1,5 +1,7 @@
-"""apcscore inside lm-evaluation-harness: the `apcscore` model backend and the `apcscore eval` command.
+"""apcscore inside lm-evaluation-harness: the lm-eval adapter (the model class "apcscore", request translation,
+tasks, results) that `apcscore eval` runs over the run layer (run/eval.py), and `apcscore lm-eval`.
 
-Everything here imports `lm_eval` (the optional extra `apcscore[lmeval]`); the rest of apcscore never imports
-this package. `import apcscore.lmeval.model` registers lm-eval's model "apcscore".
+lm-eval is the optional extra `apcscore[lmeval]`: only this package imports `lm_eval`, and only the eval side
+of the run layer (run/eval.py, eval_folder.py, eval_shards.py) imports this package, when an eval runs.
+`import apcscore.lmeval.model` registers lm-eval's model "apcscore".
 """

@@ -28,6 +28,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 from tqdm import tqdm
 
+from apcscore.config import EngineConfig
 from apcscore.engine.sampling_params import SamplingParams
 from apcscore.engine.request import Request, RequestOutput
 from apcscore.errors import ApcscoreError
@@ -53,9 +54,10 @@ class ApcscoreLM(TemplateLM):
     max_length: most tokens a scored sequence feeds the model (default: the engine's context length - 1).
     max_gen_toks: default generation length (256, HFLM's). add_bos_token: as HFLM's.
     seed: base seed of sampled generations (each request gets one derived from it and its position).
-    engine: an already built Engine (tests, benchmarks); otherwise the remaining keyword arguments are
-    engine settings (EngineConfig field names, `no_*` flags, `exact_reuse`). batch_size is accepted and
-    ignored: the engine batches by its token budget.
+    engine: an already built Engine (tests, benchmarks, a merge's stand-in); config: the EngineConfig to load one
+    with (apcscore eval); otherwise the remaining keyword arguments are engine settings (EngineConfig field
+    names, `no_*` flags, `exact_reuse`). batch_size is accepted and ignored: the engine batches by its token
+    budget.
     """
 
     @classmethod
@@ -68,13 +70,16 @@ class ApcscoreLM(TemplateLM):
 
     def __init__(self, pretrained: str = "smollm2-135m", max_length: int | None = None,
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, add_bos_token: bool | None = None, seed: int = 0,
-                 engine: Any = None, batch_size: Any = None, progress: bool = True, **engine_options: Any) -> None:
+                 engine: Any = None, batch_size: Any = None, progress: bool = True, config: EngineConfig | None = None,
+                 **engine_options: Any) -> None:
         super().__init__()
+        if config is not None and not isinstance(config, EngineConfig):  # a model_args key: refused as before
+            engine_options, config = {**engine_options, "config": config}, None
         check_model_args(engine_options)
-        if engine is None:
+        if engine is None:  # the one place an eval's engine is loaded (config: apcscore eval's; else model_args)
             from apcscore.engine.loader import load_engine
 
-            engine = load_engine(str(pretrained), engine_config(engine_options))
+            engine = load_engine(str(pretrained), config if config is not None else engine_config(engine_options))
         self.engine = engine
         self.tokenizer = engine.tokenizer
         limit = engine.info.max_model_len - 1  # the engine holds the last (only predicted) token too

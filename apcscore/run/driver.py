@@ -16,7 +16,6 @@ and the summary describes the whole file, rows of earlier sessions included.
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -41,15 +40,12 @@ from apcscore.jobs.preflight import check_against_model, check_errors_out, check
 from apcscore.jobs.registry import job_class
 from apcscore.jobs.resolve import resolve_options
 from apcscore.jobs.verify import describe
+from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
 from apcscore.run.summary import exit_code, print_interrupted, print_summary
 
 # columns too big to read back for the summary of a resumed run (no job's summary reads them)
 _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "completion_logprobs",
           "completion_ranks", "completion_top_ids", "completion_top_logprobs"}
-
-
-class Interrupted(Exception):
-    """Raised by the driver's tick when SIGINT or SIGTERM arrived."""
 
 
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
@@ -164,7 +160,7 @@ def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: L
         return 1
     if interrupted:
         print_interrupted(console, rows, writer.partial_path)
-        return 130
+        return EXIT_INTERRUPTED
     verified = executor.verify()
     if verified is not None:
         writer.update_metadata({"verify_reuse": verified})
@@ -266,7 +262,6 @@ def _write_rows(executor: Any, job: Any, data: LoadedDataset, writer: Any, conso
     todo = [r for r in data.records if r.index not in done]
     invalid = [r for r in data.invalid if r.index not in done]
     counts = {"rows": 0, "errors": 0}
-    stop: dict[str, Any] = {"signal": None}
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         TextColumn("{task.fields[tok_s]:,.0f} tok/s  prefix hit {task.fields[hit]:.0%}  KV {task.fields[kv]}"),
@@ -284,29 +279,22 @@ def _write_rows(executor: Any, job: Any, data: LoadedDataset, writer: Any, conso
     def tick() -> None:
         writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
         progress.update(task, **executor.progress())
-        if stop["signal"] is not None:
-            raise Interrupted()
+        stop.check()
 
-    def handler(signum: int, _frame: Any) -> None:
-        stop["signal"] = signum
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
     started = time.perf_counter()
     interrupted = False
-    try:
-        with progress:
-            for rec in invalid:  # invalid records need no engine
-                emit(rec.index, job.finish_row(job.error_row(rec.id, rec.message)))
-            for index, row in executor.rows(job, data, todo, tick):
-                emit(index, row)
-    except Interrupted:
-        interrupted = True
-        writer.flush()
-    except BaseException:
-        writer.flush()  # keep every finished row, whatever went wrong
-        writer.abandon()  # a run that failed before its first row leaves no partial to block the next one
-        raise
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
+    with stop_on_signals() as stop:  # held until every finished row is flushed
+        try:
+            with progress:
+                for rec in invalid:  # invalid records need no engine
+                    emit(rec.index, job.finish_row(job.error_row(rec.id, rec.message)))
+                for index, row in executor.rows(job, data, todo, tick):
+                    emit(index, row)
+        except Interrupted:
+            interrupted = True
+            writer.flush()
+        except BaseException:
+            writer.flush()  # keep every finished row, whatever went wrong
+            writer.abandon()  # a run that failed before its first row leaves no partial to block the next one
+            raise
     return counts["rows"], counts["errors"], time.perf_counter() - started, interrupted

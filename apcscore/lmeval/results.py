@@ -1,0 +1,67 @@
+"""What an eval records beside lm-eval's results: each task's version and config hash, the sections of the run
+metadata that describe the model and the engine (the eval identity is made of them, lmeval/store.identity), and
+the run metadata of results.json and requests.parquet."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Mapping
+
+from apcscore.config import EngineConfig
+from apcscore.jobs.metadata import (apcscore_version, code_fingerprint, engine_sections, model_section,
+                                    package_version, run_header, versions)
+from apcscore.jobs.options import EvalOptions
+from apcscore.lmeval.tasks import fewshot_as_multiturn, lm_eval_limit
+
+
+def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each task's version (its config's `metadata.version`) and the sha256 of its config as lm-eval resolved
+    it (results.json's `configs`: the YAML with includes, overrides such as --num-fewshot and --gen-kwargs,
+    functions as their source), JSON with sorted keys (`default=str`)."""
+    out = {}
+    for task, cfg in results.get("configs", {}).items():
+        text = json.dumps(cfg, sort_keys=True, default=str, ensure_ascii=False)
+        out[task] = {"version": (cfg.get("metadata") or {}).get("version"),
+                     "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    return out
+
+
+def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
+    """The run metadata's sections that describe the model and the engine (jobs/metadata.py, as every run
+    records them): what fixes the bits, so the responses' identity is made of them (lmeval/store.identity)."""
+    engine = lm.engine
+    return {
+        "apcscore_version": apcscore_version(),
+        "code": code_fingerprint(),
+        "model": model_section(engine),
+        **engine_sections(engine, config),
+        "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
+        "versions": versions(lm_eval=package_version("lm_eval"), triton=package_version("triton")),
+    }
+
+
+def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
+             timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any]) -> dict[str, Any]:
+    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
+    run records (jobs/metadata.py), with the eval's own; `timing`: this process's seconds and engine counters
+    (jobs/metadata.add_timings: prompt tokens computed, the prefix cache's hits); `responses`: how many were
+    computed and read."""
+    return {
+        **run_header("eval"),
+        "tasks": names, "num_fewshot": opts.num_fewshot, "limit": lm_eval_limit(opts.limit),
+        "apply_chat_template": opts.apply_chat_template, "fewshot_as_multiturn": fewshot_as_multiturn(opts),
+        "system_instruction": opts.system_instruction, "gen_kwargs": opts.gen_kwargs,
+        "max_length": max_length,
+        "task_configs": task_configs(results),
+        **{k: v for k, v in sections.items() if k not in ("apcscore_version", "code")},
+        "responses": dict(responses),
+        "timing": dict(timing),
+    }
+
+
+def tables(results: Mapping[str, Any]) -> list[str]:
+    """lm-eval's tables of `results` (tasks, then groups where there are any), as its command line prints them."""
+    from lm_eval.utils import make_table
+
+    return [make_table(results)] + ([make_table(results, "groups")] if results.get("groups") else [])

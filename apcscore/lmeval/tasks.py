@@ -1,0 +1,159 @@
+"""lm-eval's side of `apcscore eval` before the model: the task list, the tasks and their data, --gen-kwargs
+and --limit as lm-eval takes them. Parsed once per run into an `EvalPlan` (run/eval.py hands it down)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from apcscore.errors import ApcscoreError
+from apcscore.jobs.options import EvalOptions
+from apcscore.jobs.resolve import parse_shard
+
+
+def import_lm_eval() -> Any:
+    try:
+        import lm_eval
+    except ModuleNotFoundError:
+        raise ApcscoreError("apcscore eval needs lm-evaluation-harness: pip install 'apcscore[lmeval]' "
+                            "(or `make install`)") from None
+    return lm_eval
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """An eval's options parsed once: the task names, --gen-kwargs as lm-eval's values (checked), --shard as
+    (index, count)."""
+
+    tasks: list[str]
+    gen_kwargs: dict[str, Any] | None
+    shard: tuple[int, int] | None
+
+
+def plan(opts: EvalOptions, tasks: list[str] | None = None) -> EvalPlan:
+    """The `EvalPlan` of `opts` (every check before the model loads); tasks: `split_tasks(opts.tasks)` when the
+    caller has it."""
+    return EvalPlan(tasks=tasks if tasks is not None else split_tasks(opts.tasks),
+                    gen_kwargs=check_gen_kwargs(opts.gen_kwargs) if opts.gen_kwargs is not None else None,
+                    shard=parse_shard(opts.shard) if opts.shard is not None else None)
+
+
+def split_tasks(tasks: str) -> list[str]:
+    """`T1,T2` -> ["T1", "T2"] (blanks dropped); at least one name."""
+    names = [t.strip() for t in tasks.split(",") if t.strip()]
+    if not names:
+        raise ApcscoreError("--tasks needs at least one task name, e.g. --tasks arc_easy,hellaswag")
+    return names
+
+
+HUB_HELP = (
+    "lm-eval loads a task's `dataset_path` from the Hugging Face hub, which cannot be reached from here and "
+    "has no local copy of it. Point the task at local files: copy its YAML into a folder you pass with "
+    "--include-path and set `dataset_path: json` (or `csv`, `parquet`) with `dataset_kwargs: {data_files: "
+    "{test: path/to/test.jsonl, train: path/to/train.jsonl}}` (paths relative to where you run the command)")
+
+_HUB_MARKERS = ("hub", "huggingface", "offline", "not cached", "couldn't reach", "connection", "datasetnotfound",
+                "repositorynotfound", "localentrynotfound")
+
+
+def _is_hub_failure(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = f"{type(seen).__name__} {seen}".lower()
+        if isinstance(seen, ConnectionError) or any(m in text for m in _HUB_MARKERS):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def load_tasks(names: list[str], include_path: Path | None) -> Any:
+    """lm-eval's TaskManager, after checking every task name and loading every task's data.
+
+    When --include-path holds every named task, only that folder is indexed first (indexing lm-eval's thousands
+    of built-in YAML files takes seconds of every run); the full index is built when a name is not there or
+    the tasks need something from it (e.g. a group of built-in tasks)."""
+    import_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    if include_path is not None and not include_path.is_dir():
+        raise ApcscoreError(f"--include-path {include_path}: not a directory")
+    if include_path is not None:
+        local = TaskManager(include_path=str(include_path), include_defaults=False)
+        if not _unknown(local, names):
+            try:
+                local.load(names)
+                return local
+            except Exception:  # noqa: BLE001  (retried with the full index below, which reports the error)
+                pass
+    manager = TaskManager(include_path=str(include_path) if include_path else None)
+    unknown = _unknown(manager, names)
+    if unknown:
+        raise ApcscoreError(f"unknown lm-eval task(s): {', '.join(unknown)} (check the names, or add the folder "
+                            "of their YAML files with --include-path)")
+    try:
+        manager.load(names)
+    except Exception as exc:  # lm-eval and datasets raise many kinds; say which problem it is
+        if _is_hub_failure(exc):
+            raise ApcscoreError(f"could not load the data of task(s) {', '.join(names)}: {exc}. {HUB_HELP}") from None
+        raise ApcscoreError(f"lm-eval could not load task(s) {', '.join(names)}: {type(exc).__name__}: {exc}") from None
+    return manager
+
+
+def _unknown(manager: Any, names: list[str]) -> list[str]:
+    return [n for n in names if n not in manager.all_tasks and not manager.match_tasks([n])]
+
+
+def fewshot_as_multiturn(opts: EvalOptions) -> bool:
+    """lm-eval's rule: on with the chat template unless turned off (--no-fewshot-as-multiturn), else off
+    (resolve.check_eval_options refuses it on without the template)."""
+    return opts.apply_chat_template if opts.fewshot_as_multiturn is None else opts.fewshot_as_multiturn
+
+
+# --gen-kwargs keys that are sampling settings -> the record field whose check their values get
+_GEN_KWARG_CHECKS = {"max_gen_toks": "max_tokens", "temperature": "temperature", "top_p": "top_p",
+                     "top_k": "top_k", "seed": "seed"}
+
+
+def check_gen_kwargs(text: str) -> dict[str, Any]:
+    """--gen-kwargs as lm-eval parses it (`simple_parse_args_string`: numbers and true/false converted), its
+    keys those the backend reads and its values checked as a generate record's, before the model loads. Its form
+    (KEY=VALUE,...) was checked when the options were resolved (jobs/resolve.parse_gen_kwargs)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from apcscore.config import RECORD_FIELDS
+    from apcscore.lmeval.model import GEN_KWARGS
+
+    values = simple_parse_args_string(text)
+    unknown = sorted(set(values) - GEN_KWARGS)
+    if unknown:
+        raise ApcscoreError(f"--gen-kwargs {', '.join(unknown)}: not a generation setting the apcscore backend "
+                            f"reads — use only {', '.join(sorted(GEN_KWARGS))}")
+    if values.get("until") == "":  # lm-eval would drop the task's stop strings for none
+        raise ApcscoreError("--gen-kwargs until must not be an empty string (the same check as a generate record's "
+                            "'stop', and generate --stop=) — give a stop string, or leave until out to keep each "
+                            "task's own")
+    for key, field in _GEN_KWARG_CHECKS.items():
+        if key in values and (why := RECORD_FIELDS[field](values[key])) is not None:
+            raise ApcscoreError(f"--gen-kwargs {key} {why} (the same check as a generate record's {field!r})")
+    if not isinstance(values.get("do_sample", False), bool):
+        raise ApcscoreError(f"--gen-kwargs do_sample must be true or false, not {values['do_sample']!r}")
+    return values
+
+
+def lm_eval_limit(limit: float | None) -> float | int | None:
+    """--limit as lm-eval takes it: a whole number of documents as an int (the command line reads 10 as 10.0),
+    a fraction below 1 as it is."""
+    return int(limit) if limit is not None and limit >= 1 else limit
+
+
+def simple_evaluate(lm: Any, manager: Any, parsed: EvalPlan, opts: EvalOptions) -> Any:
+    """lm-eval's `simple_evaluate` over `lm` with the run's tasks and prompt options; the samples are always
+    asked for (they make requests.parquet)."""
+    import lm_eval
+
+    return lm_eval.simple_evaluate(
+        model=lm, tasks=parsed.tasks, task_manager=manager, num_fewshot=opts.num_fewshot,
+        limit=lm_eval_limit(opts.limit), apply_chat_template=opts.apply_chat_template,
+        fewshot_as_multiturn=fewshot_as_multiturn(opts), system_instruction=opts.system_instruction,
+        gen_kwargs=parsed.gen_kwargs, log_samples=True)

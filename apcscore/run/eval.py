@@ -1,0 +1,191 @@
+"""`apcscore eval` on the run layer: options, the output folder, signals, resume, timings and exit codes here;
+lm-eval's side (the model class, request translation, tasks, results) in lmeval/.
+
+Order: the options are resolved (command line > --config FILE > defaults, jobs/resolve.py) and parsed once
+(`lmeval/tasks.plan`: the task list, --gen-kwargs, --shard), --out is checked (run/eval_folder.py), then the
+tasks are resolved and their data loaded (a task whose data needs the hub fails here, with how to point it at
+local files), then the model loads (`ApcscoreLM`, the one place an eval's engine is loaded), then lm-eval
+runs, its responses read from and appended to the journal in --out (lmeval/store.py: --resume, --cache).
+SIGINT/SIGTERM stop it after the current engine step (run/signals.py, as for the other commands): exit 130.
+
+`<out>/results.json` is lm-eval's results (without the samples); `<out>/requests.parquet` has one row per
+request (lmeval/requests.py); with --log-samples, `<out>/samples_<task>.jsonl` are lm-eval's samples files.
+`--shard I/N` writes `shard.json` instead, `--ray` runs the shards as Ray tasks and merges them
+(run/eval_shards.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from apcscore.errors import ApcscoreError
+from apcscore.io.result_tables import write_atomic
+from apcscore.jobs.metadata import add_timings
+from apcscore.jobs.options import EvalOptions
+from apcscore.jobs.resolve import resolve_options
+from apcscore.lmeval.results import config_sections, run_info, tables
+from apcscore.lmeval.store import ResponseStore, identity
+from apcscore.lmeval.tasks import EvalPlan, import_lm_eval, load_tasks, plan, simple_evaluate, split_tasks
+from apcscore.run import eval_folder
+from apcscore.run.eval_shards import SHARDS, check_finished, prepare_merge
+from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
+
+BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
+
+
+def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
+    """Run `apcscore eval` with its command-line values (the parameters of EvalOptions and `config`, the
+    --config FILE; None = not given); return the exit code (0 done, 130 interrupted: the finished responses
+    are kept for --resume). echo: prints a line of the results; note: prints a line about the run (default:
+    echo).
+
+    The options are resolved first (command line > --config FILE > defaults, jobs/resolve.py), then --out and
+    --gen-kwargs are checked, before the tasks and the model load."""
+    import_lm_eval()
+    note = note or echo
+    config_path = cli.get("config")
+    opts: EvalOptions = resolve_options("eval", {k: v for k, v in cli.items() if k != "config"},
+                                        Path(config_path) if config_path is not None else None)
+    tasks = split_tasks(opts.tasks)
+    if opts.out is None:
+        opts = replace(opts, out=f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
+    eval_folder.check_out(Path(opts.out), opts)
+    parsed = plan(opts, tasks)  # --gen-kwargs checked after --out, as before
+    if opts.batch_size is not None:
+        note(BATCH_SIZE_NOTE)
+    if opts.ray is not None:
+        return eval_on_ray(opts, echo, note)
+    return evaluate(opts, parsed, echo, note)
+
+
+def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: list[Path] | None = None,
+             engine: Any = None) -> int:
+    """One eval process: load the tasks and the model, answer lm-eval's requests from the journal in --out
+    (and --cache) or the engine, and write the results (a --shard run: its shard.json). parsed: `plan(opts)`,
+    made once by the caller. shards: the folders of the shard runs a merge reads every response from (nothing
+    is computed: a missing one is an error), with `engine` their stand-in (run/eval_shards.RecordedEngine: no
+    weights)."""
+    from apcscore.lmeval.model import ApcscoreLM
+    from apcscore.lmeval.requests import write_outputs, write_samples
+
+    out = Path(opts.out)
+    manager = load_tasks(parsed.tasks, opts.include_path)
+    if opts.overwrite:
+        eval_folder.clear(out)
+    started = time.perf_counter()
+    lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length, seed=opts.engine.seed,
+                    progress=not opts.quiet, engine=engine, config=opts.engine)
+    load_seconds = time.perf_counter() - started
+    sections = engine.sections if engine is not None else config_sections(lm, opts.engine)
+    ident = identity(sections)
+    resumed = eval_folder.start(out, eval_folder.run_record(opts, ident), opts.resume)
+    caches = [opts.cache] if opts.cache is not None else []
+    store = ResponseStore(ident, folders=[*(shards or []), *caches], journals=[out, *caches])
+    lm.use_store(store, parsed.shard, partition=opts.partition, strict=shards is not None)
+    if shards is not None:
+        store.write_all()  # the merged folder's journal holds every response: a cache for later runs
+    if resumed or store.read:
+        note(f"{store.read} finished responses read ({store.name}{' in ' + str(out) if resumed else ''}"
+             f"{', ' + str(opts.cache) if caches else ''})")
+    try:
+        with stop_on_signals() as stop:
+            lm.on_step = stop.check
+            results = simple_evaluate(lm, manager, parsed, opts)
+    except Interrupted:
+        note(f"interrupted: {lm.computed} responses computed in this session, {len(store)} kept in "
+             f"{out / store.name}; rerun the same command with --resume to continue")
+        return EXIT_INTERRUPTED
+    except ValueError as exc:  # random.sample in lm-eval's few-shot sampler: more shots than its split holds
+        if "larger than population" not in str(exc):
+            raise
+        store.close()
+        if not resumed:
+            eval_folder.clear(out)  # the run that was just started computed nothing worth keeping
+        asked = f"--num-fewshot {opts.num_fewshot}" if opts.num_fewshot is not None else "a task's num_fewshot"
+        raise ApcscoreError(f"{asked} asks for more few-shot examples than a task's few-shot split holds (lm-eval: "
+                            f"{exc}) — choose a smaller --num-fewshot") from None
+    finally:
+        lm.on_step = None
+        store.close()
+    if results is None:
+        raise ApcscoreError("lm-eval returned no results")
+    run_seconds = time.perf_counter() - started - load_seconds
+    counts = {"store": store.name, "computed": lm.computed, "read": lm.reused, "other_shards": lm.skipped}
+    timing = add_timings(None, lm.engine.counters().to_timings(load_seconds, run_seconds))
+    if parsed.shard is not None:
+        _write_shard(out, opts, ident, sections, counts, timing)
+        if not opts.quiet:
+            echo(f"shard {opts.shard}: {lm.computed} requests computed, {lm.reused} read, {lm.skipped} left to "
+                 f"the other shards; wrote {out / store.name}. Join the shards with `apcscore merge OUT "
+                 "SHARD_DIR...`")
+        return 0
+    meta = run_info(sections, opts, parsed.tasks, results, timing, lm.max_length, counts)
+    written = write_samples(out, results if opts.log_samples else {})  # before results.json: it marks a run done
+    write_outputs(out, results, meta)
+    if not opts.quiet:
+        for table in tables(results):
+            echo(table)
+        echo(f"wrote {out / 'results.json'} and {out / 'requests.parquet'}"
+             + (f" and {len(written)} samples file(s) {out / 'samples_<task>.jsonl'}" if written else ""))
+    return 0
+
+
+def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, counts: dict, timing: dict) -> None:
+    record = {"shard": opts.shard, "run": eval_folder.run_record(opts, ident), "config": sections,
+              "responses": counts, "timing": timing}
+    write_atomic(out / eval_folder.SHARD_FILE,
+                 (json.dumps(record, indent=2, sort_keys=True, default=str) + "\n").encode())
+
+
+def merge_eval(out: Path, paths: list[Path], overwrite: bool, echo: Any, note: Any) -> int:
+    """`apcscore merge OUT SHARD_DIR...` of eval shards: check them, then write OUT as one run would have."""
+    opts, engine = prepare_merge(out, paths, overwrite)
+    return evaluate(opts, plan(opts), echo, note, shards=paths, engine=engine)
+
+
+def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
+    """`eval --ray`: the shards as Ray tasks into <out>/shards/, then their merge into <out>."""
+    from apcscore.scale.ray_run import connect, import_ray, replica_resources
+
+    ray = import_ray()
+    out, n = Path(opts.out), int(opts.replicas)
+    folders = [out / SHARDS / f"{i}-of-{n}" for i in range(n)]
+    if (out / SHARDS).exists():
+        if opts.overwrite:
+            shutil.rmtree(out / SHARDS)
+        elif not opts.resume:
+            raise ApcscoreError(f"--out {out} holds the shards of an unfinished --ray run ({out / SHARDS}); pass "
+                                "--resume to continue it, or --overwrite to discard it and start over")
+    started = connect(ray, opts.ray)
+    try:
+        cpus, gpus = replica_resources(ray, opts)
+        task = ray.remote(_shard_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=2)
+        values = eval_folder.flat_options(opts)
+        refs = []
+        for i, folder in enumerate(folders):
+            if (folder / eval_folder.SHARD_FILE).exists():  # finished in an earlier session of this run
+                check_finished(folder, values, f"{i}/{n}")
+                continue
+            shard = {**values, "out": str(folder), "shard": f"{i}/{n}", "ray": None, "replicas": 1,
+                     "cpus_per_replica": None, "gpus_per_replica": None, "overwrite": False, "resume": True,
+                     "quiet": True}
+            refs.append(task.remote(shard))
+        codes = ray.get(refs)
+    finally:
+        if started:
+            ray.shutdown()
+    if any(codes):
+        note(f"a shard was interrupted; rerun with --resume to continue ({out / SHARDS})")
+        return EXIT_INTERRUPTED
+    return merge_eval(out, folders, opts.overwrite, echo, note)
+
+
+def _shard_task(values: dict[str, Any]) -> int:
+    """One shard of `eval --ray`, in a Ray worker."""
+    opts = replace(eval_folder.options_from(values), quiet=True)
+    return evaluate(opts, plan(opts), lambda text: None, lambda text: None)
