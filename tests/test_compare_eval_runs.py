@@ -172,7 +172,8 @@ def test_inputs_that_are_not_two_eval_folders_are_refused(eval_runs, tmp_path) -
     file = tmp_path / "x.parquet"
     shutil.copy(f32 / "requests.parquet", file)
     r = _compare(f32, file)
-    assert r.exit_code == 2 and "not one of each" in r.output
+    assert r.exit_code == 2 and "baseline" in r.output and "is a directory" in r.output
+    assert "not one of each" in r.output
     unfinished = _copy(f32, tmp_path / "unfinished")
     (unfinished / "results.json").unlink()
     r = _compare(f32, unfinished)

@@ -164,6 +164,14 @@ def test_exact_ignores_metadata_but_not_a_status(score_runs, tmp_path) -> None:
     pq.write_table(table.set_column(table.column_names.index("status"), "status", pa.array(status)), edited)
     r = _compare(score_runs["a"], edited, "--exact", "--max-new-errors", "5")
     assert r.exit_code == 1 and "column status" in r.output and f"{table['id'][3].as_py()!r}" in r.output
+    # other token ids: compare refuses the files (exit 2 without --exact); --exact names the difference (exit 1)
+    ids = table["token_ids"].to_pylist()
+    ids[2] = ids[2][:-1] + [ids[2][-1] + 1]
+    retok = tmp_path / "retokenized.parquet"
+    pq.write_table(table.set_column(table.column_names.index("token_ids"), "token_ids", pa.array(ids)), retok)
+    assert _compare(score_runs["a"], retok).exit_code == 2
+    r = _compare(score_runs["a"], retok, "--exact")
+    assert r.exit_code == 1 and "column token_ids" in r.output and "tokenized differently" in r.output
     copy = tmp_path / "copy.parquet"
     shutil.copy(score_runs["a"], copy)
     assert _compare(score_runs["a"], copy, "--exact").exit_code == 0

@@ -107,6 +107,11 @@ def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, ex
     if report_html is not None:
         raise ApcscoreError("--report-html draws per-token figures of result files; eval folders have none: use "
                             "--report-md or --report-json")
+    if baseline.is_dir() != candidate.is_dir():
+        d, f = (("baseline", baseline), ("candidate", candidate))[::1 if baseline.is_dir() else -1]
+        raise ApcscoreError(f"{d[0]} {d[1]} is a directory and {f[0]} {f[1]} is not: compare takes two result files "
+                            "(the parquet files of apcscore score or perplexity) or two apcscore eval output folders, "
+                            "not one of each")
     result = compare_eval_dirs(baseline, candidate, thresholds)
     if exact:
         add_exact(result.checks, result.notes, exact_eval(baseline, candidate))
