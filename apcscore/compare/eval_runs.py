@@ -228,8 +228,8 @@ def _fmt(v: float | None, sign: bool = False) -> str:
 
 
 def _number(v: Any) -> float | None:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else (
-        float(v) if isinstance(v, bool) else None)
+    """A number (a bool as 0 / 1), else None (lists, strings: per-sample values that are not one number)."""
+    return float(v) if isinstance(v, (int, float)) else None
 
 
 def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
