@@ -65,7 +65,8 @@ def test_differs_agrees_with_a_reference_on_random_nested_columns() -> None:
             if other and rng.random() < 0.3:  # change one element, or drop one
                 i = int(rng.integers(len(other)))
                 if other[i] and rng.random() < 0.7:
-                    other[i][0] = other[i][0] + 1 if t == pa.int64() else float(np.nextafter(np.float32(other[i][0]), 9))
+                    x = other[i][0]
+                    other[i][0] = x + 1 if t == pa.int64() else float(np.nextafter(np.float32(x), np.float32(9)))
                 else:
                     other[i] = other[i][:-1] if other[i] else None
             rows_b.append(row)

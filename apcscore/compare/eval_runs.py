@@ -207,7 +207,8 @@ class EvalComparison:
             out.append((task, not failed, "; ".join(failed + figures)))
         for c, t in zip(self.checks, self.check_tasks):  # checks of the whole run (--exact)
             if t not in self.tasks:
-                out.append((c.option.lstrip("-"), c.passed, f"{c.metric} = {c.value:.6g}, limit {c.op} {c.threshold:g}"))
+                message = f"{c.metric} = {c.value:.6g}, limit {c.op} {c.threshold:g}"
+                out.append((c.option.lstrip("-"), c.passed, message))
         return out
 
     def to_dict(self) -> dict[str, Any]:
@@ -256,7 +257,8 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
                 m.doc_delta_se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
                 m.binary = bool(np.isin(xb, (0.0, 1.0)).all() and np.isin(xn, (0.0, 1.0)).all())
                 if m.binary:
-                    m.flips_to_wrong, m.flips_to_right = int(((xb == 1) & (xn == 0)).sum()), int(((xb == 0) & (xn == 1)).sum())
+                    m.flips_to_wrong = int(((xb == 1) & (xn == 0)).sum())
+                    m.flips_to_right = int(((xb == 0) & (xn == 1)).sum())
             out.append(m)
     return out
 

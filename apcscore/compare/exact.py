@@ -72,7 +72,8 @@ class ExactDiff:
             return (f"--exact: all {self.num_records} records are bit-identical in {len(self.columns)} columns "
                     f"({', '.join(self.columns)})")
         counts = ", ".join(f"{c} {n}" for c, n in self.differing.items())
-        head = f"--exact: {self.num_differing_records} of {self.num_records} records differ (records per column: {counts})"
+        head = (f"--exact: {self.num_differing_records} of {self.num_records} records differ (records per column: "
+                f"{counts})")
         return head + ("; " + self.first.describe() if self.first else "")
 
 
