@@ -94,6 +94,7 @@ def test_page_holds_verdict_checks_tokens_and_flips(runs) -> None:
     c = compare_files(base, new, Thresholds(max_mean_kld=0.001, max_accuracy_drop=0.5))
     assert not c.passed and c.flips, "the fixture should give a failing check and at least one flip"
     assert re.search(r'<span class="verdict fail" id="verdict">FAIL \(1 of 4 thresholds\)</span>', html)
+    assert "<title>apcscore compare: FAIL (1 of 4 thresholds)</title>" in html
     checks = re.search(r'<table id="thresholds">(.*?)</table>', html, re.S).group(1)
     assert checks.count("<tr") == 1 + len(c.checks) and '<tr class="fail"><td>--max-mean-kld</td>' in checks
     # self-contained: plotly.js inlined, nothing fetched from the network

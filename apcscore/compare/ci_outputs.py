@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-from apcscore.compare.gate import Check, Comparison
-from apcscore.compare.report import to_markdown, verdict
+from apcscore.compare.gate import Check
 from apcscore.errors import ApcscoreError
 
 SUITES_NAME = "apcscore compare"  # the <testsuites> name; report_paths knows a JUnit report by it
@@ -89,17 +88,18 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
-def github_outputs(result: Comparison, worst: int, report_md: Path | None,
+def github_outputs(cases: list[Case], verdict: str, markdown: Callable[[], str], report_md: Path | None,
                    echo: Callable[[str], None] = print) -> None:
-    """GitHub Actions outputs, read from the environment: annotations when GITHUB_ACTIONS is "true", the
-    Markdown report appended to the file GITHUB_STEP_SUMMARY names (skipped when --report-md is that file)."""
+    """GitHub Actions outputs, read from the environment: annotations of `cases` and the verdict when
+    GITHUB_ACTIONS is "true", the Markdown report (`markdown()`) appended to the file GITHUB_STEP_SUMMARY names
+    (skipped when --report-md is that file)."""
     if os.environ.get("GITHUB_ACTIONS") == "true":
-        for line in annotations(checks_to_cases(result.checks), verdict(result)):
+        for line in annotations(cases, verdict):
             echo(line)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary and not (report_md is not None and _same_file(Path(summary), report_md)):
         try:
             with open(summary, "a", encoding="utf-8") as f:
-                f.write(to_markdown(result, worst) + "\n")
+                f.write(markdown() + "\n")
         except OSError as e:
             raise ApcscoreError(f"cannot append the summary to GITHUB_STEP_SUMMARY={summary}: {e}") from None

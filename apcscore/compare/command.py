@@ -27,9 +27,10 @@ if TYPE_CHECKING:
 
 
 def compare(
-    baseline: Annotated[Path, typer.Argument(help="Result file of the reference run (apcscore score / perplexity).",
+    baseline: Annotated[Path, typer.Argument(help="Result file of the reference run (apcscore score / perplexity), "
+                                                  "or its apcscore eval output folder.",
                                              show_default=False)],
-    candidate: Annotated[Path, typer.Argument(help="Result file of the run under test, same dataset.",
+    candidate: Annotated[Path, typer.Argument(help="Result file (or eval folder) of the run under test, same data.",
                                               show_default=False)],
     max_ppl_ratio: Annotated[Optional[float], typer.Option(
         help="Fail when PPL_new / PPL_base is above this (e.g. 1.01).")] = None,
@@ -71,18 +72,22 @@ def compare(
                     "\\[default: 0]")] = None,
     max_excluded_fraction: Annotated[Optional[float], typer.Option(
         help="Fail when a larger share of records failed on either side (0..1) and so left every figure.")] = None,
+    exact: Annotated[bool, typer.Option(
+        help="Fail on any differing bit in the columns both runs hold, and name the first differing record, "
+             "column, position and token (see docs/compare.md).")] = False,
     worst: Annotated[int, typer.Option(min=0, help="How many of the worst records (by KL) to list.")] = 10,
     overwrite: Annotated[bool, typer.Option(
         help="Let a report replace an existing file that is not a report of compare (an earlier report, or an "
              "empty file, is replaced without it).")] = False,
 ) -> None:
-    """Compare two result files of the same dataset; the exit code says whether the thresholds hold."""
+    """Compare two result files (or two eval folders) of the same data; the exit code says whether the thresholds
+    hold."""
     try:
         import pyarrow as pa
 
         from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit
         from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
-        from apcscore.compare.report import render_console, to_json, to_markdown, write_report
+        from apcscore.compare.report import render_console, to_json, to_markdown, verdict, write_report
         from apcscore.compare.report_paths import check_report_paths
 
         check_report_paths({"--report-md": report_md, "--report-json": report_json, "--report-html": report_html,
@@ -93,10 +98,28 @@ def compare(
         thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,
                                                     max_abs_logprob_diff, max_accuracy_drop, max_new_errors,
                                                     max_excluded_fraction, significance))
+        if baseline.is_dir() or candidate.is_dir():  # two `apcscore eval` folders
+            from apcscore.compare.eval_report import run_eval_compare
+
+            passed = run_eval_compare(baseline, candidate, thresholds, exact, report_md, report_json, report_html,
+                                      report_junit, Console())
+            raise typer.Exit(0 if passed else 1)
+        exact_diff = None
         try:
+            if exact:
+                from apcscore.compare.exact import add_exact, exact_files
+
+                exact_diff = exact_files(baseline, candidate)
             result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed)
         except (pa.ArrowException, OSError) as e:  # a file damaged past its footer
             raise ApcscoreError(f"cannot read the result files: {e} — write them again") from None
+        except ApcscoreError as e:  # not comparable: with --exact, a difference found first is the verdict
+            if exact_diff is None or exact_diff.passed:
+                raise
+            Console().print(f"[bold red]FAIL[/] {escape(exact_diff.summary())}\n(no figures: {escape(str(e))})")
+            raise typer.Exit(1) from None
+        if exact_diff is not None:
+            add_exact(result.checks, result.notes, exact_diff)
         render_console(result, Console(), worst)
         if report_md is not None:
             write_report(report_md, to_markdown(result, worst))
@@ -106,7 +129,8 @@ def compare(
             write_report(report_html, _html(result, worst))
         if report_junit is not None:
             write_report(report_junit, to_junit(checks_to_cases(result.checks), "apcscore compare"))
-        github_outputs(result, worst, report_md)
+        github_outputs(checks_to_cases(result.checks), verdict(result.checks), lambda: to_markdown(result, worst),
+                       report_md)
     except ApcscoreError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         if os.environ.get("GITHUB_ACTIONS") == "true":  # the usage error as an annotation on the run

@@ -24,7 +24,7 @@ import numpy as np
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
 from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
-                                     _metric_rows, _sides, _verdict, _worst_rows)
+                                     _metric_rows, _sides, _worst_rows, verdict)
 from apcscore.io.token_text import Pieces, id_pieces
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
@@ -299,9 +299,9 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
     """
     from plotly.offline import get_plotlyjs
 
-    verdict = _verdict(c)
+    verdict_text = verdict(c.checks)
     cls = "none" if not c.checks else "pass" if c.passed else "fail"
-    parts = [f'<h1>apcscore compare: <span class="verdict {cls}" id="verdict">{_e(verdict)}</span></h1>',
+    parts = [f'<h1>apcscore compare: <span class="verdict {cls}" id="verdict">{_e(verdict_text)}</span></h1>',
              f'<p class="muted">baseline {_e(c.base.path)} ({_e(c.base.model or "-")}, {_e(c.base.dtype or "-")}) · '
              f'candidate {_e(c.new.path)} ({_e(c.new.model or "-")}, {_e(c.new.dtype or "-")})</p>']
     if c.checks:
@@ -340,7 +340,7 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")
     head = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
-            f"<title>apcscore compare: {_e(verdict)}</title><style>{_CSS}</style>"
+            f"<title>apcscore compare: {_e(verdict_text)}</title><style>{_CSS}</style>"
             f'<script type="text/javascript">{get_plotlyjs()}</script></head>\n<body><main>')
     tail = f"</main>{aside}<script>{_JS}</script></body></html>\n"
     if c.records and worst:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from apcscore.compare.gate import Comparison
+from apcscore.compare.gate import Check, Comparison
 from apcscore.compare.metrics import DeltaPSummary, KldSummary
 from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
@@ -154,14 +154,12 @@ def _flip_rows(c: Comparison) -> list[Row]:
             for f in c.flips]
 
 
-def _verdict(c: Comparison) -> str:
-    if not c.checks:
+def verdict(checks: list[Check]) -> str:
+    """The gate's one-line verdict over its checks (result files and eval folders alike)."""
+    if not checks:
         return "no thresholds given"
-    failed = sum(not ch.passed for ch in c.checks)
-    return "PASS" if not failed else f"FAIL ({failed} of {len(c.checks)} thresholds)"
-
-
-verdict = _verdict  # the public name (ci_outputs)
+    failed = sum(not ch.passed for ch in checks)
+    return "PASS" if not failed else f"FAIL ({failed} of {len(checks)} thresholds)"
 
 
 def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
@@ -190,7 +188,7 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
         table("Thresholds", _CHECK_HEAD, _check_rows(c),
               ["green" if ch.passed else "bold red" for ch in c.checks])
     style = "green" if c.passed and c.checks else "bold red" if not c.passed else "yellow"
-    console.print(f"[{style}]{escape(_verdict(c))}[/]")
+    console.print(f"[{style}]{escape(verdict(c.checks))}[/]")
 
 
 def _md_table(head: Row, rows: list[Row]) -> str:
@@ -205,7 +203,7 @@ def _md_table(head: Row, rows: list[Row]) -> str:
 def to_markdown(c: Comparison, worst: int = 10) -> str:
     """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
     icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
-    out = [f"## apcscore compare: {icon} {_verdict(c)}", ""]
+    out = [f"## apcscore compare: {icon} {verdict(c.checks)}", ""]
     if c.checks:
         rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
         out += [_md_table(_CHECK_HEAD, rows), ""]

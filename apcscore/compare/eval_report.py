@@ -1,0 +1,125 @@
+"""Reports of `apcscore compare` on two eval folders: Rich tables, Markdown (for a CI job summary), JSON."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from apcscore.compare.eval_runs import EvalComparison, MetricDelta
+from apcscore.compare.gate import Thresholds
+from apcscore.compare.report import verdict
+from apcscore.errors import ApcscoreError
+
+Row = tuple[str, ...]
+_METRIC_HEAD = ("task", "metric", "baseline", "candidate", "change", "docs", "per-doc change +/- SE", "flips -/+")
+_CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
+
+
+def _n(v: float | None, sign: bool = False) -> str:
+    return "-" if v is None else f"{v:+.4g}" if sign else f"{v:.4g}"
+
+
+def _with_se(v: float | None, se: float | None) -> str:
+    return "-" if v is None else _n(v, True) + (f" +/- {se:.2g}" if se is not None else "")
+
+
+def _metric_row(m: MetricDelta) -> Row:
+    name = m.metric if m.filter == "none" else f"{m.metric} ({m.filter})"
+    return (m.task, name, _with_se(m.base, m.base_stderr).lstrip("+"), _with_se(m.new, m.new_stderr).lstrip("+"),
+            _n(m.delta, True), str(m.num_docs), _with_se(m.mean_doc_delta, m.doc_delta_se),
+            f"{m.flips_to_wrong} / {m.flips_to_right}" if m.binary else "-")
+
+
+def _sides(c: EvalComparison) -> list[Row]:
+    return [(k, str(c.base.get(k) or "-"), str(c.new.get(k) or "-")) for k in c.base]
+
+
+def _check_rows(c: EvalComparison) -> list[Row]:
+    return [(ch.option, ch.metric, f"{ch.value:.6g}", f"{ch.op} {ch.threshold:g}", "PASS" if ch.passed else "FAIL")
+            for ch in c.checks]
+
+
+def render_eval_console(c: EvalComparison, console: Console) -> None:
+    """Print the comparison as Rich tables; failing thresholds in red."""
+
+    def table(title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
+        t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
+        for i, row in enumerate(rows):
+            t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
+        console.print(t)
+
+    table("Compared eval runs", ("", "baseline", "candidate"), _sides(c))
+    table("Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
+          [_metric_row(m) for m in c.metrics])
+    for note in c.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if c.checks:
+        table("Thresholds (per task)", _CHECK_HEAD, _check_rows(c),
+              ["green" if ch.passed else "bold red" for ch in c.checks])
+    style = "green" if c.passed and c.checks else "bold red" if not c.passed else "yellow"
+    console.print(f"[{style}]{escape(verdict(c.checks))}[/]")
+
+
+def _md_table(head: Row, rows: list[Row]) -> str:
+    def cell(x: str) -> str:
+        return x.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| " + " | ".join(cell(x) for x in head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows])
+
+
+def eval_markdown(c: EvalComparison) -> str:
+    """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
+    icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
+    out = [f"## apcscore compare (eval runs): {icon} {verdict(c.checks)}", ""]
+    if c.checks:
+        rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
+        out += [_md_table(_CHECK_HEAD, rows), ""]
+    out += ["### Per task and metric", "", _md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
+    out += ["### Compared runs", "", _md_table(("", "baseline", "candidate"), _sides(c)), ""]
+    out += [f"> note: {n}" for n in c.notes]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def eval_json(c: EvalComparison) -> str:
+    """Every figure as JSON (NaN becomes null)."""
+    return json.dumps(c.to_dict(), indent=2, allow_nan=False)
+
+
+def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, exact: bool, report_md: Path | None,
+                     report_json: Path | None, report_html: Path | None, report_junit: Path | None,
+                     console: Console) -> bool:
+    """The command on two eval folders: compare, print, write the reports (JUnit: one testcase per task) and the
+    GitHub outputs; returns whether the gate passed."""
+    from apcscore.compare.ci_outputs import Case, github_outputs, to_junit
+    from apcscore.compare.eval_runs import compare_eval_dirs, exact_eval
+    from apcscore.compare.exact import add_exact
+    from apcscore.compare.report import write_report
+
+    if report_html is not None:
+        raise ApcscoreError("--report-html draws per-token figures of result files; eval folders have none: use "
+                            "--report-md or --report-json")
+    if baseline.is_dir() != candidate.is_dir():
+        d, f = (("baseline", baseline), ("candidate", candidate))[::1 if baseline.is_dir() else -1]
+        raise ApcscoreError(f"{d[0]} {d[1]} is a directory and {f[0]} {f[1]} is not: compare takes two result files "
+                            "(the parquet files of apcscore score or perplexity) or two apcscore eval output folders, "
+                            "not one of each")
+    result = compare_eval_dirs(baseline, candidate, thresholds)
+    if exact:
+        add_exact(result.checks, result.notes, exact_eval(baseline, candidate))
+        result.check_tasks.append("exact")
+    render_eval_console(result, console)
+    if report_md is not None:
+        write_report(report_md, eval_markdown(result))
+    if report_json is not None:
+        write_report(report_json, eval_json(result))
+    cases = [Case(name, passed, message, classname="apcscore.compare.eval") for name, passed, message in result.cases()]
+    if report_junit is not None:
+        write_report(report_junit, to_junit(cases, "eval tasks"))
+    github_outputs(cases, verdict(result.checks), lambda: eval_markdown(result), report_md)
+    return result.passed

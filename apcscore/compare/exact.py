@@ -1,0 +1,214 @@
+"""`apcscore compare --exact`: fail on any differing bit between two result files (or two eval folders).
+
+For refactors that must not move a number. The records are matched by id (eval folders: by task, doc_id,
+filter and request_index) and every column both files hold is compared bit for bit, except `IGNORED` (columns
+that describe how a run was scheduled, not what it computed). Floats are compared by their bits: -0.0 differs
+from +0.0, and a NaN equals a NaN of the same bits. A null equals only a null. Run metadata (model, dtype,
+timings, command line) is not a column and is never compared. Columns only one file holds are named in a note.
+
+The first difference reported is in the first record (baseline order) that differs; within it, the earliest
+token position of the per-token columns (`token_*`, `top_*`), with the token id there, else the first column
+that differs (file order), with the index inside a list (e.g. the choice of `choice_logprobs`).
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from apcscore.errors import ApcscoreError
+
+# how a run was scheduled, not what it computed: the prefix cache's hits depend on batching, and a shard's
+# record_index on how the dataset was split (scale/shard.py)
+IGNORED = ("num_cached_tokens", "record_index")
+PER_TOKEN = ("token_", "top_")  # list columns aligned with the record's tokens (position i = token_ids[i])
+
+
+@dataclass
+class FirstDifference:
+    """Where two runs first differ."""
+
+    id: str  # the record (eval: task/doc_id/filter/request_index)
+    column: str
+    position: int | None  # index in the column's list (a token position for per-token columns)
+    token: int | None  # token_ids[position] of the baseline, for per-token columns
+    base: Any  # the two values at that place (a float shown with its bits)
+    new: Any
+    columns: list[str] = field(default_factory=list)  # every column that differs in this record
+
+    def describe(self) -> str:
+        where = f"record {self.id!r}, column {self.column}"
+        if self.position is not None:
+            where += f", position {self.position}"
+        if self.token is not None:
+            where += f" (token id {self.token})"
+        others = [c for c in self.columns if c != self.column]
+        tail = f"; in this record also {', '.join(others)}" if others else ""
+        return f"first difference: {where}: baseline {_show(self.base)}, candidate {_show(self.new)}{tail}"
+
+
+@dataclass
+class ExactDiff:
+    """The result of the bitwise comparison."""
+
+    num_records: int
+    columns: list[str]  # compared
+    differing: dict[str, int]  # column -> records where it differs (only columns that differ)
+    num_differing_records: int
+    first: FirstDifference | None
+    only_one_side: list[str]  # columns not compared because one file lacks them
+
+    @property
+    def passed(self) -> bool:
+        return self.num_differing_records == 0
+
+    def summary(self) -> str:
+        if self.passed:
+            return (f"--exact: all {self.num_records} records are bit-identical in {len(self.columns)} columns "
+                    f"({', '.join(self.columns)})")
+        counts = ", ".join(f"{c} {n}" for c, n in self.differing.items())
+        head = (f"--exact: {self.num_differing_records} of {self.num_records} records differ (records per column: "
+                f"{counts})")
+        return head + ("; " + self.first.describe() if self.first else "")
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v!r} (bits {struct.pack('>d', v).hex()})"
+    return repr(v)
+
+
+def _same(x: Any, y: Any) -> bool:
+    """Python values equal bit for bit (floats by their float64 bits: a float32 converts exactly)."""
+    if isinstance(x, float) and isinstance(y, float):
+        return struct.pack("<d", x) == struct.pack("<d", y)
+    if isinstance(x, list) and isinstance(y, list):
+        return len(x) == len(y) and all(_same(a, b) for a, b in zip(x, y))
+    return type(x) is type(y) and x == y
+
+
+def _first_index(x: Any, y: Any) -> int | None:
+    """The first index where two lists differ (the shorter length when one is a prefix); None for scalars."""
+    if not (isinstance(x, list) and isinstance(y, list)):
+        return None
+    return next((i for i, (a, b) in enumerate(zip(x, y)) if not _same(a, b)), min(len(x), len(y)))
+
+
+def _leaf_differs(b: pa.Array, n: pa.Array) -> np.ndarray:
+    """[len] mask of elements that differ in bits (nulls equal only nulls)."""
+    vb = b.is_valid().to_numpy(zero_copy_only=False)
+    vn = n.is_valid().to_numpy(zero_copy_only=False)
+    out = vb != vn
+    both = vb & vn
+    if pa.types.is_floating(b.type) and b.type == n.type:
+        width = {16: np.uint16, 32: np.uint32, 64: np.uint64}[b.type.bit_width]
+        xb = b.to_numpy(zero_copy_only=False).view(width)
+        xn = n.to_numpy(zero_copy_only=False).view(width)
+        return out | (both & (xb != xn))
+    if b.type != n.type:  # another type is another value (e.g. float32 against float64)
+        return out | both
+    ne = pc.fill_null(pc.not_equal(b, n), False).to_numpy(zero_copy_only=False)
+    return out | (both & ne)
+
+
+def differs(b: pa.Array, n: pa.Array) -> np.ndarray:
+    """[len] mask of rows whose values differ in any bit, for scalar and (nested) list arrays of equal length."""
+    if isinstance(b, pa.ChunkedArray):
+        b = b.combine_chunks()
+    if isinstance(n, pa.ChunkedArray):
+        n = n.combine_chunks()
+    is_list = pa.types.is_list(b.type) or pa.types.is_large_list(b.type)
+    if not is_list or not (pa.types.is_list(n.type) or pa.types.is_large_list(n.type)):
+        if is_list or pa.types.is_list(n.type) or pa.types.is_large_list(n.type):
+            return np.ones(len(b), dtype=bool)  # a list against a scalar
+        return _leaf_differs(b, n)
+    lb = pc.fill_null(pc.list_value_length(b), -1).to_numpy(zero_copy_only=False)
+    ln = pc.fill_null(pc.list_value_length(n), -1).to_numpy(zero_copy_only=False)
+    out = lb != ln
+    same = np.flatnonzero((lb == ln) & (lb > 0))
+    if len(same):
+        take = pa.array(same)
+        cb, cn = b.take(take), n.take(take)
+        parents = pc.list_parent_indices(cb).to_numpy(zero_copy_only=False)
+        child = differs(pc.list_flatten(cb), pc.list_flatten(cn))
+        hit = np.zeros(len(same), dtype=bool)
+        np.logical_or.at(hit, parents[child], True)
+        out[same[hit]] = True
+    return out
+
+
+def compare_tables(base: pa.Table, new: pa.Table, key: str = "id") -> ExactDiff:
+    """Compare two tables whose `key` columns hold the same unique values (any order) bit for bit."""
+    idx = pc.index_in(base[key], value_set=new[key])
+    if idx.null_count or base.num_rows != new.num_rows:
+        missing = base[key].filter(idx.is_null()).to_pylist()[:5]
+        raise ApcscoreError(f"--exact: the runs hold different records (e.g. {missing} only in the baseline, or "
+                            f"{base.num_rows} against {new.num_rows} records); compare two runs of the same data")
+    new = new.take(idx)
+    names = [c for c in base.column_names if c in new.column_names and c != key and c not in IGNORED]
+    one_side = sorted(set(base.column_names) ^ set(new.column_names))
+    masks = {c: differs(base[c], new[c]) for c in names}
+    any_row = np.zeros(base.num_rows, dtype=bool)
+    for m in masks.values():
+        any_row |= m
+    differing = {c: int(m.sum()) for c, m in masks.items() if m.any()}
+    first = None
+    if any_row.any():
+        i = int(np.flatnonzero(any_row)[0])
+        first = _first_difference(base, new, i, [c for c in names if masks[c][i]], key)
+    return ExactDiff(base.num_rows, names, differing, int(any_row.sum()), first, one_side)
+
+
+def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str], key: str) -> FirstDifference:
+    """Where row i (aligned) first differs: the earliest token position of a per-token column, else the first
+    differing column."""
+    found = []
+    for c in columns:
+        x, y = base[c][i].as_py(), new[c][i].as_py()
+        j = _first_index(x, y)
+        found.append((c, j, x, y))
+    per_token = [f for f in found if f[0].startswith(PER_TOKEN) and f[1] is not None]
+    c, j, x, y = min(per_token, key=lambda f: f[1]) if per_token else found[0]
+    token = None
+    if c.startswith(PER_TOKEN) and j is not None and "token_ids" in base.column_names:
+        ids = base["token_ids"][i].as_py() or []
+        token = ids[j] if j < len(ids) else None
+    bx, nx = (x, y) if j is None else (_at(x, j), _at(y, j))
+    return FirstDifference(str(base[key][i].as_py()), c, j, token, bx, nx, columns)
+
+
+def _at(v: list, j: int) -> Any:
+    return v[j] if j < len(v) else "(no element: the list ends here)"
+
+
+def exact_files(baseline: Any, candidate: Any) -> ExactDiff:
+    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them)."""
+    import pyarrow.parquet as pq
+
+    from apcscore.compare.inputs import load_result_file
+
+    tables = []
+    for path, role in ((baseline, "baseline"), (candidate, "candidate")):
+        f = load_result_file(path, role)  # refuses what is not apcscore output, missing or duplicate ids
+        try:
+            t = pq.read_table(f.path)
+        except (pa.ArrowException, OSError) as e:
+            raise ApcscoreError(f"{role} file {f.path} is damaged: its data cannot be read ({e})") from None
+        tables.append(t.set_column(t.column_names.index("id"), "id", f.table["id"]))
+    return compare_tables(*tables)
+
+
+def add_exact(checks: list, notes: list[str], diff: ExactDiff) -> None:
+    """The --exact verdict as one more threshold (records with a differing bit <= 0) and a note saying where."""
+    from apcscore.compare.gate import Check
+
+    checks.append(Check("--exact", "records with a differing bit", float(diff.num_differing_records), "<=", 0.0,
+                        diff.passed))
+    notes.append(diff.summary())
+    if diff.only_one_side:
+        notes.append(f"--exact: not compared, in one file only: {', '.join(diff.only_one_side)}")
