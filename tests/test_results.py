@@ -246,7 +246,7 @@ def test_bad_rows_and_bad_calls(tmp_path: Path) -> None:
 def test_read_run_metadata_errors(tmp_path: Path) -> None:
     plain = tmp_path / "plain.parquet"
     pq.write_table(pa.table({"a": [1]}), plain)
-    with pytest.raises(ApcscoreError, match="no apcscore run metadata"):
+    with pytest.raises(ApcscoreError, match="is not apcscore output: its parquet metadata has no 'apcscore' key"):
         read_run_metadata(plain)
     with pytest.raises(ApcscoreError, match="does not exist"):
         read_run_metadata(tmp_path / "missing.parquet")

@@ -3,7 +3,6 @@ and set aside the records that failed on either side."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError, a
 from apcscore.io.token_text import tokenizer_path
-from apcscore.io.writer import METADATA_KEY
+from apcscore.io.result_tables import open_result_file
 
 EXAMPLES = 5  # ids quoted in an error message
 GATED_COMMANDS = ("score", "perplexity")  # the commands whose files compare measures
@@ -59,25 +58,8 @@ class ResultFile:
 def load_result_file(path: Path, role: str) -> ResultFile:
     """Open a parquet file written by `apcscore score` / `perplexity`, or refuse with a clear message."""
     path = Path(path)
-    if path.is_dir():
-        raise ApcscoreError(f"{role} file {path} is a directory — give the parquet file written by apcscore score "
-                            "or perplexity")
-    if not path.is_file():
-        raise ApcscoreError(f"{role} file {path} does not exist")
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ApcscoreError(f"{role} file {path} is not a parquet file: {e}") from None
-    raw = (schema.metadata or {}).get(METADATA_KEY)
-    if raw is None:
-        raise ApcscoreError(f"{role} file {path} is not apcscore output: its parquet metadata has no 'apcscore' "
-                            f"key; compare files written by `apcscore score` or `apcscore perplexity`")
-    try:
-        meta = json.loads(raw)
-        assert isinstance(meta, dict)
-    except (ValueError, AssertionError):
-        raise ApcscoreError(f"{role} file {path} is not apcscore output: its 'apcscore' metadata is not a JSON "
-                            f"object") from None
+    pf, meta = open_result_file(path, f"{role} file {path}", "compare", "`apcscore score` or `apcscore perplexity`")
+    schema = pf.schema_arrow
     command = meta.get("command")
     if command is not None and command not in GATED_COMMANDS:
         raise ApcscoreError(f"{role} file {path} was written by `apcscore {command}`: compare gates the files of "

@@ -64,6 +64,34 @@ def records_to_table(rows: list[dict], schema: pa.Schema) -> pa.Table:
         raise ValueError(f"rows do not fit the schema: {e}") from e
 
 
+def open_result_file(path: str | Path, label: str, reader: str, written_by: str) -> tuple[pq.ParquetFile, dict]:
+    """A parquet file apcscore wrote and its run metadata (the JSON object under the key `apcscore`), or an
+    ApcscoreError that says what is wrong with it: the one reader of result files (compare, show, merge).
+
+    Messages name the file as `label` (e.g. "baseline file x.parquet") and say what `reader` (e.g. "compare") reads:
+    files written by `written_by` (e.g. "apcscore score or perplexity")."""
+    path = Path(path)
+    if path.is_dir():
+        raise ApcscoreError(f"{label} is a directory — give a parquet file written by {written_by}")
+    if not path.is_file():
+        raise ApcscoreError(f"{label} does not exist")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ApcscoreError(f"{label} is not a parquet file: {e}") from None
+    raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise ApcscoreError(f"{label} is not apcscore output: its parquet metadata has no 'apcscore' key; {reader} "
+                            f"reads files written by {written_by}")
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise ApcscoreError(f"{label} is not apcscore output: its 'apcscore' metadata is not a JSON object")
+    return pf, meta
+
+
 def read_run_metadata(path: str | Path) -> dict:
     """The run metadata (JSON under schema metadata key ``apcscore``) of a results file or partial dir."""
     path = Path(path)
@@ -72,12 +100,4 @@ def read_run_metadata(path: str | Path) -> dict:
         if not run.exists():
             raise ApcscoreError(f"{path} is a directory but not an apcscore partial (no {RUN_FILE})")
         return json.loads(run.read_text(encoding="utf-8"))["metadata"]
-    try:
-        meta = pq.read_schema(path).metadata or {}
-    except FileNotFoundError:
-        raise ApcscoreError(f"{path} does not exist") from None
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ApcscoreError(f"{path} is not a readable parquet file: {e}") from None
-    if METADATA_KEY not in meta:
-        raise ApcscoreError(f"{path} has no apcscore run metadata (was it written by apcscore?)")
-    return json.loads(meta[METADATA_KEY])
+    return open_result_file(path, str(path), "this command", "apcscore")[1]

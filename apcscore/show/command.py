@@ -53,28 +53,14 @@ class Tokens:
 
 def _open(path: Path) -> tuple[Any, dict[str, Any]]:
     """The parquet file and its run metadata, or a clear error."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from apcscore.io.result_tables import open_result_file
 
-    if path.is_dir():
-        raise ApcscoreError(f"{path} is a directory — give a parquet file written by apcscore score, perplexity "
-                            "or generate")
-    if not path.is_file():
-        raise ApcscoreError(f"{path} does not exist")
-    try:
-        pf = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as e:
-        raise ApcscoreError(f"{path} is not a parquet file: {e}") from None
-    raw = (pf.schema_arrow.metadata or {}).get(b"apcscore")
-    try:
-        meta = json.loads(raw) if raw is not None else None
-    except ValueError:
-        meta = None
-    if isinstance(meta, dict) and meta.get("command") == "eval":
+    pf, meta = open_result_file(path, str(path), "show", "apcscore score, perplexity or generate")
+    if meta.get("command") == "eval":
         raise ApcscoreError(f"{path} holds the requests of an `apcscore eval` run (one row per lm-eval request, no "
                             "per-token logprobs); show reads files written by apcscore score, perplexity or generate")
-    if not isinstance(meta, dict) or "id" not in pf.schema_arrow.names:
-        raise ApcscoreError(f"{path} is not apcscore output (no 'apcscore' run metadata or no id column); show "
+    if "id" not in pf.schema_arrow.names:
+        raise ApcscoreError(f"{path} is not apcscore output (no id column); show "
                             "reads files written by apcscore score, perplexity or generate")
     return pf, meta
 
