@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test test-fast bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,10 @@ run: install
 
 test: install
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q
+
+# The inner loop: every test not marked `slow` (pyproject.toml says what slow means), a few minutes on 2 cores.
+test-fast: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not slow"
 
 bench: install
 	$(BIN)/python benchmarks/bench_cpu.py

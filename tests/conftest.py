@@ -334,8 +334,9 @@ def pytest_runtest_logreport(report) -> None:
     if reporter is not None:
         elapsed = time.monotonic() - _live["start"]
         reporter.write("\n")
+        unmarked = "" if "slow" in report.keywords else " (not marked slow: make test-fast runs it)"
         reporter.write_line(f"[slow: {report.when} {report.duration:.0f} s, {elapsed:.0f} s into the run] "
-                            f"{report.nodeid}")
+                            f"{report.nodeid}{unmarked}")
 
 
 @pytest.fixture(autouse=True)
