@@ -20,8 +20,8 @@ Scenarios (docs/benchmarks.md, "Against llama.cpp (issue 44)"):
                 n_ctx-1 tokens as in llama.cpp, but the windows overlap (not llama.cpp's disjoint chunks), so it
                 scores every token (twice llama.cpp's scored tokens, twice the forward tokens). No option
                 of the command scores llama.cpp's set: its first window scores from the first token.
-  score       prompt logprobs of --records records of 20..200 tokens: llama-cpp-python evaluates each record with
-              all logits and takes the log-softmax of every position (logprob of the next token, its argmax);
+  score       prompt logprobs of --records records of --lengths 20,200 tokens: llama-cpp-python evaluates each
+              record with all logits and takes the log-softmax of every position (next token's logprob, argmax);
               apcscore `score --prompt-logprobs 1` (the CLI, parquet).
 
 Every contender is its own process (benchmarks/harness.py: wall time spawn to reap, peak RSS from wait4),
@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--chunks", type=int, default=8)
     ap.add_argument("--records", type=int, default=100)
+    ap.add_argument("--lengths", default="20,200", help="score: record lengths, uniform in LO,HI tokens")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--scenarios", default="perplexity,score")
@@ -165,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     ids = tok(text, add_special_tokens=False).input_ids
     write_jsonl(work / "chunks.jsonl", chunk_records(ids, args.n_ctx, args.chunks))
     write_jsonl(work / "text.jsonl", [{"id": "text", "text": tok.decode(ids[:args.chunks * args.n_ctx])}])
-    records = score_records(stream, args.records, 20, 200, SEED)
+    lo, hi = (int(x) for x in args.lengths.split(","))
+    records = score_records(stream, args.records, lo, hi, SEED)
     write_jsonl(work / "score.jsonl", records)
     llama = [args.llama_python, WORKER]
     apc = [sys.executable, "-m", "apcscore"]
@@ -189,8 +191,9 @@ def main(argv: list[str] | None = None) -> None:
         cs.append(Contender("llama-cpp-python", [*llama, "ppl", "--text", str(work / "text.txt"), "--chunks",
                                                  str(args.chunks), *common, "--output", str(work / "ppl-py.json")],
                             baseline=not tool))
-        cs.append(Contender("apcscore Engine", [sys.executable, WORKER, "apcscore", "--data", str(work / "chunks.jsonl"),
-                                                "--n-ctx", str(args.n_ctx), "--output", str(work / "ppl-apc.json")]))
+        cs.append(Contender("apcscore Engine", [sys.executable, WORKER, "apcscore", "--data",
+                                                str(work / "chunks.jsonl"), "--n-ctx", str(args.n_ctx), "--output",
+                                                str(work / "ppl-apc.json")]))
         out = str(work / "ppl-cli.parquet")
         cs.append(Contender("apcscore perplexity CLI", [*apc, "perplexity", str(work / "text.jsonl"), "--window",
                                                         str(window), "--stride", str(stride), "--dtype", "float32",
@@ -207,13 +210,15 @@ def main(argv: list[str] | None = None) -> None:
                         output=out)]
         n_tokens = sum(len(r["prompt_token_ids"]) for r in records)
         results.append(run_scenario(Scenario(
-            "score", f"{len(records)} records of 20..200 tokens", n_tokens, "prompt tokens", cs,
+            "score", f"{len(records)} records of {lo}..{hi} tokens", n_tokens, "prompt tokens", cs,
             check=lambda o: check_score(o, "llama-cpp-python")), args.repeats))
     print(format_table(results))
     for res in results:
         for name, value in res["check"].items():
             print(f"- {res['scenario']}, {name}: {value}")
     print(json.dumps({k: v for k, v in info.items() if k != "machine"}, indent=1))
+    info["load_avg_at_end"] = os.getloadavg()
+    print(f"load average: {info['machine']['load_avg_at_start']} at the start, {info['load_avg_at_end']} at the end")
     write_json(work / "results.json", {"info": info, "results": results})
 
 

@@ -40,13 +40,26 @@ REPORT_PREFIX = "BENCH_REPORT "
 _FINAL = re.compile(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)")
 _CHUNKS = re.compile(r"(?:calculating perplexity|computing) over (\d+) chunks, n_ctx=(\d+), batch_size=(\d+), "
                      r"n_seq=(\d+)")
+# the log prefix of llama.cpp's tools: minutes.seconds.milliseconds.microseconds since the start, then a level letter
+_STAMP = r"(?<![\d.])(\d+)\.(\d{2})\.(\d{3})\.(\d{3}) [A-Z] (?:perplexity: )?"
 _PERF = re.compile(r"llama_perf_context_print:\s+(load|prompt eval|eval|total) time =\s+([0-9.]+) ms"
                    r"(?: /\s+(\d+) (?:tokens|runs))?")
 
 
+def _stamp(output: str, line_start: str) -> float | None:
+    """Seconds since the tool's start of the first log line beginning with line_start (None: no such line)."""
+    m = re.search(_STAMP + re.escape(line_start), output)
+    if m is None:
+        return None
+    minutes, seconds, ms, us = map(int, m.groups())
+    return minutes * 60 + seconds + ms / 1e3 + us / 1e6
+
+
 def parse_llama_perplexity(output: str) -> dict[str, Any]:
-    """What `llama-perplexity` printed: ppl and its error, chunks, n_ctx, batch, n_seq, and its own timings (s) and
-    token counts (llama_perf_context_print); raises ValueError when it printed no final estimate."""
+    """What `llama-perplexity` printed: ppl and its error, chunks, n_ctx, batch, n_seq; compute_s, from its log
+    timestamps, from the start of the perplexity loop to the final estimate; and, where it prints them
+    (llama_perf_context_print), its own timings (s) and token counts. Raises ValueError when it printed no final
+    estimate."""
     final = _FINAL.search(output)
     if final is None:
         raise ValueError("llama-perplexity printed no 'Final estimate: PPL = ...' line; its output ends with:\n"
@@ -55,6 +68,9 @@ def parse_llama_perplexity(output: str) -> dict[str, Any]:
     chunks = _CHUNKS.search(output)
     if chunks:
         out.update(zip(("chunks", "n_ctx", "batch_size", "n_seq"), map(int, chunks.groups())))
+    start, end = _stamp(output, "calculating perplexity over"), _stamp(output, "Final estimate")
+    if start is not None and end is not None:
+        out["compute_s"] = round(end - start, 6)
     for name, ms, count in _PERF.findall(output):
         key = name.replace(" ", "_")
         out[f"{key}_s"] = float(ms) / 1000
@@ -86,14 +102,14 @@ def _report(payload: dict[str, Any]) -> None:
 def run_tool(args: argparse.Namespace) -> None:
     cmd = [args.exe, "-m", args.gguf, "-f", str(args.text), "-c", str(args.n_ctx), "--chunks", str(args.chunks),
            "-t", str(args.threads), "-tb", str(args.threads)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    text = proc.stdout + proc.stderr
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # one stream, in order
+    text = proc.stdout
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{text[-3000:]}")
     parsed = parse_llama_perplexity(text)
     Path(args.output).write_text(json.dumps({**parsed, "argv": cmd}))
-    _report({"load_s": parsed.get("load_s"), "compute_s": parsed.get("prompt_eval_s"), "ppl": parsed["ppl"],
-             "output": str(args.output)})
+    _report({"ppl": parsed["ppl"], "output": str(args.output),
+             **{k: parsed[k] for k in ("compute_s", "load_s") if k in parsed}})
 
 
 def _llama(args: argparse.Namespace) -> Any:

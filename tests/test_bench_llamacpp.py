@@ -20,28 +20,33 @@ import llamacpp_worker  # noqa: E402
 
 from apcscore.jobs.perplexity import rolling_windows  # noqa: E402
 
-# The lines llama-perplexity prints that the parser reads (format strings of tools/perplexity/perplexity.cpp and
-# llama_perf_context_print in src/llama-context.cpp, llama.cpp as vendored by llama-cpp-python 0.3.36).
+# What llama-perplexity prints (tools/perplexity/perplexity.cpp of llama.cpp as vendored by llama-cpp-python 0.3.36:
+# a real run's lines, cut), with its log timestamps (minutes.seconds.ms.us); and llama_perf_context_print's lines
+# (src/llama-context.cpp), which that build does not print at its default verbosity. The ETA's end and the
+# progress ("0.02 minutes", "[1]6.4214,...") go to stdout: read from stderr alone, a line can start mid-line.
 TOOL_OUTPUT = """\
-perplexity: tokenizing the input ..
-perplexity: tokenization took 6.211 ms
-perplexity: calculating perplexity over 8 chunks, n_ctx=512, batch_size=2048, n_seq=4
-perplexity: 1.53 seconds per pass - ETA 0.05 minutes
-[1]11.5230,[2]12.0441,[3]11.9012,[4]12.1034,[5]12.2001,[6]12.0337,[7]11.9873,[8]11.9541,
-Final estimate: PPL = 11.9541 +/- 0.33021
-
+0.06.435.830 I perplexity: tokenizing the input ..
+0.06.449.061 I perplexity: tokenization took 13.218 ms
+0.06.449.079 I perplexity: calculating perplexity over 2 chunks, n_ctx=128, batch_size=2048, n_seq=16
+0.15.493.299 I perplexity: 9.04 seconds per pass - ETA 1.15.565.349 I Final estimate: PPL = 9.3306 +/- 2.12667
+"""
+PERF_LINES = """\
 llama_perf_context_print:        load time =      81.33 ms
-llama_perf_context_print: prompt eval time =    2881.02 ms /  4096 tokens (    0.70 ms per token,  1421.72 tokens per second)
-llama_perf_context_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens per second)
+llama_perf_context_print: prompt eval time =    2881.02 ms /  4096 tokens (    0.70 ms per token,  1421.72 tokens \
+per second)
+llama_perf_context_print:        eval time =       0.00 ms /     1 runs   (    0.00 ms per token,      inf tokens \
+per second)
 llama_perf_context_print:       total time =    3074.18 ms /  4097 tokens
-llama_perf_context_print:    graphs reused =          0
 """
 
 
 def test_parse_llama_perplexity_reads_ppl_chunks_and_timings() -> None:
     got = llamacpp_worker.parse_llama_perplexity(TOOL_OUTPUT)
-    assert got["ppl"] == 11.9541 and got["ppl_err"] == 0.33021
-    assert (got["chunks"], got["n_ctx"], got["batch_size"], got["n_seq"]) == (8, 512, 2048, 4)
+    assert got["ppl"] == 9.3306 and got["ppl_err"] == 2.12667
+    assert (got["chunks"], got["n_ctx"], got["batch_size"], got["n_seq"]) == (2, 128, 2048, 16)
+    assert got["compute_s"] == pytest.approx(60 + 15.565349 - 6.449079)  # a minute passes between the lines
+    assert "prompt_eval_s" not in got
+    got = llamacpp_worker.parse_llama_perplexity(TOOL_OUTPUT + PERF_LINES)
     assert got["prompt_eval_s"] == pytest.approx(2.88102) and got["prompt_eval_tokens"] == 4096
     assert got["load_s"] == pytest.approx(0.08133) and got["total_s"] == pytest.approx(3.07418)
     assert got["eval_tokens"] == 1
