@@ -7,7 +7,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-fast bench clean
+.PHONY: install run test test-fast bench bench-llamacpp clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,12 @@ test-fast: install
 bench: install
 	$(BIN)/python benchmarks/bench_cpu.py
 	$(BIN)/python benchmarks/bench_eval.py
+
+# apcscore against llama.cpp on the same GGUF file (issue 44). The `bench` extra compiles llama.cpp (minutes), so it is
+# not part of install; LLAVA_BUILD=OFF skips the multimodal library the benchmark does not use.
+bench-llamacpp: install
+	CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF $(CMAKE_ARGS)" $(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python benchmarks/bench_llamacpp.py
 
 clean:
 	rm -rf $(VENV) results
