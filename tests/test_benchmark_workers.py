@@ -26,6 +26,7 @@ def run_worker(model: Path, data: Path, out: Path, side: str, task: str) -> dict
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["score", "generate"])
 def test_both_contenders_run_and_do_the_same_work(task, tiny_model_dir, tmp_path, write_jsonl):
     model = tiny_model_dir("llama")

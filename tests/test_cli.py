@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
@@ -19,6 +21,7 @@ def invoke(*args: str):
     return result
 
 
+@pytest.mark.slow
 def test_score_writes_one_row_per_record_in_dataset_order(tmp_path, write_jsonl, tiny):
     data = write_jsonl(tmp_path / "d.jsonl", [
         {"id": "a", "prompt": "The quick brown fox jumps over the lazy dog."},
@@ -49,6 +52,7 @@ def test_score_writes_one_row_per_record_in_dataset_order(tmp_path, write_jsonl,
     assert pq.read_table(out).column("top_ids").to_pylist()[2][1] == []  # K defaults to 0
 
 
+@pytest.mark.slow
 def test_generate_reuses_the_prefix_cache_and_scoring_does_not(tmp_path, write_jsonl, tiny):
     prefix = "You are a helpful assistant. Answer in one short sentence, please. " * 6
     data = write_jsonl(tmp_path / "g.jsonl", [{"id": i, "prompt": prefix + q} for i, q in
@@ -94,6 +98,7 @@ def test_generate_per_record_overrides_and_chat_messages(tmp_path, write_jsonl, 
     assert rows["short"]["completion_ranks"] == [1, 1]  # greedy: the argmax
 
 
+@pytest.mark.slow
 def test_config_file_and_command_line_precedence(tmp_path, write_jsonl, tiny):
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "One two three four five"}])
     cfg = tmp_path / "c.toml"
@@ -140,6 +145,7 @@ def test_python_dash_m_entry_point():
         assert command in proc.stdout
 
 
+@pytest.mark.slow
 def test_records_without_a_seed_get_different_streams_and_runs_repeat(tmp_path, write_jsonl, tiny):
     data = write_jsonl(tmp_path / "g.jsonl", [{"id": i, "prompt": "Tell me a story"} for i in range(4)])
     outs = []

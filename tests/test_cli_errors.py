@@ -85,6 +85,7 @@ def test_generate_logprobs_cap_and_missing_dataset(tmp_path, write_jsonl):
     assert res.exit_code == 2 and "missing.jsonl" in res.output
 
 
+@pytest.mark.slow
 def test_truncate_left_keeps_the_newest_tokens_and_counts_the_dropped(tmp_path, write_jsonl, tiny):
     long_ids = list(range(1, 2101))  # the tiny model's context is 2048
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "long", "prompt_token_ids": long_ids},
@@ -150,6 +151,7 @@ def test_a_truncated_safetensors_names_the_file_and_what_to_delete(tmp_path, wri
     assert f"delete the folder {cached}; the next run converts the model again" in one_line(res)
 
 
+@pytest.mark.slow
 def test_a_damaged_run_json_on_resume_is_one_clear_error(tmp_path, write_jsonl, tiny):
     """Issue 46, item 8: a damaged OUT.partial/run.json was a JSONDecodeError traceback on --resume."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
@@ -211,6 +213,7 @@ def test_truncate_left_reserves_room_for_generation_for_every_prompt(tmp_path, w
     assert all(len(r["completion_token_ids"]) == 4 or r["finish_reason"] == "stop" for r in rows.values())
 
 
+@pytest.mark.slow
 def test_a_partial_another_run_is_writing_is_refused_untouched(tmp_path, write_jsonl, tiny):
     """Issue 46, item 5: run B, started with --resume (or --overwrite) on the .partial of a run A still going,
     finished first and A then failed ("partial ... is inconsistent"). The partial is locked (flock on the folder)

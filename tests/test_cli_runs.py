@@ -4,6 +4,8 @@ Markdown, and part files that reach the disk while a run goes."""
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -23,6 +25,7 @@ def run(*args) -> object:
     return runner.invoke(app, [str(a) for a in args], env={"COLUMNS": "200"})
 
 
+@pytest.mark.slow
 def test_max_tokens_0_among_others_and_tiny_temperatures_do_not_crash(tmp_path, write_jsonl, tiny):
     data = write_jsonl(tmp_path / "d.jsonl", [
         {"id": "zero", "prompt": "Hello there", "max_tokens": 0},
@@ -65,6 +68,7 @@ def test_a_run_where_every_record_failed_exits_1(tmp_path, write_jsonl, tiny):
     assert pq.read_table(out).num_rows == 2  # still one row per record
 
 
+@pytest.mark.slow
 def test_truncate_left_cuts_only_what_does_not_fit(tmp_path, write_jsonl, tiny):
     context = " ".join(["alpha beta gamma delta"] * 700)  # ~2,800 tokens, the tiny model's context is 2048
     data = write_jsonl(tmp_path / "d.jsonl", [
@@ -106,6 +110,7 @@ def test_one_token_prompt_is_null_not_nan_and_one_question_has_no_nan(tmp_path, 
     assert row["num_scored"] == 0 and row["mean_nll"] is None and row["perplexity"] is None
 
 
+@pytest.mark.slow
 def test_markdown_report_renders_every_table(tmp_path, write_jsonl, tiny):
     from markdown_it import MarkdownIt
 
@@ -139,6 +144,7 @@ def test_markdown_report_renders_every_table(tmp_path, write_jsonl, tiny):
     assert tables >= 4 and heads == 1
 
 
+@pytest.mark.slow
 def test_part_files_reach_the_disk_while_the_run_goes(tmp_path, write_jsonl, tiny):
     """A SIGKILL keeps the rows finished more than ~1 s earlier (the writer's time bound, checked every step)."""
     records = [{"id": "first", "prompt": "a b", "max_tokens": 1}]

@@ -337,6 +337,7 @@ main()
 """
 
 
+@pytest.mark.slow
 def test_compare_of_top_4096_files_runs_under_a_memory_cap(tmp_path) -> None:
     """Issue 46, item 2, end to end: `apcscore compare` of two files scored at top-4096 (276 positions) under a
     3 GiB address-space cap. The [n, K+1, K+1] matching asked for 4.3 GiB at once and was refused there."""
@@ -699,6 +700,7 @@ def test_thresholds_from_toml(fp32_bf16, tmp_path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_end_to_end_score_fp32_vs_bf16(tiny_model_dir, write_jsonl, tmp_path) -> None:
     from apcscore.cli import app  # the real app, where `compare` is registered next to `score`
 

@@ -33,6 +33,7 @@ def operands(k: int, n: int, rows: int, dtype: torch.dtype, seed: int) -> tuple[
             (torch.randn(n, k, generator=gen) * k ** -0.5).to(dtype))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k,n", DEFAULT_MODEL_SHAPES + ODD_SHAPES)
 def test_rows_are_batch_invariant(k: int, n: int, dtype: torch.dtype) -> None:

@@ -128,6 +128,7 @@ def test_padded_decode_in_the_engine_is_bitwise_the_eager_step(tiny_model_dir, a
     assert_same_outputs(ref, got)
 
 
+@pytest.mark.slow
 def test_small_padded_sizes_agree_closely(tiny_model_dir) -> None:
     model_dir = tiny_model_dir("llama")
     ref = generate(make_engine(model_dir), seed=2)
@@ -138,6 +139,7 @@ def test_small_padded_sizes_agree_closely(tiny_model_dir) -> None:
     assert graphs.num_eager >= 5
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 @pytest.mark.skipif(not interpreting(), reason="the Triton backend on the CPU needs TRITON_INTERPRET=1")
 def test_triton_kernels_skip_padding_sequences(tiny_model_dir) -> None:

@@ -26,6 +26,7 @@ def engine() -> Engine:
     return Engine.from_model("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=512))
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_ranks_and_topk_match_transformers(engine, hf_default_model, default_tokenizer):
     ids = [default_tokenizer(t).input_ids for t in TEXTS]
     outs = {o.request_id: o for o in engine.run(Request(i, p, prompt_logprobs=5) for i, p in enumerate(ids))}
@@ -44,6 +45,7 @@ def test_prompt_logprobs_ranks_and_topk_match_transformers(engine, hf_default_mo
         assert np.abs(lps.top_logprobs - top.values.numpy()).max() < 1e-3
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_generate(engine, hf_default_model, default_tokenizer):
     chats = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name three colors.")]
     prompts = [default_tokenizer(default_tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=False),

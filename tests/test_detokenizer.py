@@ -109,6 +109,7 @@ def test_find_stop_only_looks_at_new_matches() -> None:
     assert find_stop("xx ab yy", ["yy", "ab"], 4) == 3  # the earliest start wins
 
 
+@pytest.mark.slow
 def test_engine_stops_where_a_full_decode_would(tiny_model_dir, default_tokenizer) -> None:
     """The engine's stop strings, found in the incremental text: the completion ends at the first token whose
     full decode contains a stop string, and the text is cut before it (as with a full decode every step)."""

@@ -53,6 +53,7 @@ def arch_pair(request, tiny_model_dir):
     return request.param, path, hf
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(arch_pair):
     arch, path, hf = arch_pair
     engine = make_engine(path)
@@ -72,6 +73,7 @@ def test_logits_match_transformers(arch_pair):
     assert (ours - ref).abs().max().item() < 1e-4, arch
 
 
+@pytest.mark.slow
 def test_prompt_logprobs_ranks_topk_match_transformers(arch_pair):
     arch, path, hf = arch_pair
     engine = make_engine(path, max_batch_tokens=32)  # forces chunked prefill of the longer prompts
@@ -95,6 +97,7 @@ def test_prompt_logprobs_ranks_topk_match_transformers(arch_pair):
         assert same.mean() > 0.95
 
 
+@pytest.mark.slow
 def test_greedy_generation_equals_generate(arch_pair):
     arch, path, hf = arch_pair
     engine = make_engine(path)
@@ -148,6 +151,7 @@ def test_generation_hits_blocks_written_by_scoring(llama_dir):
     assert out.num_cached_tokens == 28  # 7 full blocks of 4 written by the scoring request
 
 
+@pytest.mark.slow
 def test_tiny_batch_budget_and_preemption_do_not_change_scores(llama_dir):
     ps = prompts([13, 29, 64, 8, 41], seed=8)
     ref = score_all(make_engine(llama_dir, max_batch_tokens=512), ps)
@@ -165,6 +169,7 @@ def test_tiny_batch_budget_and_preemption_do_not_change_scores(llama_dir):
                 assert np.array_equal(getattr(x.prompt_logprobs, field), getattr(y.prompt_logprobs, field))
 
 
+@pytest.mark.slow
 def test_preemption_during_generation_gives_the_same_tokens(llama_dir):
     ps = prompts([20, 25, 30, 22], seed=9)
     req = lambda: [Request(i, p, sampling=SamplingParams(max_tokens=16, ignore_eos=True)) for i, p in enumerate(ps)]
@@ -175,6 +180,7 @@ def test_preemption_during_generation_gives_the_same_tokens(llama_dir):
     assert small.stats.preemptions > 0
 
 
+@pytest.mark.slow
 def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_dir):
     p = prompts([10], seed=10)[0]
     params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True)

@@ -53,6 +53,7 @@ def reference(model: str) -> dict:
     return want
 
 
+@pytest.mark.slow
 def test_reuse_equals_recompute_and_hits(model: str, reference: dict) -> None:
     eng = engine(model, exact_reuse=True)
     assert_same(run(eng, fewshot_requests()), reference, "exact reuse")
@@ -62,6 +63,7 @@ def test_reuse_equals_recompute_and_hits(model: str, reference: dict) -> None:
     assert eng.stats.prompt_tokens < sum(len(r.prompt_token_ids) for r in fewshot_requests()) - 17 * 144
 
 
+@pytest.mark.slow
 def test_recompute_counts_what_reuse_would_save(model: str, reference: dict) -> None:
     eng = engine(model)
     assert_same(run(eng, fewshot_requests()), reference, "recompute")
@@ -72,6 +74,7 @@ def test_recompute_counts_what_reuse_would_save(model: str, reference: dict) -> 
     assert pc.reusable_tokens == reused.block_manager.stats.hit_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [1, 7, 16, 57, 100, 257, 4096])
 def test_reuse_across_budgets(model: str, reference: dict, budget: int) -> None:
     small = {(0, 0), (0, 1), (1, 0), (1, 1), "short"}  # a one-token budget is one step per token
@@ -122,6 +125,7 @@ def test_exact_reuse_needs_batch_invariance() -> None:
         EngineConfig(exact_reuse=True, enable_prefix_caching=False)
 
 
+@pytest.mark.slow
 def test_a_crafted_hash_collision_is_refused(model: str, reference: dict, monkeypatch) -> None:
     """Every block hashes alike: hits must still check tokens and parent, so the results stay exact."""
     from apcscore.engine import block_manager
@@ -179,6 +183,7 @@ def assert_tables_equal(a, b) -> None:
             assert a.column(name).equals(b.column(name)), f"column {name} differs"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command,flags", [("score", ("--prompt-logprobs", "3")),
                                            ("perplexity", ("--window", "40", "--stride", "17",
                                                            "--prompt-logprobs", "2")),
@@ -213,6 +218,7 @@ def test_cli_refuses_exact_reuse_without_batch_invariance(model: str, tmp_path, 
     assert res.exit_code == 2 and "pass --exact-reuse too" in res.output
 
 
+@pytest.mark.slow
 def test_verify_reuse_passes_and_catches_a_wrong_reuse(model: str, tmp_path, write_jsonl, monkeypatch) -> None:
     res, _, meta = cli_run(model, tmp_path, "score", score_records(), write_jsonl, "--exact-reuse",
                            "--verify-reuse", "1")
@@ -263,6 +269,7 @@ def test_verify_reuse_catches_wrong_last_token_alternatives(model: str, tmp_path
     assert "prompt_token_logprobs" not in res.output  # only the alternatives were touched
 
 
+@pytest.mark.slow
 def test_interrupted_exact_reuse_run_resumes_to_the_recompute_file(model: str, tmp_path, write_jsonl,
                                                                    monkeypatch) -> None:
     import os
@@ -292,6 +299,7 @@ def test_interrupted_exact_reuse_run_resumes_to_the_recompute_file(model: str, t
     assert_tables_equal(got, want)
 
 
+@pytest.mark.slow
 def test_a_shared_prefix_is_computed_once_wherever_its_questions_sit(model: str) -> None:
     """Questions behind one 160-token prefix, scattered among unrelated prompts in a file far longer than the
     look-ahead (max_num_seqs 2: 8 waiting requests): the prefix's 10 blocks are prefilled once."""
@@ -312,6 +320,7 @@ def test_a_shared_prefix_is_computed_once_wherever_its_questions_sit(model: str)
 
 
 # not marked `triton`: scripts/gpu_check.py selects those, and this test needs the default model's tokenizer
+@pytest.mark.slow
 def test_exact_reuse_with_the_triton_backend(model: str) -> None:
     """The Triton attention kernel reads its keys in the same fixed tiles: reuse is bitwise there too (runs under
     TRITON_INTERPRET=1 on a CPU, or on CUDA)."""

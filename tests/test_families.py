@@ -108,6 +108,7 @@ def _hf(path):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_long_prompts_match_transformers_across_windows(tiny_model_dir, arch):
     """Prompts of 200 and 333 tokens (windows 24 and 70, so the window crosses several key tiles), chunked by a

@@ -110,6 +110,7 @@ def _score(tmp_path, data, model, name, *flags):
     return res, out
 
 
+@pytest.mark.slow
 def test_cli_warns_records_and_refuses(tmp_path, write_jsonl, tiny_model_dir, row_dependent_linear) -> None:
     model = tiny_model_dir("llama")
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "The quick brown fox. " * n} for n in (1, 4, 9, 2)])
@@ -133,6 +134,7 @@ def test_cli_warns_records_and_refuses(tmp_path, write_jsonl, tiny_model_dir, ro
     assert not (tmp_path / "merged.parquet").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.triton
 @pytest.mark.skipif(not interpreting(), reason="the Triton matmul on the CPU needs TRITON_INTERPRET=1")
 def test_the_head_is_probed_as_compute_logits_multiplies_it_in_bf16(tiny_model_dir, monkeypatch) -> None:

@@ -116,6 +116,7 @@ def assert_weights_read_back(hf, model_dir: Path) -> None:
     assert max((read[k] - original[k]).abs().max().item() for k in original) < 1e-6
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", list(SUPPORTED))
 def test_gguf_of_a_native_family_scores_like_transformers(arch, tmp_path, tokenizer):
     gguf = tiny_gguf(tmp_path, tokenizer, arch, GGUF_OVERRIDES.get(arch))

@@ -5,6 +5,8 @@ subprocess the tests part starts may outlive that part's limit."""
 
 from __future__ import annotations
 
+import pytest
+
 import importlib.util
 import json
 import os
@@ -27,6 +29,7 @@ def load_gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(tmp_path / "out"))
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
@@ -117,6 +120,7 @@ def test_parts_after_the_sweep_run_its_proposal(tmp_path: Path, monkeypatch) -> 
     assert matmul_configs.config_for("sm90", "bfloat16", 2048, 2048) == matmul_configs.DEFAULT
 
 
+@pytest.mark.slow
 def test_the_two_gpu_part_runs_small_on_the_cpu() -> None:
     """scripts/gpu_check_tp.py (tensor parallelism over NCCL, for a machine with two GPUs) is not in
     gpu_check.py's plan (the lent machines have one GPU); its --small form runs the same checks over gloo on the
@@ -165,6 +169,7 @@ def gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_tests_run_cut_short_reports_the_tests_it_finished(tmp_path: Path) -> None:
     """The tests part stops pytest before the part's limit (SIGINT, then SIGKILL) and still reports each test
     that finished, from pytest's per-test lines; nothing a test started outlives the run."""

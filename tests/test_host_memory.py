@@ -44,6 +44,7 @@ def faults_per_step(mode: str) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_freed_activation_memory_is_reused_without_page_faults():
     applied, tuned = faults_per_step("tuned")

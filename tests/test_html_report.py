@@ -86,6 +86,7 @@ def spans(page: str) -> list[tuple[str, str, str]]:
     return re.findall(r'<span class="(tok[^"]*)"(?: style="[^"]*")? title="([^"]*)">([^<]*)</span>', page)
 
 
+@pytest.mark.slow
 def test_page_holds_verdict_checks_tokens_and_flips(runs) -> None:
     base, new, _ = runs
     page, r = report(runs)

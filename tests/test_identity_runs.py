@@ -62,6 +62,7 @@ def interrupted(tmp_path, write_jsonl, model, monkeypatch):
     return start
 
 
+@pytest.mark.slow
 def test_resume_compares_settings_as_resolved_not_as_typed(interrupted, model) -> None:
     out, data = interrupted()  # all defaults: auto device, dtype, backends
     res = run("score", data, "--model", model, "--out", out, "--resume", "--device", "cpu", "--dtype", "float32",
@@ -71,6 +72,7 @@ def test_resume_compares_settings_as_resolved_not_as_typed(interrupted, model) -
     assert m["device"] == "cpu" and m["engine"]["device"] == "cpu"
 
 
+@pytest.mark.slow
 def test_resume_refuses_an_edited_config_or_tokenizer(interrupted, model) -> None:
     out, data = interrupted()
     config = json.loads((model / "config.json").read_text())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -18,6 +20,7 @@ def apcscore(*args, **kw) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, env=env, **kw)
 
 
+@pytest.mark.slow
 def test_sigint_then_resume_equals_an_uninterrupted_run(tmp_path, write_jsonl, tiny_model_dir):
     model = tiny_model_dir("llama")
     words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()

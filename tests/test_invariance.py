@@ -128,6 +128,7 @@ class Matrix:
 TINY_LENGTHS = [1, 2, 15, 16, 17, 40, 63, 64, 65, 130, 333, 700, 1500]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_tiny_model_scores_are_batch_invariant(tiny_model_dir, arch: str, dtype: str) -> None:
@@ -136,6 +137,7 @@ def test_tiny_model_scores_are_batch_invariant(tiny_model_dir, arch: str, dtype:
     matrix.check(score_requests, prompts, BUDGETS, long_budget_limit=130)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["neox", "olmo2", "phi3", "mixtral", "qwen2_moe", "gemma2", "gemma3"])
 def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> None:
     """The decoders beyond the Llama family (issue 18): the same matrix (alone, batches, shuffled, warm cache,
@@ -146,6 +148,7 @@ def test_more_families_scores_are_batch_invariant(tiny_model_dir, arch: str) -> 
     matrix.check(score_requests, prompts, (1, 16, 57, 257, 4096), long_budget_limit=17)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["qwen2_moe", "gemma3"])
 def test_more_families_generation_is_batch_invariant(tiny_model_dir, arch: str) -> None:
     """Greedy generation on the shared-expert MoE and on Gemma 3's windowed decode (window 70, prompts past it)."""
@@ -154,6 +157,7 @@ def test_more_families_generation_is_batch_invariant(tiny_model_dir, arch: str) 
     matrix.check(lambda p: generate_requests(p, False), prompts, (1, 16, 57, 4096), long_budget_limit=57)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("task", ["score", "generate"])
 def test_long_rope_phi3_is_batch_invariant(tiny_model_dir, task: str) -> None:
     """Phi-3 long-rope (original context 32, context 256; apcscore.models.phi3), the reduced matrix, fp32. Scoring:
@@ -169,6 +173,7 @@ def test_long_rope_phi3_is_batch_invariant(tiny_model_dir, task: str) -> None:
         matrix.check(lambda p: generate_requests(p, False), prompts, (1, 16, 57, 4096), long_budget_limit=17)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_tiny_model_generation_is_batch_invariant(tiny_model_dir, dtype: str, sampled: bool) -> None:
