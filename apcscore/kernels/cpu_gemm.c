@@ -273,43 +273,6 @@ __attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx
 APC_PER_DTYPE(ukernel_avx512_wide, "avx512f",
               (int64_t kc, const float *ap, const void *bp, int64_t pstride, float *c, int64_t ldc), kc, ap, bp,
               pstride)
-
-/* AVX-512, TALL: two row blocks (2 * MR rows, the packed A micro-panels ap and ap + astride) of TALL_W panels
- * side by side: 2 * MR * TALL_W = 24 accumulators again, but each B vector loaded feeds 12 rows (twice as many
- * fmas per B load as the WIDE tile's 6; one broadcast of A per fma row). Each element's chain is still fed the
- * same a and b values in the same k order: the same bits. */
-#define TALL_W 2
-__attribute__((target("avx512f"), always_inline)) static inline void ukernel_avx512_tall(
-    int64_t kc, const float *ap, int64_t astride, const void *bp, int64_t pstride, int bdtype, float *c,
-    int64_t ldc) {
-    for (int64_t k0 = 0; k0 < kc; k0 += KB) { /* one chain per block from +0, then added to C */
-        const int64_t k1 = kc - k0 < KB ? kc : k0 + KB;
-        __m512 acc[2 * MR][TALL_W];
-#pragma GCC unroll 12
-        for (int i = 0; i < 2 * MR; i++)
-#pragma GCC unroll 2
-            for (int g = 0; g < TALL_W; g++) acc[i][g] = _mm512_setzero_ps();
-        for (int64_t kk = k0; kk < k1; kk++) {
-            __m512 b[TALL_W];
-#pragma GCC unroll 2
-            for (int g = 0; g < TALL_W; g++) b[g] = load_b16_512((const char *)bp + g * pstride, bdtype, kk);
-#pragma GCC unroll 12
-            for (int i = 0; i < 2 * MR; i++) {
-                const __m512 a = _mm512_set1_ps((i < MR ? ap : ap + astride)[kk * MR + i % MR]);
-#pragma GCC unroll 2
-                for (int g = 0; g < TALL_W; g++) acc[i][g] = _mm512_fmadd_ps(a, b[g], acc[i][g]);
-            }
-        }
-#pragma GCC unroll 12
-        for (int i = 0; i < 2 * MR; i++)
-#pragma GCC unroll 2
-            for (int g = 0; g < TALL_W; g++) APC_ADD16(c + i * ldc + g * NR, acc[i][g]);
-    }
-}
-
-APC_PER_DTYPE(ukernel_avx512_tall, "avx512f",
-              (int64_t kc, const float *ap, int64_t astride, const void *bp, int64_t pstride, float *c, int64_t ldc),
-              kc, ap, astride, bp, pstride)
 #endif
 
 /* Which micro-kernel runs: 2 = AVX-512F, 1 = AVX2+FMA, 0 = portable scalar fmaf() (the path of every other CPU:
@@ -388,17 +351,7 @@ static void gemm_panels(int64_t m, int64_t n, int64_t k, const void *a, int a_dt
 #ifdef APC_X86
                 if (simd >= 2 && p + WIDE <= p1 && (p + WIDE) * NR <= n) { /* WIDE full panels, full row blocks */
                     full = rows / MR * MR;
-                    int64_t ir = 0;
-                    for (; ir + 2 * MR <= full; ir += 2 * MR) { /* two row blocks at a time */
-                            const float *ap = apack + (ir / MR) * k * MR + pc * MR;
-                            float *cc = cp + ir * ldc;
-                            if (pc == 0) /* every chain starts from +0 */
-                                for (int64_t i = 0; i < 2 * MR; i++) memset(cc + i * ldc, 0, WIDE * NR * 4);
-                            for (int64_t g = 0; g < WIDE; g += TALL_W)
-                                APC_BY_DTYPE(ukernel_avx512_tall, b_dtype)(kc, ap, k * MR, bp + g * k * NR * bes,
-                                                                           k * NR * bes, cc + g * NR, ldc);
-                        }
-                    for (; ir < full; ir += MR) {
+                    for (int64_t ir = 0; ir < full; ir += MR) {
                         const float *ap = apack + (ir / MR) * k * MR + pc * MR;
                         float *cc = cp + ir * ldc;
                         if (pc == 0) /* every chain starts from +0 */
