@@ -9,6 +9,8 @@ and where the kernel cannot be built, torch.matmul.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -30,3 +32,31 @@ def fixed_order_available() -> bool:
     from apcscore.kernels.cpu_library import available
 
     return available()
+
+
+@dataclass
+class PagedCache:
+    """The keys (or values) of a decode step's sequences, read in place from the paged cache through their block
+    tables by the fixed-order CPU kernel (apcscore.kernels.cpu_gemm.paged_bmm): what `gather` would copy out, in
+    every layer, is never copied. Products with it have the bits of `products` on the gathered copy."""
+
+    cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    tables: torch.Tensor  # [B, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [B] int32: positions at or past a sequence's length read its position 0 (masked)
+    first: int  # the position of key 0
+
+    def scores(self, q: torch.Tensor, num_keys: int) -> torch.Tensor:
+        """q [Hkv, B, M, D] (or [Hkv, M, D] for one sequence) @ keys[first, first + num_keys).T -> [..., M, L]."""
+        from apcscore.kernels.cpu_gemm import paged_bmm
+
+        one = q.dim() == 3
+        out = paged_bmm(q.unsqueeze(1) if one else q, self.cache, self.tables, self.seq_lens, self.first, num_keys)
+        return out.squeeze(1) if one else out
+
+    def weighted(self, p: torch.Tensor) -> torch.Tensor:
+        """p [Hkv, B, T, M, tile] (or [Hkv, T, M, tile]) @ the values of tile t -> [..., T, M, D]."""
+        from apcscore.kernels.cpu_gemm import paged_bmm
+
+        one = p.dim() == 4
+        out = paged_bmm(p.unsqueeze(1) if one else p, self.cache, self.tables, self.seq_lens, self.first)
+        return out.squeeze(1) if one else out

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from apcscore.attention.products import fixed_order_available, products
+from apcscore.attention.products import PagedCache, fixed_order_available, products
 from apcscore.kernels import rowmath
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
@@ -64,7 +64,8 @@ def tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: tor
                    windowed: bool = False) -> tuple[torch.Tensor, ...]:
     """Online softmax over the fixed key tiles [start, end) (start a multiple of KV_TILE), in fp32.
 
-    q: [..., M, D] (pre-scaled); k, v: [..., Lp, D] holding keys from `start`, Lp a multiple of KV_TILE;
+    q: [..., M, D] (pre-scaled); k, v: [..., Lp, D] holding keys from `start`, Lp a multiple of KV_TILE, or
+    PagedCache (the decode path on the CPU: read in place through the block tables, the same bits);
     masked: broadcastable to [..., M, Lp] or None; state: (running max, sum, accumulator) of earlier tiles;
     softcap, windowed: see paged_attention (windowed: a row's first tiles may be wholly masked).
     Returns the new state. A tile fully masked for a row leaves that row's state exactly unchanged, so a
@@ -76,7 +77,7 @@ def tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: tor
     """
     num_tiles = -(-(end - start) // KV_TILE)
     length = num_tiles * KV_TILE
-    scores = products(q, k[..., :length, :])  # [..., M, L]
+    scores = k.scores(q, length) if isinstance(k, PagedCache) else products(q, k[..., :length, :])  # [..., M, L]
     if softcap:
         scores = rowmath.softcap(scores, softcap)
     if masked is not None:
@@ -93,8 +94,11 @@ def tiled_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: tor
         subs = subs.masked_fill(subs == float("-inf"), 0.0)
     p = rowmath.exp_(scores - subs[..., None])  # [..., M, T, tile]
     p_sums = rowmath.row_sum(p)  # [..., M, T]
-    v_tiles = v[..., :length, :].unflatten(-2, (num_tiles, KV_TILE))  # [..., T, tile, D]
-    pv = products(p.transpose(-2, -3), v_tiles.transpose(-1, -2))  # [..., T, M, D]
+    if isinstance(v, PagedCache):
+        pv = v.weighted(p.transpose(-2, -3))  # [..., T, M, D]
+    else:
+        v_tiles = v[..., :length, :].unflatten(-2, (num_tiles, KV_TILE))  # [..., T, tile, D]
+        pv = products(p.transpose(-2, -3), v_tiles.transpose(-1, -2))  # [..., T, M, D]
     prev = state[0] if state is not None else None
     for t in range(num_tiles):
         if s is None:  # first tile: the same arithmetic as the general step with m = -inf, s = acc = 0

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
+from apcscore.attention.products import PagedCache, fixed_order_available
 from apcscore.attention.tiles import KV_TILE, gather, head_rows, query_row_tile, tiled_softmax
 
 @dataclass
@@ -16,9 +17,17 @@ class DecodePlan:
     rows: list[int]  # the query row of each decoding sequence
     seq_lens: list[int]
     tail_start: int  # keys [0, tail_start) are the tiles every sequence shares (the same blocks)
-    shared_rows: torch.Tensor | None  # head_rows of those keys, or None when there are none
-    tail_rows: torch.Tensor  # head_rows of each sequence's keys [tail_start, padded) (see pad_slots)
+    shared_rows: torch.Tensor | None  # head_rows of those keys, or None when there are none (or paged)
+    tail_rows: torch.Tensor | None  # head_rows of each sequence's keys [tail_start, padded) (see pad_slots)
     past_end: torch.Tensor  # [B, L'] True past a sequence's end: the mask of its single query
+    # paged (CPU, fixed-order kernel): the products read the cache through these instead of gathered rows
+    tables: torch.Tensor | None = None  # [B, max_blocks] int32, contiguous
+    seq_lens_t: torch.Tensor | None = None  # [B] int32
+
+
+def paged_decode(device: torch.device) -> bool:
+    """Whether decode reads the cache in place (PagedCache): on the CPU, where the fixed-order kernel builds."""
+    return device.type == "cpu" and fixed_order_available()
 
 
 def decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, window: int | None) -> DecodePlan:
@@ -39,16 +48,21 @@ def decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, w
         shared_blocks = same.index(False) if False in same else len(same)
         shared_tiles = min(shared_blocks * block_size, min_len - 1) // KV_TILE
     first = shared_tiles * KV_TILE
-    slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, padded]
     k_pos = torch.arange(first, padded_len, device=device)  # [L']
     ends = torch.tensor(seq_lens, device=device)[:, None]
     past_end = k_pos[None, :] >= ends  # [B, L']
-    tail_rows = head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache)
     if window:  # the query sits at ends - 1: keys <= ends - 1 - window are outside its window
-        past_end = past_end | (k_pos[None, :] <= ends - 1 - window)
+        window_mask = past_end | (k_pos[None, :] <= ends - 1 - window)
+    if paged_decode(device):
+        return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first, shared_rows=None,
+                          tail_rows=None, past_end=window_mask if window else past_end,
+                          tables=meta.block_tables[seqs].to(torch.int32).contiguous(),
+                          seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32))
+    slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, padded]
+    tail_rows = head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache)
     return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first,
                        shared_rows=head_rows(slots[0, :first], cache) if shared_tiles else None,
-                       tail_rows=tail_rows, past_end=past_end)
+                       tail_rows=tail_rows, past_end=window_mask if window else past_end)
 
 
 def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -59,6 +73,8 @@ def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     Key tiles that every sequence shares (the same KV blocks: a prefix-cache hit) are read once and
     multiplied against all sequences' queries together; the rest per sequence. A query's tiles and their
     order are the same either way, so this changes no result, only how often shared keys are read.
+    On the CPU (the fixed-order kernel) keys and values are read in place through the block tables
+    (PagedCache), not gathered into a copy in every layer: the same values in the same chains, the same bits.
     """
     key = ("decode", window) if window else "decode"
     plan = meta.plans.get(key)
@@ -73,9 +89,13 @@ def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     # queries: [Hkv, B, R, D] (row g < G: query head g of the kv group; rows padded to row_tile)
     q = query[plan.rows].view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).float() * scale
     state = None
-    if plan.shared_rows is not None:
-        k = gather(k_cache, plan.shared_rows, plan.tail_start)  # [Hkv, Ls, D]
-        v = gather(v_cache, plan.shared_rows, plan.tail_start)
+    paged = plan.tables is not None
+    if plan.tail_start:
+        if paged:  # sequence 0's table: the shared blocks are the same in every table
+            k, v = (PagedCache(c, plan.tables[:1], plan.seq_lens_t[:1], 0) for c in (k_cache, v_cache))
+        else:
+            k = gather(k_cache, plan.shared_rows, plan.tail_start)  # [Hkv, Ls, D]
+            v = gather(v_cache, plan.shared_rows, plan.tail_start)
         # only the real rows of every sequence: [Hkv, B*G, D] (a multiple of row_tile rows)
         q_all = q.reshape(num_kv_heads, num_seqs * group, head_dim)
         real = q_all.shape[1]
@@ -91,8 +111,11 @@ def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         q = torch.nn.functional.pad(q, (0, 0, 0, -group % row_tile))
 
     # the remaining tiles, per sequence: [Hkv, B, L', D]
-    k = gather(k_cache, plan.tail_rows, *plan.past_end.shape)
-    v = gather(v_cache, plan.tail_rows, *plan.past_end.shape)
+    if paged:
+        k, v = (PagedCache(c, plan.tables, plan.seq_lens_t, plan.tail_start) for c in (k_cache, v_cache))
+    else:
+        k = gather(k_cache, plan.tail_rows, *plan.past_end.shape)
+        v = gather(v_cache, plan.tail_rows, *plan.past_end.shape)
     m, s_, acc = tiled_softmax(q, k, v, plan.past_end[None, :, None, :], plan.tail_start, max(plan.seq_lens), state,
                                 softcap, bool(window))
     res = (acc / s_[..., None])[:, :, :group]  # [Hkv, B, G, D]

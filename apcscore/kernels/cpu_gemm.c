@@ -473,3 +473,91 @@ void apc_bmm(int64_t b0, int64_t b1, int64_t m, int64_t n, int64_t k,
                     c + i0 * sc0 + i1 * sc1, ldc, (float *)ws, 0, panels, simd);
     }
 }
+
+/* ---- products with the paged KV cache as B (decode attention without a gather) ------------------- */
+
+/* Where position pos of sequence s, head h lies in the cache [blocks][block_size][heads][D] (strides in
+ * elements, D's stride 1): cache[table[pos / bs]][pos % bs][h]. Positions at or past the sequence's length are
+ * its position 0, as the gathering path pads them (they are masked; reading a real key adds no NaN). */
+static inline int64_t paged_row(const int32_t *table, int64_t pos, int64_t seq_len, int64_t bs, int64_t s_block,
+                                int64_t s_slot, int64_t head_off) {
+    if (pos >= seq_len) pos = 0;
+    return (int64_t)table[pos / bs] * s_block + (pos % bs) * s_slot + head_off;
+}
+
+/* Packs B of one product from the cache (rows: element offsets of its positions, count npos, each row D
+ * elements). values == 0: B [N = positions][K = D] (q . k); values == 1: B [N = D][K = positions] (p . v).
+ * The same panels [ceil(N/NR)][K][NR], in the cache's dtype, as pack_b_range makes of the gathered copy. */
+static void pack_b_paged(const char *cache, int dtype, const int64_t *rows, int64_t n, int64_t k, int values,
+                         char *packed) {
+    const int64_t es = elem_size(dtype), panels = (n + NR - 1) / NR;
+    for (int64_t p = 0; p < panels; p++) {
+        const int64_t cols = n - p * NR < NR ? n - p * NR : NR;
+        char *d = packed + p * k * NR * es;
+        if (values) { /* row kk of the panel: NR consecutive elements of position kk's row */
+            for (int64_t kk = 0; kk < k; kk++) {
+                memcpy(d + kk * NR * es, cache + (rows[kk] + p * NR) * es, (size_t)(cols * es));
+                if (cols < NR) memset(d + (kk * NR + cols) * es, 0, (size_t)((NR - cols) * es));
+            }
+        } else { /* column j of the panel: position p * NR + j's row, along k */
+            if (cols < NR) memset(d, 0, (size_t)(k * NR * es));
+            for (int64_t j = 0; j < cols; j++) {
+                const char *src = cache + rows[p * NR + j] * es;
+                if (dtype == DT_F32)
+                    for (int64_t kk = 0; kk < k; kk++) ((float *)d)[kk * NR + j] = ((const float *)src)[kk];
+                else
+                    for (int64_t kk = 0; kk < k; kk++) memcpy(d + (kk * NR + j) * es, src + kk * es, (size_t)es);
+            }
+        }
+    }
+}
+
+/* Bytes of workspace apc_bmm_paged needs: apc_bmm's, plus the row offsets of one product's positions. */
+int64_t apc_bmm_paged_workspace_bytes(int64_t n, int64_t k, int b_dtype, int nthreads) {
+    return apc_bmm_workspace_bytes(n, k, b_dtype, nthreads) + (int64_t)nthreads * ((n > k ? n : k) * 8 + 64);
+}
+
+/* apc_bmm with B read in place from the paged KV cache through block tables: no gathered copy. Products are
+ * (h < heads, s < seqs, t < tiles); A[h, s, t] is [M, K] (strides sa_*); C[h, s, t] is [M, N] (fp32, row stride
+ * ldc). Sequence s's positions are counted from first and, for values, from first + t * K:
+ *   values == 0 (scores):  B[n][kk] = key(first + n)[kk]             (K = head_dim, N = the keys)
+ *   values == 1 (P . V):   B[n][kk] = value(first + t * K + kk)[n]    (K = the keys of tile t, N = head_dim)
+ * with key(pos) = cache[tables[s][pos / block_size]][pos % block_size][h] (see paged_row). B holds the same
+ * values as the gathered copy apc_bmm was given, packed in the same panels, and every element runs the same
+ * gemm_panels chain: the same bits. */
+void apc_bmm_paged(int64_t heads, int64_t seqs, int64_t tiles, int64_t m, int64_t n, int64_t k,
+                   const void *a, int a_dtype, int64_t sa_h, int64_t sa_s, int64_t sa_t, int64_t sa_m, int64_t sa_k,
+                   const void *cache, int c_dtype, int64_t s_block, int64_t s_slot, int64_t s_head,
+                   const int32_t *tables, int64_t s_table, const int32_t *seq_lens, int64_t block_size, int64_t first,
+                   int values, float *c, int64_t sc_h, int64_t sc_s, int64_t sc_t, int64_t ldc, void *workspace,
+                   int nthreads, int simd) {
+    if (simd < 0 || simd > apc_simd_level()) simd = apc_simd_level(); /* never more than this CPU has */
+    const int64_t items = heads * seqs * tiles, panels = (n + NR - 1) / NR, aes = elem_size(a_dtype);
+    const int64_t npos = values ? k : n;
+    const int64_t per_thread = ((MC * k * 4 + apc_packed_b_bytes(n, k, c_dtype) + 64) & ~(int64_t)63)
+                               + ((npos * 8 + 64) & ~(int64_t)63);
+    char *base = (char *)(((uintptr_t)workspace + 63) & ~(uintptr_t)63);
+    if (nthreads > items) nthreads = (int)items;
+    if (nthreads < 1) nthreads = 1;
+    if (k == 0) { /* no products: every sum is +0 */
+        for (int64_t it = 0; it < items; it++) {
+            float *ci = c + (it / (seqs * tiles)) * sc_h + (it / tiles % seqs) * sc_s + (it % tiles) * sc_t;
+            for (int64_t i = 0; i < m; i++) memset(ci + i * ldc, 0, (size_t)n * 4);
+        }
+        return;
+    }
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t it = 0; it < items; it++) {
+        const int64_t h = it / (seqs * tiles), s = it / tiles % seqs, t = it % tiles;
+        char *ws = base + (int64_t)omp_get_thread_num() * per_thread;
+        char *bp = ws + MC * k * 4;
+        int64_t *rows = (int64_t *)(ws + ((MC * k * 4 + apc_packed_b_bytes(n, k, c_dtype) + 64) & ~(int64_t)63));
+        const int64_t start = first + (values ? t * k : 0);
+        for (int64_t j = 0; j < npos; j++)
+            rows[j] = paged_row(tables + s * s_table, start + j, seq_lens[s], block_size, s_block, s_slot,
+                                h * s_head);
+        pack_b_paged((const char *)cache, c_dtype, rows, n, k, values, bp);
+        gemm_panels(m, n, k, (const char *)a + (h * sa_h + s * sa_s + t * sa_t) * aes, a_dtype, sa_m, sa_k, bp,
+                    c_dtype, c + h * sc_h + s * sc_s + t * sc_t, ldc, (float *)ws, 0, panels, simd);
+    }
+}

@@ -163,3 +163,40 @@ def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor, simd: int | None = None) -
         lib.apc_bmm(b0, b1, m, n, k, a4.data_ptr(), _code(a, "a"), *a4.stride(), b4.data_ptr(), _code(b, "b"),
                     *b4.stride(), c.data_ptr(), *c.stride()[:3], workspace.data_ptr(), threads, simd)
     return c.view(*lead, m, n)
+
+
+
+def paged_bmm(a: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, first: int,
+              num_keys: int | None = None, simd: int | None = None) -> torch.Tensor:
+    """fixed_order_bmm with b read in place from a paged KV cache (decode attention: no gathered copy).
+
+    cache: [num_blocks, block_size, H, D] (D contiguous; fp32, bf16 or fp16); tables: [S, max_blocks] int32
+    block ids per sequence; seq_lens: [S] int32. Sequence s's row at position pos (head h) is
+    cache[tables[s, pos // block_size], pos % block_size, h]; positions at or past seq_lens[s] read its position
+    0 (they are masked; the gathering path pads them the same way).
+    - num_keys given (scores): a [H, S, M, D] @ key(first + n).T for n < num_keys -> [H, S, M, num_keys];
+    - num_keys None (weighted values): a [H, S, T, M, KT] @ V of tile t, the KT keys from first + t * KT,
+      -> [H, S, T, M, D].
+    Every element is the same fma chain, on the same values, as fixed_order_bmm of the gathered copy: the same bits.
+    """
+    simd = forced_simd() if simd is None else simd
+    values = num_keys is None
+    a5 = a if values else a.unsqueeze(2)
+    heads, seqs, tiles, m, k = a5.shape
+    n = cache.shape[3] if values else num_keys
+    if (cache.dim() != 4 or cache.shape[2] != heads or cache.stride(3) != 1 or (not values and k != cache.shape[3])
+            or tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or tables.shape[0] != seqs
+            or not tables.is_contiguous() or not seq_lens.is_contiguous() or seq_lens.shape != (seqs,)):
+        raise ValueError(f"paged bmm: a {tuple(a.shape)}, cache {tuple(cache.shape)}, tables {tuple(tables.shape)} "
+                         f"{tables.dtype}, seq_lens {tuple(seq_lens.shape)} {seq_lens.dtype} do not fit together")
+    lib = library()
+    c = torch.empty(heads, seqs, tiles, m, n, dtype=torch.float32)
+    if c.numel():
+        threads = torch.get_num_threads()
+        code = _code(cache, "cache")
+        workspace = _workspace("bmm", lib.apc_bmm_paged_workspace_bytes(n, k, code, threads))
+        lib.apc_bmm_paged(heads, seqs, tiles, m, n, k, a5.data_ptr(), _code(a, "a"), *a5.stride(), cache.data_ptr(),
+                          code, *cache.stride()[:3], tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
+                          cache.shape[1], first, int(values), c.data_ptr(), *c.stride()[:4], workspace.data_ptr(),
+                          threads, simd)
+    return c if values else c.squeeze(2)
