@@ -396,6 +396,7 @@ def test_token_logprobs_matches_reference(dtype: torch.dtype, k: int) -> None:
         assert torch.all(top[:, :-1] >= top[:, 1:])  # sorted descending
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning", "ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # (the all -inf row: log(0), -inf - -inf)
 def test_fused_top_k_is_bitwise_the_torch_topk_path(dtype: torch.dtype) -> None:
@@ -553,6 +554,7 @@ AOT_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     import triton
 

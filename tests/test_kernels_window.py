@@ -71,6 +71,7 @@ def run_kernel(batch: Batch, window: int | None, softcap: float | None, **tiles:
     return out[:batch.meta.cu_seqlens_q_list[-1]].cpu()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiles", [SMALL_TILES, WIDE_TILES], ids=["m16", "m64"])
 @pytest.mark.parametrize("softcap", [None, 2.0], ids=["nocap", "cap2"])
 @pytest.mark.parametrize("window", [None, 5, 16, 23], ids=lambda w: f"window{w}")
@@ -93,6 +94,7 @@ def test_windowed_soft_capped_attention_matches_dense_float64(window, softcap, t
         assert (causal - want).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tiles", [SMALL_TILES, WIDE_TILES], ids=["m16", "m64"])
 @pytest.mark.parametrize("window,softcap", [(20, 3.0), (16, None), (7, None)])
 def test_windowed_attention_is_batch_and_chunking_invariant(window, softcap, tiles) -> None:

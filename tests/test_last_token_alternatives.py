@@ -90,6 +90,7 @@ def reference(model: str) -> dict:
     return {r.request_id: columns(next(iter(engine(model).run([r])))) for r in separate_requests()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [{}, {"exact_reuse": True}, {"max_batch_tokens": 7},
                                        {"exact_reuse": True, "max_batch_tokens": 57}],
                          ids=["recompute", "exact-reuse", "budget-7", "exact-reuse-budget-57"])
@@ -101,6 +102,7 @@ def test_alternatives_equal_separate_requests(model: str, reference: dict, overr
     assert eng.stats.prompt_tokens <= sum(len(r.prompt_token_ids) for r in grouped_requests()) < 0.5 * separate
 
 
+@pytest.mark.slow
 def test_alternatives_shuffled_warm_and_preempted(model: str, reference: dict) -> None:
     reqs = grouped_requests()
     random.Random(2).shuffle(reqs)

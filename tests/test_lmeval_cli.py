@@ -82,12 +82,14 @@ def _lm_eval(args: list[str]) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_an_apcscore_error_is_one_error_line_not_a_traceback(tmp_path) -> None:
     done = _lm_eval(["--model_args", f"pretrained={tmp_path / 'none'}", "--device", "cpu"])
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "error: Unknown model" in done.stderr, done.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_an_unknown_model_arg_is_refused_not_ignored(tmp_path) -> None:
     """Issue 46, item 11: `--model_args pretrained=...,dtpye=float32` ran with the default dtype, exit 0; the
     typo is refused before the model loads, as lm-eval's hf refuses it, with the key it was probably meant to be."""
@@ -103,6 +105,7 @@ def test_an_unknown_model_arg_is_refused_not_ignored(tmp_path) -> None:
     assert "error: --model_args dtpye: not a setting of the apcscore model" in done.stderr
 
 
+@pytest.mark.slow
 def test_without_device_a_machine_without_a_gpu_runs_on_the_cpu(tmp_path, tiny_model_dir) -> None:
     """lm-eval's --device default is cuda:0 (given or not); like its hf model, a CUDA device where there is none
     runs on the CPU (it failed: '--device cuda was asked for'), with a note."""

@@ -336,6 +336,7 @@ def test_cached_tokenizer(default_tokenizer):
     assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nHi<|im_end|>" in chat
 
 
+@pytest.mark.slow
 def test_cached_tokenizer_matches_the_gguf_tokenizer(default_tokenizer):
     from transformers import AutoTokenizer
 
@@ -351,6 +352,7 @@ def test_cached_tokenizer_matches_the_gguf_tokenizer(default_tokenizer):
         assert default_tokenizer(text).input_ids == ref(text).input_ids, text
 
 
+@pytest.mark.slow
 def test_cached_copy_gives_bitwise_the_logits_of_the_gguf_model(hf_default_model, default_tokenizer):
     """The saved safetensors reload to exactly the model transformers builds from the GGUF (~25 s)."""
     from transformers import AutoModelForCausalLM

@@ -6,6 +6,8 @@ the figure recorded in docs/benchmarks.md.
 
 from __future__ import annotations
 
+import pytest
+
 import sys
 from pathlib import Path
 
@@ -14,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from memory_flat import measure  # noqa: E402
 
 
+@pytest.mark.slow
 def test_rss_is_flat_over_a_long_run(tmp_path, tiny_model_dir):
     result = measure(3000, str(tiny_model_dir("llama")), tmp_path)
     assert result["rows_written"] == 3000

@@ -362,6 +362,7 @@ def test_every_body_parses_as_the_openai_response_models(runs) -> None:
     assert openai.__version__
 
 
+@pytest.mark.slow
 def test_sigint_then_resume_writes_the_lines_of_an_uninterrupted_run(tmp_path, write_jsonl, tiny_model_dir) -> None:
     import os
     import signal
@@ -522,6 +523,7 @@ def test_echoed_tokens_top_logprobs_follow_the_bodys_logprobs() -> None:
                                        {"2": {"logprob": -2.0, "rank": 4, "decoded_token": "c"}}]
 
 
+@pytest.mark.slow
 def test_a_run_says_once_which_lines_take_our_defaults(tmp_path, write_jsonl, tiny_model_dir) -> None:
     """Issue 42 item 18: a body without max_tokens was cut at 16 tokens and one without temperature was greedy,
     silently; the run now says so once (our defaults stay: bounded and reproducible)."""

@@ -204,6 +204,7 @@ def long_text(tokenizer, num_tokens: int = 1000) -> str:
     return tokenizer.decode(tokenizer(text, add_special_tokens=False).input_ids[:num_tokens])
 
 
+@pytest.mark.slow
 def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model, default_tokenizer,
                                                        default_model_files):
     """Each token's logprob within 2e-4 of transformers' fp32 forward; each window set's sum within 1e-3 per 1,000

@@ -54,6 +54,7 @@ def assert_same_rows(a_path, b_path, skip: tuple[str, ...] = ()) -> None:
             assert a.column(name).equals(b.column(name)), name
 
 
+@pytest.mark.slow
 def test_two_replicas_equal_one_process(tmp_path, write_jsonl, tiny, cluster) -> None:
     data = write_jsonl(tmp_path / "d.jsonl", score_records())
     common = ["score", data, "--model", tiny, "--num-kv-blocks", 256, "--prompt-logprobs", 2, "--skip-invalid", "-q"]
@@ -78,6 +79,7 @@ def test_two_replicas_equal_one_process(tmp_path, write_jsonl, tiny, cluster) ->
     assert m2["timings"]["prompt_tokens"] == m1["timings"]["prompt_tokens"]
 
 
+@pytest.mark.slow
 def test_verify_reuse_runs_on_the_replicas(tmp_path, write_jsonl, tiny, cluster) -> None:
     """--verify-reuse under --ray (refused before issue 25): each replica re-scores its share of the seeded
     sample by recompute; the combined report covers what one process's covers, and the score store's counter
@@ -96,6 +98,7 @@ def test_verify_reuse_runs_on_the_replicas(tmp_path, write_jsonl, tiny, cluster)
     assert meta(one)["timings"]["prefix_cache"]["score_store_hits"] > 0
 
 
+@pytest.mark.slow
 def test_prefix_aware_partitioning_keeps_the_hit_rate_and_random_does_not(tmp_path, write_jsonl, tiny, cluster):
     data = write_jsonl(tmp_path / "g.jsonl", shared_prefix_records(groups=8, per_group=4, seed=11))
     common = ["generate", data, "--model", tiny, "--num-kv-blocks", 256, "--max-tokens", 2, "-q"]
@@ -156,6 +159,7 @@ def _when_rows_appear(partial, action) -> threading.Thread:
     return thread
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, tiny, cluster, slow_case) -> None:
     data, single, ids = slow_case
     out = tmp_path / "ray.parquet"
@@ -178,6 +182,7 @@ def test_a_replica_killed_mid_run_is_restarted_and_nothing_is_lost(tmp_path, tin
     assert killed[0] not in pids  # the stats come from the restarted process
 
 
+@pytest.mark.slow
 def test_interrupt_then_resume_on_ray_equals_one_process(tmp_path, tiny, cluster, slow_case) -> None:
     data, single, ids = slow_case
     out, partial = tmp_path / "ray.parquet", tmp_path / "ray.parquet.partial"
@@ -225,6 +230,7 @@ def poison_replica() -> type:
     return PoisonReplica
 
 
+@pytest.mark.slow
 def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_rest(tmp_path, write_jsonl, tiny,
                                                                                    cluster, monkeypatch) -> None:
     import apcscore.scale.ray_run as ray_run

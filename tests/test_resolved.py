@@ -97,6 +97,7 @@ def test_a_cache_that_cannot_be_written_still_loads(tiny_model_dir, tmp_path, mo
     assert resolve_model_parts(tiny_model_dir("qwen3")).config.head_dim == 32
 
 
+@pytest.mark.slow
 def test_a_remembered_load_skips_transformers_model_modules(tiny_model_dir, own_cache):
     """The point of remembering: a later process never imports the model's config module or torch._dynamo."""
     path = tiny_model_dir("llama3")

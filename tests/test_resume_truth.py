@@ -47,6 +47,7 @@ def records(n: int) -> list[dict]:
     return [{"id": f"r{i}", "prompt": " ".join(words[j % 8] for j in range(i % 7 + 3))} for i in range(n)]
 
 
+@pytest.mark.slow
 def test_resumed_summary_and_metadata_cover_the_whole_file(tmp_path, write_jsonl, tiny, interrupt_after, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", records(12))
     out = tmp_path / "o.parquet"
@@ -73,6 +74,7 @@ def test_resumed_summary_and_metadata_cover_the_whole_file(tmp_path, write_jsonl
     assert os.path.isabs(m["dataset"]["path"])
 
 
+@pytest.mark.slow
 def test_resume_says_when_there_is_nothing_to_resume_and_refuses_a_changed_dataset(
         tmp_path, write_jsonl, tiny, interrupt_after, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", records(6))
@@ -88,6 +90,7 @@ def test_resume_says_when_there_is_nothing_to_resume_and_refuses_a_changed_datas
     assert res.exit_code == 2 and "dataset" in res.output
 
 
+@pytest.mark.slow
 def test_interrupted_and_resumed_sampled_generation_equals_an_uninterrupted_one(
         tmp_path, write_jsonl, tiny, interrupt_after, monkeypatch):
     data = write_jsonl(tmp_path / "d.jsonl", records(10))
@@ -116,6 +119,7 @@ class Killed(BaseException):
     """A session ended outright (SIGKILL): nothing after it runs, no final metadata is written."""
 
 
+@pytest.mark.slow
 def test_a_killed_sessions_tokens_count_in_the_resumed_run(tmp_path, write_jsonl, tiny, monkeypatch):
     """Issue 46, item 14: after SIGKILL and --resume, "tokens prefilled" left out the killed session's tokens (its
     timings were written only when a session ended). They are kept in the partial as the run goes."""

@@ -30,6 +30,7 @@ def qkv_views(tokens: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: 
     return q.reshape(tokens, hq, d), k.reshape(tokens, hkv, d), cos, sin
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("hq,hkv,d", [(32, 8, 64), (9, 3, 64), (4, 4, 128), (6, 2, 10)])
 def test_rotary_kernel_gives_the_torch_form_s_bits(dtype: torch.dtype, hq: int, hkv: int, d: int) -> None:

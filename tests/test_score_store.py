@@ -167,6 +167,7 @@ def test_followers_wait_for_the_prefix_and_read_it_once(model: str) -> None:
     assert eng.stats.prompt_tokens == fed(reqs) - (len(reqs) - 1) * 144 - repeats
 
 
+@pytest.mark.slow
 def test_the_triton_backend_reads_the_store_exactly(model: str) -> None:
     import torch
 

@@ -242,6 +242,7 @@ def test_a_group_too_heavy_for_one_part_is_split_by_its_next_block() -> None:
     assert sorted(assign(items_of(same), 2)) == [0, 0, 0, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_partitioning_a_million_records_behind_one_long_prefix_takes_seconds() -> None:
     """Every record shares its first MAX_DEPTH blocks (a long system prompt): the group is cut into runs. Summing
     a run again for each item made this quadratic (4k records 0.09 s, 100k about a minute, 1M over an hour)."""

@@ -60,6 +60,7 @@ def tokenizer(path: Path):
     return load_tokenizer(Path(json.loads(pq.read_schema(path).metadata[b"apcscore"])["model"]["path"]))
 
 
+@pytest.mark.slow
 def test_a_position_shows_the_parquets_rank_and_top_k(files) -> None:
     path = files["score"]
     r = show(path, "--id", "capital", "--position", "5")

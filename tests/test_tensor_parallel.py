@@ -68,6 +68,7 @@ def _scores(engine: Engine, requests: list[Request]) -> dict:
 # one model per mechanism (CI time; Qwen2-MoE has Qwen2's qkv bias): Qwen2, Gemma 3 (windows) and Mixtral (fp32
 # routing weights) pass too, run once: max |d logprob| 5.7e-6, 6.7e-6 and 5.7e-6
 # (mqa: an untied Llama)
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["mqa", "qwen3", "phi3", "gemma2", "olmo2", "neox", "qwen2_moe"])
 def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> None:
     """Logprobs within 1e-5 (the o / down sums split along K round differently); ranks and top-K ids equal but
@@ -123,6 +124,7 @@ def test_exact_reuse_and_the_score_store_at_degree_2(tiny_model_dir) -> None:
     assert reuse.block_manager.stats.score_store_hits > 0
 
 
+@pytest.mark.slow
 def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
     """tests/test_invariance.py's matrix at degree 2 (fewer lengths and budgets than degree 1's, for CI time)."""
     matrix = Matrix(str(tiny_model_dir("qwen3")), "float32", tensor_parallel_size=2, num_kv_blocks=512,
@@ -131,6 +133,7 @@ def test_degree_2_scores_are_batch_invariant(tiny_model_dir) -> None:
     matrix.check(score_requests, prompts, (1, 57, 4096), long_budget_limit=17)
 
 
+@pytest.mark.slow
 def test_degree_2_generation_is_batch_invariant(tiny_model_dir) -> None:
     """Seeded sampling with logprobs (the gathered sampling logits) under the same matrix."""
     from test_invariance import generate_requests
@@ -332,6 +335,7 @@ def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_mode
 
 # ---------------------------------------------------------------- issue 42: signals, devices, hangs, cleanup
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
 def test_ctrl_c_or_a_group_sigterm_stops_a_degree_2_run_gracefully(tmp_path, write_jsonl, tiny_model_dir,
                                                                   signum: str) -> None:
@@ -361,6 +365,7 @@ def test_ctrl_c_or_a_group_sigterm_stops_a_degree_2_run_gracefully(tmp_path, wri
     assert "interrupted:" in output and "rank ended" not in output, output
 
 
+@pytest.mark.slow
 def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_dir) -> None:
     """Issue 42 item 7: the workers now ignore SIGTERM (rank 0 stops the group), so one whose rank 0 is gone
     (here a process-group SIGTERM, which kills rank 0 before it has a handler) must not wait in a collective
@@ -506,6 +511,7 @@ def test_a_rank_that_never_starts_is_refused_after_the_start_timeout() -> None:
     assert refused.value.exit_code == 1 and proc.killed and time.monotonic() - started < 5
 
 
+@pytest.mark.slow
 def test_spawned_ranks_talk_over_the_loopback_interface(tiny_model_dir, monkeypatch) -> None:
     """Issue 42 item 11: gloo listened on the interface the host name resolves to, though every spawned rank is
     local. The ranks start with GLOO_SOCKET_IFNAME = the loopback interface (rank 0's environment is left as
@@ -586,6 +592,7 @@ def test_the_failure_watch_aborts_once_when_a_worker_fails_or_ends() -> None:
         watch.stop()
 
 
+@pytest.mark.slow
 def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     """Four ranks (each KV head on two of them; four partial sums, where the rank order of the sum matters):
     within 1e-5 of degree 1, and exact across a budget that chunks, another order and preemption."""

@@ -90,6 +90,7 @@ def assert_ranks_near(a: np.ndarray, b: np.ndarray, targets: np.ndarray, ref: np
     assert np.all((a == b) | ((b >= lo) & (b <= hi) & (a >= lo) & (a <= hi)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,seed", [("llama", 0), ("qwen3", 1)])  # qwen3: q/k RMSNorm, head_dim 32, tied
 def test_triton_engine_matches_torch_engine(tiny_dir, arch: str, seed: int) -> None:
     model_dir = tiny_dir(arch)
@@ -116,6 +117,7 @@ def test_triton_engine_matches_torch_engine(tiny_dir, arch: str, seed: int) -> N
         assert np.abs(la.top_logprobs - lb.top_logprobs).max() < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_on_the_triton_backend_matches_transformers(tiny_dir, arch: str) -> None:
     """Gemma 2 (window 24, attention soft-cap 5) and Gemma 3 (window 70 on its sliding layer) through the Triton
