@@ -5,19 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rich import box
 from rich.console import Console
-from rich.markup import escape
-from rich.table import Table
 
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
 from apcscore.compare.gate import Thresholds
-from apcscore.compare.report import verdict
+from apcscore.compare.report import CHECK_HEAD, md_table, print_checks, rich_table, verdict
 from apcscore.errors import ApcscoreError
 
 Row = tuple[str, ...]
 _METRIC_HEAD = ("task", "metric", "baseline", "candidate", "change", "docs", "per-doc change +/- SE", "flips -/+")
-_CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
 
 
 def _n(v: float | None, sign: bool = False) -> str:
@@ -46,31 +42,10 @@ def _check_rows(c: EvalComparison) -> list[Row]:
 
 def render_eval_console(c: EvalComparison, console: Console) -> None:
     """Print the comparison as Rich tables; failing thresholds in red."""
-
-    def table(title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
-        t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
-        for i, row in enumerate(rows):
-            t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
-        console.print(t)
-
-    table("Compared eval runs", ("", "baseline", "candidate"), _sides(c))
-    table("Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
-          [_metric_row(m) for m in c.metrics])
-    for note in c.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    if c.checks:
-        table("Thresholds (per task)", _CHECK_HEAD, _check_rows(c),
-              ["green" if ch.passed else "bold red" for ch in c.checks])
-    style = "green" if c.passed and c.checks else "bold red" if not c.passed else "yellow"
-    console.print(f"[{style}]{escape(verdict(c.checks))}[/]")
-
-
-def _md_table(head: Row, rows: list[Row]) -> str:
-    def cell(x: str) -> str:
-        return x.replace("|", "\\|").replace("\n", " ")
-
-    lines = ["| " + " | ".join(cell(x) for x in head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows])
+    rich_table(console, "Compared eval runs", ("", "baseline", "candidate"), _sides(c))
+    rich_table(console, "Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
+               [_metric_row(m) for m in c.metrics])
+    print_checks(console, c.notes, c.checks, _check_rows(c), "Thresholds (per task)")
 
 
 def eval_markdown(c: EvalComparison) -> str:
@@ -79,9 +54,9 @@ def eval_markdown(c: EvalComparison) -> str:
     out = [f"## apcscore compare (eval runs): {icon} {verdict(c.checks)}", ""]
     if c.checks:
         rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
-        out += [_md_table(_CHECK_HEAD, rows), ""]
-    out += ["### Per task and metric", "", _md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
-    out += ["### Compared runs", "", _md_table(("", "baseline", "candidate"), _sides(c)), ""]
+        out += [md_table(CHECK_HEAD, rows), ""]
+    out += ["### Per task and metric", "", md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
+    out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
     out += [f"> note: {n}" for n in c.notes]
     return "\n".join(out).rstrip() + "\n"
 

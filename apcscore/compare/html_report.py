@@ -23,7 +23,7 @@ import numpy as np
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (_CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
+from apcscore.compare.report import (CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
                                      _metric_rows, _sides, _worst_rows, verdict)
 from apcscore.io.token_text import Pieces, id_pieces
 
@@ -305,7 +305,7 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
              f'<p class="muted">baseline {_e(c.base.path)} ({_e(c.base.model or "-")}, {_e(c.base.dtype or "-")}) · '
              f'candidate {_e(c.new.path)} ({_e(c.new.model or "-")}, {_e(c.new.dtype or "-")})</p>']
     if c.checks:
-        parts += ["<h2>Thresholds</h2>", _table(_CHECK_HEAD, _check_rows(c), ["pass" if ch.passed else "fail"
+        parts += ["<h2>Thresholds</h2>", _table(CHECK_HEAD, _check_rows(c), ["pass" if ch.passed else "fail"
                                                                            for ch in c.checks], "thresholds")]
     else:
         parts.append('<p class="muted">no thresholds given: nothing was judged</p>')

@@ -146,7 +146,7 @@ def _worst_rows(c: Comparison, worst: int) -> list[Row]:
 
 _WORST_HEAD = ("record", "positions", "mean KL", "max KL", "ln PPL ratio", "top-1 agree", "max |d logprob|")
 _FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct base", "correct new")
-_CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
+CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
 
 
 def _flip_rows(c: Comparison) -> list[Row]:
@@ -162,14 +162,32 @@ def verdict(checks: list[Check]) -> str:
     return "PASS" if not failed else f"FAIL ({failed} of {len(checks)} thresholds)"
 
 
+def rich_table(console: Console, title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
+    """Print one table of the console report (row styles: e.g. a failed check in red)."""
+    t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
+    for i, row in enumerate(rows):
+        t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
+    console.print(t)
+
+
+def print_checks(console: Console, notes: list[str], checks: list[Check], rows: list[Row],
+                 title: str = "Thresholds") -> None:
+    """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`, one
+    per check) and the verdict."""
+    for note in notes:
+        console.print(f"[yellow]note:[/] {escape(note)}")
+    if checks:
+        rich_table(console, title, CHECK_HEAD, rows, ["green" if ch.passed else "bold red" for ch in checks])
+    passed = all(ch.passed for ch in checks)
+    style = "green" if passed and checks else "bold red" if not passed else "yellow"
+    console.print(f"[{style}]{escape(verdict(checks))}[/]")
+
+
 def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     """Print the comparison as Rich tables; failing thresholds in red."""
 
-    def table(title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
-        t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
-        for i, row in enumerate(rows):
-            t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
-        console.print(t)
+    def table(title: str, head: Row, rows: list[Row]) -> None:
+        rich_table(console, title, head, rows)
 
     table("Compared runs", ("", "baseline", "candidate"), _sides(c))
     table("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
@@ -182,16 +200,11 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     if c.excluded:
         table("Excluded records (status 'error')", ("record", "failed in", "error"),
               [(e.id, e.side, e.error) for e in c.excluded])
-    for note in c.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}")
-    if c.checks:
-        table("Thresholds", _CHECK_HEAD, _check_rows(c),
-              ["green" if ch.passed else "bold red" for ch in c.checks])
-    style = "green" if c.passed and c.checks else "bold red" if not c.passed else "yellow"
-    console.print(f"[{style}]{escape(verdict(c.checks))}[/]")
+    print_checks(console, c.notes, c.checks, _check_rows(c))
 
 
-def _md_table(head: Row, rows: list[Row]) -> str:
+def md_table(head: Row, rows: list[Row]) -> str:
+    """A Markdown table (pipes in cells escaped)."""
     def cell(x: str) -> str:
         return x.replace("|", "\\|").replace("\n", " ")
 
@@ -206,19 +219,19 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     out = [f"## apcscore compare: {icon} {verdict(c.checks)}", ""]
     if c.checks:
         rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
-        out += [_md_table(_CHECK_HEAD, rows), ""]
-    out += ["### Metrics", "", _md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
+        out += [md_table(CHECK_HEAD, rows), ""]
+    out += ["### Metrics", "", md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
     for title, head, rows in _extra_tables(c):
-        out += [f"### {title}", "", _md_table(head, rows), ""]
+        out += [f"### {title}", "", md_table(head, rows), ""]
     if c.records and worst:
         out += [f"### Worst {min(worst, len(c.records))} records", "",
-                _md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]
+                md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]
     if c.flips:
-        out += ["### Multiple-choice predictions that flipped", "", _md_table(_FLIP_HEAD, _flip_rows(c)), ""]
+        out += ["### Multiple-choice predictions that flipped", "", md_table(_FLIP_HEAD, _flip_rows(c)), ""]
     if c.excluded:
         out += ["### Excluded records (status 'error')", "",
-                _md_table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded]), ""]
-    out += ["### Compared runs", "", _md_table(("", "baseline", "candidate"), _sides(c)), ""]
+                md_table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded]), ""]
+    out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
     out += [f"> note: {n}" for n in c.notes]
     return "\n".join(out).rstrip() + "\n"
 
