@@ -25,7 +25,7 @@ import re
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -104,23 +104,29 @@ def _load_scored(path: str) -> dict[str, np.ndarray]:
         return {k: z[k] for k in z.files}
 
 
-def check_scores(outputs: dict[str, str], baseline: str) -> dict[str, dict[str, Any]]:
-    """Per contender against the baseline: max |delta logprob|, share of equal ranks and top-1 ids."""
+def against_baseline(outputs: dict[str, str], baseline: str,
+                     figures: Callable[[dict[str, np.ndarray], dict[str, np.ndarray]], dict[str, Any]]
+                     ) -> dict[str, dict[str, Any]]:
+    """`figures(got, ref)` of each contender's scored output against the baseline's, where both hold the same
+    records of the same lengths (else that is said)."""
     ref = _load_scored(outputs[baseline])
-    out: dict[str, Any] = {}
+    out: dict[str, dict[str, Any]] = {}
     for name, path in outputs.items():
         if name == baseline:
             continue
         got = _load_scored(path)
-        if list(got["ids"]) != list(ref["ids"]) or not np.array_equal(got["lengths"], ref["lengths"]):
-            out[name] = {"same records and lengths": False}
-            continue
-        out[name] = {
-            "max |dlogprob|": float(f"{np.abs(got['logprobs'] - ref['logprobs']).max():.2e}"),
-            "ranks equal": f"{np.mean(got['ranks'] == ref['ranks']):.2%}",
-            "top-1 ids equal": f"{np.mean(got['top_ids'][:, 0] == ref['top_ids'][:, 0]):.2%}",
-        }
+        same = list(got["ids"]) == list(ref["ids"]) and np.array_equal(got["lengths"], ref["lengths"])
+        out[name] = figures(got, ref) if same else {"same records and lengths": False}
     return out
+
+
+def check_scores(outputs: dict[str, str], baseline: str) -> dict[str, dict[str, Any]]:
+    """Per contender against the baseline: max |delta logprob|, share of equal ranks and top-1 ids."""
+    return against_baseline(outputs, baseline, lambda got, ref: {
+        "max |dlogprob|": float(f"{np.abs(got['logprobs'] - ref['logprobs']).max():.2e}"),
+        "ranks equal": f"{np.mean(got['ranks'] == ref['ranks']):.2%}",
+        "top-1 ids equal": f"{np.mean(got['top_ids'][:, 0] == ref['top_ids'][:, 0]):.2%}",
+    })
 
 
 def check_generations(outputs: dict[str, str], baseline: str) -> dict[str, dict[str, Any]]:

@@ -47,7 +47,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from bench_cpu import _load_scored, corpus_token_stream, score_records, write_jsonl  # noqa: E402
+from bench_cpu import against_baseline, corpus_token_stream, score_records, write_jsonl  # noqa: E402
 from harness import Contender, Scenario, format_table, machine_info, run_scenario, write_json  # noqa: E402
 from llamacpp_worker import scored_span  # noqa: E402
 
@@ -107,22 +107,16 @@ def check_ppl(outputs: dict[str, str]) -> dict[str, Any]:
 
 def check_score(outputs: dict[str, str], baseline: str) -> dict[str, Any]:
     """apcscore's logprobs against llama.cpp's: |delta| (max, mean), top-1 agreement, both perplexities."""
-    ref = _load_scored(outputs[baseline])
-    out: dict[str, Any] = {}
-    for name, path in outputs.items():
-        if name == baseline:
-            continue
-        got = _load_scored(path)
-        if list(got["ids"]) != list(ref["ids"]) or not np.array_equal(got["lengths"], ref["lengths"]):
-            out[name] = {"same records and lengths": False}
-            continue
+
+    def figures(got: dict[str, np.ndarray], ref: dict[str, np.ndarray]) -> dict[str, Any]:
         d = np.abs(got["logprobs"].astype(np.float64) - ref["logprobs"])
         top = got["top_ids"].reshape(len(d), -1)[:, 0]
-        out[name] = {"max |dlogprob|": f"{d.max():.3f}", "mean |dlogprob|": f"{d.mean():.4f}",
-                     "top-1 equal": f"{np.mean(top == ref['top_ids']):.2%}",
-                     "PPL (ours / llama.cpp)": f"{math.exp(-got['logprobs'].astype(np.float64).mean()):.4f} / "
-                                               f"{math.exp(-ref['logprobs'].astype(np.float64).mean()):.4f}"}
-    return out
+        return {"max |dlogprob|": f"{d.max():.3f}", "mean |dlogprob|": f"{d.mean():.4f}",
+                "top-1 equal": f"{np.mean(top == ref['top_ids']):.2%}",
+                "PPL (ours / llama.cpp)": f"{math.exp(-got['logprobs'].astype(np.float64).mean()):.4f} / "
+                                          f"{math.exp(-ref['logprobs'].astype(np.float64).mean()):.4f}"}
+
+    return against_baseline(outputs, baseline, figures)
 
 
 def find_tool(given: str | None, llama_python: str) -> str | None:
