@@ -51,18 +51,18 @@ def decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, w
     k_pos = torch.arange(first, padded_len, device=device)  # [L']
     ends = torch.tensor(seq_lens, device=device)[:, None]
     past_end = k_pos[None, :] >= ends  # [B, L']
-    if window:  # the query sits at ends - 1: keys <= ends - 1 - window are outside its window
-        window_mask = past_end | (k_pos[None, :] <= ends - 1 - window)
+    # the query's mask: past its end, and (the query sits at ends - 1) keys <= ends - 1 - window outside its window
+    mask = past_end | (k_pos[None, :] <= ends - 1 - window) if window else past_end
     if paged_decode(device):
         return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first, shared_rows=None,
-                          tail_rows=None, past_end=window_mask if window else past_end,
+                          tail_rows=None, past_end=mask,
                           tables=meta.block_tables[seqs].to(torch.int32).contiguous(),
                           seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32))
     slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, padded]
     tail_rows = head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache)
     return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first,
                        shared_rows=head_rows(slots[0, :first], cache) if shared_tiles else None,
-                       tail_rows=tail_rows, past_end=window_mask if window else past_end)
+                       tail_rows=tail_rows, past_end=mask)
 
 
 def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
