@@ -75,7 +75,7 @@ def not_portable(meta: dict) -> None:  # no C compiler: the pad-16 construction,
 
 # a row's case (the words in parentheses after its field) -> how the base run is set up
 SETUPS: dict[str, Callable[[dict], None]] = {"probe failed": probe_failed, "--no-batch-invariant": no_batch_invariant,
-                                            "not portable": not_portable}
+                                            "not portable": not_portable, "pad-16": not_portable}
 
 
 def put(meta: dict, path: str, value: Any) -> None:
@@ -114,6 +114,9 @@ PAIRS: dict[tuple[str, str], tuple[Any, Any]] = {
     ("engine.attention_backend", "auto vs torch"): ("auto", "torch"),
     ("engine.model_backend", "auto vs native"): ("auto", "native"),
     ("numerics.hardware", "--no-batch-invariant, Intel vs AMD"): (
+        {"cpu": {"vendor": "GenuineIntel", "model": "Intel Xeon"}}, {"cpu": {"vendor": "AuthenticAMD",
+                                                                             "model": "AMD EPYC"}}),
+    ("numerics.hardware", "pad-16, Intel vs AMD"): (
         {"cpu": {"vendor": "GenuineIntel", "model": "Intel Xeon"}}, {"cpu": {"vendor": "AuthenticAMD",
                                                                              "model": "AMD EPYC"}}),
     ("numerics.cpu_capability", ""): ("AVX2", "AVX512"),

@@ -10,7 +10,7 @@ One list, `FIELDS`, read by four named views, each a documented subset of it:
 
 Measured facts decide, not requested flags: the schedule and the reuse switches drop out where the start-up probe
 found the engine batch-invariant (`numerics.batch_invariant`), the machine's CPU and BLAS count where the GEMM is
-a library one (that probe failed, or `--no-batch-invariant`), the CPU's instruction set where the bits are not
+a library one (`numerics.linear`: the pad-16 fallback, `--no-batch-invariant`) or the probe failed, the CPU's instruction set where the bits are not
 portable (`numerics.portable`), and the settings as resolved (`device`, `dtype`, ...) stand for what was typed
 (`engine.device`, ...: "auto" and "cpu" that resolved alike are one run). docs/architecture.md, "A run's
 identity", holds the same rules as a table, and tests/test_identity.py reads that table.
@@ -43,6 +43,13 @@ def invariant(meta: Meta) -> bool:
 def library_gemm(meta: Meta) -> bool:
     """The GEMM's reduction order is a library's choice, so the CPU model and BLAS decide bits."""
     return not invariant(meta)
+
+
+def machine_gemm(meta: Meta) -> bool:
+    """The CPU model and BLAS may decide bits: a library GEMM ran (torch's, on rows padded to 16 or not: MKL's path
+    differs between Intel and AMD even where this machine's probe passed), or the probe failed."""
+    linear = (meta.get("numerics") or {}).get("linear")
+    return library_gemm(meta) or (isinstance(linear, str) and linear.startswith("library GEMM"))
 
 
 def not_portable(meta: Meta) -> bool:
@@ -120,8 +127,8 @@ FIELDS: tuple[Field, ...] = (
           when=not_portable),
     Field("numerics.device_capability", "the GPU's compute capability"),
     Field("numerics.hardware", "the CPU vendor and model, the GPU: a library GEMM's path follows them (compared "
-          "where the GEMM is a library one)", when=library_gemm),
-    Field("numerics.blas", "torch's BLAS and the environment that steers it (as hardware)", when=library_gemm),
+          "where the GEMM is a library one, the pad-16 fallback too, or the probe failed)", when=machine_gemm),
+    Field("numerics.blas", "torch's BLAS and the environment that steers it (as hardware)", when=machine_gemm),
     Field("versions.torch", "torch's kernels"),
     Field("versions.transformers", "transformers' configs, tokenizers, rope tables and fallback forward"),
     Field("versions.tokenizers", "the tokenizer's code"),
