@@ -214,6 +214,13 @@ def test_each_field_is_refused_or_accepted_as_the_table_says(tmp_path: Path, row
     got = {"resume": resume_refused(tmp_path, a, b), "merge": merge_refused(tmp_path, a, b),
            "ray": ray_refused(a, b), "eval": eval_refused(a, b)}
     assert got == row["refused"]
+    # the module's own views say what the table says (merge refuses failed-probe shards outright, so its check
+    # alone cannot tell whether the MERGE view compares the field there)
+    assert {v: bool(identity.differing(a, b, v)) for v in identity.VIEWS} == row["refused"]
+    # the control: the base run against itself is accepted (merge: but for a failed probe)
+    same = copy.deepcopy(a)
+    assert not any((resume_refused(tmp_path / "same", a, same), ray_refused(a, same), eval_refused(a, same)))
+    assert merge_refused(tmp_path, a, same) == row["case"].startswith("probe failed")
 
 
 def test_the_table_has_a_row_for_every_field_the_identity_classifies() -> None:
