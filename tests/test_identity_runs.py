@@ -137,3 +137,57 @@ def test_apcscore_version_comes_from_the_package_metadata(monkeypatch) -> None:
     import apcscore
 
     assert run_metadata.apcscore_version() == apcscore.__version__
+
+
+@pytest.fixture
+def probe_fails(monkeypatch) -> None:
+    """Every engine's batch-invariant linear splits K above 4 rows (as a BLAS may by M): the start-up probe fails."""
+    from apcscore.models import ops as ops_module
+    from tests.test_gemm_probe import SplitKAboveRows
+
+    real = ops_module.select_linear
+    monkeypatch.setattr(ops_module, "select_linear",
+                        lambda device, invariant: SplitKAboveRows(4) if invariant else real(device, invariant))
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore:the start-up probe found")
+def test_resume_after_a_failed_probe_refuses_another_budget(interrupted, model, probe_fails) -> None:
+    """The issue's hole: the schedule was dropped wherever invariance was asked for, even where the probe failed."""
+    out, data = interrupted()
+    recorded = json.loads((out.with_name(out.name + ".partial") / "run.json").read_text())["metadata"]
+    assert recorded["numerics"]["batch_invariant"] is False and recorded["engine"]["batch_invariant"] is True
+    res = run("score", data, "--model", model, "--out", out, "--resume", "--max-num-seqs", 1,
+              "--max-batch-tokens", 32)
+    assert res.exit_code == 2 and "engine.max_batch_tokens" in " ".join(res.output.split()), res.output
+    res = run("score", data, "--model", model, "--out", out, "--resume", "--max-num-seqs", 1,
+              "--max-batch-tokens", 16)  # the same budget: the same steps
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(out).num_rows == 8
+
+
+def shards_on(tmp_path: Path, data: Path, model: Path, vendors: tuple[str, str], monkeypatch, *options) -> object:
+    """Score `data` as two shards, shard i on a CPU of `vendors[i]` (its description), then merge them."""
+    from apcscore.engine import numerics
+
+    paths, name = [], "-".join(vendors) + "".join(options)
+    for i, vendor in enumerate(vendors):
+        monkeypatch.setattr(numerics, "cpu_description", lambda v=vendor: {"vendor": v, "model": f"{v} CPU"})
+        paths.append(tmp_path / f"{name}{i}.parquet")
+        res = run("score", data, "--model", model, "--shard", f"{i}/2", "--out", paths[-1], *options)
+        assert res.exit_code == 0, res.output
+    return run("merge", tmp_path / f"{name}.parquet", *paths)
+
+
+@pytest.mark.slow
+def test_no_batch_invariant_shards_of_two_cpu_vendors_do_not_merge(tmp_path, write_jsonl, model,
+                                                                  monkeypatch) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", records(6))
+    res = shards_on(tmp_path, data, model, ("GenuineIntel", "AuthenticAMD"), monkeypatch, "--no-batch-invariant")
+    assert res.exit_code == 2, res.output
+    assert "numerics.hardware.cpu" in " ".join(res.output.split()) and "GenuineIntel" in res.output
+    # the same vendor merges, and so do the fixed-order GEMM's portable shards of two vendors
+    assert shards_on(tmp_path, data, model, ("AuthenticAMD", "AuthenticAMD"), monkeypatch,
+                     "--no-batch-invariant").exit_code == 0
+    res = shards_on(tmp_path, data, model, ("GenuineIntel", "AuthenticAMD"), monkeypatch)
+    assert res.exit_code == 0, res.output
