@@ -268,3 +268,43 @@ def test_resources_the_cluster_does_not_have_are_refused_not_waited_for(tmp_path
         res = run("score", data, "--model", tiny, "--ray", "auto", *args, "--out", out, "-q")
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output
         assert message in " ".join(res.output.split()) and not out.exists()
+
+
+def vendor_replica(marker: str) -> type:
+    """A replica that describes its CPU as an Intel one when it is the first to claim the file `marker`, else as an
+    AMD one (a cluster of two kinds of node); made in a function so that Ray ships the class by value."""
+
+    class VendorReplica(Replica):
+        def describe(self):
+            desc = super().describe()
+            try:
+                os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+                vendor = "GenuineIntel"
+            except FileExistsError:
+                vendor = "AuthenticAMD"
+            desc["metadata"]["numerics"]["hardware"]["cpu"] = {"vendor": vendor, "model": f"{vendor} CPU"}
+            return desc
+
+    return VendorReplica
+
+
+@pytest.mark.slow
+def test_replicas_of_two_cpu_vendors_are_refused_where_the_gemm_is_a_library_one(tmp_path, write_jsonl, tiny,
+                                                                                 cluster, monkeypatch) -> None:
+    """Issue 40: with --no-batch-invariant the CPU decides a library GEMM's bits, so an Intel and an AMD replica
+    cannot write one file; with the fixed-order GEMM (portable bits) they can."""
+    import apcscore.scale.ray_run as ray_run
+
+    data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"record number {i}"} for i in range(6)])
+    for name, options in (("library", ["--no-batch-invariant"]), ("portable", [])):
+        monkeypatch.setattr(ray_run, "Replica", vendor_replica(str(tmp_path / f"{name}.claimed")))
+        out = tmp_path / f"{name}.parquet"
+        res = run("score", data, "--model", tiny, "--num-kv-blocks", 64, "-q", "--ray", "auto", "--replicas", 2,
+                  "--out", out, *options)
+        text = " ".join(res.output.split())
+        if name == "library":
+            assert res.exit_code == 2 and "replica 1 does not run the configuration of replica 0" in text, text
+            assert "numerics.hardware.cpu" in text and not out.exists()
+        else:
+            assert res.exit_code == 0, res.output
+            assert pq.read_table(out).num_rows == 6
