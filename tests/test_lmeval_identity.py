@@ -125,3 +125,33 @@ def test_eval_records_the_numerics_code_model_files_and_library_versions(tiny_mo
     assert versions["triton"] == package_version("triton") and versions["lm_eval"] == package_version("lm_eval")
     ident = identity(sections)
     assert ident["code.models"] == code_fingerprint()["models"] and "versions.triton" in ident
+
+
+def test_an_edited_config_or_tokenizer_misses_the_eval_cache(tiny_model_dir, tmp_path) -> None:
+    """The eval cache's file is named by the identity of the model's real files (lmeval/results.config_sections):
+    an edited config.json or tokenizer.json names another file, so a warm --cache is not read (issue 40 item 3)."""
+    import shutil
+    from types import SimpleNamespace
+
+    from apcscore.config import EngineConfig
+    from apcscore.engine.counters import EngineCounters
+    from apcscore.lmeval.results import config_sections
+
+    path = Path(shutil.copytree(tiny_model_dir("llama"), tmp_path / "model"))
+    info = SimpleNamespace(name="tiny", path=str(path), architecture="LlamaForCausalLM", fingerprint="f",
+                           vocab_size=10, max_model_len=64, num_parameters=1, sliding_window=None)
+    engine = SimpleNamespace(info=info, dtype="torch.float32", device="cpu", attention_backend="torch",
+                             model_backend="native", counters=EngineCounters, numerics=base()["numerics"])
+
+    def cache_file() -> str:
+        return ResponseStore(identity(config_sections(SimpleNamespace(engine=engine), EngineConfig()))).name
+
+    original = cache_file()
+    assert cache_file() == original  # the same files: the same cache file
+    for name, edit in (("config.json", lambda text: json.dumps({**json.loads(text), "rms_norm_eps": 1e-3})),
+                       ("tokenizer.json", lambda text: text + "\n")):
+        before = (path / name).read_text()
+        (path / name).write_text(edit(before))
+        assert cache_file() != original, name
+        (path / name).write_text(before)
+        assert cache_file() == original
