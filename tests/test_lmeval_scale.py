@@ -177,3 +177,22 @@ def test_eval_on_ray_equals_one_process(whole, model, tmp_path):
               for i in range(2)]
     assert sum(counts) == TOTAL and min(counts) > 0
     assert_same_run(whole, out)
+
+
+@pytest.mark.ray
+def test_eval_ray_resume_refuses_finished_shards_of_another_run(model, tmp_path):
+    """Issue 40 item 4: `eval --ray --resume` whose shards all finished (the run stopped before its merge) compares
+    them with this run: another --limit is refused, the same options merge the kept shards."""
+    pytest.importorskip("ray")
+    out = tmp_path / "ray"
+    ray_run = ("--out", out, "--ray", "local", "--replicas", "2", "--tasks", "apc_ll")
+    assert run(*ray_run, "--limit", "2", model=model).exit_code == 0
+    for name in ("results.json", "requests.parquet"):  # as if stopped after the shards, before the merge
+        (out / name).unlink()
+    refused = run(*ray_run, "--limit", "3", "--resume", model=model)
+    text = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "finished shard" in text, refused.output
+    assert "limit: 2.0 vs 3.0" in text and "--overwrite" in text, text  # the option that differs, the way out
+    resumed = run(*ray_run, "--limit", "2", "--resume", model=model)
+    assert resumed.exit_code == 0, resumed.output
+    assert results(out)["apcscore"]["responses"]["computed"] == 0  # nothing run again: the shards were kept
