@@ -53,6 +53,24 @@ def test_a_cached_library_others_can_write_or_own_is_not_loaded(tiny_sources: Pa
     assert path != planted and path.name == name and path.read_bytes() != b"not a library"
 
 
+def test_a_cached_library_that_cannot_be_loaded_is_rebuilt_privately(tiny_sources: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 1's "rebuild what cannot be loaded": a cached file of the right name, owner and mode that dlopen refuses
+    (damaged, or another machine's from before the name covered the machine) is not an error: library() builds a
+    private copy and loads that."""
+    name = cpu_build.library_name(cpu_build.compiler())
+    tiny_sources.mkdir(parents=True)
+    cached = tiny_sources / name
+    cached.write_bytes(b"not a library")
+    cached.chmod(0o755)
+    assert cpu_build.unsafe(cached) is None
+    monkeypatch.setattr(cpu_build, "_lib", None)  # (restored after the test: the real library stays loaded)
+    monkeypatch.setattr(cpu_build, "_declare", lambda lib: None)  # the tiny source has none of the entry points
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        lib = cpu_build.library()
+    assert lib.apc_tiny() == 7 and cached.read_bytes() == b"not a library"
+
+
 def test_the_name_covers_the_machine_and_its_c_library(tiny_sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cc = cpu_build.compiler()
     here = cpu_build.library_name(cc)
