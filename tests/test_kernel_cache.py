@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apcscore.kernels import cpu_gemm
+from apcscore.kernels import cpu_gemm, cpu_math
 from apcscore.kernels import cpu_library as cpu_build
 from apcscore.kernels.cpu_library import CpuGemmUnavailable
 
@@ -51,6 +51,24 @@ def test_a_cached_library_others_can_write_or_own_is_not_loaded(tiny_sources: Pa
     with pytest.warns(UserWarning, match="another user|can write it"):
         path = cpu_build.library_path()
     assert path != planted and path.name == name and path.read_bytes() != b"not a library"
+
+
+def test_a_cached_library_that_cannot_be_loaded_is_rebuilt_privately(tiny_sources: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Item 1's "rebuild what cannot be loaded": a cached file of the right name, owner and mode that dlopen refuses
+    (damaged, or another machine's from before the name covered the machine) is not an error: library() builds a
+    private copy and loads that."""
+    name = cpu_build.library_name(cpu_build.compiler())
+    tiny_sources.mkdir(parents=True)
+    cached = tiny_sources / name
+    cached.write_bytes(b"not a library")
+    cached.chmod(0o755)
+    assert cpu_build.unsafe(cached) is None
+    monkeypatch.setattr(cpu_build, "_lib", None)  # (restored after the test: the real library stays loaded)
+    monkeypatch.setattr(cpu_build, "_declare", lambda lib: None)  # the tiny source has none of the entry points
+    with pytest.warns(UserWarning, match="could not be loaded"):
+        lib = cpu_build.library()
+    assert lib.apc_tiny() == 7 and cached.read_bytes() == b"not a library"
 
 
 def test_the_name_covers_the_machine_and_its_c_library(tiny_sources: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -134,15 +152,29 @@ def test_k_zero_gives_zeros_not_the_buffers_old_contents() -> None:
     assert torch.equal(products, torch.zeros(2, 3, 4))
 
 
+def _bits(t: torch.Tensor) -> list[int]:
+    """The float32 values' bit patterns (integers compare the same under any MXCSR / FPCR setting)."""
+    return t.float().contiguous().view(torch.int32).flatten().tolist()
+
+
 def test_denormals_are_kept_whatever_torch_flushes() -> None:
-    """torch.set_flush_denormal(True) sets MXCSR's FTZ/DAZ (FPCR.FZ on AArch64); the kernels set their own
-    environment for the call, so a denormal product is kept."""
+    """torch.set_flush_denormal(True) sets MXCSR's FTZ/DAZ (FPCR.FZ on AArch64, where this test runs the same); the
+    kernels set their own environment for the call (the GEMM's gemm_panels, cpu_math.c's fp_enter), so a denormal
+    product or sum is kept. The results are compared as bits after the flush is turned off again: under DAZ a
+    denormal compares equal to 0.0, so a torch.equal inside the flushed section could not fail."""
     x, w = torch.tensor([[1e-20]]), torch.tensor([[1e-20]])  # 1e-40: a denormal float
-    want = cpu_gemm.FixedOrderLinear()(x, w)
-    assert want.item() != 0.0
+    row = torch.full((1, 16), 1e-40)  # a row of denormals: their sum is one too
+
+    def results() -> dict[str, list[int]]:
+        return {"gemm": _bits(cpu_gemm.FixedOrderLinear()(x, w)), "row sums": _bits(cpu_math.row_sums(row))}
+
+    want = results()
+    assert all(b != [0] for b in want.values()), want
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU has no flush-denormal mode")
     try:
-        assert torch.equal(cpu_gemm.FixedOrderLinear()(x, w), want)
+        assert (x * w).item() == 0.0  # torch's own multiply does flush: the setting is on
+        got = results()
     finally:
         torch.set_flush_denormal(False)
+    assert got == want

@@ -404,6 +404,53 @@ def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_di
     assert not running(worker)
 
 
+def test_a_worker_ignores_stop_signals_and_exits_once_its_parent_is_gone() -> None:
+    """Issue 42 item 7, the mechanism itself: on gloo a worker whose rank 0 died also ends because its socket
+    closes (the test above passes without the parent watch), but on NCCL it would wait in a collective until the
+    timeout. Here a process that runs the worker's first lines (ignore_stop_signals, watch_parent) and then only
+    sleeps: SIGINT and SIGTERM leave it running, and it exits within seconds once its parent is SIGKILLed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    child = ("import os, time\n"
+             "from apcscore.engine.parallel.spawn import ignore_stop_signals, watch_parent\n"
+             "ignore_stop_signals()\n"
+             "watch_parent(os.getppid())\n"
+             "print('ready', flush=True)\n"
+             "time.sleep(600)\n")
+    parent = ("import subprocess, sys, time\n"
+              f"proc = subprocess.Popen([sys.executable, '-c', {child!r}], stdout=subprocess.PIPE, text=True)\n"
+              "assert proc.stdout.readline() == 'ready\\n'\n"
+              "print(proc.pid, flush=True)\n"
+              "time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", parent], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    worker = int(proc.stdout.readline())
+
+    def running(pid: int) -> bool:
+        status = Path(f"/proc/{pid}/status")
+        return status.exists() and "\nState:\tZ" not in status.read_text()
+
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            os.kill(worker, signum)
+        time.sleep(1.0)
+        assert running(worker), "a worker ended on SIGINT/SIGTERM (rank 0 alone stops the group)"
+        proc.kill()  # rank 0 gone without a word
+        proc.wait(timeout=30)
+        deadline = time.time() + 20  # PARENT_POLL_SECONDS is 1 s
+        while running(worker) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not running(worker), "the worker outlived its parent"
+    finally:
+        if running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
 def test_under_torchrun_with_nccl_each_rank_takes_its_local_gpu_before_the_first_collective(monkeypatch) -> None:
     """Issue 42 item 8: under torchrun with NCCL the ranks never called set_device(LOCAL_RANK) before the first
     collective, so every one of them used cuda:0. (No GPU needed: the calls are recorded in order.)"""
