@@ -20,6 +20,7 @@ import time
 import warnings
 from typing import Any, Callable, Iterator
 
+from apcscore.engine.model_files import LoadedModel
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
@@ -29,9 +30,9 @@ from apcscore.jobs.runner import run_records
 
 
 class LocalExecutor:
-    """One engine, loaded from the already resolved model files and parts."""
+    """One engine, built around the already located and checked model (`engine/model_files.LoadedModel`)."""
 
-    def __init__(self, command: str, opts: RunOptions, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
         from apcscore.engine.loader import load_engine
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
@@ -40,13 +41,13 @@ class LocalExecutor:
         started = time.perf_counter()
         with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            self.engine = load_engine(opts.model, cfg, resolved=(files, parts))
+            self.engine = load_engine(model, cfg)
         self.load_seconds = time.perf_counter() - started
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.info.max_model_len
         engine = self.engine
         native = getattr(engine, "model_backend", "native") == "native"
-        self.warnings: list[tuple[str, bool]] = [(w, True) for w in files.warnings]  # GGUF reading left out
+        self.warnings: list[tuple[str, bool]] = [(w, True) for w in model.files.warnings]  # GGUF reading left out
         if not native:
             self.warnings.append((NO_CACHE_WARNING, True))
         if cfg.batch_invariant and not engine.batch_invariant and native:

@@ -51,8 +51,8 @@ _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
                 console: Console) -> int:
     """Run `command`; return the exit code."""
-    from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
-    from apcscore.models.locate import check_model_spec, resolve_model
+    from apcscore.engine.model_files import load_model
+    from apcscore.models.locate import check_model_spec
 
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
@@ -96,13 +96,10 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         from apcscore.jobs.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)
-    check_cache_env()
     with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
-        files = resolve_model(opts.model)
-        check_weight_files(files.path)
-        parts = resolve_parts(files.path)
-        data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
-        executor = executor_class(command, opts, files, parts)
+        model = load_model(opts.model)
+        data = check_against_model(command, opts, data, int(model.config.vocab_size), model.tokenizer)
+        executor = executor_class(command, opts, model)
     try:
         for text, soft_wrap in executor.warnings if not quiet else ():
             console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterator
 
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.loader import engine_context_length
+from apcscore.engine.model_files import LoadedModel
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import RAY, differing
 from apcscore.io.reader import LoadedDataset
@@ -120,10 +121,10 @@ class RayExecutor:
     """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
     The executor interface is described in jobs/local.py."""
 
-    def __init__(self, command: str, opts: RunOptions, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
         ray = self.ray = import_ray()
         self.command, self.opts, self.block_size = command, opts, opts.engine.block_size
-        self.tokenizer = parts.tokenizer
+        self.tokenizer = model.tokenizer
         self.warnings: list[tuple[str, bool]] = []
         self.started_ray = connect(ray, opts.ray)
         self.actors: list[Any] = []
@@ -143,7 +144,7 @@ class RayExecutor:
         except BaseException:
             self.close()
             raise
-        self.max_model_len = engine_context_length(parts.config, opts.engine)  # what each replica's engine has
+        self.max_model_len = engine_context_length(model.config, opts.engine)  # what each replica's engine has
         self.split: Split | None = None
         self.run_start = time.perf_counter()
         self.failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)

@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 from apcscore.engine.loader import load_engine
-from apcscore.engine.devices import check_backend_device
 from apcscore.jobs.metadata import run_metadata
 from apcscore.jobs.options import RunOptions
 from apcscore.jobs.registry import job_class
@@ -27,7 +26,6 @@ class Replica:
     def __init__(self, command: str, opts: RunOptions) -> None:
         self.command, self.opts = command, opts
         self.cfg = opts.engine
-        check_backend_device(self.cfg)
         started = time.perf_counter()
         self.engine = load_engine(opts.model, self.cfg)
         self.load_seconds = time.perf_counter() - started
