@@ -196,6 +196,15 @@ class Engine:
         return EngineCounters.of(self.stats, bm.stats, bm.num_used_blocks, bm.num_blocks)
 
     # ---- running -------------------------------------------------------------------------------
+    def run_recomputed(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """`run` with exact reuse off while these requests run: every scored position computed by a full prefill
+        (--verify-reuse's reference); the setting is restored when the outputs are exhausted or dropped."""
+        saved, self.scheduler.exact_reuse = self.scheduler.exact_reuse, False
+        try:
+            yield from self.run(requests)
+        finally:
+            self.scheduler.exact_reuse = saved
+
     def run(self, requests: Iterable[Request], on_step: Callable[["Engine"], None] | None = None
             ) -> Iterator[RequestOutput]:
         """Run every request; yield one RequestOutput per request, in completion order."""

@@ -121,6 +121,10 @@ class TransformersEngine:
         return EngineCounters.of(self.stats)
 
     # ---- running -------------------------------------------------------------------------------
+    def run_recomputed(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """`run`: this engine has no prefix cache, so every position is always computed."""
+        return self.run(requests)
+
     def run(self, requests: Iterable[Request], on_step: Callable[[Any], None] | None = None
             ) -> Iterator[RequestOutput]:
         """Run every request, one at a time; yield one RequestOutput per request, in arrival order."""

@@ -1,18 +1,5 @@
-"""The local executor: one engine in this process runs the records (the run without `--ray`).
-
-An executor is where a run's records become rows; the driver (run/driver.py) owns everything around it:
-the writer, resume, signals, progress, the summary and the exit code. The other executor is
-scale/ray_run.RayExecutor. Both offer:
-
-- `tokenizer`, `max_model_len`: what a job is built from;
-- `warnings`: (text, soft_wrap) lines the driver prints after loading;
-- `metadata(job)`: the run metadata as the engine side knows it (the driver adds argv, created, dataset);
-- `rows(job, data, todo, tick)`: (dataset position, row) pairs of the records `todo` of `data`, in
-  completion order; `tick()` is called often and may raise to stop;
-- `progress()`: the progress bar's fields; `finish(interrupted, run_seconds)`: (this session's timings,
-  extra metadata); `verify()`: the --verify-reuse report or None; `failure()`: why records were not run,
-  or None; `closing_line()`: a line for after the summary, or None; `close()`.
-"""
+"""The local executor: one engine in this process runs the records (the run without `--ray`); the interface it
+implements is jobs/executor.Executor."""
 
 from __future__ import annotations
 
@@ -46,7 +33,7 @@ class LocalExecutor:
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.info.max_model_len
         engine = self.engine
-        native = getattr(engine, "model_backend", "native") == "native"
+        native = engine.model_backend == "native"
         self.warnings: list[tuple[str, bool]] = [(w, True) for w in model.files.warnings]  # GGUF reading left out
         if not native:
             self.warnings.append((NO_CACHE_WARNING, True))

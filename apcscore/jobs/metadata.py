@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import apcscore
+from apcscore.engine.interface import BatchEngine
 from apcscore.io.tabular_input import parse_columns
 from apcscore.jobs.options import RunOptions
 
@@ -31,7 +32,7 @@ def now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def run_metadata(command: str, engine: Any, job: Any, opts: RunOptions, dataset: dict | None = None) -> dict:
+def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions, dataset: dict | None = None) -> dict:
     """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
     tok = engine.tokenizer
     job_meta = job.metadata()
@@ -90,7 +91,7 @@ def code_fingerprint(root: Path | None = None) -> dict[str, str]:
     return out
 
 
-def model_section(engine: Any) -> dict:
+def model_section(engine: BatchEngine) -> dict:
     """The metadata's `model`: what ran, its weights' fingerprint, its other files' digests and context."""
     from apcscore.models.loading import model_files_digest
 
@@ -101,11 +102,11 @@ def model_section(engine: Any) -> dict:
             "context_capped_by_sliding_window": info.sliding_window}
 
 
-def engine_sections(engine: Any, cfg: Any) -> dict:
+def engine_sections(engine: BatchEngine, cfg: Any) -> dict:
     """Where and how the engine ran: dtype, device, attention backend, native or transformers, its settings."""
     return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "attention_backend": engine.attention_backend,
-            "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
+            "model_backend": engine.model_backend,  # native | transformers: the path that ran
             "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks}}
 
 

@@ -34,6 +34,7 @@ from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
+from apcscore.jobs.executor import Executor
 from apcscore.jobs.metadata import add_timings, dataset_metadata, now
 from apcscore.jobs.options import RunOptions
 from apcscore.jobs.preflight import check_against_model, check_errors_out, check_output
@@ -108,7 +109,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         executor.close()
 
 
-def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
+def _drive(executor: Executor, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
            console: Console, lines: bool = False, errors_path: Path | None = None) -> int:
     """Write the executor's rows of `data` to `out` (`lines`: as OpenAI Batch result lines, the error lines to
     `errors_path` when given); the exit code."""
@@ -123,7 +124,7 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
         writer.release()  # the partial's lock: whatever happened, this run no longer writes it
 
 
-def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
+def _drive_open(executor: Executor, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
                 metadata: dict, console: Console, lines: bool, errors_path: Path | None) -> int:
     """`_drive` once the writer holds the partial."""
     sessions, previous = start_session(writer, metadata["created"])

@@ -119,7 +119,7 @@ def _get(ray: Any, ref: Any) -> Any:
 
 class RayExecutor:
     """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
-    The executor interface is described in jobs/local.py."""
+    It implements jobs/executor.Executor."""
 
     def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
         ray = self.ray = import_ray()
