@@ -1,4 +1,4 @@
-"""The engine and executor interfaces (engine/interface.BatchEngine, jobs/executor.Executor) are what the two
+"""The engine and executor interfaces (engine/interface.BatchEngine, run/executor.Executor) are what the two
 engines and the two executors really offer, and the model value (engine/model_files.load_model) is what they
 are built from: a member renamed or dropped in one implementation fails here, not in a user's run."""
 
@@ -17,10 +17,10 @@ from apcscore.engine.loader import load_engine
 from apcscore.engine.model_files import LoadedModel, load_model
 from apcscore.engine.request import Request
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.executor import Executor
-from apcscore.jobs.local import LocalExecutor
-from apcscore.jobs.options import ScoreOptions
-from apcscore.jobs.verify import ReuseVerifier
+from apcscore.run.executor import Executor
+from apcscore.run.local import LocalExecutor
+from apcscore.options.commands import ScoreOptions
+from apcscore.run.verify import ReuseVerifier
 
 CFG = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
 
@@ -66,7 +66,7 @@ def test_recompute_restores_exact_reuse(tiny):
 
 
 def test_executors_offer_the_interface(tiny):
-    from apcscore.scale.ray_run import RayExecutor
+    from apcscore.run.ray_executor import RayExecutor
 
     executor = LocalExecutor("score", ScoreOptions(model=tiny, engine=EngineConfig(**CFG)), load_model(tiny))
     try:

@@ -1,11 +1,11 @@
 """One run of score / generate / perplexity: check everything, start an executor, write its rows, summarise.
 
-Order: options (jobs/options.py) -> output location (jobs/preflight.py) -> dataset (io/reader.py) -> the
+Order: options (options/commands.py) -> output location (run/preflight.py) -> dataset (io/reader.py) -> the
 model's config and tokenizer, and the records checked against them -> the executor (the weights load) ->
 rows -> final file. So every problem the user can fix is reported before the weights load.
 
-The executor is where records become rows: `jobs/local.LocalExecutor` (one engine here) or
-`scale/ray_run.RayExecutor` (`--ray`: engine replicas; this process writes the file). Everything else is
+The executor is where records become rows: `run/local.LocalExecutor` (one engine here) or
+`run/ray_executor.RayExecutor` (`--ray`: engine replicas; this process writes the file). Everything else is
 written once, here: the writer (`--shard`'s included), resume, SIGINT/SIGTERM, progress, `--verify-reuse`,
 the summary and the exit code (0 done, 1 every record failed or records not run, 130 interrupted).
 
@@ -34,13 +34,14 @@ from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.executor import Executor
-from apcscore.jobs.metadata import add_timings, dataset_metadata, now
-from apcscore.jobs.options import RunOptions
-from apcscore.jobs.preflight import check_against_model, check_errors_out, check_output
+from apcscore.run.executor import Executor
+from apcscore.engine.provenance import now
+from apcscore.run.metadata import add_timings, dataset_metadata
+from apcscore.options.commands import RunOptions
+from apcscore.run.preflight import check_against_model, check_errors_out, check_output
 from apcscore.jobs.registry import job_class
-from apcscore.jobs.resolve import resolve_options
-from apcscore.jobs.verify import describe
+from apcscore.options.resolve import resolve_options
+from apcscore.run.verify import describe
 from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
 from apcscore.run.summary import exit_code, print_interrupted, print_summary
 
@@ -91,10 +92,10 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
     quiet = opts.quiet
     if opts.ray:
-        from apcscore.scale.ray_run import RayExecutor as executor_class
+        from apcscore.run.ray_executor import RayExecutor as executor_class
     else:
         from apcscore.engine.devices import check_backend_device
-        from apcscore.jobs.local import LocalExecutor as executor_class
+        from apcscore.run.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)
     with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():

@@ -46,9 +46,10 @@ from apcscore.engine.model_files import LoadedModel
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import RAY, differing
 from apcscore.io.reader import LoadedDataset
-from apcscore.jobs.metadata import add_timings
-from apcscore.jobs.options import RunOptions
-from apcscore.jobs.verify import combine_reports
+from apcscore.run.metadata import add_timings
+from apcscore.options.commands import RunOptions
+from apcscore.run.verify import combine_reports
+from apcscore.run.local import LocalExecutor
 from apcscore.scale.replica import Replica
 from apcscore.scale.shard import Split, split_dataset
 
@@ -119,7 +120,7 @@ def _get(ray: Any, ref: Any) -> Any:
 
 class RayExecutor:
     """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
-    It implements jobs/executor.Executor."""
+    It implements run/executor.Executor."""
 
     def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
         ray = self.ray = import_ray()
@@ -137,7 +138,7 @@ class RayExecutor:
         remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                              max_task_retries=MAX_TASK_RETRIES)
         self.load_start = time.perf_counter()
-        self.actors = [remote.remote(command, opts) for _ in range(int(opts.replicas))]
+        self.actors = [remote.remote(command, opts, LocalExecutor) for _ in range(int(opts.replicas))]
         try:
             self.descs = [_get(ray, ref) for ref in [a.describe.remote() for a in self.actors]]
             _check_replicas([d["metadata"] for d in self.descs])

@@ -1,19 +1,19 @@
 """The local executor: one engine in this process runs the records (the run without `--ray`); the interface it
-implements is jobs/executor.Executor."""
+implements is run/executor.Executor."""
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from apcscore.engine.model_files import LoadedModel
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
-from apcscore.jobs.metadata import run_metadata
-from apcscore.jobs.options import RunOptions
-from apcscore.jobs.runner import run_records
+from apcscore.run.metadata import run_metadata
+from apcscore.options.commands import RunOptions
+from apcscore.run.runner import run_records
 
 
 class LocalExecutor:
@@ -51,7 +51,7 @@ class LocalExecutor:
                                   "truncated)", False))
         self.verifier = None
         if opts.verify_reuse:
-            from apcscore.jobs.verify import ReuseVerifier
+            from apcscore.run.verify import ReuseVerifier
 
             self.verifier = ReuseVerifier(opts.verify_reuse, cfg.seed)
 

@@ -1,8 +1,8 @@
 """The executor interface: where a run's records become rows.
 
 The driver (run/driver.py) owns everything around an executor: the writer, resume, signals, progress, the summary
-and the exit code. Two executors implement `Executor`: jobs/local.LocalExecutor (one engine in this process) and
-scale/ray_run.RayExecutor (Ray replicas).
+and the exit code. Two executors implement `Executor`: run/local.LocalExecutor (one engine in this process) and
+run/ray_executor.RayExecutor (Ray replicas).
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ class _RecordGroup:
 def run_records(job: Job, engine: BatchEngine, records: list[Record], tick: Callable[[], None] | None = None,
                 verifier: Any = None) -> Iterator[tuple[int, dict]]:
     """(dataset position, finished row) of every record, in completion order, through `engine` (an Engine or
-    a TransformersEngine). `verifier` (jobs/verify.ReuseVerifier) sees each request and output."""
+    a TransformersEngine). `verifier` (run/verify.ReuseVerifier) sees each request and output."""
     groups: dict[int, _RecordGroup] = {}
     failed: list[tuple[Record, str]] = []  # records whose requests could not be built, not yielded yet
 
