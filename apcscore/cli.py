@@ -20,7 +20,7 @@ from typer.core import TyperCommand, TyperGroup
 from apcscore import __version__
 from apcscore.compare.command import compare
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.options import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
+from apcscore.options.commands import (EvalOptions, GenerateOptions, Options, PerplexityOptions, ScoreOptions,
                                    cli_params)
 from apcscore.show.command import show
 
@@ -97,7 +97,7 @@ OverwriteOpt = Annotated[bool, _flag("--overwrite", help="Replace an existing ou
 def takes(options: type[Options], *first: inspect.Parameter,
           **extra: inspect.Parameter) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command function `fn(**params)` the parameters `first` (the dataset), then those of an options
-    class (jobs/options.py) in its --help order, with `extra` (--config), the parameters no option declares,
+    class (options/commands.py) in its --help order, with `extra` (--config), the parameters no option declares,
     where that order names them."""
     params = list(first)
     for p in cli_params(options):

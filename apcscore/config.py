@@ -1,5 +1,5 @@
 """Engine configuration: one frozen dataclass, validated on construction; and `option`, the declaration of a
-setting (default, help text, CLI flags, checks) that EngineConfig and the run options (jobs/options.py) share.
+setting (default, help text, CLI flags, checks) that EngineConfig and the run options (options/commands.py) share.
 """
 
 from __future__ import annotations

@@ -226,7 +226,7 @@ def worker(argv: list[str]) -> None:
     t0, cpu0 = time.perf_counter(), time.process_time()
     if args.side == "apcscore":
         # prompt_logprobs 0: per-token logprobs (and ranks) for the check; the CLI contender writes sums only
-        from apcscore.jobs.options import PerplexityOptions, ScoreOptions
+        from apcscore.options.commands import PerplexityOptions, ScoreOptions
 
         options = PerplexityOptions(window=args.window, prompt_logprobs=0) if args.task == "perplexity" else \
             ScoreOptions(prompt_logprobs=5 if args.task == "prompts" else 0)

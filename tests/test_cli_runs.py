@@ -175,7 +175,7 @@ def test_part_files_reach_the_disk_while_the_run_goes(tmp_path, write_jsonl, tin
 
 
 def test_a_run_that_fails_before_its_first_row_leaves_no_partial(tmp_path, write_jsonl, tiny, monkeypatch):
-    import apcscore.jobs.local as local_executor
+    import apcscore.run.local as local_executor
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")

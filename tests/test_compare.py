@@ -766,7 +766,7 @@ def test_counts_and_articles_read_as_english() -> None:
 def test_config_files_with_a_utf8_byte_order_mark_are_read(tmp_path) -> None:
     """Windows editors start a UTF-8 file with a BOM; tomllib refuses it ('Invalid statement at line 1, column 1',
     with nothing visible there). Datasets skip it; so do --config files, the run commands' and compare's."""
-    from apcscore.jobs.resolve import read_config
+    from apcscore.options.resolve import read_config
 
     cfg = tmp_path / "c.toml"
     cfg.write_bytes(b"\xef\xbb\xbfprompt_logprobs = 2\r\n")

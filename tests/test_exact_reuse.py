@@ -244,7 +244,7 @@ def test_verify_reuse_catches_wrong_last_token_alternatives(model: str, tmp_path
     import numpy as np
 
     from apcscore.engine.model_runner import ModelRunner
-    from apcscore.jobs.verify import ReuseVerifier
+    from apcscore.run.verify import ReuseVerifier
 
     verifying = []
     right_check, right_score = ReuseVerifier.check, ModelRunner._score_prompts

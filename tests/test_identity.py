@@ -20,8 +20,8 @@ from apcscore.io import identity
 from apcscore.io.result_tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
 from apcscore.lmeval.store import identity as eval_identity
-from apcscore.scale.merge import check_shards
-from apcscore.scale.ray_run import _check_replicas
+from apcscore.run.parquet_shards import check_shards
+from apcscore.run.ray_executor import _check_replicas
 
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 SCHEMA = pa.schema([pa.field("id", pa.string())])
@@ -29,7 +29,7 @@ COLUMNS = {"resume": 2, "merge": 3, "ray": 4, "eval": 5}  # the table's columns 
 
 
 def base() -> dict[str, Any]:
-    """A score run's metadata as jobs/metadata.run_metadata writes it: a portable CPU run whose probe passed."""
+    """A score run's metadata as run/metadata.run_metadata writes it: a portable CPU run whose probe passed."""
     return {
         "apcscore_version": "0.1.0", "code": {"kernels": "k1", "matmul_configs": "m1", "models": "d1"},
         "command": "score", "argv": ["apcscore"], "created": "2026-01-01T00:00:00Z",

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from apcscore.cli import app
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs import metadata as run_metadata
+from apcscore.engine import provenance as run_metadata
 
 runner = CliRunner()
 

@@ -10,7 +10,7 @@ from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, Toke
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.generate import GenerateJob
-from apcscore.jobs.options import GenerateOptions, PerplexityOptions, ScoreOptions
+from apcscore.options.commands import GenerateOptions, PerplexityOptions, ScoreOptions
 from apcscore.jobs.perplexity import PerplexityJob
 from apcscore.jobs.registry import JOBS, job_class
 from apcscore.jobs.score import ScoreJob

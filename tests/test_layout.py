@@ -87,8 +87,8 @@ def test_top_level_holds_only_the_package_face_cli_config_and_errors() -> None:
     files = {p.name for p in PACKAGE.glob("*.py")}
     assert files == TOP_LEVEL, f"unexpected top-level modules: {sorted(files - TOP_LEVEL)}"
     packages = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
-    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models", "run",
-                        "scale", "show"}
+    assert packages == {"attention", "compare", "engine", "io", "jobs", "kernels", "lmeval", "models", "options",
+                        "run", "scale", "show"}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -213,7 +213,7 @@ def test_only_the_lmeval_package_imports_lm_eval() -> None:
 
 
 def test_ray_is_imported_only_when_a_run_asks_for_it() -> None:
-    """Ray is an optional extra: only apcscore.scale.ray_run imports it, inside a function (for --ray)."""
+    """Ray is an optional extra: only apcscore.run.ray_executor imports it, inside a function (for --ray)."""
     offenders = []
     for name, path in MODULES.items():
         tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -221,6 +221,6 @@ def test_ray_is_imported_only_when_a_run_asks_for_it() -> None:
         for node in ast.walk(tree):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
                      [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            if any(n.split(".")[0] == "ray" for n in names) and (name != "apcscore.scale.ray_run" or node in top):
+            if any(n.split(".")[0] == "ray" for n in names) and (name != "apcscore.run.ray_executor" or node in top):
                 offenders.append(name)
     assert not offenders, f"modules that import ray where they should not: {sorted(set(offenders))}"

@@ -163,7 +163,7 @@ def test_sampling_options_and_seeds(engine):
 
 
 def test_engine_options_pass_through():
-    from apcscore.jobs.options import engine_config
+    from apcscore.options.commands import engine_config
 
     cfg = engine_config({"dtype": "float32", "no_prefix_caching": True, "tasks": "x", "max_num_seqs": None})
     assert (cfg.dtype, cfg.enable_prefix_caching, cfg.max_num_seqs) == ("float32", False, 64)
@@ -262,7 +262,7 @@ def test_chat_template_runs_agree_with_hf(both_chat):
 
 def test_eval_options_resolve_like_the_other_commands(tmp_path):
     """--config FILE under the command line, over the defaults; FILE:LINE problems; eval's own checks."""
-    from apcscore.jobs.resolve import resolve_options
+    from apcscore.options.resolve import resolve_options
 
     cfg = tmp_path / "e.toml"
     cfg.write_text('tasks = "apc_mc"\nnum_fewshot = 3\nmodel_backend = "transformers"\n'
@@ -416,7 +416,7 @@ def test_eval_model_backend_transformers_runs_the_model_s_own_code(in_repo, tmp_
 
 def test_gen_kwargs_may_be_a_toml_table(tmp_path):
     """`gen_kwargs = {max_gen_toks = 64, do_sample = false}` in --config is lm-eval's `KEY=VALUE,...` string."""
-    from apcscore.jobs.resolve import resolve_options
+    from apcscore.options.resolve import resolve_options
     from apcscore.lmeval.tasks import check_gen_kwargs
 
     cfg = tmp_path / "e.toml"

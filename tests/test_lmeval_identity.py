@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.metadata import apcscore_version, code_fingerprint
+from apcscore.engine.provenance import apcscore_version, code_fingerprint
 from apcscore.run import eval_folder as outdir
 from apcscore.run.eval_shards import check_finished, read_shards
 from apcscore.lmeval.store import ResponseStore, identity
@@ -109,7 +109,7 @@ def test_eval_records_the_numerics_code_model_files_and_library_versions(tiny_mo
 
     from apcscore.config import EngineConfig
     from apcscore.engine.counters import EngineCounters
-    from apcscore.jobs.metadata import package_version
+    from apcscore.engine.provenance import package_version
     from apcscore.lmeval.results import config_sections
 
     path = tiny_model_dir("llama")

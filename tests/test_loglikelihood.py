@@ -22,7 +22,7 @@ from apcscore.engine.request import Request
 from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, continuation_score, encode_pair,
                                          mean_stderr, prefix_token_id)
 from apcscore.io.schemas import Record
-from apcscore.jobs.options import ScoreOptions
+from apcscore.options.commands import ScoreOptions
 from apcscore.jobs.score import ScoreJob
 
 

@@ -164,7 +164,7 @@ def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write
     """The writer's partial is the parquet one, so --resume works for result lines too; <out> appears only
     complete (written under a temporary name inside the partial, then renamed)."""
     from apcscore.jobs.generate import GenerateJob
-    from apcscore.jobs.options import GenerateOptions
+    from apcscore.options.commands import GenerateOptions
 
     class Tok:
         def decode(self, ids):

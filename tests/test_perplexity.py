@@ -31,7 +31,7 @@ from apcscore.cli import app
 from apcscore.engine import Engine
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
-from apcscore.jobs.options import PerplexityOptions
+from apcscore.options.commands import PerplexityOptions
 from apcscore.jobs.perplexity import PerplexityJob, count_words, default_window, rolling_windows
 
 SAMPLE_TEXTS = Path(__file__).resolve().parents[1] / "datasets" / "sample_texts.jsonl"

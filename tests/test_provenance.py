@@ -14,7 +14,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.identity import MERGE, differing, resume_check
 from apcscore.io.result_tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
-from apcscore.scale.merge import check_shards
+from apcscore.run.parquet_shards import check_shards
 
 SCHEMA = pa.schema([pa.field("id", pa.string())])
 
@@ -105,7 +105,7 @@ def test_differing_names_fields_of_sections() -> None:
 
 
 def test_ray_refuses_replicas_of_other_hardware_or_numerics() -> None:
-    from apcscore.scale.ray_run import _check_replicas
+    from apcscore.run.ray_executor import _check_replicas
 
     _check_replicas([metadata(), metadata(numerics__torch_threads=8, engine__num_kv_blocks=5)])  # same bits
     with pytest.raises(ApcscoreError, match=r"replica 2 does not run the configuration of replica 0 "

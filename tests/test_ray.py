@@ -205,12 +205,14 @@ def test_a_replica_that_refuses_the_run_is_one_clear_error(tmp_path, cluster) ->
     replica is built directly here, with a model path its node does not have, as on a cluster whose nodes do
     not share the driver's files; the options object refuses bad settings before any replica exists.)"""
     from apcscore.errors import ApcscoreError
-    from apcscore.jobs.options import ScoreOptions
-    from apcscore.scale.ray_run import _get
+    from apcscore.options.commands import ScoreOptions
+    from apcscore.run.local import LocalExecutor
+    from apcscore.run.ray_executor import _get
     from apcscore.scale.replica import Replica
 
     opts = ScoreOptions(model=str(tmp_path / "no-such-model"))
-    actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote("score", opts)
+    actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote("score", opts,
+                                                                                                 LocalExecutor)
     with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: Unknown model '.*no-such-model': "
                                             r"no such alias"):
         _get(ray, actor.describe.remote())
@@ -233,7 +235,7 @@ def poison_replica() -> type:
 @pytest.mark.slow
 def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_rest(tmp_path, write_jsonl, tiny,
                                                                                    cluster, monkeypatch) -> None:
-    import apcscore.scale.ray_run as ray_run
+    import apcscore.run.ray_executor as ray_run
 
     records = [{"id": f"r{i}", "prompt": f"record number {i} of the set"} for i in range(12)]
     records[5]["id"] = "poison"

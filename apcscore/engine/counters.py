@@ -74,7 +74,7 @@ class EngineCounters:
         return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
     def to_timings(self, load_seconds: float, run_seconds: float) -> dict:
-        """The run metadata's `timings` of one session (jobs/metadata.add_timings then rounds them and adds
+        """The run metadata's `timings` of one session (run/metadata.add_timings then rounds them and adds
         the rates)."""
         return {"load_seconds": load_seconds, "run_seconds": run_seconds,
                 "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,

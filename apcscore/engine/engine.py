@@ -21,6 +21,7 @@ from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
+from apcscore.engine.model_files import LoadedModel, load_model
 from apcscore.engine.model_info import ModelInfo, capping_window, context_length
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
@@ -109,34 +110,29 @@ class Engine:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_model(cls, spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
-                   ) -> "Engine":
-        """Load a model by alias, Hugging Face directory or .gguf path, and build the native engine around it.
-
-        resolved: `(resolve_model(spec), resolve_model_parts(files.path))` when the caller already has them.
+    def from_model(cls, model: LoadedModel | str, config: EngineConfig | None = None) -> "Engine":
+        """Build the native engine around `model` (a `load_model` value, or a spec for it: alias, Hugging Face
+        folder or .gguf path) and read its weights. `engine/loader.load_engine`, which checks the device first and
+        picks the fallback where the native decoder cannot run the model, is the call most callers want.
         """
         from apcscore.models.loading import load_state_dict, weights_fingerprint
-        from apcscore.models.locate import resolve_model
-        from apcscore.models.resolved import resolve_model_parts
 
         config = config or EngineConfig()
-        check_backend_device(config)
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        files, parts = resolved if resolved is not None else (None, None)
-        files = files or resolve_model(spec)
-        parts = parts or resolve_model_parts(files.path)
-        check_architecture(parts.config)  # before the weights are read
+        model = load_model(model) if isinstance(model, str) else model
+        files = model.files
+        check_architecture(model.config)  # before the weights are read
         if config.tensor_parallel_size > 1:  # each rank reads only its slices of the weights
-            check_parallel(parts.config, config, device)
+            check_parallel(model.config, config, device)
             from apcscore.engine.parallel.ranks import serve_if_worker
 
             serve_if_worker(device)  # under torchrun a rank other than 0 serves rank 0 from here: never returns
             state: Any = LazyCheckpoint(files.path, dtype)
         else:
             state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
-        return cls.from_parts(parts.config, state, parts.tokenizer, config, name=files.name, path=str(files.path),
-                              fingerprint=weights_fingerprint(files.path), rope=parts.rope, consume_state=True)
+        return cls.from_parts(model.config, state, model.tokenizer, config, name=files.name, path=str(files.path),
+                              fingerprint=weights_fingerprint(files.path), rope=model.rope, consume_state=True)
 
     @classmethod
     def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
@@ -200,6 +196,15 @@ class Engine:
         return EngineCounters.of(self.stats, bm.stats, bm.num_used_blocks, bm.num_blocks)
 
     # ---- running -------------------------------------------------------------------------------
+    def run_recomputed(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """`run` with exact reuse off while these requests run: every scored position computed by a full prefill
+        (--verify-reuse's reference); the setting is restored when the outputs are exhausted or dropped."""
+        saved, self.scheduler.exact_reuse = self.scheduler.exact_reuse, False
+        try:
+            yield from self.run(requests)
+        finally:
+            self.scheduler.exact_reuse = saved
+
     def run(self, requests: Iterable[Request], on_step: Callable[["Engine"], None] | None = None
             ) -> Iterator[RequestOutput]:
         """Run every request; yield one RequestOutput per request, in completion order."""

@@ -28,6 +28,7 @@ from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
+from apcscore.engine.model_files import LoadedModel, load_model
 from apcscore.engine.model_info import ModelInfo, context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
@@ -67,25 +68,21 @@ class TransformersEngine:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_model(cls, spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
-                   ) -> "TransformersEngine":
-        """Load a model directory (alias, Hugging Face directory, .gguf) with transformers' own model class."""
+    def from_model(cls, model: LoadedModel | str, config: EngineConfig | None = None) -> "TransformersEngine":
+        """Load `model` (a `load_model` value, or a spec for it) with transformers' own model class."""
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging as hf_logging
 
         from apcscore.models.loading import weights_fingerprint
-        from apcscore.models.locate import resolve_model
-        from apcscore.models.resolved import resolve_model_parts
 
         config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        files, parts = resolved if resolved is not None else (None, None)
-        files = files or resolve_model(spec)
-        parts = parts or resolve_model_parts(files.path)
+        model = load_model(model) if isinstance(model, str) else model
+        files = model.files
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
-        model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)
-        return cls._build(model, parts.tokenizer, config, device, dtype, files.name, str(files.path),
+        hf_model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)
+        return cls._build(hf_model, model.tokenizer, config, device, dtype, files.name, str(files.path),
                           weights_fingerprint(files.path))
 
     @classmethod
@@ -124,6 +121,10 @@ class TransformersEngine:
         return EngineCounters.of(self.stats)
 
     # ---- running -------------------------------------------------------------------------------
+    def run_recomputed(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """`run`: this engine has no prefix cache, so every position is always computed."""
+        return self.run(requests)
+
     def run(self, requests: Iterable[Request], on_step: Callable[[Any], None] | None = None
             ) -> Iterator[RequestOutput]:
         """Run every request, one at a time; yield one RequestOutput per request, in arrival order."""

@@ -16,7 +16,7 @@ from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import TransformersEngine
-from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
+from apcscore.engine.model_files import LoadedModel, load_model
 from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
 from apcscore.engine.model_info import context_length
 from apcscore.models.architecture import choose_model_backend
@@ -25,28 +25,21 @@ from apcscore.models.decoders import decoder_class
 AnyEngine = Union[Engine, TransformersEngine]
 
 
-def load_engine(spec: str, config: EngineConfig | None = None, resolved: tuple[Any, Any] | None = None
-                ) -> AnyEngine:
-    """Load a model by alias, Hugging Face directory or .gguf path, and build the engine that runs it.
+def load_engine(model: LoadedModel | str, config: EngineConfig | None = None) -> AnyEngine:
+    """Build the engine that runs `model` (a `load_model` value, or a spec for it: alias, Hugging Face folder or
+    .gguf path): the native `Engine` or the transformers fallback, as --model-backend says.
 
-    resolved: `(resolve_model(spec), resolve_model_parts(files.path))` when the caller already has them.
-    Refusals (a Triton backend without a GPU, --device cuda without one, an architecture no path runs) come
-    before any weights are read.
+    The device checks are made here, once, before the model is located: a Triton backend without a GPU and
+    --device cuda without one are refused before any weights are read; so is an architecture no path runs.
     """
-    from apcscore.models.locate import resolve_model
-
     config = config or EngineConfig()
     check_backend_device(config)
     resolve_dtype(config.dtype, resolve_device(config.device))
-    check_cache_env()
-    files, parts = resolved if resolved is not None else (None, None)
-    files = files or resolve_model(spec)
-    check_weight_files(files.path)
-    parts = parts or resolve_parts(files.path)
-    if choose_model_backend(parts.config, config.model_backend) == "transformers":
-        check_single_device(parts.config, config)
-        return TransformersEngine.from_model(spec, config, resolved=(files, parts))
-    return Engine.from_model(spec, config, resolved=(files, parts))
+    model = load_model(model) if isinstance(model, str) else model
+    if choose_model_backend(model.config, config.model_backend) == "transformers":
+        check_single_device(model.config, config)
+        return TransformersEngine.from_model(model, config)
+    return Engine.from_model(model, config)
 
 
 def check_single_device(hf_config: Any, config: EngineConfig) -> None:

@@ -5,7 +5,8 @@ is one clear error (exit 2) naming it, not a traceback from deep inside a loader
   compiled kernels);
 - `check_weight_files`: every safetensors file of a model directory is complete (its header and the tensor bytes
   it announces), and a damaged converted copy in the cache is named with the folder to delete;
-- `resolve_parts`: the config and tokenizer (`models.resolved`), whose refusals are bad input (exit 2, one line).
+- `resolve_parts`: the config and tokenizer (`models.resolved`), whose refusals are bad input (exit 2, one line);
+- `load_model(spec)`: all of these once, as one `LoadedModel` value that is handed down to the engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import os
 import struct
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,3 +95,40 @@ def resolve_parts(model_dir: Path) -> Any:
         return resolve_model_parts(model_dir)
     except ApcscoreError as e:
         raise ApcscoreError(" ".join(str(e).split()), exit_code=2) from None
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model located and checked, before its weights are read: what every later step takes instead of
+    resolving the spec again. The engine that runs it (engine/loader.load_engine) reads the weights.
+
+    files: where the Hugging Face files are (`models.locate.ModelFiles`: name, path, source, GGUF warnings).
+    parts: the config, tokenizer and rope tables (`models.resolved.ResolvedModel`).
+    """
+
+    files: Any
+    parts: Any
+
+    @property
+    def config(self) -> Any:
+        return self.parts.config
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.parts.tokenizer
+
+    @property
+    def rope(self) -> Any:
+        return self.parts.rope
+
+
+def load_model(spec: str) -> LoadedModel:
+    """Locate the model `spec` names (alias, Hugging Face folder or .gguf, converted once into the cache) and check
+    it: `$APCSCORE_CACHE`, the weight files complete, the config and tokenizer readable. Every refusal comes here,
+    before any weights are read."""
+    from apcscore.models.locate import resolve_model
+
+    check_cache_env()
+    files = resolve_model(spec)
+    check_weight_files(files.path)
+    return LoadedModel(files, resolve_parts(files.path))

@@ -86,7 +86,7 @@ _SCHEDULE_WHY = ("which requests share a step: a library GEMM's bits change with
                  "the probe passed: the contract is any budget, any batch)")
 _REUSE_WHY = ("a prefix-cache or score-store hit serves values computed in another step (dropped where the probe "
               "passed: a hit is then bitwise a recompute; --exact-reuse is refused where it failed)")
-_CODE_WHY = "the numerics fingerprint: a change to this code may change any bit (its hash, jobs/metadata.code)"
+_CODE_WHY = "the numerics fingerprint: a change to this code may change any bit (its hash, run/metadata.code)"
 
 FIELDS: tuple[Field, ...] = (
     Field("apcscore_version", "another release may compute differently"),

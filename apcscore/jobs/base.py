@@ -11,7 +11,7 @@ from apcscore.engine import numerics
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
-from apcscore.jobs.options import RunOptions
+from apcscore.options.commands import RunOptions
 
 COMMON_FIELDS = [
     pa.field("id", pa.string()),

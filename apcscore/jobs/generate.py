@@ -13,7 +13,7 @@ from apcscore.engine.request import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
-from apcscore.jobs.options import GenerateOptions
+from apcscore.options.commands import GenerateOptions
 
 SAMPLING_KEYS = tuple(RECORD_FIELDS)  # the per-record overrides
 

@@ -42,7 +42,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
 from apcscore.jobs.loglikelihood import encode, prefix_token_id
-from apcscore.jobs.options import PerplexityOptions
+from apcscore.options.commands import PerplexityOptions
 
 DEFAULT_MAX_WINDOW = 4096
 

@@ -30,7 +30,7 @@ from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, c
 from apcscore.engine import numerics
 from apcscore.engine.request import Request, RequestOutput
 from apcscore.io.schemas import Record
-from apcscore.jobs.options import ScoreOptions
+from apcscore.options.commands import ScoreOptions
 
 
 @dataclass(frozen=True)

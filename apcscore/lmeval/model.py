@@ -34,7 +34,7 @@ from apcscore.engine.request import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
 from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
-from apcscore.jobs.options import engine_config
+from apcscore.options.commands import engine_config
 from apcscore.lmeval.model_args import check_model_args, device_args
 from apcscore.lmeval.store import generation_key, loglikelihood_key
 from apcscore.scale.partition import Item, assign, block_digests

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.options import engine_keys
+from apcscore.options.commands import engine_keys
 
 
 def device_args(extra: dict | None, model_args: dict) -> dict:

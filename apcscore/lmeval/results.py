@@ -9,9 +9,8 @@ import json
 from typing import Any, Mapping
 
 from apcscore.config import EngineConfig
-from apcscore.jobs.metadata import (apcscore_version, code_fingerprint, engine_sections, model_section,
-                                    package_version, run_header, versions)
-from apcscore.jobs.options import EvalOptions
+from apcscore.engine.provenance import apcscore_version, code_fingerprint, engine_sections, model_section, package_version, run_header, versions
+from apcscore.options.commands import EvalOptions
 from apcscore.lmeval.tasks import fewshot_as_multiturn, lm_eval_limit
 
 
@@ -28,7 +27,7 @@ def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
-    """The run metadata's sections that describe the model and the engine (jobs/metadata.py, as every run
+    """The run metadata's sections that describe the model and the engine (run/metadata.py, as every run
     records them): what fixes the bits, so the responses' identity is made of them (lmeval/store.identity)."""
     engine = lm.engine
     return {
@@ -44,8 +43,8 @@ def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
 def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
              timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any]) -> dict[str, Any]:
     """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
-    run records (jobs/metadata.py), with the eval's own; `timing`: this process's seconds and engine counters
-    (jobs/metadata.add_timings: prompt tokens computed, the prefix cache's hits); `responses`: how many were
+    run records (run/metadata.py), with the eval's own; `timing`: this process's seconds and engine counters
+    (run/metadata.add_timings: prompt tokens computed, the prefix cache's hits); `responses`: how many were
     computed and read."""
     return {
         **run_header("eval"),

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.options import EvalOptions
-from apcscore.jobs.resolve import parse_shard
+from apcscore.options.commands import EvalOptions
+from apcscore.options.resolve import parse_shard
 
 
 def import_lm_eval() -> Any:
@@ -118,7 +118,7 @@ _GEN_KWARG_CHECKS = {"max_gen_toks": "max_tokens", "temperature": "temperature",
 def check_gen_kwargs(text: str) -> dict[str, Any]:
     """--gen-kwargs as lm-eval parses it (`simple_parse_args_string`: numbers and true/false converted), its
     keys those the backend reads and its values checked as a generate record's, before the model loads. Its form
-    (KEY=VALUE,...) was checked when the options were resolved (jobs/resolve.parse_gen_kwargs)."""
+    (KEY=VALUE,...) was checked when the options were resolved (options/resolve.parse_gen_kwargs)."""
     from lm_eval.utils import simple_parse_args_string
 
     from apcscore.config import RECORD_FIELDS

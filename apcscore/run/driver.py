@@ -1,11 +1,11 @@
 """One run of score / generate / perplexity: check everything, start an executor, write its rows, summarise.
 
-Order: options (jobs/options.py) -> output location (jobs/preflight.py) -> dataset (io/reader.py) -> the
+Order: options (options/commands.py) -> output location (run/preflight.py) -> dataset (io/reader.py) -> the
 model's config and tokenizer, and the records checked against them -> the executor (the weights load) ->
 rows -> final file. So every problem the user can fix is reported before the weights load.
 
-The executor is where records become rows: `jobs/local.LocalExecutor` (one engine here) or
-`scale/ray_run.RayExecutor` (`--ray`: engine replicas; this process writes the file). Everything else is
+The executor is where records become rows: `run/local.LocalExecutor` (one engine here) or
+`run/ray_executor.RayExecutor` (`--ray`: engine replicas; this process writes the file). Everything else is
 written once, here: the writer (`--shard`'s included), resume, SIGINT/SIGTERM, progress, `--verify-reuse`,
 the summary and the exit code (0 done, 1 every record failed or records not run, 130 interrupted).
 
@@ -34,12 +34,14 @@ from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.metadata import add_timings, dataset_metadata, now
-from apcscore.jobs.options import RunOptions
-from apcscore.jobs.preflight import check_against_model, check_errors_out, check_output
+from apcscore.run.executor import Executor
+from apcscore.engine.provenance import now
+from apcscore.run.metadata import add_timings, dataset_metadata
+from apcscore.options.commands import RunOptions
+from apcscore.run.preflight import check_against_model, check_errors_out, check_output
 from apcscore.jobs.registry import job_class
-from apcscore.jobs.resolve import resolve_options
-from apcscore.jobs.verify import describe
+from apcscore.options.resolve import resolve_options
+from apcscore.run.verify import describe
 from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
 from apcscore.run.summary import exit_code, print_interrupted, print_summary
 
@@ -51,8 +53,8 @@ _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
                 console: Console) -> int:
     """Run `command`; return the exit code."""
-    from apcscore.engine.model_files import check_cache_env, check_weight_files, resolve_parts
-    from apcscore.models.locate import check_model_spec, resolve_model
+    from apcscore.engine.model_files import load_model
+    from apcscore.models.locate import check_model_spec
 
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
@@ -90,19 +92,16 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
     quiet = opts.quiet
     if opts.ray:
-        from apcscore.scale.ray_run import RayExecutor as executor_class
+        from apcscore.run.ray_executor import RayExecutor as executor_class
     else:
         from apcscore.engine.devices import check_backend_device
-        from apcscore.jobs.local import LocalExecutor as executor_class
+        from apcscore.run.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)
-    check_cache_env()
     with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
-        files = resolve_model(opts.model)
-        check_weight_files(files.path)
-        parts = resolve_parts(files.path)
-        data = check_against_model(command, opts, data, int(parts.config.vocab_size), parts.tokenizer)
-        executor = executor_class(command, opts, files, parts)
+        model = load_model(opts.model)
+        data = check_against_model(command, opts, data, int(model.config.vocab_size), model.tokenizer)
+        executor = executor_class(command, opts, model)
     try:
         for text, soft_wrap in executor.warnings if not quiet else ():
             console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)
@@ -111,7 +110,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
         executor.close()
 
 
-def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
+def _drive(executor: Executor, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
            console: Console, lines: bool = False, errors_path: Path | None = None) -> int:
     """Write the executor's rows of `data` to `out` (`lines`: as OpenAI Batch result lines, the error lines to
     `errors_path` when given); the exit code."""
@@ -126,7 +125,7 @@ def _drive(executor: Any, command: str, opts: RunOptions, data: LoadedDataset, o
         writer.release()  # the partial's lock: whatever happened, this run no longer writes it
 
 
-def _drive_open(executor: Any, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
+def _drive_open(executor: Executor, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
                 metadata: dict, console: Console, lines: bool, errors_path: Path | None) -> int:
     """`_drive` once the writer holds the partial."""
     sessions, previous = start_session(writer, metadata["created"])

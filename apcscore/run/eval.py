@@ -1,7 +1,7 @@
 """`apcscore eval` on the run layer: options, the output folder, signals, resume, timings and exit codes here;
 lm-eval's side (the model class, request translation, tasks, results) in lmeval/.
 
-Order: the options are resolved (command line > --config FILE > defaults, jobs/resolve.py) and parsed once
+Order: the options are resolved (command line > --config FILE > defaults, options/resolve.py) and parsed once
 (`lmeval/tasks.plan`: the task list, --gen-kwargs, --shard), --out is checked (run/eval_folder.py), then the
 tasks are resolved and their data loaded (a task whose data needs the hub fails here, with how to point it at
 local files), then the model loads (`ApcscoreLM`, the one place an eval's engine is loaded), then lm-eval
@@ -25,9 +25,9 @@ from typing import Any, Mapping
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.result_tables import write_atomic
-from apcscore.jobs.metadata import add_timings
-from apcscore.jobs.options import EvalOptions
-from apcscore.jobs.resolve import resolve_options
+from apcscore.run.metadata import add_timings
+from apcscore.options.commands import EvalOptions
+from apcscore.options.resolve import resolve_options
 from apcscore.lmeval.results import config_sections, run_info, tables
 from apcscore.lmeval.store import ResponseStore, identity
 from apcscore.lmeval.tasks import EvalPlan, import_lm_eval, load_tasks, plan, simple_evaluate, split_tasks
@@ -44,7 +44,7 @@ def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
     are kept for --resume). echo: prints a line of the results; note: prints a line about the run (default:
     echo).
 
-    The options are resolved first (command line > --config FILE > defaults, jobs/resolve.py), then --out and
+    The options are resolved first (command line > --config FILE > defaults, options/resolve.py), then --out and
     --gen-kwargs are checked, before the tasks and the model load."""
     import_lm_eval()
     note = note or echo
@@ -150,7 +150,7 @@ def merge_eval(out: Path, paths: list[Path], overwrite: bool, echo: Any, note: A
 
 def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
     """`eval --ray`: the shards as Ray tasks into <out>/shards/, then their merge into <out>."""
-    from apcscore.scale.ray_run import connect, import_ray, replica_resources
+    from apcscore.run.ray_executor import connect, import_ray, replica_resources
 
     ray = import_ray()
     out, n = Path(opts.out), int(opts.replicas)

@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import short
 from apcscore.io.result_tables import write_atomic
-from apcscore.jobs.options import EvalOptions
+from apcscore.options.commands import EvalOptions
 from apcscore.lmeval.store import store_files
 
 RUN_FILE = "eval_run.json"

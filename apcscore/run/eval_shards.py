@@ -31,7 +31,7 @@ from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import short
-from apcscore.jobs.options import EvalOptions
+from apcscore.options.commands import EvalOptions
 from apcscore.run import eval_folder
 
 SHARDS = "shards"
@@ -124,7 +124,7 @@ def check_finished(folder: Path, values: dict[str, Any], shard: str) -> None:
     """`eval --ray --resume`: refuse a finished shard that was asked otherwise than this run (the options of
     eval_folder.RUN_KEYS) or computed by another apcscore (its version and numerics code). The rest of its identity
     (numerics, versions) is compared with the other shards' by the merge."""
-    from apcscore.jobs.metadata import apcscore_version, code_fingerprint
+    from apcscore.engine.provenance import apcscore_version, code_fingerprint
 
     record = eval_folder.read_json(folder / eval_folder.SHARD_FILE, "an eval shard record")
     asked = (record.get("run") or {}).get("run") or {}

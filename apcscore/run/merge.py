@@ -1,6 +1,6 @@
 """`apcscore merge OUT SHARD...`: the one merge of `--shard I/N` runs, with an adapter per output format.
 
-- `ParquetShards`: the shard files of score, generate or perplexity (scale/merge.py: checks, then the rows in
+- `ParquetShards`: the shard files of score, generate or perplexity (run/parquet_shards.py: checks, then the rows in
   dataset order);
 - `EvalShardFolders`: the shard folders of eval (run/eval_shards.py checks them; run/eval.merge_eval runs lm-eval
   once more with every response read from them, no weights).
@@ -48,7 +48,7 @@ class ParquetShards:
         return True  # everything else: its checks name what is not a shard file
 
     def merge(self, out: Path, paths: list[Path], overwrite: bool, echo: Say, note: Say) -> int:
-        from apcscore.scale.merge import merge_shards
+        from apcscore.run.parquet_shards import merge_shards
 
         path, rows = merge_shards(out, paths, overwrite=overwrite)
         note(f"merged {count(len(paths), 'shard')}: {count(rows, 'row')} -> {path}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from apcscore.errors import ApcscoreError
-from apcscore.jobs.resolve import PARTITION_METHODS as METHODS
+from apcscore.options.resolve import PARTITION_METHODS as METHODS
 
 MAX_DEPTH = 8  # blocks of a record's prefix that can decide its group
 

@@ -1,38 +1,34 @@
-"""One `--ray` replica: a Ray actor that holds an Engine and its job, and turns chunks of records into rows.
+"""One `--ray` replica: a Ray actor that holds an engine and its job, and turns chunks of records into rows.
 
-The actor runs the very code a single process runs (`jobs/runner.run_records`, the command's job, the
-Engine); the driver (run/driver.py through scale/ray_run.RayExecutor) writes its rows. It keeps its engine,
-and so its prefix cache, from chunk to chunk, and with --verify-reuse its own sample of requests, re-scored
-by `verify()` at the end. This module does not import ray: the executor wraps the class with `ray.remote`.
+The actor runs a local executor (`run/local.LocalExecutor`, handed in by run/ray_executor.RayExecutor, so this
+package needs nothing from the run layer): the very code a single process runs, the command's job and the
+engine. The driver (run/driver.py through RayExecutor) writes its rows. It keeps its engine, and so its prefix
+cache, from chunk to chunk, and with --verify-reuse its own sample of requests, re-scored by `verify()` at the
+end. This module does not import ray: the executor wraps the class with `ray.remote`.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
-from apcscore.engine.loader import load_engine
-from apcscore.engine.devices import check_backend_device
-from apcscore.jobs.metadata import run_metadata
-from apcscore.jobs.options import RunOptions
+from apcscore.engine.model_files import load_model
 from apcscore.jobs.registry import job_class
-from apcscore.jobs.runner import run_records
-from apcscore.jobs.verify import ReuseVerifier
+from apcscore.options.commands import RunOptions
 
 
 class Replica:
-    """An engine replica. `opts` are the run's resolved options (jobs/options.resolve_options)."""
+    """An engine replica. `opts` are the run's resolved options (options/resolve.resolve_options)."""
 
-    def __init__(self, command: str, opts: RunOptions) -> None:
+    def __init__(self, command: str, opts: RunOptions, executor_class: Callable[..., Any]) -> None:
+        """executor_class: run/local.LocalExecutor (its interface is run/executor.Executor)."""
         self.command, self.opts = command, opts
-        self.cfg = opts.engine
-        check_backend_device(self.cfg)
         started = time.perf_counter()
-        self.engine = load_engine(opts.model, self.cfg)
+        self.executor = executor_class(command, opts, load_model(opts.model))  # this process's engine
         self.load_seconds = time.perf_counter() - started
-        self.job = job_class(command)(self.engine.tokenizer, self.engine.info.max_model_len, opts)
-        self.verifier = ReuseVerifier(opts.verify_reuse, self.cfg.seed) if opts.verify_reuse else None
+        self.engine = self.executor.engine
+        self.job = job_class(command)(self.executor.tokenizer, self.executor.max_model_len, opts)
         self.run_seconds = 0.0
         self.records = 0
         self.started = time.time()
@@ -40,13 +36,13 @@ class Replica:
     def describe(self) -> dict:
         """This replica's run metadata (as a single process would record it; the driver sets `dataset`, `argv`
         and `created`) and its process."""
-        return {"metadata": run_metadata(self.command, self.engine, self.job, self.opts),
+        return {"metadata": self.executor.metadata(self.job),
                 "pid": os.getpid()}
 
     def run(self, records: list[Any]) -> list[tuple[int, dict]]:
         """The rows (dataset position, row) of `records`, in completion order."""
         started = time.perf_counter()
-        rows = list(run_records(self.job, self.engine, list(records), verifier=self.verifier))
+        rows = list(self.executor.rows(self.job, None, list(records), lambda: None))
         self.run_seconds += time.perf_counter() - started
         self.records += len(rows)
         return rows
@@ -60,7 +56,7 @@ class Replica:
 
     def verify(self) -> dict | None:
         """--verify-reuse's re-scoring of this replica's sample (None without --verify-reuse)."""
-        return self.verifier.check(self.engine) if self.verifier is not None else None
+        return self.executor.verify()
 
     def pid(self) -> int:
         return os.getpid()

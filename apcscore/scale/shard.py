@@ -6,7 +6,7 @@ same assignment (`scale/partition.py`), then runs only its own records. Records 
 
 A shard's file holds its rows in dataset order plus one column, `record_index` (the row's position in the
 whole dataset), and its metadata records under `shard` the index, the count, the partition's fingerprint and
-every part's load; `apcscore merge` (scale/merge.py) checks and joins the shards.
+every part's load; `apcscore merge` (run/parquet_shards.py) checks and joins the shards.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.writer import ResultsWriter
-from apcscore.jobs.resolve import parse_shard
+from apcscore.options.resolve import parse_shard
 from apcscore.scale.partition import assign, fingerprint, record_items
 
 SHARD_COLUMN = "record_index"

@@ -24,8 +24,8 @@ import pyarrow.parquet as pq
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import MERGE, code_changed, differing
 from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, read_run_metadata
-from apcscore.jobs.metadata import add_timings
-from apcscore.jobs.preflight import check_file_path
+from apcscore.run.metadata import add_timings
+from apcscore.run.preflight import check_file_path
 from apcscore.scale.shard import SHARD_COLUMN
 
 _SPLIT_KEYS = ("count", "partition", "block_size", "fingerprint")

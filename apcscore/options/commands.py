@@ -3,7 +3,7 @@ once (type, default, help text, CLI flags, lower bound: `config.option`), holdin
 
 From the declarations come the CLI parameters (`cli_params`, turned into Typer's by cli.py), the keys of a
 `--config FILE` (TOML, `settings`) and the engine settings of flat values such as lm-eval's model_args
-(`engine_config`). How command line, config file and defaults merge, and the checks: jobs/resolve.py.
+(`engine_config`). How command line, config file and defaults merge, and the checks: options/resolve.py.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ class EvalOptions(ScaleOptions):
     include_path: Path | None = option(None, "Folder of extra lm-eval task YAML files.")
     num_fewshot: int | None = option(None, "Few-shot examples per prompt.", show="the task's", at_least=0,
                                      click_min=True)
-    # a whole number or a fraction below 1, as lm-eval's --limit (checked by jobs/resolve.check_eval_options)
+    # a whole number or a fraction below 1, as lm-eval's --limit (checked by options/resolve.check_eval_options)
     limit: float | None = option(None, "Only the first N documents of each task; a number below 1 is that "
                                  "fraction of each task's documents, as in lm-eval.")
     apply_chat_template: bool = option(False, "Wrap prompts in the model's chat template, as lm-eval does "

@@ -42,12 +42,14 @@ from typing import Any, Callable, Iterator
 
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.loader import engine_context_length
+from apcscore.engine.model_files import LoadedModel
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import RAY, differing
 from apcscore.io.reader import LoadedDataset
-from apcscore.jobs.metadata import add_timings
-from apcscore.jobs.options import RunOptions
-from apcscore.jobs.verify import combine_reports
+from apcscore.run.metadata import add_timings
+from apcscore.options.commands import RunOptions
+from apcscore.run.verify import combine_reports
+from apcscore.run.local import LocalExecutor
 from apcscore.scale.replica import Replica
 from apcscore.scale.shard import Split, split_dataset
 
@@ -118,12 +120,12 @@ def _get(ray: Any, ref: Any) -> Any:
 
 class RayExecutor:
     """Records run on `--replicas` Ray actors (scale/replica.py); the driver writes their rows.
-    The executor interface is described in jobs/local.py."""
+    It implements run/executor.Executor."""
 
-    def __init__(self, command: str, opts: RunOptions, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
         ray = self.ray = import_ray()
         self.command, self.opts, self.block_size = command, opts, opts.engine.block_size
-        self.tokenizer = parts.tokenizer
+        self.tokenizer = model.tokenizer
         self.warnings: list[tuple[str, bool]] = []
         self.started_ray = connect(ray, opts.ray)
         self.actors: list[Any] = []
@@ -136,14 +138,14 @@ class RayExecutor:
         remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                              max_task_retries=MAX_TASK_RETRIES)
         self.load_start = time.perf_counter()
-        self.actors = [remote.remote(command, opts) for _ in range(int(opts.replicas))]
+        self.actors = [remote.remote(command, opts, LocalExecutor) for _ in range(int(opts.replicas))]
         try:
             self.descs = [_get(ray, ref) for ref in [a.describe.remote() for a in self.actors]]
             _check_replicas([d["metadata"] for d in self.descs])
         except BaseException:
             self.close()
             raise
-        self.max_model_len = engine_context_length(parts.config, opts.engine)  # what each replica's engine has
+        self.max_model_len = engine_context_length(model.config, opts.engine)  # what each replica's engine has
         self.split: Split | None = None
         self.run_start = time.perf_counter()
         self.failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)

@@ -18,7 +18,7 @@ from typing import Any
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.reader import MAX_LISTED_PROBLEMS, LoadedDataset
 from apcscore.io.schemas import InvalidRecord
-from apcscore.jobs.options import RunOptions
+from apcscore.options.commands import RunOptions
 
 
 def default_out(dataset: Path, command: str, suffix: str = ".parquet", shard: str | None = None) -> Path:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from apcscore.engine.interface import BatchEngine
 from apcscore.engine.request import Request, RequestOutput
 
 # RequestOutput arrays compared, by the name a mismatch reports
@@ -71,15 +72,10 @@ class ReuseVerifier:
         if out.request_id in self.requests:
             self.outputs[out.request_id] = out
 
-    def check(self, engine: Any) -> dict:
+    def check(self, engine: BatchEngine) -> dict:
         """Re-run the sampled requests with exact reuse off; the report for the metadata and the summary."""
         todo = [r for rid, r in self.requests.items() if rid in self.outputs]
-        scheduler = engine.scheduler
-        saved, scheduler.exact_reuse = scheduler.exact_reuse, False
-        try:
-            again = {o.request_id: o for o in engine.run(todo)}
-        finally:
-            scheduler.exact_reuse = saved
+        again = {o.request_id: o for o in engine.run_recomputed(todo)}
         mismatches = []
         for req in todo:
             rid = req.request_id

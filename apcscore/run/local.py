@@ -1,37 +1,25 @@
-"""The local executor: one engine in this process runs the records (the run without `--ray`).
-
-An executor is where a run's records become rows; the driver (run/driver.py) owns everything around it:
-the writer, resume, signals, progress, the summary and the exit code. The other executor is
-scale/ray_run.RayExecutor. Both offer:
-
-- `tokenizer`, `max_model_len`: what a job is built from;
-- `warnings`: (text, soft_wrap) lines the driver prints after loading;
-- `metadata(job)`: the run metadata as the engine side knows it (the driver adds argv, created, dataset);
-- `rows(job, data, todo, tick)`: (dataset position, row) pairs of the records `todo` of `data`, in
-  completion order; `tick()` is called often and may raise to stop;
-- `progress()`: the progress bar's fields; `finish(interrupted, run_seconds)`: (this session's timings,
-  extra metadata); `verify()`: the --verify-reuse report or None; `failure()`: why records were not run,
-  or None; `closing_line()`: a line for after the summary, or None; `close()`.
-"""
+"""The local executor: one engine in this process runs the records (the run without `--ray`); the interface it
+implements is run/executor.Executor."""
 
 from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
+from apcscore.engine.model_files import LoadedModel
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
-from apcscore.jobs.metadata import run_metadata
-from apcscore.jobs.options import RunOptions
-from apcscore.jobs.runner import run_records
+from apcscore.run.metadata import run_metadata
+from apcscore.options.commands import RunOptions
+from apcscore.run.runner import run_records
 
 
 class LocalExecutor:
-    """One engine, loaded from the already resolved model files and parts."""
+    """One engine, built around the already located and checked model (`engine/model_files.LoadedModel`)."""
 
-    def __init__(self, command: str, opts: RunOptions, files: Any, parts: Any) -> None:
+    def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
         from apcscore.engine.loader import load_engine
         from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
@@ -40,13 +28,13 @@ class LocalExecutor:
         started = time.perf_counter()
         with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            self.engine = load_engine(opts.model, cfg, resolved=(files, parts))
+            self.engine = load_engine(model, cfg)
         self.load_seconds = time.perf_counter() - started
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.info.max_model_len
         engine = self.engine
-        native = getattr(engine, "model_backend", "native") == "native"
-        self.warnings: list[tuple[str, bool]] = [(w, True) for w in files.warnings]  # GGUF reading left out
+        native = engine.model_backend == "native"
+        self.warnings: list[tuple[str, bool]] = [(w, True) for w in model.files.warnings]  # GGUF reading left out
         if not native:
             self.warnings.append((NO_CACHE_WARNING, True))
         if cfg.batch_invariant and not engine.batch_invariant and native:
@@ -63,7 +51,7 @@ class LocalExecutor:
                                   "truncated)", False))
         self.verifier = None
         if opts.verify_reuse:
-            from apcscore.jobs.verify import ReuseVerifier
+            from apcscore.run.verify import ReuseVerifier
 
             self.verifier = ReuseVerifier(opts.verify_reuse, cfg.seed)
 

@@ -1,8 +1,10 @@
-"""What a run's file records about itself (the parquet key `apcscore`, io/writer.METADATA_KEY): the run
-metadata of one engine, the dataset, and the `timings` of all the sessions that wrote the file.
+"""What a run's results were computed by, as its metadata records it: apcscore's version and the fingerprint of
+its numerics code, the library versions, the model's files and the engine's settings, and the header every
+command's metadata starts with (score, generate, perplexity and eval alike; docs/architecture.md, "A run's
+identity", says which of these decide bits).
 
-Built here, below the driver and the Ray replicas, so that a replica describes itself exactly as a single
-process would (scale/replica.py) and the driver adds what only it knows (argv, created, dataset).
+Here, at the engine's layer, so that the run layer (run/metadata.py) and the lm-eval adapter (lmeval/results.py)
+describe an engine the same way.
 """
 
 from __future__ import annotations
@@ -16,39 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import apcscore
-from apcscore.io.tabular_input import parse_columns
-from apcscore.jobs.options import RunOptions
-
-
-def dataset_metadata(data: Any, opts: RunOptions) -> dict:
-    """The metadata's `dataset`: where, its content, the records read and the --columns mapping read with."""
-    return {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records,
-            "columns": parse_columns(opts.columns)}
+from apcscore.engine.interface import BatchEngine
 
 
 def now() -> str:
     """The metadata's `created`: UTC, to the second."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-
-
-def run_metadata(command: str, engine: Any, job: Any, opts: RunOptions, dataset: dict | None = None) -> dict:
-    """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
-    tok = engine.tokenizer
-    job_meta = job.metadata()
-    if command in ("score", "generate"):
-        job_meta["truncate"] = opts.truncate
-    return {
-        **run_header(command),
-        "model": model_section(engine),
-        "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
-                      "vocab_size": len(tok)},
-        **engine_sections(engine, opts.engine),
-        "job": job_meta,
-        "dataset": dataset,
-        "versions": versions(triton=package_version("triton")),
-        # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
-        "numerics": engine.numerics,
-    }
 
 
 def run_header(command: str) -> dict:
@@ -90,7 +65,7 @@ def code_fingerprint(root: Path | None = None) -> dict[str, str]:
     return out
 
 
-def model_section(engine: Any) -> dict:
+def model_section(engine: BatchEngine) -> dict:
     """The metadata's `model`: what ran, its weights' fingerprint, its other files' digests and context."""
     from apcscore.models.loading import model_files_digest
 
@@ -101,11 +76,11 @@ def model_section(engine: Any) -> dict:
             "context_capped_by_sliding_window": info.sliding_window}
 
 
-def engine_sections(engine: Any, cfg: Any) -> dict:
+def engine_sections(engine: BatchEngine, cfg: Any) -> dict:
     """Where and how the engine ran: dtype, device, attention backend, native or transformers, its settings."""
     return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
             "attention_backend": engine.attention_backend,
-            "model_backend": getattr(engine, "model_backend", "native"),  # native | transformers: the path that ran
+            "model_backend": engine.model_backend,  # native | transformers: the path that ran
             "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks}}
 
 
@@ -124,19 +99,3 @@ def package_version(name: str) -> str | None:
         return version(name)
     except PackageNotFoundError:
         return None
-
-
-def add_timings(previous: dict | None, now: dict) -> dict:
-    """Timings of all sessions: counters and seconds added up, rates recomputed from the sums."""
-    total = {k: v for k, v in now.items() if k != "prefix_cache"}
-    pc = dict(now["prefix_cache"])
-    if isinstance(previous, dict):
-        for key in total:
-            total[key] += previous.get(key) or 0
-        for key in pc:
-            pc[key] += (previous.get("prefix_cache") or {}).get(key) or 0
-    tokens = total["prompt_tokens"] + total["generated_tokens"]
-    total["tokens_per_second"] = round(tokens / total["run_seconds"], 1) if total["run_seconds"] else 0.0
-    total["load_seconds"], total["run_seconds"] = round(total["load_seconds"], 3), round(total["run_seconds"], 3)
-    pc["hit_rate"] = round(pc["hit_tokens"] / pc["queried_tokens"], 4) if pc["queried_tokens"] else 0.0
-    return {**total, "prefix_cache": pc}

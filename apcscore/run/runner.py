@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+from apcscore.engine.interface import BatchEngine
 from apcscore.engine.request import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
@@ -27,10 +28,10 @@ class _RecordGroup:
         self.error: str | None = None
 
 
-def run_records(job: Job, engine: Any, records: list[Record], tick: Callable[[], None] | None = None,
+def run_records(job: Job, engine: BatchEngine, records: list[Record], tick: Callable[[], None] | None = None,
                 verifier: Any = None) -> Iterator[tuple[int, dict]]:
     """(dataset position, finished row) of every record, in completion order, through `engine` (an Engine or
-    a TransformersEngine). `verifier` (jobs/verify.ReuseVerifier) sees each request and output."""
+    a TransformersEngine). `verifier` (run/verify.ReuseVerifier) sees each request and output."""
     groups: dict[int, _RecordGroup] = {}
     failed: list[tuple[Record, str]] = []  # records whose requests could not be built, not yielded yet
 

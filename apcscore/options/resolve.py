@@ -1,5 +1,5 @@
 """The options of a run of score / generate / perplexity / eval: command line > `--config FILE` (TOML) >
-defaults (jobs/options.py declares them), merged and checked.
+defaults (options/commands.py declares them), merged and checked.
 
 Every value is checked here, before the dataset is read and long before a model loads: a config file's value
 of the wrong type, a key of another command, a sampling option out of range (checked by the very checks
@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.openai_batch import INPUT_FORMATS, OUTPUT_FORMATS
-from apcscore.jobs.options import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
+from apcscore.options.commands import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
 
 try:
     import tomllib

@@ -1,0 +1,59 @@
+"""What a run's file records about itself (the parquet key `apcscore`, io/writer.METADATA_KEY): the run
+metadata of one engine (its provenance sections from engine/provenance.py), the dataset, and the `timings` of
+all the sessions that wrote the file.
+
+A Ray replica runs a local executor, so it describes itself exactly as a single process would
+(scale/replica.py); the driver adds what only it knows (argv, created, dataset).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from apcscore.engine.interface import BatchEngine
+from apcscore.engine.provenance import engine_sections, model_section, package_version, run_header, versions
+from apcscore.io.tabular_input import parse_columns
+from apcscore.options.commands import RunOptions
+
+
+def dataset_metadata(data: Any, opts: RunOptions) -> dict:
+    """The metadata's `dataset`: where, its content, the records read and the --columns mapping read with."""
+    return {"path": str(Path(data.path).resolve()), "sha256": data.sha256, "num_records": data.num_records,
+            "columns": parse_columns(opts.columns)}
+
+
+def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions, dataset: dict | None = None) -> dict:
+    """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
+    tok = engine.tokenizer
+    job_meta = job.metadata()
+    if command in ("score", "generate"):
+        job_meta["truncate"] = opts.truncate
+    return {
+        **run_header(command),
+        "model": model_section(engine),
+        "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
+                      "vocab_size": len(tok)},
+        **engine_sections(engine, opts.engine),
+        "job": job_meta,
+        "dataset": dataset,
+        "versions": versions(triton=package_version("triton")),
+        # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
+        "numerics": engine.numerics,
+    }
+
+
+def add_timings(previous: dict | None, now: dict) -> dict:
+    """Timings of all sessions: counters and seconds added up, rates recomputed from the sums."""
+    total = {k: v for k, v in now.items() if k != "prefix_cache"}
+    pc = dict(now["prefix_cache"])
+    if isinstance(previous, dict):
+        for key in total:
+            total[key] += previous.get(key) or 0
+        for key in pc:
+            pc[key] += (previous.get("prefix_cache") or {}).get(key) or 0
+    tokens = total["prompt_tokens"] + total["generated_tokens"]
+    total["tokens_per_second"] = round(tokens / total["run_seconds"], 1) if total["run_seconds"] else 0.0
+    total["load_seconds"], total["run_seconds"] = round(total["load_seconds"], 3), round(total["run_seconds"], 3)
+    pc["hit_rate"] = round(pc["hit_tokens"] / pc["queried_tokens"], 4) if pc["queried_tokens"] else 0.0
+    return {**total, "prefix_cache": pc}
