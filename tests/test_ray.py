@@ -295,7 +295,7 @@ def test_replicas_of_two_cpu_vendors_are_refused_where_the_gemm_is_a_library_one
                                                                                  cluster, monkeypatch) -> None:
     """Issue 40: with --no-batch-invariant the CPU decides a library GEMM's bits, so an Intel and an AMD replica
     cannot write one file; with the fixed-order GEMM (portable bits) they can."""
-    import apcscore.scale.ray_run as ray_run
+    import apcscore.run.ray_executor as ray_run
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"record number {i}"} for i in range(6)])
     for name, options in (("library", ["--no-batch-invariant"]), ("portable", [])):
