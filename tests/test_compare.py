@@ -477,6 +477,8 @@ def test_a_report_never_replaces_an_input_or_a_file_that_is_not_a_report(fp32_bf
     assert r.exit_code == 2 and "exists and is not a report of apcscore compare — pass --overwrite" in one_line(
         r.output)
     assert data.read_text() == '{"prompt": "keep me"}\n'
+    r = run_cli(base, new, "--report-junit", tmp_path, "--overwrite")
+    assert r.exit_code == 2 and f"--report-junit {tmp_path} is a directory — give a file name" in one_line(r.output)
     r = run_cli(base, new, "--report-md", tmp_path / "r", "--report-json", tmp_path / "r")
     assert r.exit_code == 2 and "--report-md and --report-json are both" in one_line(r.output)
     md, js, html = tmp_path / "r.md", tmp_path / "r.json", tmp_path / "r.html"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -151,11 +152,17 @@ def test_merge_checks_out_as_score_checks_its_out(tmp_path) -> None:
     cases = {(tmp_path / "dir", "--overwrite"): f"OUT {tmp_path / 'dir'} is a directory — give a file name such as",
              (tmp_path / "s0.parquet" / "m.parquet",): f"{tmp_path / 's0.parquet'} is a file, not a folder — choose "
                                                        "another OUT",
-             ("/proc/out.parquet",): "OUT /proc/out.parquet: cannot write in /proc"}
+             ("/proc/out.parquet",): "OUT /proc/out.parquet: cannot write in /proc",
+             # item 12 for merge: a parquet file under a data format's name (read back, it would not decode)
+             (tmp_path / "m.csv",): f"OUT {tmp_path / 'm.csv'}: the merged file is written as parquet, and a .csv "
+                                    "name says CSV",
+             (tmp_path / "m.jsonl.gz",): "a .gz name says gzip-compressed data (read back as a dataset, the file "
+                                         "would not decode) — name it m.jsonl.parquet"}
     for (out, *extra), message in cases.items():
         res = run("merge", out, shard, *extra)
         text = " ".join(res.output.split())
         assert res.exit_code == 2 and message in text and "Traceback" not in text, res.output
+        assert not Path(out).is_file()
 
 
 def test_merge_names_what_it_was_given_wrongly(tmp_path) -> None:

@@ -38,7 +38,11 @@ class PartialLock:
 
     def __init__(self, partial: Path) -> None:
         self._fd: int | None = None
-        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:  # seen a moment ago: the run writing it finished (or gave up) since
+            raise ApcscoreError(f"{partial} was removed by another apcscore run a moment ago (it finished, or "
+                                "failed before its first row) — rerun: see whether its output is there") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -25,7 +25,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.identity import MERGE, code_changed, differing
 from apcscore.io.result_tables import METADATA_KEY, dumps_metadata, read_run_metadata
 from apcscore.run.metadata import add_timings
-from apcscore.run.preflight import check_file_path
+from apcscore.run.preflight import check_file_path, check_out_format
 from apcscore.scale.shard import SHARD_COLUMN
 
 _SPLIT_KEYS = ("count", "partition", "block_size", "fingerprint")
@@ -101,6 +101,7 @@ def check_shards(paths: list[Path]) -> list[dict]:
 def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple[Path, int]:
     """Check the shards and write `out`; return (out, rows)."""
     check_file_path(out, "OUT")  # as score's --out: not a folder, not under a file, somewhere writable
+    check_out_format(out, "OUT", "the merged file is")  # nor named .csv, .jsonl.gz, ... (it is parquet)
     if out.exists() and not overwrite:
         raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another OUT")
     if any(out.resolve() == p.resolve() for p in paths):

@@ -69,17 +69,23 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
                                 "to run it again, or choose another --out")
         if not resume:
             raise ApcscoreError(f"{out} exists — pass --overwrite to replace it, or choose another --out")
-    other = _OTHER_FORMATS.get(out.suffix.lower())
-    if other is not None and out.suffix.lower() != suffix:
-        raise ApcscoreError(f"--out {out}: the results are written as {suffix.lstrip('.')}, and a {out.suffix} name "
-                            f"says {other} (read back as a dataset, the file would not decode) — name it "
-                            f"{out.with_suffix(suffix).name}")
+    check_out_format(out, "--out", "the results are", suffix)
     if resume and not partial.exists():
         warning = f"nothing to resume: {partial} does not exist; starting a fresh run"
     elif out.suffix.lower() not in (".parquet", ".pq", suffix):
         warning = (f"--out {out}: the results are written as {suffix.lstrip('.')} whatever the file's name says "
                    f"(name it {out.with_suffix(suffix).name} to say so)")
     return out, warning
+
+
+def check_out_format(out: Path, what: str = "--out", written: str = "the results are", suffix: str = ".parquet") -> None:
+    """Refuse an output `out` (named by `what`) whose suffix names a data format apcscore reads (.csv, .jsonl.gz,
+    ...) other than the `suffix` it is written as: read back as a dataset, such a file would not decode."""
+    other = _OTHER_FORMATS.get(out.suffix.lower())
+    if other is not None and out.suffix.lower() != suffix:
+        raise ApcscoreError(f"{what} {out}: {written} written as {suffix.lstrip('.')}, and a {out.suffix} name "
+                            f"says {other} (read back as a dataset, the file would not decode) — name it "
+                            f"{out.with_suffix(suffix).name}")
 
 
 def check_errors_out(option: str, out: Path, dataset: Path, *, overwrite: bool) -> Path:
