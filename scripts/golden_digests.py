@@ -12,7 +12,7 @@ tokens' logprobs), each in float32 and bfloat16 (`generate-scored`, for other mo
 prompts' logprobs too, every path in one run). A digest covers every column of the result file but `id`
 and `status` (each value written exactly: floats as their hex form), so any differing bit changes it.
 
-tests/golden_digests.json holds the digests committed with the code; tests/test_portable_bits.py recomputes them
+tests/golden_digests.json holds the digests committed with the code; tests/engine/test_portable_bits.py recomputes them
 on the machine it runs on (CI lands on Intel and AMD CPUs at random) and under forced instruction sets. If a
 change must move bits on purpose, rewrite the file in the same commit and say why (docs/architecture.md,
 "Portable bits").

@@ -1,7 +1,7 @@
 """GPU check parts `exactness` and `tax` (see scripts/gpu_check.py for the plan).
 
 exactness: the engine's bitwise contracts end to end on the Llama-3.2-1B shape in bf16 with the Triton backend
-(tests/test_invariance.py, test_exact_reuse.py and test_last_token_alternatives.py, on CUDA): every output
+(tests/engine/test_invariance.py, test_exact_reuse.py and test_last_token_alternatives.py, on CUDA): every output
 column (ids, logprobs, ranks, top-K ids and logprobs) compared with `!=`, no tolerance. Fails (rc 1) when any
 value differs or when a reuse check reused nothing (it would test nothing).
 tax: the same score and generate workloads with batch invariance on (the Triton matmul) and off (cuBLAS,

@@ -36,7 +36,7 @@ os.environ.setdefault("APCSCORE_CACHE", str(Path.home() / ".cache" / "apcscore")
 # lm-eval bootstraps some metrics' stderr (perplexity, f1, ...) in a fork-started multiprocessing pool: a fork of
 # this test process (GBs, torch's threads) per CPU and metric. One such worker hung a CI run at the pool's exit.
 # Serially it draws the same resamples with the same seeds (`_bootstrap_internal_no_mp`): the same numbers.
-# (tests/test_lmeval_signals.py checks what apcscore eval does about forks, with a pool of its own.)
+# (tests/lmeval/test_lmeval_signals.py checks what apcscore eval does about forks, with a pool of its own.)
 os.environ.setdefault("DISABLE_MULTIPROC", "1")
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -74,7 +74,7 @@ def _row_exact_interpreter_dot() -> None:
 _row_exact_interpreter_dot()
 
 # Architectures `tiny_model_dir` builds. "gpt2" and "falcon" are not implemented by our decoder: they run
-# through the transformers fallback (apcscore.engine.hf_engine; tests/test_transformers_fallback.py).
+# through the transformers fallback (apcscore.engine.hf_engine; tests/engine/test_transformers_fallback.py).
 TINY_ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope",
               "phi3_partial", "mixtral", "qwen2_moe", "gemma2", "gemma3", "gpt2", "falcon")
 

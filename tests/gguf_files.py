@@ -1,5 +1,5 @@
 """Write a tiny GGUF file from a tiny Hugging Face model directory, laid out as llama.cpp's convert_hf_to_gguf.py
-lays out that family, for the tests of the GGUF path (tests/test_gguf_families.py). No model hub is reachable,
+lays out that family, for the tests of the GGUF path (tests/models/test_gguf_families.py). No model hub is reachable,
 so the tests make their own GGUF files.
 
 `write_gguf(model_dir, out)` reads config.json, model.safetensors and tokenizer.json and writes:

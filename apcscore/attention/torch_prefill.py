@@ -1,6 +1,6 @@
 """Prefill chunks of the torch attention backend (queries of a sequence at several positions).
 
-Two paths with the same bits for every query (tests/test_torch_attention.py compares them):
+Two paths with the same bits for every query (tests/attention/test_torch_attention.py compares them):
 - `attend_prefill`, one chunk on its own: a loop over key tiles that skips what the causal mask would zero (for
   long chunks, where that halves the work);
 - `attend_prefill_batched`, short chunks of several sequences together: each chunk's rows padded to one row

@@ -6,7 +6,7 @@ already turned into text and give the window its context (a SentencePiece leadin
 token that completes a character), and the new text is what decoding [prefix, end) adds to decoding
 [prefix, read). While the window ends inside a character (the decoded text ends with U+FFFD), the offsets
 stay; the complete characters before it are still emitted. The text equals a full decode of the tokens
-(tests/test_detokenizer.py checks tricky tokenizations), and each token is decoded a bounded number of times.
+(tests/engine/test_detokenizer.py checks tricky tokenizations), and each token is decoded a bounded number of times.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the default model and of Llama-3.2-1B, M = 1..8192): a row gets other bits below
 are not multiples of 16 (57..191, ...), but every M that *is* a multiple of 16 gives each row exactly the
 bits it gets inside any other such M. So rows are padded to a multiple of ROW_TILE, which costs at most 15
 padding rows, and the engine pads each step to that multiple anyway (then nothing is copied here).
-tests/test_invariance.py checks the property on the real shapes, so a torch or BLAS upgrade that breaks it
+tests/engine/test_invariance.py checks the property on the real shapes, so a torch or BLAS upgrade that breaks it
 fails CI instead of silently changing scores. The thread count (1 or 2) does not change these bits.
 """
 

@@ -1,0 +1,181 @@
+"""Portable bits (issue 39): a result's bits are the same on every CPU, whatever its vector width, vendor or thread
+count (docs/architecture.md, "Portable bits").
+
+- The portable math (apcscore.kernels.cpu_math) gives the same bits in every copy this CPU runs (baseline, AVX2,
+  AVX-512) and with 1 or 2 threads, on random and special inputs; and it is accurate (stated bounds against float64).
+- Whole runs, in subprocesses under every combination the suite can force here: torch's vector code
+  (ATEN_CPU_CAPABILITY default / avx2 / avx512), ours (APCSCORE_SIMD scalar / avx2 / avx512) and the threads
+  (OMP_NUM_THREADS 1 / 2). The default model's runs must give the committed golden digests
+  (tests/golden_digests.json: scripts/golden_digests.py); every tiny native family the same digests in each setting.
+  CI lands on Intel and AMD machines at random, so the golden test is also the cross-vendor check.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from apcscore.kernels import cpu_math, rowmath
+from apcscore.kernels.cpu_library import SIMD_SETTINGS, library
+
+ROOT = Path(__file__).resolve().parents[2]
+GOLDEN = ROOT / "tests" / "golden_digests.json"
+SCRIPT = ROOT / "scripts" / "golden_digests.py"
+# (ATEN_CPU_CAPABILITY, APCSCORE_SIMD, OMP_NUM_THREADS) of the subprocess runs: each level of both, both thread counts
+SETTINGS = [("default", "scalar", "1"), ("avx2", "avx2", "2"), ("avx512", "avx512", "1")]
+# the default model's runs per setting: the scalar GEMM (fmaf one element at a time) takes minutes per run, so
+# there only fp32 scoring (~3 min on 2 cores); the vector settings also sample, and run bf16
+DEFAULT_MODEL_RUNS = {"scalar": ["--runs", "score", "--dtypes", "float32"],
+                      "avx2": ["--runs", "score,generate-sampled"], "avx512": ["--runs", "score,generate-sampled"]}
+NATIVE_TINY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope",
+               "phi3_partial", "mixtral", "qwen2_moe", "gemma2", "gemma3"]
+
+pytestmark = pytest.mark.skipif(not rowmath.portable(), reason="the portable CPU math needs a C compiler")
+
+
+def levels() -> list[str]:
+    """The SIMD settings this CPU can run (scalar always)."""
+    best = library().apc_math_level()
+    return [name for name, level in SIMD_SETTINGS.items() if level <= best]
+
+
+def inputs() -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.7, 88.8, -87.3, -103.9, -104.5,
+                             1e-30, -1e-30, 1.4e-45, 0.4999, 0.5, 0.5001, 9.0, -9.0, 20.0])
+    return torch.cat([specials, torch.randn(100_003, generator=g) * 4, torch.linspace(-110, 95, 20_011)])
+
+
+FUNCTIONS = {
+    "exp": rowmath.exp, "tanh": rowmath.tanh, "silu": rowmath.silu, "sigmoid": rowmath.sigmoid,
+    "gelu_tanh": lambda x: rowmath.gelu(x, "tanh"), "gelu": rowmath.gelu,
+    "row_sum": lambda x: rowmath.row_sum(x.view(-1, 61)[:, :57]),
+    "row_logsumexp": lambda x: rowmath.row_logsumexp(x.view(-1, 61)),
+    "rms_norm": lambda x: rowmath.rms_norm(x.view(-1, 61), torch.ones(61), 1e-5),
+    "layer_norm": lambda x: rowmath.layer_norm(x.view(-1, 61), torch.ones(61), torch.zeros(61), 1e-5),
+    "softmax": lambda x: rowmath.softmax(x.view(-1, 61)),
+}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int64 if t.dtype == torch.float64 else torch.int32)
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_every_simd_level_and_thread_count_gives_the_same_bits(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    x = inputs()[:120_011 // 61 * 61]
+    if name in ("rms_norm", "layer_norm", "softmax", "row_logsumexp"):
+        x = torch.nan_to_num(x, nan=1.0, posinf=50.0, neginf=-50.0)
+    results = {}
+    threads = torch.get_num_threads()
+    try:
+        for level in levels():
+            for n in (1, 2):
+                monkeypatch.setenv("APCSCORE_SIMD", level)
+                torch.set_num_threads(n)
+                results[(level, n)] = bits(FUNCTIONS[name](x.clone()))
+    finally:
+        torch.set_num_threads(threads)
+    first = next(iter(results.values()))
+    assert all(torch.equal(first, r) for r in results.values()), [k for k, r in results.items()
+                                                                    if not torch.equal(first, r)]
+
+
+def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
+    """|got - exact| in units of got's last place (fp32 got, fp64 exact), over finite normal results."""
+    keep = torch.isfinite(exact) & (exact.abs() > 1.2e-38) & (exact.abs() < 3e38)
+    got, exact = got[keep], exact[keep]
+    ulp = (torch.nextafter(got, torch.full_like(got, math.inf)) - got).double()
+    return (got.double() - exact).abs() / ulp
+
+
+def test_accuracy_against_float64() -> None:
+    """Bounds stated here and in docs/architecture.md: exp 1 ulp, tanh / sigmoid / silu 2.5 ulp, logsumexp 2e-8
+    absolute (float exps, double sums and log: a logprob's fp32 rounding is coarser), the double functions within 4e-16 of CPython's libm (correctly rounded or
+    nearly; erf within 1e-10: its series cancels near |x| = 4, and it only feeds a float GELU), sin / cos also at large arguments (rotary angles up to 1e5)."""
+    x = inputs()
+    x = x[torch.isfinite(x)]
+    d = x.double()
+    assert ulps(rowmath.exp(x), d.exp()).max() <= 1.0
+    assert ulps(rowmath.tanh(x), d.tanh()).max() <= 2.5
+    # silu is torch's formula x / (1 + exp(-x)): below x = -88.7 exp(-x) overflows and the result is -0, as torch's
+    m = x.abs() < 80
+    assert ulps(rowmath.sigmoid(x[m]), torch.sigmoid(d[m])).max() <= 2.5
+    assert ulps(rowmath.silu(x[m]), d[m] * torch.sigmoid(d[m])).max() <= 2.5
+    rows = (torch.randn(64, 4099, generator=torch.Generator().manual_seed(1)) * 6)
+    lse = rowmath.row_logsumexp(rows)
+    assert (lse - torch.logsumexp(rows.double(), -1)).abs().max() < 2e-8  # float exps (1 ulp), double sum and log
+    for fn, ref, args in [(cpu_math.D_EXP, math.exp, [-700, -1.5, 0.0, 1e-8, 0.693, 50.0, 700]),
+                          (cpu_math.D_LOG, math.log, [1e-300, 0.1, 0.999, 1.0, 2.0, 1e10, 1e300]),
+                          (cpu_math.D_SIN, math.sin, [0.0, 1e-9, 0.7, 1.5707963, 3.14159, 100.0, 8191.5, 99999.25]),
+                          (cpu_math.D_COS, math.cos, [0.0, 1e-9, 0.7, 1.5707963, 3.14159, 100.0, 8191.5, 99999.25]),
+                          (cpu_math.D_ERF, math.erf, [-3.9, -1.0, -1e-5, 0.0, 0.3, 1.0, 2.5, 3.99])]:
+        for v in args:
+            got, want = cpu_math.scalar(fn, v), ref(v)
+            assert got == want or abs(got - want) <= 4e-16 * abs(want) + (1e-10 if fn == cpu_math.D_ERF else 0), \
+                (fn, v, got, want)
+
+
+def test_special_values() -> None:
+    x = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 89.0, -105.0])
+    e = rowmath.exp(x)
+    assert e[:4].tolist() == [1.0, 1.0, float("inf"), 0.0] and math.isnan(e[4]) and e[5] == math.inf and e[6] == 0
+    t = rowmath.tanh(x)
+    assert t[:4].tolist() == [0.0, -0.0, 1.0, -1.0] and math.copysign(1, t[1]) == -1 and math.isnan(t[4])
+    assert rowmath.row_logsumexp(torch.full((2, 5), -float("inf"))).tolist() == [-math.inf, -math.inf]
+    assert math.isnan(rowmath.row_logsumexp(torch.tensor([[0.0, float("nan")]]))[0])
+    assert rowmath.exp_scalar(0.0) == 1.0 and rowmath.log_scalar(1.0) == 0.0
+
+
+def run_digests(setting: tuple[str, str, str], extra: list[str], tmp_path: Path) -> dict:
+    capability, simd, threads = setting
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "APCSCORE_SIMD": simd, "OMP_NUM_THREADS": threads}
+    out = tmp_path / f"{capability}-{simd}-{threads}.json"
+    res = subprocess.run([sys.executable, str(SCRIPT), "--write", str(out), *extra], env=env, capture_output=True,
+                         text=True, timeout=1800)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def supported(settings: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    """The settings this CPU can run (AVX-512 ones only where it has AVX-512)."""
+    return [s for s in settings if s[1] in levels()]
+
+
+@pytest.mark.slow
+def test_default_model_gives_the_golden_digests(tmp_path: Path) -> None:
+    """Score, multiple choice, perplexity, greedy and seeded-sampled generation of the default model, fp32 and bf16,
+    on this machine as it is: the committed digests."""
+    got = run_digests(("", "", str(torch.get_num_threads())), [], tmp_path)
+    want = json.loads(GOLDEN.read_text())
+    assert got == want, f"differing: {[k for k in want if got.get(k) != want[k]]}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", supported(SETTINGS), ids="-".join)
+def test_default_model_bits_do_not_depend_on_the_instruction_set(setting: tuple[str, str, str],
+                                                                 tmp_path: Path) -> None:
+    """Scoring and seeded sampling of the default model under forced instruction sets and thread counts: the
+    golden digests (DEFAULT_MODEL_RUNS says which runs each setting makes)."""
+    got = run_digests(setting, DEFAULT_MODEL_RUNS[setting[1]], tmp_path)
+    want = json.loads(GOLDEN.read_text())
+    assert got == {k: want[k] for k in got}, f"differing: {[k for k in got if got[k] != want[k]]}"
+
+
+@pytest.mark.slow
+def test_tiny_families_bits_do_not_depend_on_the_instruction_set(tiny_model_dir, tmp_path: Path) -> None:
+    """Every native tiny family: seeded sampling with the prompts' top-5 logprobs (the scored prefill, decode and the
+    sampler in one run), fp32 and bf16, gives one set of digests under every setting."""
+    models = [arg for arch in NATIVE_TINY for arg in ("--model", str(tiny_model_dir(arch)))]
+    runs = {setting: run_digests(setting, [*models, "--runs", "generate-scored"], tmp_path)
+            for setting in supported(SETTINGS)}
+    first = next(iter(runs.values()))
+    for setting, digests in runs.items():
+        assert digests == first, (setting, [k for k in first if digests.get(k) != first[k]])

@@ -1,0 +1,198 @@
+"""`apcscore eval` interrupted and resumed, split into shards and merged, on Ray, and with a results cache:
+each must end with the results one uninterrupted process writes, bitwise (results.json's metrics, every column
+of requests.parquet), and compute no response twice.
+
+The four local tasks of tests/lmeval_tasks (multiple choice with few-shot examples, loglikelihood, rolling
+perplexity, greedy generation), max_length 64, the default model in fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+import pyarrow.parquet as pq  # noqa: E402
+from typer.testing import CliRunner  # noqa: E402
+
+from apcscore.cli import app  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TASKS = "apc_ll,apc_mc,apc_ppl,apc_gen"
+TOTAL = 38  # engine-level responses of the four tasks: 5 + 6 x 4 + 5 rolling windows + 4 generations
+ROWS = 36  # requests.parquet: lm-eval's requests (the 3 rolling texts one row each)
+
+
+def run(*args, model=None) -> object:
+    common = ["eval", "--tasks", TASKS, "--include-path", str(REPO / "tests" / "lmeval_tasks"), "--max-length",
+              "64", "--dtype", "float32", "--device", "cpu", "--quiet", "--model", str(model)]
+    return CliRunner().invoke(app, common + [str(a) for a in args])
+
+
+def results(out: Path) -> dict:
+    return json.loads((out / "results.json").read_text())
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Equal metrics (results.json's `results`, lm-eval's per-task numbers) and equal requests.parquet."""
+    assert results(a)["results"] == results(b)["results"]
+    ta, tb = pq.read_table(a / "requests.parquet"), pq.read_table(b / "requests.parquet")
+    assert ta.num_rows == ROWS and ta.column_names == tb.column_names
+    for name in ta.column_names:
+        assert ta.column(name).equals(tb.column(name)), name
+
+
+def journal_entries(folder: Path) -> int:
+    (path,) = folder.glob("responses-*.jsonl")
+    return sum(1 for line in path.read_text().splitlines()[1:] if line.strip())
+
+
+@pytest.fixture(scope="module")
+def model(default_model_files) -> str:
+    return str(default_model_files.path)
+
+
+@pytest.fixture(scope="module")
+def whole(in_repo, model, tmp_path_factory) -> Path:
+    """One uninterrupted process: what every other way must give."""
+    out = tmp_path_factory.mktemp("whole") / "ev"
+    result = run("--out", out, model=model)
+    assert result.exit_code == 0, result.output
+    assert results(out)["apcscore"]["responses"]["computed"] == TOTAL
+    return out
+
+
+def _interrupt_after(monkeypatch, outputs: int, signum: int) -> None:
+    """The engine sends `signum` to this process once it has yielded `outputs` outputs (over all its calls)."""
+    from apcscore.engine.engine import Engine
+
+    original, seen = Engine.run, [0]
+
+    def run_then_signal(self, requests, on_step=None):
+        for out in original(self, requests, on_step):
+            yield out
+            seen[0] += 1
+            if seen[0] == outputs:
+                os.kill(os.getpid(), signum)
+
+    monkeypatch.setattr(Engine, "run", run_then_signal)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_eval_resumes_to_the_uninterrupted_results(whole, model, tmp_path, monkeypatch, signum):
+    out = tmp_path / "ev"
+    with monkeypatch.context() as patch:
+        _interrupt_after(patch, 12, signum)
+        stopped = run("--out", out, model=model)
+    assert stopped.exit_code == 130, stopped.output
+    assert "--resume" in stopped.output and not (out / "results.json").exists()
+    kept = journal_entries(out)
+    assert 12 <= kept < TOTAL  # everything finished before the signal is on disk
+
+    refused = run("--out", out, model=model)
+    assert refused.exit_code == 2 and "--resume" in refused.output and "--overwrite" in refused.output
+    if signum == signal.SIGINT:  # (once: the refusal loads the model first)
+        other = run("--out", out, "--resume", "--num-fewshot", "1", model=model)
+        assert other.exit_code == 2 and "num_fewshot" in other.output
+
+    resumed = run("--out", out, "--resume", model=model)
+    assert resumed.exit_code == 0, resumed.output
+    counts = results(out)["apcscore"]["responses"]
+    assert counts["read"] == kept and counts["computed"] == TOTAL - kept  # nothing computed twice
+    assert_same_run(whole, out)
+
+
+def test_shards_merge_to_one_process_s_results(whole, model, tmp_path):
+    shards = [tmp_path / f"s{i}" for i in range(2)]
+    computed = []
+    for i, folder in enumerate(shards):
+        result = run("--out", folder, "--shard", f"{i}/2", model=model)
+        assert result.exit_code == 0, result.output
+        assert not (folder / "results.json").exists()
+        computed.append(json.loads((folder / "shard.json").read_text())["responses"]["computed"])
+    assert sum(computed) == TOTAL and min(computed) > 0  # split, each request once
+
+    missing = CliRunner().invoke(app, ["merge", str(tmp_path / "m"), str(shards[0])])
+    assert missing.exit_code == 2 and "shards missing: 1/2" in missing.output
+    merged = CliRunner().invoke(app, ["merge", str(tmp_path / "m"), *map(str, shards)])
+    assert merged.exit_code == 0, merged.output
+    counts = results(tmp_path / "m")["apcscore"]["responses"]
+    assert counts["computed"] == 0 and counts["read"] == TOTAL
+    assert_same_run(whole, tmp_path / "m")
+    assert journal_entries(tmp_path / "m") == TOTAL  # the merged folder holds every response
+
+
+def test_cache_reads_this_model_s_responses_only(whole, model, tiny_model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    first = run("--out", tmp_path / "a", "--cache", cache, model=model)
+    assert first.exit_code == 0, first.output
+    again = run("--out", tmp_path / "b", "--cache", cache, "--exact-reuse", model=model)
+    assert again.exit_code == 0, again.output
+    counts = results(tmp_path / "b")["apcscore"]["responses"]
+    assert counts == {**counts, "computed": 0, "read": TOTAL}
+    assert_same_run(whole, tmp_path / "b")
+
+    tiny = run("--out", tmp_path / "t", "--cache", cache, model=tiny_model_dir("llama"))
+    assert tiny.exit_code == 0, tiny.output
+    assert results(tmp_path / "t")["apcscore"]["responses"]["read"] == 0  # never another model's
+    files = sorted(cache.glob("responses-*.jsonl"))
+    assert len(files) == 2
+
+    # a file of this configuration's name that holds another configuration's responses is refused
+    mine = results(tmp_path / "b")["apcscore"]["responses"]["store"]
+    other = next(f for f in files if f.name != mine)
+    (cache / mine).write_text(other.read_text())
+    refused = run("--out", tmp_path / "c", "--cache", cache, model=model)
+    assert refused.exit_code == 2 and "another configuration" in refused.output
+
+
+def test_shards_with_a_warm_cache_merge(whole, model, tmp_path):
+    """A cache hit goes into the shard's journal too (issue 40): shards answered wholly from a warm --cache merge
+    (before, the merge found "N of M requests have no response in the shards' stores")."""
+    cache = tmp_path / "cache"
+    assert run("--out", tmp_path / "warm", "--cache", cache, model=model).exit_code == 0
+    shards = [tmp_path / f"s{i}" for i in range(2)]
+    for i, folder in enumerate(shards):
+        result = run("--out", folder, "--shard", f"{i}/2", "--cache", cache, model=model)
+        assert result.exit_code == 0, result.output
+        assert json.loads((folder / "shard.json").read_text())["responses"]["computed"] == 0
+    merged = CliRunner().invoke(app, ["merge", str(tmp_path / "m"), *map(str, shards)])
+    assert merged.exit_code == 0, merged.output
+    assert_same_run(whole, tmp_path / "m")
+
+@pytest.mark.ray
+def test_eval_on_ray_equals_one_process(whole, model, tmp_path):
+    pytest.importorskip("ray")
+    out = tmp_path / "ray"
+    result = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
+    assert result.exit_code == 0, result.output
+    counts = [json.loads((out / "shards" / f"{i}-of-2" / "shard.json").read_text())["responses"]["computed"]
+              for i in range(2)]
+    assert sum(counts) == TOTAL and min(counts) > 0
+    assert_same_run(whole, out)
+
+
+@pytest.mark.ray
+def test_eval_ray_resume_refuses_finished_shards_of_another_run(model, tmp_path):
+    """Issue 40 item 4: `eval --ray --resume` whose shards all finished (the run stopped before its merge) compares
+    them with this run: another --limit is refused, the same options merge the kept shards."""
+    pytest.importorskip("ray")
+    out = tmp_path / "ray"
+    ray_run = ("--out", out, "--ray", "local", "--replicas", "2", "--tasks", "apc_ll")
+    assert run(*ray_run, "--limit", "2", model=model).exit_code == 0
+    for name in ("results.json", "requests.parquet"):  # as if stopped after the shards, before the merge
+        (out / name).unlink()
+    refused = run(*ray_run, "--limit", "3", "--resume", model=model)
+    text = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and "finished shard" in text, refused.output
+    assert "limit: 2.0 vs 3.0" in text and "--overwrite" in text, text  # the option that differs, the way out
+    resumed = run(*ray_run, "--limit", "2", "--resume", model=model)
+    assert resumed.exit_code == 0, resumed.output
+    assert results(out)["apcscore"]["responses"]["computed"] == 0  # nothing run again: the shards were kept
