@@ -78,6 +78,7 @@ class RunOptions(ScaleOptions):
     verify_reuse: float | None = option(
         None, "With --exact-reuse: re-score this fraction of the records (0..1, a seeded sample) by full "
         "recompute at the end of the run; any bit differing fails the run (exit 1) naming ids and columns.")
+    prompt_logprobs: int | None = None  # each command declares its own (score's default is 0)
 
 
 def _prompt_logprobs(default: int | None, help: str = "Top-K alternatives per prompt token (0 = the token's "
@@ -110,13 +111,10 @@ def _truncate() -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScoreOptions(RunOptions):
-    """`apcscore score`."""
+class RequestOptions(RunOptions):
+    """The options of the commands whose records are requests (score and generate): truncation, and OpenAI Batch
+    lines in and out."""
 
-    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "errors_out", "ignore_body_model",
-           *RUN_CLI)
-
-    prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
     truncate: str | None = _truncate()
     input_format: str = _input_format()
     output_format: str | None = _output_format()
@@ -125,7 +123,17 @@ class ScoreOptions(RunOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerateOptions(RunOptions):
+class ScoreOptions(RequestOptions):
+    """`apcscore score`."""
+
+    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "errors_out", "ignore_body_model",
+           *RUN_CLI)
+
+    prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerateOptions(RequestOptions):
     """`apcscore generate` (the sampling options are the defaults of records that do not set their own)."""
 
     CLI = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
@@ -139,11 +147,6 @@ class GenerateOptions(RunOptions):
                                           cli_type=list[str])
     logprobs: int | None = option(None, "Logprobs of the sampled tokens with top-K alternatives.", at_least=0)
     prompt_logprobs: int | None = _prompt_logprobs(None)
-    truncate: str | None = _truncate()
-    input_format: str = _input_format()
-    output_format: str | None = _output_format()
-    errors_out: str | None = _errors_out()
-    ignore_body_model: bool = _ignore_body_model()
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -37,7 +37,7 @@ from apcscore.io.writer import ResultsWriter
 from apcscore.run.executor import Executor
 from apcscore.engine.provenance import now
 from apcscore.run.metadata import add_timings, dataset_metadata
-from apcscore.options.commands import RunOptions
+from apcscore.options.commands import GenerateOptions, RequestOptions, RunOptions
 from apcscore.run.preflight import check_against_model, check_errors_out, check_output
 from apcscore.jobs.registry import job_class
 from apcscore.options.resolve import resolve_options
@@ -59,7 +59,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
     cfg.check_logprobs(opts.prompt_logprobs, "--prompt-logprobs")
-    cfg.check_logprobs(getattr(opts, "logprobs", None), "--logprobs")
+    if isinstance(opts, GenerateOptions):
+        cfg.check_logprobs(opts.logprobs, "--logprobs")
     check_model_spec(opts.model)
     lines = output_format(opts) == "openai-batch"
     if lines and opts.shard:
@@ -68,22 +69,23 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                             "ending in .jsonl) and merge them, or run without --shard")
     out, note = check_output(opts.out, dataset, command, overwrite=opts.overwrite, resume=opts.resume,
                              suffix=".jsonl" if lines else ".parquet", shard=opts.shard)
-    errors_out = getattr(opts, "errors_out", None)
+    requests = opts if isinstance(opts, RequestOptions) else None  # score and generate: OpenAI Batch lines too
+    errors_out = requests.errors_out if requests else None
     if errors_out is not None and not lines:
         raise ApcscoreError("--errors-out writes the error lines of an OpenAI Batch result file apart from its "
                             "answers, so it needs --output-format openai-batch (or an --out ending in .jsonl); "
                             "parquet keeps error rows beside the others (status, error)")
     errors_path = check_errors_out(errors_out, out, dataset, overwrite=opts.overwrite) if errors_out else None
     data = load_dataset(dataset, command, skip_invalid=opts.skip_invalid, limit=opts.limit,
-                        columns=parse_columns(opts.columns), input_format=getattr(opts, "input_format", "auto"),
+                        columns=parse_columns(opts.columns), input_format=requests.input_format if requests else "auto",
                         max_logprobs=cfg.max_logprobs,
-                        model_names=None if getattr(opts, "ignore_body_model", False) else model_names(opts.model))
+                        model_names=None if requests and requests.ignore_body_model else model_names(opts.model))
     if lines and data.format != "openai-batch":
         raise ApcscoreError(f"--output-format openai-batch writes the result lines of OpenAI Batch request lines, and "
                             f"{dataset} holds apcscore records — give a file of request lines, or write parquet "
                             "(an --out not ending in .jsonl)")
     if data.format == "openai-batch":
-        opts = batch_options(command, opts, data)
+        opts = batch_options(opts, data)
     for warning in data.warnings:
         console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
     notes = [note, defaults_note(data.records, opts.max_tokens, opts.temperature)
@@ -197,7 +199,7 @@ def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
 
 def output_format(opts: RunOptions) -> str:
     """parquet or openai-batch: --output-format, else openai-batch for an --out ending in .jsonl."""
-    chosen = getattr(opts, "output_format", None)
+    chosen = opts.output_format if isinstance(opts, RequestOptions) else None
     if chosen is not None:
         return chosen
     return "openai-batch" if opts.out is not None and opts.out.lower().endswith(".jsonl") else "parquet"
@@ -216,14 +218,14 @@ def model_names(spec: str) -> frozenset[str]:
     return frozenset(n for n in names if n)
 
 
-def batch_options(command: str, opts: Any, data: LoadedDataset) -> Any:
+def batch_options(opts: RunOptions, data: LoadedDataset) -> RunOptions:
     """The options of a run of OpenAI Batch request lines: each body says which logprobs it wants, so
     generate's --logprobs / --prompt-logprobs are refused, and set to the largest a body asks for (the
     columns exist; each request computes its own)."""
-    if command != "generate":
+    if not isinstance(opts, GenerateOptions):
         return opts
-    for key, flag in (("logprobs", "--logprobs"), ("prompt_logprobs", "--prompt-logprobs")):
-        if getattr(opts, key) is not None:
+    for value, flag in ((opts.logprobs, "--logprobs"), (opts.prompt_logprobs, "--prompt-logprobs")):
+        if value is not None:
             raise ApcscoreError(f"{flag} does not apply to OpenAI Batch request lines: each request's body says "
                                 "which logprobs it wants (chat: logprobs and top_logprobs; completions: logprobs, "
                                 "with echo the prompt's too; prompt_logprobs) — drop it")

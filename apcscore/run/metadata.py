@@ -14,7 +14,7 @@ from typing import Any
 from apcscore.engine.interface import BatchEngine
 from apcscore.engine.provenance import engine_sections, model_section, package_version, run_header, versions
 from apcscore.io.tabular_input import parse_columns
-from apcscore.options.commands import RunOptions
+from apcscore.options.commands import RequestOptions, RunOptions
 
 
 def dataset_metadata(data: Any, opts: RunOptions) -> dict:
@@ -27,7 +27,7 @@ def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions, 
     """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
     tok = engine.tokenizer
     job_meta = job.metadata()
-    if command in ("score", "generate"):
+    if isinstance(opts, RequestOptions):  # score and generate
         job_meta["truncate"] = opts.truncate
     return {
         **run_header(command),

@@ -18,7 +18,7 @@ from typing import Any
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.reader import MAX_LISTED_PROBLEMS, LoadedDataset
 from apcscore.io.schemas import InvalidRecord
-from apcscore.options.commands import RunOptions
+from apcscore.options.commands import GenerateOptions, RunOptions
 
 
 def default_out(dataset: Path, command: str, suffix: str = ".parquet", shard: str | None = None) -> Path:
@@ -131,10 +131,10 @@ def check_file_path(out: Path, what: str = "--out") -> None:
 def check_against_model(command: str, opts: RunOptions, data: LoadedDataset, vocab_size: int,
                         tokenizer: Any) -> LoadedDataset:
     """`data` with the records the model cannot run moved to `invalid` (or ApcscoreError without --skip-invalid)."""
-    for key in ("prompt_logprobs", "logprobs"):
-        k = getattr(opts, key, None)
+    asked = {"prompt-logprobs": opts.prompt_logprobs, "logprobs": opts.logprobs if isinstance(opts, GenerateOptions) else None}
+    for key, k in asked.items():
         if k is not None and k > vocab_size:
-            raise ApcscoreError(f"--{key.replace('_', '-')} {k} is more than the model's vocabulary of {vocab_size} "
+            raise ApcscoreError(f"--{key} {k} is more than the model's vocabulary of {vocab_size} "
                                 f"tokens — ask for at most {vocab_size} alternatives")
     empty_has_tokens = bool(list(tokenizer("").input_ids))
     name = str(data.path)
