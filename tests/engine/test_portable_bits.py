@@ -134,9 +134,15 @@ def test_special_values() -> None:
     assert rowmath.exp_scalar(0.0) == 1.0 and rowmath.log_scalar(1.0) == 0.0
 
 
+def setting_env(setting: tuple[str, str, str]) -> dict[str, str]:
+    """The environment of a subprocess run under `setting` (ATEN_CPU_CAPABILITY, APCSCORE_SIMD, OMP_NUM_THREADS)."""
+    capability, simd, threads = setting
+    return {**os.environ, "ATEN_CPU_CAPABILITY": capability, "APCSCORE_SIMD": simd, "OMP_NUM_THREADS": threads}
+
+
 def run_digests(setting: tuple[str, str, str], extra: list[str], tmp_path: Path) -> dict:
     capability, simd, threads = setting
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "APCSCORE_SIMD": simd, "OMP_NUM_THREADS": threads}
+    env = setting_env(setting)
     out = tmp_path / f"{capability}-{simd}-{threads}.json"
     res = subprocess.run([sys.executable, str(SCRIPT), "--write", str(out), *extra], env=env, capture_output=True,
                          text=True, timeout=1800)
@@ -147,6 +153,26 @@ def run_digests(setting: tuple[str, str, str], extra: list[str], tmp_path: Path)
 def supported(settings: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
     """The settings this CPU can run (AVX-512 ones only where it has AVX-512)."""
     return [s for s in settings if s[1] in levels()]
+
+
+# what a setting's subprocess must see: torch's capability; our GEMM's micro-kernel and the row math's cap
+CAPABILITY_SEEN = {"default": "DEFAULT", "avx2": "AVX2", "avx512": "AVX512"}
+KERNEL_SEEN = {"scalar": ["scalar-fma", "0"], "avx2": ["avx2-fma", "1"], "avx512": ["avx512-fma", "2"]}
+PROBE = ("import torch; from apcscore.kernels.cpu_gemm import simd_level; from apcscore.kernels.cpu_library import "
+         "forced_simd; print(torch.backends.cpu.get_cpu_capability(), simd_level(), forced_simd(), "
+         "torch.get_num_threads())")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting", supported(SETTINGS), ids="-".join)
+def test_the_forced_settings_take_effect(setting: tuple[str, str, str]) -> None:
+    """The settings the cross-setting tests below force reach torch and our kernels: were one ignored (a renamed
+    variable, a torch that drops ATEN_CPU_CAPABILITY), those tests would compare a setting with itself and pass."""
+    res = subprocess.run([sys.executable, "-c", PROBE], env=setting_env(setting), capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    capability, simd, threads = setting
+    assert res.stdout.split() == [CAPABILITY_SEEN[capability], *KERNEL_SEEN[simd], threads], (setting, res.stdout)
 
 
 @pytest.mark.slow
@@ -179,3 +205,86 @@ def test_tiny_families_bits_do_not_depend_on_the_instruction_set(tiny_model_dir,
     first = next(iter(runs.values()))
     for setting, digests in runs.items():
         assert digests == first, (setting, [k for k in first if digests.get(k) != first[k]])
+
+
+# The subprocess runs above score prompts shorter than one 64-key tile; these families' attention across tiles: plain
+# causal (Llama), soft-capped with a window inside a tile (Gemma 2: 24), a window across a tile (Gemma 3: 70). The
+# row ops do not depend on the length (one row at a time): the short runs reach them already.
+TILE_FAMILIES = ["llama", "gemma2", "gemma3"]
+IN_PROCESS = [("scalar", 1), ("avx2", 2), ("avx512", 1)]  # APCSCORE_SIMD, torch threads (ATen's level is fixed here)
+
+
+def golden_digest(path: Path) -> str:
+    """scripts/golden_digests.digest: SHA-256 of a result file's bit columns (every float's exact hex form)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("golden_digests", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.digest(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", TILE_FAMILIES)
+def test_perplexity_and_greedy_generation_across_tiles_do_not_depend_on_the_simd_level(
+        arch: str, tiny_model_dir, write_jsonl, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Perplexity of a 282-token text (windows of 160: three key tiles) and greedy generation of 16 tokens after a
+    190-token prompt (prefill and decode over three tiles, the prompt's logprobs too) of tiny native families, fp32
+    and bf16: the same digests under each of our kernels' levels and 1 or 2 threads (in process: ATen's capability
+    cannot change once torch is loaded; the subprocess tests above vary it)."""
+    from typer.testing import CliRunner
+
+    from apcscore.cli import app
+
+    text = json.loads((ROOT / "datasets" / "sample_texts.jsonl").read_text().splitlines()[0])["text"][:900]
+    texts = write_jsonl(tmp_path / "texts.jsonl", [{"id": "t", "text": text}])
+    prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"id": "p", "prompt": text[:600]}])
+    runs = {"perplexity": ["perplexity", str(texts), "--window", "160", "--stride", "80"],
+            "greedy": ["generate", str(prompts), "--max-tokens", "16", "--logprobs", "3", "--prompt-logprobs", "2"]}
+    model, threads_before, digests = str(tiny_model_dir(arch)), torch.get_num_threads(), {}
+    try:
+        for simd, threads in [s for s in IN_PROCESS if s[0] in levels()]:
+            monkeypatch.setenv("APCSCORE_SIMD", simd)
+            torch.set_num_threads(threads)
+            for name, args in runs.items():
+                for dtype in ("float32", "bfloat16"):
+                    out = tmp_path / f"{simd}-{threads}-{name}-{dtype}.parquet"
+                    res = CliRunner().invoke(app, [*args, "--model", model, "--dtype", dtype, "--out", str(out),
+                                                   "--quiet"])
+                    assert res.exit_code == 0, res.output
+                    digests.setdefault((name, dtype), {})[(simd, threads)] = golden_digest(out)
+    finally:
+        torch.set_num_threads(threads_before)
+    for key, by_setting in digests.items():
+        assert len(set(by_setting.values())) == 1, (arch, key, by_setting)
+
+
+@pytest.mark.slow
+def test_the_default_models_logprobs_are_as_close_to_float64_as_transformers_fp32(default_model_files) -> None:
+    """Issue 39's bar: on the sample prompts, the max and the mean |Δ logprob| of apcscore fp32 against transformers'
+    float64 forward of the same weights (eager attention) are no larger than transformers' fp32 ones
+    (docs/benchmarks.md, "Portable bits": 1.19e-5 / 1.52e-6 against 1.91e-5 / 7.66e-6 when measured)."""
+    from transformers import AutoModelForCausalLM
+
+    from apcscore import EngineConfig, Request, load_engine
+
+    engine = load_engine("smollm2-135m", EngineConfig(dtype="float32"))
+    records = [json.loads(line) for line in (ROOT / "datasets" / "sample_prompts.jsonl").open()]
+    all_ids = [r["prompt_token_ids"] if "prompt_token_ids" in r else engine.tokenizer(r["prompt"]).input_ids
+               for r in records]
+    outs = {o.request_id: o for o in engine.run([Request(str(i), ids, prompt_logprobs=1)
+                                                  for i, ids in enumerate(all_ids)])}
+    ours = torch.cat([torch.from_numpy(outs[str(i)].prompt_logprobs.token_logprobs).double()
+                      for i in range(len(all_ids))])
+    ref = {}
+    for dtype in (torch.float64, torch.float32):
+        model = AutoModelForCausalLM.from_pretrained(default_model_files.path, dtype=dtype,
+                                                     attn_implementation="eager").eval()
+        with torch.no_grad():
+            lps = [torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1).gather(
+                1, torch.tensor(ids[1:])[:, None])[:, 0].double() for ids in all_ids]
+        ref[dtype] = torch.cat(lps)
+    assert len(ours) == len(ref[torch.float64]) == sum(len(ids) - 1 for ids in all_ids)
+    ours_err, theirs_err = (ours - ref[torch.float64]).abs(), (ref[torch.float32] - ref[torch.float64]).abs()
+    assert ours_err.max() <= theirs_err.max(), (float(ours_err.max()), float(theirs_err.max()))
+    assert ours_err.mean() <= theirs_err.mean(), (float(ours_err.mean()), float(theirs_err.mean()))

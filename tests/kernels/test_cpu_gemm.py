@@ -7,7 +7,9 @@ model's real projection shapes, in every dtype the engine runs; accuracy against
 from __future__ import annotations
 
 import itertools
+from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -145,3 +147,39 @@ def test_a_weight_at_a_freed_weights_address_is_packed_anew() -> None:
         weight = torch.randn(48, 64, generator=torch.Generator().manual_seed(seed))
         assert torch.equal(linear(x, weight), FixedOrderLinear()(x, weight))
         del weight
+
+
+def _round_f32(exact: Fraction) -> Fraction:
+    """exact rounded to the nearest float32, ties to even (IEEE 754's one rounding), as an exact Fraction."""
+    near = np.float32(float(exact))  # within an ulp (float64 then float32 may round twice)
+    candidates = [np.nextafter(near, np.float32(-np.inf)), near, np.nextafter(near, np.float32(np.inf))]
+    best = min(candidates, key=lambda c: (abs(Fraction(float(c)) - exact), int(np.array(c).view(np.int32)) & 1))
+    return Fraction(float(best))
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """Each element as the construction defines it, in exact arithmetic rounded once per step: a chain
+    p = fma(x[k], w[k], p) from +0 over each block of `block` k, the blocks' sums added to +0 in order."""
+    xs, ws = [[Fraction(float(v)) for v in row] for row in x.tolist()], [[Fraction(float(v)) for v in row]
+                                                                          for row in w.tolist()]
+    out = torch.empty(x.shape[0], w.shape[0])
+    for (i, xr), (j, wr) in itertools.product(enumerate(xs), enumerate(ws)):
+        c = Fraction(0)
+        for b0 in range(0, len(xr), block):
+            p = Fraction(0)
+            for a, b in zip(xr[b0:b0 + block], wr[b0:b0 + block]):
+                p = _round_f32(a * b + p)
+            c = _round_f32(c + p)
+        out[i, j] = float(c)
+    return out
+
+
+def test_every_element_is_the_blocked_chain_order() -> None:
+    """Issue 39 item 0, pinned: every kernel's bits are those of the order written in exact arithmetic (blocks of 64
+    k, each one fma chain, blocks added in order), K = 200 (three whole blocks and a part). The same data under one
+    chain over all of K differs, so an order change fails here and not only in the golden digests."""
+    x, weight = operands(200, 8, 4, torch.float32, 11)
+    want = _reference(x, weight, 64)
+    assert not torch.equal(want, _reference(x, weight, 200)), "the data cannot tell the blocked order from one chain"
+    for simd in (0, 1, 2):  # capped at what the CPU has
+        assert torch.equal(FixedOrderLinear(simd=simd)(x, weight), want), simd
