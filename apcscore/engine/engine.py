@@ -21,7 +21,7 @@ from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
 from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
-from apcscore.engine.model_files import LoadedModel, load_model
+from apcscore.engine.model_files import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, capping_window, context_length
 from apcscore.engine.model_runner import ModelRunner, StepOutput
 from apcscore.engine.scheduler import Scheduler
@@ -120,7 +120,7 @@ class Engine:
         config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        model = load_model(model) if isinstance(model, str) else model
+        model = loaded(model)
         files = model.files
         check_architecture(model.config)  # before the weights are read
         if config.tensor_parallel_size > 1:  # each rank reads only its slices of the weights

@@ -28,7 +28,7 @@ from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
-from apcscore.engine.model_files import LoadedModel, load_model
+from apcscore.engine.model_files import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
@@ -78,7 +78,7 @@ class TransformersEngine:
         config = config or EngineConfig()
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
-        model = load_model(model) if isinstance(model, str) else model
+        model = loaded(model)
         files = model.files
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
         hf_model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)

@@ -16,7 +16,7 @@ from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.engine.engine import Engine
 from apcscore.engine.hf_engine import TransformersEngine
-from apcscore.engine.model_files import LoadedModel, load_model
+from apcscore.engine.model_files import LoadedModel, loaded
 from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
 from apcscore.engine.model_info import context_length
 from apcscore.models.architecture import choose_model_backend
@@ -35,7 +35,7 @@ def load_engine(model: LoadedModel | str, config: EngineConfig | None = None) ->
     config = config or EngineConfig()
     check_backend_device(config)
     resolve_dtype(config.dtype, resolve_device(config.device))
-    model = load_model(model) if isinstance(model, str) else model
+    model = loaded(model)
     if choose_model_backend(model.config, config.model_backend) == "transformers":
         check_single_device(model.config, config)
         return TransformersEngine.from_model(model, config)

@@ -6,7 +6,8 @@ is one clear error (exit 2) naming it, not a traceback from deep inside a loader
 - `check_weight_files`: every safetensors file of a model directory is complete (its header and the tensor bytes
   it announces), and a damaged converted copy in the cache is named with the folder to delete;
 - `resolve_parts`: the config and tokenizer (`models.resolved`), whose refusals are bad input (exit 2, one line);
-- `load_model(spec)`: all of these once, as one `LoadedModel` value that is handed down to the engine.
+- `load_model(spec)`: all of these once, as one `LoadedModel` value that is handed down to the engine
+  (`loaded` takes either).
 """
 
 from __future__ import annotations
@@ -17,11 +18,15 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from apcscore.errors import ApcscoreError
 from apcscore.models.gguf_cache import cache_root
 from apcscore.models.locate import safetensors_files
+
+if TYPE_CHECKING:  # (models.resolved imports torch: this module stays cheap)
+    from apcscore.models.locate import ModelFiles
+    from apcscore.models.resolved import ResolvedModel
 
 _CACHE_HINT = ("point it to a folder apcscore can write (it keeps converted models and compiled kernels there), or "
                "unset it to use ~/.cache/apcscore")
@@ -86,7 +91,7 @@ def check_weight_files(model_dir: Path) -> None:
                             "again")
 
 
-def resolve_parts(model_dir: Path) -> Any:
+def resolve_parts(model_dir: Path) -> ResolvedModel:
     """`models.resolved.resolve_model_parts(model_dir)`; a refusal (a folder without its tokenizer, a config no path
     runs) comes before anything ran, so it is bad input: exit 2, its message on one line."""
     from apcscore.models.resolved import resolve_model_parts
@@ -106,8 +111,8 @@ class LoadedModel:
     parts: the config, tokenizer and rope tables (`models.resolved.ResolvedModel`).
     """
 
-    files: Any
-    parts: Any
+    files: ModelFiles
+    parts: ResolvedModel
 
     @property
     def config(self) -> Any:
@@ -132,3 +137,8 @@ def load_model(spec: str) -> LoadedModel:
     files = resolve_model(spec)
     check_weight_files(files.path)
     return LoadedModel(files, resolve_parts(files.path))
+
+
+def loaded(model: LoadedModel | str) -> LoadedModel:
+    """`model` itself, or the `load_model` value of a spec (the engines' constructors take either)."""
+    return load_model(model) if isinstance(model, str) else model

@@ -254,7 +254,7 @@ def observe_previous(job: Any, writer: Any) -> tuple[int, int]:
     return rows, errors
 
 
-def _write_rows(executor: Any, job: Any, data: LoadedDataset, writer: Any, console: Console,
+def _write_rows(executor: Executor, job: Any, data: LoadedDataset, writer: Any, console: Console,
                 show_progress: bool) -> tuple[int, int, float, bool]:
     """Invalid records' error rows, then the executor's rows of the records not done yet, into the writer;
     (rows, error rows, seconds, interrupted). SIGINT/SIGTERM stop it after the current engine step (or the
