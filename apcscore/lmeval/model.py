@@ -37,7 +37,7 @@ from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
 from apcscore.options.commands import engine_config
 from apcscore.lmeval.model_args import check_model_args, device_args
 from apcscore.lmeval.store import generation_key, loglikelihood_key
-from apcscore.scale.partition import Item, assign, block_digests
+from apcscore.scale.partition import assign_prompts
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 # generation kwargs lm-eval tasks set that change nothing here (HF generate's own switches)
@@ -173,9 +173,8 @@ class ApcscoreLM(TemplateLM):
         if self.shard is None:
             return [True] * len(prompts)
         index, parts = self.shard
-        block = self.engine.config.block_size
-        items = [Item(i, block_digests(p, block), max(1, n)) for i, (p, n) in enumerate(zip(prompts, loads))]
-        return [part == index for part in assign(items, parts, self.partition)]
+        return [part == index for part in assign_prompts(prompts, loads, parts, self.engine.config.block_size,
+                                                         self.partition)]
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
              done: Callable[[RequestOutput], None], total: int) -> None:

@@ -26,10 +26,10 @@ def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
-    """The run metadata's sections that describe the model and the engine (run/metadata.py, as every run
-    records them): what fixes the bits, so the responses' identity is made of them (lmeval/store.identity)."""
-    engine = lm.engine
+def config_sections(engine: Any, config: EngineConfig) -> dict[str, Any]:
+    """The run metadata's sections that describe the model and the engine (an engine/interface.BatchEngine;
+    run/metadata.py, as every run records them): what fixes the bits, so the responses' identity is made of them
+    (lmeval/store.identity)."""
     return {
         "apcscore_version": apcscore_version(),
         "code": code_fingerprint(),
@@ -41,7 +41,8 @@ def config_sections(lm: Any, config: EngineConfig) -> dict[str, Any]:
 
 
 def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
-             timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any]) -> dict[str, Any]:
+             timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any],
+             ray: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
     run records (run/metadata.py), with the eval's own; `timing`: this process's seconds and engine counters
     (run/metadata.add_timings: prompt tokens computed, the prefix cache's hits); `responses`: how many were
@@ -56,6 +57,7 @@ def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], r
         **{k: v for k, v in sections.items() if k not in ("apcscore_version", "code")},
         "responses": dict(responses),
         "timing": dict(timing),
+        **({"ray": dict(ray)} if ray is not None else {}),
     }
 
 

@@ -10,14 +10,13 @@ SIGINT/SIGTERM stop it after the current engine step (run/signals.py, as for the
 
 `<out>/results.json` is lm-eval's results (without the samples); `<out>/requests.parquet` has one row per
 request (lmeval/requests.py); with --log-samples, `<out>/samples_<task>.jsonl` are lm-eval's samples files.
-`--shard I/N` writes `shard.json` instead, `--ray` runs the shards as Ray tasks and merges them
-(run/eval_shards.py).
+`--shard I/N` writes `shard.json` instead (run/eval_shards.py: their merge); `--ray` runs the same eval with its
+engine on Ray replicas (run/ray_engine.RayEngine).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +31,7 @@ from apcscore.lmeval.results import config_sections, run_info, tables
 from apcscore.lmeval.store import ResponseStore, identity
 from apcscore.lmeval.tasks import EvalPlan, import_lm_eval, load_tasks, plan, simple_evaluate, split_tasks
 from apcscore.run import eval_folder
-from apcscore.run.eval_shards import SHARDS, check_finished, prepare_merge
+from apcscore.run.eval_shards import prepare_merge
 from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
 
 BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
@@ -58,8 +57,6 @@ def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
     parsed = plan(opts, tasks)  # --gen-kwargs checked after --out, as before
     if opts.batch_size is not None:
         note(BATCH_SIZE_NOTE)
-    if opts.ray is not None:
-        return eval_on_ray(opts, echo, note)
     return evaluate(opts, parsed, echo, note)
 
 
@@ -70,18 +67,34 @@ def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: 
     made once by the caller. shards: the folders of the shard runs a merge reads every response from (nothing
     is computed: a missing one is an error), with `engine` their stand-in (run/eval_shards.RecordedEngine: no
     weights)."""
-    from apcscore.lmeval.model import ApcscoreLM
-    from apcscore.lmeval.requests import write_outputs, write_samples
-
     out = Path(opts.out)
     manager = load_tasks(parsed.tasks, opts.include_path)
     if opts.overwrite:
         eval_folder.clear(out)
     started = time.perf_counter()
+    if engine is not None or opts.ray is None:
+        return _evaluate(opts, parsed, manager, echo, note, started, shards, engine)
+    from apcscore.engine.model_files import load_model
+    from apcscore.run.ray_engine import RayEngine
+
+    ray_engine = RayEngine(opts, load_model(opts.model))  # the weights on the replicas
+    try:
+        return _evaluate(opts, parsed, manager, echo, note, started, None, ray_engine)
+    finally:
+        ray_engine.close()
+
+
+def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note: Any, started: float,
+              shards: list[Path] | None, engine: Any) -> int:
+    """`evaluate` once the tasks are loaded and the engine (if not this process's own) is built."""
+    from apcscore.lmeval.model import ApcscoreLM
+    from apcscore.lmeval.requests import write_outputs, write_samples
+
+    out = Path(opts.out)
     lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length, seed=opts.engine.seed,
                     progress=not opts.quiet, engine=engine, config=opts.engine)
     load_seconds = time.perf_counter() - started
-    sections = engine.sections if engine is not None else config_sections(lm, opts.engine)
+    sections = engine.sections if engine is not None else config_sections(lm.engine, opts.engine)
     ident = identity(sections)
     resumed = eval_folder.start(out, eval_folder.run_record(opts, ident), opts.resume)
     caches = [opts.cache] if opts.cache is not None else []
@@ -124,7 +137,8 @@ def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: 
                  f"the other shards; wrote {out / store.name}. Join the shards with `apcscore merge OUT "
                  "SHARD_DIR...`")
         return 0
-    meta = run_info(sections, opts, parsed.tasks, results, timing, lm.max_length, counts)
+    ray = lm.engine.section() if opts.ray is not None else None  # run/ray_engine.RayEngine's replicas
+    meta = run_info(sections, opts, parsed.tasks, results, timing, lm.max_length, counts, ray)
     written = write_samples(out, results if opts.log_samples else {})  # before results.json: it marks a run done
     write_outputs(out, results, meta)
     if not opts.quiet:
@@ -132,6 +146,9 @@ def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: 
             echo(table)
         echo(f"wrote {out / 'results.json'} and {out / 'requests.parquet'}"
              + (f" and {len(written)} samples file(s) {out / 'samples_<task>.jsonl'}" if written else ""))
+        if ray is not None:
+            echo(f"ray: {ray['replicas']} replicas; engine requests per replica "
+                 f"{[r['requests_assigned'] for r in ray['per_replica']]}")
     return 0
 
 
@@ -146,46 +163,3 @@ def merge_eval(out: Path, paths: list[Path], overwrite: bool, echo: Any, note: A
     """`apcscore merge OUT SHARD_DIR...` of eval shards: check them, then write OUT as one run would have."""
     opts, engine = prepare_merge(out, paths, overwrite)
     return evaluate(opts, plan(opts), echo, note, shards=paths, engine=engine)
-
-
-def eval_on_ray(opts: EvalOptions, echo: Any, note: Any) -> int:
-    """`eval --ray`: the shards as Ray tasks into <out>/shards/, then their merge into <out>."""
-    from apcscore.run.ray_executor import connect, import_ray, replica_resources
-
-    ray = import_ray()
-    out, n = Path(opts.out), int(opts.replicas)
-    folders = [out / SHARDS / f"{i}-of-{n}" for i in range(n)]
-    if (out / SHARDS).exists():
-        if opts.overwrite:
-            shutil.rmtree(out / SHARDS)
-        elif not opts.resume:
-            raise ApcscoreError(f"--out {out} holds the shards of an unfinished --ray run ({out / SHARDS}); pass "
-                                "--resume to continue it, or --overwrite to discard it and start over")
-    started = connect(ray, opts.ray)
-    try:
-        cpus, gpus = replica_resources(ray, opts)
-        task = ray.remote(_shard_task).options(num_cpus=cpus, num_gpus=gpus, max_retries=2)
-        values = eval_folder.flat_options(opts)
-        refs = []
-        for i, folder in enumerate(folders):
-            if (folder / eval_folder.SHARD_FILE).exists():  # finished in an earlier session of this run
-                check_finished(folder, values, f"{i}/{n}")
-                continue
-            shard = {**values, "out": str(folder), "shard": f"{i}/{n}", "ray": None, "replicas": 1,
-                     "cpus_per_replica": None, "gpus_per_replica": None, "overwrite": False, "resume": True,
-                     "quiet": True}
-            refs.append(task.remote(shard))
-        codes = ray.get(refs)
-    finally:
-        if started:
-            ray.shutdown()
-    if any(codes):
-        note(f"a shard was interrupted; rerun with --resume to continue ({out / SHARDS})")
-        return EXIT_INTERRUPTED
-    return merge_eval(out, folders, opts.overwrite, echo, note)
-
-
-def _shard_task(values: dict[str, Any]) -> int:
-    """One shard of `eval --ray`, in a Ray worker."""
-    opts = replace(eval_folder.options_from(values), quiet=True)
-    return evaluate(opts, plan(opts), lambda text: None, lambda text: None)

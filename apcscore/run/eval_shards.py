@@ -1,5 +1,6 @@
-"""`eval --shard I/N` joined by `apcscore merge OUT SHARD_DIR...`, and `eval --ray`: lm-eval requests split
-over processes, results equal to one process's.
+"""`eval --shard I/N` joined by `apcscore merge OUT SHARD_DIR...`: lm-eval requests split over processes (array
+jobs), results equal to one process's. (`eval --ray` needs no shards: one lm-eval whose engine runs on Ray
+replicas, run/ray_engine.py.)
 
 A shard process builds every task's requests (lm-eval's task building is deterministic), computes only its
 share of each request call (ApcscoreLM.shard_mask: the prefix-aware split of `--shard`, scale/partition.py,
@@ -12,11 +13,6 @@ lm-eval once more with every response read from the shards' journals and none co
 error). It needs no weights: the engine is a stand-in (`RecordedEngine`) that has the tokenizer and the model
 facts the shards recorded. A response is stored exactly, so results.json's metrics and requests.parquet are
 those one process computes, bitwise. The merged folder's journal holds every response (a cache for later).
-
-`--ray` runs the N = --replicas shards as Ray tasks (--cpus-per-replica, --gpus-per-replica) into
-`<out>/shards/I-of-N`, then merges them into <out> in this process (run/eval.eval_on_ray). With --resume, finished shards are kept
-and unfinished ones continue from their journals. The shard folders must be reachable from this process (one
-machine, or a shared file system).
 """
 
 from __future__ import annotations
@@ -30,12 +26,8 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
-from apcscore.io.identity import short
 from apcscore.options.commands import EvalOptions
 from apcscore.run import eval_folder
-
-SHARDS = "shards"
-
 
 def is_eval_shard(path: Path) -> bool:
     """Whether `path` is the folder of an `eval --shard` run (finished or not)."""
@@ -118,24 +110,3 @@ def prepare_merge(out: Path, paths: list[Path], overwrite: bool) -> tuple[EvalOp
     eval_folder.check_out(out, opts)
     tokenizer = resolve_model_parts(resolve_model(opts.model).path).tokenizer
     return opts, RecordedEngine(tokenizer, records[0]["config"])
-
-
-def check_finished(folder: Path, values: dict[str, Any], shard: str) -> None:
-    """`eval --ray --resume`: refuse a finished shard that was asked otherwise than this run (the options of
-    eval_folder.RUN_KEYS) or computed by another apcscore (its version and numerics code). The rest of its identity
-    (numerics, versions) is compared with the other shards' by the merge."""
-    from apcscore.engine.provenance import apcscore_version, code_fingerprint
-
-    record = eval_folder.read_json(folder / eval_folder.SHARD_FILE, "an eval shard record")
-    asked = (record.get("run") or {}).get("run") or {}
-    ident = (record.get("run") or {}).get("identity") or {}
-    now = {**{k: values.get(k) for k in eval_folder.RUN_KEYS}, "shard": shard}
-    diffs = [f"{k}: {short(asked.get(k), 80)} vs {short(now[k], 80)}" for k in eval_folder.RUN_KEYS
-             if asked.get(k) != now[k]]
-    code = {"apcscore_version": apcscore_version(), **{f"code.{k}": v for k, v in code_fingerprint().items()}}
-    diffs += [f"{k}: {short(ident.get(k), 80)} vs {short(v, 80)}" for k, v in code.items()
-              if ident.get(k) != v]
-    if diffs:
-        raise ApcscoreError(f"--resume: the finished shard {folder} was run otherwise than this run "
-                            f"({'; '.join(diffs)}); run it with its own options, or start afresh: --overwrite, "
-                            "or another --out")

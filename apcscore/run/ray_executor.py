@@ -1,10 +1,10 @@
-"""`--ray ADDRESS`: the Ray executor: score / perplexity / generate on Ray replicas, while this process (the
-one driver, run/driver.py) writes the file.
+"""`--ray ADDRESS`: the Ray executor: score / perplexity / generate on Ray replicas (run/ray_replicas.py, the
+replicas eval's `--ray` runs on too), while this process (the one driver, run/driver.py) writes the file.
 
 How a run goes:
 1. The driver checks everything a single run checks (options, output, dataset, the model's config and
-   tokenizer) before any weights load, then starts `--replicas` actors (scale/replica.py), each holding an
-   Engine (`--gpus-per-replica`, `--cpus-per-replica`).
+   tokenizer) before any weights load, then starts `--replicas` actors (run/ray_replicas.ReplicaPool), each a
+   `LocalExecutor` holding an Engine (`--gpus-per-replica`, `--cpus-per-replica`).
 2. It splits the records prefix-aware with the function `--shard` uses (scale/partition.py; the requests are
    built with the model's tokenizer and engine/loader.engine_context_length), so records that share their
    first KV blocks run on one replica and hit its prefix cache.
@@ -32,7 +32,7 @@ Why plain actors and not Ray Data's `map_batches` with an actor pool (the issue'
 hands each block to whichever actor is free, so records of one prefix group would be scattered over replicas
 unless a whole part were one block, and then nothing would come back until a part was finished (no streaming to
 the writer, no resume, a fault reruns a whole part). Actors addressed by part give prefix-aware routing with
-chunk-sized retries. Ray is imported only here, and only for `--ray`.
+chunk-sized retries.
 """
 
 from __future__ import annotations
@@ -44,78 +44,16 @@ from apcscore.engine.counters import EngineCounters
 from apcscore.engine.loader import engine_context_length
 from apcscore.engine.model_files import LoadedModel
 from apcscore.errors import ApcscoreError
-from apcscore.io.identity import RAY, differing
 from apcscore.io.reader import LoadedDataset
 from apcscore.run.metadata import add_timings
 from apcscore.options.commands import RunOptions
 from apcscore.run.verify import combine_reports
 from apcscore.run.local import LocalExecutor
-from apcscore.scale.replica import Replica
+from apcscore.run.ray_replicas import MAX_TASK_RETRIES, ReplicaPool
 from apcscore.scale.shard import Split, split_dataset
 
 CHUNK_RECORDS = 64
 IN_FLIGHT = 2
-MAX_RESTARTS = 2  # times Ray restarts a replica whose process died
-MAX_TASK_RETRIES = 2  # times Ray runs a chunk again after its replica died
-
-
-def import_ray() -> Any:
-    try:
-        import ray
-    except ImportError:
-        raise ApcscoreError("--ray needs Ray, which is not installed: pip install 'apcscore[ray]' "
-                            "(or make install), or run without --ray") from None
-    return ray
-
-
-def connect(ray: Any, address: str) -> bool:
-    """Join the cluster at `address` (auto | local | ray://... | host:port); True when this call started Ray."""
-    if ray.is_initialized():  # this process already holds a Ray session (e.g. a test's ray.init)
-        return False
-    try:
-        if address == "local":
-            ray.init(include_dashboard=False, log_to_driver=False)
-        else:
-            ray.init(address=address, log_to_driver=False)
-    except ConnectionError as exc:
-        raise ApcscoreError(f"--ray {address}: no Ray cluster to join ({exc}) — start one (`ray start --head`), "
-                            "or use --ray local to start one on this machine") from None
-    return True
-
-
-def replica_resources(ray: Any, opts: Any) -> tuple[float, float]:
-    """(CPUs, GPUs) of one replica: --cpus-per-replica (default 1) and --gpus-per-replica (default 1 on a
-    cluster with GPUs unless --device cpu, else 0)."""
-    gpus = opts.gpus_per_replica
-    if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
-    cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
-    have = ray.cluster_resources()
-    for name, key, need in (("GPU", "gpus", gpus), ("CPU", "cpus", cpus)):
-        if need > have.get(name, 0):  # the actor would wait for them forever, without a word
-            shown = ", ".join(f"{k} {v:g}" for k, v in sorted(have.items()) if k in ("CPU", "GPU")) or "none"
-            raise ApcscoreError(f"--{key}-per-replica {need:g}: the Ray cluster has {have.get(name, 0):g} {name}s "
-                                f"in all ({shown}), so no replica could start — ask for at most "
-                                f"{have.get(name, 0):g}" + (" (--gpus-per-replica 0 runs on the CPU)" if name == "GPU"
-                                                            else "") + ", or join a cluster that has them (--ray ADDRESS)")
-    return cpus, gpus
-
-
-def _get(ray: Any, ref: Any) -> Any:
-    """ray.get, with a replica's failure as an ApcscoreError that quotes its cause."""
-    try:
-        return ray.get(ref)
-    except ray.exceptions.RayError as exc:
-        cause = getattr(exc, "cause", None)
-        if isinstance(cause, ApcscoreError):
-            raise ApcscoreError(f"a Ray replica refused the run: {cause}", exit_code=cause.exit_code) from None
-        text = str(exc)
-        at = text.rfind("ApcscoreError: ")  # raised in a replica's creation task: only its text comes back
-        if at >= 0:
-            raise ApcscoreError(f"a Ray replica refused the run: {text[at + 15:].strip()}") from None
-        lines = [line for line in text.strip().splitlines() if line.strip()]
-        last = lines[-1] if lines else type(exc).__name__
-        raise ApcscoreError(f"a Ray replica failed: {last}", exit_code=1) from None
 
 
 class RayExecutor:
@@ -123,35 +61,18 @@ class RayExecutor:
     It implements run/executor.Executor."""
 
     def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
-        ray = self.ray = import_ray()
         self.command, self.opts, self.block_size = command, opts, opts.engine.block_size
         self.tokenizer = model.tokenizer
         self.warnings: list[tuple[str, bool]] = []
-        self.started_ray = connect(ray, opts.ray)
-        self.actors: list[Any] = []
-        try:
-            cpus, gpus = replica_resources(ray, opts)
-        except ApcscoreError:
-            self.close()  # the Ray this call started
-            raise
-        self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
-        remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
-                                             max_task_retries=MAX_TASK_RETRIES)
-        self.load_start = time.perf_counter()
-        self.actors = [remote.remote(command, opts, LocalExecutor) for _ in range(int(opts.replicas))]
-        try:
-            self.descs = [_get(ray, ref) for ref in [a.describe.remote() for a in self.actors]]
-            _check_replicas([d["metadata"] for d in self.descs])
-        except BaseException:
-            self.close()
-            raise
+        self.pool = ReplicaPool(command, opts, LocalExecutor)  # started, described, checked to agree
+        self.ray, self.actors = self.pool.ray, self.pool.actors
         self.max_model_len = engine_context_length(model.config, opts.engine)  # what each replica's engine has
         self.split: Split | None = None
         self.run_start = time.perf_counter()
         self.failed: list[tuple[int, list[Any], str]] = []  # (replica, records not run, why)
 
     def metadata(self, job: Any) -> dict:
-        return dict(self.descs[0]["metadata"])
+        return self.pool.metadata(0)
 
     def rows(self, job: Any, data: LoadedDataset, todo: list[Any],
              tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:
@@ -184,7 +105,7 @@ class RayExecutor:
             for ref in ready:
                 r, chunk = pending.pop(ref)
                 try:
-                    rows = _get(ray, ref)
+                    rows = self.pool.get(ref)
                 except ApcscoreError as exc:
                     if exc.exit_code != 1:  # a refusal, not a fault
                         raise
@@ -203,28 +124,19 @@ class RayExecutor:
         """None: the replicas' counters are read at the end only (a killed Ray session's tokens are not kept)."""
         return None
 
-    def _stats(self, interrupted: bool) -> list[dict | None]:
-        """Each replica's counters; None for a failed replica, or one still busy after an interrupt."""
-        ray, dead = self.ray, {r for r, _, _ in self.failed}
-        refs = [a.stats.remote() for r, a in enumerate(self.actors) if r not in dead]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0 if interrupted else None)
-        alive = iter(_get(ray, ref) if ref in ready else None for ref in refs)
-        return [None if r in dead else next(alive) for r in range(len(self.actors))]
-
     def finish(self, interrupted: bool, run_seconds: float) -> tuple[dict, dict]:
-        stats = self._stats(interrupted)
+        stats = self.pool.stats({r for r, _, _ in self.failed}, interrupted)
         got = [s for s in stats if s is not None]
         load_seconds = max((s["load_seconds"] for s in got), default=0.0)
         dead = {r for r, _, _ in self.failed}
         split = self.split
         per_replica = [{"replica": r, "records_assigned": split.records[r] if split else 0,
-                        "load_assigned": split.loads[r] if split else 0, **_described(self.descs[r]),
+                        "load_assigned": split.loads[r] if split else 0, **self.pool.described(r),
                         **(_replica_run(s) if s is not None else
                            {"stats": "failed" if r in dead else "not available (interrupted while busy)"})}
                        for r, s in enumerate(stats)]
-        ray_meta = {"address": self.opts.ray, "replicas": len(self.actors), **self.resources,
-                    "chunk_records": CHUNK_RECORDS, "partition": split.metadata() if split else None,
-                    "per_replica": per_replica, "setup_seconds": round(self.run_start - self.load_start, 3)}
+        ray_meta = {**self.pool.section(), "chunk_records": CHUNK_RECORDS,
+                    "partition": split.metadata() if split else None, "per_replica": per_replica}
         total = sum((s["counters"] for s in got), EngineCounters())  # the replicas' counters added up
         return total.to_timings(load_seconds, run_seconds), {"ray": ray_meta}
 
@@ -233,7 +145,7 @@ class RayExecutor:
         if not self.opts.verify_reuse:
             return None
         dead = {r for r, _, _ in self.failed}
-        reports = [_get(self.ray, a.verify.remote()) for r, a in enumerate(self.actors) if r not in dead]
+        reports = [self.pool.get(a.verify.remote()) for r, a in enumerate(self.actors) if r not in dead]
         return combine_reports([r for r in reports if r is not None])
 
     def failure(self) -> str | None:
@@ -253,30 +165,10 @@ class RayExecutor:
         return f"ray: {len(self.actors)} replicas; records per replica {self.split.records if self.split else []}"
 
     def close(self) -> None:
-        for actor in self.actors:
-            self.ray.kill(actor)
-        if self.started_ray:
-            self.ray.shutdown()
-
-
-def _check_replicas(metas: list[dict]) -> None:
-    """Refuse replicas that would write one file of several configurations (other hardware, numerics, versions)."""
-    for r, meta in enumerate(metas[1:], start=1):
-        diff = differing(metas[0], meta, RAY)
-        if diff:
-            raise ApcscoreError(f"--ray: replica {r} does not run the configuration of replica 0 ("
-                                f"{'; '.join(diff)}), so their rows would differ in bits; run the replicas on one "
-                                "kind of machine and software (e.g. a Ray resource or node label per kind)")
+        self.pool.close()
 
 
 def _replica_run(stats: dict) -> dict:
     """What one replica ran (recorded per replica): its records, process and timings."""
     timings = stats["counters"].to_timings(stats["load_seconds"], stats["run_seconds"])
     return {"records_run": stats["records"], "pid": stats["pid"], "timings": add_timings(None, timings)}
-
-
-def _described(desc: dict) -> dict:
-    """What a replica's own metadata says about where it ran (recorded per replica)."""
-    meta = desc["metadata"]
-    return {"device": meta.get("device"), "numerics": meta.get("numerics"), "versions": meta.get("versions"),
-            "num_kv_blocks": (meta.get("engine") or {}).get("num_kv_blocks"), "started_pid": desc.get("pid")}

@@ -125,6 +125,14 @@ def assign(items: list[Item], parts: int, method: str = "prefix") -> list[int]:
     return [part_of[it.index] for it in items]
 
 
+def assign_prompts(prompts: Sequence[Sequence[int]], loads: Sequence[int], parts: int, block_size: int,
+                   method: str = "prefix") -> list[int]:
+    """The part of each prompt (token ids, with its load: prompt plus generated tokens): `assign` over requests
+    rather than records (lm-eval's request calls: `eval --shard`'s mask and `eval --ray`'s routing)."""
+    items = [Item(i, block_digests(p, block_size), max(1, n)) for i, (p, n) in enumerate(zip(prompts, loads))]
+    return assign(items, parts, method)
+
+
 def fingerprint(items: list[Item], parts: list[int]) -> str:
     """SHA-256 of the assignment (record index -> part): equal for every task that split the same dataset
     the same way."""

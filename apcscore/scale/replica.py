@@ -1,10 +1,14 @@
-"""One `--ray` replica: a Ray actor that holds an engine and its job, and turns chunks of records into rows.
+"""One `--ray` replica: a Ray actor that holds an engine, and turns chunks of work into results.
 
-The actor runs a local executor (`run/local.LocalExecutor`, handed in by run/ray_executor.RayExecutor, so this
-package needs nothing from the run layer): the very code a single process runs, the command's job and the
-engine. The driver (run/driver.py through RayExecutor) writes its rows. It keeps its engine, and so its prefix
-cache, from chunk to chunk, and with --verify-reuse its own sample of requests, re-scored by `verify()` at the
-end. This module does not import ray: the executor wraps the class with `ray.remote`.
+The actor runs a host handed in by the run layer (run/ray_replicas.ReplicaPool), so this package needs nothing
+of it:
+- for score, generate and perplexity, a local executor (`run/local.LocalExecutor`), the very code a single
+  process runs, with the command's job: `run(records)` gives rows, which the driver writes;
+- for eval, the engine alone (`run/ray_engine.EngineHost`): `run_requests(requests)` gives the engine's
+  outputs, which lm-eval's model class in the driver's process turns into responses.
+It keeps its engine, and so its prefix cache, from chunk to chunk, and with --verify-reuse its own sample of
+requests, re-scored by `verify()` at the end. This module does not import ray: the pool wraps the class with
+`ray.remote`.
 """
 
 from __future__ import annotations
@@ -14,28 +18,33 @@ import time
 from typing import Any, Callable
 
 from apcscore.engine.model_files import load_model
-from apcscore.jobs.registry import job_class
-from apcscore.options.commands import RunOptions
+from apcscore.engine.request import Request, RequestOutput
+from apcscore.jobs.registry import JOBS
+from apcscore.options.commands import ScaleOptions
 
 
 class Replica:
     """An engine replica. `opts` are the run's resolved options (options/resolve.resolve_options)."""
 
-    def __init__(self, command: str, opts: RunOptions, executor_class: Callable[..., Any]) -> None:
-        """executor_class: run/local.LocalExecutor (its interface is run/executor.Executor)."""
+    def __init__(self, command: str, opts: ScaleOptions, executor_class: Callable[..., Any]) -> None:
+        """executor_class: what this replica hosts, built as executor_class(command, opts, model): it has `engine`,
+        `tokenizer`, `max_model_len`, `metadata(job)`, `rows(...)` and `verify()` (run/local.LocalExecutor, whose
+        interface is run/executor.Executor; eval's host has the engine and metadata only)."""
         self.command, self.opts = command, opts
         started = time.perf_counter()
         self.executor = executor_class(command, opts, load_model(opts.model))  # this process's engine
         self.load_seconds = time.perf_counter() - started
         self.engine = self.executor.engine
-        self.job = job_class(command)(self.executor.tokenizer, self.executor.max_model_len, opts)
+        job = JOBS.get(command)  # None for eval: lm-eval's model class makes its requests, in the driver
+        self.job = job(self.executor.tokenizer, self.executor.max_model_len, opts) if job is not None else None
         self.run_seconds = 0.0
-        self.records = 0
+        self.records = 0  # records run (score, generate, perplexity)
+        self.requests = 0  # engine requests run (eval)
         self.started = time.time()
 
     def describe(self) -> dict:
-        """This replica's run metadata (as a single process would record it; the driver sets `dataset`, `argv`
-        and `created`) and its process."""
+        """This replica's metadata (as a single process would record it; the driver sets `dataset`, `argv` and
+        `created`) and its process."""
         return {"metadata": self.executor.metadata(self.job),
                 "pid": os.getpid()}
 
@@ -47,10 +56,18 @@ class Replica:
         self.records += len(rows)
         return rows
 
+    def run_requests(self, requests: list[Request]) -> list[RequestOutput]:
+        """The engine's output of each request (eval), in completion order."""
+        started = time.perf_counter()
+        outputs = list(self.engine.run(requests))
+        self.run_seconds += time.perf_counter() - started
+        self.requests += len(outputs)
+        return outputs
+
     def stats(self) -> dict:
-        """Counters of this replica since it (re)started: records, load and run seconds, and the engine's
-        counters (an EngineCounters, which the executor adds up)."""
-        return {"pid": os.getpid(), "records": self.records, "started": self.started,
+        """Counters of this replica since it (re)started: records or requests, load and run seconds, and the
+        engine's counters (an EngineCounters, which the executor adds up)."""
+        return {"pid": os.getpid(), "records": self.records, "requests": self.requests, "started": self.started,
                 "load_seconds": self.load_seconds, "run_seconds": self.run_seconds,
                 "counters": self.engine.counters()}
 

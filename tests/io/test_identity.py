@@ -21,7 +21,7 @@ from apcscore.io.result_tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
 from apcscore.lmeval.store import identity as eval_identity
 from apcscore.run.parquet_shards import check_shards
-from apcscore.run.ray_executor import _check_replicas
+from apcscore.run.ray_replicas import check_replicas
 
 ARCHITECTURE = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 SCHEMA = pa.schema([pa.field("id", pa.string())])
@@ -198,7 +198,7 @@ def merge_refused(tmp_path: Path, a: dict, b: dict) -> bool:
 
 def ray_refused(a: dict, b: dict) -> bool:
     try:
-        _check_replicas([a, b])
+        check_replicas([a, b])
     except ApcscoreError:
         return True
     return False

@@ -1,6 +1,6 @@
 """eval's side of a run's identity (issue 40, item 4), without a model: cache hits go into the run's journal (so
-shards with a warm --cache merge), `eval --ray --resume` compares finished shards with this run, and the results
-cache's identity holds what changes a response's numbers and nothing else."""
+shards with a warm --cache merge), a merge names what differs between shards, and the results cache's identity
+holds what changes a response's numbers and nothing else."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from apcscore.errors import ApcscoreError
 from apcscore.engine.provenance import apcscore_version, code_fingerprint
 from apcscore.run import eval_folder as outdir
-from apcscore.run.eval_shards import check_finished, read_shards
+from apcscore.run.eval_shards import read_shards
 from apcscore.lmeval.store import ResponseStore, identity
 from tests.io.test_identity import base
 
@@ -80,20 +80,6 @@ def finished_shard(folder: Path, values: dict, shard: str, ident: dict) -> None:
     (folder / outdir.SHARD_FILE).write_text(json.dumps({"shard": shard, "run": run, "config": {}}))
 
 
-def test_ray_resume_refuses_a_finished_shard_of_other_options_or_code(tmp_path) -> None:
-    values = {k: None for k in outdir.RUN_KEYS} | {"model": "m", "tasks": "a", "partition": "prefix"}
-    ident = {"apcscore_version": apcscore_version(), **{f"code.{k}": v for k, v in code_fingerprint().items()}}
-    finished_shard(tmp_path / "s0", values, "0/2", ident)
-    check_finished(tmp_path / "s0", values, "0/2")  # the same run: kept
-    with pytest.raises(ApcscoreError, match=r"finished shard .*tasks: \"a\" vs \"b\".*--overwrite"):
-        check_finished(tmp_path / "s0", {**values, "tasks": "b"}, "0/2")
-    with pytest.raises(ApcscoreError, match=r"model: \"m\" vs \"other\""):
-        check_finished(tmp_path / "s0", {**values, "model": "other"}, "0/2")
-    finished_shard(tmp_path / "s1", values, "1/2", {**ident, "code.models": "0" * 16})
-    with pytest.raises(ApcscoreError, match=r"code\.models: \"0000000000000000\" vs .*another --out"):
-        check_finished(tmp_path / "s1", values, "1/2")
-
-
 def test_eval_merge_names_what_differs_between_shards(tmp_path) -> None:
     values = {k: None for k in outdir.RUN_KEYS} | {"model": "m", "tasks": "a"}
     finished_shard(tmp_path / "s0", values, "0/2", {"model.fingerprint": "f1", "dtype": "float32"})
@@ -117,7 +103,7 @@ def test_eval_records_the_numerics_code_model_files_and_library_versions(tiny_mo
                            vocab_size=10, max_model_len=64, num_parameters=1, sliding_window=None)
     engine = SimpleNamespace(info=info, dtype="torch.float32", device="cpu", attention_backend="torch",
                              model_backend="native", counters=EngineCounters, numerics=base()["numerics"])
-    sections = config_sections(SimpleNamespace(engine=engine), EngineConfig())
+    sections = config_sections(engine, EngineConfig())
     assert sections["code"] == code_fingerprint() and sections["apcscore_version"] == apcscore_version()
     assert {"config.json", "tokenizer.json"} <= set(sections["model"]["files"])
     versions = sections["versions"]
@@ -144,7 +130,7 @@ def test_an_edited_config_or_tokenizer_misses_the_eval_cache(tiny_model_dir, tmp
                              model_backend="native", counters=EngineCounters, numerics=base()["numerics"])
 
     def cache_file() -> str:
-        return ResponseStore(identity(config_sections(SimpleNamespace(engine=engine), EngineConfig()))).name
+        return ResponseStore(identity(config_sections(engine, EngineConfig()))).name
 
     original = cache_file()
     assert cache_file() == original  # the same files: the same cache file

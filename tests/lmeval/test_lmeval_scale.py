@@ -169,30 +169,92 @@ def test_shards_with_a_warm_cache_merge(whole, model, tmp_path):
 
 @pytest.mark.ray
 def test_eval_on_ray_equals_one_process(whole, model, tmp_path):
+    """Issue 41: `eval --ray` is one eval whose engine runs on replicas (run/ray_engine.RayEngine, the replicas of
+    score's --ray): one journal, no shard folders, results bitwise one process's, each request run once."""
     pytest.importorskip("ray")
     out = tmp_path / "ray"
     result = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
     assert result.exit_code == 0, result.output
-    counts = [json.loads((out / "shards" / f"{i}-of-2" / "shard.json").read_text())["responses"]["computed"]
-              for i in range(2)]
-    assert sum(counts) == TOTAL and min(counts) > 0
+    meta = results(out)["apcscore"]
+    assert meta["responses"]["computed"] == TOTAL and journal_entries(out) == TOTAL
+    ran = [r["requests_run"] for r in meta["ray"]["per_replica"]]
+    assert ran == [r["requests_assigned"] for r in meta["ray"]["per_replica"]] and min(ran) > 0  # split, once each
+    assert meta["ray"]["replicas"] == 2 and not (out / "shards").exists()
     assert_same_run(whole, out)
 
 
+def _interrupt_ray_after(monkeypatch, outputs: int) -> None:
+    """The Ray engine sends SIGINT to this process once it has yielded `outputs` outputs."""
+    from apcscore.run.ray_engine import RayEngine
+
+    original, seen = RayEngine._outputs, [0]
+
+    def outputs_then_signal(self, queues, on_step):
+        for out in original(self, queues, on_step):
+            yield out
+            seen[0] += 1
+            if seen[0] == outputs:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(RayEngine, "_outputs", outputs_then_signal)
+
+
 @pytest.mark.ray
-def test_eval_ray_resume_refuses_finished_shards_of_another_run(model, tmp_path):
-    """Issue 40 item 4: `eval --ray --resume` whose shards all finished (the run stopped before its merge) compares
-    them with this run: another --limit is refused, the same options merge the kept shards."""
+def test_an_interrupted_ray_eval_resumes_with_or_without_ray(whole, model, tmp_path, monkeypatch):
+    """`eval --ray` keeps the journal of one process: interrupted, it exits 130 with what finished on disk; a resume
+    asked otherwise is refused naming the option; resumed without --ray (the same identity: the replicas' bits are
+    this process's) it computes only what is missing and ends with one process's results."""
     pytest.importorskip("ray")
     out = tmp_path / "ray"
-    ray_run = ("--out", out, "--ray", "local", "--replicas", "2", "--tasks", "apc_ll")
-    assert run(*ray_run, "--limit", "2", model=model).exit_code == 0
-    for name in ("results.json", "requests.parquet"):  # as if stopped after the shards, before the merge
-        (out / name).unlink()
-    refused = run(*ray_run, "--limit", "3", "--resume", model=model)
+    with monkeypatch.context() as patch:
+        _interrupt_ray_after(patch, 1)
+        stopped = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
+    assert stopped.exit_code == 130, stopped.output
+    assert "--resume" in stopped.output and not (out / "results.json").exists()
+    kept = journal_entries(out)
+    assert 1 <= kept < TOTAL
+    refused = run("--out", out, "--resume", "--limit", "1", model=model)
     text = " ".join(refused.output.split())
-    assert refused.exit_code == 2 and "finished shard" in text, refused.output
-    assert "limit: 2.0 vs 3.0" in text and "--overwrite" in text, text  # the option that differs, the way out
-    resumed = run(*ray_run, "--limit", "2", "--resume", model=model)
+    assert refused.exit_code == 2 and "was asked otherwise" in text and "limit: null vs 1.0" in text, text
+    resumed = run("--out", out, "--resume", model=model)
     assert resumed.exit_code == 0, resumed.output
-    assert results(out)["apcscore"]["responses"]["computed"] == 0  # nothing run again: the shards were kept
+    counts = results(out)["apcscore"]["responses"]
+    assert counts["read"] == kept and counts["computed"] == TOTAL - kept  # nothing computed twice
+    assert_same_run(whole, out)
+
+
+def generation_killing_replica() -> type:
+    """A replica whose process dies (as if killed for memory) on every chunk that holds a generation; made in a
+    function so that Ray ships the class by value (workers cannot import this test module by its name)."""
+    from apcscore.scale.replica import Replica
+
+    class GenerationKillingReplica(Replica):
+        def run_requests(self, requests):
+            if any(r.sampling is not None for r in requests):
+                os._exit(1)
+            return super().run_requests(requests)
+
+    return GenerationKillingReplica
+
+
+@pytest.mark.ray
+def test_a_ray_chunk_that_always_fails_ends_the_eval_and_keeps_the_rest(whole, model, tmp_path, monkeypatch):
+    """A chunk that kills its replica on every retry ends `eval --ray` with exit 1 and a message that says what to
+    do; the responses finished before it stay in the journal, so --resume computes only what is missing."""
+    pytest.importorskip("ray")
+    import apcscore.run.ray_replicas as replicas
+
+    out = tmp_path / "ray"
+    with monkeypatch.context() as patch:
+        patch.setattr(replicas, "Replica", generation_killing_replica())
+        failed = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
+    text = " ".join(failed.output.split())
+    assert failed.exit_code == 1, failed.output
+    assert "--ray: a chunk of" in text and "failed 3 times on replica" in text and "--resume" in text, text
+    kept = journal_entries(out)
+    generations = 4  # apc_gen's: the only requests that fail
+    assert kept == TOTAL - generations and not (out / "results.json").exists()
+    resumed = run("--out", out, "--resume", "--ray", "local", "--replicas", "2", model=model)
+    assert resumed.exit_code == 0, resumed.output
+    assert results(out)["apcscore"]["responses"]["computed"] == generations
+    assert_same_run(whole, out)

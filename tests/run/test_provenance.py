@@ -105,11 +105,11 @@ def test_differing_names_fields_of_sections() -> None:
 
 
 def test_ray_refuses_replicas_of_other_hardware_or_numerics() -> None:
-    from apcscore.run.ray_executor import _check_replicas
+    from apcscore.run.ray_replicas import check_replicas
 
-    _check_replicas([metadata(), metadata(numerics__torch_threads=8, engine__num_kv_blocks=5)])  # same bits
+    check_replicas([metadata(), metadata(numerics__torch_threads=8, engine__num_kv_blocks=5)])  # same bits
     with pytest.raises(ApcscoreError, match=r"replica 2 does not run the configuration of replica 0 "
                                             r"\(numerics.cpu_model: \"Xeon\" vs \"EPYC\"\)"):
-        _check_replicas([metadata(), metadata(), metadata(numerics__cpu_model="EPYC")])
+        check_replicas([metadata(), metadata(), metadata(numerics__cpu_model="EPYC")])
     with pytest.raises(ApcscoreError, match=r"replica 1 .*versions"):
-        _check_replicas([metadata(), metadata(versions__torch="2.14")])
+        check_replicas([metadata(), metadata(versions__torch="2.14")])

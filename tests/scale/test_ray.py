@@ -207,7 +207,7 @@ def test_a_replica_that_refuses_the_run_is_one_clear_error(tmp_path, cluster) ->
     from apcscore.errors import ApcscoreError
     from apcscore.options.commands import ScoreOptions
     from apcscore.run.local import LocalExecutor
-    from apcscore.run.ray_executor import _get
+    from apcscore.run.ray_replicas import ray_get
     from apcscore.scale.replica import Replica
 
     opts = ScoreOptions(model=str(tmp_path / "no-such-model"))
@@ -215,7 +215,7 @@ def test_a_replica_that_refuses_the_run_is_one_clear_error(tmp_path, cluster) ->
                                                                                                  LocalExecutor)
     with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: Unknown model '.*no-such-model': "
                                             r"no such alias"):
-        _get(ray, actor.describe.remote())
+        ray_get(ray, actor.describe.remote())
     ray.kill(actor)
 
 
@@ -235,7 +235,7 @@ def poison_replica() -> type:
 @pytest.mark.slow
 def test_a_chunk_that_kills_its_worker_every_time_fails_the_run_and_keeps_the_rest(tmp_path, write_jsonl, tiny,
                                                                                    cluster, monkeypatch) -> None:
-    import apcscore.run.ray_executor as ray_run
+    import apcscore.run.ray_replicas as ray_run
 
     records = [{"id": f"r{i}", "prompt": f"record number {i} of the set"} for i in range(12)]
     records[5]["id"] = "poison"
@@ -295,7 +295,7 @@ def test_replicas_of_two_cpu_vendors_are_refused_where_the_gemm_is_a_library_one
                                                                                  cluster, monkeypatch) -> None:
     """Issue 40: with --no-batch-invariant the CPU decides a library GEMM's bits, so an Intel and an AMD replica
     cannot write one file; with the fixed-order GEMM (portable bits) they can."""
-    import apcscore.run.ray_executor as ray_run
+    import apcscore.run.ray_replicas as ray_run
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"record number {i}"} for i in range(6)])
     for name, options in (("library", ["--no-batch-invariant"]), ("portable", [])):

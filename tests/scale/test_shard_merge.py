@@ -272,7 +272,7 @@ def test_ray_without_the_extra_is_a_clear_error(monkeypatch) -> None:
     import sys
 
     from apcscore.errors import ApcscoreError
-    from apcscore.run.ray_executor import import_ray
+    from apcscore.run.ray_replicas import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     with pytest.raises(ApcscoreError, match=r"pip install 'apcscore\[ray\]'"):
