@@ -92,34 +92,17 @@ class RayEngine(RecordedEngine):
 
     def _outputs(self, queues: list[list[list[Request]]], on_step: Callable[[Any], None] | None
                  ) -> Iterator[RequestOutput]:
-        ray, actors = self.pool.ray, self.pool.actors
-        pending: dict[Any, tuple[int, int]] = {}  # ref -> (replica, requests in the chunk)
-
-        def submit(r: int) -> None:
-            if queues[r]:
-                chunk = queues[r].pop(0)
-                pending[actors[r].run_requests.remote(chunk)] = (r, len(chunk))
-
-        for r in range(len(actors)):
-            for _ in range(IN_FLIGHT):
-                submit(r)
-        while pending:
+        def tick() -> None:  # SIGINT/SIGTERM stop here: the responses yielded so far are journaled
             if on_step is not None:
-                on_step(self)  # SIGINT/SIGTERM stop here: the responses yielded so far are journaled
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-            for ref in ready:
-                r, size = pending.pop(ref)
-                try:
-                    outputs = self.pool.get(ref)
-                except ApcscoreError as exc:
-                    if exc.exit_code != 1:  # a refusal, not a fault
-                        raise
-                    raise ApcscoreError(f"--ray: a chunk of {size} requests failed {MAX_TASK_RETRIES + 1} times on "
-                                        f"replica {r} ({exc}); the responses finished so far are kept: fix the "
-                                        "cause (e.g. memory) and rerun the same command with --resume",
-                                        exit_code=1) from None
-                yield from outputs
-                submit(r)
+                on_step(self)
+
+        for r, chunk, outputs in self.pool.feed("run_requests", queues, tick, IN_FLIGHT):
+            if isinstance(outputs, ApcscoreError):
+                raise ApcscoreError(f"--ray: a chunk of {len(chunk)} requests failed {MAX_TASK_RETRIES + 1} times on "
+                                    f"replica {r} ({outputs}); the responses finished so far are kept: fix the "
+                                    "cause (e.g. memory) and rerun the same command with --resume",
+                                    exit_code=1) from None
+            yield from outputs
 
     def counters(self) -> EngineCounters:
         """The replicas' counters added up."""

@@ -65,7 +65,7 @@ class RayExecutor:
         self.tokenizer = model.tokenizer
         self.warnings: list[tuple[str, bool]] = []
         self.pool = ReplicaPool(command, opts, LocalExecutor)  # started, described, checked to agree
-        self.ray, self.actors = self.pool.ray, self.pool.actors
+        self.actors = self.pool.actors
         self.max_model_len = engine_context_length(model.config, opts.engine)  # what each replica's engine has
         self.split: Split | None = None
         self.run_start = time.perf_counter()
@@ -83,39 +83,20 @@ class RayExecutor:
         return self._rows(todo, tick)
 
     def _rows(self, todo: list[Any], tick: Callable[[], None]) -> Iterator[tuple[int, dict]]:
-        ray, actors, split = self.ray, self.actors, self.split
+        split = self.split
         assert split is not None
-        mine: list[list[Any]] = [[] for _ in actors]  # each replica's records not done yet, in dataset order
+        mine: list[list[Any]] = [[] for _ in self.actors]  # each replica's records not done yet, in dataset order
         for rec in todo:
             mine[split.part_of[rec.index]].append(rec)
         queues = [[m[i:i + CHUNK_RECORDS] for i in range(0, len(m), CHUNK_RECORDS)] for m in mine]
-        pending: dict[Any, tuple[int, list[Any]]] = {}
-
-        def submit(r: int) -> None:
-            if queues[r]:
-                chunk = queues[r].pop(0)
-                pending[actors[r].run.remote(chunk)] = (r, chunk)
-
-        for r in range(len(actors)):
-            for _ in range(IN_FLIGHT):
-                submit(r)
-        while pending:
-            tick()  # the driver's interrupt stops here: the chunks in hand are written
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-            for ref in ready:
-                r, chunk = pending.pop(ref)
-                try:
-                    rows = self.pool.get(ref)
-                except ApcscoreError as exc:
-                    if exc.exit_code != 1:  # a refusal, not a fault
-                        raise
-                    # retried MAX_TASK_RETRIES times: this replica is done; its other chunks are not run
-                    self.failed.append((r, chunk, str(exc)))
-                    self.failed.extend((r, later, "not run: its replica failed before") for later in queues[r])
-                    queues[r] = []
-                    continue
-                yield from rows
-                submit(r)
+        # tick: the driver's interrupt stops the feed; the chunks in hand are written
+        for r, chunk, rows in self.pool.feed("run", queues, tick, IN_FLIGHT):
+            if isinstance(rows, ApcscoreError):  # this replica is done; its other chunks are not run
+                self.failed.append((r, chunk, str(rows)))
+                self.failed.extend((r, later, "not run: its replica failed before") for later in queues[r])
+                queues[r] = []
+                continue
+            yield from rows
 
     def progress(self) -> dict:
         return {}

@@ -16,7 +16,7 @@ restarts a replica whose process died (`MAX_RESTARTS`) and runs its unfinished c
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import RAY, differing
@@ -128,6 +128,38 @@ class ReplicaPool:
     def metadata(self, replica: int = 0) -> dict:
         """What replica `replica` described of itself (its host's metadata)."""
         return dict(self.descs[replica]["metadata"])
+
+    def feed(self, method: str, queues: list[list[list[Any]]], tick: Callable[[], None], in_flight: int
+             ) -> Iterator[tuple[int, list[Any], Any]]:
+        """Send replica r its chunks `queues[r]` in order, to its actor method `method`, at most `in_flight` queued
+        at a time; yield (replica, chunk, result) as chunks come back. `result` is what the method returned, or the
+        ApcscoreError of a chunk that still failed after Ray's retries (a refusal is raised instead): that
+        replica gets no more chunks, its unsent ones are left in `queues[r]`. tick() is called while waiting (it
+        may raise to stop; the chunks in hand are then dropped)."""
+        pending: dict[Any, tuple[int, list[Any]]] = {}
+
+        def submit(r: int) -> None:
+            if queues[r]:
+                chunk = queues[r].pop(0)
+                pending[getattr(self.actors[r], method).remote(chunk)] = (r, chunk)
+
+        for r in range(len(self.actors)):
+            for _ in range(in_flight):
+                submit(r)
+        while pending:
+            tick()
+            ready, _ = self.ray.wait(list(pending), num_returns=1, timeout=0.5)
+            for ref in ready:
+                r, chunk = pending.pop(ref)
+                try:
+                    result = self.get(ref)
+                except ApcscoreError as exc:
+                    if exc.exit_code != 1:  # a refusal, not a fault
+                        raise
+                    yield r, chunk, exc  # retried MAX_TASK_RETRIES times: this replica is done
+                    continue
+                yield r, chunk, result
+                submit(r)
 
     def stats(self, dead: set[int] = frozenset(), interrupted: bool = False) -> list[dict | None]:
         """Each replica's counters (scale/replica.Replica.stats); None for a failed replica (`dead`), or one still
