@@ -167,13 +167,22 @@ def test_shards_with_a_warm_cache_merge(whole, model, tmp_path):
     assert merged.exit_code == 0, merged.output
     assert_same_run(whole, tmp_path / "m")
 
+@pytest.fixture(scope="module")
+def cluster():
+    """One local Ray cluster of 2 CPUs for the module's Ray tests (each would start its own with --ray local);
+    `--ray auto` joins it."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
 @pytest.mark.ray
-def test_eval_on_ray_equals_one_process(whole, model, tmp_path):
+def test_eval_on_ray_equals_one_process(whole, model, tmp_path, cluster):
     """Issue 41: `eval --ray` is one eval whose engine runs on replicas (run/ray_engine.RayEngine, the replicas of
     score's --ray): one journal, no shard folders, results bitwise one process's, each request run once."""
-    pytest.importorskip("ray")
     out = tmp_path / "ray"
-    result = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
+    result = run("--out", out, "--ray", "auto", "--replicas", "2", model=model)
     assert result.exit_code == 0, result.output
     meta = results(out)["apcscore"]
     assert meta["responses"]["computed"] == TOTAL and journal_entries(out) == TOTAL
@@ -200,15 +209,14 @@ def _interrupt_ray_after(monkeypatch, outputs: int) -> None:
 
 
 @pytest.mark.ray
-def test_an_interrupted_ray_eval_resumes_with_or_without_ray(whole, model, tmp_path, monkeypatch):
+def test_an_interrupted_ray_eval_resumes_with_or_without_ray(whole, model, tmp_path, monkeypatch, cluster):
     """`eval --ray` keeps the journal of one process: interrupted, it exits 130 with what finished on disk; a resume
     asked otherwise is refused naming the option; resumed without --ray (the same identity: the replicas' bits are
     this process's) it computes only what is missing and ends with one process's results."""
-    pytest.importorskip("ray")
     out = tmp_path / "ray"
     with monkeypatch.context() as patch:
         _interrupt_ray_after(patch, 1)
-        stopped = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
+        stopped = run("--out", out, "--ray", "auto", "--replicas", "2", model=model)
     assert stopped.exit_code == 130, stopped.output
     assert "--resume" in stopped.output and not (out / "results.json").exists()
     kept = journal_entries(out)
@@ -238,23 +246,23 @@ def generation_killing_replica() -> type:
 
 
 @pytest.mark.ray
-def test_a_ray_chunk_that_always_fails_ends_the_eval_and_keeps_the_rest(whole, model, tmp_path, monkeypatch):
+def test_a_ray_chunk_that_always_fails_ends_the_eval_and_keeps_the_rest(whole, model, tmp_path, monkeypatch,
+                                                                         cluster):
     """A chunk that kills its replica on every retry ends `eval --ray` with exit 1 and a message that says what to
     do; the responses finished before it stay in the journal, so --resume computes only what is missing."""
-    pytest.importorskip("ray")
     import apcscore.run.ray_replicas as replicas
 
     out = tmp_path / "ray"
     with monkeypatch.context() as patch:
         patch.setattr(replicas, "Replica", generation_killing_replica())
-        failed = run("--out", out, "--ray", "local", "--replicas", "2", model=model)
+        failed = run("--out", out, "--ray", "auto", "--replicas", "2", model=model)
     text = " ".join(failed.output.split())
     assert failed.exit_code == 1, failed.output
     assert "--ray: a chunk of" in text and "failed 3 times on replica" in text and "--resume" in text, text
     kept = journal_entries(out)
     generations = 4  # apc_gen's: the only requests that fail
     assert kept == TOTAL - generations and not (out / "results.json").exists()
-    resumed = run("--out", out, "--resume", "--ray", "local", "--replicas", "2", model=model)
+    resumed = run("--out", out, "--resume", "--ray", "auto", "--replicas", "2", model=model)
     assert resumed.exit_code == 0, resumed.output
     assert results(out)["apcscore"]["responses"]["computed"] == generations
     assert_same_run(whole, out)
