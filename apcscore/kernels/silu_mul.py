@@ -1,7 +1,7 @@
 """Triton kernel: the Llama MLP's `silu(gate) * up` in one launch, with the bits of torch's two CUDA kernels.
 
 torch computes F.silu(gate) * up on CUDA as two elementwise kernels (0.054 s of the 1B shape's 0.386 s of scoring
-kernels in run 4 on the H200): SiLU reads gate and writes s, the product reads s and up. This kernel reads gate
+kernels on the H200, docs/gpu.md): SiLU reads gate and writes s, the product reads s and up. This kernel reads gate
 and up where they lie (the two halves of the fused gate/up projection, strided rows) and writes the product once.
 
 It rounds where torch does (PyTorch's source, read for this kernel):
@@ -11,6 +11,10 @@ It rounds where torch does (PyTorch's source, read for this kernel):
   expf (libdevice's __nv_expf), and PyTorch is built without fast math, so `/` is the IEEE division.
 - aten/src/ATen/native/cuda/BinaryMulKernel.cu, mul_kernel_cuda: opmath_symmetric_gpu_kernel_with_scalars with
   MulFunctor<opmath_t>: both operands to float, one product, rounded once to the dtype.
+- c10/util/BFloat16-inl.h: float -> bfloat16 on CUDA is __float2bfloat16 (round to nearest even).
+nvcc contracts multiply-adds by default, but none can change these bits: libdevice's __nv_expf (read in Triton's
+libdevice.10.bc) ends with a product by a power of two (exact unless subnormal, and then 1 + it rounds to 1), which
+is the only product a `1 +` could fuse with; its other steps are explicit fma intrinsics.
 So: fp32 loads, libdevice's exp (not tl.exp: ex2.approx on NVIDIA), tl.math.div_rn (llvm.nvvm.div.rn.f, the
 IEEE division; `/` would be the approximate div.full.f32), the SiLU rounded to the dtype, the product in fp32,
 rounded to the dtype. Launched with enable_fp_fusion=False and, where this Triton has the option,
