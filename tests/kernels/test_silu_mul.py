@@ -177,3 +177,51 @@ def test_on_cuda_the_kernel_gives_torch_s_own_bits(dtype) -> None:
         gate = every_value(dtype).cuda()
         up = (torch.randn(gate.shape, generator=torch.Generator().manual_seed(2)) * 3).to(dtype).cuda()
         assert same_bits(silu_mul(gate, up), torch_form(gate, up))
+
+
+AOT_SCRIPT = """
+import re, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from apcscore.kernels import silu_mul as m
+
+fn = m._silu_mul_kernel
+for dt, bf16 in (("bf16", True), ("fp16", False), ("fp32", False)):
+    consts = dict(BLOCK=m.BLOCK, IS_BF16=bf16, LIBDEVICE_EXP=True)
+    sig = {a: "constexpr" if a in consts else "*" + dt if a.endswith("_ptr") else "i32" for a in fn.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+             if a.endswith("_ptr") or a.startswith("stride")}
+    out = triton.compile(ASTSource(fn, sig, constexprs=consts, attrs=attrs), target=GPUTarget("cuda", 90, 32),
+                         options={"num_warps": 4, **m.launch_options()})
+    ptx = out.asm["ptx"]
+    ops = sorted(set(re.findall(r"^\\s*((?:div|ex2|fma|rcp|cvt|mul|add)\\.[\\w.]+)", ptx, re.M)))
+    print(dt, " ".join(ops))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.triton
+def test_the_cuda_build_has_the_ieee_division_and_libdevice_s_expf(tmp_path) -> None:
+    """What the interpreter cannot see: compiled for sm_90 (Hopper) with Triton's bundled ptxas, no GPU needed,
+    the kernel divides with div.rn.f32 (no div.full / approximate reciprocal), takes __nv_expf (its round-down
+    fma.rm.f32 step; tl.exp would be a bare ex2.approx), without flush-to-zero in libdevice (non-ftz fma) and
+    with no fma contraction of its own (mul.rn / add.rn)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(PYTHONPATH=str(root), TRITON_CACHE_DIR=str(tmp_path / "cache"))
+    proc = subprocess.run([sys.executable, "-c", AOT_SCRIPT], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ops = {line.split()[0]: set(line.split()[1:]) for line in proc.stdout.splitlines()}
+    assert set(ops) == {"bf16", "fp16", "fp32"}, proc.stdout
+    for dt, used in ops.items():
+        assert {"div.rn.f32", "fma.rm.f32", "ex2.approx.ftz.f32", "add.rn.f32"} <= used, (dt, used)
+        assert not any(op.startswith(("div.full", "div.approx", "rcp.")) or ".ftz" in op and op.startswith("fma")
+                       for op in used), (dt, used)
+    assert "cvt.rn.f16.f32" in ops["fp16"]  # the SiLU rounded to half (the product: mul.rn.f16, the same value)
