@@ -79,7 +79,9 @@ def _silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n_cols, stride_g, stride_u, stri
     else:
         e = tl.exp(-g)  # the interpreter (numpy's exp)
     s = _rounded(tl.math.div_rn(g, 1.0 + e), out_ptr.dtype.element_ty, IS_BF16)  # F.silu's output, in the dtype
-    _store_rounded(out_ptr + row * stride_o + cols, s * u, mask, IS_BF16)  # the fp32 product rounded once
+    # the fp32 product rounded once (for fp16 LLVM narrows it to mul.rn.f16: the same value, as a product of two
+    # halves is exact in fp32)
+    _store_rounded(out_ptr + row * stride_o + cols, s * u, mask, IS_BF16)
 
 
 @functools.lru_cache(maxsize=1)
