@@ -77,7 +77,9 @@ PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 70, "exactness": 55, "tax": 5
 SMALL_LIMITS_S = {"env": 60, "tests": 180, "sweep": 180, "exactness": 180, "tax": 120, "bench:llama-3.2-1b": 120,
                   "eval": 180, "8b": 120, "long": 120, "profile": 120}
 WITHOUT_TABLE = {"env", "tests", "sweep"}  # parts that set their own matmul configurations (or none)
-INTERPRETED = {"sweep"}  # parts whose Triton kernels run under TRITON_INTERPRET=1 in --small
+# parts whose Triton kernels run under TRITON_INTERPRET=1 in --small (exactness: its silu_mul check; its engines
+# take the torch backend there)
+INTERPRETED = {"sweep", "exactness"}
 
 PARTS = {"env": part_env, "tests": part_tests, "compare": part_compare, "bench": part_bench,
          "exactness": part_exactness, "tax": part_tax, "sweep": part_sweep, "eval": part_eval, "8b": part_8b,

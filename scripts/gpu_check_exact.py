@@ -3,7 +3,10 @@
 exactness: the engine's bitwise contracts end to end on the Llama-3.2-1B shape in bf16 with the Triton backend
 (tests/engine/test_invariance.py, test_exact_reuse.py and test_last_token_alternatives.py, on CUDA): every output
 column (ids, logprobs, ranks, top-K ids and logprobs) compared with `!=`, no tolerance. Fails (rc 1) when any
-value differs or when a reuse check reused nothing (it would test nothing).
+value differs or when a reuse check reused nothing (it would test nothing). Then the fused SiLU-and-multiply
+kernel (kernels/silu_mul.py) against torch's two kernels `F.silu(gate) * up` on the 1B MLP shape (8,192 tokens x
+8,192) in bf16, fp16 and fp32, bitwise, with every bf16 / fp16 gate value, and the time of each form (in --small,
+under the interpreter: against silu_mul_reference with numpy's exp, the interpreter's).
 tax: the same score and generate workloads with batch invariance on (the Triton matmul) and off (cuBLAS,
 `--no-batch-invariant`; "library" in the output), one after the other in one process; time ratio invariant /
 library.
@@ -15,8 +18,8 @@ import random
 from typing import Any
 
 from gpu_check_common import (GENERATE_SHAPE, columns, emit, engine_and_state, engine_generate, engine_score,
-                              generate_workload, make_engine, matmul_params, median_time, mfu, random_prompts,
-                              rounded, score_workload)
+                              generate_workload, llama_config, make_engine, matmul_params, median_time, mfu,
+                              random_prompts, rounded, score_workload)
 
 K = 5
 
@@ -157,7 +160,82 @@ def part_exactness(args) -> bool:
     emit({**tag, "check": "greedy_generation", "prompts": len(gen_prompts), "new_tokens": params.max_tokens,
           "preemptions": tight.stats.preemptions, "differing_vs_batched": bad,
           "ok": preempted and not any(bad.values())})
+    del big, reuse, alone, tight
+    try:
+        ok &= check_silu_mul(small, tag)
+    except Exception as e:  # a kernel that does not compile here: its own line, the checks above kept
+        emit({**tag, "check": "silu_mul", "error": f"{type(e).__name__}: {e}"[:2000], "ok": False})
+        ok = False
     return bool(ok)
+
+
+def differing_bits(a, b) -> int:
+    """How many elements of a and b differ in their bits (-0 vs 0 counts), NaN against NaN equal (a NaN's
+    payload is the arithmetic's, not a rounding point)."""
+    import torch
+
+    ints = torch.int32 if a.element_size() == 4 else torch.int16
+    nan_a, nan_b = a.isnan(), b.isnan()
+    bits = (a.contiguous().view(ints) != b.contiguous().view(ints)) & ~(nan_a & nan_b)
+    return int(bits.sum())
+
+
+def check_silu_mul(small: bool, tag: dict) -> bool:
+    """silu_mul against torch's F.silu(gate) * up, gate and up the halves of one [T, 2I] projection: the 1B MLP
+    shape (T = 8,192 tokens, the score budget), every 16-bit gate value (a [256, 256] tensor against random up),
+    and the mean time of 20 launches of each form after a warm-up. One JSON line."""
+    import numpy as np
+    import torch
+
+    from apcscore.kernels.silu_mul import silu_mul
+    from apcscore.kernels.silu_mul_ref import silu_mul_reference
+
+    inter = llama_config("llama-3.2-1b", small).intermediate_size
+    tokens, device, reps = (16, "cpu", 2) if small else (8192, "cuda", 20)
+    if small:  # the interpreter's exp is numpy's: its rounding points, not torch's own kernels, are checked
+        def torch_form(g, u):
+            return silu_mul_reference(g, u, lambda x: torch.from_numpy(np.exp(x.numpy())))
+    else:
+        def torch_form(g, u):
+            return torch.nn.functional.silu(g) * u
+
+    def mean_ms(fn) -> float:
+        fn()
+        if device == "cpu":
+            return rounded(median_time(fn, reps) * 1e3)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return rounded(start.elapsed_time(end) / reps)
+
+    gen = torch.Generator(device).manual_seed(45)
+    row: dict[str, Any] = {**tag, "check": "silu_mul", "shape": [tokens, inter], "differing_vs_torch": {},
+                           "every_16_bit_gate_value_differing": {}, "fused_ms": {}, "torch_ms": {}, "speedup": {}}
+    with np.errstate(over="ignore", invalid="ignore"):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            name = str(dtype).removeprefix("torch.")
+            fused = (4 * torch.randn(tokens, 2 * inter, generator=gen, device=device)).to(dtype)
+            gate, up = fused.split(inter, dim=-1)
+            row["differing_vs_torch"][name] = differing_bits(silu_mul(gate, up), torch_form(gate, up))
+            if dtype != torch.float32:
+                every = torch.arange(-2**15, 2**15, dtype=torch.int32, device=device).to(torch.int16)
+                g16 = every.view(dtype).reshape(256, 256)
+                u16 = (3 * torch.randn(256, 256, generator=gen, device=device)).to(dtype)
+                row["every_16_bit_gate_value_differing"][name] = differing_bits(silu_mul(g16, u16),
+                                                                                torch_form(g16, u16))
+            row["fused_ms"][name] = mean_ms(lambda: silu_mul(gate, up))
+            row["torch_ms"][name] = mean_ms(lambda: torch_form(gate, up))
+            row["speedup"][name] = rounded(row["torch_ms"][name] / row["fused_ms"][name], 3)
+            del fused, gate, up
+    row["ok"] = not any(row["differing_vs_torch"].values()) and not any(
+        row["every_16_bit_gate_value_differing"].values())
+    row["compared_with"] = ("silu_mul_reference, numpy's exp (interpreter)" if small
+                            else "torch.nn.functional.silu(gate) * up on CUDA")
+    emit(row)
+    return row["ok"]
 
 
 def part_tax(args) -> None:

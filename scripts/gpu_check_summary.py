@@ -54,8 +54,10 @@ def _exactness(lines) -> list[str]:
     for ln in _by(lines, "exactness"):
         diffs = next((v for k, v in ln.items() if k.startswith("differing")), {})
         extra = {k: ln[k] for k in ("hit_tokens", "score_store_hits", "preemptions") if k in ln}
+        if "speedup" in ln:  # silu_mul: fused vs torch's two kernels, by dtype
+            extra["fused vs torch"] = ", ".join(f"{k} {_fmt(v)}x" for k, v in ln["speedup"].items())
         rows.append([ln["check"], _fmt(diffs), _fmt(extra), "**yes**" if ln.get("ok") else "**NO**"])
-    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption", "bitwise"], rows) if rows \
+    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption / speed-up", "bitwise"], rows) if rows \
         else ["no lines"]
 
 

@@ -18,7 +18,7 @@ from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.ops import Ops
-from apcscore.kernels import rowmath
+from apcscore.kernels.silu_mul_ref import silu_mul_torch
 from apcscore.models.rope import rope_frequencies, rotary_tables, with_portable_math
 from apcscore.models.weights import WeightCopier, param_slices
 
@@ -103,7 +103,11 @@ class Attention(PagedAttention):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Any, linear: Callable[..., torch.Tensor], device: Device = None) -> None:
+    """down(silu(gate) * up), gate and up from one fused projection; silu_mul is the ops' (Ops.silu_mul: the
+    torch form, or on CUDA the fused Triton kernel with the torch form's bits)."""
+
+    def __init__(self, cfg: Any, linear: Callable[..., torch.Tensor], device: Device = None,
+                 silu_mul: Callable[..., torch.Tensor] = silu_mul_torch) -> None:
         super().__init__()
         if getattr(cfg, "hidden_act", "silu") != "silu":
             raise ApcscoreError(f"unsupported activation {cfg.hidden_act!r}; only silu is supported")
@@ -111,10 +115,11 @@ class MLP(nn.Module):
         self.intermediate = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias, linear, device)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias, linear, device)
+        self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(rowmath.silu(gate) * up)
+        return self.down_proj(self.silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
@@ -122,7 +127,7 @@ class DecoderLayer(nn.Module):
                  device: Device = None) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx, ops, qk_norm, qkv_bias, o_bias, device)
-        self.mlp = MLP(cfg, ops.linear, device)
+        self.mlp = MLP(cfg, ops.linear, device, ops.silu_mul)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
 

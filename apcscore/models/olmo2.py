@@ -50,7 +50,7 @@ class Olmo2Layer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
         self.self_attn = Olmo2Attention(cfg, layer_idx, ops, device)
-        self.mlp = MLP(cfg, ops.linear, device)
+        self.mlp = MLP(cfg, ops.linear, device, ops.silu_mul)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
 

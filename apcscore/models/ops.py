@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from apcscore.kernels.rotary_ref import rotary_torch
+from apcscore.kernels.silu_mul_ref import silu_mul_torch
 
 BACKENDS = ("torch", "triton")
 
@@ -37,6 +38,9 @@ class Ops:
     token_logprobs: (logits [N, V], targets [N], k, ranks=True) -> logprobs, ranks, top ids, top logprobs.
     rotary: (q [T, Hq, D], k [T, Hkv, D], cos [T, R], sin [T, R]) -> rotated q, k (transformers' arithmetic;
         R < D: partial rotary). The Triton one is one launch with torch's bits (kernels/rotary.py).
+    silu_mul: (gate [T, I], up [T, I]) -> silu(gate) * up, the SiLU MLP's activation. The torch one is
+        rowmath.silu(gate) * up (the CPU's portable SiLU); the Triton one is one launch with the bits of torch's
+        two CUDA kernels (kernels/silu_mul.py).
     """
 
     name: str
@@ -46,6 +50,7 @@ class Ops:
     rms_norm: Callable[..., Any]
     token_logprobs: Callable[..., tuple[Any, ...]]
     rotary: Callable[..., tuple[Any, Any]] = rotary_torch
+    silu_mul: Callable[..., Any] = silu_mul_torch
 
 
 def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]:
@@ -110,5 +115,7 @@ def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True
     from apcscore.kernels.logprobs import token_logprobs
     from apcscore.kernels.rmsnorm import rms_norm
     from apcscore.kernels.rotary import rotary
+    from apcscore.kernels.silu_mul import silu_mul
 
-    return Ops("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs, rotary)
+    return Ops("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs, rotary,
+               silu_mul)
