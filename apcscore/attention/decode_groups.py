@@ -9,6 +9,7 @@ depend on the batch. It is made on the host from the step's host arrays (no devi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +29,8 @@ class DecodeGroups:
     block_m: int  # the tile config the groups were planned for: a layer with another one ignores them
     block_n: int
     group: int  # query heads per KV head
-    num_groups: int  # groups with members (rows of table past it are empty)
+    num_groups: int  # groups with members (rows of table past it are empty); -1: not known on the host
+                     # (CUDA-graph buffers, whose contents change between replays)
 
     @property
     def block_q(self) -> int:
@@ -98,3 +100,33 @@ def pack_decode_groups(groups: list[tuple[list[int], int]], num_seqs: int, block
         table[g, 2:2 + len(members)] = members
         grouped[members] = 1
     return table, grouped
+
+
+GroupShape = tuple[int, int, int]  # (block_m, block_n, group): the Triton attention tiles of a model
+
+
+def group_shape(attention: Any) -> GroupShape | None:
+    """The tile shape decode groups are planned for, from a model's (first) attention module: tile_config's
+    (block_m, block_n) and its query heads per KV head; None when its backend is not Triton (the torch backend
+    never reads groups, and its steps are built exactly as before)."""
+    if getattr(getattr(attention, "attention_backend", None), "name", None) != "triton":
+        return None
+    from apcscore.kernels.paged_attention import tile_config  # Triton: imported only for the Triton backend
+
+    group = attention.num_heads // attention.num_kv_heads
+    block_m, block_n, _ = tile_config(attention.head_dim, group)
+    return block_m, block_n, group
+
+
+def step_decode_groups(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
+                       shape: GroupShape, num_rows: int | None = None, num_seqs: int | None = None
+                       ) -> tuple[np.ndarray, np.ndarray, int] | None:
+    """Host images of a step's DecodeGroups (table, grouped) and its group count, or None when no decode
+    sequences group. num_rows / num_seqs pad table and grouped (CUDA-graph buffers: then never None)."""
+    block_m, block_n, group = shape
+    block_q = block_m // group
+    groups = plan_decode_groups(cu_seqlens_q, seq_lens, block_tables, block_size, block_n, block_q)
+    if not groups and num_rows is None:
+        return None
+    table, grouped = pack_decode_groups(groups, len(seq_lens) if num_seqs is None else num_seqs, block_q, num_rows)
+    return table, grouped, len(groups)

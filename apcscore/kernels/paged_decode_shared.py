@@ -150,7 +150,8 @@ def shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if groups.dim() != 2 or groups.shape[1] != 2 + block_q or groups.dtype != torch.int32 \
             or groups.device != query.device:
         raise ValueError(f"{name}: groups must be [G, {2 + block_q}] int32 on {query.device} (block_m {block_m}, "
-                         f"{group} query heads per KV head), got {tuple(groups.shape)} {groups.dtype} on {groups.device}")
+                         f"{group} query heads per KV head), got {tuple(groups.shape)} {groups.dtype} "
+                         f"on {groups.device}")
     if out.shape != query.shape or out.dtype != query.dtype or not out.is_contiguous():
         raise ValueError(f"{name}: out must be contiguous {tuple(query.shape)} {query.dtype}")
     if groups.shape[0] == 0:

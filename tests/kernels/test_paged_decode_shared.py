@@ -69,7 +69,8 @@ CASES = [  # lens, shared blocks, block_size, Hkv, group, D, dtype, tiles (None:
     ([130, 140], [4, 4], 32, 1, 4, 64, torch.float32, None, None),  # the production tiles (64, 64)
     ([40, 41, 60, 90, 35], [2, 2, 2, 2, 2], 16, 2, 4, 32, torch.bfloat16, dict(block_m=16, block_n=16), None),
     ([70, 100, 20], [2, 2, 0], 32, 1, 8, 16, torch.bfloat16, dict(block_m=16, block_n=32), None),
-    ([17, 18], [1, 1], 16, 1, 1, 16, torch.float32, dict(block_m=16, block_n=16), None),  # one tile: all of sequence 0's keys but its last
+    # one shared tile: all of sequence 0's keys but its last
+    ([17, 18], [1, 1], 16, 1, 1, 16, torch.float32, dict(block_m=16, block_n=16), None),
 ]
 
 
