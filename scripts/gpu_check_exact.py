@@ -3,7 +3,8 @@
 exactness: the engine's bitwise contracts end to end on the Llama-3.2-1B shape in bf16 with the Triton backend
 (tests/engine/test_invariance.py, test_exact_reuse.py and test_last_token_alternatives.py, on CUDA): every output
 column (ids, logprobs, ranks, top-K ids and logprobs) compared with `!=`, no tolerance. Fails (rc 1) when any
-value differs or when a reuse check reused nothing (it would test nothing).
+value differs or when a reuse check reused nothing (it would test nothing). Last, the shared-prefix decode groups
+against today's paged attention, bitwise, with their time (scripts/gpu_check_groups.py).
 tax: the same score and generate workloads with batch invariance on (the Triton matmul) and off (cuBLAS,
 `--no-batch-invariant`; "library" in the output), one after the other in one process; time ratio invariant /
 library.
@@ -17,6 +18,7 @@ from typing import Any
 from gpu_check_common import (GENERATE_SHAPE, columns, emit, engine_and_state, engine_generate, engine_score,
                               generate_workload, make_engine, matmul_params, median_time, mfu, random_prompts,
                               rounded, score_workload)
+from gpu_check_groups import check_shared_prefix_decode
 
 K = 5
 
@@ -134,7 +136,8 @@ def part_exactness(args) -> bool:
           "engine_requests": len(merged), "differing_vs_separate_requests": bad, "ok": not any(bad.values())})
 
     # 4. greedy generation: batched with CUDA graphs, eager, alone, a small budget, preempted
-    gen_prompts = random_prompts([5, 17, 40, 64, 100, 300], vocab, seed=22, prefix=32)
+    # an 80-token shared prefix: 5 blocks, one whole 64-key tile, so that the warm run's decodes form a group
+    gen_prompts = random_prompts([5, 17, 40, 64, 100, 300], vocab, seed=22, prefix=80)
     params = SamplingParams(max_tokens=8 if small else 32, logprobs=2, ignore_eos=True)
 
     def generate(eng, which: list[int]) -> dict[int, Any]:
@@ -144,11 +147,13 @@ def part_exactness(args) -> bool:
 
     every = list(range(len(gen_prompts)))
     graphs = dict(use_cuda_graphs=True)  # decode steps replay CUDA graphs (on CUDA), except the eager run
-    ref_gen = generate(engine(**graphs), every)
+    batched = engine(**graphs)
+    ref_gen = generate(batched, every)
     alone = engine(**graphs)
     longest = max(len(p) for p in gen_prompts) + params.max_tokens
     tight = engine(max_batch_tokens=256, num_kv_blocks=-(-longest // 16) + 2, **graphs)
     runs = {"eager (no CUDA graphs)": generate(engine(), every),
+            "batched, warm (decode groups)": generate(batched, every),
             "alone": {k: v for i in every for k, v in generate(alone, [i]).items()},
             "budget 64": generate(engine(max_batch_tokens=64, **graphs), every), "preempted": generate(tight, every)}
     bad = differing(runs, ref_gen)
@@ -157,6 +162,11 @@ def part_exactness(args) -> bool:
     emit({**tag, "check": "greedy_generation", "prompts": len(gen_prompts), "new_tokens": params.max_tokens,
           "preemptions": tight.stats.preemptions, "differing_vs_batched": bad,
           "ok": preempted and not any(bad.values())})
+
+    # 5. shared-prefix decode groups: bitwise paged_attention per sequence, and their time (gpu_check_groups.py)
+    row = check_shared_prefix_decode(small)
+    ok &= row["ok"]
+    emit({**tag, **row})
     return bool(ok)
 
 

@@ -53,9 +53,10 @@ def _exactness(lines) -> list[str]:
     rows = []
     for ln in _by(lines, "exactness"):
         diffs = next((v for k, v in ln.items() if k.startswith("differing")), {})
-        extra = {k: ln[k] for k in ("hit_tokens", "score_store_hits", "preemptions") if k in ln}
+        extra = {k: ln[k] for k in ("hit_tokens", "score_store_hits", "preemptions", "groups", "ms_per_step_grouped",
+                                    "ms_per_step_ungrouped", "speedup") if k in ln}
         rows.append([ln["check"], _fmt(diffs), _fmt(extra), "**yes**" if ln.get("ok") else "**NO**"])
-    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption", "bitwise"], rows) if rows \
+    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption / groups", "bitwise"], rows) if rows \
         else ["no lines"]
 
 
