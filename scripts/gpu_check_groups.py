@@ -6,7 +6,9 @@ each with its own 1..512 further tokens (the 256 x 512 generation's decode steps
 (paged_attention skipping the grouped sequences, then the shared-prefix kernel) must equal paged_attention over
 the whole batch bitwise, and a few sequences run alone; docs/architecture.md ("Shared-prefix decode") says why
 it should and on which assumption (a tl.dot row depends only on its own row), which this check confirms on the
-GPU. Times both (CUDA events, median of 20) per layer and per decode step (x 16 layers).
+GPU. Times both (CUDA events, median of 20) per layer and per decode step (x 16 layers), and groups capped at
+8 and 4 members (more programs, each walking fewer members' own tiles one after the other: the cap to choose
+if the engine's 16 members per group lose parallelism).
 
 --small (the dry run, on the CPU): a tiny shape in fp32, in a subprocess under TRITON_INTERPRET=1 whose tl.dot is
 made row-exact as tests/conftest.py makes it (OpenBLAS may round a row by its place in the matrix).
@@ -68,49 +70,66 @@ def measure(small: bool) -> dict[str, Any]:
     q = torch.randn(num_seqs, hq, d, generator=g, device=device).to(dtype)
     cu = np.arange(num_seqs + 1, dtype=np.int32)
     block_m, block_n, _ = tile_config(d, hq // hkv)
-    groups = plan_decode_groups(cu, lens, host_tables, bs, block_n, block_m // (hq // hkv))
-    table, grouped = pack_decode_groups(groups, num_seqs, block_m // (hq // hkv))
+    block_q = block_m // (hq // hkv)
     as_dev = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(device)  # noqa: E731
-    bt, cu_t, lens_t, table_t, grouped_t = map(as_dev, (host_tables, cu, lens, table, grouped))
+    bt, cu_t, lens_t = map(as_dev, (host_tables, cu, lens))
     scale = d ** -0.5
 
     def ungrouped() -> torch.Tensor:
         return paged_attention(q, k_cache, v_cache, bt, cu_t, lens_t, scale)
 
-    def grouped_path() -> torch.Tensor:
+    want = ungrouped()
+    plans = {}  # members per group at most: block_q (the engine's), and fewer (more programs, less sharing)
+    for cap in sorted({block_q, min(block_q, 8), min(block_q, 4)}, reverse=True):
+        groups = plan_decode_groups(cu, lens, host_tables, bs, block_n, cap)
+        table, grouped = pack_decode_groups(groups, num_seqs, block_q)
+        plans[cap] = (len(groups), int(grouped.sum()), as_dev(table), as_dev(grouped))
+
+    def grouped_path(cap: int) -> torch.Tensor:
+        _, _, table_t, grouped_t = plans[cap]
         out = paged_attention(q, k_cache, v_cache, bt, cu_t, lens_t, scale, skip=grouped_t)
         return shared_prefix_decode(q, k_cache, v_cache, bt, cu_t, lens_t, table_t, out, scale)
 
-    want, got = ungrouped(), grouped_path()
+    differing, nan, got = {}, False, None
+    for cap in plans:
+        got = grouped_path(cap)
+        differing[f"paged_attention, groups of <= {cap}"] = int((got != want).sum())
+        nan |= bool(got.isnan().any())
     alone_bad = 0
     for i in (0, 1, num_seqs // 2, num_seqs - 1):
         one = paged_attention(q[i:i + 1], k_cache, v_cache, bt[i:i + 1], cu_t[:2], lens_t[i:i + 1], scale)
         alone_bad += int((one[0] != got[i]).sum())
-    differing = int((got != want).sum())
-    nan = bool(got.isnan().any())
-    result = {"check": "shared_prefix_decode", "backend": "triton", "shape": f"{hq}x{hkv}x{d}", "dtype": str(dtype).split(".")[-1],
-              "sequences": num_seqs, "shared_prefix": prefix, "own_tokens_max": most_own, "groups": len(groups),
-              "grouped_sequences": int(grouped.sum()),
-              "differing_vs_today": {"paged_attention": differing, "alone (4 sequences)": alone_bad}, "nan": nan,
-              "ok": bool(groups) and differing == 0 and alone_bad == 0 and not nan}
+    differing["alone (4 sequences)"] = alone_bad
+    result = {"check": "shared_prefix_decode", "backend": "triton", "shape": f"{hq}x{hkv}x{d}",
+              "dtype": str(dtype).split(".")[-1], "sequences": num_seqs, "shared_prefix": prefix,
+              "own_tokens_max": most_own, "groups": plans[block_q][0], "grouped_sequences": plans[block_q][1],
+              "differing_vs_today": differing, "nan": nan,
+              "ok": plans[block_q][0] > 0 and not any(differing.values()) and not nan}
     if not small:
-        times = {}
-        for name, fn in (("ungrouped", ungrouped), ("grouped", grouped_path)):
-            fn()
-            torch.cuda.synchronize()
-            samples = []
-            for _ in range(20):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            times[name] = sorted(samples)[len(samples) // 2]
+        times = {"ungrouped": _median_ms(ungrouped)}
+        times.update({f"grouped_max{cap}": _median_ms(lambda: grouped_path(cap)) for cap in plans})
         result.update({f"ms_per_layer_{n}": round(t, 4) for n, t in times.items()})
-        result.update({f"ms_per_step_{n}": round(t * layers, 3) for n, t in times.items()})
-        result["speedup"] = round(times["ungrouped"] / times["grouped"], 2)
+        result["ms_per_step_ungrouped"] = round(times["ungrouped"] * layers, 3)
+        result["ms_per_step_grouped"] = round(times[f"grouped_max{block_q}"] * layers, 3)  # the engine's
+        result["speedup"] = round(times["ungrouped"] / times[f"grouped_max{block_q}"], 2)
     return result
+
+
+def _median_ms(fn) -> float:
+    """Median CUDA time of fn() over 20 calls, after one warm-up call (compiles)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return sorted(samples)[len(samples) // 2]
 
 
 def check_shared_prefix_decode(small: bool) -> dict[str, Any]:

@@ -51,38 +51,32 @@ def plan_decode_groups(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, block_tab
     if block_q < 2:
         return []
     cu = np.asarray(cu_seqlens_q)
-    lens = np.asarray(seq_lens)
-    decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1 and lens[i] - 1 >= block_n]
-    tables = {i: block_tables[i, :-(-int(lens[i]) // block_size)].tolist() for i in decode}
-    order = sorted(decode, key=lambda i: (tables[i], i))
-
-    def shared_tiles(members: list[int]) -> int:
-        first = tables[members[0]]
-        common = min(_common_prefix(first, tables[i]) for i in members[1:])
-        tokens = min(common * block_size, min(int(lens[i]) - 1 for i in members))
-        return tokens // block_n
-
+    lens = np.asarray(seq_lens).astype(np.int64)
+    cand = np.flatnonzero((np.diff(cu) == 1) & (lens - 1 >= block_n))  # decodes with a whole tile before the query
+    if len(cand) < 2:
+        return []
+    nblocks = -(-lens[cand] // block_size)
+    rows = np.asarray(block_tables)[cand, :int(nblocks.max())]
+    # lexicographic order of the block lists (rows are 0-padded past a sequence's blocks: a shared prefix of valid
+    # blocks still makes one contiguous run); ties keep the batch order (lexsort is stable)
+    order = np.lexsort(rows.T[::-1])
+    rows, nblocks, last = rows[order], nblocks[order], lens[cand][order] - 1
+    differ = rows[1:] != rows[:-1]  # [n - 1, W]
+    first = np.where(differ.any(1), differ.argmax(1), rows.shape[1])
+    common = np.minimum(first, np.minimum(nblocks[1:], nblocks[:-1]))  # neighbours' common blocks
+    # shared keys of neighbours i, i + 1 (before both last positions); a run's = the minimum over its neighbours
+    shared = np.minimum(common * block_size, np.minimum(last[1:], last[:-1]))
     groups: list[tuple[list[int], int]] = []
-    run: list[int] = []
-    for i in order + [-1]:
-        if run and (i < 0 or shared_tiles([run[-1], i]) < 1):  # the run ends: cut it into groups
-            for start in range(0, len(run), block_q):
-                members = run[start:start + block_q]
-                if len(members) >= 2:
-                    groups.append((members, shared_tiles(members)))
-            run = []
-        if i >= 0:
-            run.append(i)
+    start = 0
+    for i in range(len(order)):
+        if i + 1 < len(order) and shared[i] >= block_n:
+            continue  # the run goes on
+        for lo in range(start, i + 1, block_q):  # the run [start, i]: groups of at most block_q
+            hi = min(lo + block_q, i + 1)
+            if hi - lo >= 2:
+                groups.append(([int(x) for x in cand[order[lo:hi]]], int(shared[lo:hi - 1].min()) // block_n))
+        start = i + 1
     return groups
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def pack_decode_groups(groups: list[tuple[list[int], int]], num_seqs: int, block_q: int,

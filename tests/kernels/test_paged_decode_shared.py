@@ -133,3 +133,39 @@ def test_plan_leaves_out_prefills_and_keeps_the_last_position_out_of_shared_tile
     assert plan_decode_groups(np.array([0, 1, 2, 3]), np.array([48] * 3), tables, 16, 16, block_q=1) == []
     with pytest.raises(ValueError, match="members"):
         pack_decode_groups([([0], 1)], 3, 4)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_plan_groups_are_sound_on_random_batches(seed: int) -> None:
+    """Every group: 2..block_q decodes, in one group each, whose first shared_tiles * block_n keys are in the same
+    blocks and before each member's last position; and no two sequences left out could have grouped."""
+    rng = np.random.default_rng(seed)
+    bs, block_n, block_q = int(rng.choice([4, 16, 32])), int(rng.choice([16, 32, 64])), int(rng.integers(2, 9))
+    n = int(rng.integers(1, 30))
+    prefixes = [rng.integers(1, 1000, 12).tolist() for _ in range(3)]
+    lens = rng.integers(1, 300, n)
+    tables = np.zeros((n, -(-300 // bs) + 1), np.int32)
+    nxt = 1000
+    for i, length in enumerate(lens):
+        blocks = -(-int(length) // bs)
+        take = min(blocks, int(rng.integers(0, 13)))
+        own = list(range(nxt, nxt + blocks - take))
+        nxt += blocks - take
+        tables[i, :blocks] = prefixes[int(rng.integers(0, 3))][:take] + own
+    q_lens = rng.choice([1, 1, 1, 3], n)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    groups = plan_decode_groups(cu, lens, tables, bs, block_n, block_q)
+    seen: set[int] = set()
+    for members, tiles in groups:
+        assert 2 <= len(members) <= block_q and tiles >= 1 and not seen & set(members)
+        seen |= set(members)
+        keys = tiles * block_n
+        for i in members:
+            assert q_lens[i] == 1 and keys <= lens[i] - 1
+            assert tables[i, :-(-keys // bs)].tolist() == tables[members[0], :-(-keys // bs)].tolist()
+    left = [i for i in range(n) if i not in seen and q_lens[i] == 1 and lens[i] - 1 >= block_n]
+    tile_blocks = -(-block_n // bs)  # a whole first tile is shared when these first blocks are
+    for a in left:  # a run leaves at most one decode out (its last cut), and runs share no tile
+        for b in left:
+            if a < b:
+                assert tables[a, :tile_blocks].tolist() != tables[b, :tile_blocks].tolist(), (a, b, groups)
