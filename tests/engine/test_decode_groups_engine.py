@@ -78,3 +78,13 @@ def test_grouped_generations_are_bitwise_one_at_a_time(tiny_dir, monkeypatch) ->
             assert b.output_token_ids == a.output_token_ids
             assert np.array_equal(b.output_logprobs.token_logprobs, a.output_logprobs.token_logprobs)
             assert np.array_equal(b.output_logprobs.top_logprobs, a.output_logprobs.top_logprobs)
+
+
+def test_only_the_triton_backend_plans_groups(tiny_dir) -> None:
+    """The torch backend's steps are built as before (no plan, no extra arrays); the Triton backend's plan is for
+    its tiles: the tiny model's head_dim 16 and 2 query heads per KV head give tile_config's (64, 64)."""
+    model_dir = tiny_dir("llama")
+    torch_engine = Engine.from_model(str(model_dir), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=16,
+                                                                  attention_backend="torch"))
+    assert torch_engine.runner.decode_group_shape is None
+    assert make_engine(model_dir).runner.decode_group_shape == (64, 64, 2)

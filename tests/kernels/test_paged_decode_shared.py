@@ -98,7 +98,8 @@ def test_grouped_decode_is_bitwise_each_sequence_alone(case: int) -> None:
     out = torch.full(q.shape, float("nan"), dtype=dtype, device=DEVICE)
     paged_attention(q.to(DEVICE), k, v, *meta, scale, softcap=softcap, out=out, skip=torch.tensor(grouped, **dev),
                     **(tiles or {}))
-    assert out[torch.tensor(grouped, dtype=torch.bool)].isnan().all()  # today's kernel skipped the grouped rows
+    skipped = torch.tensor(grouped, dtype=torch.bool, device=DEVICE)
+    assert out[skipped].isnan().all()  # today's kernel left the grouped sequences' rows alone
     shared_prefix_decode(q.to(DEVICE), k, v, *meta, torch.tensor(table, **dev), out, scale, softcap=softcap,
                          **(tiles or {}))
     for i in range(len(lens)):
