@@ -70,6 +70,8 @@ def _shared_prefix_decode_kernel(
         s = s * scale_log2
         if SOFTCAP:
             s = _soft_cap(s, softcap_log2)
+        # all true here, but kept: as in paged_attention, the select keeps the compiler from contracting the scale
+        # multiply into the exponent's subtraction (an FMA there would round differently from today's kernel)
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
