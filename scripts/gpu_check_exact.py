@@ -44,7 +44,12 @@ def part_exactness(args) -> bool:
     from apcscore.engine.request import Request
     from apcscore.jobs.loglikelihood import group_by_last_token
 
+    import os
+
+    from apcscore.attention.decode_groups import SWITCH
+
     small = args.small
+    os.environ[SWITCH] = "1"  # decode groups on in this part (its own process): checked bitwise below
     cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
     vocab = cfg.vocab_size
     base = dict(max_batch_tokens=8192, max_num_seqs=16, use_cuda_graphs=False)  # graphs: generation only

@@ -4,10 +4,15 @@ The Triton backend runs a group's sequences in one program per KV head (kernels/
 tiles wholly inside the shared prefix are read once for the whole group. Which sequences group together changes
 which kernel computes a row, never its bits (docs/architecture.md, "Shared-prefix decode"), so the plan may
 depend on the batch. It is made on the host from the step's host arrays (no device read) once per step.
+
+Off unless `APCSCORE_DECODE_GROUPS=1`: the row-independence the bits rest on (docs/architecture.md) and the
+speed against today's kernel are still to be measured on a GPU (the GPU check's exactness part turns it on and
+checks both); until then the engine runs today's kernel for every sequence, as before.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,10 +104,15 @@ def pack_decode_groups(groups: list[tuple[list[int], int]], num_seqs: int, block
 GroupShape = tuple[int, int, int]  # (block_m, block_n, group): the Triton attention tiles of a model
 
 
+SWITCH = "APCSCORE_DECODE_GROUPS"  # "1": plan decode groups (the Triton backend); anything else: off
+
+
 def group_shape(attention: Any) -> GroupShape | None:
     """The tile shape decode groups are planned for, from a model's (first) attention module: tile_config's
-    (block_m, block_n) and its query heads per KV head; None when its backend is not Triton (the torch backend
-    never reads groups, and its steps are built exactly as before)."""
+    (block_m, block_n) and its query heads per KV head; None when grouping is off (the default: SWITCH) or its
+    backend is not Triton (the torch backend never reads groups, and its steps are built exactly as before)."""
+    if os.environ.get(SWITCH) != "1":
+        return None
     if getattr(getattr(attention, "attention_backend", None), "name", None) != "triton":
         return None
     from apcscore.kernels.paged_attention import tile_config  # Triton: imported only for the Triton backend

@@ -13,6 +13,7 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention import triton_backend
+from apcscore.attention.decode_groups import SWITCH
 from apcscore.engine import Engine
 from apcscore.engine.cuda_graphs import attach
 from apcscore.kernels._checks import interpreting
@@ -49,6 +50,7 @@ def generate(engine: Engine, ps: list[list[int]], first: int = 0) -> dict:
 
 @pytest.mark.slow  # ~40 s under the interpreter
 def test_grouped_generations_are_bitwise_one_at_a_time(tiny_dir, monkeypatch) -> None:
+    monkeypatch.setenv(SWITCH, "1")
     model_dir = tiny_dir("llama")
     prefix, ps = prompts(seed=5, n=3)
     alone_engine = make_engine(model_dir)
@@ -80,10 +82,14 @@ def test_grouped_generations_are_bitwise_one_at_a_time(tiny_dir, monkeypatch) ->
             assert np.array_equal(b.output_logprobs.top_logprobs, a.output_logprobs.top_logprobs)
 
 
-def test_only_the_triton_backend_plans_groups(tiny_dir) -> None:
-    """The torch backend's steps are built as before (no plan, no extra arrays); the Triton backend's plan is for
-    its tiles: the tiny model's head_dim 16 and 2 query heads per KV head give tile_config's (64, 64)."""
+def test_only_the_triton_backend_plans_groups_and_only_when_asked(tiny_dir, monkeypatch) -> None:
+    """Off by default (the engine runs today's kernel until a GPU has measured the groups); switched on, the torch
+    backend's steps are still built as before (no plan, no extra arrays), and the Triton backend's plan is for its
+    tiles: the tiny model's head_dim 16 and 2 query heads per KV head give tile_config's (64, 64)."""
     model_dir = tiny_dir("llama")
+    monkeypatch.delenv(SWITCH, raising=False)
+    assert make_engine(model_dir).runner.decode_group_shape is None
+    monkeypatch.setenv(SWITCH, "1")
     torch_engine = Engine.from_model(str(model_dir), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=16,
                                                                   attention_backend="torch"))
     assert torch_engine.runner.decode_group_shape is None
