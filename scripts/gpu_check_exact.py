@@ -7,6 +7,8 @@ value differs or when a reuse check reused nothing (it would test nothing). Then
 kernel (kernels/silu_mul.py) against torch's two kernels `F.silu(gate) * up` on the 1B MLP shape (8,192 tokens x
 8,192) in bf16, fp16 and fp32, bitwise, with every bf16 / fp16 gate value, and the time of each form (in --small,
 under the interpreter: against silu_mul_reference with numpy's exp, the interpreter's).
+Last, the shared-prefix decode groups against today's paged attention, bitwise, with their time
+(scripts/gpu_check_groups.py).
 tax: the same score and generate workloads with batch invariance on (the Triton matmul) and off (cuBLAS,
 `--no-batch-invariant`; "library" in the output), one after the other in one process; time ratio invariant /
 library.
@@ -20,6 +22,7 @@ from typing import Any
 from gpu_check_common import (GENERATE_SHAPE, columns, emit, engine_and_state, engine_generate, engine_score,
                               generate_workload, llama_config, make_engine, matmul_params, median_time, mfu,
                               random_prompts, rounded, score_workload)
+from gpu_check_groups import check_shared_prefix_decode
 
 K = 5
 
@@ -45,7 +48,12 @@ def part_exactness(args) -> bool:
     from apcscore.engine.request import Request
     from apcscore.jobs.loglikelihood import group_by_last_token
 
+    import os
+
+    from apcscore.attention.decode_groups import SWITCH
+
     small = args.small
+    os.environ[SWITCH] = "1"  # decode groups on in this part (its own process): checked bitwise below
     cfg, state, precision, backend, device, _ = engine_and_state("llama-3.2-1b", small)
     vocab = cfg.vocab_size
     base = dict(max_batch_tokens=8192, max_num_seqs=16, use_cuda_graphs=False)  # graphs: generation only
@@ -137,7 +145,8 @@ def part_exactness(args) -> bool:
           "engine_requests": len(merged), "differing_vs_separate_requests": bad, "ok": not any(bad.values())})
 
     # 4. greedy generation: batched with CUDA graphs, eager, alone, a small budget, preempted
-    gen_prompts = random_prompts([5, 17, 40, 64, 100, 300], vocab, seed=22, prefix=32)
+    # an 80-token shared prefix: 5 blocks, one whole 64-key tile, so that the warm run's decodes form a group
+    gen_prompts = random_prompts([5, 17, 40, 64, 100, 300], vocab, seed=22, prefix=80)
     params = SamplingParams(max_tokens=8 if small else 32, logprobs=2, ignore_eos=True)
 
     def generate(eng, which: list[int]) -> dict[int, Any]:
@@ -147,11 +156,13 @@ def part_exactness(args) -> bool:
 
     every = list(range(len(gen_prompts)))
     graphs = dict(use_cuda_graphs=True)  # decode steps replay CUDA graphs (on CUDA), except the eager run
-    ref_gen = generate(engine(**graphs), every)
+    batched = engine(**graphs)
+    ref_gen = generate(batched, every)
     alone = engine(**graphs)
     longest = max(len(p) for p in gen_prompts) + params.max_tokens
     tight = engine(max_batch_tokens=256, num_kv_blocks=-(-longest // 16) + 2, **graphs)
     runs = {"eager (no CUDA graphs)": generate(engine(), every),
+            "batched, warm (decode groups)": generate(batched, every),
             "alone": {k: v for i in every for k, v in generate(alone, [i]).items()},
             "budget 64": generate(engine(max_batch_tokens=64, **graphs), every), "preempted": generate(tight, every)}
     bad = differing(runs, ref_gen)
@@ -166,6 +177,14 @@ def part_exactness(args) -> bool:
     except Exception as e:  # a kernel that does not compile here: its own line, the checks above kept
         emit({**tag, "check": "silu_mul", "error": f"{type(e).__name__}: {e}"[:2000], "ok": False})
         ok = False
+
+    # 5. shared-prefix decode groups: bitwise paged_attention per sequence, and their time (gpu_check_groups.py)
+    try:
+        row = check_shared_prefix_decode(small)
+    except Exception as e:  # a kernel that does not compile here: its own line, the checks above kept
+        row = {"check": "shared_prefix_decode", "error": f"{type(e).__name__}: {e}"[:2000], "ok": False}
+    ok &= row["ok"]
+    emit({**tag, **row})
     return bool(ok)
 
 

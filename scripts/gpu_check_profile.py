@@ -29,7 +29,7 @@ TOP = 12
 # kernel-name fragments -> group (first match wins; names are lower-cased)
 GROUPS = (("matmul (triton)", ("_linear_kernel", "_linear_tma_persistent_kernel")),
           ("matmul (cublas)", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::linear")),
-          ("attention", ("paged_attention", "flash", "attention")),
+          ("attention", ("paged_attention", "shared_prefix_decode", "flash", "attention")),
           ("logprobs and top-k", ("logprob", "top_k", "topk", "sort", "lse")),
           ("rmsnorm", ("rms_norm",)),
           ("rotary", ("rotary",)),

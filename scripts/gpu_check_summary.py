@@ -53,11 +53,14 @@ def _exactness(lines) -> list[str]:
     rows = []
     for ln in _by(lines, "exactness"):
         diffs = next((v for k, v in ln.items() if k.startswith("differing")), {})
-        extra = {k: ln[k] for k in ("hit_tokens", "score_store_hits", "preemptions") if k in ln}
-        if "speedup" in ln:  # silu_mul: fused vs torch's two kernels, by dtype
+        extra = {k: ln[k] for k in ("hit_tokens", "score_store_hits", "preemptions", "groups", "ms_per_step_grouped",
+                                    "ms_per_step_ungrouped") if k in ln}
+        if isinstance(ln.get("speedup"), dict):  # silu_mul: fused vs torch's two kernels, by dtype
             extra["fused vs torch"] = ", ".join(f"{k} {_fmt(v)}x" for k, v in ln["speedup"].items())
+        elif "speedup" in ln:  # shared_prefix_decode: grouped vs today's kernel
+            extra["speedup"] = ln["speedup"]
         rows.append([ln["check"], _fmt(diffs), _fmt(extra), "**yes**" if ln.get("ok") else "**NO**"])
-    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption / speed-up", "bitwise"], rows) if rows \
+    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption / groups / speed-up", "bitwise"], rows) if rows \
         else ["no lines"]
 
 

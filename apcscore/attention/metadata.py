@@ -8,6 +8,8 @@ from typing import Any, Iterator
 
 import torch
 
+from apcscore.attention.decode_groups import DecodeGroups
+
 
 @dataclass
 class AttentionMetadata:
@@ -29,6 +31,9 @@ class AttentionMetadata:
     block_size: int
     # Per-step plans a backend derives from the fields above once and reuses in every layer.
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    # Decode sequences sharing prefix blocks, for the Triton backend (attention/decode_groups.py); None: no
+    # groups (always with the torch backend, which ignores the field).
+    decode_groups: DecodeGroups | None = None
 
     @classmethod
     def for_attention(cls, items: list[tuple[int, int]], tables: list[list[int]],

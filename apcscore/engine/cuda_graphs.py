@@ -16,6 +16,12 @@ shapes only (bs tokens, bs sequences) and reads cu_seqlens_q / seq_lens on the d
 serves every step of that size. The torch backend reads Python lists (cu_seqlens_q_list, seq_lens_list)
 and syncs in store_kv, so it is never captured; the same padded path runs it eagerly (CPU tests).
 
+Decode groups (Triton backend: sequences sharing prefix blocks, attention/decode_groups.py) live in two more
+static buffers, sized to the captured batch: `group_table` [max_bs // 2, 2 + block_q] (a graph of bs rows reads
+its first bs // 2 rows: the most groups of >= 2 members; a row with 0 members is an empty group whose programs
+return at once) and `grouped` [max_bs] (today's kernel skips a grouped sequence). So the grouping of a step
+changes only buffer contents, never the captured launches; `group_decodes = False` writes empty groups.
+
 Step inputs are built like an eager step's (apcscore.engine.step_inputs) and travel host -> device in one
 non-blocking copy from a persistent pinned buffer: a replayed step has no host-device synchronisation until
 the caller reads the sampled tokens.
@@ -27,6 +33,7 @@ import bisect
 import numpy as np
 import torch
 
+from apcscore.attention.decode_groups import DecodeGroups, group_shape, pack_decode_groups, plan_decode_groups
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.step_inputs import InputStager, StepInputs, build_step_inputs
@@ -102,6 +109,13 @@ class DecodeGraphRunner:
         self.tokens[2] = -1
         self.lens = torch.zeros(2, lens_stride(max_bs), dtype=torch.int32, device=self.device)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=self.device)
+        self.group_shape = group_shape(model.layers[0].self_attn)  # None: no group buffers (torch backend)
+        self.group_decodes = self.group_shape is not None
+        if self.group_shape is not None:
+            block_m, _, group = self.group_shape
+            self.group_table = torch.zeros(max(1, max_bs // 2), 2 + block_m // group, dtype=torch.int32,
+                                           device=self.device)
+            self.grouped = torch.zeros(max_bs, dtype=torch.int32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, hidden], written by each replay
         self.num_replays = 0
@@ -123,11 +137,14 @@ class DecodeGraphRunner:
         only, never by a captured graph) describe `inp`, or padding only when inp is None (capture)."""
         n = inp.num_seqs if inp is not None else 0
         seq_lens = (inp.seq_lens.tolist() if inp is not None else []) + [0] * (bs - n)
+        groups = None
+        if self.group_shape is not None and bs >= 2:  # the buffers' contents say which groups there are
+            groups = DecodeGroups(self.group_table[:bs // 2], self.grouped[:bs], *self.group_shape, num_groups=-1)
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :bs], block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.lens[0, :bs + 1], seq_lens=self.lens[1, :bs],
             cu_seqlens_q_list=[min(i, n) for i in range(bs + 1)], seq_lens_list=seq_lens,
-            block_size=self.block_size,
+            block_size=self.block_size, decode_groups=groups,
         )
 
     def _forward(self, bs: int, meta: AttentionMetadata) -> torch.Tensor:
@@ -141,6 +158,9 @@ class DecodeGraphRunner:
         self.tokens.zero_()
         self.tokens[2] = -1
         self.lens.zero_()
+        if self.group_shape is not None:
+            self.group_table.zero_()
+            self.grouped.zero_()
         torch.cuda.synchronize(self.device)
         for bs in reversed(self.sizes):
             meta = self._meta(bs, None)  # buffers hold padding only: nothing is stored or read
@@ -162,8 +182,15 @@ class DecodeGraphRunner:
         then on-device copies: no sync)."""
         tokens, lens = pad_decode_inputs(inp, self.max_bs)
         n, width = inp.block_tables.shape
-        staged = self.stager.to_device(tokens, lens, inp.block_tables)
-        for dst, src in zip((self.tokens, self.lens, self.block_tables[:n, :width]), staged):
+        arrays, buffers = [tokens, lens, inp.block_tables], [self.tokens, self.lens, self.block_tables[:n, :width]]
+        if self.group_shape is not None:  # this step's groups, or none (empty rows) when turned off
+            block_m, block_n, group = self.group_shape
+            groups = plan_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables, self.block_size, block_n,
+                                        block_m // group) if self.group_decodes else []
+            table, grouped = pack_decode_groups(groups, self.max_bs, block_m // group, self.group_table.shape[0])
+            arrays += [table, grouped]
+            buffers += [self.group_table, self.grouped]
+        for dst, src in zip(buffers, self.stager.to_device(*arrays)):
             dst.copy_(src)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor | None:

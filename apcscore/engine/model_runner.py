@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from apcscore.attention.decode_groups import DecodeGroups, group_shape, step_decode_groups
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
@@ -59,6 +60,9 @@ class ModelRunner:
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
         allocate_kv_cache(model, num_kv_blocks, block_size, dtype, device)
         self.stager = InputStager(device)  # step inputs: one non-blocking copy from pinned memory on CUDA
+        # Triton backend: decode sequences sharing prefix blocks run as groups (attention/decode_groups.py);
+        # None (the torch backend, or turned off): every step's metadata is built exactly as without groups
+        self.decode_group_shape = group_shape(model.layers[0].self_attn)
         self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.engine.cuda_graphs), captured now
         if device.type == "cuda" and use_cuda_graphs:
             from apcscore.engine.cuda_graphs import DecodeGraphRunner
@@ -78,11 +82,17 @@ class ModelRunner:
 
     def _stage(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """A step's host inputs on the device: input_ids [T], positions [T], the attention metadata."""
-        input_ids, positions, slots, cu, seq_lens, tables = self.stager.to_device(
-            inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q, inp.seq_lens, inp.block_tables)
+        shape = self.decode_group_shape
+        groups = None if shape is None else step_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables,
+                                                                self.block_size, shape)
+        staged = self.stager.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
+                                       inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
+        input_ids, positions, slots, cu, seq_lens, tables = staged[:6]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
                                  cu_seqlens_q_list=inp.cu_seqlens_q.tolist(), seq_lens_list=inp.seq_lens.tolist(),
                                  block_size=self.block_size)
+        if groups:
+            meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape, num_groups=groups[2])
         return input_ids, positions, meta
 
     # ---- the step ------------------------------------------------------------------------------

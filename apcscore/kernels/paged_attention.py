@@ -78,6 +78,7 @@ def _soft_cap(s, softcap_log2):
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt", "window"])
 def _paged_attention_kernel(
         out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+        skip_ptr,  # [B] int32: 1 = a sequence the shared-prefix decode kernel computes (read only with SKIP)
         scale_log2,  # softmax scale * log2(e): scores are kept in base 2
         num_seqs,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -88,10 +89,13 @@ def _paged_attention_kernel(
         BLOCK_SIZE: tl.constexpr,  # tokens per cache block
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, IEEE_DOT: tl.constexpr,
-        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False):
+        WINDOW: tl.constexpr = False, SOFTCAP: tl.constexpr = False, SKIP: tl.constexpr = False):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq_idx(cu_seqlens_q_ptr, q_tile, num_seqs, BLOCK_Q)
+    if SKIP:
+        if tl.load(skip_ptr + seq) != 0:  # its decode group's program writes it
+            return
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     tile = q_tile - (q_start // BLOCK_Q + seq)  # this program's tile within the sequence
@@ -167,7 +171,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                     cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, scale: float | None = None, *,
                     window: int | None = None, softcap: float | None = None,
                     block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of every query over its sequence's keys in the paged cache (torch_backend semantics).
 
     query: [T, num_heads, head_dim] (head_dim contiguous); k_cache, v_cache: [num_blocks, block_size,
@@ -182,6 +186,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     window: a query at position p sees only keys > p - window (sliding-window layers); softcap: scores become
     tanh(scores / softcap) * softcap before masking (Gemma 2). None (the default): plain causal attention,
     the same compiled kernel as without these arguments.
+    skip: [B] int32 on the device, 1 for the sequences another kernel writes (a decode group's,
+    paged_decode_shared): they are left unwritten. None: every sequence.
     """
     name = "paged_attention"
     check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
@@ -239,8 +245,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     block_q = block_m // group
     # Sequence i needs ceil(q_len_i / block_q) tiles, all inside [cu_i // block_q + i, cu_{i+1} // block_q + i + 1).
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    if skip is not None and (skip.shape != (num_seqs,) or skip.dtype != torch.int32 or skip.device != query.device):
+        raise ValueError(f"{name}: skip must be [{num_seqs}] int32 on {query.device}, got {tuple(skip.shape)} "
+                         f"{skip.dtype} on {skip.device}")
     _paged_attention_kernel[grid](
-        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens,
+        out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, skip if skip is not None else seq_lens,
         scale * LOG2E, num_seqs,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
@@ -248,6 +257,6 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IEEE_DOT=query.dtype == torch.float32, WINDOW=window is not None, SOFTCAP=softcap is not None,
-        num_warps=num_warps,
+        SKIP=skip is not None, num_warps=num_warps,
     )
     return out

@@ -257,6 +257,7 @@ def test_attention_runs_one_kernel_for_every_block_table_width() -> None:
 # integer argument (== 1, divisible by 16, other) unless it is in the kernel's do_not_specialize; each of these
 # must be, so that every batch runs the same compiled code.
 BATCH_DEPENDENT_ARGS = {"paged_attention._paged_attention_kernel": {"num_seqs", "stride_bt"},
+                        "paged_decode_shared._shared_prefix_decode_kernel": {"stride_bt"},
                         "matmul._linear_kernel": {"M"}, "matmul._linear_tma_persistent_kernel": {"M"},
                         # the largest top-k of the batch's requests (logprobs.FUSED_TOP_K_MAX)
                         "logprobs._token_logprobs_kernel": {"k"}}
@@ -512,11 +513,15 @@ AOT_SCRIPT = textwrap.dedent("""
                                        ("bf16", 256, 2, True)):
         block_m, block_n, warps = pa.tile_config(head_dim, group)
         ptrs = dict(out_ptr=dt, q_ptr=dt, k_cache_ptr=dt, v_cache_ptr=dt, block_tables_ptr="i32",
-                    cu_seqlens_q_ptr="i32", seq_lens_ptr="i32")
+                    cu_seqlens_q_ptr="i32", seq_lens_ptr="i32", skip_ptr="i32", groups_ptr="i32")
+        tiles = dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
+                     BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, IEEE_DOT=dt == "fp32",
+                     SOFTCAP=masks)
         build("paged_attention", "_paged_attention_kernel", ptrs, {"scale_log2", "softcap_log2"},
-              dict(BLOCK_SIZE=16, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), GROUP=group,
-                   BLOCK_M=block_m, BLOCK_Q=block_m // group, BLOCK_N=block_n, IEEE_DOT=dt == "fp32",
-                   WINDOW=masks, SOFTCAP=masks), warps)
+              dict(tiles, WINDOW=masks, SKIP=not masks), warps)
+        # the shared-prefix decode groups' kernel, with the same tiles (windowed layers never group)
+        build("paged_decode_shared", "_shared_prefix_decode_kernel", ptrs, {"scale_log2", "softcap_log2"}, tiles,
+              warps)
     build("store_kv", "_store_kv_kernel", dict(key_ptr="fp32", value_ptr="fp32", k_cache_ptr="bf16",
           v_cache_ptr="bf16", slot_mapping_ptr="i64"), set(),
           dict(NUM_KV_HEADS=3, HEAD_DIM=64, BLOCK_H=4, BLOCK_D=64), 4)
@@ -570,7 +575,7 @@ def test_kernels_compile_for_hopper(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-c", AOT_SCRIPT], env=env, capture_output=True, text=True,
                             timeout=120, cwd=Path(__file__).parents[2])
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("compiled") == 9 + 4 + len(candidates()) - 1, result.stdout
+    assert result.stdout.count("compiled") == 13 + 4 + len(candidates()) - 1, result.stdout
 
 
 def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:

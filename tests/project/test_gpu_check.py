@@ -18,7 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PARTS = ["env", "tests", "sweep", "exactness", "tax", "bench:llama-3.2-1b", "eval", "8b", "long", "profile"]
 # what each part must have printed besides its end line: (part, key) pairs of its JSON lines
-EXPECTED = {"exactness": {"budgets", "exact_reuse", "last_token_alternatives", "greedy_generation", "silu_mul"},
+EXPECTED = {"exactness": {"budgets", "exact_reuse", "last_token_alternatives", "greedy_generation", "silu_mul",
+                          "shared_prefix_decode"},
             "eval": {"5-shot multiple choice", "8-token continuations"}, "8b": {"score", "generate"}}
 
 
