@@ -18,7 +18,7 @@ from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
 from apcscore.engine.request import PromptLogprobs
 from apcscore.engine.sequence import Sequence
-from tests.engine.test_exact_reuse import assert_tables_equal, cli_run
+from tests.engine.test_exact_reuse import assert_tables_equal, cli_run, engine, model  # noqa: F401 (model: a fixture)
 from tests.engine.test_invariance import assert_same, columns, run
 
 K = 3
@@ -35,16 +35,6 @@ def shared_prefix_requests(seed: int = 7, n: int = 8, prefix_len: int = 150, k: 
     ctx = prefix + [11, 12, 13]
     reqs.append(Request("cont", ctx + [14, 15, 16], prompt_logprobs=k, score_from=len(ctx)))
     return reqs
-
-
-@pytest.fixture(scope="module")
-def model(tiny_model_dir) -> str:
-    return str(tiny_model_dir("llama"))
-
-
-def engine(model: str, **overrides) -> Engine:
-    base = dict(device="cpu", dtype="float32", max_batch_tokens=2048, max_num_seqs=16, num_kv_blocks=512)
-    return Engine.from_model(model, EngineConfig(**{**base, **overrides}))
 
 
 def alone(model: str, reqs: list[Request], **overrides) -> dict:

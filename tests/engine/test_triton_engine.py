@@ -17,19 +17,12 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
-from apcscore.kernels._checks import interpreting
+from triton_device import DEVICE, TRITON_MARKS  # noqa: E402
 from portable_models import tiny_dir  # noqa: F401  (fixture; works without the default model: GPU machine)
 
-INTERPRET = interpreting()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 TOL = 1e-4
 
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(not INTERPRET and not HAS_CUDA,
-                       reason="the Triton backend needs CUDA; on a CPU set TRITON_INTERPRET=1 (make test does)"),
-]
+pytestmark = TRITON_MARKS
 
 
 def make_engine(model_dir, backend: str) -> Engine:

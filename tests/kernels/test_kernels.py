@@ -23,20 +23,13 @@ from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
 from apcscore.kernels import rms_norm, token_logprobs, token_logprobs_torch
-from apcscore.kernels._checks import interpreting
+from triton_device import DEVICE, HAS_CUDA, INTERPRET, TRITON_MARKS  # noqa: E402
 from apcscore.kernels.logprobs_ref import Scratch
 from apcscore.kernels.paged_attention import paged_attention
 from apcscore.kernels.store_kv import store_kv
 
-INTERPRET = interpreting()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 
-pytestmark = [
-    pytest.mark.triton,
-    pytest.mark.skipif(not INTERPRET and not HAS_CUDA,
-                       reason="Triton kernels need CUDA; on a CPU set TRITON_INTERPRET=1 (make test does)"),
-]
+pytestmark = TRITON_MARKS
 needs_real_bf16_dot = pytest.mark.skipif(
     INTERPRET, reason="the Triton interpreter's tl.dot multiplies bf16 bit patterns (triton issue #11584)")
 

@@ -14,16 +14,11 @@ import pytest
 import torch
 
 from apcscore.attention.decode_groups import pack_decode_groups, plan_decode_groups
-from apcscore.kernels._checks import interpreting
+from triton_device import DEVICE, INTERPRET, needs_triton  # noqa: E402
 from apcscore.kernels.paged_attention import paged_attention
 from apcscore.kernels.paged_decode_shared import shared_prefix_decode
 
-INTERPRET = interpreting()
-HAS_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if HAS_CUDA and not INTERPRET else "cpu"
 
-needs_triton = pytest.mark.skipif(not INTERPRET and not HAS_CUDA,
-                                  reason="Triton kernels need CUDA; on a CPU set TRITON_INTERPRET=1")
 
 
 def shared_cache(lens: list[int], shared: list[int], block_size: int, hkv: int, d: int, dtype: torch.dtype,
