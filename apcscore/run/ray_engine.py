@@ -31,8 +31,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.identity import EVAL
 from apcscore.options.commands import EvalOptions
 from apcscore.run.eval_shards import RecordedEngine
-from apcscore.run.metadata import add_timings
-from apcscore.run.ray_replicas import MAX_TASK_RETRIES, ReplicaPool
+from apcscore.run.ray_replicas import MAX_TASK_RETRIES, ReplicaPool, replica_run
 from apcscore.scale.partition import assign_prompts
 
 CHUNK_REQUESTS = 256  # engine requests per chunk: enough for full steps, small enough to stream and retry
@@ -113,10 +112,7 @@ class RayEngine(RecordedEngine):
         """The results metadata's `ray`: the replicas, their resources, and what each ran where."""
         per_replica = []
         for r, stats in enumerate(self.pool.stats()):
-            ran = {} if stats is None else {
-                "requests_run": stats["requests"], "pid": stats["pid"],
-                "timings": add_timings(None, stats["counters"].to_timings(stats["load_seconds"],
-                                                                          stats["run_seconds"]))}
+            ran = replica_run(stats, "requests") if stats is not None else {}
             per_replica.append({"replica": r, "requests_assigned": self.assigned[r], **self.pool.described(r), **ran})
         return {**self.pool.section(), "chunk_requests": CHUNK_REQUESTS, "partition": self.partition,
                 "per_replica": per_replica}

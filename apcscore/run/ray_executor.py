@@ -45,11 +45,10 @@ from apcscore.engine.loader import engine_context_length
 from apcscore.engine.model_files import LoadedModel
 from apcscore.errors import ApcscoreError
 from apcscore.io.reader import LoadedDataset
-from apcscore.run.metadata import add_timings
 from apcscore.options.commands import RunOptions
 from apcscore.run.verify import combine_reports
 from apcscore.run.local import LocalExecutor
-from apcscore.run.ray_replicas import MAX_TASK_RETRIES, ReplicaPool
+from apcscore.run.ray_replicas import MAX_TASK_RETRIES, ReplicaPool, replica_run
 from apcscore.scale.shard import Split, split_dataset
 
 CHUNK_RECORDS = 64
@@ -113,7 +112,7 @@ class RayExecutor:
         split = self.split
         per_replica = [{"replica": r, "records_assigned": split.records[r] if split else 0,
                         "load_assigned": split.loads[r] if split else 0, **self.pool.described(r),
-                        **(_replica_run(s) if s is not None else
+                        **(replica_run(s, "records") if s is not None else
                            {"stats": "failed" if r in dead else "not available (interrupted while busy)"})}
                        for r, s in enumerate(stats)]
         ray_meta = {**self.pool.section(), "chunk_records": CHUNK_RECORDS,
@@ -147,9 +146,3 @@ class RayExecutor:
 
     def close(self) -> None:
         self.pool.close()
-
-
-def _replica_run(stats: dict) -> dict:
-    """What one replica ran (recorded per replica): its records, process and timings."""
-    timings = stats["counters"].to_timings(stats["load_seconds"], stats["run_seconds"])
-    return {"records_run": stats["records"], "pid": stats["pid"], "timings": add_timings(None, timings)}

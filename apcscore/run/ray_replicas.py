@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import RAY, differing
 from apcscore.options.commands import ScaleOptions
+from apcscore.run.metadata import add_timings
 from apcscore.scale.replica import Replica
 
 MAX_RESTARTS = 2  # times Ray restarts a replica whose process died
@@ -191,6 +192,13 @@ class ReplicaPool:
         if self.started_ray:
             self.ray.shutdown()
             self.started_ray = False
+
+
+def replica_run(stats: dict, unit: str) -> dict:
+    """What one replica ran (recorded per replica): its `unit` ("records" or "requests") run, process and timings,
+    from `ReplicaPool.stats`."""
+    timings = stats["counters"].to_timings(stats["load_seconds"], stats["run_seconds"])
+    return {f"{unit}_run": stats[unit], "pid": stats["pid"], "timings": add_timings(None, timings)}
 
 
 def check_replicas(metas: list[dict], view: str = RAY, output: str = "rows") -> None:

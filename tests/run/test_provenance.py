@@ -104,6 +104,17 @@ def test_differing_names_fields_of_sections() -> None:
         ['numerics.cpu_model: "Xeon" vs "EPYC"']
 
 
+def test_eval_replicas_are_compared_in_the_eval_view() -> None:
+    """`eval --ray`'s replicas (run/ray_engine.py) must share the responses' identity (the EVAL view): the KV pool's
+    size may differ, a library version may not, and the message says responses, not rows."""
+    from apcscore.io.identity import EVAL
+    from apcscore.run.ray_replicas import check_replicas
+
+    check_replicas([metadata(), metadata(engine__num_kv_blocks=5)], EVAL, "responses")
+    with pytest.raises(ApcscoreError, match=r"replica 1 .*versions.*so their responses would differ in bits"):
+        check_replicas([metadata(), metadata(versions__torch="2.14")], EVAL, "responses")
+
+
 def test_ray_refuses_replicas_of_other_hardware_or_numerics() -> None:
     from apcscore.run.ray_replicas import check_replicas
 
