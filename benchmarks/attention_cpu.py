@@ -1,12 +1,14 @@
-"""Microbenchmark: the torch backend's CPU paged attention against torch's SDPA (evidence only).
+"""Microbenchmark: the torch backend's CPU paged attention (the fixed-order kernel, apcscore.kernels.cpu_attention)
+against the torch ops it replaces and torch's SDPA (evidence only).
 
     .venv/bin/python benchmarks/attention_cpu.py [--threads 1]
 
 SmolLM2-135M shapes (9 query heads, 3 KV heads, head_dim 64, block_size 16), times per engine step of 30
-layers, best of 5 interleaved repeats. The candidate "sdpa" is torch's fused scaled_dot_product_attention
-per sequence, keys zero-padded to a multiple of 512, query rows padded to 16: checked here for the design's
-bitwise chunk invariance, which it breaks. (The exact "skip" rewrite first measured here is now the
-backend's prefill path; see docs/benchmarks.md.)
+layers, best of 5 interleaved repeats. "kernel" is what the engine runs on the CPU; "torch ops" the same
+arithmetic as torch ops (the batched short chunks, the per-chunk loop and the decode path of torch_prefill.py and
+torch_decode.py), checked bitwise equal to it here; "sdpa" torch's fused scaled_dot_product_attention per
+sequence, keys zero-padded to a multiple of 512, query rows padded to 16: checked here for the design's bitwise
+chunk invariance, which it breaks.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from apcscore.attention import torch_backend as tb
-from apcscore.attention import torch_prefill
 from apcscore.attention.metadata import AttentionMetadata
+from apcscore.kernels import cpu_attention
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -78,17 +80,17 @@ def paged_attention_sdpa(query, k_cache, v_cache, meta, scale, min_rows: int = 1
     return out
 
 
-_PER_CHUNK_META: dict[int, AttentionMetadata] = {}
+_TORCH_OPS_META: dict[int, AttentionMetadata] = {}
 
 
-def paged_attention_per_chunk(query, k_cache, v_cache, meta, scale):
-    """The backend with every prefill chunk on its own (no batched short chunks): what ran before them."""
-    own = _PER_CHUNK_META.setdefault(id(meta), dataclasses.replace(meta, plans={}))  # its own per-step plans
-    saved, torch_prefill.MAX_BATCHED_QUERIES = torch_prefill.MAX_BATCHED_QUERIES, 0
+def paged_attention_torch_ops(query, k_cache, v_cache, meta, scale):
+    """The backend without the kernel: the torch ops of torch_prefill.py and torch_decode.py."""
+    own = _TORCH_OPS_META.setdefault(id(meta), dataclasses.replace(meta, plans={}))  # its own per-step plans
+    saved, cpu_attention.supported = cpu_attention.supported, lambda *args: False
     try:
         return tb.paged_attention(query, k_cache, v_cache, own, scale)
     finally:
-        torch_prefill.MAX_BATCHED_QUERIES = saved
+        cpu_attention.supported = saved
 
 
 def chunk_invariance(fn, length: int = 300, trials: int = 20) -> tuple[int, int]:
@@ -131,12 +133,12 @@ def main() -> None:
         "chunk 200 of 700 + 2 decodes": [(200, 700), (1, 50), (1, 300)],
         "decode 16 seqs, context ~350": [(1, 340 + i) for i in range(16)],
     }
-    fns = {"current": tb.paged_attention, "per-chunk": paged_attention_per_chunk, "sdpa": paged_attention_sdpa}
+    fns = {"kernel": tb.paged_attention, "torch ops": paged_attention_torch_ops, "sdpa": paged_attention_sdpa}
     for name, items in cases.items():
         batch = random_batch(items, 0)
         ref = tb.paged_attention(*batch, scale)
         sdpa_diff = (paged_attention_sdpa(*batch, scale) - ref).abs().max().item()
-        assert torch.equal(paged_attention_per_chunk(*batch, scale), ref), "per-chunk and batched bits differ"
+        assert torch.equal(paged_attention_torch_ops(*batch, scale), ref), "the kernel's and the torch ops' bits differ"
         best = dict.fromkeys(fns, math.inf)
         for _ in range(5):
             for key, fn in fns.items():
@@ -144,12 +146,10 @@ def main() -> None:
                 for _layer in range(6):
                     fn(*batch, scale)
                 best[key] = min(best[key], (time.perf_counter() - t) * 5)  # per 30 layers
-        cur = best["current"]
-        print(f"{name}: current {cur:.3f} s | per-chunk {best['per-chunk']:.3f} s ({cur / best['per-chunk']:.2f}x) | "
-              f"sdpa {best['sdpa']:.3f} s ({cur / best['sdpa']:.2f}x, "
-              f"max|diff| {sdpa_diff:.1e})",
-              flush=True)
-    for key in ("current", "sdpa"):
+        cur = best["kernel"]
+        print(f"{name}: kernel {cur:.3f} s | torch ops {best['torch ops']:.3f} s ({cur / best['torch ops']:.2f}x) | "
+              f"sdpa {best['sdpa']:.3f} s ({cur / best['sdpa']:.2f}x, max|diff| {sdpa_diff:.1e})", flush=True)
+    for key in ("kernel", "sdpa"):
         equal, total = chunk_invariance(fns[key])
         print(f"chunk invariance, {key}: {equal}/{total} chunkings bitwise equal to the whole prefill")
 

@@ -22,6 +22,7 @@ import torch
 from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_decode import attend_decode
 from apcscore.attention.torch_prefill import attend_prefill, attend_prefill_batched, batched_prefill_groups
+from apcscore.kernels import cpu_attention
 
 
 def allocate_kv_cache(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -69,11 +70,19 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     others are masked to -inf inside the same fixed tiles, and a row's running max stays -inf (its state
     exactly the initial one) until its first visible tile, so the bits do not depend on the batch either.
     softcap: scores become tanh(scores / softcap) * softcap before masking (Gemma 2's attention soft-capping).
+    On the CPU, where apcscore.kernels.cpu_attention supports the call, every row is computed in one call of that
+    kernel instead: the same operations in the same order per row, so the same bits, without the per-tile torch ops.
     """
     scale = scale if scale is not None else 1.0 / math.sqrt(query.shape[2])
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     out[cu[-1]:].zero_()  # padding rows: dropped by the caller, zero so that no stale memory flows on
+    if cpu_attention.supported(query, k_cache, v_cache, window, softcap):
+        items = meta.plans.get("cpu_attention")
+        if items is None:  # the same in every layer
+            items = meta.plans["cpu_attention"] = cpu_attention.Items.of(cu, lens, meta.block_tables)
+        cpu_attention.attention(query, k_cache, v_cache, items, scale, out)
+        return out
     decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     if decode:
         attend_decode(query, k_cache, v_cache, meta, decode, scale, out, window, softcap)

@@ -27,10 +27,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define APC_X86 1
-#endif
+#include "cpu_vec.h" /* APC_X86, the dtypes and their exact conversions to fp32 */
 
 #define MR 6
 #define NR 16
@@ -42,42 +39,6 @@
 int apc_order_version(void) { return 2000 + KB; } /* 2: blocked chains; 1 (before): one chain over K */
 #define MC 96  /* rows of A per block: [MC][KC] fp32 is 96 KiB (L2) */
 
-enum { DT_F32 = 0, DT_BF16 = 1, DT_F16 = 2 };
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float f16_to_f32(uint16_t h) { /* exact IEEE half -> single (normals, subnormals, inf, nan) */
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, u;
-    if (exp == 0x1f) {
-        u = sign | 0x7f800000u | (man << 13);
-    } else if (exp == 0) {
-        if (man == 0) {
-            u = sign;
-        } else { /* subnormal: normalise */
-            int e = -1;
-            do { man <<= 1; e++; } while (!(man & 0x400));
-            u = sign | ((uint32_t)(127 - 15 - e) << 23) | ((man & 0x3ff) << 13);
-        }
-    } else {
-        u = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline float load_elem(const void *p, int dtype, int64_t i) {
-    if (dtype == DT_F32) return ((const float *)p)[i];
-    if (dtype == DT_BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
-    return f16_to_f32(((const uint16_t *)p)[i]);
-}
-
-static inline int64_t elem_size(int dtype) { return dtype == DT_F32 ? 4 : 2; }
 
 /* ---- packing ------------------------------------------------------------------------------------- */
 

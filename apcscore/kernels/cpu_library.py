@@ -1,4 +1,4 @@
-"""The CPU kernel library: cpu_gemm.c and cpu_math.c compiled into one shared object, kept in the kernel cache
+"""The CPU kernel library: cpu_gemm.c, cpu_math.c and cpu_attention.c compiled into one shared object, kept in the kernel cache
 (safely), loaded with ctypes (`library()`, every entry point's signature declared here).
 
 - The cache is `$APCSCORE_CACHE/kernels` (default ~/.cache/apcscore/kernels); a library is named by a hash of the
@@ -29,7 +29,8 @@ import warnings
 from pathlib import Path
 
 KERNELS = Path(__file__).resolve().parent
-SOURCES = (KERNELS / "cpu_gemm.c", KERNELS / "cpu_math.c")  # compiled into one library
+SOURCES = (KERNELS / "cpu_gemm.c", KERNELS / "cpu_math.c", KERNELS / "cpu_attention.c")  # compiled into one library
+HEADERS = (KERNELS / "cpu_vec.h",)  # included by them: part of the library's name too
 FLAGS = ["-O2", "-fPIC", "-shared", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-std=gnu11", "-Wno-psabi"]
 BUILD_TIMEOUT = 300
 SIMD_SETTINGS = {"scalar": 0, "avx2": 1, "avx512": 2}  # APCSCORE_SIMD: the most a kernel may use
@@ -67,7 +68,7 @@ def library_name(cc: list[str]) -> str:
     except (OSError, subprocess.SubprocessError) as e:
         raise CpuGemmUnavailable(f"the C compiler {shlex.join(cc)!r} does not run: {e}") from None
     machine = f"{platform.machine()} {' '.join(platform.libc_ver())}"
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + version.encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in (*SOURCES, *HEADERS)) + version.encode()
                          + " ".join(FLAGS).encode() + machine.encode()).hexdigest()[:16]
     return f"cpu_gemm-{key}.so"
 
@@ -147,7 +148,7 @@ def library() -> ctypes.CDLL:
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    """The ctypes signatures of the entry points (cpu_gemm.c, then cpu_math.c)."""
+    """The ctypes signatures of the entry points (cpu_gemm.c, cpu_math.c, then cpu_attention.c)."""
     signatures = {
         "apc_packed_b_bytes": ([_i64, _i64, _int], _i64), "apc_workspace_bytes": ([_i64, _int], _i64),
         "apc_simd_level": ([], _int), "apc_order_version": ([], _int),
@@ -165,6 +166,8 @@ def _declare(lib: ctypes.CDLL) -> None:
         "apc_row_sums_d": ([_ptr, _i64, _i64, _i64, _int, _ptr, _int, _int], None),
         "apc_row_logsumexp": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
         **{name: ([_dbl], _dbl) for name in ("apc_exp_d", "apc_log_d", "apc_sin_d", "apc_cos_d", "apc_erf_d")},
+        "apc_attention": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [ctypes.c_float, _ptr, _ptr, _int]
+                          + [_i64] * 4 + [_ptr, _i64, _i64, _int, _int], _int),
     }
     for name, (args, res) in signatures.items():
         fn = getattr(lib, name)

@@ -22,43 +22,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define APC_X86 1
-#endif
-
-#define LANES 16
-typedef float vf __attribute__((vector_size(4 * LANES)));
-typedef int32_t vi __attribute__((vector_size(4 * LANES)));
-
-/* ---- floating-point environment: round to nearest even, no flush-to-zero, no denormals-are-zero ---------- */
-
-typedef struct { uint64_t saved; } fpenv;
-
-static inline fpenv fp_enter(void) {
-    fpenv e = {0};
-#if defined(APC_X86)
-    e.saved = _mm_getcsr();
-    _mm_setcsr(0x1F80);
-#elif defined(__aarch64__)
-    uint64_t fpcr;
-    __asm__ volatile("mrs %0, fpcr" : "=r"(fpcr));
-    e.saved = fpcr;
-    fpcr &= ~((uint64_t)1 << 24 | (uint64_t)3 << 22 | (uint64_t)1 << 19); /* FZ off, RMode nearest, FZ16 off */
-    __asm__ volatile("msr fpcr, %0" : : "r"(fpcr));
-#endif
-    return e;
-}
-
-static inline void fp_leave(fpenv e) {
-#if defined(APC_X86)
-    _mm_setcsr((unsigned int)e.saved);
-#elif defined(__aarch64__)
-    __asm__ volatile("msr fpcr, %0" : : "r"(e.saved));
-#else
-    (void)e;
-#endif
-}
+#include "cpu_vec.h"
 
 /* ---- scalar double functions (tables, row sums' logs, per-record figures) --------------------------------- */
 
@@ -174,34 +138,6 @@ void apc_map_d(int which, const double *in, double *out, int64_t n) {
 
 /* ---- float vector functions (GCC vector extensions: each lane the same IEEE operations) ------------------- */
 
-__attribute__((always_inline)) static inline vf vsplat(float x) { return (vf){0} + x; }
-__attribute__((always_inline)) static inline vf vsel(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
-
-/* exp(x) for float lanes: n = round(x / ln 2) by the 1.5 * 2^23 trick, r = x - n ln2 in two exact-product parts,
- * exp(r) by Taylor to r^7 (|r| <= 0.347: the next term is 0.05 ulp), times 2^n as two exact
- * factors (so denormal results round once, at the last product). NaN stays NaN; x < -104 gives 0, x > 88.8
- * +inf, as the exact function rounded to float does. */
-__attribute__((always_inline)) static inline vf vexp(vf x) {
-    const vf lo = vsplat(-104.0f), hi = vsplat(89.0f);
-    x = vsel(x < lo, lo, x); /* NaN compares false: kept */
-    x = vsel(x > hi, hi, x);
-    const vf magic = vsplat(12582912.0f);
-    vf n = (x * 1.44269502163f + magic) - magic;
-    vf r = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-    /* exp(r) = 1 + (r + r^2 q(r)), q = 1/2 + r/6 + ... + r^5/7!: the small terms summed first, so the one
-     * rounding that matters is the last add (max error 0.99 ulp, measured on 2e6 arguments) */
-    vf q = vsplat(1.0f / 5040.0f);
-    q = q * r + 1.0f / 720.0f;
-    q = q * r + 1.0f / 120.0f;
-    q = q * r + 1.0f / 24.0f;
-    q = q * r + 1.0f / 6.0f;
-    q = q * r + 0.5f;
-    vf p = 1.0f + (r + (r * r) * q);
-    vi ni = __builtin_convertvector(n, vi); /* exact: n is an integer in [-150, 129] */
-    vi n1 = ni >> 1, n2 = ni - n1;          /* each in [-75, 65]: normal scale factors */
-    vf s1 = (vf)((n1 + 127) << 23), s2 = (vf)((n2 + 127) << 23);
-    return (p * s1) * s2;
-}
 
 /* tanh(x): an odd Taylor polynomial to x^17 for |x| < 0.5 (next term < 0.1 ulp), else (1 - t) / (1 + t) with
  * t = exp(-2|x|) <= e^-1 (no cancellation to speak of); the sign copied back. */
@@ -239,37 +175,7 @@ static inline double tree16(const double *s) {
     return a[0] + a[1];
 }
 
-static inline float tree16f(const float *s) {
-    float a[8];
-    for (int i = 0; i < 8; i++) a[i] = s[i] + s[i + 8];
-    for (int i = 0; i < 4; i++) a[i] = a[i] + a[i + 4];
-    a[0] = a[0] + a[2];
-    a[1] = a[1] + a[3];
-    return a[0] + a[1];
-}
 
-/* Loads LANES floats from p (n_left of them real; the others are `fill`). */
-__attribute__((always_inline)) static inline vf vload(const float *p, int64_t n_left, float fill) {
-    vf v;
-    if (n_left >= LANES) {
-        memcpy(&v, p, sizeof v);
-    } else {
-        float tmp[LANES];
-        for (int j = 0; j < LANES; j++) tmp[j] = j < n_left ? p[j] : fill;
-        memcpy(&v, tmp, sizeof v);
-    }
-    return v;
-}
-
-__attribute__((always_inline)) static inline void vstore(float *p, vf v, int64_t n_left) {
-    if (n_left >= LANES) {
-        memcpy(p, &v, sizeof v);
-    } else {
-        float tmp[LANES];
-        memcpy(tmp, &v, sizeof v);
-        for (int j = 0; j < n_left; j++) p[j] = tmp[j];
-    }
-}
 
 /* op codes of apc_map_f */
 enum { OP_EXP = 0, OP_TANH = 1, OP_SILU = 2, OP_SIGMOID = 3, OP_GELU_TANH = 4 };

@@ -1,0 +1,375 @@
+/* apcscore's fixed-order CPU attention: the torch backend's paged attention (apcscore/attention/tiles.py,
+ * torch_prefill.py, torch_decode.py) for every query row of a layer in one call, with the same bits.
+ *
+ * The torch backend runs a dozen small torch ops per key tile; on two cores that per-op overhead, not arithmetic,
+ * was most of its time (docs/benchmarks.md, "Why lambada and gsm8k miss narrowly"). Here each query row runs the
+ * same IEEE operations in the same order, in registers:
+ *     q      = q * scale                                           (fp32, one rounding: the torch path's q * scale)
+ *     from m = -inf, sum = +0, acc = +0, for each tile of TILE keys counted from position 0 that holds a key at or
+ *     before the row's position, ascending:
+ *     s_j    = +0 + chain_1 + chain_2 + ...      the GEMM's order (cpu_gemm.c): one fma chain per CHAIN of head_dim
+ *     s_j    = -inf for keys past the row's position
+ *     m'     = max(m, max_j s_j)                 (NaN-propagating, as torch.amax and torch.maximum)
+ *     alpha  = exp(m - m');   p_j = exp(s_j - m')                      cpu_vec.h's exp, cpu_math's bits
+ *     sum    = sum * alpha + rowsum(p)           rowsum: 16 interleaved lanes and the fixed tree (row_sums_f)
+ *     acc_d  = acc_d * alpha + (+0 + chain_j(p_j v_jd))   one fma chain over the tile's keys (the GEMM's, K = TILE)
+ *     out    = acc / sum
+ * Keys past the sequence's end read its position 0 and are masked (p = 0), as pad_slots and paged_row do.
+ *
+ * Why this equals each torch path bit for bit (tests/attention/test_fused_attention.py checks it):
+ * - The products there are cpu_gemm.c's chains, whose bits depend on the two rows and K only; the exps and row sums
+ *   are cpu_math.c's, shared through cpu_vec.h; every other step is one IEEE operation (mul, add, max, div).
+ * - tiled_softmax's first tile sets sum = rowsum(p), acc = pv instead of the general step from (-inf, 0, 0): the
+ *   same values, since alpha = exp(-inf) = 0 and pv is never -0 (+0 + chain), so 0 * 0 + pv = pv.
+ * - Tiles past a row's position (the batched and decode paths multiply them, wholly masked) leave its state
+ *   exactly as it was: alpha = exp(0) = 1, rowsum = +0, pv = +0, and acc is never -0. So skipping them is exact.
+ * - Rows are independent: which thread, unit or vector lane computes a row changes none of its operations.
+ * The vector copies (AVX-512, AVX2+FMA, and the baseline with fmaf per lane) run the same operations per lane: the
+ * same bits (cpu_math.c's header: no contraction, -ffp-contract=off, round-to-nearest set for the call).
+ */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_vec.h"
+
+#define TILE 64      /* keys per tile: attention/tiles.py's KV_TILE */
+#define CHAIN 64     /* the GEMM's fma chain block over head_dim (cpu_gemm.c's KB) */
+#define UNIT_ROWS 48 /* query rows (positions x the heads of one KV head's group) per unit of work */
+
+int apc_simd_level(void); /* cpu_gemm.c: 2 = AVX-512F, 1 = AVX2 + FMA, 0 = baseline */
+
+/* One layer's call: the queries, the paged caches and where each item (a sequence's query chunk) lies. */
+typedef struct {
+    const int64_t *q_starts, *q_lens, *seq_lens; /* [items]: first query row, query count, keys after this step */
+    const int32_t *tables;                       /* [items][s_table] block ids */
+    int64_t s_table;
+    const float *q; /* [T][Hq][D] fp32 (strides sq_t, sq_h; D contiguous) */
+    int64_t sq_t, sq_h, hq, hkv, d;
+    float scale;
+    const char *k, *v; /* caches [blocks][block_size][Hkv][D] in elements of c_dtype (strides; D contiguous) */
+    int c_dtype;
+    int64_t s_block, s_slot, s_head, block_size;
+    float *out; /* [T][Hq][D] fp32 (strides so_t, so_h) */
+    int64_t so_t, so_h;
+} att_args;
+
+static inline int64_t key_offset(const att_args *a, const int32_t *table, int64_t pos, int64_t seq_len, int64_t h) {
+    if (pos >= seq_len) pos = 0; /* past the end: the sequence's position 0, masked */
+    return (int64_t)table[pos / a->block_size] * a->s_block + (pos % a->block_size) * a->s_slot + h * a->s_head;
+}
+
+/* The tile of keys [t0, t0 + TILE) of KV head h: keys transposed, kt[d][j], and the value rows vrow[j] (pointers
+ * into the cache for fp32, else into vbuf, converted exactly). Only copies values: no arithmetic. */
+static void load_tile_base(const att_args *a, const int32_t *table, int64_t seq_len, int64_t h, int64_t t0, float *kt,
+                           float *vbuf, const float **vrow) {
+    const int64_t D = a->d;
+    for (int64_t j = 0; j < TILE; j++) {
+        const int64_t off = key_offset(a, table, t0 + j, seq_len, h);
+        if (a->c_dtype == DT_F32) {
+            const float *kr = (const float *)a->k + off;
+            for (int64_t dd = 0; dd < D; dd++) kt[dd * TILE + j] = kr[dd];
+            vrow[j] = (const float *)a->v + off;
+        } else {
+            for (int64_t dd = 0; dd < D; dd++) kt[dd * TILE + j] = load_elem(a->k, a->c_dtype, off + dd);
+            for (int64_t dd = 0; dd < D; dd++) vbuf[j * D + dd] = load_elem(a->v, a->c_dtype, off + dd);
+            vrow[j] = vbuf + j * D;
+        }
+    }
+}
+#define load_tile_avx2 load_tile_base
+
+#ifdef APC_X86
+/* 16 rows of 16 floats -> their transpose (out[i] = column i), in registers. */
+__attribute__((target("avx512f"), always_inline)) static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+        r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+/* load_tile_base's copies, the fp32 keys transposed 16 x 16 in registers. */
+__attribute__((target("avx512f"))) static void load_tile_avx512(const att_args *a, const int32_t *table,
+                                                                 int64_t seq_len, int64_t h, int64_t t0, float *kt,
+                                                                 float *vbuf, const float **vrow) {
+    if (a->c_dtype != DT_F32) {
+        load_tile_base(a, table, seq_len, h, t0, kt, vbuf, vrow);
+        return;
+    }
+    const int64_t D = a->d;
+    const float *kr[TILE];
+    for (int64_t j = 0; j < TILE; j++) {
+        const int64_t off = key_offset(a, table, t0 + j, seq_len, h);
+        kr[j] = (const float *)a->k + off;
+        vrow[j] = (const float *)a->v + off;
+    }
+    for (int64_t j0 = 0; j0 < TILE; j0 += 16)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            __m512 r[16];
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(kr[j0 + i] + d0);
+            transpose16(r);
+#pragma GCC unroll 16
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(kt + (d0 + i) * TILE + j0, r[i]);
+        }
+}
+#endif
+
+/* ---- the vector fma of each copy: one fused multiply-add per lane, rounded once ------------------------------ */
+
+__attribute__((always_inline)) static inline vf vfma_base(vf a, vf b, vf c) {
+    vf r;
+    for (int i = 0; i < LANES; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+}
+#ifdef APC_X86
+__attribute__((target("avx2,fma"), always_inline)) static inline vf vfma_avx2(vf a, vf b, vf c) {
+    __m256 x[2], y[2], z[2];
+    memcpy(x, &a, sizeof a);
+    memcpy(y, &b, sizeof b);
+    memcpy(z, &c, sizeof c);
+    z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
+    z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
+    vf r;
+    memcpy(&r, z, sizeof r);
+    return r;
+}
+__attribute__((target("avx512f"), always_inline)) static inline vf vfma_avx512(vf a, vf b, vf c) {
+    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+}
+#endif
+
+/* The max of 4 x LANES scores, NaN if any is NaN (torch.amax). */
+__attribute__((always_inline)) static inline float row_max(const vf *x) {
+    vf mx = x[0];
+    vi nan = (vi)(x[0] != x[0]);
+    for (int i = 1; i < 4; i++) {
+        mx = vsel(x[i] > mx, x[i], mx);
+        nan |= (vi)(x[i] != x[i]);
+    }
+    float m = mx[0];
+    int any = nan[0];
+    for (int i = 1; i < LANES; i++) {
+        m = mx[i] > m ? mx[i] : m;
+        any |= nan[i];
+    }
+    return any ? __builtin_nanf("") : m;
+}
+
+/* max(a, b), NaN if either is (torch.maximum). */
+static inline float max_nan(float a, float b) { return a != a || b != b ? __builtin_nanf("") : (b > a ? b : a); }
+
+/* UNIT: the rows of one unit (item it, KV head h, its positions [p0, p1)), tile by tile; writes their outputs.
+ * ROWS2 handles rows ra and rb together (two independent sets of chains: the fma units stay busy); rb == ra for the
+ * last row of an odd count, whose second copy is computed and dropped. */
+#define APC_ATTENTION_BODIES(SFX, ATTR)                                                                            \
+    ATTR static void rows2_##SFX(const att_args *a, int64_t t0, const float *kt, const float **vrow,               \
+                                 const float *qa, const float *qb, int64_t pos_a, int64_t pos_b, float *state_a,  \
+                                 float *state_b, int two) {                                                        \
+        const int64_t D = a->d;                                                                                   \
+        vf sa[4], sb[4];                                                                                          \
+        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) sa[x] = sb[x] = vsplat(0.0f);                                                 \
+        for (int64_t d0 = 0; d0 < D; d0 += CHAIN) { /* s_j: +0, then each chain block's sum added */              \
+            const int64_t d1 = D - d0 < CHAIN ? D : d0 + CHAIN;                                                   \
+            vf ca[4], cb[4];                                                                                      \
+            _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) ca[x] = cb[x] = vsplat(0.0f);                                             \
+            for (int64_t dd = d0; dd < d1; dd++) {                                                                \
+                const vf wa = vsplat(qa[dd]), wb = vsplat(qb[dd]);                                                \
+                _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                     \
+                    vf kv;                                                                                        \
+                    memcpy(&kv, kt + dd * TILE + x * LANES, sizeof kv);                                           \
+                    ca[x] = vfma_##SFX(wa, kv, ca[x]);                                                            \
+                    cb[x] = vfma_##SFX(wb, kv, cb[x]);                                                            \
+                }                                                                                                 \
+            }                                                                                                     \
+            _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                         \
+                sa[x] = sa[x] + ca[x];                                                                            \
+                sb[x] = sb[x] + cb[x];                                                                            \
+            }                                                                                                     \
+        }                                                                                                         \
+        const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                   \
+        const vf neg_inf = vsplat(-__builtin_inff());                                                             \
+        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) { /* keys past the row's position */                                          \
+            const vi key = lane + (int32_t)(t0 + x * LANES);                                                      \
+            sa[x] = vsel(key > (int32_t)pos_a, neg_inf, sa[x]);                                                   \
+            sb[x] = vsel(key > (int32_t)pos_b, neg_inf, sb[x]);                                                   \
+        }                                                                                                         \
+        /* state: [0] running max, [1] sum, [2..] acc */                                                          \
+        const float ma = max_nan(state_a[0], row_max(sa)), mb = max_nan(state_b[0], row_max(sb));                 \
+        vf diff = vsplat(0.0f);                                                                                   \
+        diff[0] = state_a[0] - ma;                                                                                \
+        diff[1] = state_b[0] - mb;                                                                                \
+        const vf alphas = vexp(diff);                                                                             \
+        const float alpha_a = alphas[0], alpha_b = alphas[1];                                                     \
+        vf psa = vsplat(0.0f), psb = vsplat(0.0f);                                                                \
+        float pa[TILE] __attribute__((aligned(64))), pb[TILE] __attribute__((aligned(64)));                      \
+        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                             \
+            const vf ea = vexp(sa[x] - ma), eb = vexp(sb[x] - mb);                                                \
+            psa = psa + ea;                                                                                       \
+            psb = psb + eb;                                                                                       \
+            memcpy(pa + x * LANES, &ea, sizeof ea);                                                               \
+            memcpy(pb + x * LANES, &eb, sizeof eb);                                                               \
+        }                                                                                                         \
+        float lanes_a[LANES], lanes_b[LANES];                                                                     \
+        memcpy(lanes_a, &psa, sizeof psa);                                                                        \
+        memcpy(lanes_b, &psb, sizeof psb);                                                                        \
+        const float sum_a = state_a[1] * alpha_a + tree16f(lanes_a);                                              \
+        const float sum_b = state_b[1] * alpha_b + tree16f(lanes_b);                                              \
+        float *acc_a = state_a + 2, *acc_b = state_b + 2;                                                         \
+        for (int64_t d0 = 0; d0 < D; d0 += 4 * LANES) { /* acc: four vectors of head_dim at a time */              \
+            const int nv = D - d0 < 4 * LANES ? (int)((D - d0) / LANES) : 4;                                      \
+            vf ca[4], cb[4];                                                                                      \
+            _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) ca[x] = cb[x] = vsplat(0.0f);                                             \
+            for (int j = 0; j < TILE; j++) {                                                                      \
+                const vf wa = vsplat(pa[j]), wb = vsplat(pb[j]);                                                  \
+                const float *vr = vrow[j] + d0;                                                                   \
+                if (nv == 4) {                                                                                    \
+                    _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                 \
+                        vf vv;                                                                                    \
+                        memcpy(&vv, vr + x * LANES, sizeof vv);                                                   \
+                        ca[x] = vfma_##SFX(wa, vv, ca[x]);                                                        \
+                        cb[x] = vfma_##SFX(wb, vv, cb[x]);                                                        \
+                    }                                                                                             \
+                } else {                                                                                          \
+                    for (int x = 0; x < nv; x++) {                                                                \
+                        vf vv;                                                                                    \
+                        memcpy(&vv, vr + x * LANES, sizeof vv);                                                   \
+                        ca[x] = vfma_##SFX(wa, vv, ca[x]);                                                        \
+                        cb[x] = vfma_##SFX(wb, vv, cb[x]);                                                        \
+                    }                                                                                             \
+                }                                                                                                 \
+            }                                                                                                     \
+            for (int x = 0; x < nv; x++) {                                                                        \
+                vf va, vb;                                                                                        \
+                memcpy(&va, acc_a + d0 + x * LANES, sizeof va);                                                   \
+                memcpy(&vb, acc_b + d0 + x * LANES, sizeof vb);                                                   \
+                va = va * alpha_a + (vsplat(0.0f) + ca[x]);                                                       \
+                vb = vb * alpha_b + (vsplat(0.0f) + cb[x]);                                                       \
+                memcpy(acc_a + d0 + x * LANES, &va, sizeof va);                                                   \
+                if (two) memcpy(acc_b + d0 + x * LANES, &vb, sizeof vb);                                          \
+            }                                                                                                     \
+        }                                                                                                         \
+        state_a[0] = ma;                                                                                          \
+        state_a[1] = sum_a;                                                                                       \
+        if (two) {                                                                                                \
+            state_b[0] = mb;                                                                                      \
+            state_b[1] = sum_b;                                                                                   \
+        }                                                                                                         \
+    }                                                                                                             \
+    ATTR static void unit_##SFX(const att_args *a, int64_t it, int64_t h, int64_t p0, int64_t p1, float *ws) {    \
+        const int64_t D = a->d, G = a->hq / a->hkv, sl = D + 2;                                                   \
+        const int64_t seq_len = a->seq_lens[it], first = seq_len - a->q_lens[it], rows = (p1 - p0) * G;           \
+        const int32_t *table = a->tables + it * a->s_table;                                                       \
+        float *qs = ws, *state = qs + UNIT_ROWS * D, *kt = state + UNIT_ROWS * sl, *vbuf = kt + D * TILE;         \
+        const float *vrow[TILE];                                                                                  \
+        for (int64_t r = 0; r < rows; r++) { /* row r: position p0 + r / G, head g = r % G of the group */        \
+            const float *src = a->q + (a->q_starts[it] + p0 + r / G) * a->sq_t + (h * G + r % G) * a->sq_h;       \
+            for (int64_t dd = 0; dd < D; dd++) qs[r * D + dd] = src[dd] * a->scale;                               \
+            float *st = state + r * sl;                                                                           \
+            st[0] = -__builtin_inff();                                                                            \
+            memset(st + 1, 0, (size_t)(D + 1) * 4);                                                               \
+        }                                                                                                         \
+        for (int64_t t0 = 0; t0 <= first + p1 - 1; t0 += TILE) {                                                  \
+            load_tile_##SFX(a, table, seq_len, h, t0, kt, vbuf, vrow);                                                  \
+            int64_t r = t0 > first + p0 ? (t0 - first - p0) * G : 0; /* the rows that see a key of the tile */   \
+            for (; r < rows; r += 2) {                                                                            \
+                const int64_t rb = r + 1 < rows ? r + 1 : r;                                                      \
+                rows2_##SFX(a, t0, kt, vrow, qs + r * D, qs + rb * D, first + p0 + r / G, first + p0 + rb / G,    \
+                            state + r * sl, state + rb * sl, rb != r);                                            \
+            }                                                                                                     \
+        }                                                                                                         \
+        for (int64_t r = 0; r < rows; r++) {                                                                      \
+            const float *st = state + r * sl;                                                                     \
+            float *dst = a->out + (a->q_starts[it] + p0 + r / G) * a->so_t + (h * G + r % G) * a->so_h;           \
+            for (int64_t dd = 0; dd < D; dd++) dst[dd] = st[2 + dd] / st[1];                                      \
+        }                                                                                                         \
+    }
+
+APC_ATTENTION_BODIES(base, )
+#ifdef APC_X86
+APC_ATTENTION_BODIES(avx2, __attribute__((target("avx2,fma"))))
+APC_ATTENTION_BODIES(avx512, __attribute__((target("avx512f"))))
+#endif
+
+/* Floats of workspace one thread needs for head_dim d. */
+static int64_t workspace_floats(int64_t d) { return UNIT_ROWS * d + UNIT_ROWS * (d + 2) + 2 * d * TILE + 16; }
+
+/* Attention of every query row of `items` sequences (decode rows and prefill chunks alike) over the keys of its
+ * sequence in the paged cache, in the order of the header. Item i's query rows are q_starts[i] ..
+ * q_starts[i] + q_lens[i] - 1 of q, at positions seq_lens[i] - q_lens[i] .. seq_lens[i] - 1; its keys are read
+ * through tables[i] (block ids, s_table apart). Query head hq reads KV head hq / (Hq / Hkv). head_dim d: a multiple
+ * of LANES. Writes out's rows of the items. nthreads: OpenMP threads over units of work (item, KV head, up to
+ * UNIT_ROWS rows); simd: -1 the best this CPU has, else at most 0 / 1 / 2 (the same bits). Returns 0, or -1 where
+ * the workspace could not be allocated (nothing written). */
+int apc_attention(int64_t items, const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
+                   const int32_t *tables, int64_t s_table, const float *q, int64_t sq_t, int64_t sq_h, int64_t hq,
+                   int64_t hkv, int64_t d, float scale, const void *k_cache, const void *v_cache, int c_dtype,
+                   int64_t s_block, int64_t s_slot, int64_t s_head, int64_t block_size, float *out, int64_t so_t,
+                   int64_t so_h, int nthreads, int simd) {
+    int level = apc_simd_level();
+    if (simd >= 0 && simd < level) level = simd;
+    const att_args a = {q_starts, q_lens, seq_lens, tables, s_table, q, sq_t, sq_h, hq, hkv, d, scale,
+                        (const char *)k_cache, (const char *)v_cache, c_dtype, s_block, s_slot, s_head, block_size,
+                        out, so_t, so_h};
+    const int64_t group = hq / hkv, per_unit = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
+    /* units: (item, position block, KV head), longest items first would balance better; the order changes no bit */
+    int64_t units = 0;
+    for (int64_t i = 0; i < items; i++) units += (q_lens[i] + per_unit - 1) / per_unit * hkv;
+    int64_t *unit_item = malloc((size_t)(units > 0 ? units : 1) * 3 * sizeof(int64_t));
+    if (!unit_item) return -1;
+    int64_t u = 0;
+    for (int64_t i = 0; i < items; i++)
+        for (int64_t p0 = 0; p0 < q_lens[i]; p0 += per_unit)
+            for (int64_t h = 0; h < hkv; h++, u++) {
+                unit_item[3 * u] = i;
+                unit_item[3 * u + 1] = h;
+                unit_item[3 * u + 2] = p0;
+            }
+    if (nthreads > units) nthreads = (int)units;
+    if (nthreads < 1) nthreads = 1;
+    const int64_t floats = (workspace_floats(d) + 15) / 16 * 16; /* whole cache lines per thread */
+    float *workspace = aligned_alloc(64, (size_t)(floats * 4 * nthreads));
+    if (!workspace) {
+        free(unit_item);
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *ws = workspace + omp_get_thread_num() * floats;
+        fpenv e = fp_enter(); /* per thread: MXCSR / FPCR are per-thread state */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t k = 0; k < units; k++) {
+            const int64_t i = unit_item[3 * k], h = unit_item[3 * k + 1], p0 = unit_item[3 * k + 2];
+            const int64_t p1 = p0 + per_unit < q_lens[i] ? p0 + per_unit : q_lens[i];
+#ifdef APC_X86
+            if (level == 2) unit_avx512(&a, i, h, p0, p1, ws);
+            else if (level == 1) unit_avx2(&a, i, h, p0, p1, ws);
+            else
+#endif
+                unit_base(&a, i, h, p0, p1, ws);
+        }
+        fp_leave(e);
+    }
+    free(workspace);
+    free(unit_item);
+    return 0;
+}
