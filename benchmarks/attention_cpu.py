@@ -80,12 +80,12 @@ def paged_attention_sdpa(query, k_cache, v_cache, meta, scale, min_rows: int = 1
     return out
 
 
-_TORCH_OPS_META: dict[int, AttentionMetadata] = {}
-
 
 def paged_attention_torch_ops(query, k_cache, v_cache, meta, scale):
     """The backend without the kernel: the torch ops of torch_prefill.py and torch_decode.py."""
-    own = _TORCH_OPS_META.setdefault(id(meta), dataclasses.replace(meta, plans={}))  # its own per-step plans
+    own = meta.plans.get("torch ops")  # its own per-step plans (the kernel's are not the torch ops')
+    if own is None:
+        own = meta.plans["torch ops"] = dataclasses.replace(meta, plans={})
     saved, cpu_attention.supported = cpu_attention.supported, lambda *args: False
     try:
         return tb.paged_attention(query, k_cache, v_cache, own, scale)

@@ -178,127 +178,128 @@ __attribute__((always_inline)) static inline float row_max(const vf *x) {
 /* max(a, b), NaN if either is (torch.maximum). */
 static inline float max_nan(float a, float b) { return a != a || b != b ? __builtin_nanf("") : (b > a ? b : a); }
 
-/* UNIT: the rows of one unit (item it, KV head h, its positions [p0, p1)), tile by tile; writes their outputs.
- * ROWS2 handles rows ra and rb together (two independent sets of chains: the fma units stay busy); rb == ra for the
- * last row of an odd count, whose second copy is computed and dropped. */
+/* The rows of one call of ROWS_##SFX: RB rows side by side (RB * 4 independent chains keep the fma units busy);
+ * the last call of a unit may hold fewer (n < RB: its missing rows repeat its last one, computed and dropped). */
+#define RB 3
+#define UNROLL_RB _Pragma("GCC unroll 3")
+#define UNROLL_4 _Pragma("GCC unroll 4")
+
+/* acc[d0, d0 + NV * LANES) of the rows: acc * alpha + (+0 + the chain over the tile's keys of p_j v_jd). NV is a
+ * constant in each use, so that the RB * NV chains stay in registers. */
+#define APC_PV(SFX, NV)                                                                                           \
+    {                                                                                                             \
+        vf c[RB][NV];                                                                                             \
+        UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < NV; x++) c[r][x] = vsplat(0.0f);      \
+        for (int j = 0; j < TILE; j++) {                                                                          \
+            const float *vr = vrow[j] + d0;                                                                       \
+            vf vv[NV];                                                                                            \
+            UNROLL_4 for (int x = 0; x < NV; x++) memcpy(&vv[x], vr + x * LANES, sizeof(vf));                     \
+            UNROLL_RB for (int r = 0; r < RB; r++) {                                                              \
+                const vf w = vsplat(p[r][j]);                                                                     \
+                UNROLL_4 for (int x = 0; x < NV; x++) c[r][x] = vfma_##SFX(w, vv[x], c[r][x]);                    \
+            }                                                                                                     \
+        }                                                                                                         \
+        UNROLL_RB for (int r = 0; r < RB; r++) {                                                                  \
+            if (r >= n) break;                                                                                    \
+            float *acc = state[r] + 2 + d0;                                                                       \
+            UNROLL_4 for (int x = 0; x < NV; x++) {                                                               \
+                vf va;                                                                                            \
+                memcpy(&va, acc + x * LANES, sizeof va);                                                          \
+                va = va * alpha[r] + (vsplat(0.0f) + c[r][x]);                                                    \
+                memcpy(acc + x * LANES, &va, sizeof va);                                                          \
+            }                                                                                                     \
+        }                                                                                                         \
+    }
+
+/* ROWS: one tile step of n <= RB rows (queries q[r] at positions pos[r], state[r]: running max, sum, acc[D]).
+ * UNIT: the rows of one unit (item it, KV head h, its positions [p0, p1)), tile by tile; writes their outputs. */
 #define APC_ATTENTION_BODIES(SFX, ATTR)                                                                            \
-    ATTR static void rows2_##SFX(const att_args *a, int64_t t0, const float *kt, const float **vrow,               \
-                                 const float *qa, const float *qb, int64_t pos_a, int64_t pos_b, float *state_a,  \
-                                 float *state_b, int two) {                                                        \
+    ATTR static void rows_##SFX(const att_args *a, int64_t t0, const float *kt, const float **vrow,                \
+                                const float *const *q, const int64_t *pos, float *const *state, int n) {          \
         const int64_t D = a->d;                                                                                   \
-        vf sa[4], sb[4];                                                                                          \
-        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) sa[x] = sb[x] = vsplat(0.0f);                                                 \
-        for (int64_t d0 = 0; d0 < D; d0 += CHAIN) { /* s_j: +0, then each chain block's sum added */              \
+        vf sc[RB][4]; /* the scores of the tile's keys */                                                         \
+        UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < 4; x++) sc[r][x] = vsplat(0.0f);      \
+        for (int64_t d0 = 0; d0 < D; d0 += CHAIN) { /* +0, then each chain block's sum added */                   \
             const int64_t d1 = D - d0 < CHAIN ? D : d0 + CHAIN;                                                   \
-            vf ca[4], cb[4];                                                                                      \
-            _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) ca[x] = cb[x] = vsplat(0.0f);                                             \
+            vf c[RB][4];                                                                                          \
+            UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < 4; x++) c[r][x] = vsplat(0.0f);   \
             for (int64_t dd = d0; dd < d1; dd++) {                                                                \
-                const vf wa = vsplat(qa[dd]), wb = vsplat(qb[dd]);                                                \
-                _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                     \
-                    vf kv;                                                                                        \
-                    memcpy(&kv, kt + dd * TILE + x * LANES, sizeof kv);                                           \
-                    ca[x] = vfma_##SFX(wa, kv, ca[x]);                                                            \
-                    cb[x] = vfma_##SFX(wb, kv, cb[x]);                                                            \
+                vf kv[4];                                                                                         \
+                UNROLL_4 for (int x = 0; x < 4; x++) memcpy(&kv[x], kt + dd * TILE + x * LANES, sizeof(vf));      \
+                UNROLL_RB for (int r = 0; r < RB; r++) {                                                          \
+                    const vf w = vsplat(q[r][dd]);                                                                \
+                    UNROLL_4 for (int x = 0; x < 4; x++) c[r][x] = vfma_##SFX(w, kv[x], c[r][x]);                 \
                 }                                                                                                 \
             }                                                                                                     \
-            _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                         \
-                sa[x] = sa[x] + ca[x];                                                                            \
-                sb[x] = sb[x] + cb[x];                                                                            \
-            }                                                                                                     \
+            UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < 4; x++) sc[r][x] += c[r][x];      \
         }                                                                                                         \
         const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                   \
-        const vf neg_inf = vsplat(-__builtin_inff());                                                             \
-        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) { /* keys past the row's position */                                          \
-            const vi key = lane + (int32_t)(t0 + x * LANES);                                                      \
-            sa[x] = vsel(key > (int32_t)pos_a, neg_inf, sa[x]);                                                   \
-            sb[x] = vsel(key > (int32_t)pos_b, neg_inf, sb[x]);                                                   \
-        }                                                                                                         \
-        /* state: [0] running max, [1] sum, [2..] acc */                                                          \
-        const float ma = max_nan(state_a[0], row_max(sa)), mb = max_nan(state_b[0], row_max(sb));                 \
+        float m[RB], alpha[RB], sum[RB];                                                                          \
+        float p[RB][TILE] __attribute__((aligned(64)));                                                           \
         vf diff = vsplat(0.0f);                                                                                   \
-        diff[0] = state_a[0] - ma;                                                                                \
-        diff[1] = state_b[0] - mb;                                                                                \
-        const vf alphas = vexp(diff);                                                                             \
-        const float alpha_a = alphas[0], alpha_b = alphas[1];                                                     \
-        vf psa = vsplat(0.0f), psb = vsplat(0.0f);                                                                \
-        float pa[TILE] __attribute__((aligned(64))), pb[TILE] __attribute__((aligned(64)));                      \
-        _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                             \
-            const vf ea = vexp(sa[x] - ma), eb = vexp(sb[x] - mb);                                                \
-            psa = psa + ea;                                                                                       \
-            psb = psb + eb;                                                                                       \
-            memcpy(pa + x * LANES, &ea, sizeof ea);                                                               \
-            memcpy(pb + x * LANES, &eb, sizeof eb);                                                               \
+        UNROLL_RB for (int r = 0; r < RB; r++) {                                                                  \
+            UNROLL_4 for (int x = 0; x < 4; x++) /* keys past the row's position */                               \
+                sc[r][x] = vsel(lane + (int32_t)(t0 + x * LANES) > (int32_t)pos[r], vsplat(-__builtin_inff()),    \
+                                sc[r][x]);                                                                        \
+            m[r] = max_nan(state[r][0], row_max(sc[r]));                                                          \
+            diff[r] = state[r][0] - m[r];                                                                         \
         }                                                                                                         \
-        float lanes_a[LANES], lanes_b[LANES];                                                                     \
-        memcpy(lanes_a, &psa, sizeof psa);                                                                        \
-        memcpy(lanes_b, &psb, sizeof psb);                                                                        \
-        const float sum_a = state_a[1] * alpha_a + tree16f(lanes_a);                                              \
-        const float sum_b = state_b[1] * alpha_b + tree16f(lanes_b);                                              \
-        float *acc_a = state_a + 2, *acc_b = state_b + 2;                                                         \
+        const vf alphas = vexp(diff); /* lane r: row r's alpha */                                                 \
+        UNROLL_RB for (int r = 0; r < RB; r++) {                                                                  \
+            alpha[r] = alphas[r];                                                                                 \
+            vf lanes = vsplat(0.0f);                                                                              \
+            UNROLL_4 for (int x = 0; x < 4; x++) {                                                                \
+                const vf e = vexp(sc[r][x] - m[r]);                                                               \
+                lanes = lanes + e;                                                                                \
+                memcpy(p[r] + x * LANES, &e, sizeof e);                                                           \
+            }                                                                                                     \
+            float l[LANES];                                                                                       \
+            memcpy(l, &lanes, sizeof l);                                                                          \
+            sum[r] = state[r][1] * alpha[r] + tree16f(l);                                                         \
+        }                                                                                                         \
         for (int64_t d0 = 0; d0 < D; d0 += 4 * LANES) { /* acc: four vectors of head_dim at a time */              \
-            const int nv = D - d0 < 4 * LANES ? (int)((D - d0) / LANES) : 4;                                      \
-            vf ca[4], cb[4];                                                                                      \
-            _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) ca[x] = cb[x] = vsplat(0.0f);                                             \
-            for (int j = 0; j < TILE; j++) {                                                                      \
-                const vf wa = vsplat(pa[j]), wb = vsplat(pb[j]);                                                  \
-                const float *vr = vrow[j] + d0;                                                                   \
-                if (nv == 4) {                                                                                    \
-                    _Pragma("GCC unroll 4") for (int x = 0; x < 4; x++) {                                                                 \
-                        vf vv;                                                                                    \
-                        memcpy(&vv, vr + x * LANES, sizeof vv);                                                   \
-                        ca[x] = vfma_##SFX(wa, vv, ca[x]);                                                        \
-                        cb[x] = vfma_##SFX(wb, vv, cb[x]);                                                        \
-                    }                                                                                             \
-                } else {                                                                                          \
-                    for (int x = 0; x < nv; x++) {                                                                \
-                        vf vv;                                                                                    \
-                        memcpy(&vv, vr + x * LANES, sizeof vv);                                                   \
-                        ca[x] = vfma_##SFX(wa, vv, ca[x]);                                                        \
-                        cb[x] = vfma_##SFX(wb, vv, cb[x]);                                                        \
-                    }                                                                                             \
-                }                                                                                                 \
-            }                                                                                                     \
-            for (int x = 0; x < nv; x++) {                                                                        \
-                vf va, vb;                                                                                        \
-                memcpy(&va, acc_a + d0 + x * LANES, sizeof va);                                                   \
-                memcpy(&vb, acc_b + d0 + x * LANES, sizeof vb);                                                   \
-                va = va * alpha_a + (vsplat(0.0f) + ca[x]);                                                       \
-                vb = vb * alpha_b + (vsplat(0.0f) + cb[x]);                                                       \
-                memcpy(acc_a + d0 + x * LANES, &va, sizeof va);                                                   \
-                if (two) memcpy(acc_b + d0 + x * LANES, &vb, sizeof vb);                                          \
-            }                                                                                                     \
+            const int64_t nv = D - d0 < 4 * LANES ? (D - d0) / LANES : 4;                                         \
+            if (nv == 4) APC_PV(SFX, 4)                                                                           \
+            else if (nv == 3) APC_PV(SFX, 3)                                                                      \
+            else if (nv == 2) APC_PV(SFX, 2)                                                                      \
+            else APC_PV(SFX, 1)                                                                                   \
         }                                                                                                         \
-        state_a[0] = ma;                                                                                          \
-        state_a[1] = sum_a;                                                                                       \
-        if (two) {                                                                                                \
-            state_b[0] = mb;                                                                                      \
-            state_b[1] = sum_b;                                                                                   \
+        for (int r = 0; r < n; r++) {                                                                             \
+            state[r][0] = m[r];                                                                                   \
+            state[r][1] = sum[r];                                                                                 \
         }                                                                                                         \
     }                                                                                                             \
     ATTR static void unit_##SFX(const att_args *a, int64_t it, int64_t h, int64_t p0, int64_t p1, float *ws) {    \
         const int64_t D = a->d, G = a->hq / a->hkv, sl = D + 2;                                                   \
         const int64_t seq_len = a->seq_lens[it], first = seq_len - a->q_lens[it], rows = (p1 - p0) * G;           \
         const int32_t *table = a->tables + it * a->s_table;                                                       \
-        float *qs = ws, *state = qs + UNIT_ROWS * D, *kt = state + UNIT_ROWS * sl, *vbuf = kt + D * TILE;         \
+        float *qs = ws, *states = qs + UNIT_ROWS * D, *kt = states + UNIT_ROWS * sl, *vbuf = kt + D * TILE;       \
         const float *vrow[TILE];                                                                                  \
         for (int64_t r = 0; r < rows; r++) { /* row r: position p0 + r / G, head g = r % G of the group */        \
             const float *src = a->q + (a->q_starts[it] + p0 + r / G) * a->sq_t + (h * G + r % G) * a->sq_h;       \
             for (int64_t dd = 0; dd < D; dd++) qs[r * D + dd] = src[dd] * a->scale;                               \
-            float *st = state + r * sl;                                                                           \
+            float *st = states + r * sl;                                                                          \
             st[0] = -__builtin_inff();                                                                            \
             memset(st + 1, 0, (size_t)(D + 1) * 4);                                                               \
         }                                                                                                         \
         for (int64_t t0 = 0; t0 <= first + p1 - 1; t0 += TILE) {                                                  \
-            load_tile_##SFX(a, table, seq_len, h, t0, kt, vbuf, vrow);                                                  \
-            int64_t r = t0 > first + p0 ? (t0 - first - p0) * G : 0; /* the rows that see a key of the tile */   \
-            for (; r < rows; r += 2) {                                                                            \
-                const int64_t rb = r + 1 < rows ? r + 1 : r;                                                      \
-                rows2_##SFX(a, t0, kt, vrow, qs + r * D, qs + rb * D, first + p0 + r / G, first + p0 + rb / G,    \
-                            state + r * sl, state + rb * sl, rb != r);                                            \
+            load_tile_##SFX(a, table, seq_len, h, t0, kt, vbuf, vrow);                                            \
+            /* the rows that see a key of the tile: positions from t0 on */                                       \
+            for (int64_t r0 = t0 > first + p0 ? (t0 - first - p0) * G : 0; r0 < rows; r0 += RB) {                 \
+                const float *q[RB];                                                                               \
+                int64_t pos[RB];                                                                                  \
+                float *state[RB];                                                                                 \
+                for (int r = 0; r < RB; r++) {                                                                    \
+                    const int64_t row = r0 + r < rows ? r0 + r : rows - 1;                                        \
+                    q[r] = qs + row * D;                                                                          \
+                    pos[r] = first + p0 + row / G;                                                                \
+                    state[r] = states + row * sl;                                                                 \
+                }                                                                                                 \
+                rows_##SFX(a, t0, kt, vrow, q, pos, state, (int)(rows - r0 < RB ? rows - r0 : RB));               \
             }                                                                                                     \
         }                                                                                                         \
         for (int64_t r = 0; r < rows; r++) {                                                                      \
-            const float *st = state + r * sl;                                                                     \
+            const float *st = states + r * sl;                                                                    \
             float *dst = a->out + (a->q_starts[it] + p0 + r / G) * a->so_t + (h * G + r % G) * a->so_h;           \
             for (int64_t dd = 0; dd < D; dd++) dst[dd] = st[2 + dd] / st[1];                                      \
         }                                                                                                         \
