@@ -54,6 +54,7 @@ typedef struct {
     int64_t s_block, s_slot, s_head, block_size;
     float *out; /* [T][Hq][D] fp32 (strides so_t, so_h) */
     int64_t so_t, so_h;
+    int64_t unit_rows; /* the most rows of a unit: whole groups, UNIT_ROWS or fewer (or one larger group) */
 } att_args;
 
 static inline int64_t key_offset(const att_args *a, const int32_t *table, int64_t pos, int64_t seq_len, int64_t h) {
@@ -273,7 +274,7 @@ static inline float max_nan(float a, float b) { return a != a || b != b ? __buil
         const int64_t D = a->d, G = a->hq / a->hkv, sl = D + 2;                                                   \
         const int64_t seq_len = a->seq_lens[it], first = seq_len - a->q_lens[it], rows = (p1 - p0) * G;           \
         const int32_t *table = a->tables + it * a->s_table;                                                       \
-        float *qs = ws, *states = qs + UNIT_ROWS * D, *kt = states + UNIT_ROWS * sl, *vbuf = kt + D * TILE;       \
+        float *qs = ws, *states = qs + a->unit_rows * D, *kt = states + a->unit_rows * sl, *vbuf = kt + D * TILE; \
         const float *vrow[TILE];                                                                                  \
         for (int64_t r = 0; r < rows; r++) { /* row r: position p0 + r / G, head g = r % G of the group */        \
             const float *src = a->q + (a->q_starts[it] + p0 + r / G) * a->sq_t + (h * G + r % G) * a->sq_h;       \
@@ -311,8 +312,8 @@ APC_ATTENTION_BODIES(avx2, __attribute__((target("avx2,fma"))))
 APC_ATTENTION_BODIES(avx512, __attribute__((target("avx512f"))))
 #endif
 
-/* Floats of workspace one thread needs for head_dim d. */
-static int64_t workspace_floats(int64_t d) { return UNIT_ROWS * d + UNIT_ROWS * (d + 2) + 2 * d * TILE + 16; }
+/* Floats of workspace one thread needs for head_dim d and units of `rows` rows: queries, states, a tile. */
+static int64_t workspace_floats(int64_t d, int64_t rows) { return rows * d + rows * (d + 2) + 2 * d * TILE + 16; }
 
 /* Attention of every query row of `items` sequences (decode rows and prefill chunks alike) over the keys of its
  * sequence in the paged cache, in the order of the header. Item i's query rows are q_starts[i] ..
@@ -328,10 +329,10 @@ int apc_attention(int64_t items, const int64_t *q_starts, const int64_t *q_lens,
                    int64_t so_h, int nthreads, int simd) {
     int level = apc_simd_level();
     if (simd >= 0 && simd < level) level = simd;
+    const int64_t group = hq / hkv, per_unit = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
     const att_args a = {q_starts, q_lens, seq_lens, tables, s_table, q, sq_t, sq_h, hq, hkv, d, scale,
                         (const char *)k_cache, (const char *)v_cache, c_dtype, s_block, s_slot, s_head, block_size,
-                        out, so_t, so_h};
-    const int64_t group = hq / hkv, per_unit = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
+                        out, so_t, so_h, per_unit * group};
     /* units: (item, position block, KV head), longest items first would balance better; the order changes no bit */
     int64_t units = 0;
     for (int64_t i = 0; i < items; i++) units += (q_lens[i] + per_unit - 1) / per_unit * hkv;
@@ -347,7 +348,7 @@ int apc_attention(int64_t items, const int64_t *q_starts, const int64_t *q_lens,
             }
     if (nthreads > units) nthreads = (int)units;
     if (nthreads < 1) nthreads = 1;
-    const int64_t floats = (workspace_floats(d) + 15) / 16 * 16; /* whole cache lines per thread */
+    const int64_t floats = (workspace_floats(d, per_unit * group) + 15) / 16 * 16; /* whole cache lines per thread */
     float *workspace = aligned_alloc(64, (size_t)(floats * 4 * nthreads));
     if (!workspace) {
         free(unit_item);

@@ -19,7 +19,7 @@ from apcscore.kernels.cpu_library import SIMD_SETTINGS, available, library
 pytestmark = pytest.mark.skipif(not available(), reason="the fixed-order CPU kernels need a C compiler")
 
 # (items (q_len, seq_len), Hq, Hkv, head_dim, block_size): decode rows, short and long chunks, cached prefixes,
-# partial last tiles, a group of 4 and of 1, head_dim 128 (two fma chain blocks) and 80 (not a multiple of 64)
+# partial last tiles, groups of 1, 3, 4 and 64, head_dim 128 (two fma chain blocks), 80 (not a multiple of 64), 16
 CASES = [
     ([(1, 100)], 9, 3, 64, 16),
     ([(100, 100)], 9, 3, 64, 16),
@@ -27,6 +27,7 @@ CASES = [
     ([(5, 130), (1, 129), (128, 128)], 8, 2, 128, 32),
     ([(33, 90), (1, 45), (17, 17)], 4, 4, 80, 16),
     ([(200, 700), (7, 1000)] + [(1, 500 + 37 * i) for i in range(6)], 9, 3, 64, 16),
+    ([(3, 40), (1, 70)], 64, 1, 16, 16),  # a group larger than a unit's rows (one KV head for 64 query heads)
 ]
 
 
