@@ -135,28 +135,50 @@ __attribute__((target("avx512f"))) static void load_tile_avx512(const att_args *
 }
 #endif
 
-/* ---- the vector fma of each copy: one fused multiply-add per lane, rounded once ------------------------------ */
+/* ---- the chains' vector type of each copy and its operations: one IEEE operation per lane -------------------
+ * The fma chains run in the copy's own registers (16 lanes of vf for the baseline, __m256 for AVX2, __m512 for
+ * AVX-512): a lane is one chain, so the width changes which lane holds a chain, never its operations. */
 
-__attribute__((always_inline)) static inline vf vfma_base(vf a, vf b, vf c) {
+#define VL_base 16
+typedef vf vt_base;
+__attribute__((always_inline)) static inline vt_base vzero_base(void) { return vsplat(0.0f); }
+__attribute__((always_inline)) static inline vt_base vset_base(float x) { return vsplat(x); }
+__attribute__((always_inline)) static inline vt_base vload_base(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+__attribute__((always_inline)) static inline void vstore_base(float *p, vt_base v) { memcpy(p, &v, sizeof v); }
+__attribute__((always_inline)) static inline vt_base vadd_base(vt_base a, vt_base b) { return a + b; }
+__attribute__((always_inline)) static inline vt_base vmul_base(vt_base a, vt_base b) { return a * b; }
+__attribute__((always_inline)) static inline vt_base vfma_base(vt_base a, vt_base b, vt_base c) {
     vf r;
     for (int i = 0; i < LANES; i++) r[i] = fmaf(a[i], b[i], c[i]);
     return r;
 }
+
 #ifdef APC_X86
-__attribute__((target("avx2,fma"), always_inline)) static inline vf vfma_avx2(vf a, vf b, vf c) {
-    __m256 x[2], y[2], z[2];
-    memcpy(x, &a, sizeof a);
-    memcpy(y, &b, sizeof b);
-    memcpy(z, &c, sizeof c);
-    z[0] = _mm256_fmadd_ps(x[0], y[0], z[0]);
-    z[1] = _mm256_fmadd_ps(x[1], y[1], z[1]);
-    vf r;
-    memcpy(&r, z, sizeof r);
-    return r;
-}
-__attribute__((target("avx512f"), always_inline)) static inline vf vfma_avx512(vf a, vf b, vf c) {
-    return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
-}
+#define VL_avx2 8
+typedef __m256 vt_avx2;
+#define APC_AVX2 __attribute__((target("avx2,fma"), always_inline)) static inline
+APC_AVX2 vt_avx2 vzero_avx2(void) { return _mm256_setzero_ps(); }
+APC_AVX2 vt_avx2 vset_avx2(float x) { return _mm256_set1_ps(x); }
+APC_AVX2 vt_avx2 vload_avx2(const float *p) { return _mm256_loadu_ps(p); }
+APC_AVX2 void vstore_avx2(float *p, vt_avx2 v) { _mm256_storeu_ps(p, v); }
+APC_AVX2 vt_avx2 vadd_avx2(vt_avx2 a, vt_avx2 b) { return _mm256_add_ps(a, b); }
+APC_AVX2 vt_avx2 vmul_avx2(vt_avx2 a, vt_avx2 b) { return _mm256_mul_ps(a, b); }
+APC_AVX2 vt_avx2 vfma_avx2(vt_avx2 a, vt_avx2 b, vt_avx2 c) { return _mm256_fmadd_ps(a, b, c); }
+
+#define VL_avx512 16
+typedef __m512 vt_avx512;
+#define APC_AVX512 __attribute__((target("avx512f"), always_inline)) static inline
+APC_AVX512 vt_avx512 vzero_avx512(void) { return _mm512_setzero_ps(); }
+APC_AVX512 vt_avx512 vset_avx512(float x) { return _mm512_set1_ps(x); }
+APC_AVX512 vt_avx512 vload_avx512(const float *p) { return _mm512_loadu_ps(p); }
+APC_AVX512 void vstore_avx512(float *p, vt_avx512 v) { _mm512_storeu_ps(p, v); }
+APC_AVX512 vt_avx512 vadd_avx512(vt_avx512 a, vt_avx512 b) { return _mm512_add_ps(a, b); }
+APC_AVX512 vt_avx512 vmul_avx512(vt_avx512 a, vt_avx512 b) { return _mm512_mul_ps(a, b); }
+APC_AVX512 vt_avx512 vfma_avx512(vt_avx512 a, vt_avx512 b, vt_avx512 c) { return _mm512_fmadd_ps(a, b, c); }
 #endif
 
 /* The max of 4 x LANES scores, NaN if any is NaN (torch.amax). */
@@ -179,70 +201,78 @@ __attribute__((always_inline)) static inline float row_max(const vf *x) {
 /* max(a, b), NaN if either is (torch.maximum). */
 static inline float max_nan(float a, float b) { return a != a || b != b ? __builtin_nanf("") : (b > a ? b : a); }
 
-/* The rows of one call of ROWS_##SFX: RB rows side by side (RB * 4 independent chains keep the fma units busy);
- * the last call of a unit may hold fewer (n < RB: its missing rows repeat its last one, computed and dropped). */
-#define RB 3
-#define UNROLL_RB _Pragma("GCC unroll 3")
+/* RB rows side by side in one call of rows_##SFX (RB * TILE / VL independent chains keep the fma units busy, as many
+ * as the copy's registers hold); the last call of a unit may hold fewer (n < RB: its missing rows repeat its last
+ * one, computed and dropped). */
+#define UNROLL_RB _Pragma("GCC unroll 4")
+#define UNROLL_X _Pragma("GCC unroll 8")
 #define UNROLL_4 _Pragma("GCC unroll 4")
 
-/* acc[d0, d0 + NV * LANES) of the rows: acc * alpha + (+0 + the chain over the tile's keys of p_j v_jd). NV is a
+/* acc[d0, d0 + NV * VL) of the rows: acc * alpha + (+0 + the chain over the tile's keys of p_j v_jd). NV is a
  * constant in each use, so that the RB * NV chains stay in registers. */
-#define APC_PV(SFX, NV)                                                                                           \
+#define APC_PV(SFX, NV, RB)                                                                                       \
     {                                                                                                             \
-        vf c[RB][NV];                                                                                             \
-        UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < NV; x++) c[r][x] = vsplat(0.0f);      \
+        vt_##SFX c[RB][NV];                                                                                       \
+        UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_X for (int x = 0; x < NV; x++) c[r][x] = vzero_##SFX();     \
         for (int j = 0; j < TILE; j++) {                                                                          \
             const float *vr = vrow[j] + d0;                                                                       \
-            vf vv[NV];                                                                                            \
-            UNROLL_4 for (int x = 0; x < NV; x++) memcpy(&vv[x], vr + x * LANES, sizeof(vf));                     \
+            vt_##SFX vv[NV];                                                                                      \
+            UNROLL_X for (int x = 0; x < NV; x++) vv[x] = vload_##SFX(vr + x * VL_##SFX);                         \
             UNROLL_RB for (int r = 0; r < RB; r++) {                                                              \
-                const vf w = vsplat(p[r][j]);                                                                     \
-                UNROLL_4 for (int x = 0; x < NV; x++) c[r][x] = vfma_##SFX(w, vv[x], c[r][x]);                    \
+                const vt_##SFX w = vset_##SFX(p[r][j]);                                                           \
+                UNROLL_X for (int x = 0; x < NV; x++) c[r][x] = vfma_##SFX(w, vv[x], c[r][x]);                    \
             }                                                                                                     \
         }                                                                                                         \
         UNROLL_RB for (int r = 0; r < RB; r++) {                                                                  \
             if (r >= n) break;                                                                                    \
             float *acc = state[r] + 2 + d0;                                                                       \
-            UNROLL_4 for (int x = 0; x < NV; x++) {                                                               \
-                vf va;                                                                                            \
-                memcpy(&va, acc + x * LANES, sizeof va);                                                          \
-                va = va * alpha[r] + (vsplat(0.0f) + c[r][x]);                                                    \
-                memcpy(acc + x * LANES, &va, sizeof va);                                                          \
+            const vt_##SFX al = vset_##SFX(alpha[r]);                                                             \
+            UNROLL_X for (int x = 0; x < NV; x++) {                                                               \
+                const vt_##SFX pv = vadd_##SFX(vzero_##SFX(), c[r][x]);                                           \
+                vstore_##SFX(acc + x * VL_##SFX, vadd_##SFX(vmul_##SFX(vload_##SFX(acc + x * VL_##SFX), al), pv)); \
             }                                                                                                     \
         }                                                                                                         \
     }
 
 /* ROWS: one tile step of n <= RB rows (queries q[r] at positions pos[r], state[r]: running max, sum, acc[D]).
  * UNIT: the rows of one unit (item it, KV head h, its positions [p0, p1)), tile by tile; writes their outputs. */
-#define APC_ATTENTION_BODIES(SFX, ATTR)                                                                            \
+#define APC_ATTENTION_BODIES(SFX, ATTR, RB)                                                                        \
     ATTR static void rows_##SFX(const att_args *a, int64_t t0, const float *kt, const float **vrow,                \
                                 const float *const *q, const int64_t *pos, float *const *state, int n) {          \
+        enum { NX = TILE / VL_##SFX }; /* vectors of a row of the tile's keys */                                  \
         const int64_t D = a->d;                                                                                   \
-        vf sc[RB][4]; /* the scores of the tile's keys */                                                         \
-        UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < 4; x++) sc[r][x] = vsplat(0.0f);      \
-        for (int64_t d0 = 0; d0 < D; d0 += CHAIN) { /* +0, then each chain block's sum added */                   \
+        float sc[RB][TILE] __attribute__((aligned(64))); /* the scores of the tile's keys */                      \
+        float p[RB][TILE] __attribute__((aligned(64)));  /* their exps */                                         \
+        int64_t d0 = 0;                                                                                           \
+        do { /* +0, then each chain block's sum added (head_dim > 0: at least one block) */                       \
             const int64_t d1 = D - d0 < CHAIN ? D : d0 + CHAIN;                                                   \
-            vf c[RB][4];                                                                                          \
-            UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < 4; x++) c[r][x] = vsplat(0.0f);   \
+            vt_##SFX c[RB][NX];                                                                                   \
+            UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_X for (int x = 0; x < NX; x++) c[r][x] = vzero_##SFX(); \
             for (int64_t dd = d0; dd < d1; dd++) {                                                                \
-                vf kv[4];                                                                                         \
-                UNROLL_4 for (int x = 0; x < 4; x++) memcpy(&kv[x], kt + dd * TILE + x * LANES, sizeof(vf));      \
+                vt_##SFX kv[NX];                                                                                  \
+                UNROLL_X for (int x = 0; x < NX; x++) kv[x] = vload_##SFX(kt + dd * TILE + x * VL_##SFX);         \
                 UNROLL_RB for (int r = 0; r < RB; r++) {                                                          \
-                    const vf w = vsplat(q[r][dd]);                                                                \
-                    UNROLL_4 for (int x = 0; x < 4; x++) c[r][x] = vfma_##SFX(w, kv[x], c[r][x]);                 \
+                    const vt_##SFX w = vset_##SFX(q[r][dd]);                                                      \
+                    UNROLL_X for (int x = 0; x < NX; x++) c[r][x] = vfma_##SFX(w, kv[x], c[r][x]);                \
                 }                                                                                                 \
             }                                                                                                     \
-            UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_4 for (int x = 0; x < 4; x++) sc[r][x] += c[r][x];      \
-        }                                                                                                         \
+            UNROLL_RB for (int r = 0; r < RB; r++) UNROLL_X for (int x = 0; x < NX; x++) {                        \
+                float *dst = sc[r] + x * VL_##SFX;                                                                \
+                vstore_##SFX(dst, vadd_##SFX(d0 ? vload_##SFX(dst) : vzero_##SFX(), c[r][x]));                    \
+            }                                                                                                     \
+            d0 += CHAIN;                                                                                          \
+        } while (d0 < D);                                                                                         \
         const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};                                   \
         float m[RB], alpha[RB], sum[RB];                                                                          \
-        float p[RB][TILE] __attribute__((aligned(64)));                                                           \
         vf diff = vsplat(0.0f);                                                                                   \
+        vf s[RB][4];                                                                                              \
         UNROLL_RB for (int r = 0; r < RB; r++) {                                                                  \
-            UNROLL_4 for (int x = 0; x < 4; x++) /* keys past the row's position */                               \
-                sc[r][x] = vsel(lane + (int32_t)(t0 + x * LANES) > (int32_t)pos[r], vsplat(-__builtin_inff()),    \
-                                sc[r][x]);                                                                        \
-            m[r] = max_nan(state[r][0], row_max(sc[r]));                                                          \
+            UNROLL_4 for (int x = 0; x < 4; x++) { /* keys past the row's position: -inf */                       \
+                memcpy(&s[r][x], sc[r] + x * LANES, sizeof(vf));                                                  \
+                s[r][x] = vsel(lane + (int32_t)(t0 + x * LANES) > (int32_t)pos[r], vsplat(-__builtin_inff()),     \
+                               s[r][x]);                                                                          \
+            }                                                                                                     \
+            m[r] = max_nan(state[r][0], row_max(s[r]));                                                           \
             diff[r] = state[r][0] - m[r];                                                                         \
         }                                                                                                         \
         const vf alphas = vexp(diff); /* lane r: row r's alpha */                                                 \
@@ -250,7 +280,7 @@ static inline float max_nan(float a, float b) { return a != a || b != b ? __buil
             alpha[r] = alphas[r];                                                                                 \
             vf lanes = vsplat(0.0f);                                                                              \
             UNROLL_4 for (int x = 0; x < 4; x++) {                                                                \
-                const vf e = vexp(sc[r][x] - m[r]);                                                               \
+                const vf e = vexp(s[r][x] - m[r]);                                                                \
                 lanes = lanes + e;                                                                                \
                 memcpy(p[r] + x * LANES, &e, sizeof e);                                                           \
             }                                                                                                     \
@@ -258,12 +288,14 @@ static inline float max_nan(float a, float b) { return a != a || b != b ? __buil
             memcpy(l, &lanes, sizeof l);                                                                          \
             sum[r] = state[r][1] * alpha[r] + tree16f(l);                                                         \
         }                                                                                                         \
-        for (int64_t d0 = 0; d0 < D; d0 += 4 * LANES) { /* acc: four vectors of head_dim at a time */              \
-            const int64_t nv = D - d0 < 4 * LANES ? (D - d0) / LANES : 4;                                         \
-            if (nv == 4) APC_PV(SFX, 4)                                                                           \
-            else if (nv == 3) APC_PV(SFX, 3)                                                                      \
-            else if (nv == 2) APC_PV(SFX, 2)                                                                      \
-            else APC_PV(SFX, 1)                                                                                   \
+        for (d0 = 0; d0 < D; d0 += TILE) { /* acc: TILE of head_dim at a time */                                 \
+            const int64_t nv = (D - d0 < TILE ? D - d0 : TILE) / VL_##SFX;                                        \
+            if (nv == NX) APC_PV(SFX, NX, RB)                                                                     \
+            else if (nv == 1) APC_PV(SFX, 1, RB)                                                                  \
+            else if (nv == 2) APC_PV(SFX, 2, RB)                                                                  \
+            else if (nv == 3) APC_PV(SFX, 3, RB)                                                                  \
+            else if (nv == 4) APC_PV(SFX, 4, RB)                                                                  \
+            else if (nv == 6) APC_PV(SFX, 6, RB) /* (head_dim a multiple of LANES: never 5 or 7 vectors of 8) */  \
         }                                                                                                         \
         for (int r = 0; r < n; r++) {                                                                             \
             state[r][0] = m[r];                                                                                   \
@@ -306,10 +338,10 @@ static inline float max_nan(float a, float b) { return a != a || b != b ? __buil
         }                                                                                                         \
     }
 
-APC_ATTENTION_BODIES(base, )
+APC_ATTENTION_BODIES(base, , 1)
 #ifdef APC_X86
-APC_ATTENTION_BODIES(avx2, __attribute__((target("avx2,fma"))))
-APC_ATTENTION_BODIES(avx512, __attribute__((target("avx512f"))))
+APC_ATTENTION_BODIES(avx2, __attribute__((target("avx2,fma"))), 1) /* 16 registers: one row's 8 chains */
+APC_ATTENTION_BODIES(avx512, __attribute__((target("avx512f"))), 3)  /* 32 registers: three rows' 12 chains */
 #endif
 
 /* Floats of workspace one thread needs for head_dim d and units of `rows` rows: queries, states, a tile. */
