@@ -28,9 +28,9 @@ SHAPES = [(512, 576, 1536), (512, 1536, 576), (512, 576, 576), (2048, 576, 1536)
 
 def build(src: Path) -> ctypes.CDLL:
     out = src.with_suffix(".so")
-    math_c = Path(cpu_library.__file__).parent / "cpu_math.c"
-    subprocess.run([*cpu_library.compiler(), *cpu_library.FLAGS, "-o", str(out), str(src), str(math_c), "-lm"],
-                   check=True)
+    others = [str(f) for f in cpu_library.SOURCES if f.name != "cpu_gemm.c"]  # the library's other C files
+    subprocess.run([*cpu_library.compiler(), *cpu_library.FLAGS, "-I", str(cpu_library.KERNELS), "-o", str(out),
+                    str(src), *others, "-lm"], check=True)
     lib = ctypes.CDLL(str(out))
     cpu_library._declare(lib)
     return lib

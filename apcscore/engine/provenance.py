@@ -40,7 +40,7 @@ def apcscore_version() -> str:
 # The numerics fingerprint's parts: the files of the package that decide a result's numbers
 # (docs/architecture.md, "A run's identity"). A change to any of them gives the part another hash.
 CODE_PARTS: dict[str, tuple[str, ...]] = {
-    "kernels": ("kernels/*.c", "kernels/*.py"),
+    "kernels": ("kernels/*.c", "kernels/*.h", "kernels/*.py"),
     "matmul_configs": ("kernels/matmul_configs.py",),
     "models": ("models/*.py", "attention/*.py", "engine/logprobs.py", "engine/sampler.py",
                "engine/parallel/logprobs.py", "engine/numerics.py"),

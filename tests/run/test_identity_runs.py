@@ -127,7 +127,11 @@ def test_code_fingerprint_names_the_part_that_changed(tmp_path) -> None:
     assert after["matmul_configs"] != before["matmul_configs"] and after["models"] != before["models"]
     (root / "kernels" / "cpu_gemm.c").write_text((root / "kernels" / "cpu_gemm.c").read_text() + "\n")
     run_metadata.code_fingerprint.cache_clear()
-    assert run_metadata.code_fingerprint(root)["kernels"] != before["kernels"]
+    with_c = run_metadata.code_fingerprint(root)["kernels"]
+    assert with_c != before["kernels"]
+    (root / "kernels" / "cpu_vec.h").write_text((root / "kernels" / "cpu_vec.h").read_text() + "\n")  # the C headers too
+    run_metadata.code_fingerprint.cache_clear()
+    assert run_metadata.code_fingerprint(root)["kernels"] != with_c
 
 
 def test_apcscore_version_comes_from_the_package_metadata(monkeypatch) -> None:
