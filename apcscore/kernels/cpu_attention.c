@@ -139,7 +139,7 @@ __attribute__((target("avx512f"))) static void load_tile_avx512(const att_args *
  * The fma chains run in the copy's own registers (16 lanes of vf for the baseline, __m256 for AVX2, __m512 for
  * AVX-512): a lane is one chain, so the width changes which lane holds a chain, never its operations. */
 
-#define VL_base 16
+enum { VL_base = LANES };
 typedef vf vt_base;
 __attribute__((always_inline)) static inline vt_base vzero_base(void) { return vsplat(0.0f); }
 __attribute__((always_inline)) static inline vt_base vset_base(float x) { return vsplat(x); }
@@ -158,27 +158,26 @@ __attribute__((always_inline)) static inline vt_base vfma_base(vt_base a, vt_bas
 }
 
 #ifdef APC_X86
-#define VL_avx2 8
-typedef __m256 vt_avx2;
-#define APC_AVX2 __attribute__((target("avx2,fma"), always_inline)) static inline
-APC_AVX2 vt_avx2 vzero_avx2(void) { return _mm256_setzero_ps(); }
-APC_AVX2 vt_avx2 vset_avx2(float x) { return _mm256_set1_ps(x); }
-APC_AVX2 vt_avx2 vload_avx2(const float *p) { return _mm256_loadu_ps(p); }
-APC_AVX2 void vstore_avx2(float *p, vt_avx2 v) { _mm256_storeu_ps(p, v); }
-APC_AVX2 vt_avx2 vadd_avx2(vt_avx2 a, vt_avx2 b) { return _mm256_add_ps(a, b); }
-APC_AVX2 vt_avx2 vmul_avx2(vt_avx2 a, vt_avx2 b) { return _mm256_mul_ps(a, b); }
-APC_AVX2 vt_avx2 vfma_avx2(vt_avx2 a, vt_avx2 b, vt_avx2 c) { return _mm256_fmadd_ps(a, b, c); }
+/* The x86 copies: the same operations on T registers through the MM-prefixed intrinsics (_mm256, _mm512). */
+#define APC_X86_OPS(SFX, TARGET, T, MM, WIDTH)                                                                    \
+    enum { VL_##SFX = WIDTH };                                                                                    \
+    typedef T vt_##SFX;                                                                                           \
+    __attribute__((target(TARGET), always_inline)) static inline T vzero_##SFX(void) { return MM##_setzero_ps(); } \
+    __attribute__((target(TARGET), always_inline)) static inline T vset_##SFX(float x) { return MM##_set1_ps(x); } \
+    __attribute__((target(TARGET), always_inline)) static inline T vload_##SFX(const float *p) {                \
+        return MM##_loadu_ps(p);                                                                                  \
+    }                                                                                                             \
+    __attribute__((target(TARGET), always_inline)) static inline void vstore_##SFX(float *p, T v) {              \
+        MM##_storeu_ps(p, v);                                                                                     \
+    }                                                                                                             \
+    __attribute__((target(TARGET), always_inline)) static inline T vadd_##SFX(T a, T b) { return MM##_add_ps(a, b); } \
+    __attribute__((target(TARGET), always_inline)) static inline T vmul_##SFX(T a, T b) { return MM##_mul_ps(a, b); } \
+    __attribute__((target(TARGET), always_inline)) static inline T vfma_##SFX(T a, T b, T c) {                   \
+        return MM##_fmadd_ps(a, b, c);                                                                            \
+    }
 
-#define VL_avx512 16
-typedef __m512 vt_avx512;
-#define APC_AVX512 __attribute__((target("avx512f"), always_inline)) static inline
-APC_AVX512 vt_avx512 vzero_avx512(void) { return _mm512_setzero_ps(); }
-APC_AVX512 vt_avx512 vset_avx512(float x) { return _mm512_set1_ps(x); }
-APC_AVX512 vt_avx512 vload_avx512(const float *p) { return _mm512_loadu_ps(p); }
-APC_AVX512 void vstore_avx512(float *p, vt_avx512 v) { _mm512_storeu_ps(p, v); }
-APC_AVX512 vt_avx512 vadd_avx512(vt_avx512 a, vt_avx512 b) { return _mm512_add_ps(a, b); }
-APC_AVX512 vt_avx512 vmul_avx512(vt_avx512 a, vt_avx512 b) { return _mm512_mul_ps(a, b); }
-APC_AVX512 vt_avx512 vfma_avx512(vt_avx512 a, vt_avx512 b, vt_avx512 c) { return _mm512_fmadd_ps(a, b, c); }
+APC_X86_OPS(avx2, "avx2,fma", __m256, _mm256, 8)
+APC_X86_OPS(avx512, "avx512f", __m512, _mm512, 16)
 #endif
 
 /* The max of 4 x LANES scores, NaN if any is NaN (torch.amax). */

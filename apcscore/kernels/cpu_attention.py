@@ -25,13 +25,14 @@ class Items:
     q_lens: torch.Tensor  # [B] int64: its query rows this step
     seq_lens: torch.Tensor  # [B] int64: its keys after this step (its last query sits at seq_len - 1)
     tables: torch.Tensor  # [B, max_blocks] int32, contiguous: its block ids
+    num_rows: int  # the query rows of all sequences: rows [0, num_rows) of the step
 
     @classmethod
     def of(cls, cu_seqlens: list[int], seq_lens: list[int], block_tables: torch.Tensor) -> "Items":
         return cls(q_starts=torch.tensor(cu_seqlens[:-1], dtype=torch.int64),
                    q_lens=torch.tensor([b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])], dtype=torch.int64),
                    seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-                   tables=block_tables.to(device="cpu", dtype=torch.int32).contiguous())
+                   tables=block_tables.to(device="cpu", dtype=torch.int32).contiguous(), num_rows=cu_seqlens[-1])
 
 
 def supported(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
@@ -60,6 +61,6 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         torch.get_num_threads(), forced_simd())
     if status != 0:
         raise MemoryError("the fixed-order CPU attention could not allocate its workspace")
-    if dst is not out:
-        rows = torch.cat([torch.arange(int(s), int(s) + int(n)) for s, n in zip(items.q_starts, items.q_lens)])
-        out[rows] = dst[rows].to(out.dtype)
+    if dst is not out:  # the items' rows are the first ones, one after another (cu_seqlens)
+        end = items.num_rows
+        out[:end] = dst[:end].to(out.dtype)
