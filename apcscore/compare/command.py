@@ -44,10 +44,16 @@ def compare(
         help="Fail when multiple-choice accuracy (or acc_norm) drops by more than this fraction "
              "(0.02 = 2 points).")] = None,
     significance: Annotated[Optional[float], typer.Option(
-        help="Fail a figure whose worsening is significant at this level (e.g. 0.05): accuracy by the exact McNemar "
-             "test, NLL by the paired bootstrap; two-sided at this level, failing only on a worsening "
-             "(docs/compare.md). Also sets the level of the reported tests and intervals. \\[default: report at "
-             "0.05, gate nothing]")] = None,
+        help="Level alpha of the one-sided confidence bounds (paired bootstrap over records) that each tolerance is "
+             "judged by (docs/compare.md, \"Margins\").  \\[default: 0.05]")] = None,
+    decision: Annotated[Optional[str], typer.Option(
+        help="margin: fail when a worsening is significantly beyond its tolerance; strict: pass only when it is "
+             "significantly within (small, noisy sets); point: compare the estimates alone.  \\[default: margin]",
+        show_default=False)] = None,
+    default_gate: Annotated[bool, typer.Option(
+        "--default-gate/--no-default-gate",
+        help="Apply the default limits (PPL ratio, mean KL, top-1 agreement, accuracy drop; docs/compare.md, "
+             "\"The default gate\") to every figure no option or config file sets.")] = True,
     bootstrap_samples: Annotated[int, typer.Option(
         min=100, help="Resamples of the paired bootstrap of the per-record deltas.")] = 2000,
     seed: Annotated[int, typer.Option(min=0, help="Seed of the bootstrap: the same seed gives the same intervals.")
@@ -72,6 +78,9 @@ def compare(
                     "\\[default: 0]")] = None,
     max_excluded_fraction: Annotated[Optional[float], typer.Option(
         help="Fail when a larger share of records failed on either side (0..1) and so left every figure.")] = None,
+    max_broken: Annotated[Optional[int], typer.Option(
+        min=0, help="Fail when more positions and records than this hold a broken number: NaN or +-inf, or a "
+                    "value on one side only (null = not scored by design is fine).  \\[default: 0]")] = None,
     exact: Annotated[bool, typer.Option(
         help="Fail on any differing bit in the columns both runs hold, and name the first differing record, "
              "column, position and token (see docs/compare.md).")] = False,
@@ -94,10 +103,12 @@ def compare(
                             "--report-junit": report_junit},
                            {"baseline file": baseline, "candidate file": candidate, "--config file": config},
                            overwrite)
-        thresholds = load_thresholds(config) if config is not None else Thresholds()
-        thresholds = thresholds.override(Thresholds(max_ppl_ratio, max_mean_kld, min_top1_agreement,
-                                                    max_abs_logprob_diff, max_accuracy_drop, max_new_errors,
-                                                    max_excluded_fraction, significance))
+        thresholds = Thresholds.defaults() if default_gate else Thresholds()
+        if config is not None:
+            thresholds = thresholds.override(load_thresholds(config))
+        thresholds = thresholds.override(Thresholds(
+            max_ppl_ratio, max_mean_kld, min_top1_agreement, max_abs_logprob_diff, max_accuracy_drop, max_new_errors,
+            max_excluded_fraction, max_broken, significance, decision).given("option"))
         if baseline.is_dir() or candidate.is_dir():  # two `apcscore eval` folders
             from apcscore.compare.eval_report import run_eval_compare
 

@@ -22,18 +22,19 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from apcscore.compare.gate import Check, Thresholds
-from apcscore.compare.stats import mcnemar_exact_p, mcnemar_mde
+from apcscore.compare.gate import LIMITS, Check, Thresholds
+from apcscore.compare.stats import margin_verdict, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
-RUN_SETTINGS = ("num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn", "system_instruction",
+RUNSETTINGS = ("num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn", "system_instruction",
                 "gen_kwargs", "max_length")
 SEEDS = ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")  # results.json's `config` (lm-eval's)
 IGNORED_CONFIG_KEYS = ("metadata.config_source",)  # where the YAML was read from, not what it says
@@ -121,7 +122,7 @@ def check_same_eval(base: EvalRun, new: EvalRun) -> list[str]:
     if tb != tn:
         raise ApcscoreError(f"the eval runs have different tasks: baseline {tb}, candidate {tn}; compare runs of "
                             "the same --tasks")
-    diffs = [f"{k}: {_short(base.meta.get(k))} vs {_short(new.meta.get(k))}" for k in RUN_SETTINGS
+    diffs = [f"{k}: {_short(base.meta.get(k))} vs {_short(new.meta.get(k))}" for k in RUNSETTINGS
              if base.meta.get(k) != new.meta.get(k)]
     diffs += [f"{k}: {base.config.get(k)} vs {new.config.get(k)}" for k in SEEDS
               if k in base.config and k in new.config and base.config[k] != new.config[k]]
@@ -265,37 +266,41 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
 
 
 def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
-    """Per task: --max-accuracy-drop and --significance (exact McNemar over the documents' flips) on the
-    higher-is-better 0/1 metrics, --max-ppl-ratio on perplexity metrics."""
-    given = [f.name for f in fields(t) if getattr(t, f.name) is not None and f.name not in EVAL_THRESHOLDS]
+    """Per task: --max-accuracy-drop on the higher-is-better 0/1 metrics, judged by the one-sided bound at
+    1 - alpha of the paired per-document drop (normal approximation; the margin tests of result files), and
+    --max-ppl-ratio on perplexity metrics. The exact McNemar test of the flips is reported beside each drop."""
+    given = [f.name for f in fields(t) if f.name in LIMITS and getattr(t, f.name) is not None
+             and f.name not in EVAL_THRESHOLDS and t.source(f.name) != "default"]
     if given:
         raise ApcscoreError(f"{', '.join('--' + g.replace('_', '-') for g in given)} cannot be checked on eval runs "
                             "(they hold no per-token logprobs); eval runs take --max-accuracy-drop, "
                             "--max-ppl-ratio and --significance, checked per task")
+    z = NormalDist().inv_cdf(1 - t.alpha)
     for m in c.metrics:
         if t.max_accuracy_drop is not None and m.binary and m.higher_is_better and m.delta is not None:
             drop = m.base - m.new
-            c.checks.append(Check("--max-accuracy-drop", f"{m.task} {m.metric} drop (base - new)", drop, "<=",
-                                  t.max_accuracy_drop, drop <= t.max_accuracy_drop))
+            lost, gained = m.flips_to_wrong, m.flips_to_right
+            what = (f"{m.task} {m.metric} drop (base - new; McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} "
+                    f"lost, {gained} gained of {m.num_docs})")
+            se = m.doc_delta_se if t.decision != "point" else None
+            lower, upper = (drop - z * se, drop + z * se) if se is not None else (None, None)
+            ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, lower, upper, t.decision == "strict")
+            text = None if se is None else \
+                f"{'upper' if t.decision == 'strict' else 'lower'} {100 * (1 - t.alpha):g}% bound {bound:.6g}"
+            c.checks.append(Check("--max-accuracy-drop", what, drop, "<=", t.max_accuracy_drop, ok,
+                                  t.source("max_accuracy_drop"), text))
             c.check_tasks.append(m.task)
         if t.max_ppl_ratio is not None and "perplexity" in m.metric and m.base and m.new is not None:
             ratio = m.new / m.base
             c.checks.append(Check("--max-ppl-ratio", f"{m.task} {m.metric} ratio (new / base)", ratio, "<=",
-                                  t.max_ppl_ratio, ratio <= t.max_ppl_ratio))
+                                  t.max_ppl_ratio, ratio <= t.max_ppl_ratio, t.source("max_ppl_ratio")))
             c.check_tasks.append(m.task)
-        if t.significance is not None and m.binary and m.higher_is_better and m.num_docs:
-            lost, gained = m.flips_to_wrong, m.flips_to_right  # paired by document: McNemar, as for result files
-            p = mcnemar_exact_p(lost, gained)
-            mde = mcnemar_mde(m.num_docs, lost + gained, t.significance)
-            drop = lost > gained
-            what = (f"{m.task} {m.metric}: McNemar exact p, two-sided ({lost} lost, {gained} gained of {m.num_docs}"
-                    f"{'' if drop else ': not a drop'}; detectable drop {'-' if mde is None else f'{mde:.3%}'})")
-            c.checks.append(Check("--significance", what, p, ">=", t.significance, p >= t.significance or not drop))
-            c.check_tasks.append(m.task)
-    for name, option in (("max_accuracy_drop", "--max-accuracy-drop"), ("max_ppl_ratio", "--max-ppl-ratio"),
-                         ("significance", "--significance")):
+    for name, option in (("max_accuracy_drop", "--max-accuracy-drop"), ("max_ppl_ratio", "--max-ppl-ratio")):
         if getattr(t, name) is not None and not any(ch.option == option for ch in c.checks):
             what = "a perplexity metric" if name == "max_ppl_ratio" else "a 0/1 metric such as acc"
+            if t.source(name) == "default":
+                c.notes.append(f"default {option} not applied: no task of these runs has {what}")
+                continue
             raise ApcscoreError(f"{option} cannot be checked: no task of these runs has {what}")
 
 

@@ -34,10 +34,10 @@ import pyarrow.compute as pc
 
 from apcscore.compare.inputs import (Excluded, FileInfo, align, check_same_run_kind, check_token_ids, examples,
                                      file_info, load_result_file, split_excluded)
-from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, flips, position_data, record_level,
-                                      record_rows, token_summary)
-from apcscore.compare.stats import DEFAULT_ALPHA, DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, paired_stats, \
-    significance_checks
+from apcscore.compare.metrics import (Broken, Flip, Metrics, Positions, RecordMetrics, broken_records, flips,
+                                      position_data, record_level, record_rows, token_summary)
+from apcscore.compare.stats import DEFAULT_ALPHA, DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, margin_verdict, \
+    paired_stats
 from apcscore.errors import ApcscoreError
 
 
@@ -48,7 +48,12 @@ from apcscore.errors import ApcscoreError
 
 @dataclass(frozen=True)
 class Thresholds:
-    """Pass/fail limits; None = not checked. Fractions, not percent (0.02 = 2 points of accuracy)."""
+    """Pass/fail limits; None = not checked. Fractions, not percent (0.02 = 2 points of accuracy).
+
+    `sources` says where each set limit came from ("default", "config <path>", "option"); a limit not in it is
+    a default. A default limit whose figure the files cannot give is skipped with a note; a limit the user set is
+    then a usage error (exit 2).
+    """
 
     max_ppl_ratio: float | None = None  # PPL_new / PPL_base <= this
     max_mean_kld: float | None = None  # mean KL(base || new) per position, nats, <= this
@@ -59,14 +64,21 @@ class Thresholds:
     max_new_errors: float | None = 0
     # share of records left out of every figure because they failed on either side
     max_excluded_fraction: float | None = None
-    # fail a figure whose worsening is significant at this level (apcscore.compare.stats.significance_checks)
+    # broken numbers (NaN, +-inf, or a position scored on one side only); checked by default: one fails the gate
+    max_broken: float | None = 0
+    # the level alpha of the one-sided confidence bounds the margin tests read (DEFAULT_ALPHA when None)
     significance: float | None = None
+    # strict: pass only when the worsening is significantly within each tolerance (default: fail only when it is
+    # significantly beyond); point: judge the estimates alone, no confidence bounds
+    decision: str | None = None
+    sources: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         ranges = {"max_ppl_ratio": (0.0, math.inf, False), "max_mean_kld": (0.0, math.inf, True),
                   "min_top1_agreement": (0.0, 1.0, True), "max_abs_logprob_diff": (0.0, math.inf, True),
                   "max_accuracy_drop": (-1.0, 1.0, True), "max_new_errors": (0.0, math.inf, True),
-                  "max_excluded_fraction": (0.0, 1.0, True), "significance": (0.0, 0.5, False)}
+                  "max_excluded_fraction": (0.0, 1.0, True), "max_broken": (0.0, math.inf, True),
+                  "significance": (0.0, 0.5, False)}
         for name, (lo, hi, lo_ok) in ranges.items():
             v = getattr(self, name)
             if v is None:
@@ -75,11 +87,46 @@ class Thresholds:
                 bound = f"{'>=' if lo_ok else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
                 what = "a finite number " if not math.isfinite(v) else ""
                 raise ApcscoreError(f"--{name.replace('_', '-')} must be {what}{bound}, not {v}")
+        if self.decision is not None and self.decision not in DECISIONS:
+            raise ApcscoreError(f"--decision must be one of {', '.join(DECISIONS)}, not {self.decision!r}")
+
+    @classmethod
+    def defaults(cls) -> "Thresholds":
+        """The default gate: limits on the distance between the two models (docs/compare.md, "The default gate")."""
+        return cls(**DEFAULT_GATE)
+
+    def given(self, source: str) -> "Thresholds":
+        """These thresholds with every limit they set attributed to `source` ("option", "config <path>")."""
+        return replace(self, sources={f.name: source for f in fields(self) if f.name in LIMITS + SETTINGS
+                                      and getattr(self, f.name) is not None and f.name not in self.sources}
+                       | self.sources)
+
+    def source(self, name: str) -> str:
+        """Where the limit `name` came from: "default" unless a config file or an option set it."""
+        return self.sources.get(name, "default")
 
     def override(self, other: "Thresholds") -> "Thresholds":
-        """These thresholds with every value `other` sets (not None) taking precedence."""
-        return Thresholds(**{f.name: getattr(other, f.name) if getattr(other, f.name) is not None
-                             else getattr(self, f.name) for f in fields(self)})
+        """These thresholds with every value `other` sets (not None) taking precedence, with its source."""
+        values = {f.name: getattr(other, f.name) if getattr(other, f.name) is not None else getattr(self, f.name)
+                  for f in fields(self) if f.name != "sources"}
+        sources = {**self.sources, **{k: v for k, v in other.sources.items() if getattr(other, k) is not None}}
+        return Thresholds(**values, sources=sources)
+
+    @property
+    def alpha(self) -> float:
+        return self.significance if self.significance is not None else DEFAULT_ALPHA
+
+
+DECISIONS = ("margin", "strict", "point")
+LIMITS = ("max_ppl_ratio", "max_mean_kld", "min_top1_agreement", "max_abs_logprob_diff", "max_accuracy_drop",
+           "max_new_errors", "max_excluded_fraction", "max_broken")
+SETTINGS = ("significance", "decision")
+
+# The default gate, from the evidence table in docs/compare.md (scripts/compare_evidence.py): harmless changes of
+# the default model (dtype round trips, bf16 compute, int8 weight-only, threads) stay far inside these limits,
+# damaging ones (int4 weight-only, weight noise, a zeroed layer) far outside.
+DEFAULT_GATE: dict[str, float] = {"max_ppl_ratio": 1.02, "max_mean_kld": 0.01, "min_top1_agreement": 0.95,
+                                  "max_accuracy_drop": 0.02}
 
 
 def _key_line(text: str, key: str) -> int:
@@ -106,19 +153,25 @@ def load_thresholds(path: Path) -> Thresholds:
     table = data.get("thresholds", {})
     if not isinstance(table, dict):
         raise ApcscoreError(f"{path}: 'thresholds' must be a table ([thresholds])")
-    values: dict[str, float] = {}
+    values: dict[str, float | str] = {}
     for key, value in table.items():
         where = f"{path}:{_key_line(text, key)}"
-        if key not in known:
+        if key not in known or key == "sources":
             raise ApcscoreError(f"{where}: unknown threshold {key!r} in [thresholds]; known: "
-                                f"{', '.join(sorted(known))}")
+                                f"{', '.join(sorted(known - {'sources'}))}")
+        if key == "decision":
+            if value not in DECISIONS:
+                raise ApcscoreError(f"{where}: [thresholds] decision must be one of {', '.join(DECISIONS)}, not "
+                                    f"{value!r}")
+            values[key] = value
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
             raise ApcscoreError(f"{where}: [thresholds] {key} must be a finite number, not {value!r}")
-        if key == "max_new_errors" and not isinstance(value, int):  # a count of records, as --max-new-errors takes
-            raise ApcscoreError(f"{where}: [thresholds] max_new_errors must be a whole number of records, not "
-                                f"{value!r} (as --max-new-errors) — fix the value")
+        if key in ("max_new_errors", "max_broken") and not isinstance(value, int):  # counts, as the options take
+            raise ApcscoreError(f"{where}: [thresholds] {key} must be a whole number, not {value!r} (as "
+                                f"--{key.replace('_', '-')}) — fix the value")
         values[key] = float(value)
-    return Thresholds(**values)
+    return Thresholds(**values, sources={key: f"config {path}" for key in values})
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -136,6 +189,8 @@ class Check:
     op: str  # "<=" | ">="
     threshold: float
     passed: bool
+    source: str = "option"  # where the limit came from: "default", "config <path>", "option"
+    bound: str | None = None  # the confidence bound judged, e.g. "lower 95% bound 1.0012"; None: the value itself
 
 
 @dataclass
@@ -165,6 +220,7 @@ class Comparison:
     notes: list[str] = field(default_factory=list)
     aligned: Aligned | None = field(default=None, repr=False)  # the data behind the figures; not in to_dict
     stats: PairedStats | None = None  # McNemar tests, bootstrap intervals, minimum detectable effects
+    broken: Broken = field(default_factory=Broken)  # NaN, +-inf, one-sided positions: left out of every figure
 
     @property
     def passed(self) -> bool:
@@ -191,24 +247,55 @@ _KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
 
 
 def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
-    """Turn thresholds into checks; a threshold whose figure cannot be computed is a usage error (exit 2)."""
+    """Turn thresholds into checks; a threshold the user set whose figure cannot be computed is a usage error
+    (exit 2), a default one is skipped with a note.
+
+    Each tolerance on a figure with a paired bootstrap (PPL ratio, mean KL, top-1 agreement, accuracy) is judged
+    by its one-sided confidence bound at 1 - alpha (`stats.margin_verdict`): by default the gate fails only when
+    the worsening is significantly beyond the tolerance; `decision = "strict"` passes only when it is
+    significantly within; `decision = "point"` compares the estimates alone.
+    """
     m = c.metrics
     checks: list[Check] = []
+    strict, point = t.decision == "strict", t.decision == "point"
+    intervals = {iv.figure: iv for iv in (c.stats.intervals if c.stats is not None else [])}
 
-    def need(value: float | None, option: str, why: str) -> float:
+    def need(name: str, value: float | None, option: str, why: str) -> float | None:
         if value is None:
+            if t.source(name) == "default":
+                c.notes.append(f"default {option} not applied: {why}")
+                return None
             raise ApcscoreError(f"{option} cannot be checked: {why}")
         return value
 
-    def add(option: str, metric: str, value: float, op: str, limit: float) -> None:
-        ok = value <= limit if op == "<=" else value >= limit
-        checks.append(Check(option, metric, value, op, limit, bool(ok)))
+    def add(name: str, metric: str, value: float, op: str, limit: float, figure: str | None = None,
+            transform=None) -> None:
+        """One check of `value op limit`; with `figure`, judged by that bootstrap interval's bound (its
+        estimate and bounds mapped through `transform`, e.g. exp for the PPL ratio)."""
+        option = "--" + name.replace("_", "-")
+        iv = intervals.get(figure) if figure and not point else None
+        if iv is None:
+            ok = value <= limit if op == "<=" else value >= limit
+            checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name)))
+            return
+        f = transform or (lambda x: x)
+        lower, upper = sorted((f(iv.lower), f(iv.upper)))
+        ok, bound = margin_verdict(value, op, limit, lower, upper, strict)
+        side = ("upper" if strict else "lower") if op == "<=" else ("lower" if strict else "upper")
+        text = f"{side} {100 * (1 - c.stats.alpha):g}% bound {bound:.6g}"
+        checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name),
+                            text))
 
     if t.max_new_errors is not None:
         new_errors = sum(e.side == "candidate" for e in c.excluded)
-        add("--max-new-errors", "records ok in baseline, error in candidate", new_errors, "<=", t.max_new_errors)
+        add("max_new_errors", "records ok in baseline, error in candidate", new_errors, "<=", t.max_new_errors)
+    if t.max_broken is not None:
+        add("max_broken", "positions and records with NaN, +-inf or a one-sided value",
+            c.broken.positions + c.broken.records, "<=", t.max_broken)
+        if c.broken.kinds:
+            c.notes.append(f"broken numbers, left out of every figure: {c.broken.describe()}")
     if t.max_excluded_fraction is not None:
-        add("--max-excluded-fraction", "share of records excluded (error on either side)",
+        add("max_excluded_fraction", "share of records excluded (error on either side)",
             len(c.excluded) / c.num_records if c.num_records else 0.0, "<=", t.max_excluded_fraction)
     if c.num_compared == 0:  # no figure exists; the error checks above decide, or nothing can be compared
         if checks and not all(ch.passed for ch in checks):
@@ -217,35 +304,39 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         raise ApcscoreError(f"no record is ok in both files ({len(c.excluded)} of {c.num_records} failed on one side "
                             "or both): there is nothing to compare — look at the 'error' column of the files")
     if t.max_ppl_ratio is not None:
-        v = need(m.ppl_ratio, "--max-ppl-ratio", "the files have no token_logprobs and no per-record sum_logprob "
-                 "with a token count")
-        add("--max-ppl-ratio", "PPL ratio (new / base)", v, "<=", t.max_ppl_ratio)
+        v = need("max_ppl_ratio", m.ppl_ratio, "--max-ppl-ratio", "the files have no token_logprobs and no "
+                 "per-record sum_logprob with a token count")
+        if v is not None:
+            add("max_ppl_ratio", "PPL ratio (new / base)", v, "<=", t.max_ppl_ratio, "ln PPL ratio", math.exp)
     if t.max_mean_kld is not None:
-        v = need(m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both files "
-                 f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
-        add("--max-mean-kld", "mean KL(base || new)", v, "<=", t.max_mean_kld)
+        v = need("max_mean_kld", m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both "
+                 f"files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
+        if v is not None:
+            add("max_mean_kld", "mean KL(base || new)", v, "<=", t.max_mean_kld, "mean KL")
     if t.min_top1_agreement is not None:
-        v = need(m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files (baseline K = "
-                 f"{c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
-        add("--min-top1-agreement", "top-1 agreement", v, ">=", t.min_top1_agreement)
+        v = need("min_top1_agreement", m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files "
+                 f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
+        if v is not None:
+            add("min_top1_agreement", "top-1 agreement", v, ">=", t.min_top1_agreement, "top-1 agreement")
     if t.max_abs_logprob_diff is not None:
-        v = need(m.max_abs_logprob_diff, "--max-abs-logprob-diff", "it needs token_logprobs in both files; "
-                 "score with `apcscore score` (per-token logprobs are written for prompt records)")
-        add("--max-abs-logprob-diff", "max |delta logprob|", v, "<=", t.max_abs_logprob_diff)
+        v = need("max_abs_logprob_diff", m.max_abs_logprob_diff, "--max-abs-logprob-diff", "it needs "
+                 "token_logprobs in both files; score with `apcscore score` (per-token logprobs are written for "
+                 "prompt records)")
+        if v is not None:
+            add("max_abs_logprob_diff", "max |delta logprob|", v, "<=", t.max_abs_logprob_diff)
     if t.max_accuracy_drop is not None:
-        base_acc = need(m.accuracy_base, "--max-accuracy-drop", "the files have no multiple-choice records "
-                        "(columns pred and correct) scored in both")
-        add("--max-accuracy-drop", "accuracy drop (base - new)", base_acc - m.accuracy_new, "<=", t.max_accuracy_drop)
-        if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
-            add("--max-accuracy-drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
-                "<=", t.max_accuracy_drop)
-    if t.significance is not None:
-        sig = significance_checks(c.stats) if c.stats is not None else []
-        if not sig:
-            raise ApcscoreError("--significance cannot be checked: it needs multiple-choice records (pred, correct) "
-                                "or NLL (token_logprobs, or sum_logprob with a token count; two records at least) "
-                                "in both files")
-        checks += [Check("--significance", what, v, op, limit, bool(ok)) for what, v, op, limit, ok in sig]
+        base_acc = need("max_accuracy_drop", m.accuracy_base, "--max-accuracy-drop", "the files have no "
+                        "multiple-choice records (columns pred and correct) scored in both")
+        if base_acc is not None:
+            neg = lambda x: -x  # noqa: E731  the interval is of new - base; the drop is base - new
+            add("max_accuracy_drop", "accuracy drop (base - new)", base_acc - m.accuracy_new, "<=",
+                t.max_accuracy_drop, "accuracy", neg)
+            if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
+                add("max_accuracy_drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
+                    "<=", t.max_accuracy_drop, "acc_norm", neg)
+    if c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 and t.max_mean_kld is not None:
+        c.notes.append(f"the KL bound is loose at K = {min(c.base.top_k, c.new.top_k)} (the default limit was chosen "
+                       "at K = 5 and 20): score with --prompt-logprobs 5 or more for a gate that sees the tails")
     return checks
 
 
@@ -280,7 +371,12 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
     vocab = base.vocab_size or new.vocab_size
     tokens = has_ids and base.has("token_logprobs") and new.has("token_logprobs")
     topk = tokens and all(f.has(c) for f in (base, new) for c in ("top_ids", "top_logprobs"))
-    pos, kb, kn = position_data(bt, nt, topk, vocab) if tokens else (None, 0, 0)
+    bad_records, broken = broken_records(bt, nt)  # per-record figures that are NaN, +-inf or one-sided
+    if bad_records.any():
+        broken.records = int(bad_records.sum())
+        broken.examples = bt["id"].filter(pa.array(bad_records)).to_pylist()[:5]
+        bt, nt = bt.filter(~bad_records), nt.filter(~bad_records)
+    pos, kb, kn = position_data(bt, nt, topk, vocab, broken) if tokens else (None, 0, 0)
     inferred = False
     if vocab is None and tokens:
         ids_max = [pc.max(pc.list_flatten(t["token_ids"])).as_py() for t in (bt, nt) if len(t)]
@@ -307,11 +403,12 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
     notes += record_level(m, bt, nt)
     if excluded:
         notes.append(f"{len(excluded)} record(s) with status 'error' left out of every figure (listed)")
-    c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred, bt.num_rows + len(excluded),
-                   bt.num_rows, m, records, flips(bt, nt), excluded, [], notes, Aligned(bt, nt, pos))
-    thresholds = thresholds or Thresholds()
+    c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred,
+                   bt.num_rows + len(excluded) + int(bad_records.sum()), bt.num_rows, m, records, flips(bt, nt),
+                   excluded, [], notes, Aligned(bt, nt, pos), broken=broken)
+    thresholds = thresholds if thresholds is not None else Thresholds()
     if bt.num_rows:
-        c.stats = paired_stats(bt, nt, pos, thresholds.significance or DEFAULT_ALPHA, samples, seed)
+        c.stats = paired_stats(bt, nt, pos, thresholds.alpha, samples, seed)
         c.notes += c.stats.notes
     c.checks = evaluate(c, thresholds)
     return c

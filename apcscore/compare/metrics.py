@@ -4,7 +4,7 @@ record (NLL, word and byte perplexity, multiple-choice accuracy and flips), on a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import pyarrow as pa
@@ -112,14 +112,96 @@ def _top_k(t: pa.Table) -> int:
     return int(pc.max(pc.list_value_length(pc.list_flatten(t["top_ids"]))).as_py() or 0)
 
 
-def _logprobs(t: pa.Table, lengths: np.ndarray) -> np.ndarray:
-    """token_logprobs flattened to float64 positions, NaN where a position (or a whole record: a null list,
-    e.g. a multiple-choice record) was not scored. [sum(lengths)]"""
+def _logprobs(t: pa.Table, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """token_logprobs flattened to float64 positions ([sum(lengths)], NaN where not scored), and whether each
+    position holds a value ([sum(lengths)] bool: False where null, or the whole record's list is null, e.g. a
+    multiple-choice record). A held value can itself be NaN or infinite: a broken number, not an unscored one."""
     out = np.full(int(lengths.sum()), math.nan)
+    valid = np.zeros(len(out), bool)
     has = np.repeat(t["token_logprobs"].is_valid().to_numpy(zero_copy_only=False), lengths)
     flat = pc.cast(pc.list_flatten(t["token_logprobs"]), pa.float64())
     out[has] = pc.fill_null(flat, math.nan).to_numpy(zero_copy_only=False)
-    return out
+    valid[has] = flat.is_valid().to_numpy(zero_copy_only=False)
+    return out, valid
+
+
+@dataclass
+class Broken:
+    """Numbers the gate cannot compare because one side's is broken (docs/compare.md, "Broken numbers").
+
+    Null means "not scored by design" and is never broken when both sides have it; NaN or +-inf where a number
+    belongs, or a position scored on one side and null on the other, is. Such positions and records are left out
+    of every figure, counted here, and fail the gate by default (`--max-broken 0`).
+    """
+
+    kinds: dict[str, int] = field(default_factory=dict)  # e.g. "candidate token_logprobs NaN" -> positions
+    positions: int = 0  # positions with at least one broken number (either side)
+    records: int = 0  # records with at least one (positions or per-record figures)
+    examples: list[str] = field(default_factory=list)  # the first records with one, in file order (at most 5)
+
+    def add(self, kind: str, count: int) -> None:
+        if count:
+            self.kinds[kind] = self.kinds.get(kind, 0) + int(count)
+
+    def describe(self) -> str:
+        """One line: what is broken, how often, and the first records."""
+        parts = ", ".join(f"{k}: {v}" for k, v in self.kinds.items())
+        return (f"{self.positions} position(s) and {self.records} record(s) hold broken numbers ({parts}); first "
+                f"records: {', '.join(repr(x) for x in self.examples)}")
+
+
+def _non_finite(kind: str) -> str:
+    return "NaN" if kind == "nan" else "infinite"
+
+
+def _broken_positions(broken: Broken, blp: np.ndarray, bvalid: np.ndarray, nlp: np.ndarray, nvalid: np.ndarray
+                      ) -> np.ndarray:
+    """Count the positions of one chunk whose target logprob is broken on a side ([p] arrays from `_logprobs`);
+    returns the [p] mask of broken positions."""
+    bad = np.zeros(len(blp), bool)
+    for role, lp, valid, other in (("baseline", blp, bvalid, nvalid), ("candidate", nlp, nvalid, bvalid)):
+        nan, inf = valid & np.isnan(lp), valid & np.isinf(lp)
+        missing = ~valid & other  # scored on the other side, null here
+        broken.add(f"{role} token_logprobs NaN", nan.sum())
+        broken.add(f"{role} token_logprobs infinite", inf.sum())
+        broken.add(f"{role} token_logprobs null where the other side scored", missing.sum())
+        bad |= nan | inf | missing
+    return bad
+
+
+# per-record figures whose value, where present on an ok record, must be finite
+RECORD_FIGURES = ("sum_logprob", "mean_nll", "perplexity", "continuation_logprob", "word_perplexity",
+                  "byte_perplexity", "bits_per_byte")
+
+
+def broken_records(base: pa.Table, new: pa.Table) -> tuple[np.ndarray, Broken]:
+    """[rows] mask of aligned ok records whose per-record figures (RECORD_FIGURES, choice_logprobs) hold NaN or
+    +-inf on a side, or a value on one side and null on the other; and their counts."""
+    broken = Broken()
+    bad = np.zeros(base.num_rows, bool)
+    for name in RECORD_FIGURES + ("choice_logprobs",):
+        if name not in base.column_names or name not in new.column_names:
+            continue
+        flags = []
+        for t in (base, new):
+            col = t[name]
+            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):  # broken when any entry is
+                values = pc.cast(pc.list_flatten(col), pa.float64())
+                parent = pc.list_parent_indices(col).to_numpy()
+                finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
+                row_bad = np.zeros(t.num_rows, bool)
+                row_bad[parent[~finite]] = True
+                flags.append((col.is_valid().to_numpy(zero_copy_only=False), row_bad))
+            else:
+                values = pc.cast(col, pa.float64())
+                valid = values.is_valid().to_numpy(zero_copy_only=False)
+                flags.append((valid, valid & ~pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)))
+        (bv, bb), (nv, nb) = flags
+        for role, nonfinite, missing in (("baseline", bb, ~bv & nv), ("candidate", nb, ~nv & bv)):
+            broken.add(f"{role} {name} NaN or infinite", nonfinite.sum())
+            broken.add(f"{role} {name} null where the other side has one", missing.sum())
+            bad |= nonfinite | missing
+    return bad, broken
 
 
 def _same_argmax(bi: np.ndarray, bl: np.ndarray, ni: np.ndarray, nl: np.ndarray) -> np.ndarray:
@@ -142,11 +224,15 @@ class Positions:
     top1: np.ndarray  # [m] int8: 1 same argmax, 0 different, -1 unknown (no top-K)
 
 
-def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None) -> tuple[Positions, int, int]:
+def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None, broken: Broken | None = None
+                  ) -> tuple[Positions, int, int]:
     """Per-position data of aligned tables (row i of each = the same record), processed in chunks.
 
-    Returns the positions, and the top-K sizes seen on each side (0 when none).
+    Returns the positions both sides scored with finite numbers, and the top-K sizes seen on each side (0 when
+    none). Positions with a broken number are left out and counted in `broken` (with the first records).
     """
+    broken = broken if broken is not None else Broken()
+    bad_records = np.zeros(base.num_rows, bool)
     lengths = pc.fill_null(pc.list_value_length(base["token_ids"]), 0).to_numpy()  # [rows]
     for t, role in ((base, "baseline"), (new, "candidate")):
         lp_len = pc.fill_null(pc.list_value_length(t["token_logprobs"]), -1).to_numpy()
@@ -165,17 +251,27 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
         b, n, ln = base.slice(start, stop - start), new.slice(start, stop - start), lengths[start:stop]
         rec = np.repeat(np.arange(start, stop), ln)  # [p]
         at = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)  # [p] index within the record
-        blp, nlp = _logprobs(b, ln), _logprobs(n, ln)  # [p], [p]
-        scored = ~np.isnan(blp) & ~np.isnan(nlp)  # [p]
+        (blp, bvalid), (nlp, nvalid) = _logprobs(b, ln), _logprobs(n, ln)  # [p] each
+        bad = _broken_positions(broken, blp, bvalid, nlp, nvalid)  # [p]
+        scored = bvalid & nvalid & ~bad  # [p]
+        if topk:
+            bl = _padded(b, "top_logprobs", ln, -math.inf, np.float64)  # [p, Kb]
+            nl = _padded(n, "top_logprobs", ln, -math.inf, np.float64)  # [p, Kn]
+            for role, lps in (("baseline", bl), ("candidate", nl)):  # -inf pads short lists, so NaN and +inf only
+                wrong = scored & (np.isnan(lps) | (lps == math.inf)).any(axis=1)  # [p]
+                broken.add(f"{role} top_logprobs NaN or +inf", wrong.sum())
+                bad |= wrong
+                scored &= ~wrong
+        broken.positions += int(bad.sum())
+        bad_records[rec[bad]] = True
         rec, at, blp, nlp = rec[scored], at[scored], blp[scored], nlp[scored]  # [m]
         kld = np.full(len(rec), math.nan)
         top1 = np.full(len(rec), -1, dtype=np.int8)
         if topk:
             target = pc.list_flatten(b["token_ids"]).to_numpy()[scored]  # [m]
             bi = _padded(b, "top_ids", ln, -1, np.int64)[scored]  # [m, Kb]
-            bl = _padded(b, "top_logprobs", ln, -math.inf, np.float64)[scored]  # [m, Kb]
             ni = _padded(n, "top_ids", ln, -1, np.int64)[scored]  # [m, Kn]
-            nl = _padded(n, "top_logprobs", ln, -math.inf, np.float64)[scored]  # [m, Kn]
+            bl, nl = bl[scored], nl[scored]  # [m, Kb], [m, Kn]
             if bi.shape != bl.shape or ni.shape != nl.shape:
                 raise ApcscoreError("top_ids and top_logprobs have different shapes: not apcscore output")
             kb, kn = max(kb, bi.shape[1]), max(kn, ni.shape[1])
@@ -188,6 +284,8 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
                                                 TopKLogprobs(target[w], nlp[w], ni[w], nl[w]), vocab_size)
         parts.append(Positions(rec, at, blp, nlp, kld, top1))
         start = stop
+    broken.records += int(bad_records.sum())
+    broken.examples += [base["id"][int(i)].as_py() for i in np.flatnonzero(bad_records)[:5 - len(broken.examples)]]
     if not parts:
         z = np.zeros(0)
         return Positions(np.zeros(0, np.int64), np.zeros(0, np.int64), z, z, z, np.zeros(0, np.int8)), kb, kn

@@ -134,9 +134,14 @@ def _extra_tables(c: Comparison) -> list[tuple[str, Row, list[Row]]]:
     return out + (_stats_tables(c.stats) if c.stats is not None else [])
 
 
+def check_rows(checks: list[Check]) -> list[Row]:
+    """One row per check (CHECK_HEAD): the figure, the limit, the bound judged and where the limit came from."""
+    return [(ch.option, ch.metric, _num(ch.value), f"{ch.op} {_num(ch.threshold)}", ch.bound or "the value",
+             ch.source, "PASS" if ch.passed else "FAIL") for ch in checks]
+
+
 def _check_rows(c: Comparison) -> list[Row]:
-    return [(ch.option, ch.metric, _num(ch.value), f"{ch.op} {_num(ch.threshold)}", "PASS" if ch.passed else "FAIL")
-            for ch in c.checks]
+    return check_rows(c.checks)
 
 
 def _worst_rows(c: Comparison, worst: int) -> list[Row]:
@@ -146,7 +151,7 @@ def _worst_rows(c: Comparison, worst: int) -> list[Row]:
 
 _WORST_HEAD = ("record", "positions", "mean KL", "max KL", "ln PPL ratio", "top-1 agree", "max |d logprob|")
 _FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct base", "correct new")
-CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
+CHECK_HEAD = ("threshold", "measures", "value", "limit", "judged by", "limit from", "result")
 
 
 def _flip_rows(c: Comparison) -> list[Row]:
@@ -218,7 +223,7 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
     out = [f"## apcscore compare: {icon} {verdict(c.checks)}", ""]
     if c.checks:
-        rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
+        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
         out += [md_table(CHECK_HEAD, rows), ""]
     out += ["### Metrics", "", md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
     for title, head, rows in _extra_tables(c):

@@ -3,14 +3,17 @@
 - Multiple choice: the exact McNemar test on the records whose correctness flipped (`lost`: right in the
   baseline, wrong in the candidate; `gained`: the reverse). Under "no change" lost ~ Binomial(lost + gained,
   1/2); the two-sided p is 2 P(X <= min(lost, gained)), at most 1 (scipy.stats.binomtest(lost, n, 0.5)).
-- Per-record deltas (candidate - baseline) of the mean NLL (= ln(PPL_new / PPL_base)), of accuracy and of
-  acc_norm: a paired percentile bootstrap over records, seeded. Resampling whole records keeps the tokens of a
-  record together (they are correlated), which the position-level standard error does not.
+  Reported, never a gate: "the figure moved significantly" alone is not a failure.
+- Per-record figures (candidate - baseline, or a distance between the two): ln(PPL_new / PPL_base), mean KL,
+  top-1 agreement, accuracy and acc_norm deltas, each a ratio of per-record sums: a paired percentile bootstrap
+  over records, seeded, all figures on the same resamples. Resampling whole records keeps the tokens of a record
+  together (they are correlated), which the position-level standard error does not.
 - The minimum detectable effect (MDE) at the sample size: the smallest worsening the test would detect at
   `alpha` with power 0.8 (docs/compare.md gives the formulas).
 
-`significance_checks` turns these into the gate of `--significance ALPHA`: a figure fails when its change is
-significant at ALPHA (two-sided) and is a worsening.
+The gate's margin tests (`margin_verdict`) read each figure's one-sided bounds at 1 - alpha: non-inferiority
+(fail when the worsening is significantly beyond the tolerance: the optimistic bound is past it) by default,
+equivalence-style strict mode (pass only when the pessimistic bound is within the tolerance) with `strict`.
 """
 
 from __future__ import annotations
@@ -46,16 +49,18 @@ class McNemar:
 
 @dataclass
 class Interval:
-    """Paired bootstrap of one per-record delta (candidate - baseline)."""
+    """Paired bootstrap of one per-record figure (a delta candidate - baseline, or a distance)."""
 
-    figure: str  # "ln PPL ratio" | "accuracy" | "acc_norm"
+    figure: str  # "ln PPL ratio" | "mean KL" | "top-1 agreement" | "accuracy" | "acc_norm"
     num_records: int
-    estimate: float  # the delta on the records as they are
-    low: float  # percentile interval at the reported confidence
+    estimate: float  # the figure on the records as they are
+    low: float  # two-sided percentile interval at the reported confidence 1 - alpha
     high: float
     se: float  # standard deviation of the bootstrap replicates (ddof=1)
     mde: float  # (z_(1-alpha/2) + z_POWER) * se
-    worse_if: str  # "positive" (NLL rises) | "negative" (accuracy falls)
+    worse_if: str  # "positive" (NLL or KL rises) | "negative" (accuracy or agreement falls)
+    lower: float = math.nan  # one-sided bounds at 1 - alpha: the alpha and 1 - alpha quantiles of the replicates
+    upper: float = math.nan
 
 
 @dataclass
@@ -130,30 +135,29 @@ def paired_interval(figure: str, num: np.ndarray, den: np.ndarray, worse_if: str
     if len(num) < 2:
         return None
     reps = bootstrap_replicates(num, den, samples, seed)
-    low, high = np.quantile(reps, [alpha / 2, 1 - alpha / 2])
+    low, lower, upper, high = np.quantile(reps, [alpha / 2, alpha, 1 - alpha, 1 - alpha / 2])
     se = float(reps.std(ddof=1))
     z = NormalDist().inv_cdf(1 - alpha / 2) + NormalDist().inv_cdf(POWER)
-    return Interval(figure, len(num), float(num.sum() / den.sum()), float(low), float(high), se, z * se, worse_if)
+    return Interval(figure, len(num), float(num.sum() / den.sum()), float(low), float(high), se, z * se, worse_if,
+                    float(lower), float(upper))
 
 
-def significance_checks(s: PairedStats) -> list[tuple[str, float, str, float, bool]]:
-    """The checks of `--significance s.alpha`: (what is measured, value, op, limit, passed) per figure.
+def margin_verdict(estimate: float, op: str, limit: float, lower: float | None, upper: float | None,
+                   strict: bool) -> tuple[bool, float]:
+    """Judge a figure against its tolerance by its one-sided confidence bounds; returns (passed, bound used).
 
-    Accuracy (McNemar): fails when p < alpha and more records were lost than gained. NLL (bootstrap): fails
-    when the whole 1 - alpha interval of ln(PPL_new / PPL_base) lies above 0. Each is a two-sided test at
-    alpha that fails only on a worsening, i.e. a one-sided test of a worsening at alpha / 2.
+    `op` "<=" (larger is worse: NLL, KL, a drop) or ">=" (smaller is worse: agreement). Non-inferiority (default):
+    fail only when the optimistic bound (lower for "<=", upper for ">=") is past the limit, i.e. the worsening is
+    significantly beyond the tolerance. Strict: pass only when the pessimistic bound is within the limit, i.e. the
+    worsening is significantly within it. Without bounds (one record, or a figure with no bootstrap) the
+    estimate itself is judged.
     """
-    out = []
-    for t in s.mcnemar:
-        drop = t.lost > t.gained
-        what = (f"{t.kind}: McNemar exact p, two-sided ({t.lost} lost, {t.gained} gained"
-                f"{'' if drop else ': not a drop'})")
-        out.append((what, t.p_value, ">=", s.alpha, t.p_value >= s.alpha or not drop))
-    for iv in s.intervals:
-        if iv.worse_if == "positive":
-            out.append((f"{iv.figure}: low end of the {100 * s.confidence:g}% bootstrap interval", iv.low, "<=",
-                        0.0, iv.low <= 0))
-    return out
+    larger_is_worse = op == "<="
+    optimistic, pessimistic = (lower, upper) if larger_is_worse else (upper, lower)
+    bound = pessimistic if strict else optimistic
+    if bound is None or not math.isfinite(bound):
+        bound = estimate
+    return (bound <= limit if larger_is_worse else bound >= limit), bound
 
 
 def _column(t: pa.Table, name: str) -> np.ndarray | None:
@@ -191,6 +195,15 @@ def paired_stats(base: pa.Table, new: pa.Table, pos: Positions | None, alpha: fl
     if nll is not None:
         iv = paired_interval("ln PPL ratio", *nll, "positive", alpha, samples, seed)
         s.intervals += [iv] if iv is not None else []
+    if pos is not None and len(pos.record):
+        r = base.num_rows
+        for figure, values, known, worse_if in (("mean KL", pos.kld, ~np.isnan(pos.kld), "positive"),
+                                                ("top-1 agreement", pos.top1, pos.top1 >= 0, "negative")):
+            den = np.bincount(pos.record[known], minlength=r).astype(np.float64)  # [r] positions with the figure
+            num = np.bincount(pos.record[known], weights=values[known].astype(np.float64), minlength=r)  # [r]
+            has = den > 0
+            iv = paired_interval(figure, num[has], den[has], worse_if, alpha, samples, seed) if has.any() else None
+            s.intervals += [iv] if iv is not None else []
     for pred, correct, kind in (("pred", "correct", "acc"), ("pred_norm", "correct_norm", "acc_norm")):
         if not all(c in t.column_names for t in (base, new) for c in (pred, correct)):
             continue

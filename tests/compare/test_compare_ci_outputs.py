@@ -23,13 +23,14 @@ def _files(tmp_path: Path) -> tuple[Path, Path]:
 def test_junit_has_one_testcase_per_threshold_with_the_figures(tmp_path) -> None:
     base, new = _files(tmp_path)
     junit = tmp_path / "out" / "compare.xml"
-    r = run_cli(base, new, "--max-accuracy-drop", 0.1, "--report-junit", junit)
+    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.1, "--report-junit", junit)
     assert r.exit_code == 1, r.output
     xml = JUnitXml.fromfile(str(junit))
     suites = list(xml)
-    assert len(suites) == 1 and suites[0].tests == 3 and suites[0].failures == 1 and suites[0].errors == 0
+    assert len(suites) == 1 and suites[0].tests == 4 and suites[0].failures == 1 and suites[0].errors == 0
     cases = {c.name: c for c in suites[0]}
     assert set(cases) == {"--max-new-errors: records ok in baseline, error in candidate",
+                          "--max-broken: positions and records with NaN, +-inf or a one-sided value",
                           "--max-accuracy-drop: accuracy drop (base - new)",
                           "--max-accuracy-drop: acc_norm drop (base - new)"}
     failed = cases["--max-accuracy-drop: accuracy drop (base - new)"]
@@ -37,9 +38,9 @@ def test_junit_has_one_testcase_per_threshold_with_the_figures(tmp_path) -> None
     assert failed.result[0].message == "accuracy drop (base - new) = 0.2, limit <= 0.1: FAIL"
     assert cases["--max-accuracy-drop: acc_norm drop (base - new)"].is_passed
     # a passing gate: every case passes; the file is replaced (an earlier report), not refused
-    assert run_cli(base, new, "--max-accuracy-drop", 0.25, "--report-junit", junit).exit_code == 0
+    assert run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25, "--report-junit", junit).exit_code == 0
     suite = list(JUnitXml.fromfile(str(junit)))[0]
-    assert suite.tests == 3 and suite.failures == 0 and all(c.is_passed for c in suite)
+    assert suite.tests == 4 and suite.failures == 0 and all(c.is_passed for c in suite)
     # a file that is not a report is not replaced
     other = tmp_path / "notes.xml"
     other.write_text("<notes/>")
@@ -73,21 +74,21 @@ def test_github_actions_annotations_and_step_summary(tmp_path, monkeypatch) -> N
     base, new = _files(tmp_path)
     summary = tmp_path / "step_summary.md"
     summary.write_text("earlier step\n")
-    r = run_cli(base, new, "--max-accuracy-drop", 0.1)  # not in GitHub Actions (conftest clears the variables)
+    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.1)  # not in GitHub Actions (conftest clears the variables)
     assert "::error" not in r.output and "::notice" not in r.output
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
-    r = run_cli(base, new, "--max-accuracy-drop", 0.1)
+    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.1)
     assert r.exit_code == 1
     lines = r.output.splitlines()
     assert ("::error title=apcscore compare%3A --max-accuracy-drop%3A accuracy drop (base - new)::accuracy drop "
             "(base - new) = 0.2, limit <= 0.1: FAIL") in lines
     assert sum(line.startswith("::error") for line in lines) == 1
-    assert "::notice title=apcscore compare::FAIL (1 of 3 thresholds)" in lines
+    assert "::notice title=apcscore compare::FAIL (1 of 4 thresholds)" in lines
     text = summary.read_text()
-    assert text.startswith("earlier step\n## apcscore compare: ❌ FAIL (1 of 3 thresholds)")  # appended
+    assert text.startswith("earlier step\n## apcscore compare: ❌ FAIL (1 of 4 thresholds)")  # appended
     # --report-md naming the summary file itself writes it once, not twice
-    r = run_cli(base, new, "--max-accuracy-drop", 0.25, "--report-md", summary, "--overwrite")
+    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25, "--report-md", summary, "--overwrite")
     assert r.exit_code == 0 and "::notice title=apcscore compare::PASS" in r.output.splitlines()
     assert summary.read_text().count("## apcscore compare:") == 1
 
@@ -96,7 +97,7 @@ def test_github_actions_annotations_and_step_summary(tmp_path, monkeypatch) -> N
 def test_annotations_only_when_github_actions_is_true(tmp_path, monkeypatch, value: str) -> None:
     base, new = _files(tmp_path)
     monkeypatch.setenv("GITHUB_ACTIONS", value)
-    assert "::" not in run_cli(base, new, "--max-accuracy-drop", 0.1).output
+    assert "::" not in run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.1).output
 
 
 def test_a_usage_error_is_an_annotation_too(tmp_path, monkeypatch) -> None:

@@ -147,7 +147,7 @@ def test_without_the_tokenizer_tokens_are_ids(runs, tmp_path) -> None:
         pq.write_table(t.replace_schema_metadata({b"apcscore": json.dumps(meta)}), dst)
         moved.append(dst)
     page = tmp_path / "r.html"
-    r = CliRunner().invoke(app, ["compare", *map(str, moved), "--report-html", str(page)])
+    r = CliRunner().invoke(app, ["compare", *map(str, moved), "--report-html", str(page), "--no-default-gate"])
     assert r.exit_code == 0, r.output
     html = page.read_text(encoding="utf-8")
     assert "note: tokens are shown as ids: the tokenizer folder" in html
@@ -252,10 +252,11 @@ def test_infinite_logprobs_are_counted_not_drawn(tmp_path) -> None:
     b[2]["token_logprobs"][4] = n[2]["token_logprobs"][4] = float("-inf")  # Δ NaN
     base = write_results(tmp_path / "a.parquet", b)
     new = write_results(tmp_path / "b.parquet", n, dtype="bfloat16")
-    with np.errstate(invalid="ignore"):  # compare's own means of the infinite values
-        html = html_report.to_html(compare_files(base, new), worst=3)
-    assert "per token (candidate \\u2212 baseline) (3 not finite, not drawn)" in html  # plotly's JSON escapes
-    assert "3 with a logprob not finite, not drawn" in html
+    c = compare_files(base, new)
+    html = html_report.to_html(c, worst=3)
+    # they are broken numbers now (issue 52): left out of every figure, counted, and the gate fails
+    assert c.broken.positions == 3 and not c.passed
+    assert "3 position(s) and 3 record(s) hold broken numbers" in html
     assert len(spans(html)) == sum(len(r["token_ids"]) for r in b)
 
 
