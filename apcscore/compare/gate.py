@@ -268,21 +268,25 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
             raise ApcscoreError(f"{option} cannot be checked: {why}")
         return value
 
-    def add(name: str, metric: str, value: float, op: str, limit: float, figure: str | None = None,
-            transform=None) -> None:
-        """One check of `value op limit`; with `figure`, judged by that bootstrap interval's bound (its
-        estimate and bounds mapped through `transform`, e.g. exp for the PPL ratio)."""
-        option = "--" + name.replace("_", "-")
-        iv = intervals.get(figure) if figure and not point else None
+    def bounds(figure: str, transform=None) -> tuple[float, float] | None:
+        """(lower, upper) one-sided bounds of a bootstrap figure, mapped through `transform` (e.g. exp)."""
+        iv = intervals.get(figure)
         if iv is None:
+            return None
+        f = transform or (lambda x: x)
+        return tuple(sorted((f(iv.lower), f(iv.upper))))
+
+    def add(name: str, metric: str, value: float, op: str, limit: float,
+            bound_pair: tuple[float, float] | None = None) -> None:
+        """One check of `value op limit`, judged by the (lower, upper) confidence bounds when given."""
+        option = "--" + name.replace("_", "-")
+        if bound_pair is None or point:
             ok = value <= limit if op == "<=" else value >= limit
             checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name)))
             return
-        f = transform or (lambda x: x)
-        lower, upper = sorted((f(iv.lower), f(iv.upper)))
-        ok, bound = margin_verdict(value, op, limit, lower, upper, strict)
+        ok, bound = margin_verdict(value, op, limit, *bound_pair, strict)
         side = ("upper" if strict else "lower") if op == "<=" else ("lower" if strict else "upper")
-        text = f"{side} {100 * (1 - c.stats.alpha):g}% bound {bound:.6g}"
+        text = f"{side} {100 * (1 - t.alpha):g}% bound {bound:.6g}"
         checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name),
                             text))
 
@@ -307,17 +311,17 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         v = need("max_ppl_ratio", m.ppl_ratio, "--max-ppl-ratio", "the files have no token_logprobs and no "
                  "per-record sum_logprob with a token count")
         if v is not None:
-            add("max_ppl_ratio", "PPL ratio (new / base)", v, "<=", t.max_ppl_ratio, "ln PPL ratio", math.exp)
+            add("max_ppl_ratio", "PPL ratio (new / base)", v, "<=", t.max_ppl_ratio, bounds("ln PPL ratio", math.exp))
     if t.max_mean_kld is not None:
         v = need("max_mean_kld", m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both "
                  f"files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
         if v is not None:
-            add("max_mean_kld", "mean KL(base || new)", v, "<=", t.max_mean_kld, "mean KL")
+            add("max_mean_kld", "mean KL(base || new)", v, "<=", t.max_mean_kld, bounds("mean KL"))
     if t.min_top1_agreement is not None:
         v = need("min_top1_agreement", m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files "
                  f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
         if v is not None:
-            add("min_top1_agreement", "top-1 agreement", v, ">=", t.min_top1_agreement, "top-1 agreement")
+            add("min_top1_agreement", "top-1 agreement", v, ">=", t.min_top1_agreement, bounds("top-1 agreement"))
     if t.max_abs_logprob_diff is not None:
         v = need("max_abs_logprob_diff", m.max_abs_logprob_diff, "--max-abs-logprob-diff", "it needs "
                  "token_logprobs in both files; score with `apcscore score` (per-token logprobs are written for "
@@ -327,13 +331,13 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
     if t.max_accuracy_drop is not None:
         base_acc = need("max_accuracy_drop", m.accuracy_base, "--max-accuracy-drop", "the files have no "
                         "multiple-choice records (columns pred and correct) scored in both")
-        if base_acc is not None:
-            neg = lambda x: -x  # noqa: E731  the interval is of new - base; the drop is base - new
+        if base_acc is not None:  # exact bounds of the drop from McNemar's flips (stats.mcnemar)
+            tests = {mc.kind: (mc.drop_lower, mc.drop_upper) for mc in (c.stats.mcnemar if c.stats else [])}
             add("max_accuracy_drop", "accuracy drop (base - new)", base_acc - m.accuracy_new, "<=",
-                t.max_accuracy_drop, "accuracy", neg)
+                t.max_accuracy_drop, tests.get("acc"))
             if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
                 add("max_accuracy_drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
-                    "<=", t.max_accuracy_drop, "acc_norm", neg)
+                    "<=", t.max_accuracy_drop, tests.get("acc_norm"))
     if c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 and t.max_mean_kld is not None:
         c.notes.append(f"the KL bound is loose at K = {min(c.base.top_k, c.new.top_k)} (the default limit was chosen "
                        "at K = 5 and 20): score with --prompt-logprobs 5 or more for a gate that sees the tails")

@@ -45,6 +45,9 @@ class McNemar:
     gained: int  # wrong in the baseline, right in the candidate
     p_value: float  # exact, two-sided
     mde: float | None  # smallest accuracy drop (fraction) detectable at alpha with POWER; None: no flips at all
+    # one-sided bounds at 1 - alpha of the accuracy drop (base - new, fraction): exact, conditional on the flips
+    drop_lower: float = math.nan
+    drop_upper: float = math.nan
 
 
 @dataclass
@@ -106,12 +109,51 @@ def mcnemar_mde(n: int, discordant: int, alpha: float, power: float = POWER) -> 
     return u / math.sqrt(n)
 
 
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), summed in log space (lgamma), exact to rounding for n in the millions."""
+    if k < 0:
+        return 0.0
+    if k >= n or p <= 0.0:
+        return 1.0
+    if p >= 1.0:
+        return 0.0
+    i = np.arange(k + 1)
+    logs = (math.lgamma(n + 1) - np.array([math.lgamma(x + 1) + math.lgamma(n - x + 1) for x in i])
+            + i * math.log(p) + (n - i) * math.log1p(-p))  # [k + 1]
+    top = logs.max()
+    return float(min(1.0, math.exp(top) * np.exp(logs - top).sum()))
+
+
+def clopper_pearson(k: int, n: int, alpha: float) -> tuple[float, float]:
+    """One-sided exact (Clopper-Pearson) bounds at 1 - alpha of a binomial proportion from k successes in n
+    trials: (lower, upper), lower solving P(X >= k; p) = alpha and upper P(X <= k; p) = alpha, by bisection (the
+    two-sided 1 - 2 alpha interval of scipy.stats.binomtest(k, n).proportion_ci(method="exact"))."""
+
+    def solve(j: int, target: float) -> float:  # the p where P(X <= j; p) = target (decreasing in p)
+        lo, hi = 0.0, 1.0
+        for _ in range(60):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if binom_cdf(j, n, mid) > target else (lo, mid)
+        return (lo + hi) / 2
+
+    lower = 0.0 if k == 0 else solve(k - 1, 1 - alpha)  # P(X >= k; p) = alpha
+    upper = 1.0 if k == n else solve(k, alpha)
+    return lower, upper
+
+
 def mcnemar(kind: str, correct_base: np.ndarray, correct_new: np.ndarray, alpha: float) -> McNemar:
-    """The exact McNemar test of two aligned boolean arrays [n] of one correctness column."""
+    """The exact McNemar test of two aligned boolean arrays [n] of one correctness column, and one-sided exact
+    bounds of the accuracy drop: given m = lost + gained flips, lost ~ Binomial(m, q) and the drop is
+    (lost - gained) / n = m (2 q - 1) / n, so the Clopper-Pearson bounds of q bound the drop (the conditional
+    exact method McNemar's test itself uses; the percentile bootstrap is too narrow with few flips)."""
     lost = int(np.sum(correct_base & ~correct_new))
     gained = int(np.sum(~correct_base & correct_new))
-    n = len(correct_base)
-    return McNemar(kind, n, lost, gained, mcnemar_exact_p(lost, gained), mcnemar_mde(n, lost + gained, alpha))
+    n, m = len(correct_base), lost + gained
+    t = McNemar(kind, n, lost, gained, mcnemar_exact_p(lost, gained), mcnemar_mde(n, m, alpha))
+    if n:
+        q_lower, q_upper = clopper_pearson(lost, m, alpha) if m else (0.5, 0.5)
+        t.drop_lower, t.drop_upper = m * (2 * q_lower - 1) / n, m * (2 * q_upper - 1) / n
+    return t
 
 
 def bootstrap_replicates(num: np.ndarray, den: np.ndarray, samples: int, seed: int) -> np.ndarray:

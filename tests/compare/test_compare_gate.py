@@ -24,7 +24,7 @@ from test_compare import TinyLM, make_records, one_line, run_cli, score_rows, wr
 from test_compare_stats import _mc_pair
 
 from apcscore.compare.gate import DEFAULT_GATE, Thresholds, compare_files, load_thresholds
-from apcscore.compare.stats import margin_verdict
+from apcscore.compare.stats import clopper_pearson, margin_verdict
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -161,25 +161,36 @@ def test_one_sided_bounds_are_scipys(candidates, alpha) -> None:
     assert by["--min-top1-agreement"].bound == f"upper {conf} bound {intervals['top-1 agreement'].upper:.6g}"
 
 
-def test_the_accuracy_drop_is_judged_by_its_bound(tmp_path) -> None:
-    """Multiple choice: 10 lost, 1 gained of 61 (a 14.8-point drop, McNemar p = 0.012). The drop's bounds are the
-    bootstrap of the per-record deltas (scipy), negated."""
+def test_the_accuracy_drop_is_judged_by_its_exact_bound(tmp_path) -> None:
+    """Multiple choice: 10 lost, 1 gained of 61 (a 14.8-point drop, McNemar p = 0.012). Given the 11 flips,
+    lost ~ Binomial(11, q) and the drop is 11 (2 q - 1) / 61: its one-sided bounds are scipy's exact
+    (Clopper-Pearson) bounds of q, mapped."""
     base, new = _mc_pair(tmp_path, lost=10, gained=1)
-    c = compare_files(base, new, Thresholds(max_accuracy_drop=0.1), samples=500, seed=1)
-    delta = np.array([0.0] * 50 + [-1.0] * 10 + [1.0] * 1)  # new - base per record
-    low, high = _scipy_bounds(delta, np.ones(61), 0.05, 500, 1)
+    c = compare_files(base, new, Thresholds(max_accuracy_drop=0.1))
+    ci = sps.binomtest(10, 11).proportion_ci(confidence_level=0.9, method="exact")  # one-sided 95% ends
+    low, high = 11 * (2 * ci.low - 1) / 61, 11 * (2 * ci.high - 1) / 61
+    mc = c.stats.mcnemar[0]
+    assert (mc.drop_lower, mc.drop_upper) == pytest.approx((low, high), rel=1e-9)
     acc = next(ch for ch in c.checks if ch.metric.startswith("accuracy drop"))
-    assert acc.value == pytest.approx(9 / 61) and acc.bound == f"lower 95% bound {-high:.6g}"
-    assert acc.passed == (-high <= 0.1)
-    assert c.stats.mcnemar[0].p_value == pytest.approx(sps.binomtest(10, 11, 0.5).pvalue, rel=1e-12)
-    # a tolerance below the whole interval fails by default; a tolerance above the estimate passes by default
+    assert acc.value == pytest.approx(9 / 61) and acc.bound == f"lower 95% bound {low:.6g}"
+    assert acc.passed == (low <= 0.1)
+    assert mc.p_value == pytest.approx(sps.binomtest(10, 11, 0.5).pvalue, rel=1e-12)
+    # a tolerance below the whole interval fails by default; a tolerance above the estimate passes by default,
     # and in strict mode only when the pessimistic bound is within it too
-    assert run_cli(base, new, "--max-accuracy-drop", 0.01, "--seed", 1).exit_code == 1
-    assert run_cli(base, new, "--max-accuracy-drop", 0.16, "--seed", 1).exit_code == 0
-    assert run_cli(base, new, "--max-accuracy-drop", 0.16, "--decision", "strict", "--seed", 1).exit_code == 1
-    assert run_cli(base, new, "--max-accuracy-drop", 0.16, "--decision", "point", "--seed", 1).exit_code == 0
+    assert high > 0.16 > 9 / 61 > low > 0.01
+    assert run_cli(base, new, "--max-accuracy-drop", 0.01).exit_code == 1
+    assert run_cli(base, new, "--max-accuracy-drop", 0.16).exit_code == 0
+    assert run_cli(base, new, "--max-accuracy-drop", 0.16, "--decision", "strict").exit_code == 1
+    assert run_cli(base, new, "--max-accuracy-drop", 0.16, "--decision", "point").exit_code == 0
     # the same change the other way is an improvement: it passes
-    assert run_cli(new, base, "--max-accuracy-drop", 0.0, "--seed", 1).exit_code == 0
+    assert run_cli(new, base, "--max-accuracy-drop", 0.0).exit_code == 0
+
+
+@pytest.mark.parametrize("k,n,alpha", [(0, 5, 0.05), (5, 5, 0.05), (3, 40, 0.1), (300, 541, 0.05), (1, 1, 0.2),
+                                       (2500, 4900, 0.01)])
+def test_clopper_pearson_is_scipys(k, n, alpha) -> None:
+    ci = sps.binomtest(k, n).proportion_ci(confidence_level=1 - 2 * alpha, method="exact")
+    assert clopper_pearson(k, n, alpha) == pytest.approx((ci.low, ci.high), rel=1e-9, abs=1e-12)
 
 
 def test_the_three_decisions_between_the_bounds(candidates) -> None:
