@@ -22,7 +22,6 @@ import json
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -30,7 +29,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.compare.gate import LIMITS, Check, Thresholds
-from apcscore.compare.stats import margin_verdict, mcnemar_exact_p
+from apcscore.compare.stats import clopper_pearson, margin_verdict, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
@@ -266,27 +265,29 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
 
 
 def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
-    """Per task: --max-accuracy-drop on the higher-is-better 0/1 metrics, judged by the one-sided bound at
-    1 - alpha of the paired per-document drop (normal approximation; the margin tests of result files), and
-    --max-ppl-ratio on perplexity metrics. The exact McNemar test of the flips is reported beside each drop."""
+    """Per task: --max-accuracy-drop on the higher-is-better 0/1 metrics, judged by the exact one-sided bound at
+    1 - alpha of the paired per-document drop (as for result files: stats.mcnemar), and --max-ppl-ratio on
+    perplexity metrics. The exact McNemar test of the flips is reported beside each drop."""
     given = [f.name for f in fields(t) if f.name in LIMITS and getattr(t, f.name) is not None
              and f.name not in EVAL_THRESHOLDS and t.source(f.name) != "default"]
     if given:
         raise ApcscoreError(f"{', '.join('--' + g.replace('_', '-') for g in given)} cannot be checked on eval runs "
                             "(they hold no per-token logprobs); eval runs take --max-accuracy-drop, "
                             "--max-ppl-ratio and --significance, checked per task")
-    z = NormalDist().inv_cdf(1 - t.alpha)
     for m in c.metrics:
         if t.max_accuracy_drop is not None and m.binary and m.higher_is_better and m.delta is not None:
             drop = m.base - m.new
             lost, gained = m.flips_to_wrong, m.flips_to_right
-            what = (f"{m.task} {m.metric} drop (base - new; McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} "
-                    f"lost, {gained} gained of {m.num_docs})")
-            se = m.doc_delta_se if t.decision != "point" else None
-            lower, upper = (drop - z * se, drop + z * se) if se is not None else (None, None)
-            ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, lower, upper, t.decision == "strict")
-            text = None if se is None else \
-                f"{'upper' if t.decision == 'strict' else 'lower'} {100 * (1 - t.alpha):g}% bound {bound:.6g}"
+            what = f"{m.task} {m.metric} drop (base - new)"
+            mcnemar_text = f"McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} lost, {gained} gained of {m.num_docs}"
+            flips = lost + gained
+            q_lower, q_upper = clopper_pearson(lost, flips, t.alpha) if flips else (0.5, 0.5)
+            lower, upper = flips * (2 * q_lower - 1) / m.num_docs, flips * (2 * q_upper - 1) / m.num_docs
+            point = t.decision == "point"
+            ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, None if point else lower,
+                                       None if point else upper, t.decision == "strict")
+            text = (mcnemar_text if point else f"{'upper' if t.decision == 'strict' else 'lower'} "
+                    f"{100 * (1 - t.alpha):g}% bound {bound:.6g} ({mcnemar_text})")
             c.checks.append(Check("--max-accuracy-drop", what, drop, "<=", t.max_accuracy_drop, ok,
                                   t.source("max_accuracy_drop"), text))
             c.check_tasks.append(m.task)

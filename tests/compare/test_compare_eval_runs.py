@@ -112,7 +112,8 @@ def test_the_gate_checks_each_task_and_gives_junit_ready_cases(eval_runs, tmp_pa
     data = json.loads(report.read_text())
     assert {(c["task"], c["metric"]) for c in data["checks"]} == {
         ("apc_ll", "apc_ll acc drop (base - new)"), ("apc_mc", "apc_mc acc drop (base - new)"),
-        ("apc_mc", "apc_mc acc_norm drop (base - new)")}
+        ("apc_mc", "apc_mc acc_norm drop (base - new)"), ("apc_ll", "apc_ll perplexity ratio (new / base)")}
+    assert {c["source"] for c in data["checks"] if "ratio" in c["metric"]} == {"default"}  # the default 1.02
     assert [case["name"] for case in data["cases"]] == ["apc_ll", "apc_mc"]
     c = compare_eval_dirs(eval_runs["f32"], eval_runs["bf16"], Thresholds(max_accuracy_drop=-0.5))
     cases = c.cases()
@@ -186,30 +187,34 @@ def test_inputs_that_are_not_two_eval_folders_are_refused(eval_runs, tmp_path) -
         read_eval_dir(unfinished, "candidate")
 
 
-def test_significance_per_task_is_mcnemar_over_the_documents_and_junit_has_a_case_per_task(eval_runs,
-                                                                                            tmp_path) -> None:
+def test_the_default_drop_limit_per_task_with_mcnemar_beside_it_and_junit_has_a_case_per_task(eval_runs,
+                                                                                                 tmp_path) -> None:
     import scipy.stats as sps
     from junitparser import JUnitXml
 
     junit, report = tmp_path / "eval.xml", tmp_path / "eval.json"
     r = _compare(eval_runs["f32"], eval_runs["bf16"], "--significance", "0.05", "--report-junit", junit,
                  "--report-json", report)
-    assert r.exit_code == 0, r.output  # 4-6 documents: nothing can be significant
+    assert r.exit_code == 0, r.output  # 4-6 documents: no drop is significantly beyond 2 points
     base, new = _per_doc(eval_runs["f32"]), _per_doc(eval_runs["bf16"])
     checks = json.loads(report.read_text())["checks"]
-    assert {c["task"] for c in checks} == {"apc_ll", "apc_mc"} and len(checks) == 3  # acc, acc, acc_norm
+    assert {c["task"] for c in checks} == {"apc_ll", "apc_mc"} and len(checks) == 4  # acc, acc, acc_norm, ppl
     for c in checks:
-        task, metric = c["metric"].split(":")[0].split()
+        if "ratio" in c["metric"]:
+            continue
+        task, metric = c["metric"].split(" drop")[0].split()
         keys = [k for k in base if k[:2] == (task, metric)]
         lost = sum(base[k] == 1 and new[k] == 0 for k in keys)
         gained = sum(base[k] == 0 and new[k] == 1 for k in keys)
         p = sps.binomtest(lost, lost + gained, 0.5).pvalue if lost + gained else 1.0
-        assert c["value"] == pytest.approx(p, rel=1e-12) and f"({lost} lost, {gained} gained" in c["metric"]
+        assert f"McNemar p {p:.3g}: {lost} lost, {gained} gained" in c["bound"], c["bound"]
+        assert c["value"] == pytest.approx((lost - gained) / len(keys), abs=1e-12)
+        assert (c["source"], c["threshold"]) == ("default", 0.02) and c["bound"].startswith("lower 95% bound")
     suites = list(JUnitXml.fromfile(str(junit)))
     assert [case.name for case in suites[0]] == ["apc_ll", "apc_mc"] and all(case.is_passed for case in suites[0])
 
 
-def test_a_significant_drop_of_one_task_fails_that_task_only() -> None:
+def test_a_drop_significantly_beyond_the_limit_fails_that_task_only() -> None:
     from apcscore.compare.eval_runs import EvalComparison, MetricDelta, evaluate_eval
 
     def metric(task: str, lost: int, gained: int) -> MetricDelta:
@@ -217,7 +222,9 @@ def test_a_significant_drop_of_one_task_fails_that_task_only() -> None:
                            binary=True, flips_to_wrong=lost, flips_to_right=gained)
 
     c = EvalComparison({}, {}, ["a", "b"], [metric("a", 9, 0), metric("b", 5, 4)])
-    evaluate_eval(c, Thresholds(significance=0.05))
+    evaluate_eval(c, Thresholds(max_accuracy_drop=0.02, significance=0.05))
     assert [(t, ch.passed) for ch, t in zip(c.checks, c.check_tasks)] == [("a", False), ("b", True)]
-    assert c.checks[0].value == pytest.approx(2 * 0.5 ** 9)  # exact: all 9 discordant documents went one way
+    # all 9 flips went one way: q >= 0.05 ** (1 / 9) (exact), so the drop is at least 9 (2 q - 1) / 60 > 2 points
+    assert c.checks[0].bound.startswith(f"lower 95% bound {9 * (2 * 0.05 ** (1 / 9) - 1) / 60:.6g} (McNemar p "
+                                        "0.00391: 9 lost")  # p = 2 * 0.5 ** 9
     assert [(name, ok) for name, ok, _ in c.cases()] == [("a", False), ("b", True)]
