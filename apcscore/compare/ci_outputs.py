@@ -38,8 +38,8 @@ def _num(v: float) -> str:
 def checks_to_cases(checks: Iterable[Check]) -> list[Case]:
     """One case per threshold check of `apcscore compare`, named by option and figure."""
     return [Case(f"{ch.option}: {ch.metric}", ch.passed,
-                 f"{ch.metric} = {_num(ch.value)}, limit {ch.op} {_num(ch.threshold)}: "
-                 f"{'PASS' if ch.passed else 'FAIL'}") for ch in checks]
+                 f"{ch.metric} = {_num(ch.value)}, limit {ch.op} {_num(ch.threshold)} ({ch.source}"
+                 f"{'; ' + ch.bound if ch.bound else ''}): {'PASS' if ch.passed else 'FAIL'}") for ch in checks]
 
 
 def to_junit(cases: list[Case], suite: str = "thresholds") -> str:

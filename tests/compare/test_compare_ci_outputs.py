@@ -35,7 +35,7 @@ def test_junit_has_one_testcase_per_threshold_with_the_figures(tmp_path) -> None
                           "--max-accuracy-drop: acc_norm drop (base - new)"}
     failed = cases["--max-accuracy-drop: accuracy drop (base - new)"]
     assert not failed.is_passed and isinstance(failed.result[0], Failure)
-    assert failed.result[0].message == "accuracy drop (base - new) = 0.2, limit <= 0.1: FAIL"
+    assert failed.result[0].message == "accuracy drop (base - new) = 0.2, limit <= 0.1 (option): FAIL"
     assert cases["--max-accuracy-drop: acc_norm drop (base - new)"].is_passed
     # a passing gate: every case passes; the file is replaced (an earlier report), not refused
     assert run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25, "--report-junit", junit).exit_code == 0
@@ -82,7 +82,7 @@ def test_github_actions_annotations_and_step_summary(tmp_path, monkeypatch) -> N
     assert r.exit_code == 1
     lines = r.output.splitlines()
     assert ("::error title=apcscore compare%3A --max-accuracy-drop%3A accuracy drop (base - new)::accuracy drop "
-            "(base - new) = 0.2, limit <= 0.1: FAIL") in lines
+            "(base - new) = 0.2, limit <= 0.1 (option): FAIL") in lines
     assert sum(line.startswith("::error") for line in lines) == 1
     assert "::notice title=apcscore compare::FAIL (1 of 4 thresholds)" in lines
     text = summary.read_text()
