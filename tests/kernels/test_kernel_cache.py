@@ -5,6 +5,7 @@ K = 0, and the floating-point environment. The builds here compile a one-line C 
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import threading
@@ -178,3 +179,24 @@ def test_denormals_are_kept_whatever_torch_flushes() -> None:
     finally:
         torch.set_flush_denormal(False)
     assert got == want
+
+
+def test_the_scalar_functions_keep_denormals_whatever_torch_flushes() -> None:
+    """Issue 53 item 8: cpu_math.scalar (exp_scalar / log_scalar) runs in the kernels' floating-point environment, as
+    map_double does: under torch.set_flush_denormal(True) log(1e-310) was -inf (the denormal input read as 0) and
+    exp(-710) 0. Compared after the flush is off again (under DAZ a denormal compares equal to 0.0)."""
+    args = {"log": (cpu_math.D_LOG, 1e-310, math.log), "exp": (cpu_math.D_EXP, -710.0, math.exp)}  # exp: 4.5e-309
+    want = {name: ref(v) for name, (_, v, ref) in args.items()}
+    assert want["exp"] != 0.0 and cpu_math.scalar(cpu_math.D_EXP, -710.0) == want["exp"]
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-denormal mode")
+    try:
+        assert torch.tensor([1e-310], dtype=torch.float64).mul(1.0).item() == 0.0  # the setting is on
+        got = {name: cpu_math.scalar(fn, v) for name, (fn, v, _) in args.items()}
+    finally:
+        torch.set_flush_denormal(False)
+    # the documented accuracy (tests/engine/test_portable_bits.py): within 4e-16 relative of CPython's libm
+    assert abs(got["log"] - want["log"]) <= 4e-16 * abs(want["log"]), got
+    assert got["exp"] == want["exp"], got  # exact here: one rounding, at the denormal
+    with pytest.raises(ValueError, match="function code 9"):
+        cpu_math.scalar(9, 1.0)
