@@ -8,7 +8,6 @@ bad values) become an output with `error` set; they never stop the run.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any, Callable, Iterable, Iterator
 
@@ -36,8 +35,6 @@ from apcscore.models.decoders import build_decoder, decoder_class
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import LazyCheckpoint, eos_token_ids
 from apcscore.models.tensor_parallel import check_tensor_parallel
-
-logger = logging.getLogger(__name__)
 
 
 def check_parallel(hf_config: Any, config: EngineConfig, device: torch.device) -> None:
@@ -213,11 +210,9 @@ class Engine:
             ) -> Iterator[RequestOutput]:
         """Run every request; yield one RequestOutput per request, in completion order.
 
-        One run at a time. A run its consumer leaves before the end (an exception in its loop, Ctrl-C, `on_step`
-        raising, `close()`, or the generator dropped) frees every sequence it left in the scheduler when the
-        generator is closed, so the next run yields only its own outputs. A new run also frees what an earlier
-        run's generator, not closed yet, left behind; that generator then raises if it is resumed.
-        """
+        One run at a time: a run left before its end (an exception in the consumer's loop, Ctrl-C, `on_step`
+        raising, `close()`, the generator dropped) frees every sequence it left once its generator closes, and a
+        new run frees what an earlier one not closed yet left (that generator then raises if resumed)."""
         self._abandon_run()  # an earlier run whose generator was neither exhausted nor closed (yet)
         token = self._current_run = object()
         pending = iter(requests)
@@ -271,9 +266,7 @@ class Engine:
     def _abandon_run(self) -> None:
         """Free every sequence the current run left in the scheduler (none when it ran to the end)."""
         self._current_run = None
-        dropped = self.scheduler.abort_all()
-        if dropped:
-            logger.debug("an Engine.run() left before its end: %d unfinished requests dropped", dropped)
+        self.scheduler.abort_all()
 
     def _check(self, request: Request) -> str | None:
         """Why this request cannot run, or None."""
@@ -288,8 +281,7 @@ class Engine:
         return None
 
     def _postprocess(self, batch, step: StepOutput) -> list[RequestOutput]:
-        """Account a step's results; the outputs of the requests it finished (the scheduler is updated for every
-        one of them before the caller sees the first)."""
+        """Account a step's results; the outputs of the requests it finished, every one retired before any is seen."""
         finished: list[RequestOutput] = []
         for seq, lps in step.prompt_logprobs:
             seq.prompt_logprob_parts.append(lps)

@@ -179,17 +179,14 @@ class ApcscoreLM(TemplateLM):
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
              done: Callable[[int, RequestOutput], None], total: int) -> None:
-        """Run `requests` through the engine, calling `done(i, output)` with each output as it finishes (i: its
-        request's position in `requests`). The progress bar counts the call's `total` lm-eval requests: requests[i]
-        stands for sizes[i] of them, and it starts with those answered without the engine.
-
-        Request ids are numbered on from the last call's, and an output whose id is not one of this call's
-        requests still unanswered is an internal error raised before anything is stored: an output of another call
-        (an engine run left before its end) can never be stored under one of this call's keys."""
+        """Run `requests` through the engine, calling `done(i, output)` as each finishes (i: its position). The
+        progress bar counts the call's `total` lm-eval requests: requests[i] stands for sizes[i] of them, and it
+        starts with those answered without the engine. Request ids go on from the last call's: an output that is not
+        one of this call's unanswered requests (another call's, of an engine run left before its end) is an
+        internal error raised before anything is stored."""
         if not requests:
             return
-        base = self._next_request_id
-        self._next_request_id += len(requests)
+        base, self._next_request_id = self._next_request_id, self._next_request_id + len(requests)
         for i, r in enumerate(requests):
             r.request_id = base + i
         answered = [False] * len(requests)
@@ -198,9 +195,8 @@ class ApcscoreLM(TemplateLM):
             for out in self.engine.run(requests, on_step=self.on_step):
                 i = out.request_id - base if isinstance(out.request_id, int) else -1
                 if not 0 <= i < len(requests) or answered[i]:
-                    raise RuntimeError(f"{desc}: the engine returned an output for request id {out.request_id!r}, "
-                                       f"which is not one of this call's unanswered requests ({base} to "
-                                       f"{base + len(requests) - 1}): an internal error, nothing of it was stored")
+                    raise RuntimeError(f"{desc}: internal error: the engine gave request id {out.request_id!r}, not "
+                                       f"one of this call's unanswered requests ({base}..{base + len(requests) - 1})")
                 answered[i] = True
                 if out.error is not None:
                     raise ApcscoreError(f"{desc}: request {i} failed in the engine: {out.error}")
