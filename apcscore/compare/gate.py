@@ -38,6 +38,7 @@ from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, f
                                       record_rows, token_summary)
 from apcscore.compare.stats import DEFAULT_ALPHA, DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, paired_stats, \
     significance_checks
+from apcscore.config import finite_problem, is_number
 from apcscore.errors import ApcscoreError
 
 
@@ -71,9 +72,10 @@ class Thresholds:
             v = getattr(self, name)
             if v is None:
                 continue
-            if not (math.isfinite(v) and (v >= lo if lo_ok else v > lo) and v <= hi):
+            finite = finite_problem(v) is None
+            if not (finite and (v >= lo if lo_ok else v > lo) and v <= hi):
                 bound = f"{'>=' if lo_ok else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
-                what = "a finite number " if not math.isfinite(v) else ""
+                what = "a finite number " if not finite else ""
                 raise ApcscoreError(f"--{name.replace('_', '-')} must be {what}{bound}, not {v}")
 
     def override(self, other: "Thresholds") -> "Thresholds":
@@ -112,7 +114,7 @@ def load_thresholds(path: Path) -> Thresholds:
         if key not in known:
             raise ApcscoreError(f"{where}: unknown threshold {key!r} in [thresholds]; known: "
                                 f"{', '.join(sorted(known))}")
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_number(value) or finite_problem(value) is not None:
             raise ApcscoreError(f"{where}: [thresholds] {key} must be a finite number, not {value!r}")
         if key == "max_new_errors" and not isinstance(value, int):  # a count of records, as --max-new-errors takes
             raise ApcscoreError(f"{where}: [thresholds] max_new_errors must be a whole number of records, not "
