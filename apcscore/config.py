@@ -4,6 +4,7 @@ setting (default, help text, CLI flags, checks) that EngineConfig and the run op
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import Field, asdict, dataclass, field, fields
 from typing import Any
@@ -118,6 +119,8 @@ class EngineConfig:
             need((value is None and type(None) in kinds) or
                  (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)),
                  f"--{f.name.replace('_', '-')} must be {_WHAT[kinds]}, not {shown(value)}")
+            if float in kinds and (why := finite_problem(value)) is not None:
+                raise ApcscoreError(f"--{f.name.replace('_', '-')} {why}")
 
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
              f"--device must be auto, cpu or cuda, not {self.device!r}")
@@ -185,8 +188,25 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
+def is_number(v: Any) -> bool:
+    """An int or a float, not a bool (finite or not: `finite_problem` says)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def finite_problem(v: Any) -> str | None:
+    """Why the number `v` is not finite (NaN, an infinity, an integer beyond a float's range), else None (None for a
+    value that is no number too: the type checks say that). The one check of every number a record, an option or
+    a config file gives for a number setting (docs/errors.md: NaN and infinity are errors)."""
+    if not is_number(v):
+        return None
+    try:
+        if math.isfinite(v):
+            return None
+        what = "NaN" if math.isnan(v) else "infinity" if v > 0 else "-infinity"
+    except OverflowError:  # an int too large for a float
+        what = f"{shown(v)}, beyond a float's range"
+    return (f"must be a finite number, not {what} (NaN and infinity are errors; a number beyond ±1.8e308, such "
+            "as 1e400, reads as infinity)")
 
 
 def _int_at_least_0(v: Any) -> str | None:
@@ -194,11 +214,11 @@ def _int_at_least_0(v: Any) -> str | None:
 
 
 def _number_at_least_0(v: Any) -> str | None:
-    return None if _is_number(v) and v >= 0 else f"must be a number >= 0, got {shown(v)}"
+    return finite_problem(v) or (None if is_number(v) and v >= 0 else f"must be a number >= 0, got {shown(v)}")
 
 
 def _probability(v: Any) -> str | None:
-    return None if _is_number(v) and 0 < v <= 1 else f"must be a number in (0, 1], got {shown(v)}"
+    return finite_problem(v) or (None if is_number(v) and 0 < v <= 1 else f"must be a number in (0, 1], got {shown(v)}")
 
 
 def _any_int(v: Any) -> str | None:

@@ -38,6 +38,7 @@ from apcscore.compare.metrics import (Broken, Flip, Metrics, Positions, RecordMe
                                       position_data, record_level, record_rows, token_summary)
 from apcscore.compare.stats import DEFAULT_ALPHA, DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, margin_verdict, \
     paired_stats
+from apcscore.config import finite_problem, is_number
 from apcscore.errors import ApcscoreError
 
 
@@ -83,9 +84,10 @@ class Thresholds:
             v = getattr(self, name)
             if v is None:
                 continue
-            if not (math.isfinite(v) and (v >= lo if lo_ok else v > lo) and v <= hi):
+            finite = finite_problem(v) is None
+            if not (finite and (v >= lo if lo_ok else v > lo) and v <= hi):
                 bound = f"{'>=' if lo_ok else '>'} {lo:g}" + (f" and <= {hi:g}" if math.isfinite(hi) else "")
-                what = "a finite number " if not math.isfinite(v) else ""
+                what = "a finite number " if not finite else ""
                 raise ApcscoreError(f"--{name.replace('_', '-')} must be {what}{bound}, not {v}")
         if self.decision is not None and self.decision not in DECISIONS:
             raise ApcscoreError(f"--decision must be one of {', '.join(DECISIONS)}, not {self.decision!r}")
@@ -165,7 +167,7 @@ def load_thresholds(path: Path) -> Thresholds:
                                     f"{value!r}")
             values[key] = value
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        if not is_number(value) or finite_problem(value) is not None:
             raise ApcscoreError(f"{where}: [thresholds] {key} must be a finite number, not {value!r}")
         if key in ("max_new_errors", "max_broken") and not isinstance(value, int):  # counts, as the options take
             raise ApcscoreError(f"{where}: [thresholds] {key} must be a whole number, not {value!r} (as "

@@ -107,6 +107,7 @@ class Engine:
         self.long_rope_after = model.long_rope_after  # long-rope: longer sequences use the long frequencies
         self.stats = EngineStats()
         self._arrivals = 0
+        self._current_run: object | None = None  # the token of the run() whose sequences are in the scheduler
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
@@ -207,7 +208,13 @@ class Engine:
 
     def run(self, requests: Iterable[Request], on_step: Callable[["Engine"], None] | None = None
             ) -> Iterator[RequestOutput]:
-        """Run every request; yield one RequestOutput per request, in completion order."""
+        """Run every request; yield one RequestOutput per request, in completion order.
+
+        One run at a time: a run left before its end (an exception in the consumer's loop, Ctrl-C, `on_step`
+        raising, `close()`, the generator dropped) frees every sequence it left once its generator closes, and a
+        new run frees what an earlier one not closed yet left (that generator then raises if resumed)."""
+        self._abandon_run()  # an earlier run whose generator was neither exhausted nor closed (yet)
+        token = self._current_run = object()
         pending = iter(requests)
         exhausted = False
         lookahead = 4 * self.config.max_num_seqs
@@ -224,6 +231,7 @@ class Engine:
                         self.stats.errors += 1
                         yield RequestOutput(request.request_id, list(request.prompt_token_ids),
                                             finish_reason="error", error=problem)
+                        self._check_current(token)
                         continue
                     self.scheduler.add(Sequence(request, self._arrivals, self.long_rope_after))
                     self._arrivals += 1
@@ -236,13 +244,29 @@ class Engine:
                 if not batch:
                     raise RuntimeError("scheduler made no progress: this is a bug, please report it")
                 step = self.runner.execute(batch)
-                yield from self._postprocess(batch, step)
+                for out in self._postprocess(batch, step):
+                    yield out
+                    self._check_current(token)
                 self.stats.steps += 1
                 self.stats.seconds = time.perf_counter() - started
                 if on_step is not None:
                     on_step(self)
         finally:
             self.stats.seconds = time.perf_counter() - started
+            if self._current_run is token:  # (else a later run owns the scheduler now)
+                self._abandon_run()
+
+    def _check_current(self, token: object) -> None:
+        """Raise if a later run started while this run's generator was suspended (it freed this run's sequences)."""
+        if self._current_run is not token:
+            raise RuntimeError("this Engine.run() generator was resumed after a later run() of the same engine "
+                               "started, which dropped its unfinished requests; finish or close one run before "
+                               "starting the next")
+
+    def _abandon_run(self) -> None:
+        """Free every sequence the current run left in the scheduler (none when it ran to the end)."""
+        self._current_run = None
+        self.scheduler.abort_all()
 
     def _check(self, request: Request) -> str | None:
         """Why this request cannot run, or None."""
@@ -256,7 +280,9 @@ class Engine:
                     f"{self.block_manager.num_blocks}; raise --num-kv-blocks or shorten the request")
         return None
 
-    def _postprocess(self, batch, step: StepOutput) -> Iterator[RequestOutput]:
+    def _postprocess(self, batch, step: StepOutput) -> list[RequestOutput]:
+        """Account a step's results; the outputs of the requests it finished, every one retired before any is seen."""
+        finished: list[RequestOutput] = []
         for seq, lps in step.prompt_logprobs:
             seq.prompt_logprob_parts.append(lps)
         for seq, alternatives in step.alternatives:
@@ -278,11 +304,12 @@ class Engine:
                     seq.output_logprob_parts.append(tl)
                 reason = self._stop_reason(seq, tok)
                 if reason:
-                    yield self._finish(seq, reason)
+                    finished.append(self._finish(seq, reason))
                 elif self.long_rope_after is not None and not seq.rope_long and seq.num_tokens > self.long_rope_after:
                     self.scheduler.switch_to_long_rope(seq)
             elif seq.num_computed_tokens >= seq.num_tokens and seq.request.max_tokens <= len(seq.output_token_ids):
-                yield self._finish(seq, "length" if seq.request.max_tokens else None)
+                finished.append(self._finish(seq, "length" if seq.request.max_tokens else None))
+        return finished
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         params = seq.request.sampling

@@ -190,6 +190,20 @@ class Scheduler:
             self.bm.cache_full_blocks(seq)
             self._unmark_pending(seq, seq.num_computed_tokens // self.bm.block_size)
 
+    def abort_all(self) -> int:
+        """Drop every running and waiting sequence (a run its consumer left before the end) and free their blocks;
+        the number dropped. Full blocks they computed stay in the prefix cache, as a finished sequence's do (their
+        KV and any score-store entry were complete when they were registered)."""
+        dropped = [*self.running, *self.waiting]
+        for seq in dropped:
+            self.bm.free(seq)  # (a waiting sequence holds no blocks)
+            seq.status = SequenceStatus.FINISHED
+            seq.finish_reason = "abort"
+        self.running.clear()
+        self.waiting.clear()
+        self._pending.clear()  # every entry named one of them
+        return len(dropped)
+
     def finish(self, seq: Sequence, reason: str | None) -> None:
         """Retire a sequence: free its blocks (they stay cached until evicted)."""
         seq.status = SequenceStatus.FINISHED

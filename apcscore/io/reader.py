@@ -30,7 +30,8 @@ what ``datasets.load_dataset("json", ...)`` reads.
 
 Conventions where the format leaves room: a field whose value is null counts as absent (files exported
 by pandas or ``datasets.Dataset.to_json`` fill missing keys with null); a UTF-8 byte-order mark is
-skipped; ``NaN``/``Infinity`` (which Python's json accepts) and duplicate keys in an object are errors;
+skipped; ``NaN``/``Infinity`` (which Python's json accepts) and duplicate keys in an object are errors, and so
+is a number field that parses to infinity (``1e400``: `apcscore.config.finite_problem`, the record checks');
 an empty ``prompt`` or ``context`` is valid here (the job decides at run time, as for an empty ``text``); a
 string holding a lone ``\\uD800``..``\\uDFFF`` escape (JSON allows it, but it is not text: the tokenizer and
 parquet refuse it) is that record's problem, named by its field. A record whose id another record has is

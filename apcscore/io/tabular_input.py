@@ -20,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import csv
 import json
-import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,12 +136,11 @@ def _csv_rows(path: Path) -> list[dict[str, Any]]:
 
 def _number(kind: type, text: str) -> Any:
     """A CSV cell of a numeric field as its number; text that is no such number stays text (the record checks
-    then say what the field must be)."""
+    then say what the field must be; for a float field, that `inf`, `nan` or `1e400` is not finite)."""
     try:
         if _INT.fullmatch(text.strip()):
             return int(text)
-        number = float(text) if kind is float else None
-        return number if number is not None and math.isfinite(number) else text
+        return float(text) if kind is float else text
     except ValueError:
         return text
 

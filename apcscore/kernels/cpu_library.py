@@ -1,14 +1,36 @@
 """The CPU kernel library: cpu_gemm.c, cpu_math.c and cpu_attention.c compiled into one shared object, kept in the kernel cache
-(safely), loaded with ctypes (`library()`, every entry point's signature declared here).
+(safely), loaded with ctypes (`library()`, every entry point's signature in SIGNATURES).
 
 - The cache is `$APCSCORE_CACHE/kernels` (default ~/.cache/apcscore/kernels); a library is named by a hash of the
   sources, the compiler's `--version`, the flags, the machine's architecture and its C library, so a shared home
   seen from an amd64 and an arm64 machine (or two libcs) keeps one library for each.
-- A library is built aside and renamed into place (atomic), with mode 0755: other users of a shared cache can
-  load it. One found in the cache is loaded only when its owner is this user or root and neither its group nor
-  others can write it (a library planted under the predictable name would otherwise run in our process);
-  otherwise, and where the cache cannot be written (read-only) or the cached file cannot be loaded, it is built
-  into a private temporary folder instead, with a warning saying why.
+- Trust. A library is code that runs in our process when it is loaded (its constructors first), and its name is
+  predictable, so nothing is loaded from the cache that someone else could have put there. The cache root and its
+  kernels folder (opened without following a link) must belong to this user or root, and no one else may write
+  them unless they have the sticky bit (`folder_problem`); otherwise the cache is not used at all. The library is
+  opened with O_NOFOLLOW (a symbolic link is refused, not followed) and its descriptor checked (`file_problem`: a
+  regular file of this user or root that neither group nor others can write, with no second name: a hard link to a
+  root-owned library under our name would otherwise pass); then it is loaded through that descriptor
+  (/proc/self/fd/N), so the file checked is the file loaded, whatever is renamed meanwhile.
+- Sharing (our decision). A library another user (not root) built is never loaded: that would run their code in our
+  process. So a cache is shared only read-only, an administrator's: root builds the library into it (any command that
+  uses the CPU kernels, run as root with that APCSCORE_CACHE) and every user loads that root-owned file (mode 0755).
+  A cache that other users can write is refused as a whole, so otherwise each user keeps their own (the default,
+  ~/.cache/apcscore, is per user).
+- Building. A library is built in a private temporary folder (mode 0700) made inside the cache folder, loaded from
+  there (the copy we built, checked as above), then renamed into the cache (atomic: one folder, one file system) with
+  mode 0755; the temporary folder is removed. Where the cache is refused or cannot be written (read-only), or holds a
+  file under our name that is refused or cannot be loaded (damaged, another machine's, without the entry points),
+  the process builds a private copy in a temporary folder of the system's instead (removed once loaded), with one
+  warning that names the cache and says why and what to do. A private copy rather than torch's ops (our decision):
+  the fixed-order kernels' bits are the run's contract, and a refused cache costs only the build (~10 s).
+- A sticky folder others can write (as /tmp) is used: they cannot rename or remove our files there, and what they
+  add under our name fails the file checks (their owner, a link, or a second name; a hard link whose first name is
+  removed later would pass, which Linux's fs.protected_hardlinks, on by default, prevents: no linking of a file
+  one cannot write).
+- Every other way of not getting a loaded library with all its entry points (no compiler, a failed compile, a build
+  that cannot be loaded) is `CpuGemmUnavailable`, never another exception: `available()` is then False and the
+  callers run torch's ops (models.ops.select_linear warns).
 - `$CC` may be a command line ("ccache gcc"); a compile that fails or takes more than BUILD_TIMEOUT seconds is a
   `CpuGemmUnavailable` naming the reason.
 """
@@ -16,6 +38,7 @@
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import os
@@ -36,17 +59,63 @@ BUILD_TIMEOUT = 300
 SIMD_SETTINGS = {"scalar": 0, "avx2": 1, "avx512": 2}  # APCSCORE_SIMD: the most a kernel may use
 
 _i64, _int, _ptr, _dbl = ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_double
+# The entry points (cpu_gemm.c, cpu_math.c, then cpu_attention.c): name -> (argument types, result type). A library
+# without one of them is not ours (or not this version's): not used.
+SIGNATURES: dict[str, tuple[list, object]] = {
+    "apc_packed_b_bytes": ([_i64, _i64, _int], _i64), "apc_workspace_bytes": ([_i64, _int], _i64),
+    "apc_simd_level": ([], _int), "apc_order_version": ([], _int),
+    "apc_pack_b": ([_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _int], None),
+    "apc_gemm": ([_i64, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _int, _int], None),
+    "apc_bmm_workspace_bytes": ([_i64, _i64, _int, _int], _i64),
+    "apc_bmm": ([_i64] * 5 + [_ptr, _int] + [_i64] * 4 + [_ptr, _int] + [_i64] * 4
+                + [_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
+    "apc_bmm_paged_workspace_bytes": ([_i64, _i64, _int, _int], _i64),
+    "apc_bmm_paged": ([_i64] * 6 + [_ptr, _int] + [_i64] * 5 + [_ptr, _int] + [_i64] * 3 + [_ptr, _i64, _ptr]
+                      + [_i64, _i64, _int, _ptr] + [_i64] * 4 + [_ptr, _int, _int], None),
+    "apc_math_level": ([], _int), "apc_map_f": ([_int, _ptr, _ptr, _i64, _int, _int], None),
+    "apc_map_d": ([_int, _ptr, _ptr, _i64], None),
+    "apc_row_sums_f": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
+    "apc_row_sums_d": ([_ptr, _i64, _i64, _i64, _int, _ptr, _int, _int], None),
+    "apc_row_logsumexp": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
+    **{name: ([_dbl], _dbl) for name in ("apc_exp_d", "apc_log_d", "apc_sin_d", "apc_cos_d", "apc_erf_d")},
+    "apc_attention": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [ctypes.c_float, _ptr, _ptr, _int]
+                      + [_i64] * 4 + [_ptr, _i64, _i64, _int, _int], _int),
+}
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _lib: ctypes.CDLL | None = None
+# The descriptors libraries were loaded through, kept open while the process lives (ctypes never unloads a library):
+# glibc's dlopen returns the object already loaded under a name, so a /proc/self/fd/N reused for another file
+# would give the old library.
+_held: list[int] = []
 
 
 class CpuGemmUnavailable(RuntimeError):
     """The fixed-order CPU kernels could not be built or loaded here (no C compiler, a failed build)."""
 
 
+class _Untrusted(Exception):
+    """A library file that must not be loaded (file_problem says why)."""
+
+
+class _NotUsed(Exception):
+    """The kernel cache (or the file under our name in it) is not used: why, and what to do (a private copy is
+    built instead)."""
+
+    def __init__(self, why: str, todo: str) -> None:
+        super().__init__(why)
+        self.why, self.todo = why, todo
+
+
+def cache_root() -> Path:
+    """The apcscore cache: $APCSCORE_CACHE, default ~/.cache/apcscore (models.gguf_cache.cache_root's twin: kernels
+    import nothing from the rest of apcscore)."""
+    root = os.environ.get("APCSCORE_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "apcscore"
+
+
 def kernel_cache_dir() -> Path:
     """Where compiled kernels are kept: $APCSCORE_CACHE/kernels, default ~/.cache/apcscore/kernels."""
-    root = os.environ.get("APCSCORE_CACHE")
-    return (Path(root).expanduser() if root else Path.home() / ".cache" / "apcscore") / "kernels"
+    return cache_root() / "kernels"
 
 
 def compiler() -> list[str]:
@@ -73,103 +142,198 @@ def library_name(cc: list[str]) -> str:
     return f"cpu_gemm-{key}.so"
 
 
-def unsafe(path: Path) -> str | None:
-    """Why a cached library must not be loaded (another user's, or writable by others), or None."""
-    st = path.stat()
-    if st.st_uid not in (os.getuid(), 0):
-        return f"it belongs to another user (uid {st.st_uid})"
+def _foreign(st: os.stat_result) -> str | None:
+    """Why st's owner is not trusted: anyone but this user and root (uid 0, who could replace our files anyway)."""
+    return None if st.st_uid in (os.getuid(), 0) else f"belongs to another user (uid {st.st_uid})"
+
+
+def folder_problem(st: os.stat_result) -> str | None:
+    """Why a folder of the kernel cache (the root or its kernels folder) must not be trusted, or None: not a folder,
+    another user's, or one that its group or other users can write without the sticky bit (they could put a file
+    under our library's name in it, or rename ours away)."""
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a folder"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        return f"can be written by its group or other users and has no sticky bit (mode {stat.filemode(st.st_mode)})"
+    return _foreign(st)
+
+
+def file_problem(st: os.stat_result) -> str | None:
+    """Why a library file (fstat of its open descriptor) must not be loaded, or None."""
+    if not stat.S_ISREG(st.st_mode):
+        return "is not a regular file"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"its group or other users can write it (mode {stat.filemode(st.st_mode)})"
-    return None
+        return f"can be written by its group or other users (mode {stat.filemode(st.st_mode)})"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} names (hard links): it may be another file linked in under this name"
+    return _foreign(st)
 
 
-def build(cc: list[str], path: Path) -> Path:
-    """Compile the sources into `path` (built aside in its folder, then renamed: atomic); mode 0755."""
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
-    os.close(fd)
+def build(cc: list[str], out: Path) -> Path:
+    """Compile the sources into `out` (in a private folder: see the module doc), mode 0755."""
     names = " and ".join(src.name for src in SOURCES)
     try:
-        try:
-            res = subprocess.run([*cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
-                                 text=True, timeout=BUILD_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            raise CpuGemmUnavailable(f"compiling {names} with {shlex.join(cc)} took more than {BUILD_TIMEOUT} s; "
-                                     "try again on a less loaded machine, or set $CC to a faster compiler") from None
-        if res.returncode != 0:
-            raise CpuGemmUnavailable(f"compiling {names} with {shlex.join(cc)} failed:\n"
-                                     f"{res.stderr.strip()[-2000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+        res = subprocess.run([*cc, *FLAGS, "-o", str(out), *map(str, SOURCES), "-lm"], capture_output=True,
+                             text=True, timeout=BUILD_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise CpuGemmUnavailable(f"compiling {names} with {shlex.join(cc)} took more than {BUILD_TIMEOUT} s; "
+                                 "try again on a less loaded machine, or set $CC to a faster compiler") from None
+    if res.returncode != 0:
+        raise CpuGemmUnavailable(f"compiling {names} with {shlex.join(cc)} failed:\n{res.stderr.strip()[-2000:]}")
+    os.chmod(out, 0o755)  # the linker's mode follows the umask (group-writable under 002)
+    return out
 
 
-def private_build(cc: list[str], name: str, why: str) -> Path:
-    """Build into a fresh private temporary folder (mode 0700), warning why the cache was not used."""
-    warnings.warn(f"the CPU kernel cache {kernel_cache_dir()} {why}; building a private copy for this process",
-                  stacklevel=3)
-    return build(cc, Path(tempfile.mkdtemp(prefix="apcscore-kernels-")) / name)
-
-
-def library_path(fresh: bool = False) -> Path:
-    """The compiled library for this source, compiler, flags and machine (built if missing, see the module doc);
-    fresh: build a private copy whatever the cache holds (the cached one could not be loaded)."""
-    cc = compiler()
-    name = library_name(cc)
-    path = kernel_cache_dir() / name
-    if fresh:
-        return private_build(cc, name, f"has {name}, which could not be loaded")
-    if path.exists():
-        problem = unsafe(path)
-        return path if problem is None else private_build(cc, name, f"has {name}, but {problem}")
+def _load(fd: int) -> ctypes.CDLL:
+    """The library open at fd, checked (file_problem) and loaded through the descriptor, with its entry
+    points declared (_Untrusted; OSError: dlopen refused it; AttributeError: an entry point is missing). fd is
+    closed, or held where the library was loaded (see _held)."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        return build(cc, path)
-    except OSError as e:  # read-only, not a folder, no space: the cache is only a cache
-        return private_build(cc, name, f"cannot be written ({e.strerror or e})")
+        problem = file_problem(os.fstat(fd))
+        if problem:
+            raise _Untrusted(problem)
+        fds = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+        lib = ctypes.CDLL(f"{fds}/{fd}")
+    except BaseException:
+        os.close(fd)
+        raise
+    _held.append(fd)
+    _declare(lib)
+    return lib
+
+
+def _open_folder(name: str | Path, dir_fd: int | None, shown: Path, follow: bool) -> int:
+    """A descriptor of a folder of the cache, checked (folder_problem; _NotUsed); FileNotFoundError where absent."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC | (0 if follow else os.O_NOFOLLOW)
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:
+        if e.errno in (errno.ENOTDIR, errno.ELOOP) and not follow and shown.is_symlink():
+            raise _NotUsed(f"is not used: {shown} is a symbolic link (not followed)",
+                           "replace it with a folder, or set APCSCORE_CACHE to a folder only you can write") from None
+        raise _NotUsed(f"cannot be used ({shown}: {e.strerror or e})",
+                       "set APCSCORE_CACHE to a folder you can write") from None
+    st = os.fstat(fd)
+    problem = folder_problem(st)
+    if problem:
+        os.close(fd)
+        todo = ("set APCSCORE_CACHE to a folder of your own" if _foreign(st) else
+                f"run chmod go-w {shown}, or set APCSCORE_CACHE to a folder only you can write")
+        raise _NotUsed(f"is not used: {shown} {problem}", todo)
+    return fd
+
+
+def _open_cache() -> int:
+    """A descriptor of the kernel cache folder, checked with the cache root; the folders made (mode 0755) where
+    missing. _NotUsed where one is refused or cannot be made."""
+    root = cache_root()
+    try:
+        return _open_kernels(root)
+    except FileNotFoundError:
+        pass
+    try:
+        root.mkdir(mode=0o755, parents=True, exist_ok=True)
+        (root / "kernels").mkdir(mode=0o755, exist_ok=True)
+    except OSError as e:  # read-only, under a file, no space: the cache is only a cache
+        raise _NotUsed(f"cannot be written ({e.strerror or e})", "set APCSCORE_CACHE to a folder you can write") \
+            from None
+    return _open_kernels(root)
+
+
+def _open_kernels(root: Path) -> int:
+    """root/kernels opened through root, both checked (FileNotFoundError where one is missing)."""
+    root_fd = _open_folder(root, None, root, follow=True)  # the root may be a link (~/.cache on another disk)
+    try:
+        return _open_folder("kernels", root_fd, root / "kernels", follow=False)
+    finally:
+        os.close(root_fd)
+
+
+def _from_cache(cc: list[str], name: str) -> ctypes.CDLL:
+    """The library from the cache, built into it where absent (see the module doc). _NotUsed where the cache or the
+    file under our name is not used."""
+    folder = kernel_cache_dir()
+    todo = f"remove {folder / name} (the next run builds it there), or set APCSCORE_CACHE to a folder of your own"
+    folder_fd = _open_cache()
+    try:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC, dir_fd=folder_fd)
+        except FileNotFoundError:
+            fd = None
+        except OSError as e:
+            why = "is a symbolic link (not followed)" if e.errno == errno.ELOOP else f"cannot be read ({e.strerror})"
+            raise _NotUsed(f"has {name}, but it {why}", todo) from None
+        if fd is not None:
+            try:
+                return _load(fd)
+            except _Untrusted as e:
+                raise _NotUsed(f"has {name}, but it {e}", todo) from None
+            except (OSError, AttributeError) as e:  # damaged, another machine's, or without our entry points
+                raise _NotUsed(f"has {name}, which could not be loaded ({e})", todo) from None
+        return _build_in_cache(cc, name, folder, folder_fd)
+    finally:
+        os.close(folder_fd)
+
+
+def _build_in_cache(cc: list[str], name: str, folder: Path, folder_fd: int) -> ctypes.CDLL:
+    """Build in a private folder inside the cache folder, load that copy, then rename it into the cache (atomic).
+    The path is safe to use here: the cache root was checked, so only this user or root can move the folder."""
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=".build-", dir=folder))
+    except OSError as e:  # a read-only (shared) cache without this build
+        raise _NotUsed(f"cannot be written ({e.strerror or e})", "set APCSCORE_CACHE to a folder you can write") \
+            from None
+    try:
+        lib = _load_built(build(cc, tmp / name))
+        try:
+            os.replace(tmp / name, name, dst_dir_fd=folder_fd)
+        except OSError as e:  # the process has its library; the next one builds again
+            warnings.warn(f"the CPU kernel cache {folder} cannot keep the library just built ({e.strerror or e}); "
+                          "the next process builds it again", stacklevel=4)
+        return lib
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _load_built(path: Path) -> ctypes.CDLL:
+    """Load a library we have just built (in a private folder): CpuGemmUnavailable where that fails."""
+    try:
+        return _load(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | _CLOEXEC))
+    except (OSError, _Untrusted, AttributeError) as e:
+        raise CpuGemmUnavailable(f"the CPU kernels just built ({path.name}) cannot be loaded: {e}") from None
+
+
+def _private(cc: list[str], name: str) -> ctypes.CDLL:
+    """Build and load a copy for this process alone, in a temporary folder removed once it is loaded."""
+    with tempfile.TemporaryDirectory(prefix="apcscore-kernels-") as tmp:
+        return _load_built(build(cc, Path(tmp) / name))
 
 
 def library() -> ctypes.CDLL:
-    """The loaded kernel library (compiled on first use)."""
+    """The loaded kernel library (compiled on first use; see the module doc): CpuGemmUnavailable where there is
+    none, never another exception."""
     global _lib
     if _lib is None:
         try:
-            lib = ctypes.CDLL(str(library_path()))
-        except OSError:  # a cached file of another machine, or unreadable: build this process its own
+            cc = compiler()
+            name = library_name(cc)
             try:
-                lib = ctypes.CDLL(str(library_path(fresh=True)))
-            except OSError as e:
-                raise CpuGemmUnavailable(f"cannot load the compiled CPU kernels: {e}") from None
-        _declare(lib)
+                lib = _from_cache(cc, name)
+            except _NotUsed as e:
+                warnings.warn(f"the CPU kernel cache {kernel_cache_dir()} {e.why}; building a private copy for this "
+                              f"process — {e.todo}", stacklevel=2)
+                lib = _private(cc, name)
+        except OSError as e:  # no temporary folder, an unreadable source, ...
+            raise CpuGemmUnavailable(f"cannot build or load the compiled CPU kernels: {e}") from None
         _lib = lib
     return _lib
 
 
 def _declare(lib: ctypes.CDLL) -> None:
-    """The ctypes signatures of the entry points (cpu_gemm.c, cpu_math.c, then cpu_attention.c)."""
-    signatures = {
-        "apc_packed_b_bytes": ([_i64, _i64, _int], _i64), "apc_workspace_bytes": ([_i64, _int], _i64),
-        "apc_simd_level": ([], _int), "apc_order_version": ([], _int),
-        "apc_pack_b": ([_ptr, _int, _i64, _i64, _i64, _i64, _ptr, _int], None),
-        "apc_gemm": ([_i64, _i64, _i64, _ptr, _int, _i64, _i64, _ptr, _int, _ptr, _i64, _ptr, _int, _int], None),
-        "apc_bmm_workspace_bytes": ([_i64, _i64, _int, _int], _i64),
-        "apc_bmm": ([_i64] * 5 + [_ptr, _int] + [_i64] * 4 + [_ptr, _int] + [_i64] * 4
-                    + [_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
-        "apc_bmm_paged_workspace_bytes": ([_i64, _i64, _int, _int], _i64),
-        "apc_bmm_paged": ([_i64] * 6 + [_ptr, _int] + [_i64] * 5 + [_ptr, _int] + [_i64] * 3 + [_ptr, _i64, _ptr]
-                          + [_i64, _i64, _int, _ptr] + [_i64] * 4 + [_ptr, _int, _int], None),
-        "apc_math_level": ([], _int), "apc_map_f": ([_int, _ptr, _ptr, _i64, _int, _int], None),
-        "apc_map_d": ([_int, _ptr, _ptr, _i64], None),
-        "apc_row_sums_f": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
-        "apc_row_sums_d": ([_ptr, _i64, _i64, _i64, _int, _ptr, _int, _int], None),
-        "apc_row_logsumexp": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
-        **{name: ([_dbl], _dbl) for name in ("apc_exp_d", "apc_log_d", "apc_sin_d", "apc_cos_d", "apc_erf_d")},
-        "apc_attention": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [ctypes.c_float, _ptr, _ptr, _int]
-                          + [_i64] * 4 + [_ptr, _i64, _i64, _int, _int], _int),
-    }
-    for name, (args, res) in signatures.items():
+    """The ctypes signatures of the entry points (SIGNATURES); AttributeError where one is missing."""
+    for name, (args, res) in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, res
 

@@ -104,6 +104,12 @@ def map_double(fn: int, x: torch.Tensor) -> torch.Tensor:
 
 
 def scalar(fn: int, value: float) -> float:
-    """fn of one Python float (D_EXP, D_LOG, ...), in double."""
-    lib = _lib()
-    return float([lib.apc_exp_d, lib.apc_log_d, lib.apc_sin_d, lib.apc_cos_d, lib.apc_erf_d][fn](float(value)))
+    """fn of one Python float (D_EXP, D_LOG, ...), in double: apc_map_d over one element, so the call runs in the
+    floating-point environment map_double's does (fp_enter: round to nearest, no flush-to-zero, no
+    denormals-are-zero), whatever torch.set_flush_denormal or another library left set (apc_exp_d and friends
+    called on their own would compute in the caller's: log(1e-310) -inf under DAZ)."""
+    if fn not in (D_EXP, D_LOG, D_SIN, D_COS, D_ERF):
+        raise ValueError(f"cpu_math.scalar: function code {fn}, not one of D_EXP .. D_ERF")
+    src, out = (ctypes.c_double * 1)(float(value)), (ctypes.c_double * 1)()
+    _lib().apc_map_d(fn, src, out, 1)
+    return out[0]

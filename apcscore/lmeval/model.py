@@ -97,6 +97,7 @@ class ApcscoreLM(TemplateLM):
         self.partition, self.strict = "prefix", False
         self.on_step: Callable[[Any], None] | None = None  # called by the engine after each step (SIGINT checks)
         self.computed = self.reused = self.skipped = 0  # lm-eval requests: run by the engine, read, not ours
+        self._next_request_id = 0  # engine request ids are unique across calls (`_run`)
 
     # ---- what lm-eval asks of a model ---------------------------------------------------------------
     @property
@@ -177,23 +178,33 @@ class ApcscoreLM(TemplateLM):
                                                          self.partition)]
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
-             done: Callable[[RequestOutput], None], total: int) -> None:
-        """Run `requests` through the engine, calling `done` with each output as it finishes. The progress bar
-        counts the call's `total` lm-eval requests: engine request i (request_id = i) stands for sizes[i] of them,
-        and it starts with those answered without the engine."""
+             done: Callable[[int, RequestOutput], None], total: int) -> None:
+        """Run `requests` through the engine, calling `done(i, output)` as each finishes (i: its position). The
+        progress bar counts the call's `total` lm-eval requests: requests[i] stands for sizes[i] of them, and it
+        starts with those answered without the engine. Request ids go on from the last call's: an output that is not
+        one of this call's unanswered requests (another call's, of an engine run left before its end) is an
+        internal error raised before anything is stored."""
         if not requests:
             return
-        seen = 0
+        base, self._next_request_id = self._next_request_id, self._next_request_id + len(requests)
+        for i, r in enumerate(requests):
+            r.request_id = base + i
+        answered = [False] * len(requests)
         with tqdm(total=total, initial=total - sum(sizes), desc=desc,
                   disable=disable_tqdm or not self.progress) as bar:
             for out in self.engine.run(requests, on_step=self.on_step):
+                i = out.request_id - base if isinstance(out.request_id, int) else -1
+                if not 0 <= i < len(requests) or answered[i]:
+                    raise RuntimeError(f"{desc}: internal error: the engine gave request id {out.request_id!r}, not "
+                                       f"one of this call's unanswered requests ({base}..{base + len(requests) - 1})")
+                answered[i] = True
                 if out.error is not None:
-                    raise ApcscoreError(f"{desc}: request {out.request_id} failed in the engine: {out.error}")
-                done(out)
-                seen += 1
-                bar.update(sizes[out.request_id])
-        if seen != len(requests):
-            raise RuntimeError(f"the engine returned {seen} outputs for {len(requests)} requests: this is a bug")
+                    raise ApcscoreError(f"{desc}: request {i} failed in the engine: {out.error}")
+                done(i, out)
+                bar.update(sizes[i])
+        if not all(answered):
+            raise RuntimeError(f"the engine returned {sum(answered)} outputs for {len(requests)} requests: this is a "
+                               "bug")
         self.computed += sum(sizes)
 
     def _lookup(self, keys: list[str], mask: list[bool], placeholder: Any) -> tuple[list[Any], list[int]]:
@@ -244,11 +255,9 @@ class ApcscoreLM(TemplateLM):
         members: list[list[int]] = [[] for _ in merged]
         for j, o in enumerate(owner):
             members[o].append(todo[j])
-        for i, r in enumerate(merged):
-            r.request_id = i
 
-        def done(out: RequestOutput) -> None:
-            for i in members[out.request_id]:
+        def done(m: int, out: RequestOutput) -> None:
+            for i in members[m]:
                 score = continuation_score(out, last_token=separate[i].prompt_token_ids[-1])
                 values[i] = [score.logprob, score.is_greedy]
                 if self.store is not None:
@@ -319,11 +328,9 @@ class ApcscoreLM(TemplateLM):
                                [len(r.prompt_token_ids) + r.sampling.max_tokens for r in engine_requests])
         tokens, todo = self._lookup(keys, mask, [])
         run = [engine_requests[i] for i in todo]
-        for j, r in enumerate(run):
-            r.request_id = j
 
-        def done(out: RequestOutput) -> None:
-            i = todo[out.request_id]
+        def done(j: int, out: RequestOutput) -> None:
+            i = todo[j]
             tokens[i] = [int(t) for t in out.output_token_ids]
             if self.store is not None:
                 self.store.put(keys[i], tokens[i])

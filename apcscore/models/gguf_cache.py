@@ -2,9 +2,10 @@
 copy (fp32 safetensors + tokenizer) under `cache_root()/models/<name>-<key>`, so every later run loads plain
 safetensors in well under a second.
 
-The key is a content hash of the GGUF file; a marker file written last says a copy is complete; conversion
-goes into a temp dir renamed into place (atomic; racing processes both end with a valid copy), and temp
-dirs of conversions that died long ago are swept. transformers and torch are imported only to convert.
+The key is derived from the GGUF file's whole sha256 (hashed once per file: a stamp kept in the cache spares
+later runs the read); a marker file written last says a copy is complete and which content it was converted
+from; conversion goes into a temp dir renamed into place (atomic; racing processes both end with a valid copy),
+and temp dirs of conversions that died long ago are swept. transformers and torch are imported only to convert.
 """
 
 from __future__ import annotations
@@ -20,14 +21,17 @@ import uuid
 from pathlib import Path
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.content_hash import stamped_sha256
 from apcscore.models.gguf_check import dropped_settings, transformers_gguf_architectures
 
 logger = logging.getLogger(__name__)
 
 # Bump when the layout or content of a converted cache entry changes: older entries are then ignored.
-CACHE_FORMAT = 2  # 2: the tokenizer is saved as TokenizersBackend and checked; no randomly filled weights
+# 2: the tokenizer is saved as TokenizersBackend and checked; no randomly filled weights
+# 3: keyed on the whole file's sha256 (was: its size and first and last 4 MiB); the marker records it
+CACHE_FORMAT = 3
 CACHE_MARKER = "apcscore-cache.json"  # written last into a converted copy: its presence means "complete"
-_KEY_SAMPLE_BYTES = 4 << 20  # the GGUF cache key hashes this many bytes from each end of the file
+_KEY_STAMPS = "gguf-sha256"  # under cache_root(): each GGUF file's content hash and stamp, by its path
 _STALE_TMP_SECONDS = 24 * 3600
 
 
@@ -39,27 +43,35 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "apcscore"
 
 
-def gguf_key(path: Path) -> str:
-    """Short content key of a GGUF file: sha256 of its size and first and last 4 MiB (milliseconds for any size).
+def gguf_sha256(path: Path) -> str:
+    """Hex sha256 of the whole GGUF file. Hashed once (seconds for gigabytes), then kept in the cache with the
+    file's size, mtime and inode (models/content_hash.py), so later runs on the unchanged file read no bytes."""
+    path = Path(path)
+    by_path = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:32]
+    return stamped_sha256([path], cache_root() / _KEY_STAMPS / f"{by_path}.json")
 
-    Content-based rather than mtime-based, so reinstalling the same package keeps the cache valid.
-    """
-    size = path.stat().st_size
-    h = hashlib.sha256(f"apcscore-cache-v{CACHE_FORMAT}:{size}:".encode())
-    with path.open("rb") as f:
-        h.update(f.read(_KEY_SAMPLE_BYTES))
-        if size > 2 * _KEY_SAMPLE_BYTES:
-            f.seek(size - _KEY_SAMPLE_BYTES)
-        h.update(f.read(_KEY_SAMPLE_BYTES))
-    return h.hexdigest()[:12]
+
+def gguf_key(sha256: str) -> str:
+    """The cache key of a GGUF file of this content hash (`gguf_sha256`): it changes with every byte of the file
+    and with CACHE_FORMAT. (Before format 3 the key hashed only the size and the first and last 4 MiB, so two
+    files differing in the middle shared a converted copy; those folders are never looked up again.)"""
+    return hashlib.sha256(f"apcscore-gguf-v{CACHE_FORMAT}:{sha256}".encode()).hexdigest()[:16]
 
 
 def cache_dir_name(name: str, key: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{key}"
 
 
-def is_complete(path: Path) -> bool:
-    return (path / CACHE_MARKER).is_file()
+def is_complete(path: Path, sha256: str | None = None) -> bool:
+    """Whether `path` holds a finished converted copy (its marker is there); with `sha256`, one converted from
+    the GGUF file of that content hash (as its marker records)."""
+    marker = path / CACHE_MARKER
+    if sha256 is None:
+        return marker.is_file()
+    try:
+        return json.loads(marker.read_text()).get("gguf_sha256") == sha256
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _write_hf_copy(gguf: Path, out_dir: Path) -> None:
@@ -177,16 +189,17 @@ def ignored_settings(copy: Path) -> list[str]:
         return []
 
 
-def convert_gguf(gguf: Path, dest: Path) -> None:
-    """Build the cached copy of `gguf` at `dest` atomically: convert into a temp dir, then rename it.
+def convert_gguf(gguf: Path, dest: Path, sha256: str) -> None:
+    """Build the cached copy of `gguf` (of content hash `sha256`) at `dest` atomically: convert into a temp dir,
+    then rename it.
 
     A crash never leaves a half-written `dest`; when two processes race, the first rename wins and the
     other discards its own copy and uses the winner's.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale_tmp(dest.parent)
-    if dest.exists() and not is_complete(dest):
-        logger.warning("Removing an incomplete model cache at %s", dest)
+    if dest.exists() and not is_complete(dest, sha256):
+        logger.warning("Removing an incomplete (or another file's) model cache at %s", dest)
         shutil.rmtree(dest, ignore_errors=True)
     tmp = dest.parent / f".tmp-{dest.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()  # unlike tempfile.mkdtemp (0700) this follows the umask, so a shared cache stays readable
@@ -199,6 +212,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
             "format": CACHE_FORMAT,
             "gguf": str(gguf),
             "gguf_size": gguf.stat().st_size,
+            "gguf_sha256": sha256,
             "key": dest.name.rsplit("-", 1)[-1],
             "convert_seconds": round(time.perf_counter() - start, 3),
             "transformers_ignored": _dropped(gguf, tmp),
@@ -207,7 +221,7 @@ def convert_gguf(gguf: Path, dest: Path) -> None:
         try:
             os.rename(tmp, dest)
         except OSError:
-            if not is_complete(dest):  # not a lost race: a real failure
+            if not is_complete(dest, sha256):  # not a lost race: a real failure
                 raise
             logger.info("Another process cached %s first; using its copy", dest)
     finally:

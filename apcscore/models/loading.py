@@ -5,13 +5,12 @@ inside the functions that need them."""
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.content_hash import stamped_sha256
 from apcscore.models.gguf_cache import CACHE_MARKER, load_converted_tokenizer
 from apcscore.models.locate import safetensors_files
 
@@ -153,46 +152,19 @@ def load_config(path: Path):
         raise ApcscoreError(f"Could not read the model config {config_file} ({type(e).__name__}: {e}).") from e
 
 
-def _file_stamps(files: list[Path]) -> list[list]:
-    stamps = []
-    for file in files:
-        st = file.stat()
-        stamps.append([file.name, st.st_size, st.st_mtime_ns, st.st_ino])
-    return stamps
-
-
 def weights_fingerprint(path: Path) -> str:
     """sha256 (first 16 hex chars) of the directory's safetensors bytes, files concatenated in name order.
 
     For a single model.safetensors this is the start of `sha256sum model.safetensors`. The value is kept in
-    .apcscore-fingerprint.json next to the weights, keyed by each file's size, mtime and inode, so a second
-    call is instant; a directory that cannot be written is simply hashed every time.
+    .apcscore-fingerprint.json next to the weights, keyed by each file's size, mtime and inode
+    (models/content_hash.py), so a second call is instant; a directory that cannot be written is simply hashed
+    every time.
     """
     path = Path(path)
     files = safetensors_files(path)
     if not files:
         raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
-    stamps = _file_stamps(files)
-    cache_file = path / FINGERPRINT_FILE
-    try:
-        cached = json.loads(cache_file.read_text())
-        if cached.get("files") == stamps and isinstance(cached.get("sha256"), str):
-            return cached["sha256"][:16]
-    except (OSError, ValueError, AttributeError):
-        pass
-    h = hashlib.sha256()
-    for file in files:
-        with file.open("rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
-    digest = h.hexdigest()
-    try:
-        tmp = cache_file.with_name(f"{cache_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"sha256": digest, "files": stamps}) + "\n")
-        os.replace(tmp, cache_file)
-    except OSError:
-        pass
-    return digest[:16]
+    return stamped_sha256(files, path / FINGERPRINT_FILE)[:16]
 
 
 def model_files_digest(path: str | Path) -> dict[str, str]:

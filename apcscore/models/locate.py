@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Literal
 
 from apcscore.errors import ApcscoreError
-from apcscore.models.gguf_cache import (cache_dir_name, cache_root, convert_gguf, gguf_key, ignored_settings,
-                                        is_complete)
+from apcscore.models.gguf_cache import (cache_dir_name, cache_root, convert_gguf, gguf_key, gguf_sha256,
+                                        ignored_settings, is_complete)
 
 ModelSource = Literal["alias", "hf-dir", "gguf"]
 
@@ -174,16 +174,17 @@ def check_model_spec(spec: str) -> None:
 def resolve_model(spec: str) -> ModelFiles:
     """Turn a model spec into a Hugging Face directory, converting (and caching) a GGUF file on first use.
 
-    Alias or .gguf: the dequantized fp32 copy lives in cache_root()/models/<name>-<key>, where key is a
-    short content hash of the GGUF file; the first call converts (seconds: docs/benchmarks.md), later
-    calls return the cached directory in milliseconds. HF directory: returned as is.
+    Alias or .gguf: the dequantized fp32 copy lives in cache_root()/models/<name>-<key>, where key is derived
+    from the sha256 of the whole GGUF file; the first call hashes and converts (seconds: docs/benchmarks.md),
+    later calls on the unchanged file return the cached directory in milliseconds. HF directory: returned as is.
     """
     source, path = _locate(spec)
     if source == "hf-dir":
         return ModelFiles(name=spec, path=path.resolve(), source=source)
     name = spec if source == "alias" else path.stem
-    dest = cache_root() / "models" / cache_dir_name(name, gguf_key(path))
-    if not is_complete(dest):
-        convert_gguf(path, dest)
+    sha256 = gguf_sha256(path)
+    dest = cache_root() / "models" / cache_dir_name(name, gguf_key(sha256))
+    if not is_complete(dest, sha256):
+        convert_gguf(path, dest, sha256)
     warnings = tuple(f"{path.name} states {setting}" for setting in ignored_settings(dest))
     return ModelFiles(name=spec, path=dest, source=source, warnings=warnings)

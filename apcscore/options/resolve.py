@@ -9,12 +9,11 @@ the option, or the config file and line.
 
 from __future__ import annotations
 
-import math
 import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type
+from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type, finite_problem, is_number
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.openai_batch import INPUT_FORMATS, OUTPUT_FORMATS
 from apcscore.options.commands import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
@@ -46,16 +45,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
 # an option's type (its annotation less `| None`) -> (what a value must be, test); None is always allowed
 _TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
     "int": ("an integer", _is_int),
-    "float": ("a number", _is_number),
+    "float": ("a number", is_number),
     "Path": ("a path (a string)", lambda v: isinstance(v, (str, Path))),
     "str | list[str]": ("a string or a list of strings", lambda v: isinstance(v, str) or (
         isinstance(v, list) and all(isinstance(s, str) for s in v))),
@@ -122,7 +117,7 @@ def type_problem(setting: Setting, value: Any) -> str | None:
     what, test = _TYPE_CHECKS[base_type(setting.type)]
     if not test(value):
         return f"must be {what}, not {shown(value)}"
-    return None
+    return finite_problem(value) if base_type(setting.type) == "float" else None
 
 
 def check_options(command: str, opts: dict[str, Any]) -> None:

@@ -156,6 +156,17 @@ CASES = [
          "--kv-cache-memory-fraction must be in (0, 0.95], not 2.0"),
     Case("--tensor-parallel 0", ["score", "{data}", "--tensor-parallel", "0"],
          "error: --tensor-parallel must be at least 1, not 0"),
+    # issue 53 item 4: NaN and infinity are errors wherever a number is read (1e400 parses to infinity)
+    Case("a record's temperature 1e400 (infinity once parsed)", ["generate", "{data}"],
+         "d.jsonl:1: 'temperature' must be a finite number, not infinity",
+         records=['{"prompt": "x", "temperature": 1e400}']),
+    Case("--temperature inf", ["generate", "{data}", "--temperature", "inf"],
+         "--temperature must be a finite number, not infinity"),
+    Case("config: an infinite number", ["generate", "{data}", "--config", "{cfg}"],
+         "c.toml:1: temperature must be a finite number, not infinity", config="temperature = inf\n"),
+    Case("config: NaN", ["score", "{data}", "--config", "{cfg}"],
+         "c.toml:1: kv_cache_memory_fraction must be a finite number, not NaN",
+         config="kv_cache_memory_fraction = nan\n"),
 ]
 
 

@@ -310,3 +310,72 @@ def test_reused_logprob_buffers_give_the_same_bits():
     reused = chunked_token_logprobs(logits, hidden, targets, 5, 64, scratch=Scratch())
     for field in ("token_logprobs", "ranks", "top_ids", "top_logprobs"):
         assert np.array_equal(getattr(plain, field), getattr(reused, field)), field
+
+
+# ---- an abandoned run (issue 53 item 3): the next run yields only its own outputs
+
+
+def _mixed(tag: str, ps: list[list[int]]) -> list[Request]:
+    """Scoring, generation and both at once, so a run holds running and waiting sequences of every kind."""
+    kinds = [dict(prompt_logprobs=3), dict(sampling=SamplingParams(max_tokens=5, ignore_eos=True)),
+             dict(prompt_logprobs=2, sampling=SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True))]
+    return [Request((tag, i), p, **kinds[i % 3]) for i, p in enumerate(ps)]
+
+
+def _results(outs) -> dict:
+    """Each output's results (not num_cached_tokens: the abandoned run leaves cached blocks behind), by request id."""
+    def arrays(lps):
+        return None if lps is None else [getattr(lps, f).tolist() for f in ("token_ids", "token_logprobs", "ranks",
+                                                                            "top_ids", "top_logprobs")]
+    return {o.request_id: (o.error, o.output_token_ids, o.finish_reason, arrays(o.prompt_logprobs),
+                           arrays(o.output_logprobs)) for o in outs}
+
+
+@pytest.mark.parametrize("how, exact_reuse", [("break", False), ("raise", False), ("on_step", False),
+                                               ("left open", False), ("raise", True)])
+def test_an_abandoned_run_leaves_nothing_for_the_next(llama_dir, how, exact_reuse):
+    """The consumer leaves a run after its first output: every sequence it left is freed (the pool is empty), and
+    the next run yields exactly its own requests' outputs, bitwise those of a fresh engine (with exact reuse too:
+    the abandoned run's cached blocks and score-store entries are there to read)."""
+    shared = prompts([16], seed=41)[0]  # a prefix the abandoned run caches and the next one reads
+    old = _mixed("old", [shared + p for p in prompts([9, 14, 5, 11, 7, 20, 6, 13], seed=42)])
+    new = _mixed("new", [shared + p for p in prompts([4, 12, 8, 10, 15], seed=43)])
+    engine = make_engine(llama_dir, max_batch_tokens=32, max_num_seqs=3, exact_reuse=exact_reuse)
+
+    class Stop(Exception):
+        pass
+
+    seen = []
+    if how == "break":
+        for out in engine.run(old):
+            seen.append(out)
+            break
+    elif how == "raise":
+        with pytest.raises(Stop):
+            for out in engine.run(old):
+                seen.append(out)
+                raise Stop
+    elif how == "on_step":
+        def boom(_engine):
+            raise Stop
+        with pytest.raises(Stop):
+            for out in engine.run(old, on_step=boom):
+                seen.append(out)
+    else:  # the generator is neither exhausted nor closed when the next run starts
+        left = engine.run(old)
+        seen.append(next(left))
+    assert len(seen) == 1 and seen[0].request_id[0] == "old"
+    if how != "left open":
+        assert not engine.scheduler.has_work and engine.block_manager.num_used_blocks == 0
+        engine.block_manager.check_invariants()
+
+    got = list(engine.run(new))
+    assert not engine.scheduler.has_work and engine.block_manager.num_used_blocks == 0
+    assert sorted(o.request_id for o in got) == [r.request_id for r in new]
+    fresh = make_engine(llama_dir, max_batch_tokens=32, max_num_seqs=3, exact_reuse=exact_reuse)
+    assert _results(got) == _results(fresh.run(_mixed("new", [r.prompt_token_ids for r in new])))
+    if exact_reuse:
+        assert engine.block_manager.stats.score_store_hits > 0  # scoring read score-store entries (issue 13 item 3)
+    if how == "left open":
+        with pytest.raises(RuntimeError, match="resumed after a later run"):
+            next(left)

@@ -126,6 +126,12 @@ def test_perplexity_accepts_empty_text_and_warns_on_unknown_fields(tmp_path: Pat
     ("generate", '{"prompt": "a", "max_tokens": true}', r"'max_tokens' must be an integer >= 0, got true"),
     ("generate", '{"prompt": "a", "temperature": -1}', r"'temperature' must be a number >= 0"),
     ("generate", '{"prompt": "a", "top_p": 0}', r"'top_p' must be a number in \(0, 1\]"),
+    # JSON has no infinity, but a number beyond a double's range parses to one (issue 53 item 4)
+    ("generate", '{"prompt": "a", "temperature": 1e400}', r"'temperature' must be a finite number, not infinity"),
+    ("generate", '{"prompt": "a", "temperature": -1e400}', r"'temperature' must be a finite number, not -infinity"),
+    ("generate", '{"prompt": "a", "top_p": 1e400}', r"'top_p' must be a finite number, not infinity \(NaN and"),
+    ("generate", '{"prompt": "a", "temperature": 1' + "0" * 400 + '}', r"'temperature' must be a finite number, "
+                                                                        r"not 1000.*, beyond a float's range"),
     ("generate", '{"prompt": "a", "top_k": -1}', r"'top_k' must be an integer >= 0"),
     ("generate", '{"prompt": "a", "seed": "1"}', r"'seed' must be an integer, got \"1\""),
     ("generate", '{"prompt": "a", "stop": ["x", 1]}', r"'stop' must be a non-empty string or a list"),
@@ -141,6 +147,18 @@ def test_each_problem_names_its_line(tmp_path: Path, command: str, line: str, ex
     assert problem.startswith(f"{path}:3: "), problem
     assert re.search(expected, problem), problem
     assert problem.endswith(")"), problem  # every message says what to do
+
+
+def test_an_infinite_number_is_an_error_row_naming_its_field(tmp_path: Path) -> None:
+    """With --skip-invalid, a record whose temperature or top_p is 1e400 (infinity once parsed) is an error row that
+    says which field must be finite; it never samples (at temperature infinity sampling is uniform)."""
+    path = write(tmp_path, ['{"id": "ok", "prompt": "a", "temperature": 1e300}',
+                            '{"id": "t", "prompt": "a", "temperature": 1e400}',
+                            '{"id": "p", "prompt": "a", "top_p": -1e400}'])
+    data = load_dataset(path, "generate", skip_invalid=True)
+    assert [r.id for r in data.records] == ["ok"] and [r.id for r in data.invalid] == ["t", "p"]
+    assert data.invalid[0].message.startswith(f"{path}:2: 'temperature' must be a finite number, not infinity")
+    assert data.invalid[1].message.startswith(f"{path}:3: 'top_p' must be a finite number, not -infinity")
 
 
 def test_error_lists_every_problem_up_to_20(tmp_path: Path) -> None:

@@ -307,6 +307,9 @@ def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
         check_gen_kwargs("top_p=0")
     with pytest.raises(ApcscoreError, match="do_sample must be true or false"):
         check_gen_kwargs("do_sample=maybe")
+    for text, what in (("temperature=inf", "infinity"), ("temperature=1e400", "infinity"), ("top_p=nan", "NaN")):
+        with pytest.raises(ApcscoreError, match=f"must be a finite number, not {what}"):  # issue 53 item 4
+            check_gen_kwargs(text)
     # issue 46, item 11: an empty until dropped every task's stop strings without a word (generate --stop= is
     # refused)
     for text in ("until=", "temperature=0.5,until="):

@@ -250,6 +250,81 @@ def test_gguf_is_converted_once_into_apcscore_cache(tmp_path, monkeypatch, fake_
     assert second.path != first.path and len(fake_convert) == 2
 
 
+def _gguf_differing_in_the_middle(path: Path, middle: bytes) -> Path:
+    """A 10 MiB GGUF whose first and last 4 MiB (what the cache key used to hash, with the size) are fixed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head, tail = b"GGUF" + b"h" * ((4 << 20) - 4), b"t" * (4 << 20)
+    path.write_bytes(head + middle * (2 << 20) + tail)
+    return path
+
+
+def _sample_key(path: Path) -> str:
+    """The cache key before issue 53: sha256 of format 2, the size and the first and last 4 MiB."""
+    data = path.read_bytes()
+    h = hashlib.sha256(f"apcscore-cache-v2:{len(data)}:".encode())
+    h.update(data[:4 << 20])
+    h.update(data[-(4 << 20):])
+    return h.hexdigest()[:12]
+
+
+def test_ggufs_differing_only_in_the_middle_get_their_own_copies(tmp_path, monkeypatch, fake_convert):
+    """Issue 53 item 2: same stem, size, head and tail, another middle (a fine-tune that leaves embeddings and head
+    alone): the key is the whole file's sha256, so each gets its own converted copy."""
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    a = _gguf_differing_in_the_middle(tmp_path / "a" / "model.gguf", b"a")
+    b = _gguf_differing_in_the_middle(tmp_path / "b" / "model.gguf", b"b")
+    assert _sample_key(a) == _sample_key(b)  # what made them share one copy
+    first, second = resolve_model(str(a)), resolve_model(str(b))
+    assert first.path != second.path and fake_convert == [a, b]
+    for gguf, files in ((a, first), (b, second)):
+        marker = json.loads((files.path / gguf_cache.CACHE_MARKER).read_text())
+        assert marker["gguf_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
+        assert marker["format"] == gguf_cache.CACHE_FORMAT
+
+
+def test_a_copy_of_another_file_is_never_reused(tmp_path, monkeypatch, fake_convert, tiny_model_dir):
+    """A folder keyed the old way (the sample of a file) is not looked up for another file of that sample, and a
+    folder whose marker records another file's sha256 (a key collision) is converted again."""
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    a = _gguf_differing_in_the_middle(tmp_path / "a" / "model.gguf", b"a")
+    b = _gguf_differing_in_the_middle(tmp_path / "b" / "model.gguf", b"b")
+    old = tmp_path / "cache" / "models" / gguf_cache.cache_dir_name("model", _sample_key(a))
+    shutil.copytree(tiny_model_dir("llama"), old)  # as a's conversion under the old key left it
+    (old / gguf_cache.CACHE_MARKER).write_text(json.dumps({"format": 2, "gguf": str(a), "key": _sample_key(a)}))
+    got = resolve_model(str(b))
+    assert got.path != old and fake_convert == [b]
+
+    marker = got.path / gguf_cache.CACHE_MARKER
+    marker.write_text(json.dumps({**json.loads(marker.read_text()), "gguf_sha256": "0" * 64}))
+    assert resolve_model(str(b)).path == got.path and fake_convert == [b, b]
+    assert json.loads(marker.read_text())["gguf_sha256"] == hashlib.sha256(b.read_bytes()).hexdigest()
+
+
+def test_the_gguf_is_hashed_once_and_again_when_it_changes(tmp_path, monkeypatch, fake_convert):
+    """The whole-file hash is kept with the file's (size, mtime_ns, inode): an unchanged file is not read again;
+    one rewritten in place (same size, same inode, a new mtime) is."""
+    from apcscore.models import content_hash
+
+    monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
+    hashed: list[list[Path]] = []
+    real = content_hash.hash_files
+    monkeypatch.setattr(content_hash, "hash_files", lambda files: hashed.append(files) or real(files))
+    gguf = _gguf_differing_in_the_middle(tmp_path / "model.gguf", b"a")
+    first = resolve_model(str(gguf))
+    assert resolve_model(str(gguf)) == first
+    assert len(hashed) == 1 and len(fake_convert) == 1
+
+    inode, size, mtime = gguf.stat().st_ino, gguf.stat().st_size, gguf.stat().st_mtime_ns
+    with gguf.open("r+b") as f:  # in place: same inode, same size
+        f.seek(5 << 20)
+        f.write(b"b")
+    os.utime(gguf, ns=(mtime + 10**9, mtime + 10**9))  # a new mtime even where the clock is coarse
+    assert (gguf.stat().st_ino, gguf.stat().st_size) == (inode, size)
+    second = resolve_model(str(gguf))
+    assert len(hashed) == 2 and second.path != first.path and len(fake_convert) == 2
+    assert resolve_model(str(gguf)) == second and len(hashed) == 2
+
+
 def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     gguf = _fake_gguf(tmp_path / "m.gguf")
