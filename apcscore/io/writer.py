@@ -9,8 +9,8 @@ While a run goes, rows are written to ``<out>.partial/``, a directory of part fi
         part-000000.parquet   a complete small parquet file: up to `row_group_size` rows sorted by `index`
         part-000001.parquet   ...
 
-Those, their temporaries (``<name>.tmp``) and the final file's temporary are every file a run writes there
-(`PARTIAL_FILES`, `is_partial_file`): a partial holding anything else is not ours and is never touched.
+Those, their temporaries and the final file's are all a run writes there (io/partial.py's `is_partial_file`): a
+partial holding anything else is not ours and is never touched.
 
 Each part file is written under a temporary name and renamed into place, so at any moment (also after
 ``kill -9``) every ``part-*.parquet`` is complete and readable; a crash loses only the rows still buffered
@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -49,23 +48,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.partial import INDEX_COLUMN, PartialLock, check_run_file, in_use, merged_parts
+from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, PartialLock, check_run_file, in_use,
+                                 is_partial_file, merged_parts)
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
 
-_PART_GLOB = "part-*.parquet"
-_PART_FILE = re.compile(r"part-[0-9]{6,}\.parquet(\.tmp)?")  # a part file (`flush`) or its temporary
-_FINAL_TMP = "final.parquet.tmp"
-_LINES_TMP = "final.jsonl.tmp"
-# Every other name a run writes in its partial: run.json and its temporary (result_tables.write_atomic), the final
-# file's temporaries; and errors.jsonl.tmp, which the --errors-out file's temporary was before issue 53 (it is now
-# written next to that file), so that a partial such a run left still resumes.
-PARTIAL_FILES = (_RUN_FILE, _RUN_FILE + ".tmp", _FINAL_TMP, _LINES_TMP, "errors.jsonl.tmp")
-
-
-def is_partial_file(name: str) -> bool:
-    """Whether `name` is one of the files a run writes in its partial folder (`PARTIAL_FILES` and the part files)."""
-    return name in PARTIAL_FILES or _PART_FILE.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -259,7 +246,7 @@ class ResultsWriter:
         if self.lines is not None:
             self._write_lines(expected)
             return self.out_path
-        tmp = self.partial_path / _FINAL_TMP
+        tmp = self.partial_path / FINAL_TMP
         schema = self.schema.with_metadata({**(self.schema.metadata or {}),
                                             METADATA_KEY: _dumps(self._metadata).encode()})
 
@@ -278,7 +265,7 @@ class ResultsWriter:
         `<out>` is complete whenever it exists; then the partial goes. The error lines' temporary is written next
         to `errors_path`: a rename never crosses file systems (`--errors-out` may be on another one than <out>)."""
         assert self.lines is not None
-        tmp, errors = self.partial_path / _LINES_TMP, self.errors_path
+        tmp, errors = self.partial_path / LINES_TMP, self.errors_path
         errors_tmp = errors.with_name(errors.name + ".tmp") if errors is not None else None
 
         def write() -> None:
@@ -323,8 +310,7 @@ class ResultsWriter:
         _write_atomic(self.partial_path / _RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
 
     def _check_ours(self) -> None:
-        """Refuse to touch a `.partial` path this writer did not create (a folder holding only files a run
-        writes, `is_partial_file`; an empty one is ours too)."""
+        """Refuse to touch a `.partial` path this writer did not create (anything but a folder of our files)."""
         p = self.partial_path
         if not p.is_dir() or any(not is_partial_file(child.name) for child in p.iterdir()):
             raise ApcscoreError(f"{p} exists but is not an apcscore partial run; move it away "
@@ -344,7 +330,7 @@ class ResultsWriter:
         self.previous_metadata = old_meta
         for leftover in self.partial_path.glob("*.tmp"):
             leftover.unlink()
-        for path in sorted(self.partial_path.glob(_PART_GLOB)):
+        for path in sorted(self.partial_path.glob(PART_GLOB)):
             try:
                 table = pq.read_table(path, columns=[INDEX_COLUMN])
             except (pa.ArrowInvalid, OSError) as e:

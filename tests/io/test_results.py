@@ -264,7 +264,7 @@ def test_a_partial_holds_only_files_the_writer_knows(tmp_path: Path, monkeypatch
     not know, so --resume and --overwrite both refused the partial ("not an apcscore partial run; move it away").
     Every rename the writer makes is failed in turn (as a full disk or a kill there would): whatever the partial then
     holds is in the writer's list, and --resume, or --overwrite, then writes what an uninterrupted run writes."""
-    from apcscore.io.writer import is_partial_file
+    from apcscore.io.partial import is_partial_file
 
     real, calls, fail_at = os.replace, [0], [0]
 
