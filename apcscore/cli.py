@@ -232,7 +232,8 @@ def merge(
     from apcscore.run.merge import merge as merge_any
 
     try:
-        code = merge_any(out, shards, overwrite, lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
+        code = merge_any(out, shards, overwrite,
+                         lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
                          lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
     except ApcscoreError as exc:
         raise _error(exc) from None

@@ -24,10 +24,9 @@ Nothing is fsynced: this survives a crash of the process, not of the machine.
 merge keeps in memory only the parts whose index range overlaps the row group being written, so memory
 follows the out-of-order window, not the dataset), writes it under a temporary name inside the partial
 directory (the same file system as ``<out>``), renames it over ``<out>`` with `os.replace` and removes the
-partial. The final file has the
-run's schema (no `index` column), one row per record in dataset order, row groups of `row_group_size`
-rows, and the run metadata as JSON under the schema metadata key ``apcscore``. Its content depends only
-on the rows and metadata, so a resumed run writes the same file an uninterrupted run would have.
+partial. The final file has the run's schema (no `index` column), one row per record in dataset order, row
+groups of `row_group_size` rows, and the run metadata as JSON under the schema metadata key ``apcscore``. Its
+content depends only on the rows and metadata, so a resumed run writes the same file an uninterrupted run would.
 
 Non-finite floats in the metadata (e.g. tokens/s of a zero-second run) are stored as null, so the JSON
 is strict and readable by any JSON parser.
@@ -52,7 +51,6 @@ from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, 
                                  is_partial_file, merged_parts)
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
-
 
 
 @dataclass(frozen=True)
