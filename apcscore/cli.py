@@ -77,6 +77,8 @@ class Command(TyperCommand):
 
 app = typer.Typer(help="Batch scoring and evaluation of causal language models (paged KV cache, prefix caching).",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, cls=Group)
+# Messages print with soft_wrap=True: Rich then breaks no line of its own, so a path in a message stays whole
+# (copyable from a log) at any terminal width; tables print without it.
 console = Console(stderr=True)
 out_console = Console()
 
@@ -193,8 +195,8 @@ def eval_(**params: Any) -> None:
     from apcscore.run.eval import run_eval
 
     try:
-        code = run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False),
-                        note=lambda text: console.print(text, markup=False, highlight=False))
+        code = run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
+                        note=lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
     except ApcscoreError as exc:
         raise _error(exc) from None
     if code:
@@ -230,8 +232,9 @@ def merge(
     from apcscore.run.merge import merge as merge_any
 
     try:
-        code = merge_any(out, shards, overwrite, lambda text: out_console.print(text, markup=False, highlight=False),
-                         lambda text: console.print(text, markup=False, highlight=False))
+        code = merge_any(out, shards, overwrite,
+                         lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
+                         lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
     except ApcscoreError as exc:
         raise _error(exc) from None
     if code:

@@ -127,7 +127,8 @@ def compare(
         except ApcscoreError as e:  # not comparable: with --exact, a difference found first is the verdict
             if exact_diff is None or exact_diff.passed:
                 raise
-            Console().print(f"[bold red]FAIL[/] {escape(exact_diff.summary())}\n(no figures: {escape(str(e))})")
+            Console().print(f"[bold red]FAIL[/] {escape(exact_diff.summary())}\n(no figures: {escape(str(e))})",
+                            soft_wrap=True)
             raise typer.Exit(1) from None
         if exact_diff is not None:
             add_exact(result.checks, result.notes, exact_diff)

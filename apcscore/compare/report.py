@@ -180,7 +180,7 @@ def print_checks(console: Console, notes: list[str], checks: list[Check], rows: 
     """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`, one
     per check) and the verdict."""
     for note in notes:
-        console.print(f"[yellow]note:[/] {escape(note)}")
+        console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if checks:
         rich_table(console, title, CHECK_HEAD, rows, ["green" if ch.passed else "bold red" for ch in checks])
     passed = all(ch.passed for ch in checks)

@@ -14,7 +14,8 @@ One line per input record, in input order: ``{"id", "custom_id", "response": {"s
   `text_offset` from the start of `text`); with echo the prompt's tokens come first, the first one's logprob
   and top_logprobs null (nothing predicts it).
 - vLLM's `prompt_logprobs` (`{token id: {logprob, rank, decoded_token}}` per prompt token, the first null) where
-  vLLM writes it: on the choice of a completion, on the response body of a chat completion.
+  vLLM writes it: on the choice of a completion, on the response body of a chat completion; built as vLLM builds
+  it, with vLLM's rank convention (`vllm_rank`; both conventions: README.md, "Ranks").
 - `usage`: prompt, completion and total tokens; `prompt_tokens_details.cached_tokens` where the row knows it
   (generate: prefix-cache hits).
 A token's text is `tokenizer.decode([id])` (a token that is part of a UTF-8 character reads U+FFFD there).
@@ -59,6 +60,20 @@ def created_seconds(created: str | None) -> int:
     import calendar
 
     return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
+
+
+def vllm_rank(rank: int | None, logprob: float, token: int, top_ids: list[int],
+              top_logprobs: list[float]) -> int | None:
+    """A token's rank in vLLM's convention, the number of vocabulary entries whose logprob is >= its own (ties take
+    the worst rank), from ours, `rank` (1 + the number whose logit is strictly greater: ties share the best), and
+    the row's stored top-K (`top_ids`, `top_logprobs`, every K the row holds): the larger of ours and the count of
+    top-K entries at or above the token's logprob, plus the token itself if it is not among them. That is vLLM's
+    rank unless the token's logprob is bitwise equal to that of a token outside the stored top-K, which the row
+    does not know (the engine counts strictly greater logits only): there it is a lower bound (README.md, "Ranks")."""
+    if rank is None:
+        return None
+    at_or_above = sum(v >= logprob for v in top_logprobs)  # (a NaN logprob compares false: ours stands)
+    return max(rank, at_or_above + (token not in top_ids))
 
 
 class LineWriter:
@@ -180,17 +195,19 @@ class LineWriter:
 
     def vllm_prompt_logprobs(self, row: dict, k: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
-        decoded_token}} over the top-K and the prompt's own token."""
+        decoded_token}}, as vLLM's logprobs processor makes it: the prompt's token first with its rank (vLLM's
+        convention, `vllm_rank`), then the top-K with ranks 1..K (the token among them takes its place's rank)."""
         out: list[dict | None] = []
         for pos, tid in enumerate(row.get("token_ids") or []):
             lp = row["token_logprobs"][pos]
             if lp is None:
                 out.append(None)
                 continue
-            entry = {str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.text(t)}
-                     for r, (t, v) in enumerate(zip(row["top_ids"][pos][:k], row["top_logprobs"][pos][:k]))}
-            entry.setdefault(str(tid), {"logprob": lp, "rank": row["token_ranks"][pos],
-                                        "decoded_token": self.text(tid)})
+            top_ids, top_lps = row["top_ids"][pos] or [], row["top_logprobs"][pos] or []
+            rank = vllm_rank(row["token_ranks"][pos], lp, tid, top_ids, top_lps)
+            entry = {str(tid): {"logprob": lp, "rank": rank, "decoded_token": self.text(tid)}}
+            entry.update({str(t): {"logprob": v, "rank": r + 1, "decoded_token": self.text(t)}
+                          for r, (t, v) in enumerate(zip(top_ids[:k], top_lps[:k]))})
             out.append(entry)
         return out
 

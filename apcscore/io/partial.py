@@ -1,5 +1,6 @@
-"""A run's `<out>.partial` folder (io/writer.py writes its rows): the lock that keeps a second run out of it, the
-check of its run.json when a run resumes it, and the merge of its part files into dataset order.
+"""A run's `<out>.partial` folder (io/writer.py writes its rows): the names of the files a run writes there, the lock
+that keeps a second run out of it, the check of its run.json when a run resumes it, and the merge of its part files
+into dataset order.
 
 The lock is an exclusive `flock` on the folder itself, held by the writer from creating or opening the partial
 until it is assembled into `<out>` or removed. The kernel drops it when the process ends in any way (SIGKILL
@@ -13,6 +14,7 @@ import bisect
 import fcntl
 import json
 import os
+import re
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -24,6 +26,20 @@ from apcscore.io.identity import short
 from apcscore.io.result_tables import RUN_FILE
 
 INDEX_COLUMN = "index"  # a part file's extra column: the row's record position
+PART_GLOB = "part-*.parquet"  # the part files (io/writer.py's flush)
+_PART_FILE = re.compile(r"part-[0-9]{6,}\.parquet(\.tmp)?")  # a part file or its temporary
+FINAL_TMP = "final.parquet.tmp"  # the final file's temporary, parquet
+LINES_TMP = "final.jsonl.tmp"  # the final file's temporary, JSON lines
+# Every other name a run writes in its partial: run.json and its temporary (result_tables.write_atomic), the final
+# file's temporaries; and errors.jsonl.tmp, which the --errors-out file's temporary was before issue 53 (it is now
+# written next to that file), so that a partial such a run left still resumes.
+PARTIAL_FILES = (RUN_FILE, RUN_FILE + ".tmp", FINAL_TMP, LINES_TMP, "errors.jsonl.tmp")
+
+
+def is_partial_file(name: str) -> bool:
+    """Whether `name` is one of the files a run writes in its partial folder (`PARTIAL_FILES` and the part files):
+    the writer touches a partial that holds nothing else, and only that."""
+    return name in PARTIAL_FILES or _PART_FILE.fullmatch(name) is not None
 
 
 def in_use(partial: Path) -> ApcscoreError:

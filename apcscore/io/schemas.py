@@ -145,6 +145,9 @@ _OPTIONAL = {
 }
 
 _KIND_FIELDS = {c: frozenset(f for k in kinds for f in _KINDS[k].required) for c, kinds in _COMMAND_KINDS.items()}
+# Fields many datasets name what a command reads as its text ("text" in most Hugging Face corpora, "instruction"
+# in Alpaca-style sets): a record that matches no kind but has one gets the --columns hint that reads it.
+_COLUMN_HINTS = {"prompt": ("text", "input", "instruction", "question"), "text": ("prompt", "content", "document")}
 _KNOWN = {c: _KIND_FIELDS[c] | _OPTIONAL[c].keys() | {"id"} for c in COMMANDS}
 
 
@@ -165,6 +168,14 @@ def accepted_kinds(command: str) -> str:
 # ---------------------------------------------------------------- one record
 
 _MESSAGE_KEYS = {"messages[].role", "messages[].content"}
+
+
+def _column_hint(obj: dict, command: str) -> str:
+    """`; to read the prompt from 'text', pass --columns prompt=text` where the record has a string field that
+    datasets often use for the command's text field (_COLUMN_HINTS), else ""."""
+    field = "prompt" if "prompt" in _KIND_FIELDS[command] else "text"
+    column = next((c for c in _COLUMN_HINTS[field] if isinstance(obj.get(c), str)), None)
+    return "" if column is None else f"; to read the {field} from {column!r}, pass --columns {field}={column}"
 
 
 def _nulls(obj: dict) -> set[str]:
@@ -208,7 +219,7 @@ def check_record(obj: Any, command: str) -> _Checked:
         partial = sorted(present & kind_fields)
         have = f"it has only {', '.join(repr(f) for f in partial)}" if partial else \
             f"it has none of their fields (fields present: {', '.join(repr(f) for f in sorted(present)) or 'none'})"
-        problems.append(f"the record matches no {command} record kind: {have} "
+        problems.append(f"the record matches no {command} record kind: {have}{_column_hint(obj, command)} "
                         f"(write one of: {accepted_kinds(command)})")
     elif len(claimed) > 1:
         parts = [f"{k} ({', '.join(repr(f) for f in sorted(_KINDS[k].signature & present))})" for k in claimed]

@@ -146,13 +146,16 @@ def _number(kind: type, text: str) -> Any:
 
 
 def _cell(field: str, value: Any, csv_text: bool) -> Any:
-    """A cell holding a JSON list for a list field becomes the list; a CSV cell of a numeric field its number."""
+    """A cell holding a JSON list for a list field becomes the list; a CSV cell of a numeric field its number.
+    A cell that does not parse as JSON (malformed, or nested too deeply for the parser) stays text: the record
+    checks then name the file, row and field (an error row with --skip-invalid), and a `stop` string may start
+    with "[" (`[/INST]`)."""
     if not isinstance(value, str):
         return value
     if field in _LIST_FIELDS and value.lstrip().startswith("["):
         try:
             return json.loads(value)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             return value
     if csv_text and field in CSV_NUMBERS:
         return _number(CSV_NUMBERS[field], value)

@@ -9,6 +9,9 @@ While a run goes, rows are written to ``<out>.partial/``, a directory of part fi
         part-000000.parquet   a complete small parquet file: up to `row_group_size` rows sorted by `index`
         part-000001.parquet   ...
 
+Those, their temporaries and the final file's are all a run writes there (io/partial.py's `is_partial_file`): a
+partial holding anything else is not ours and is never touched.
+
 Each part file is written under a temporary name and renamed into place, so at any moment (also after
 ``kill -9``) every ``part-*.parquet`` is complete and readable; a crash loses only the rows still buffered
 in memory: a part is written when `row_group_size` rows are buffered or the oldest buffered row is
@@ -20,10 +23,10 @@ Nothing is fsynced: this survives a crash of the process, not of the machine.
 `close()` assembles ``<out>`` by a streaming merge of the parts by `index` (each part is sorted; the
 merge keeps in memory only the parts whose index range overlaps the row group being written, so memory
 follows the out-of-order window, not the dataset), writes it under a temporary name inside the partial
-directory, renames it over ``<out>`` with `os.replace` and removes the partial. The final file has the
-run's schema (no `index` column), one row per record in dataset order, row groups of `row_group_size`
-rows, and the run metadata as JSON under the schema metadata key ``apcscore``. Its content depends only
-on the rows and metadata, so a resumed run writes the same file an uninterrupted run would have.
+directory (the same file system as ``<out>``), renames it over ``<out>`` with `os.replace` and removes the
+partial. The final file has the run's schema (no `index` column), one row per record in dataset order, row
+groups of `row_group_size` rows, and the run metadata as JSON under the schema metadata key ``apcscore``. Its
+content depends only on the rows and metadata, so a resumed run writes the same file an uninterrupted run would.
 
 Non-finite floats in the metadata (e.g. tokens/s of a zero-second run) are stored as null, so the JSON
 is strict and readable by any JSON parser.
@@ -44,13 +47,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.partial import INDEX_COLUMN, PartialLock, check_run_file, in_use, merged_parts
+from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, PartialLock, check_run_file, in_use,
+                                 is_partial_file, merged_parts)
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
-
-_PART_GLOB = "part-*.parquet"
-_FINAL_TMP = "final.parquet.tmp"
-_LINES_TMP = "final.jsonl.tmp"
 
 
 @dataclass(frozen=True)
@@ -244,7 +244,7 @@ class ResultsWriter:
         if self.lines is not None:
             self._write_lines(expected)
             return self.out_path
-        tmp = self.partial_path / _FINAL_TMP
+        tmp = self.partial_path / FINAL_TMP
         schema = self.schema.with_metadata({**(self.schema.metadata or {}),
                                             METADATA_KEY: _dumps(self._metadata).encode()})
 
@@ -260,22 +260,30 @@ class ResultsWriter:
 
     def _write_lines(self, total: int) -> None:
         """The final file as JSON lines (`self.lines`), written under a temporary name and renamed into place, so
-        `<out>` is complete whenever it exists; then the partial goes."""
+        `<out>` is complete whenever it exists; then the partial goes. The error lines' temporary is written next
+        to `errors_path`: a rename never crosses file systems (`--errors-out` may be on another one than <out>)."""
         assert self.lines is not None
-        tmp, errors_tmp = self.partial_path / _LINES_TMP, self.partial_path / "errors.jsonl.tmp"
+        tmp, errors = self.partial_path / LINES_TMP, self.errors_path
+        errors_tmp = errors.with_name(errors.name + ".tmp") if errors is not None else None
 
         def write() -> None:
-            with tmp.open("w", encoding="utf-8") as f, \
-                    (errors_tmp.open("w", encoding="utf-8") if self.errors_path else contextlib.nullcontext(f)) as e:
-                for chunk in self._merged(total):
-                    for row in chunk.to_pylist():
-                        index = row.pop(INDEX_COLUMN)
-                        (f if row.get("status") == "ok" else e).write(self.lines(index, row) + "\n")
-            if self.errors_path is not None:  # first, so that <out> existing still means the run is complete
-                self.errors_path.parent.mkdir(parents=True, exist_ok=True)
-                os.replace(errors_tmp, self.errors_path)
+            try:
+                if errors_tmp is not None:
+                    errors_tmp.parent.mkdir(parents=True, exist_ok=True)
+                with tmp.open("w", encoding="utf-8") as f, \
+                        (errors_tmp.open("w", encoding="utf-8") if errors_tmp else contextlib.nullcontext(f)) as e:
+                    for chunk in self._merged(total):
+                        for row in chunk.to_pylist():
+                            index = row.pop(INDEX_COLUMN)
+                            (f if row.get("status") == "ok" else e).write(self.lines(index, row) + "\n")
+                if errors is not None and errors_tmp is not None:  # first: <out> existing means the run is complete
+                    os.replace(errors_tmp, errors)
+            except BaseException:
+                if errors_tmp is not None:
+                    errors_tmp.unlink(missing_ok=True)
+                raise
 
-        self._put_in_place(tmp, write)  # (a failure leaves errors_tmp in the partial, which --resume keeps)
+        self._put_in_place(tmp, write)
 
     def _put_in_place(self, tmp: Path, write: Any) -> None:
         """`write()` the final file to `tmp`, rename it to `<out>` (complete whenever it exists), drop the
@@ -300,11 +308,9 @@ class ResultsWriter:
         _write_atomic(self.partial_path / _RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
 
     def _check_ours(self) -> None:
-        """Refuse to touch a `.partial` path this writer did not create."""
+        """Refuse to touch a `.partial` path this writer did not create (anything but a folder of our files)."""
         p = self.partial_path
-        ours = (_RUN_FILE, _RUN_FILE + ".tmp", _FINAL_TMP, _LINES_TMP)  # an empty directory is ours too
-        if not p.is_dir() or any(child.name not in ours and not child.name.startswith("part-")
-                                 for child in p.iterdir()):
+        if not p.is_dir() or any(not is_partial_file(child.name) for child in p.iterdir()):
             raise ApcscoreError(f"{p} exists but is not an apcscore partial run; move it away "
                                 "or choose another --out")
 
@@ -322,7 +328,7 @@ class ResultsWriter:
         self.previous_metadata = old_meta
         for leftover in self.partial_path.glob("*.tmp"):
             leftover.unlink()
-        for path in sorted(self.partial_path.glob(_PART_GLOB)):
+        for path in sorted(self.partial_path.glob(PART_GLOB)):
             try:
                 table = pq.read_table(path, columns=[INDEX_COLUMN])
             except (pa.ArrowInvalid, OSError) as e:

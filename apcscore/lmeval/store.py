@@ -9,7 +9,10 @@ responses of many models side by side, and a run reads only the file of its own 
 model's, never other numerics (the file's first line repeats the identity, and it is compared whole).
 
 Each further line is `{"k": KEY, "v": VALUE}`, appended and flushed as a response is finished, so an
-interrupted run keeps everything it finished (a line cut by a crash is ignored when read). KEY is the sha256
+interrupted run keeps everything it finished. A line cut by a crash (no newline at the end of the file) is ignored
+when read, and cut off when the file is opened to append (`notes` says so), so the next line does not glue onto
+it. Each append, and that repair, holds an exclusive `flock` on the file, so runs sharing a `--cache` folder on one
+machine neither interleave lines nor cut one another's (over NFS, see docs/eval_jobs.md). KEY is the sha256
 of the engine request the response came from, as tokens (`loglikelihood_key`, `generation_key`): the token ids
 after truncation and, for a generation, every sampling setting, the seed included. Tokens rather than
 lm-eval's strings, so that --max-length, BOS and chat-template choices are in the key by construction.
@@ -21,11 +24,13 @@ batch-invariant engine, also bitwise what a recompute gives: docs/architecture.m
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import IO, Any, Iterable, Iterator, Mapping
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import EVAL, short, view
@@ -68,19 +73,34 @@ class ResponseStore:
         self.identity = dict(ident)
         self.name = f"{PREFIX}{identity_id(self.identity)}.jsonl"
         self._values: dict[str, Any] = {}
+        self.notes: list[str] = []  # what a caller should tell the user (a torn last line cut off)
         journals = [Path(j) for j in dict.fromkeys(journals)]
-        held: dict[Path, set[str]] = {}
-        for folder in dict.fromkeys([*map(Path, folders), *journals]):
-            held[folder] = self._load(folder / self.name)
+        opened = [self._open_journal(folder / self.name) for folder in journals]  # (tails repaired before reading)
+        try:
+            held = {folder: self._load(folder / self.name)
+                    for folder in dict.fromkeys([*map(Path, folders), *journals])}
+        except BaseException:
+            for f in opened:
+                f.close()
+            raise
         self.read = len(self._values)  # responses found in the folders
-        self._files: list[tuple[Any, set[str]]] = []  # each journal and the keys it holds
-        for folder in journals:
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / self.name
-            fresh = not path.exists() or path.stat().st_size == 0
-            self._files.append((open(path, "a", encoding="utf-8"), held[folder]))
-            if fresh:
-                self._write({"apcscore_responses": 1, "identity": self.identity})
+        self._files: list[tuple[IO[str], set[str]]] = [(f, held[folder]) for folder, f in zip(journals, opened)]
+
+    def _open_journal(self, path: Path) -> IO[str]:
+        """`path` opened to append: a last line without its newline (cut by a crash) is cut off, and a new (or
+        empty) file gets the header line."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+", encoding="utf-8")  # a+: the repair reads the file's end
+        with _locked(f):
+            cut = _cut_torn_line(f.fileno())
+            if cut:
+                self.notes.append(f"{path}: its last line was cut short ({cut} bytes without a newline: the run "
+                                  "writing it stopped mid-line) and is removed; its response, if any, is computed "
+                                  "again")
+            if os.fstat(f.fileno()).st_size == 0:
+                f.write(json.dumps({"apcscore_responses": 1, "identity": self.identity}, separators=(",", ":")) + "\n")
+                f.flush()
+        return f
 
     def _load(self, path: Path) -> set[str]:
         """Read the store file `path` (refused when of another identity); the keys it holds."""
@@ -132,15 +152,17 @@ class ResponseStore:
 
     def _write(self, entry: dict, key: str | None = None) -> None:
         """Append `entry` to each journal (those that do not hold `key` yet, when given)."""
-        # one write of a whole line to a file opened for appending: concurrent writers do not interleave lines
+        # one write of a whole line to a file opened for appending, under the file's lock: concurrent writers
+        # neither interleave lines nor cut a line another is writing (_open_journal's repair)
         line = json.dumps(entry, separators=(",", ":")) + "\n"
         for f, keys in self._files:
             if key is not None:
                 if key in keys:
                     continue
                 keys.add(key)
-            f.write(line)
-            f.flush()
+            with _locked(f):
+                f.write(line)
+                f.flush()
 
     def close(self) -> None:
         """Flush the journals to disk and close them."""
@@ -149,6 +171,39 @@ class ResponseStore:
                 f.flush()
                 os.fsync(f.fileno())
                 f.close()
+
+
+@contextlib.contextmanager
+def _locked(f: IO[str]) -> Iterator[None]:
+    """An exclusive `flock` on the open file `f` for the block; none where the file system has no locks (ENOLCK,
+    e.g. NFS without its lock service: docs/eval_jobs.md says what a shared --cache can then lose)."""
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        locked = True
+    except OSError:
+        locked = False
+    try:
+        yield
+    finally:
+        if locked:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _cut_torn_line(fd: int) -> int:
+    """Truncate the file `fd` (open for reading and writing) after its last newline: a line that a crash cut
+    short has none, and the next append would be glued onto it. The number of bytes cut (0: it was whole)."""
+    size = end = os.fstat(fd).st_size
+    keep = 0
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            keep = start + at + 1
+            break
+        end = start
+    if keep < size:
+        os.ftruncate(fd, keep)
+    return size - keep
 
 
 def _parse(line: str) -> Any:

@@ -3,6 +3,7 @@ and --limit as lm-eval takes them. Parsed once per run into an `EvalPlan` (run/e
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,8 @@ HUB_HELP = (
     "lm-eval loads a task's `dataset_path` from the Hugging Face hub, which cannot be reached from here and "
     "has no local copy of it. Point the task at local files: copy its YAML into a folder you pass with "
     "--include-path and set `dataset_path: json` (or `csv`, `parquet`) with `dataset_kwargs: {data_files: "
-    "{test: path/to/test.jsonl, train: path/to/train.jsonl}}` (paths relative to where you run the command)")
+    "{test: path/to/test.jsonl, train: path/to/train.jsonl}}` (paths relative to where you run the command, "
+    "not to the YAML's folder)")
 
 _HUB_MARKERS = ("hub", "huggingface", "offline", "not cached", "couldn't reach", "connection", "datasetnotfound",
                 "repositorynotfound", "localentrynotfound")
@@ -96,8 +98,33 @@ def load_tasks(names: list[str], include_path: Path | None) -> Any:
     except Exception as exc:  # lm-eval and datasets raise many kinds; say which problem it is
         if _is_hub_failure(exc):
             raise ApcscoreError(f"could not load the data of task(s) {', '.join(names)}: {exc}. {HUB_HELP}") from None
-        raise ApcscoreError(f"lm-eval could not load task(s) {', '.join(names)}: {type(exc).__name__}: {exc}") from None
+        raise ApcscoreError(f"lm-eval could not load task(s) {', '.join(names)}: {type(exc).__name__}: {exc}"
+                            f"{_data_files_hint(exc, include_path)}") from None
     return manager
+
+
+def _data_files_hint(exc: BaseException, include_path: Path | None) -> str:
+    """For a data file that is not found: that lm-eval (datasets) reads a task's `data_files` relative to the
+    working directory, not to the YAML's folder, and the path to write where the file is next to a YAML of
+    --include-path (docs/eval_jobs.md, "Local task data")."""
+    seen: BaseException | None = exc
+    while seen is not None and not isinstance(seen, FileNotFoundError):
+        seen = seen.__cause__ or seen.__context__
+    match = re.search(r"Unable to find '([^']+)'", str(seen)) if seen is not None else None
+    if match is None:
+        return ""
+    cwd = Path.cwd()
+    hint = (f" — a task's data_files are read relative to the working directory ({cwd}), not to the task YAML's "
+            "folder (lm-eval's rule)")
+    missing = Path(match.group(1))
+    if include_path is not None and missing.is_relative_to(cwd):
+        relative = missing.relative_to(cwd)
+        folders = dict.fromkeys(y.parent for y in sorted(include_path.absolute().rglob("*.y*ml")))
+        there = next((f / relative for f in folders if (f / relative).is_file()), None)
+        if there is not None:
+            shown = there.relative_to(cwd) if there.is_relative_to(cwd) else there
+            return f"{hint}: {relative} is next to a YAML in --include-path, so write it as {shown} (or absolute)"
+    return f"{hint}: write each path relative to {cwd}, or absolute"
 
 
 def _unknown(manager: Any, names: list[str]) -> list[str]:

@@ -87,11 +87,11 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     if data.format == "openai-batch":
         opts = batch_options(opts, data)
     for warning in data.warnings:
-        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False)
+        console.print(f"[yellow]warning:[/] {escape(warning)}", highlight=False, soft_wrap=True)
     notes = [note, defaults_note(data.records, opts.max_tokens, opts.temperature)
              if data.format == "openai-batch" and command == "generate" else None]
     for text in filter(None, notes):  # the defaults' note: once per run, before the weights load
-        console.print(f"[yellow]note:[/] {escape(text)}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(text)}", highlight=False, soft_wrap=True)
     quiet = opts.quiet
     if opts.ray:
         from apcscore.run.ray_executor import RayExecutor as executor_class
@@ -120,7 +120,7 @@ def _drive(executor: Executor, command: str, opts: RunOptions, data: LoadedDatas
     metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
     writer, data = _open_writer(job, data, out, metadata, opts)
     for note in writer.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False)
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     try:
         return _drive_open(executor, command, opts, job, data, writer, metadata, console, lines, errors_path)
     finally:
@@ -166,14 +166,14 @@ def _drive_open(executor: Executor, command: str, opts: RunOptions, job: Any, da
     if verified is not None:
         writer.update_metadata({"verify_reuse": verified})
         if not quiet and not verified["mismatches"]:
-            console.print(f"verify-reuse: {escape(describe(verified))}", highlight=False)
+            console.print(f"verify-reuse: {escape(describe(verified))}", highlight=False, soft_wrap=True)
     final = writer.close()
     if not quiet:
         print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
         if errors_path is not None:
-            console.print(f"error lines: {errors:,} in {escape(str(errors_path))}", highlight=False)
+            console.print(f"error lines: {errors:,} in {escape(str(errors_path))}", highlight=False, soft_wrap=True)
         if (line := executor.closing_line()) is not None:
-            console.print(line, highlight=False)
+            console.print(line, highlight=False, soft_wrap=True)
     if verified is not None and verified["mismatches"]:
         console.print(f"[bold red]error:[/] --verify-reuse: {len(verified['mismatches'])} of {verified['requests']} "
                       f"re-scored requests differ from full recompute:\n{escape(describe(verified))}",

@@ -99,6 +99,8 @@ def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note
     resumed = eval_folder.start(out, eval_folder.run_record(opts, ident), opts.resume)
     caches = [opts.cache] if opts.cache is not None else []
     store = ResponseStore(ident, folders=[*(shards or []), *caches], journals=[out, *caches])
+    for text in store.notes:
+        note(text)
     lm.use_store(store, parsed.shard, partition=opts.partition, strict=shards is not None)
     if shards is not None:
         store.write_all()  # the merged folder's journal holds every response: a cache for later runs

@@ -1,6 +1,7 @@
 """What a run says at its end: the summary table, the interrupt note and the exit code.
 
-Text from data, paths and exceptions goes through `rich.markup.escape` before Rich prints it.
+Text from data, paths and exceptions goes through `rich.markup.escape` before Rich prints it. Messages print with
+`soft_wrap=True` (no line break of Rich's own: a path in them stays whole).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ def print_interrupted(console: Console, rows: int, partial: Path) -> None:
     """The note of an interrupted run: what is saved where, and how to continue."""
     console.print(f"[yellow]interrupted:[/] {count(rows, 'row')} {'is' if rows == 1 else 'are'} saved in "
                   f"{escape(str(partial))}; continue with the "
-                  "same command plus --resume", highlight=False)
+                  "same command plus --resume", highlight=False, soft_wrap=True)
 
 
 def exit_code(console: Console, final: Path, rows: int, errors: int) -> int:

@@ -248,3 +248,27 @@ def test_a_partial_without_run_json_is_discarded_with_a_note(tmp_path, write_jso
     assert res.exit_code == 0 and out.exists(), res.output
     assert (f"note: {partial} had no run.json (its run ended before writing one), so it held no rows; its 1 "
             "leftover file(s) were removed; starting a fresh run") in one_line(res)
+
+
+def test_a_path_in_a_message_is_never_broken(tmp_path, write_jsonl, tiny, monkeypatch):
+    """Issue 53, item 12: Rich wrapped a long message inside a path (`o.parquet.par tial`), so the path could not be
+    copied from a log, and the test above failed under a longer TMPDIR. Two notes and an error, each with a
+    path of over 250 characters, printed at 80 columns: each path is whole on one line of the output."""
+    from apcscore.cli import console
+
+    monkeypatch.setenv("COLUMNS", "80")
+    deep = tmp_path / ("d" * 120) / ("e" * 120)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
+    out, partial = deep / "o.parquet", deep / "o.parquet.partial"
+    partial.mkdir(parents=True)
+    (partial / "part-000000.parquet.tmp").write_text("")
+    assert len(str(partial)) > 250 and console.width < 250
+    note = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--resume", "-q"])
+    assert note.exit_code == 0, note.output
+    assert any(line.startswith(f"note: {partial} had no run.json") for line in note.output.splitlines()), note.output
+    other = deep / "p.parquet"
+    fresh = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(other), "--resume", "-q"])
+    assert fresh.exit_code == 0, fresh.output
+    assert f"note: nothing to resume: {other}.partial does not exist" in fresh.output.splitlines()[0]
+    error = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "-q"])
+    assert error.exit_code == 2 and f"error: {out} exists" in error.output.splitlines()[0], error.output

@@ -574,3 +574,65 @@ def test_errors_out_writes_the_error_lines_to_a_file_of_their_own(tmp_path, writ
     for args, message in cases:
         res = run("generate", data, "--model", model, "--skip-invalid", "--out", tmp_path / "n.jsonl", *args)
         assert res.exit_code == 2 and message in " ".join(res.output.split()), (args, res.output)
+
+
+def test_vllm_rank_at_ties_follows_vllm_from_the_stored_top_k() -> None:
+    """Issue 53, item 9: vLLM's rank is the number of logprobs >= the token's (ties take the worst), and its dict
+    holds K entries exactly when that rank is <= K; ours (1 + the number strictly greater: ties share the best)
+    went into vLLM's shape. A prompt token (2) tied bitwise with two others (5, 6: lower ids, so first in our top-K)."""
+    row = {**scored_row(), "token_logprobs": [None, -0.5, -1.5], "token_ranks": [None, 1, 2],
+           "top_ids": [None, [0, 1, 3], [5, 6, 2]], "top_logprobs": [None, [-0.5, -0.5, -2.0], [-1.0, -1.5, -1.5]]}
+    row["token_ids"] = [9, 1, 2]
+    plp = result_line({"prompt": [9, 1, 2], "echo": True, "max_tokens": 0, "prompt_logprobs": 1}, row,
+                      command="score")["response"]["body"]["choices"][0]["prompt_logprobs"]
+    # position 1: token 1 ties token 0, which our top-K puts first: vLLM's rank 2 (> K = 1: K + 1 entries)
+    assert plp[1] == {"1": {"logprob": -0.5, "rank": 2, "decoded_token": "b"},
+                      "0": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
+    assert list(plp[1]) == ["1", "0"]  # vLLM's order: the prompt's token first, then the top-K
+    # position 2: token 2 ties 6 (both below 5): ours 2, vLLM's 3
+    assert plp[2]["2"]["rank"] == 3 and plp[2]["5"]["rank"] == 1 and len(plp[2]) == 2
+    two = result_line({"prompt": [9, 1, 2], "echo": True, "max_tokens": 0, "prompt_logprobs": 2}, row,
+                      command="score")["response"]["body"]["choices"][0]["prompt_logprobs"]
+    assert two[1] == {"1": {"logprob": -0.5, "rank": 2, "decoded_token": "b"},  # in the top-2: its place
+                      "0": {"logprob": -0.5, "rank": 1, "decoded_token": "a"}}
+    assert {t: e["rank"] for t, e in two[2].items()} == {"2": 3, "5": 1, "6": 2}  # rank 3 > K = 2: 3 entries
+    from apcscore.io.openai_batch_output import vllm_rank
+
+    assert vllm_rank(7, -3.0, 4, [1, 2], [-1.0, -2.0]) == 7  # no tie seen: ours
+    assert vllm_rank(1, float("nan"), 4, [1], [-1.0]) == 1 and vllm_rank(None, -1.0, 4, [], []) is None
+
+
+def test_vllm_shape_ranks_of_bitwise_ties_from_the_engine(tmp_path, write_jsonl, tiny_model_dir) -> None:
+    """Issue 53, item 9, through the engine: the tiny model's head rows of two tokens X < Y are made the row of the
+    top token T after A, so T, X and Y have bitwise-equal logits there. The result line (vLLM's shape) gives T
+    vLLM's rank 3 (two logprobs >= its own besides itself) beside X at 1 and Y at 2; the parquet file of the same
+    line keeps ours, 1 (nothing is strictly greater)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    a = 1000
+    probe = write_jsonl(tmp_path / "probe.jsonl", [{"prompt_token_ids": [a, a]}])
+    res = run("score", probe, "--model", tiny_model_dir("llama"), "--prompt-logprobs", "1", "--out",
+              tmp_path / "probe.parquet", "-q")
+    assert res.exit_code == 0, res.output
+    top = pq.read_table(tmp_path / "probe.parquet").to_pylist()[0]["top_ids"][1][0]  # T: the argmax after A
+    assert top >= 4
+    x, y = top // 3, top // 2
+    model = tmp_path / "tied"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    weights = load_file(model / "model.safetensors")
+    head = weights["lm_head.weight"].clone()
+    head[x], head[y] = head[top], head[top]
+    save_file({**weights, "lm_head.weight": head}, model / "model.safetensors", metadata={"format": "pt"})
+    data = write_jsonl(tmp_path / "b.jsonl", [line("s", "/v1/completions", {
+        "prompt": [a, top], "echo": True, "max_tokens": 0, "prompt_logprobs": 2})])
+    for out in (tmp_path / "o.jsonl", tmp_path / "o.parquet"):
+        res = run("score", data, "--model", model, "--out", out, "-q")
+        assert res.exit_code == 0, res.output
+    body = json.loads((tmp_path / "o.jsonl").read_text())["response"]["body"]
+    plp = body["choices"][0]["prompt_logprobs"][1]
+    assert {int(t): e["rank"] for t, e in plp.items()} == {top: 3, x: 1, y: 2}
+    assert len({e["logprob"] for e in plp.values()}) == 1  # the three logprobs are bitwise equal
+    row = pq.read_table(tmp_path / "o.parquet").to_pylist()[0]
+    assert row["token_ranks"][1] == 1 and row["top_ids"][1] == [x, y]

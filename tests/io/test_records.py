@@ -98,6 +98,25 @@ def test_perplexity_accepts_empty_text_and_warns_on_unknown_fields(tmp_path: Pat
     assert ds.warnings[0].startswith(f"{path}:2: unknown field 'source' ignored (in 2 records)")
 
 
+def test_a_text_field_gets_the_columns_hint_that_reads_it(tmp_path: Path) -> None:
+    """Issue 53, item 10: a record with a `text` field and no `prompt` was refused without a word about --columns;
+    the hint it gets now is one that works. Perplexity reads `text`: a `prompt` field gets the reverse hint."""
+    from apcscore.io.tabular_input import parse_columns
+
+    path = write(tmp_path, ['{"id": "a", "text": "Hello"}'])
+    (problem,) = problems_of(path, "score")
+    assert ("the record matches no score record kind: it has none of their fields (fields present: 'id', 'text'); to "
+            "read the prompt from 'text', pass --columns prompt=text (write one of: ") in problem
+    assert [r.fields for r in load_dataset(path, "score", columns=parse_columns("prompt=text")).records] == \
+        [{"prompt": "Hello"}]
+    (problem,) = problems_of(write(tmp_path, ['{"instruction": "Hi"}'], "i.jsonl"), "generate")
+    assert "to read the prompt from 'instruction', pass --columns prompt=instruction" in problem
+    (problem,) = problems_of(write(tmp_path, ['{"prompt": "Hi"}'], "p.jsonl"), "perplexity")
+    assert "to read the text from 'prompt', pass --columns text=prompt" in problem
+    (problem,) = problems_of(write(tmp_path, ['{"text": 3}'], "n.jsonl"), "score")  # not a string: no hint
+    assert "--columns" not in problem
+
+
 @pytest.mark.parametrize("command, line, expected", [
     ("score", '{"prompt": "a"', r"invalid JSON at column 15: Expecting ',' delimiter"),
     ("score", '{"prompt": "a"} {"prompt": "b"}', r"column 17: Extra data \(one record per line"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -225,6 +226,111 @@ def test_resume_without_partial_starts_fresh_and_foreign_partial_is_refused(tmp_
     (tmp_path / "x.parquet.partial" / "notes.txt").write_text("mine")
     with pytest.raises(ApcscoreError, match="not an apcscore partial"):
         ResultsWriter(other, SCHEMA, META, overwrite=True)
+
+
+def _lines_writer(out: Path, errors: Path | None, **kw) -> ResultsWriter:
+    """A writer of JSON lines (`--output-format openai-batch`), the error rows' lines to `errors` when given."""
+    writer = ResultsWriter(out, SCHEMA, META, resume_keys=KEYS, row_group_size=4, num_rows=10,
+                           max_buffer_seconds=3600, **kw)  # parts by count only: the same renames in every run
+    writer.lines = lambda index, row: json.dumps({"index": index, "id": row["id"]})
+    writer.errors_path = errors
+    return writer
+
+
+def test_errors_out_on_another_file_system_finishes_the_run(tmp_path: Path, monkeypatch) -> None:
+    """Issue 53, item 5: the error lines' temporary was written in the partial and renamed to --errors-out: on
+    another file system that rename fails (EXDEV) after all the compute. `mnt` stands for another file system here:
+    a rename across its border fails as the kernel's does."""
+    mnt, real = tmp_path / "mnt", os.replace
+
+    def replace(src, dst) -> None:
+        if (mnt in Path(src).parents) != (mnt in Path(dst).parents):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(src), None, str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    out, errors = tmp_path / "o.jsonl", mnt / "errors.jsonl"
+    writer = _lines_writer(out, errors)
+    for i in range(10):
+        writer.add(i, make_row(i))
+    writer.close()
+    assert [json.loads(line)["index"] for line in out.read_text().splitlines()] == [0, 1, 2, 4, 5, 6, 7, 9]
+    assert [json.loads(line)["index"] for line in errors.read_text().splitlines()] == [3, 8]
+    assert not writer.partial_path.exists() and sorted(os.listdir(mnt)) == ["errors.jsonl"]
+
+
+def test_a_partial_holds_only_files_the_writer_knows(tmp_path: Path, monkeypatch) -> None:
+    """Issue 53, item 5: a run that failed at its end left errors.jsonl.tmp in the partial, a file `_check_ours` did
+    not know, so --resume and --overwrite both refused the partial ("not an apcscore partial run; move it away").
+    Every rename the writer makes is failed in turn (as a full disk or a kill there would): whatever the partial then
+    holds is in the writer's list, and --resume, or --overwrite, then writes what an uninterrupted run writes."""
+    from apcscore.io.partial import is_partial_file
+
+    real, calls, fail_at = os.replace, [0], [0]
+
+    def replace(src, dst) -> None:
+        calls[0] += 1
+        if calls[0] == fail_at[0]:
+            raise OSError(errno.ENOSPC, "injected")
+        real(src, dst)
+
+    def run(out: Path, errors: Path | None, **kw) -> bool:
+        """Write the 10 rows not yet done; whether it failed."""
+        writer = None
+        try:
+            writer = _lines_writer(out, errors, **kw) if errors else ResultsWriter(
+                out, SCHEMA, META, resume_keys=KEYS, row_group_size=4, num_rows=10, max_buffer_seconds=3600, **kw)
+            for i in completion_order(10):
+                if i not in writer.done_indices:
+                    writer.add(i, make_row(i))
+            writer.close()
+            return False
+        except OSError:
+            if writer is not None:
+                writer.release()  # as the process's end would
+            return True
+
+    monkeypatch.setattr(os, "replace", replace)
+    for lines in (True, False):
+        name, calls[0] = "o.jsonl" if lines else "o.parquet", 0
+        run(tmp_path / "ref" / name, tmp_path / "ref" / "err" / "errors.jsonl" if lines else None)
+        expected = (tmp_path / "ref" / name).read_bytes()
+        renames, calls[0] = calls[0], 0
+        assert renames >= 5
+        for k in range(1, renames + 1):
+            for how in ("resume", "overwrite"):
+                folder = tmp_path / f"{name}-{k}-{how}"
+                out, errors = folder / name, (folder / "err" / "errors.jsonl" if lines else None)
+                fail_at[0], calls[0] = k, 0
+                assert run(out, errors), f"rename {k} was not failed"
+                partial = out.with_name(out.name + ".partial")
+                left = sorted(c.name for c in partial.iterdir())
+                assert all(is_partial_file(n) for n in left), (k, left)
+                assert not errors or not errors.with_name("errors.jsonl.tmp").exists()
+                fail_at[0] = 0
+                assert not run(out, errors, **{how: True})
+                assert out.read_bytes() == expected and not partial.exists(), (k, how)
+                if errors:
+                    assert errors.read_bytes() == (tmp_path / "ref" / "err" / "errors.jsonl").read_bytes()
+
+
+def test_a_partial_left_by_an_earlier_version_resumes(tmp_path: Path) -> None:
+    """Issue 53, item 5: the errors.jsonl.tmp that a failed --errors-out rename left in the partial (before the fix)
+    no longer blocks --resume or --overwrite."""
+    for how in ("resume", "overwrite"):
+        out = tmp_path / how / "o.jsonl"
+        writer = _lines_writer(out, tmp_path / how / "errors.jsonl")
+        for i in range(6):
+            writer.add(i, make_row(i))
+        writer.flush()
+        writer.release()
+        (writer.partial_path / "errors.jsonl.tmp").write_text('{"index": 3}\n')
+        again = _lines_writer(out, tmp_path / how / "errors.jsonl", **{how: True})
+        assert again.done_indices == (set(range(6)) if how == "resume" else set())
+        for i in set(range(10)) - again.done_indices:
+            again.add(i, make_row(i))
+        again.close()
+        assert len(out.read_text().splitlines()) == 8 and not again.partial_path.exists()
 
 
 def test_bad_rows_and_bad_calls(tmp_path: Path) -> None:

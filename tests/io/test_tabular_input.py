@@ -88,6 +88,26 @@ def test_errors_name_file_and_row(tmp_path):
         load_dataset(tmp_path / "broken.parquet", "perplexity")
 
 
+def test_a_cell_nested_too_deeply_is_an_error_row_not_a_traceback(tmp_path):
+    """Issue 53, item 7: a list field's cell of 100,000 `[` raised RecursionError from the JSON parser, a traceback.
+    It stays text, as a cell that is not JSON does: the record checks name the file, row and field (exit 2, or an
+    error row with --skip-invalid); in `stop` such text is a stop string like any other."""
+    deep = "[" * 100_000
+    csv_path = tmp_path / "deep.csv"
+    csv_path.write_text(f'id,prompt_token_ids\na,"[1, 2]"\nb,{deep}\n', encoding="utf-8")
+    parquet_path = tmp_path / "deep.parquet"
+    pq.write_table(pa.table({"id": ["a", "b"], "prompt_token_ids": ["[1, 2]", deep]}), parquet_path)
+    for path in (csv_path, parquet_path):
+        with pytest.raises(ApcscoreError, match=rf"{path}:row 2: 'prompt_token_ids' must be a list of token ids") as e:
+            load_dataset(path, "score")
+        assert e.value.exit_code == 2 and "1 of 2 records are invalid" in str(e.value)
+        data = load_dataset(path, "score", skip_invalid=True)
+        assert [r.id for r in data.records] == ["a"] and [(r.id, r.line) for r in data.invalid] == [("b", 2)]
+    pq.write_table(pa.table({"prompt": ["x"], "stop": [deep]}), tmp_path / "stop.parquet")
+    (record,) = load_dataset(tmp_path / "stop.parquet", "generate").records
+    assert record.fields["stop"] == deep
+
+
 def test_perplexity_command_reads_csv_with_columns(tmp_path, tiny_model_dir):
     path = tmp_path / "texts.csv"
     pacsv.write_csv(pa.Table.from_pylist([{"name": "one", "body": "A short text to score."},

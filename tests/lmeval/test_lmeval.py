@@ -191,6 +191,30 @@ def test_task_errors_are_clear(in_repo, monkeypatch):
     assert "dataset_path: json" in str(err.value) and "data_files" in str(err.value)
 
 
+def test_a_data_file_next_to_its_yaml_gets_the_path_to_write(tmp_path, monkeypatch):
+    """Issue 53, item 11: lm-eval (datasets) reads a task's data_files relative to the working directory, not to the
+    YAML's folder, and said only "Unable to find". Decided: keep lm-eval's rule (the same YAML means the same under
+    `apcscore eval`, `apcscore lm-eval` and lm-eval itself, and the task config that results.json records and
+    compare checks stays as written); the error says the rule and the path to write (docs/eval_jobs.md)."""
+    from apcscore.lmeval.tasks import load_tasks
+
+    tasks = tmp_path / "tasks"
+    (tasks / "data").mkdir(parents=True)
+    (tasks / "data" / "test.jsonl").write_text((TASK_DIR / "data" / "ll_test.jsonl").read_text())
+    yaml = (TASK_DIR / "apc_ll.yaml").read_text().replace("apc_ll", "apc_rel_data")
+    (tasks / "apc_rel_data.yaml").write_text(yaml.replace("tests/lmeval_tasks/data/ll_test.jsonl", "data/test.jsonl"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ApcscoreError) as err:
+        load_tasks(["apc_rel_data"], Path("tasks"))
+    assert (f"Unable to find '{tmp_path}/data/test.jsonl' — a task's data_files are read relative to the working "
+            f"directory ({tmp_path}), not to the task YAML's folder (lm-eval's rule): data/test.jsonl is next to a "
+            "YAML in --include-path, so write it as tasks/data/test.jsonl (or absolute)") in str(err.value)
+    (tasks / "data" / "test.jsonl").unlink()
+    with pytest.raises(ApcscoreError, match=f"YAML's folder \\(lm-eval's rule\\): write each path relative to "
+                                            f"{tmp_path}, or absolute"):
+        load_tasks(["apc_rel_data"], Path("tasks"))
+
+
 def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_model_files):
     from typer.testing import CliRunner
 
