@@ -56,8 +56,8 @@ def compare(
         help="TOML file whose 'thresholds' table sets these limits (see configs/compare.toml); options given "
              "here override it.")] = None,
     report_md: Annotated[Optional[Path], typer.Option(
-        help="Also write the report as Markdown here (in GitHub Actions it is appended to $GITHUB_STEP_SUMMARY "
-             "without this).")] = None,
+        help="Also write the report as Markdown here; the file $GITHUB_STEP_SUMMARY names is appended to, not "
+             "replaced (in GitHub Actions the report is appended there without this too).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(
         help="Also write every figure, per record included, as JSON here.")] = None,
     report_junit: Annotated[Optional[Path], typer.Option(
@@ -85,7 +85,7 @@ def compare(
     try:
         import pyarrow as pa
 
-        from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit
+        from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit, write_markdown
         from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
         from apcscore.compare.report import render_console, to_json, to_markdown, verdict, write_report
         from apcscore.compare.report_paths import check_report_paths
@@ -122,7 +122,7 @@ def compare(
             add_exact(result.checks, result.notes, exact_diff)
         render_console(result, Console(), worst)
         if report_md is not None:
-            write_report(report_md, to_markdown(result, worst))
+            write_markdown(report_md, to_markdown(result, worst))
         if report_json is not None:
             write_report(report_json, to_json(result))
         if report_html is not None:

@@ -136,6 +136,8 @@ class Check:
     op: str  # "<=" | ">="
     threshold: float
     passed: bool
+    source: str = "option"  # where the limit came from: "default", "config <path>", "option"
+    bound: str | None = None  # the confidence bound the check read, e.g. "upper 95% bound 1.0012"
 
 
 @dataclass
