@@ -116,7 +116,8 @@ def compare(
         except ApcscoreError as e:  # not comparable: with --exact, a difference found first is the verdict
             if exact_diff is None or exact_diff.passed:
                 raise
-            Console().print(f"[bold red]FAIL[/] {escape(exact_diff.summary())}\n(no figures: {escape(str(e))})")
+            found = "\n".join([exact_diff.summary(), *exact_diff.notes])
+            Console().print(f"[bold red]FAIL[/] {escape(found)}\n(no figures: {escape(str(e))})")
             raise typer.Exit(1) from None
         if exact_diff is not None:
             add_exact(result.checks, result.notes, exact_diff)

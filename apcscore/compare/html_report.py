@@ -23,8 +23,9 @@ import numpy as np
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
-                                     _metric_rows, _sides, _worst_rows, verdict)
+from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows,
+                                     _differ_rows, _extra_tables, _metric_rows, _sides, _worst_rows, differ_line,
+                                     verdict)
 from apcscore.io.token_text import Pieces, id_pieces
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
@@ -309,6 +310,9 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
                                                                            for ch in c.checks], "thresholds")]
     else:
         parts.append('<p class="muted">no thresholds given: nothing was judged</p>')
+    same = differ_line(c)
+    parts += [f'<p class="muted" id="differ">{_e(same)}</p>' if same else
+              "<h2>Runs differ in</h2>" + _table(DIFFER_HEAD, _differ_rows(c), table_id="differ")]
     parts += ["<h2>Metrics</h2>", _table(("metric", "baseline", "candidate", "change"), _metric_rows(c),
                                          table_id="metrics")]
     for title, head, rows in _extra_tables(c):  # KL and delta p blocks, paired statistics

@@ -3,7 +3,7 @@ and set aside the records that failed on either side."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -205,6 +205,41 @@ class FileInfo:
     top_k: int  # largest top-K stored (0 = none)
     num_records: int
     tokenizer: str | None = None  # where the run's tokenizer was read from (token texts of reports)
+    # what computed the numbers, one text per property of RUN_PROPERTIES (None: not in the metadata)
+    run: dict[str, str | None] = field(default_factory=dict)
+
+
+# The keys of the metadata's numerics section that decide bits or explain why they moved (docs/architecture.md,
+# "A run's identity"), each its own property of the "runs differ in" block.
+NUMERICS_KEYS = ("batch_invariant", "portable", "math", "linear", "simd", "device_capability", "torch_threads")
+
+
+def _text(v: Any) -> str | None:
+    return None if v is None else ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+
+def run_properties(f: ResultFile, top_k: int) -> dict[str, str | None]:
+    """The properties of a run that can move its numbers, in the order the "runs differ in" block lists them:
+    apcscore's version, the numerics code's fingerprint (per part), the model and its weights' fingerprint, dtype,
+    device, backends, the numerics settings, the dataset's hash and the top-K stored (None: not recorded)."""
+    m = f.meta
+    code = m.get("code") if isinstance(m.get("code"), dict) else {}
+    numerics = m.get("numerics") if isinstance(m.get("numerics"), dict) else {}
+    blas = numerics.get("blas") if isinstance(numerics.get("blas"), dict) else {}
+    return {
+        "apcscore version": _text(m.get("apcscore_version")),
+        **{f"numerics code: {part}": _text(h) for part, h in code.items()},
+        "model": _text(f.model.get("name")),
+        "weights fingerprint": _text(f.model.get("fingerprint")),
+        "dtype": _text(m.get("dtype")),
+        "device": _text(m.get("device")),
+        "model backend": _text(m.get("model_backend")),
+        "attention backend": _text(m.get("attention_backend")),
+        **{f"numerics: {k}": _text(numerics.get(k)) for k in NUMERICS_KEYS},
+        "numerics: blas": _text(blas.get("library")),
+        "dataset sha256": _text(f.dataset.get("sha256")),
+        "top-K stored": str(top_k),
+    }
 
 
 def file_info(f: ResultFile, top_k: int) -> FileInfo:
@@ -213,5 +248,20 @@ def file_info(f: ResultFile, top_k: int) -> FileInfo:
 
     return FileInfo(str(f.path), s(f.meta.get("command")), s(f.model.get("name")), s(f.meta.get("dtype")),
                     s(f.meta.get("apcscore_version")), s(f.dataset.get("path")), s(f.dataset.get("sha256")),
-                    f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta))
+                    f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta), run_properties(f, top_k))
 
+
+@dataclass
+class RunDifference:
+    """One property of the two runs that differs (None: not in that file's metadata)."""
+
+    property: str
+    baseline: str | None
+    candidate: str | None
+
+
+def run_differences(base: FileInfo, new: FileInfo) -> list[RunDifference]:
+    """The run properties (`run_properties`) whose values differ, in that order. A property neither file records
+    is left out; one that only one file records is a difference (None on the other side: not recorded)."""
+    names = list(base.run) + [k for k in new.run if k not in base.run]
+    return [RunDifference(k, base.run.get(k), new.run.get(k)) for k in names if base.run.get(k) != new.run.get(k)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from rich import box
@@ -12,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from apcscore.compare.gate import Check, Comparison
+from apcscore.compare.inputs import run_differences
 from apcscore.compare.metrics import DeltaPSummary, KldSummary
 from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
@@ -43,6 +45,25 @@ def _sides(c: Comparison) -> list[Row]:
         ("dataset", f"{b.dataset or '-'} ({(b.dataset_sha256 or '-')[:12]})",
          f"{n.dataset or '-'} ({(n.dataset_sha256 or '-')[:12]})"),
     ]
+
+
+DIFFER_HEAD = ("property", "baseline", "candidate")
+_NOT_RECORDED = "(not recorded)"
+
+
+def _differ_rows(c: Comparison) -> list[Row]:
+    """The run properties that differ between the two files (apcscore version, code, weights, dtype, device,
+    numerics, top-K, dataset), one row each."""
+    return [(d.property, d.baseline or _NOT_RECORDED, d.candidate or _NOT_RECORDED)
+            for d in run_differences(c.base, c.new)]
+
+
+def differ_line(c: Comparison) -> str | None:
+    """The sentence shown instead of the "runs differ in" table when nothing the metadata records differs."""
+    if _differ_rows(c):
+        return None
+    return ("the runs differ in nothing their metadata records (apcscore version, numerics code, model, weights "
+            "fingerprint, dtype, device, backends, numerics, dataset, top-K)")
 
 
 def _metric_rows(c: Comparison) -> list[Row]:
@@ -190,6 +211,10 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
         rich_table(console, title, head, rows)
 
     table("Compared runs", ("", "baseline", "candidate"), _sides(c))
+    if (same := differ_line(c)) is not None:
+        console.print(escape(same), highlight=False)
+    else:
+        table("Runs differ in", DIFFER_HEAD, _differ_rows(c))
     table("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
     for title, head, rows in _extra_tables(c):
         table(title, head, rows)
@@ -220,6 +245,8 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     if c.checks:
         rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
         out += [md_table(CHECK_HEAD, rows), ""]
+    same = differ_line(c)
+    out += [f"_{same}_" if same else "### Runs differ in\n\n" + md_table(DIFFER_HEAD, _differ_rows(c)), ""]
     out += ["### Metrics", "", md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
     for title, head, rows in _extra_tables(c):
         out += [f"### {title}", "", md_table(head, rows), ""]
@@ -238,7 +265,9 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
 
 def to_json(c: Comparison) -> str:
     """Every figure of the comparison, per record included, as JSON (NaN becomes null)."""
-    return json.dumps(c.to_dict(), indent=2, allow_nan=False)
+    data = c.to_dict()
+    data["run_differences"] = [asdict(d) for d in run_differences(c.base, c.new)]
+    return json.dumps(data, indent=2, allow_nan=False)
 
 
 def write_report(path: Path, text: str) -> None:
