@@ -75,6 +75,11 @@ def compare(
     exact: Annotated[bool, typer.Option(
         help="Fail on any differing bit in the columns both runs hold, and name the first differing record, "
              "column, position and token (see docs/compare.md).")] = False,
+    common_records: Annotated[bool, typer.Option(
+        "--common-records", metavar="",
+        help="Compare only the records present and identical (same tokens, answer, choices) in both files, where "
+             "another dataset, missing or edited records would be refused; the report lists those left out and "
+             "why.")] = False,
     worst: Annotated[int, typer.Option(min=0, help="How many of the worst records (by KL) to list.")] = 10,
     overwrite: Annotated[bool, typer.Option(
         help="Let a report replace an existing file that is not a report of compare (an earlier report, or an "
@@ -101,6 +106,10 @@ def compare(
         if baseline.is_dir() or candidate.is_dir():  # two `apcscore eval` folders
             from apcscore.compare.eval_report import run_eval_compare
 
+            if common_records:
+                raise ApcscoreError("--common-records applies to result files (score, perplexity); eval folders "
+                                    "must hold the same documents — run both evals with the same tasks and --limit")
+
             passed = run_eval_compare(baseline, candidate, thresholds, exact, report_md, report_json, report_html,
                                       report_junit, Console())
             raise typer.Exit(0 if passed else 1)
@@ -109,8 +118,8 @@ def compare(
             if exact:
                 from apcscore.compare.exact import add_exact, exact_files
 
-                exact_diff = exact_files(baseline, candidate)
-            result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed)
+                exact_diff = exact_files(baseline, candidate, common_records)
+            result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed, common_records)
         except (pa.ArrowException, OSError) as e:  # a file damaged past its footer
             raise ApcscoreError(f"cannot read the result files: {e} — write them again") from None
         except ApcscoreError as e:  # not comparable: with --exact, a difference found first is the verdict

@@ -226,20 +226,25 @@ def _at(v: list, j: int) -> Any:
     return v[j] if j < len(v) else "(no element: the list ends here)"
 
 
-def exact_files(baseline: Any, candidate: Any) -> ExactDiff:
-    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them)."""
+def exact_files(baseline: Any, candidate: Any, common_records: bool = False) -> ExactDiff:
+    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them); with
+    `common_records`, on the records present and identical in both (inputs.match_records)."""
     import pyarrow.parquet as pq
 
-    from apcscore.compare.inputs import load_result_file
+    from apcscore.compare.inputs import load_result_file, match_records
 
-    tables = []
+    files, tables = [], []
     for path, role in ((baseline, "baseline"), (candidate, "candidate")):
         f = load_result_file(path, role)  # refuses what is not apcscore output, missing or duplicate ids
         try:
             t = pq.read_table(f.path)
         except (pa.ArrowException, OSError) as e:
             raise ApcscoreError(f"{role} file {f.path} is damaged: its data cannot be read ({e})") from None
+        files.append(f)
         tables.append(t.set_column(t.column_names.index("id"), "id", f.table["id"]))
+    if common_records:
+        kept = match_records(*files, common=True)[0]["id"]
+        tables = [t.filter(pc.is_in(t["id"], value_set=kept)) for t in tables]
     return compare_tables(*tables)
 
 

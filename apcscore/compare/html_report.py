@@ -23,9 +23,9 @@ import numpy as np
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows,
-                                     _differ_rows, _extra_tables, _metric_rows, _sides, _worst_rows, differ_line,
-                                     verdict)
+from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, LEFT_OUT_HEAD, _FLIP_HEAD, _WORST_HEAD, Row,
+                                     _check_rows, _differ_rows, _extra_tables, _left_out_rows, _metric_rows, _sides,
+                                     _worst_rows, differ_line, verdict)
 from apcscore.io.token_text import Pieces, id_pieces
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
@@ -340,6 +340,10 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
                   _table(("record", "failed in", "error"), [(e.id, e.side, e.error)
                                                             for e in c.excluded[:MAX_TABLE_ROWS]]),
                   _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
+    if c.left_out.count:
+        rows = _left_out_rows(c)
+        parts += ["<h2>Records left out (--common-records)</h2>", _table(LEFT_OUT_HEAD, rows[:MAX_TABLE_ROWS]),
+                  _left_out(len(rows) - MAX_TABLE_ROWS, "records left out")]
     parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")

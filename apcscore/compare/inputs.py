@@ -23,7 +23,7 @@ GATED_COMMANDS = ("score", "perplexity")  # the commands whose files compare mea
 _COLUMNS = (
     "id", "status", "error", "num_tokens", "num_scored", "sum_logprob", "perplexity", "num_words", "num_bytes",
     "token_ids", "token_logprobs", "top_ids", "top_logprobs",
-    "pred", "pred_norm", "correct", "correct_norm", "answer",
+    "pred", "pred_norm", "correct", "correct_norm", "answer", "choice_logprobs", "continuation_num_tokens",
 )
 
 
@@ -95,17 +95,11 @@ WINDOWING = {"window": "--window", "stride": "--stride", "prefix_token_id": "pre
 
 
 def check_same_run_kind(base: ResultFile, new: ResultFile) -> None:
-    """Refuse files of different commands, datasets or vocabularies (exit 2)."""
+    """Refuse files of different commands, windows or vocabularies (exit 2); datasets: `match_records`."""
     cb, cn = base.meta.get("command"), new.meta.get("command")
     if cb and cn and cb != cn:
         raise ApcscoreError(f"the baseline was written by `apcscore {cb}` and the candidate by `apcscore {cn}`; "
                             f"compare two runs of the same command")
-    hb, hn = base.dataset.get("sha256"), new.dataset.get("sha256")
-    if hb and hn and hb != hn:
-        raise ApcscoreError(
-            f"the files are runs on different datasets: baseline {base.dataset.get('path', '?')} (sha256 "
-            f"{str(hb)[:12]}...), candidate {new.dataset.get('path', '?')} (sha256 {str(hn)[:12]}...); "
-            f"score the same dataset with both models")
     if cb == cn == "perplexity":  # another window or stride is another measurement, not a regression
         jb, jn = base.meta.get("job") or {}, new.meta.get("job") or {}
         keys = [k for k in WINDOWING if k in jb and k in jn and jb[k] != jn[k]]
@@ -122,20 +116,129 @@ def check_same_run_kind(base: ResultFile, new: ResultFile) -> None:
                             f"compare needs the same tokenizer")
 
 
-def align(base: ResultFile, new: ResultFile) -> np.ndarray:
-    """For each baseline row, the candidate row with the same id; refuse when the id sets differ."""
-    pos = pc.index_in(base.table["id"], value_set=new.table["id"])  # [n] int32, null = not in the candidate
-    only_base = base.table["id"].filter(pos.is_null()).to_pylist()
-    only_new = new.table["id"].filter(pc.invert(pc.is_in(new.table["id"], value_set=base.table["id"]))).to_pylist()
-    if only_base or only_new:
+COMMON_RECORDS = "--common-records"
+# What a record's input is, as a result file stores it (the prompt text is not stored): its tokens (else their
+# count), and for the other record kinds the answer, the number of choices and the continuation's length.
+IDENTITY = ("token_ids", "num_tokens", "num_bytes", "answer", "choice_logprobs", "continuation_num_tokens")
+
+
+@dataclass
+class LeftOut:
+    """Records that are not the same in the two files: left out of the comparison by --common-records, else named
+    in the refusal."""
+
+    only_baseline: list[str] = field(default_factory=list)
+    only_candidate: list[str] = field(default_factory=list)
+    edited: list[tuple[str, str]] = field(default_factory=list)  # (id, what differs), e.g. token_ids at position 4
+
+    @property
+    def count(self) -> int:
+        return len(self.only_baseline) + len(self.only_candidate) + len(self.edited)
+
+    def describe(self) -> str:
+        """e.g. "2 only in the baseline ('r6', 'r7'); 1 edited (same id, another input): 'r3' (token_ids differ
+        from position 4)"."""
         parts = []
-        if only_base:
-            parts.append(f"{len(only_base)} only in the baseline ({examples(only_base)})")
-        if only_new:
-            parts.append(f"{len(only_new)} only in the candidate ({examples(only_new)})")
-        raise ApcscoreError(f"the files hold different records: record ids {'; '.join(parts)}. compare needs two "
-                            f"runs on the same dataset")
-    return pos.to_numpy(zero_copy_only=False).astype(np.int64)
+        if self.only_baseline:
+            parts.append(f"{len(self.only_baseline)} only in the baseline ({examples(self.only_baseline)})")
+        if self.only_candidate:
+            parts.append(f"{len(self.only_candidate)} only in the candidate ({examples(self.only_candidate)})")
+        if self.edited:
+            shown = ", ".join(f"{rid!r} ({why})" for rid, why in self.edited[:EXAMPLES])
+            more = f" and {len(self.edited) - EXAMPLES} more" if len(self.edited) > EXAMPLES else ""
+            parts.append(f"{len(self.edited)} edited (same id, another input): {shown}{more}")
+        return "; ".join(parts)
+
+
+def _edited(base: pa.Table, new: pa.Table) -> list[tuple[str, str]]:
+    """Records (aligned tables) ok on both sides whose input differs (IDENTITY), with the first thing that differs.
+    A record that failed on either side is not judged here: it is excluded, or a new error, as any other."""
+    ok = (pc.equal(base["status"], "ok").to_numpy(zero_copy_only=False)
+          & pc.equal(new["status"], "ok").to_numpy(zero_copy_only=False))
+    why: dict[int, str] = {}
+    for c in IDENTITY:
+        if c not in base.column_names or c not in new.column_names:
+            continue
+        b, n = base[c].combine_chunks(), new[c].combine_chunks()
+        if c == "choice_logprobs":  # the output per choice; its length is the number of choices
+            b, n, c = pc.list_value_length(b), pc.list_value_length(n), "number of choices"
+        if pa.types.is_list(b.type):
+            lb = pc.fill_null(pc.list_value_length(b), -1).to_numpy(zero_copy_only=False)
+            ln = pc.fill_null(pc.list_value_length(n), -1).to_numpy(zero_copy_only=False)
+            bad = lb != ln
+            same = np.flatnonzero(ok & ~bad & (lb > 0))
+            if len(same):
+                take = pa.array(same)
+                vb = pc.list_flatten(b.take(take)).to_numpy(zero_copy_only=False)
+                vn = pc.list_flatten(n.take(take)).to_numpy(zero_copy_only=False)
+                rows = np.repeat(same, lb[same])[vb != vn]
+                bad[np.unique(rows)] = True
+        else:
+            eq = pc.fill_null(pc.equal(b, n), False).to_numpy(zero_copy_only=False)
+            both_null = (b.is_null().to_numpy(zero_copy_only=False) & n.is_null().to_numpy(zero_copy_only=False))
+            bad = ~(eq | both_null)
+        for i in np.flatnonzero(ok & bad):
+            if int(i) in why:
+                continue
+            x, y = b[int(i)].as_py(), n[int(i)].as_py()
+            if isinstance(x, list) and isinstance(y, list):
+                j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                why[int(i)] = (f"{c} differ from position {j}" if len(x) == len(y) else
+                               f"{c}: {len(x)} in the baseline, {len(y)} in the candidate, first difference at "
+                               f"position {j}")
+            else:
+                why[int(i)] = f"{c} {x} in the baseline, {y} in the candidate"
+    ids = base["id"]
+    return [(str(ids[i].as_py()), why[i]) for i in sorted(why)]
+
+
+def match_records(base: ResultFile, new: ResultFile, common: bool = False) -> tuple[pa.Table, pa.Table, LeftOut]:
+    """Join the two files by record id: the candidate's rows in the baseline's order (a reordered file compares).
+
+    Records only one file holds, and records whose input differs (`IDENTITY`: another tokenization, answer, number
+    of choices) are refused with their ids named (exit 2), as are files whose metadata names another dataset
+    (`dataset.sha256`) — unless `common` (--common-records): then only the records present and identical in both
+    are returned, and `LeftOut` says which were left out and why.
+    """
+    pos = pc.index_in(base.table["id"], value_set=new.table["id"])  # [n] int32, null = not in the candidate
+    left = LeftOut(base.table["id"].filter(pos.is_null()).to_pylist(),
+                   new.table["id"].filter(pc.invert(pc.is_in(new.table["id"], value_set=base.table["id"]))).to_pylist())
+    keep = pos.is_valid()
+    bt = base.table if not left.only_baseline else base.table.filter(keep)
+    order = pos.filter(keep).to_numpy(zero_copy_only=False).astype(np.int64)
+    nt = new.table if np.array_equal(order, np.arange(new.table.num_rows)) else new.table.take(order)
+    left.edited = _edited(bt, nt)
+    if left.edited:
+        edited = pc.is_in(bt["id"], value_set=pa.array([rid for rid, _ in left.edited]))
+        same = pc.invert(edited)
+    hb, hn = base.dataset.get("sha256"), new.dataset.get("sha256")
+    other_dataset = bool(hb and hn and hb != hn)
+    if common:
+        if left.edited:
+            bt, nt = bt.filter(same), nt.filter(same)
+        if not bt.num_rows:
+            raise ApcscoreError(f"{COMMON_RECORDS}: no record is present and identical in both files "
+                                f"({left.describe()}): there is nothing to compare")
+        return bt, nt, left
+    if not (left.count or other_dataset):
+        return bt, nt, left
+    alike = bt.num_rows - len(left.edited)
+    hint = (f" — score the same dataset with both models, or pass {COMMON_RECORDS} to compare the {alike} "
+            "record(s) present and identical in both (the report lists the others)" if alike else
+            " — score the same dataset with both models (no record is present and identical in both)")
+    if other_dataset:
+        what = left.describe() or "every record present in both is identical"
+        raise ApcscoreError(
+            f"the files are runs on different datasets: baseline {base.dataset.get('path', '?')} (sha256 "
+            f"{str(hb)[:12]}...), candidate {new.dataset.get('path', '?')} (sha256 {str(hn)[:12]}...); records: "
+            f"{what}{hint}")
+    if left.only_baseline or left.only_candidate:
+        raise ApcscoreError(f"the files hold different records: record ids {left.describe()}. compare needs two runs "
+                            f"on the same dataset{hint}")
+    first, why = left.edited[0]
+    raise ApcscoreError(f"the files were tokenized differently (another tokenizer, or an edited dataset?): the input "
+                        f"differs in {len(left.edited)} record(s) ({examples([r for r, _ in left.edited])}); record "
+                        f"{first!r}: {why}. compare needs two runs with the same tokenizer on the same data{hint}")
 
 
 @dataclass

@@ -170,6 +170,16 @@ _FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct ba
 CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
 
 
+LEFT_OUT_HEAD = ("record", "why")
+
+
+def _left_out_rows(c: Comparison) -> list[Row]:
+    """The records --common-records left out: only in one file, or edited (another input)."""
+    lo = c.left_out
+    return ([(r, "only in the baseline") for r in lo.only_baseline]
+            + [(r, "only in the candidate") for r in lo.only_candidate] + [(r, f"edited: {why}") for r, why in lo.edited])
+
+
 def _flip_rows(c: Comparison) -> list[Row]:
     return [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new), str(f.correct_base), str(f.correct_new))
             for f in c.flips]
@@ -225,6 +235,8 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     if c.excluded:
         table("Excluded records (status 'error')", ("record", "failed in", "error"),
               [(e.id, e.side, e.error) for e in c.excluded])
+    if c.left_out.count:
+        table("Records left out (--common-records)", LEFT_OUT_HEAD, _left_out_rows(c))
     print_checks(console, c.notes, c.checks, _check_rows(c))
 
 
@@ -258,6 +270,8 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     if c.excluded:
         out += ["### Excluded records (status 'error')", "",
                 md_table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded]), ""]
+    if c.left_out.count:
+        out += ["### Records left out (--common-records)", "", md_table(LEFT_OUT_HEAD, _left_out_rows(c)), ""]
     out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
     out += [f"> note: {n}" for n in c.notes]
     return "\n".join(out).rstrip() + "\n"

@@ -96,3 +96,119 @@ def test_exact_with_another_top_k_compares_the_common_top_k(tmp_path) -> None:
     diff = exact_files(k10, bf)
     assert not diff.passed and diff.first.column == "token_logprobs"
     assert [len(pq.read_table(f)["top_ids"].to_pylist()[1][1]) for f in (k10, k5)] == [10, 5]  # the two Ks
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Datasets that changed (item 5)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _dataset_edit(tmp_path):
+    """A baseline on 8 records, and a candidate on a changed dataset: r3 edited (one token), r6 and r7 gone, x1 new,
+    the rows in another order."""
+    model, records = TinyLM(), make_records()
+    base = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, 5))
+    changed = {k: v for k, v in records.items() if k not in ("r6", "r7")}
+    changed["r3"] = [t if i != 4 else (t + 1) % 50 for i, t in enumerate(records["r3"])]
+    changed["x1"] = records["r6"][:20]
+    rows = score_rows(model, changed, torch.bfloat16, 5)[::-1]
+    new = write_results(tmp_path / "b.parquet", rows, dtype="bfloat16", dataset_sha256="cd" * 32)
+    return model, records, base, new
+
+
+def test_a_reordered_file_compares_as_the_ordered_one(tmp_path) -> None:
+    """docs/compare.md promises that records are joined by id: the CLI's reports of a reordered candidate (with an
+    error row and the ids shuffled) are those of the ordered one, record by record."""
+    model, records = TinyLM(), make_records()
+    base = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, 5))
+    rows = score_rows(model, records, torch.bfloat16, 5)
+    rows[2] = {"id": "r2", "status": "error", "error": "out of memory"}
+    ordered = write_results(tmp_path / "b.parquet", rows)
+    shuffled = write_results(tmp_path / "c.parquet", [rows[i] for i in (5, 0, 7, 2, 1, 6, 3, 4)])
+    reports = []
+    for new in (ordered, shuffled):
+        js = tmp_path / f"{new.stem}.json"
+        r = run_cli(base, new, "--report-json", js, "--max-new-errors", 1)
+        assert r.exit_code == 0, r.output
+        data = json.loads(js.read_text())
+        for side in ("base", "new"):
+            data[side].pop("path")
+        reports.append(data)
+    assert reports[0] == reports[1]
+    assert reports[0]["num_compared"] == 7 and reports[0]["excluded"][0]["id"] == "r2"
+
+
+def test_a_changed_dataset_is_refused_naming_the_records_and_the_option(tmp_path) -> None:
+    _, _, base, new = _dataset_edit(tmp_path)
+    r = run_cli(base, new)
+    assert r.exit_code == 2
+    err = one_line(r.stderr)
+    assert "the files are runs on different datasets" in err
+    assert "2 only in the baseline ('r6', 'r7')" in err and "1 only in the candidate ('x1')" in err
+    assert "1 edited (same id, another input): 'r3' (token_ids differ from position 4)" in err
+    assert "or pass --common-records to compare the 5 record(s) present and identical in both" in err
+
+
+def test_missing_or_edited_records_of_one_dataset_are_named(tmp_path) -> None:
+    """The same dataset hash (or none recorded), but a record missing or edited: named, with the option."""
+    model, records = TinyLM(), make_records()
+    base = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, 5))
+    rows = score_rows(model, records, torch.float32, 5)
+    fewer = write_results(tmp_path / "b.parquet", rows[:-1])
+    err = one_line(run_cli(base, fewer).stderr)
+    assert "record ids 1 only in the baseline ('r7')" in err and "--common-records to compare the 7 record(s)" in err
+    # a multiple-choice record whose answer changed is another record, not a regression
+    from test_compare import mc_rows
+
+    a = write_results(tmp_path / "mc_a.parquet", mc_rows([0, 1, 2], [0, 1, 2], [0, 1, 2]))
+    b = write_results(tmp_path / "mc_b.parquet", mc_rows([0, 1, 2], [0, 1, 2], [0, 1, 1]))
+    r = run_cli(a, b)
+    assert r.exit_code == 2
+    assert "record 'q2': answer 2 in the baseline, 1 in the candidate" in one_line(r.stderr)
+
+
+def test_common_records_compares_what_both_files_hold_alike_and_lists_the_rest(tmp_path) -> None:
+    model, records, base, new = _dataset_edit(tmp_path)
+    md, js = tmp_path / "r.md", tmp_path / "r.json"
+    r = run_cli(base, new, "--common-records", "--report-md", md, "--report-json", js)
+    assert r.exit_code == 0, r.output
+    data = json.loads(js.read_text())
+    assert data["num_compared"] == 5
+    assert data["left_out"] == {"only_baseline": ["r6", "r7"], "only_candidate": ["x1"],
+                                "edited": [["r3", "token_ids differ from position 4"]]}
+    assert any(n.startswith("--common-records: 4 record(s) not present and identical in both files left out")
+               for n in data["notes"])
+    text = md.read_text()
+    assert "### Records left out (--common-records)" in text and "| r3 | edited: token_ids differ from position 4 |" in text
+    assert "| x1 | only in the candidate |" in text
+    out = one_line(r.output)
+    assert "Records left out (--common-records)" in out and "r6 only in the baseline" in out
+    # the figures are those of the five common records compared directly
+    keep = ("r0", "r1", "r2", "r4", "r5")
+    sub = {k: records[k] for k in keep}
+    a = write_results(tmp_path / "sa.parquet", score_rows(model, sub, torch.float32, 5))
+    b = write_results(tmp_path / "sb.parquet", score_rows(model, sub, torch.bfloat16, 5))
+    direct = compare_files(a, b).to_dict()["metrics"]
+    assert data["metrics"] == direct
+    # --exact on the common records: bf16 differs in them; the same data passes
+    r = run_cli(base, new, "--common-records", "--exact")
+    assert r.exit_code == 1 and "--exact: 5 of 5 records differ" in one_line(r.output)
+    same = write_results(tmp_path / "same.parquet", score_rows(model, sub, torch.float32, 5),
+                         dataset_sha256="ef" * 32)
+    r = run_cli(base, same, "--common-records", "--exact")
+    assert r.exit_code == 0 and "all 5 records are bit-identical" in one_line(r.output)
+
+
+def test_common_records_keeps_new_errors_and_refuses_when_nothing_is_common(tmp_path) -> None:
+    model, records = TinyLM(), make_records()
+    base = write_results(tmp_path / "a.parquet", score_rows(model, records, torch.float32, 5))
+    rows = score_rows(model, records, torch.float32, 5)
+    rows[1] = {"id": "r1", "status": "error", "error": "prompt too long"}  # no token_ids: an error, not an edit
+    new = write_results(tmp_path / "b.parquet", rows[:-1], dataset_sha256="cd" * 32)
+    r = run_cli(base, new, "--common-records")
+    assert r.exit_code == 1  # the new error still fails --max-new-errors 0
+    assert "only in the baseline ('r7')" in one_line(r.output) and "edited" not in one_line(r.output)
+    other = write_results(tmp_path / "c.parquet", [dict(row, id=f"x{i}") for i, row in enumerate(rows)])
+    r = run_cli(base, other, "--common-records")
+    assert r.exit_code == 2
+    assert "--common-records: no record is present and identical in both files" in one_line(r.stderr)
