@@ -9,7 +9,7 @@ from rich.console import Console
 
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
 from apcscore.compare.gate import Thresholds
-from apcscore.compare.report import CHECK_HEAD, md_table, print_checks, rich_table, verdict
+from apcscore.compare.report import CHECK_HEAD, check_rows, md_table, print_checks, rich_table, verdict
 from apcscore.errors import ApcscoreError
 
 Row = tuple[str, ...]
@@ -36,8 +36,7 @@ def _sides(c: EvalComparison) -> list[Row]:
 
 
 def _check_rows(c: EvalComparison) -> list[Row]:
-    return [(ch.option, ch.metric, f"{ch.value:.6g}", f"{ch.op} {ch.threshold:g}", "PASS" if ch.passed else "FAIL")
-            for ch in c.checks]
+    return check_rows(c.checks)
 
 
 def render_eval_console(c: EvalComparison, console: Console) -> None:
@@ -53,7 +52,7 @@ def eval_markdown(c: EvalComparison) -> str:
     icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
     out = [f"## apcscore compare (eval runs): {icon} {verdict(c.checks)}", ""]
     if c.checks:
-        rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
+        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
         out += [md_table(CHECK_HEAD, rows), ""]
     out += ["### Per task and metric", "", md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
     out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]

@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from apcscore.compare.fit_table import print_table
 from apcscore.compare.gate import Check, Comparison
 from apcscore.compare.inputs import run_differences
 from apcscore.compare.metrics import DeltaPSummary, KldSummary
@@ -155,9 +156,22 @@ def _extra_tables(c: Comparison) -> list[tuple[str, Row, list[Row]]]:
     return out + (_stats_tables(c.stats) if c.stats is not None else [])
 
 
+def check_rows(checks: list[Check]) -> list[Row]:
+    """One row per check (CHECK_HEAD): the option, what it measures, value, limit, the confidence bound it read,
+    where the limit came from, and the result."""
+    return [(ch.option, ch.metric, _num(ch.value), f"{ch.op} {_num(ch.threshold)}", ch.bound or "-", ch.source,
+             "PASS" if ch.passed else "FAIL") for ch in checks]
+
+
 def _check_rows(c: Comparison) -> list[Row]:
-    return [(ch.option, ch.metric, _num(ch.value), f"{ch.op} {_num(ch.threshold)}", "PASS" if ch.passed else "FAIL")
-            for ch in c.checks]
+    return check_rows(c.checks)
+
+
+def console_check_rows(rows: list[Row]) -> list[Row]:
+    """The check rows in five columns (CONSOLE_CHECK_HEAD), so that they fit 80: where the limit came from under
+    the option, the bound under what is measured."""
+    return [(f"{opt}\n({source})", metric if bound == "-" else f"{metric}\n{bound}", value, limit, result)
+            for opt, metric, value, limit, bound, source, result in rows]
 
 
 def _worst_rows(c: Comparison, worst: int) -> list[Row]:
@@ -167,7 +181,8 @@ def _worst_rows(c: Comparison, worst: int) -> list[Row]:
 
 _WORST_HEAD = ("record", "positions", "mean KL", "max KL", "ln PPL ratio", "top-1 agree", "max |d logprob|")
 _FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct base", "correct new")
-CHECK_HEAD = ("threshold", "measures", "value", "limit", "result")
+CHECK_HEAD = ("threshold", "measures", "value", "limit", "bound", "from", "result")
+CONSOLE_CHECK_HEAD = ("threshold (from)", "measures", "value", "limit", "result")
 
 
 LEFT_OUT_HEAD = ("record", "why")
@@ -194,21 +209,20 @@ def verdict(checks: list[Check]) -> str:
 
 
 def rich_table(console: Console, title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
-    """Print one table of the console report (row styles: e.g. a failed check in red)."""
-    t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
-    for i, row in enumerate(rows):
-        t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
-    console.print(t)
+    """Print one table of the console report, laid out to the console's width (fit_table; row styles: e.g. a
+    failed check in red)."""
+    print_table(console, title, head, rows, styles)
 
 
 def print_checks(console: Console, notes: list[str], checks: list[Check], rows: list[Row],
                  title: str = "Thresholds") -> None:
-    """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`, one
-    per check) and the verdict."""
+    """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`: one
+    per check, as `check_rows` gives them) and the verdict."""
     for note in notes:
         console.print(f"[yellow]note:[/] {escape(note)}")
     if checks:
-        rich_table(console, title, CHECK_HEAD, rows, ["green" if ch.passed else "bold red" for ch in checks])
+        rich_table(console, title, CONSOLE_CHECK_HEAD, console_check_rows(rows),
+                   ["green" if ch.passed else "bold red" for ch in checks])
     passed = all(ch.passed for ch in checks)
     style = "green" if passed and checks else "bold red" if not passed else "yellow"
     console.print(f"[{style}]{escape(verdict(checks))}[/]")
@@ -255,7 +269,7 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
     out = [f"## apcscore compare: {icon} {verdict(c.checks)}", ""]
     if c.checks:
-        rows = [(*r[:4], ("✅ " if r[4] == "PASS" else "❌ ") + r[4]) for r in _check_rows(c)]
+        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
         out += [md_table(CHECK_HEAD, rows), ""]
     same = differ_line(c)
     out += [f"_{same}_" if same else "### Runs differ in\n\n" + md_table(DIFFER_HEAD, _differ_rows(c)), ""]

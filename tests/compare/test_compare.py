@@ -132,11 +132,11 @@ def tiny() -> tuple[TinyLM, dict[str, list[int]]]:
     return TinyLM(), make_records()
 
 
-def run_cli(*args: str | Path):
+def run_cli(*args: str | Path, columns: int = 200):
     app = typer.Typer()
     app.command("compare")(compare)
     app.callback()(lambda: None)  # keep `compare` a subcommand, as in the real app
-    return CliRunner().invoke(app, ["compare", *map(str, args)], env={"COLUMNS": "200"})
+    return CliRunner().invoke(app, ["compare", *map(str, args)], env={"COLUMNS": str(columns)})
 
 
 def one_line(text: str) -> str:
