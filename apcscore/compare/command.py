@@ -157,7 +157,7 @@ def _html(result: "Comparison", worst: int) -> str:
         from apcscore.compare.html_report import to_html
     except ImportError as e:  # plotly is a dependency; an environment installed before it was added lacks it
         raise ApcscoreError(f"--report-html needs plotly ({e}): pip install 'plotly>=6,<8'") from None
-    from apcscore.io.token_text import pieces_for
+    from apcscore.io.token_text import texts_for
     from apcscore.models.loading import try_load_tokenizer
 
     notes = []
@@ -166,4 +166,4 @@ def _html(result: "Comparison", worst: int) -> str:
         tokenizer, why = try_load_tokenizer(result.base.tokenizer)
         if tokenizer is None:
             notes.append(f"tokens are shown as ids: {why}")
-    return to_html(result, worst, pieces_for(tokenizer), notes)
+    return to_html(result, worst, texts_for(tokenizer), notes)
