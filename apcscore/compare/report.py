@@ -192,7 +192,8 @@ def _left_out_rows(c: Comparison) -> list[Row]:
     """The records --common-records left out: only in one file, or edited (another input)."""
     lo = c.left_out
     return ([(r, "only in the baseline") for r in lo.only_baseline]
-            + [(r, "only in the candidate") for r in lo.only_candidate] + [(r, f"edited: {why}") for r, why in lo.edited])
+            + [(r, "only in the candidate") for r in lo.only_candidate]
+            + [(r, f"edited: {why}") for r, why in lo.edited])
 
 
 def _flip_rows(c: Comparison) -> list[Row]:

@@ -168,7 +168,8 @@ def test_show_prints_the_characters_and_names_a_partial_token(split_record) -> N
     path, ids, e, partial = split_record
     r = CliRunner().invoke(app, ["show", str(path)], env={"COLUMNS": "200"})
     assert r.exit_code == 0, r.output
-    assert "hlavní město." in r.stdout and "北京是中国的首都。 नमस्ते दुनिया 😀" in r.stdout and "\ufffd" not in r.stdout
+    assert "hlavní město." in r.stdout and "北京是中国的首都。 नमस्ते दुनिया 😀" in r.stdout
+    assert "\ufffd" not in r.stdout
     # the least likely token is the second byte of ě, named with its character
     assert re.search(rf'│ {e[0] + 1} +│ "<0x9B>" \(part of "ě"\) +│ {ids[e[0] + 1]} +│ -7.2500 ', r.stdout)
     r = CliRunner().invoke(app, ["show", str(path), "--position", str(e[0] + 1)], env={"COLUMNS": "200"})
