@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -15,6 +17,8 @@ import click
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
 from apcscore import __version__
@@ -48,12 +52,61 @@ def _plain_help_option(option: click.Option | None) -> click.Option | None:
     return option
 
 
+class _OptionsTable(Table):
+    """Typer's options table (its `_print_options_panel`), laid out so that no option name is cut at 80 columns.
+
+    Typer gives each option a row of six or seven cells (required mark, long names, short names, the `--no-x`
+    names, their short names, type, help) in columns that all may shrink: at 80 columns Rich cut the names
+    (`--min-top1-agreem…`, `--kv-cache-memor…`) and long words of the help (`configs/compare.t…`). Here a row
+    becomes (mark, names, type, help) and the first three columns never wrap or shrink: the names on one line
+    (`--model -m`), a `--no-x` form on a row of its own below, a type's range (`[x>=100]`) at the end of the help.
+    The help column, the only one that narrows, folds a word longer than itself instead of cutting it."""
+
+    def add_row(self, *cells: Any, **kwargs: Any) -> None:
+        if len(cells) < 6:  # not an options row (Typer's commands table sets its own columns)
+            super().add_row(*cells, **kwargs)
+            return
+        mark, (long, short, no_long, no_short, kind, help_) = (cells[0] if len(cells) == 7 else ""), cells[-6:]
+        items = list(getattr(help_, "renderables", None) or [help_])  # Typer's Columns: the help, [default: ...]
+        if isinstance(kind, Text) and " [" in kind.plain:  # `<int range> [x>=100]`: the range after the help
+            at = kind.plain.index(" [")
+            kind, items = kind[:at], [*items, kind[at + 1:]]
+        if all(isinstance(t, Text) for t in items):  # one Text, which folds a long word (Columns' cells cut it)
+            help_ = Text("\n").join(items)
+            help_.overflow = "fold"
+        if not self.columns:
+            for _ in range(3):
+                self.add_column(no_wrap=True)
+            self.add_column(overflow="fold", ratio=1)
+        super().add_row(mark, Text.assemble(long, " " if str(short) else "", short), kind, help_, **kwargs)
+        if str(no_long) or str(no_short):
+            super().add_row("", Text.assemble(no_long, " " if str(no_short) else "", no_short), "", "", **kwargs)
+
+
+@contextmanager
+def _fitting_help() -> Iterator[None]:
+    """While a --help page renders, Typer's tables are `_OptionsTable`s (typer.rich_utils looks `Table` up when it
+    draws a panel)."""
+    import typer.rich_utils
+
+    table = typer.rich_utils.Table
+    typer.rich_utils.Table = _OptionsTable
+    try:
+        yield
+    finally:
+        typer.rich_utils.Table = table
+
+
 class Group(TyperGroup):
     """Typer's group; its --help shows no `<bool>`; help text is never read as markup."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _escape_help(self)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with _fitting_help():
+            super().format_help(ctx, formatter)
 
     def get_help_option(self, ctx: click.Context) -> click.Option | None:
         return _plain_help_option(super().get_help_option(ctx))
@@ -65,6 +118,10 @@ class Command(TyperCommand):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         _escape_help(self)
+
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with _fitting_help():
+            super().format_help(ctx, formatter)
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)

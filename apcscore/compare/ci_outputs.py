@@ -5,6 +5,9 @@
 - GitHub Actions: when `GITHUB_ACTIONS=true`, one `::error` workflow command per failed case and a `::notice`
   with the verdict; when `GITHUB_STEP_SUMMARY` names a file, the Markdown report is appended to it (the job
   summary), unless `--report-md` already writes that very file.
+- `--report-md PATH` where PATH is the file `$GITHUB_STEP_SUMMARY` names (the recipe `--report-md
+  "$GITHUB_STEP_SUMMARY"`) appends to it, as GitHub expects of a step's summary: what the step wrote before stays.
+  Any other PATH is written whole (`write_markdown`).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 from apcscore.compare.gate import Check
+from apcscore.compare.report_paths import is_step_summary
 from apcscore.errors import ApcscoreError
 
 SUITES_NAME = "apcscore compare"  # the <testsuites> name; report_paths knows a JUnit report by it
@@ -88,6 +92,37 @@ def _same_file(a: Path, b: Path) -> bool:
         return a.resolve() == b.resolve()
 
 
+def _append(path: Path, text: str, what: str) -> None:
+    """Append `text` to `path`, after a blank line when the file already holds something (Markdown blocks of
+    several writers then stay apart)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 2))
+            tail = f.read()
+    except FileNotFoundError:
+        tail = b""
+    except OSError as e:
+        raise ApcscoreError(f"cannot append the summary to {what}: {e}") from None
+    sep = "" if not tail or tail.endswith(b"\n\n") else "\n" if tail.endswith(b"\n") else "\n\n"
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(sep + text)
+    except OSError as e:
+        raise ApcscoreError(f"cannot append the summary to {what}: {e}") from None
+
+
+def write_markdown(path: Path, text: str) -> None:
+    """`--report-md PATH`: appended when PATH is $GITHUB_STEP_SUMMARY (a step summary collects what the step writes;
+    replacing it would erase what came before), else written whole (report.write_report)."""
+    if is_step_summary(path):
+        _append(path, text, f"--report-md {path} ($GITHUB_STEP_SUMMARY)")
+        return
+    from apcscore.compare.report import write_report
+
+    write_report(path, text)
+
+
 def github_outputs(cases: list[Case], verdict: str, markdown: Callable[[], str], report_md: Path | None,
                    echo: Callable[[str], None] = print) -> None:
     """GitHub Actions outputs, read from the environment: annotations of `cases` and the verdict when
@@ -98,8 +133,4 @@ def github_outputs(cases: list[Case], verdict: str, markdown: Callable[[], str],
             echo(line)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
     if summary and not (report_md is not None and _same_file(Path(summary), report_md)):
-        try:
-            with open(summary, "a", encoding="utf-8") as f:
-                f.write(markdown() + "\n")
-        except OSError as e:
-            raise ApcscoreError(f"cannot append the summary to GITHUB_STEP_SUMMARY={summary}: {e}") from None
+        _append(Path(summary), markdown(), f"GITHUB_STEP_SUMMARY={summary}")

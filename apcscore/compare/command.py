@@ -62,8 +62,8 @@ def compare(
         help="TOML file whose 'thresholds' table sets these limits (see configs/compare.toml); options given "
              "here override it.")] = None,
     report_md: Annotated[Optional[Path], typer.Option(
-        help="Also write the report as Markdown here (in GitHub Actions it is appended to $GITHUB_STEP_SUMMARY "
-             "without this).")] = None,
+        help="Also write the report as Markdown here; the file $GITHUB_STEP_SUMMARY names is appended to, not "
+             "replaced (in GitHub Actions the report is appended there without this too).")] = None,
     report_json: Annotated[Optional[Path], typer.Option(
         help="Also write every figure, per record included, as JSON here.")] = None,
     report_junit: Annotated[Optional[Path], typer.Option(
@@ -84,6 +84,11 @@ def compare(
     exact: Annotated[bool, typer.Option(
         help="Fail on any differing bit in the columns both runs hold, and name the first differing record, "
              "column, position and token (see docs/compare.md).")] = False,
+    common_records: Annotated[bool, typer.Option(
+        "--common-records", metavar="",
+        help="Compare only the records present and identical (same tokens, answer, choices) in both files, where "
+             "another dataset, missing or edited records would be refused; the report lists those left out and "
+             "why.")] = False,
     worst: Annotated[int, typer.Option(min=0, help="How many of the worst records (by KL) to list.")] = 10,
     overwrite: Annotated[bool, typer.Option(
         help="Let a report replace an existing file that is not a report of compare (an earlier report, or an "
@@ -94,7 +99,7 @@ def compare(
     try:
         import pyarrow as pa
 
-        from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit
+        from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit, write_markdown
         from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
         from apcscore.compare.report import render_console, to_json, to_markdown, verdict, write_report
         from apcscore.compare.report_paths import check_report_paths
@@ -112,6 +117,10 @@ def compare(
         if baseline.is_dir() or candidate.is_dir():  # two `apcscore eval` folders
             from apcscore.compare.eval_report import run_eval_compare
 
+            if common_records:
+                raise ApcscoreError("--common-records applies to result files (score, perplexity); eval folders "
+                                    "must hold the same documents — run both evals with the same tasks and --limit")
+
             passed = run_eval_compare(baseline, candidate, thresholds, exact, report_md, report_json, report_html,
                                       report_junit, Console())
             raise typer.Exit(0 if passed else 1)
@@ -120,21 +129,21 @@ def compare(
             if exact:
                 from apcscore.compare.exact import add_exact, exact_files
 
-                exact_diff = exact_files(baseline, candidate)
-            result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed)
+                exact_diff = exact_files(baseline, candidate, common_records)
+            result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed, common_records)
         except (pa.ArrowException, OSError) as e:  # a file damaged past its footer
             raise ApcscoreError(f"cannot read the result files: {e} — write them again") from None
         except ApcscoreError as e:  # not comparable: with --exact, a difference found first is the verdict
             if exact_diff is None or exact_diff.passed:
                 raise
-            Console().print(f"[bold red]FAIL[/] {escape(exact_diff.summary())}\n(no figures: {escape(str(e))})",
-                            soft_wrap=True)
+            found = "\n".join([exact_diff.summary(), *exact_diff.notes])
+            Console().print(f"[bold red]FAIL[/] {escape(found)}\n(no figures: {escape(str(e))})", soft_wrap=True)
             raise typer.Exit(1) from None
         if exact_diff is not None:
             add_exact(result.checks, result.notes, exact_diff)
         render_console(result, Console(), worst)
         if report_md is not None:
-            write_report(report_md, to_markdown(result, worst))
+            write_markdown(report_md, to_markdown(result, worst))
         if report_json is not None:
             write_report(report_json, to_json(result))
         if report_html is not None:
@@ -159,7 +168,7 @@ def _html(result: "Comparison", worst: int) -> str:
         from apcscore.compare.html_report import to_html
     except ImportError as e:  # plotly is a dependency; an environment installed before it was added lacks it
         raise ApcscoreError(f"--report-html needs plotly ({e}): pip install 'plotly>=6,<8'") from None
-    from apcscore.io.token_text import pieces_for
+    from apcscore.io.token_text import texts_for
     from apcscore.models.loading import try_load_tokenizer
 
     notes = []
@@ -168,4 +177,4 @@ def _html(result: "Comparison", worst: int) -> str:
         tokenizer, why = try_load_tokenizer(result.base.tokenizer)
         if tokenizer is None:
             notes.append(f"tokens are shown as ids: {why}")
-    return to_html(result, worst, pieces_for(tokenizer), notes)
+    return to_html(result, worst, texts_for(tokenizer), notes)

@@ -70,7 +70,7 @@ def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, ex
                      console: Console) -> bool:
     """The command on two eval folders: compare, print, write the reports (JUnit: one testcase per task) and the
     GitHub outputs; returns whether the gate passed."""
-    from apcscore.compare.ci_outputs import Case, github_outputs, to_junit
+    from apcscore.compare.ci_outputs import Case, github_outputs, to_junit, write_markdown
     from apcscore.compare.eval_runs import compare_eval_dirs, exact_eval
     from apcscore.compare.exact import add_exact
     from apcscore.compare.report import write_report
@@ -89,7 +89,7 @@ def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, ex
         result.check_tasks.append("exact")
     render_eval_console(result, console)
     if report_md is not None:
-        write_report(report_md, eval_markdown(result))
+        write_markdown(report_md, eval_markdown(result))
     if report_json is not None:
         write_report(report_json, eval_json(result))
     cases = [Case(name, passed, message, classname="apcscore.compare.eval") for name, passed, message in result.cases()]

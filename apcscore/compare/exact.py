@@ -6,6 +6,10 @@ that describe how a run was scheduled, not what it computed). Floats are compare
 from +0.0, and a NaN equals a NaN of the same bits. A null equals only a null. Run metadata (model, dtype,
 timings, command line) is not a column and is never compared. Columns only one file holds are named in a note.
 
+Top-K lists (`top_ids`, `top_logprobs`, `completion_top_*`) of runs that stored another K (`--prompt-logprobs 20`
+against 5) are compared on their common first min(K) entries, and a note says so: otherwise every record would
+differ for the K alone. The entries are sorted by logprob, so the first min(K) are the smaller run's whole top-K.
+
 The first difference reported is in the first record (baseline order) that differs; within it, the earliest
 token position of the per-token columns (`token_*`, `top_*`), with the token id there, else the first column
 that differs (file order), with the index inside a list (e.g. the choice of `choice_logprobs`).
@@ -62,6 +66,7 @@ class ExactDiff:
     num_differing_records: int
     first: FirstDifference | None
     only_one_side: list[str]  # columns not compared because one file lacks them
+    notes: list[str] = field(default_factory=list)  # e.g. top-K lists cut to the common K
 
     @property
     def passed(self) -> bool:
@@ -151,6 +156,7 @@ def compare_tables(base: pa.Table, new: pa.Table, key: str = "id") -> ExactDiff:
                             f"{base.num_rows} against {new.num_rows} records); compare two runs of the same data")
     new = new.take(idx)
     names = [c for c in base.column_names if c in new.column_names and c != key and c not in IGNORED]
+    base, new, notes = common_top_k(base, new, names)
     one_side = sorted(set(base.column_names) ^ set(new.column_names))
     masks = {c: differs(base[c], new[c]) for c in names}
     any_row = np.zeros(base.num_rows, dtype=bool)
@@ -161,7 +167,41 @@ def compare_tables(base: pa.Table, new: pa.Table, key: str = "id") -> ExactDiff:
     if any_row.any():
         i = int(np.flatnonzero(any_row)[0])
         first = _first_difference(base, new, i, [c for c in names if masks[c][i]], key)
-    return ExactDiff(base.num_rows, names, differing, int(any_row.sum()), first, one_side)
+    return ExactDiff(base.num_rows, names, differing, int(any_row.sum()), first, one_side, notes)
+
+
+def _top_k(col: pa.ChunkedArray | pa.Array) -> int:
+    """The largest K of a column of per-position top-K lists (list<list<...>>); 0 when it holds none."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    inner = arr.flatten()
+    return int(pc.max(pc.list_value_length(inner)).as_py() or 0) if len(inner) else 0
+
+
+def _first_k(col: pa.ChunkedArray | pa.Array, k: int) -> pa.Array:
+    """Each position's top-K list cut to its first k entries (nulls stay null, at both levels)."""
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    offsets = pc.subtract(arr.offsets, arr.offsets[0])  # the list's own offsets, from 0 (a slice starts later)
+    inner = pc.list_slice(arr.flatten(), 0, k, return_fixed_size_list=False)
+    return pa.ListArray.from_arrays(offsets, inner, type=arr.type, mask=arr.is_null())
+
+
+def common_top_k(base: pa.Table, new: pa.Table, names: list[str]) -> tuple[pa.Table, pa.Table, list[str]]:
+    """Cut the top-K list columns (`*top_*`, lists of lists) to the smaller K where the two runs stored another K;
+    the notes say which and to what."""
+    cut: dict[tuple[int, int], list[str]] = {}
+    for c in names:
+        if "top_" not in c or not all(pa.types.is_list(t[c].type) and pa.types.is_list(t[c].type.value_type)
+                                      for t in (base, new)):
+            continue
+        kb, kn = _top_k(base[c]), _top_k(new[c])
+        if kb != kn:
+            k = min(kb, kn)
+            base = base.set_column(base.column_names.index(c), c, _first_k(base[c], k))
+            new = new.set_column(new.column_names.index(c), c, _first_k(new[c], k))
+            cut.setdefault((kb, kn), []).append(c)
+    notes = [f"--exact: the baseline stores top-{kb} and the candidate top-{kn}: {', '.join(cols)} compared on "
+             f"their first {min(kb, kn)} entries (the common top-{min(kb, kn)})" for (kb, kn), cols in cut.items()]
+    return base, new, notes
 
 
 def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str], key: str) -> FirstDifference:
@@ -186,20 +226,25 @@ def _at(v: list, j: int) -> Any:
     return v[j] if j < len(v) else "(no element: the list ends here)"
 
 
-def exact_files(baseline: Any, candidate: Any) -> ExactDiff:
-    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them)."""
+def exact_files(baseline: Any, candidate: Any, common_records: bool = False) -> ExactDiff:
+    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them); with
+    `common_records`, on the records present and identical in both (inputs.match_records)."""
     import pyarrow.parquet as pq
 
-    from apcscore.compare.inputs import load_result_file
+    from apcscore.compare.inputs import load_result_file, match_records
 
-    tables = []
+    files, tables = [], []
     for path, role in ((baseline, "baseline"), (candidate, "candidate")):
         f = load_result_file(path, role)  # refuses what is not apcscore output, missing or duplicate ids
         try:
             t = pq.read_table(f.path)
         except (pa.ArrowException, OSError) as e:
             raise ApcscoreError(f"{role} file {f.path} is damaged: its data cannot be read ({e})") from None
+        files.append(f)
         tables.append(t.set_column(t.column_names.index("id"), "id", f.table["id"]))
+    if common_records:
+        kept = match_records(*files, common=True)[0]["id"]
+        tables = [t.filter(pc.is_in(t["id"], value_set=kept)) for t in tables]
     return compare_tables(*tables)
 
 
@@ -210,5 +255,6 @@ def add_exact(checks: list, notes: list[str], diff: ExactDiff) -> None:
     checks.append(Check("--exact", "records with a differing bit", float(diff.num_differing_records), "<=", 0.0,
                         diff.passed))
     notes.append(diff.summary())
+    notes.extend(diff.notes)
     if diff.only_one_side:
         notes.append(f"--exact: not compared, in one file only: {', '.join(diff.only_one_side)}")

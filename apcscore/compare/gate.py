@@ -32,8 +32,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from apcscore.compare.inputs import (Excluded, FileInfo, align, check_same_run_kind, check_token_ids, examples,
-                                     file_info, load_result_file, split_excluded)
+from apcscore.compare.inputs import (COMMON_RECORDS, Excluded, FileInfo, LeftOut, check_same_run_kind,
+                                     check_token_ids, examples, file_info, load_result_file, match_records,
+                                     split_excluded)
 from apcscore.compare.metrics import (Broken, Flip, Metrics, Positions, RecordMetrics, broken_records, flips,
                                       position_data, record_level, record_rows, token_summary)
 from apcscore.compare.stats import DEFAULT_ALPHA, DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, margin_verdict, \
@@ -223,6 +224,7 @@ class Comparison:
     aligned: Aligned | None = field(default=None, repr=False)  # the data behind the figures; not in to_dict
     stats: PairedStats | None = None  # McNemar tests, bootstrap intervals, minimum detectable effects
     broken: Broken = field(default_factory=Broken)  # NaN, +-inf, one-sided positions: left out of every figure
+    left_out: LeftOut = field(default_factory=LeftOut)  # records not in both files alike (--common-records)
 
     @property
     def passed(self) -> bool:
@@ -347,17 +349,16 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
 
 
 def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None = None,
-                  samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED) -> Comparison:
+                  samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED, common_records: bool = False) -> Comparison:
     """Compare two apcscore result files of the same dataset; raise ApcscoreError when they are not comparable.
 
     `samples` and `seed` set the paired bootstrap (apcscore.compare.stats), at the level of
-    `thresholds.significance` (0.05 when unset).
+    `thresholds.significance` (0.05 when unset). `common_records` (--common-records): compare the records present
+    and identical in both files, leaving the others out (`Comparison.left_out`), where they would be refused.
     """
     base, new = load_result_file(baseline, "baseline"), load_result_file(candidate, "candidate")
     check_same_run_kind(base, new)
-    order = align(base, new)
-    same_order = np.array_equal(order, np.arange(len(order)))
-    bt, nt = base.table, new.table if same_order else new.table.take(order)
+    bt, nt, left_out = match_records(base, new, common_records)  # joined by id; other records refused or left out
     ok, excluded = split_excluded(bt, nt)
     if not ok.all():
         bt, nt = bt.filter(ok), nt.filter(ok)
@@ -409,9 +410,12 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
     notes += record_level(m, bt, nt)
     if excluded:
         notes.append(f"{len(excluded)} record(s) with status 'error' left out of every figure (listed)")
+    if left_out.count:
+        notes.append(f"{COMMON_RECORDS}: {left_out.count} record(s) not present and identical in both files left out "
+                     f"(listed): {left_out.describe()}")
     c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred,
                    bt.num_rows + len(excluded) + int(bad_records.sum()), bt.num_rows, m, records, flips(bt, nt),
-                   excluded, [], notes, Aligned(bt, nt, pos), broken=broken)
+                   excluded, [], notes, Aligned(bt, nt, pos), broken=broken, left_out=left_out)
     thresholds = thresholds if thresholds is not None else Thresholds()
     if bt.num_rows:
         c.stats = paired_stats(bt, nt, pos, thresholds.alpha, samples, seed)

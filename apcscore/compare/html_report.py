@@ -23,9 +23,10 @@ import numpy as np
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (CHECK_HEAD, _FLIP_HEAD, _WORST_HEAD, Row, _check_rows, _extra_tables,
-                                     _metric_rows, _sides, _worst_rows, verdict)
-from apcscore.io.token_text import Pieces, id_pieces
+from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, LEFT_OUT_HEAD, _FLIP_HEAD, _WORST_HEAD, Row,
+                                     _check_rows, _differ_rows, _extra_tables, _left_out_rows, _metric_rows, _sides,
+                                     _worst_rows, differ_line, verdict)
+from apcscore.io.token_text import Texts, id_texts
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
 MAX_TOKENS = 1024  # tokens shown of one record: a window around its largest |Δ|
@@ -200,8 +201,27 @@ def _colour(delta: float, scale: float) -> str:
     return f"background: rgba({r},{g},{b},{0.85 * min(1.0, abs(delta) / scale):.3f})"
 
 
-def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, pieces: Pieces, scale: float) -> str:
-    """One record's tokens as spans coloured by Δ logprob, with both logprobs and top-K lists in the title."""
+def _token_lines(rm: RecordMetrics, j: int, own: str, t: int, b: dict, n: dict, deltas: dict[int, float],
+                 kl: dict[int, float], alt: dict[int, str], length: int) -> list[str]:
+    """The title lines of one token: where it is, its text, both logprobs, the KL and both top-K lists."""
+    head = f"record {rm.id}, position {j}: {json.dumps(own, ensure_ascii=False)} (id {t})"
+    if j not in deltas:
+        return [head, "not scored in both files"]
+    bl, nl = b["token_logprobs"][j], n["token_logprobs"][j]
+    lines = [head, f"baseline logprob {bl:.4f}, candidate {nl:.4f}, Δ {deltas[j]:+.4f}"]
+    if not math.isnan(kl[j]):
+        lines.append(f"KL(base ‖ new) {kl[j]:.4g}")
+    lines.append(_top_lines("baseline", (b.get("top_ids") or [None] * length)[j],
+                            (b.get("top_logprobs") or [None] * length)[j], t, alt))
+    lines.append(_top_lines("candidate", (n.get("top_ids") or [None] * length)[j],
+                            (n.get("top_logprobs") or [None] * length)[j], t, alt))
+    return lines
+
+
+def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, texts: Texts, scale: float) -> str:
+    """One record's text as spans coloured by Δ logprob, with both logprobs and top-K lists in the title. A span is
+    one token, or the tokens of one character split across several (byte-level BPE: `ě` is two tokens), coloured
+    by its largest |Δ|, its title holding each of its tokens."""
     b = c.aligned.base.slice(row, 1).to_pylist()[0]
     n = c.aligned.new.slice(row, 1).to_pylist()[0]
     ids = b["token_ids"] or []
@@ -215,31 +235,26 @@ def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, pieces: Pieces, s
         centre = max(deltas, key=lambda p: abs(deltas[p])) if deltas else 0
         start = min(max(0, centre - MAX_TOKENS // 2), len(ids) - MAX_TOKENS)
         stop = start + MAX_TOKENS
-    texts = pieces(ids[start:stop])
+    tt = texts(ids[start:stop])
     alt: dict[int, str] = {}
     for side in (b, n):
         for top in (side.get("top_ids") or [])[start:stop]:
             for t in top or []:
                 if t not in alt:
-                    alt[t] = pieces([t])[0]
+                    alt[t] = texts([t]).pieces[0]  # alone: a partial character shows its bytes (<0xE8>)
     spans = []
-    for j in range(start, stop):
-        t, text = ids[j], texts[j - start]
-        head = f"record {rm.id}, position {j}: {json.dumps(text, ensure_ascii=False)} (id {t})"
-        if j not in deltas:
-            spans.append(f'<span class="tok na" title="{_e(head + chr(10) + "not scored in both files")}">'
-                         f"{_shown(text)}</span>")
+    for s0, s1, text in tt.spans:
+        js = range(start + s0, start + s1)
+        blocks = [_token_lines(rm, j, tt.pieces[j - start], ids[j], b, n, deltas, kl, alt, len(ids)) for j in js]
+        title = "\n\n".join("\n".join(lines) for lines in blocks)
+        if len(js) > 1:
+            title = f"{json.dumps(text, ensure_ascii=False)}: {len(js)} tokens (one character's bytes)\n\n{title}"
+        scored = [deltas[j] for j in js if j in deltas]
+        if not scored:
+            spans.append(f'<span class="tok na" title="{_e(title)}">{_shown(text)}</span>')
             continue
-        bl, nl = b["token_logprobs"][j], n["token_logprobs"][j]
-        lines = [head, f"baseline logprob {bl:.4f}, candidate {nl:.4f}, Δ {deltas[j]:+.4f}"]
-        if not math.isnan(kl[j]):
-            lines.append(f"KL(base ‖ new) {kl[j]:.4g}")
-        lines.append(_top_lines("baseline", (b.get("top_ids") or [None] * len(ids))[j],
-                                (b.get("top_logprobs") or [None] * len(ids))[j], t, alt))
-        lines.append(_top_lines("candidate", (n.get("top_ids") or [None] * len(ids))[j],
-                                (n.get("top_logprobs") or [None] * len(ids))[j], t, alt))
-        spans.append(f'<span class="tok" style="{_colour(deltas[j], scale)}" title="{_e(chr(10).join(lines))}">'
-                     f"{_shown(text)}</span>")
+        delta = max(scored, key=lambda d: -1.0 if math.isnan(d) else abs(d))
+        spans.append(f'<span class="tok" style="{_colour(delta, scale)}" title="{_e(title)}">{_shown(text)}</span>')
     cut = ""
     if start or stop < len(ids):
         cut = (f'<p class="muted">tokens {start} to {stop - 1} of {len(ids)}, around the largest change '
@@ -257,7 +272,7 @@ def _left_out(n: int, what: str) -> str:
             "(the JSON report, --report-json, has them all)</p>") if n > 0 else ""
 
 
-def _worst_section(c: Comparison, worst: int, pieces: Pieces, budget: int) -> str:
+def _worst_section(c: Comparison, worst: int, texts: Texts, budget: int) -> str:
     """The worst records' table and as many of them token by token as fit in `budget` bytes (in order)."""
     shown = c.records[:min(worst, MAX_TABLE_ROWS)]
     out = [f"<h2>Worst {len(shown)} records</h2>", _table(_WORST_HEAD, _worst_rows(c, len(shown)), table_id="worst"),
@@ -275,7 +290,7 @@ def _worst_section(c: Comparison, worst: int, pieces: Pieces, budget: int) -> st
     budget -= len("\n".join(out).encode()) + 1_000  # the note below
     views = []
     for r in shown:
-        view = _record_tokens(c, rows[r.id], r, pieces, scale)
+        view = _record_tokens(c, rows[r.id], r, texts, scale)
         if len(view.encode()) > budget:
             out.append(f'<p class="note">{len(views)} of the {len(shown)} records are shown token by token: the '
                        f"next would take the page over {MAX_PAGE_BYTES / 1e6:g} MB (the table above lists all "
@@ -291,10 +306,11 @@ def _worst_section(c: Comparison, worst: int, pieces: Pieces, budget: int) -> st
 # ----------------------------------------------------------------------------------------------------------
 
 
-def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: list[str] | None = None) -> str:
+def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list[str] | None = None) -> str:
     """The comparison as a self-contained HTML page (plotly.js inlined).
 
-    `pieces` turns a record's token ids into one text per token (`apcscore.io.token_text`; default: the ids);
+    `texts` turns a record's token ids into their texts (`apcscore.io.token_text`: each token's, and spans of
+    whole characters; default: the ids);
     `notes` are shown beside the comparison's own (e.g. why the tokenizer could not be loaded).
     """
     from plotly.offline import get_plotlyjs
@@ -309,6 +325,9 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
                                                                            for ch in c.checks], "thresholds")]
     else:
         parts.append('<p class="muted">no thresholds given: nothing was judged</p>')
+    same = differ_line(c)
+    parts += [f'<p class="muted" id="differ">{_e(same)}</p>' if same else
+              "<h2>Runs differ in</h2>" + _table(DIFFER_HEAD, _differ_rows(c), table_id="differ")]
     parts += ["<h2>Metrics</h2>", _table(("metric", "baseline", "candidate", "change"), _metric_rows(c),
                                          table_id="metrics")]
     for title, head, rows in _extra_tables(c):  # KL and delta p blocks, paired statistics
@@ -336,6 +355,10 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
                   _table(("record", "failed in", "error"), [(e.id, e.side, e.error)
                                                             for e in c.excluded[:MAX_TABLE_ROWS]]),
                   _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
+    if c.left_out.count:
+        rows = _left_out_rows(c)
+        parts += ["<h2>Records left out (--common-records)</h2>", _table(LEFT_OUT_HEAD, rows[:MAX_TABLE_ROWS]),
+                  _left_out(len(rows) - MAX_TABLE_ROWS, "records left out")]
     parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")
@@ -345,5 +368,5 @@ def to_html(c: Comparison, worst: int = 10, pieces: Pieces = id_pieces, notes: l
     tail = f"</main>{aside}<script>{_JS}</script></body></html>\n"
     if c.records and worst:
         used = sum(len(x.encode()) for x in (head, tail, *parts))
-        parts.insert(worst_at, _worst_section(c, worst, pieces, MAX_PAGE_BYTES - used))
+        parts.insert(worst_at, _worst_section(c, worst, texts, MAX_PAGE_BYTES - used))
     return head + "".join(parts) + tail

@@ -3,7 +3,7 @@ and set aside the records that failed on either side."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ GATED_COMMANDS = ("score", "perplexity")  # the commands whose files compare mea
 _COLUMNS = (
     "id", "status", "error", "num_tokens", "num_scored", "sum_logprob", "perplexity", "num_words", "num_bytes",
     "token_ids", "token_logprobs", "top_ids", "top_logprobs",
-    "pred", "pred_norm", "correct", "correct_norm", "answer",
+    "pred", "pred_norm", "correct", "correct_norm", "answer", "choice_logprobs", "continuation_num_tokens",
 )
 
 
@@ -95,17 +95,11 @@ WINDOWING = {"window": "--window", "stride": "--stride", "prefix_token_id": "pre
 
 
 def check_same_run_kind(base: ResultFile, new: ResultFile) -> None:
-    """Refuse files of different commands, datasets or vocabularies (exit 2)."""
+    """Refuse files of different commands, windows or vocabularies (exit 2); datasets: `match_records`."""
     cb, cn = base.meta.get("command"), new.meta.get("command")
     if cb and cn and cb != cn:
         raise ApcscoreError(f"the baseline was written by `apcscore {cb}` and the candidate by `apcscore {cn}`; "
                             f"compare two runs of the same command")
-    hb, hn = base.dataset.get("sha256"), new.dataset.get("sha256")
-    if hb and hn and hb != hn:
-        raise ApcscoreError(
-            f"the files are runs on different datasets: baseline {base.dataset.get('path', '?')} (sha256 "
-            f"{str(hb)[:12]}...), candidate {new.dataset.get('path', '?')} (sha256 {str(hn)[:12]}...); "
-            f"score the same dataset with both models")
     if cb == cn == "perplexity":  # another window or stride is another measurement, not a regression
         jb, jn = base.meta.get("job") or {}, new.meta.get("job") or {}
         keys = [k for k in WINDOWING if k in jb and k in jn and jb[k] != jn[k]]
@@ -122,20 +116,129 @@ def check_same_run_kind(base: ResultFile, new: ResultFile) -> None:
                             f"compare needs the same tokenizer")
 
 
-def align(base: ResultFile, new: ResultFile) -> np.ndarray:
-    """For each baseline row, the candidate row with the same id; refuse when the id sets differ."""
-    pos = pc.index_in(base.table["id"], value_set=new.table["id"])  # [n] int32, null = not in the candidate
-    only_base = base.table["id"].filter(pos.is_null()).to_pylist()
-    only_new = new.table["id"].filter(pc.invert(pc.is_in(new.table["id"], value_set=base.table["id"]))).to_pylist()
-    if only_base or only_new:
+COMMON_RECORDS = "--common-records"
+# What a record's input is, as a result file stores it (the prompt text is not stored): its tokens (else their
+# count), and for the other record kinds the answer, the number of choices and the continuation's length.
+IDENTITY = ("token_ids", "num_tokens", "num_bytes", "answer", "choice_logprobs", "continuation_num_tokens")
+
+
+@dataclass
+class LeftOut:
+    """Records that are not the same in the two files: left out of the comparison by --common-records, else named
+    in the refusal."""
+
+    only_baseline: list[str] = field(default_factory=list)
+    only_candidate: list[str] = field(default_factory=list)
+    edited: list[tuple[str, str]] = field(default_factory=list)  # (id, what differs), e.g. token_ids at position 4
+
+    @property
+    def count(self) -> int:
+        return len(self.only_baseline) + len(self.only_candidate) + len(self.edited)
+
+    def describe(self) -> str:
+        """e.g. "2 only in the baseline ('r6', 'r7'); 1 edited (same id, another input): 'r3' (token_ids differ
+        from position 4)"."""
         parts = []
-        if only_base:
-            parts.append(f"{len(only_base)} only in the baseline ({examples(only_base)})")
-        if only_new:
-            parts.append(f"{len(only_new)} only in the candidate ({examples(only_new)})")
-        raise ApcscoreError(f"the files hold different records: record ids {'; '.join(parts)}. compare needs two "
-                            f"runs on the same dataset")
-    return pos.to_numpy(zero_copy_only=False).astype(np.int64)
+        if self.only_baseline:
+            parts.append(f"{len(self.only_baseline)} only in the baseline ({examples(self.only_baseline)})")
+        if self.only_candidate:
+            parts.append(f"{len(self.only_candidate)} only in the candidate ({examples(self.only_candidate)})")
+        if self.edited:
+            shown = ", ".join(f"{rid!r} ({why})" for rid, why in self.edited[:EXAMPLES])
+            more = f" and {len(self.edited) - EXAMPLES} more" if len(self.edited) > EXAMPLES else ""
+            parts.append(f"{len(self.edited)} edited (same id, another input): {shown}{more}")
+        return "; ".join(parts)
+
+
+def _edited(base: pa.Table, new: pa.Table) -> list[tuple[str, str]]:
+    """Records (aligned tables) ok on both sides whose input differs (IDENTITY), with the first thing that differs.
+    A record that failed on either side is not judged here: it is excluded, or a new error, as any other."""
+    ok = (pc.equal(base["status"], "ok").to_numpy(zero_copy_only=False)
+          & pc.equal(new["status"], "ok").to_numpy(zero_copy_only=False))
+    why: dict[int, str] = {}
+    for c in IDENTITY:
+        if c not in base.column_names or c not in new.column_names:
+            continue
+        b, n = base[c].combine_chunks(), new[c].combine_chunks()
+        if c == "choice_logprobs":  # the output per choice; its length is the number of choices
+            b, n, c = pc.list_value_length(b), pc.list_value_length(n), "number of choices"
+        if pa.types.is_list(b.type):
+            lb = pc.fill_null(pc.list_value_length(b), -1).to_numpy(zero_copy_only=False)
+            ln = pc.fill_null(pc.list_value_length(n), -1).to_numpy(zero_copy_only=False)
+            bad = lb != ln
+            same = np.flatnonzero(ok & ~bad & (lb > 0))
+            if len(same):
+                take = pa.array(same)
+                vb = pc.list_flatten(b.take(take)).to_numpy(zero_copy_only=False)
+                vn = pc.list_flatten(n.take(take)).to_numpy(zero_copy_only=False)
+                rows = np.repeat(same, lb[same])[vb != vn]
+                bad[np.unique(rows)] = True
+        else:
+            eq = pc.fill_null(pc.equal(b, n), False).to_numpy(zero_copy_only=False)
+            both_null = (b.is_null().to_numpy(zero_copy_only=False) & n.is_null().to_numpy(zero_copy_only=False))
+            bad = ~(eq | both_null)
+        for i in np.flatnonzero(ok & bad):
+            if int(i) in why:
+                continue
+            x, y = b[int(i)].as_py(), n[int(i)].as_py()
+            if isinstance(x, list) and isinstance(y, list):
+                j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+                why[int(i)] = (f"{c} differ from position {j}" if len(x) == len(y) else
+                               f"{c}: {len(x)} in the baseline, {len(y)} in the candidate, first difference at "
+                               f"position {j}")
+            else:
+                why[int(i)] = f"{c} {x} in the baseline, {y} in the candidate"
+    ids = base["id"]
+    return [(str(ids[i].as_py()), why[i]) for i in sorted(why)]
+
+
+def match_records(base: ResultFile, new: ResultFile, common: bool = False) -> tuple[pa.Table, pa.Table, LeftOut]:
+    """Join the two files by record id: the candidate's rows in the baseline's order (a reordered file compares).
+
+    Records only one file holds, and records whose input differs (`IDENTITY`: another tokenization, answer, number
+    of choices) are refused with their ids named (exit 2), as are files whose metadata names another dataset
+    (`dataset.sha256`) — unless `common` (--common-records): then only the records present and identical in both
+    are returned, and `LeftOut` says which were left out and why.
+    """
+    pos = pc.index_in(base.table["id"], value_set=new.table["id"])  # [n] int32, null = not in the candidate
+    left = LeftOut(base.table["id"].filter(pos.is_null()).to_pylist(),
+                   new.table["id"].filter(pc.invert(pc.is_in(new.table["id"], value_set=base.table["id"]))).to_pylist())
+    keep = pos.is_valid()
+    bt = base.table if not left.only_baseline else base.table.filter(keep)
+    order = pos.filter(keep).to_numpy(zero_copy_only=False).astype(np.int64)
+    nt = new.table if np.array_equal(order, np.arange(new.table.num_rows)) else new.table.take(order)
+    left.edited = _edited(bt, nt)
+    if left.edited:
+        edited = pc.is_in(bt["id"], value_set=pa.array([rid for rid, _ in left.edited]))
+        same = pc.invert(edited)
+    hb, hn = base.dataset.get("sha256"), new.dataset.get("sha256")
+    other_dataset = bool(hb and hn and hb != hn)
+    if common:
+        if left.edited:
+            bt, nt = bt.filter(same), nt.filter(same)
+        if not bt.num_rows:
+            raise ApcscoreError(f"{COMMON_RECORDS}: no record is present and identical in both files "
+                                f"({left.describe()}): there is nothing to compare")
+        return bt, nt, left
+    if not (left.count or other_dataset):
+        return bt, nt, left
+    alike = bt.num_rows - len(left.edited)
+    hint = (f" — score the same dataset with both models, or pass {COMMON_RECORDS} to compare the {alike} "
+            "record(s) present and identical in both (the report lists the others)" if alike else
+            " — score the same dataset with both models (no record is present and identical in both)")
+    if other_dataset:
+        what = left.describe() or "every record present in both is identical"
+        raise ApcscoreError(
+            f"the files are runs on different datasets: baseline {base.dataset.get('path', '?')} (sha256 "
+            f"{str(hb)[:12]}...), candidate {new.dataset.get('path', '?')} (sha256 {str(hn)[:12]}...); records: "
+            f"{what}{hint}")
+    if left.only_baseline or left.only_candidate:
+        raise ApcscoreError(f"the files hold different records: record ids {left.describe()}. compare needs two runs "
+                            f"on the same dataset{hint}")
+    first, why = left.edited[0]
+    raise ApcscoreError(f"the files were tokenized differently (another tokenizer, or an edited dataset?): the input "
+                        f"differs in {len(left.edited)} record(s) ({examples([r for r, _ in left.edited])}); record "
+                        f"{first!r}: {why}. compare needs two runs with the same tokenizer on the same data{hint}")
 
 
 @dataclass
@@ -205,6 +308,41 @@ class FileInfo:
     top_k: int  # largest top-K stored (0 = none)
     num_records: int
     tokenizer: str | None = None  # where the run's tokenizer was read from (token texts of reports)
+    # what computed the numbers, one text per property of RUN_PROPERTIES (None: not in the metadata)
+    run: dict[str, str | None] = field(default_factory=dict)
+
+
+# The keys of the metadata's numerics section that decide bits or explain why they moved (docs/architecture.md,
+# "A run's identity"), each its own property of the "runs differ in" block.
+NUMERICS_KEYS = ("batch_invariant", "portable", "math", "linear", "simd", "device_capability", "torch_threads")
+
+
+def _text(v: Any) -> str | None:
+    return None if v is None else ("true" if v else "false") if isinstance(v, bool) else str(v)
+
+
+def run_properties(f: ResultFile, top_k: int) -> dict[str, str | None]:
+    """The properties of a run that can move its numbers, in the order the "runs differ in" block lists them:
+    apcscore's version, the numerics code's fingerprint (per part), the model and its weights' fingerprint, dtype,
+    device, backends, the numerics settings, the dataset's hash and the top-K stored (None: not recorded)."""
+    m = f.meta
+    code = m.get("code") if isinstance(m.get("code"), dict) else {}
+    numerics = m.get("numerics") if isinstance(m.get("numerics"), dict) else {}
+    blas = numerics.get("blas") if isinstance(numerics.get("blas"), dict) else {}
+    return {
+        "apcscore version": _text(m.get("apcscore_version")),
+        **{f"numerics code: {part}": _text(h) for part, h in code.items()},
+        "model": _text(f.model.get("name")),
+        "weights fingerprint": _text(f.model.get("fingerprint")),
+        "dtype": _text(m.get("dtype")),
+        "device": _text(m.get("device")),
+        "model backend": _text(m.get("model_backend")),
+        "attention backend": _text(m.get("attention_backend")),
+        **{f"numerics: {k}": _text(numerics.get(k)) for k in NUMERICS_KEYS},
+        "numerics: blas": _text(blas.get("library")),
+        "dataset sha256": _text(f.dataset.get("sha256")),
+        "top-K stored": str(top_k),
+    }
 
 
 def file_info(f: ResultFile, top_k: int) -> FileInfo:
@@ -213,5 +351,20 @@ def file_info(f: ResultFile, top_k: int) -> FileInfo:
 
     return FileInfo(str(f.path), s(f.meta.get("command")), s(f.model.get("name")), s(f.meta.get("dtype")),
                     s(f.meta.get("apcscore_version")), s(f.dataset.get("path")), s(f.dataset.get("sha256")),
-                    f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta))
+                    f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta), run_properties(f, top_k))
 
+
+@dataclass
+class RunDifference:
+    """One property of the two runs that differs (None: not in that file's metadata)."""
+
+    property: str
+    baseline: str | None
+    candidate: str | None
+
+
+def run_differences(base: FileInfo, new: FileInfo) -> list[RunDifference]:
+    """The run properties (`run_properties`) whose values differ, in that order. A property neither file records
+    is left out; one that only one file records is a difference (None on the other side: not recorded)."""
+    names = list(base.run) + [k for k in new.run if k not in base.run]
+    return [RunDifference(k, base.run.get(k), new.run.get(k)) for k in names if base.run.get(k) != new.run.get(k)]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import asdict
 from pathlib import Path
 
 from rich import box
@@ -11,7 +12,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from apcscore.compare.fit_table import print_table
 from apcscore.compare.gate import Check, Comparison
+from apcscore.compare.inputs import run_differences
 from apcscore.compare.metrics import DeltaPSummary, KldSummary
 from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
@@ -43,6 +46,25 @@ def _sides(c: Comparison) -> list[Row]:
         ("dataset", f"{b.dataset or '-'} ({(b.dataset_sha256 or '-')[:12]})",
          f"{n.dataset or '-'} ({(n.dataset_sha256 or '-')[:12]})"),
     ]
+
+
+DIFFER_HEAD = ("property", "baseline", "candidate")
+_NOT_RECORDED = "(not recorded)"
+
+
+def _differ_rows(c: Comparison) -> list[Row]:
+    """The run properties that differ between the two files (apcscore version, code, weights, dtype, device,
+    numerics, top-K, dataset), one row each."""
+    return [(d.property, d.baseline or _NOT_RECORDED, d.candidate or _NOT_RECORDED)
+            for d in run_differences(c.base, c.new)]
+
+
+def differ_line(c: Comparison) -> str | None:
+    """The sentence shown instead of the "runs differ in" table when nothing the metadata records differs."""
+    if _differ_rows(c):
+        return None
+    return ("the runs differ in nothing their metadata records (apcscore version, numerics code, model, weights "
+            "fingerprint, dtype, device, backends, numerics, dataset, top-K)")
 
 
 def _metric_rows(c: Comparison) -> list[Row]:
@@ -135,13 +157,21 @@ def _extra_tables(c: Comparison) -> list[tuple[str, Row, list[Row]]]:
 
 
 def check_rows(checks: list[Check]) -> list[Row]:
-    """One row per check (CHECK_HEAD): the figure, the limit, the bound judged and where the limit came from."""
+    """One row per check (CHECK_HEAD): the option, what it measures, value, limit, the confidence bound it read
+    ("the value" when it judged the value itself), where the limit came from, and the result."""
     return [(ch.option, ch.metric, _num(ch.value), f"{ch.op} {_num(ch.threshold)}", ch.bound or "the value",
              ch.source, "PASS" if ch.passed else "FAIL") for ch in checks]
 
 
 def _check_rows(c: Comparison) -> list[Row]:
     return check_rows(c.checks)
+
+
+def console_check_rows(rows: list[Row]) -> list[Row]:
+    """The check rows in five columns (CONSOLE_CHECK_HEAD), so that they fit 80: where the limit came from under
+    the option, the bound under what is measured."""
+    return [(f"{opt}\n({source})", metric if bound == "the value" else f"{metric}\n{bound}", value, limit, result)
+            for opt, metric, value, limit, bound, source, result in rows]
 
 
 def _worst_rows(c: Comparison, worst: int) -> list[Row]:
@@ -152,6 +182,18 @@ def _worst_rows(c: Comparison, worst: int) -> list[Row]:
 _WORST_HEAD = ("record", "positions", "mean KL", "max KL", "ln PPL ratio", "top-1 agree", "max |d logprob|")
 _FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct base", "correct new")
 CHECK_HEAD = ("threshold", "measures", "value", "limit", "judged by", "limit from", "result")
+CONSOLE_CHECK_HEAD = ("threshold (from)", "measures", "value", "limit", "result")
+
+
+LEFT_OUT_HEAD = ("record", "why")
+
+
+def _left_out_rows(c: Comparison) -> list[Row]:
+    """The records --common-records left out: only in one file, or edited (another input)."""
+    lo = c.left_out
+    return ([(r, "only in the baseline") for r in lo.only_baseline]
+            + [(r, "only in the candidate") for r in lo.only_candidate]
+            + [(r, f"edited: {why}") for r, why in lo.edited])
 
 
 def _flip_rows(c: Comparison) -> list[Row]:
@@ -168,21 +210,20 @@ def verdict(checks: list[Check]) -> str:
 
 
 def rich_table(console: Console, title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
-    """Print one table of the console report (row styles: e.g. a failed check in red)."""
-    t = Table(*head, title=title, box=box.SIMPLE_HEAVY, title_justify="left")
-    for i, row in enumerate(rows):
-        t.add_row(*(escape(x) for x in row), style=styles[i] if styles else None)
-    console.print(t)
+    """Print one table of the console report, laid out to the console's width (fit_table; row styles: e.g. a
+    failed check in red)."""
+    print_table(console, title, head, rows, styles)
 
 
 def print_checks(console: Console, notes: list[str], checks: list[Check], rows: list[Row],
                  title: str = "Thresholds") -> None:
-    """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`, one
-    per check) and the verdict."""
+    """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`: one
+    per check, as `check_rows` gives them) and the verdict."""
     for note in notes:
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if checks:
-        rich_table(console, title, CHECK_HEAD, rows, ["green" if ch.passed else "bold red" for ch in checks])
+        rich_table(console, title, CONSOLE_CHECK_HEAD, console_check_rows(rows),
+                   ["green" if ch.passed else "bold red" for ch in checks])
     passed = all(ch.passed for ch in checks)
     style = "green" if passed and checks else "bold red" if not passed else "yellow"
     console.print(f"[{style}]{escape(verdict(checks))}[/]")
@@ -195,6 +236,10 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
         rich_table(console, title, head, rows)
 
     table("Compared runs", ("", "baseline", "candidate"), _sides(c))
+    if (same := differ_line(c)) is not None:
+        console.print(escape(same), highlight=False)
+    else:
+        table("Runs differ in", DIFFER_HEAD, _differ_rows(c))
     table("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
     for title, head, rows in _extra_tables(c):
         table(title, head, rows)
@@ -205,6 +250,8 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     if c.excluded:
         table("Excluded records (status 'error')", ("record", "failed in", "error"),
               [(e.id, e.side, e.error) for e in c.excluded])
+    if c.left_out.count:
+        table("Records left out (--common-records)", LEFT_OUT_HEAD, _left_out_rows(c))
     print_checks(console, c.notes, c.checks, _check_rows(c))
 
 
@@ -225,6 +272,8 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     if c.checks:
         rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
         out += [md_table(CHECK_HEAD, rows), ""]
+    same = differ_line(c)
+    out += [f"_{same}_" if same else "### Runs differ in\n\n" + md_table(DIFFER_HEAD, _differ_rows(c)), ""]
     out += ["### Metrics", "", md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
     for title, head, rows in _extra_tables(c):
         out += [f"### {title}", "", md_table(head, rows), ""]
@@ -236,6 +285,8 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
     if c.excluded:
         out += ["### Excluded records (status 'error')", "",
                 md_table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded]), ""]
+    if c.left_out.count:
+        out += ["### Records left out (--common-records)", "", md_table(LEFT_OUT_HEAD, _left_out_rows(c)), ""]
     out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
     out += [f"> note: {n}" for n in c.notes]
     return "\n".join(out).rstrip() + "\n"
@@ -243,7 +294,9 @@ def to_markdown(c: Comparison, worst: int = 10) -> str:
 
 def to_json(c: Comparison) -> str:
     """Every figure of the comparison, per record included, as JSON (NaN becomes null)."""
-    return json.dumps(c.to_dict(), indent=2, allow_nan=False)
+    data = c.to_dict()
+    data["run_differences"] = [asdict(d) for d in run_differences(c.base, c.new)]
+    return json.dumps(data, indent=2, allow_nan=False)
 
 
 def write_report(path: Path, text: str) -> None:

@@ -2,7 +2,8 @@
 
 A report path must not be one of the command's inputs (the two result files, the --config file), two reports
 must not share a path, and an existing file is replaced only when it is an earlier report of compare (or
-empty) or when --overwrite is given: a report never silently replaces data.
+empty) or when --overwrite is given: a report never silently replaces data. `--report-md "$GITHUB_STEP_SUMMARY"`
+is appended to, whatever the summary holds (ci_outputs.write_markdown).
 """
 
 from __future__ import annotations
@@ -11,6 +12,12 @@ import os
 from pathlib import Path
 
 from apcscore.errors import ApcscoreError
+
+
+def is_step_summary(path: Path) -> bool:
+    """Whether `path` is the file $GITHUB_STEP_SUMMARY names (its Markdown report is appended, never replaces it)."""
+    summary = os.environ.get("GITHUB_STEP_SUMMARY")
+    return bool(summary) and _same(Path(summary), Path(path))
 
 # The first characters of each report compare writes (report.to_markdown, to_json, html_report.to_html,
 # ci_outputs.to_junit).
@@ -54,6 +61,6 @@ def check_report_paths(reports: dict[str, Path | None], inputs: dict[str, Path |
                 raise ApcscoreError(f"{other} and {opt} are both {path} — give each report its own path")
         if path.is_dir():
             raise ApcscoreError(f"{opt} {path} is a directory — give a file name such as report.md")
-        if path.is_file() and not overwrite and not _is_report(path):
+        if path.is_file() and not overwrite and not _is_report(path) and not is_step_summary(path):
             raise ApcscoreError(f"{opt} {path} exists and is not a report of apcscore compare — pass --overwrite "
                                 "to replace it, or choose another path")

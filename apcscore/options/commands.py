@@ -39,7 +39,7 @@ class Options:
                              show="results/<dataset>.<command>.parquet")
     overwrite: bool = option(False, "Replace an existing output file.")
     limit: int | None = option(None, "Only the first N records.", at_least=1, click_min=True)
-    quiet: bool = option(False, "No progress bar or summary.", "--quiet", "-q")
+    quiet: bool = option(False, "No progress (the bar, or its lines in a log) and no summary.", "--quiet", "-q")
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @classmethod

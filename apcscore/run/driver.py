@@ -25,7 +25,6 @@ from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from apcscore.io.identity import resume_check
 from apcscore.errors import ApcscoreError, count
@@ -39,6 +38,7 @@ from apcscore.engine.provenance import now
 from apcscore.run.metadata import add_timings, dataset_metadata
 from apcscore.options.commands import GenerateOptions, RequestOptions, RunOptions
 from apcscore.run.preflight import check_against_model, check_errors_out, check_output
+from apcscore.run.progress import make_progress
 from apcscore.jobs.registry import job_class
 from apcscore.options.resolve import resolve_options
 from apcscore.run.verify import describe
@@ -146,8 +146,7 @@ def _drive_open(executor: Executor, command: str, opts: RunOptions, job: Any, da
 
     writer.before_flush(keep_timings)
     quiet = opts.quiet
-    rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console,
-                                                     show_progress=not quiet and console.is_terminal)
+    rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console, quiet)
     this_session, extra = executor.finish(interrupted, seconds)
     timings = add_timings(previous.get("timings"), this_session)
     writer.update_metadata({"timings": timings, **extra})
@@ -255,7 +254,7 @@ def observe_previous(job: Any, writer: Any) -> tuple[int, int]:
 
 
 def _write_rows(executor: Executor, job: Any, data: LoadedDataset, writer: Any, console: Console,
-                show_progress: bool) -> tuple[int, int, float, bool]:
+                quiet: bool) -> tuple[int, int, float, bool]:
     """Invalid records' error rows, then the executor's rows of the records not done yet, into the writer;
     (rows, error rows, seconds, interrupted). SIGINT/SIGTERM stop it after the current engine step (or the
     chunks in hand); whatever went wrong, every finished row is flushed to the partial file."""
@@ -263,11 +262,7 @@ def _write_rows(executor: Executor, job: Any, data: LoadedDataset, writer: Any, 
     todo = [r for r in data.records if r.index not in done]
     invalid = [r for r in data.invalid if r.index not in done]
     counts = {"rows": 0, "errors": 0}
-    progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        TextColumn("{task.fields[tok_s]:,.0f} tok/s  prefix hit {task.fields[hit]:.0%}  KV {task.fields[kv]}"),
-        console=console, disable=not show_progress, transient=False,
-    )
+    progress = make_progress(console, quiet)  # a bar with an ETA, or plain lines in a log (run/progress.py)
     task = progress.add_task(job.command, total=len(todo) + len(invalid), tok_s=0.0, hit=0.0, kv="0/0")
 
     def emit(index: int, row: dict) -> None:

@@ -6,7 +6,9 @@ Which tokens: the prompt's (`token_ids`, `token_logprobs`, ...: score, perplexit
 --prompt-logprobs), else a generate run's completion (`completion_token_ids`, `completion_logprobs`, ...: generate
 with --logprobs); `--completion` picks the completion where a file has both. Without `--id` the first record that
 has per-token logprobs is shown. Token texts come from the run's tokenizer (the folder its metadata names, or
-`--tokenizer`); where none loads, tokens are shown as ids. Heavy imports happen when the command runs.
+`--tokenizer`); where none loads, tokens are shown as ids. A character whose bytes a byte-level tokenizer split
+across tokens is shown whole, coloured as its least likely token; one such token alone (in a table, a top-K
+alternative) shows its bytes as <0xE8> (apcscore.io.token_text). Heavy imports happen when the command runs.
 """
 
 from __future__ import annotations
@@ -149,14 +151,14 @@ def _check_position(t: Tokens, rid: str, position: int) -> None:
 
 
 def render(console: Console, path: Path, row: dict[str, Any], index: int, num_rows: int, t: Tokens,
-           pieces: Any, picked: bool, position: int | None) -> None:
-    """Print the record's tokens coloured by logprob, then the chosen position's top-K (or the least likely
-    positions)."""
+           texts: Any, picked: bool, position: int | None) -> None:
+    """Print the record's text coloured by logprob (`texts`: token_text.Texts; a character split across tokens is
+    one span), then the chosen position's top-K (or the least likely positions)."""
     from rich.table import Table
     from rich.text import Text
 
     rid = str(row["id"])
-    texts = pieces(t.ids)
+    tt = texts(t.ids)
     facts = [f"{len(t.ids)} {t.kind} tokens"]
     if t.kind == "prompt" and row.get("mean_nll") is not None:
         facts.append(f"mean NLL {row['mean_nll']:.4f}, perplexity {row['perplexity']:.6g}")
@@ -166,11 +168,12 @@ def render(console: Console, path: Path, row: dict[str, Any], index: int, num_ro
     console.print(f"[bold]{escape(str(path))}[/]: record [bold]{escape(repr(rid))}[/] (row {index + 1} of "
                   f"{num_rows}{escape(how)}), {escape(', '.join(facts))}", highlight=False)
     text = Text()
-    for i, (piece, lp) in enumerate(zip(texts, t.logprobs)):
-        style = _style(lp)
-        if position == i:
+    for start, stop, span in tt.spans:  # a character split across tokens is one span, in its least likely colour
+        scored = [lp for lp in t.logprobs[start:stop] if lp is not None]
+        style = _style(min(scored) if scored else None)
+        if position is not None and start <= position < stop:
             style += " bold underline"
-        text.append(_visible(piece), style=style)
+        text.append(_visible(span), style=style)
     console.print(text)
     legend = Text("logprob: ")
     for _, style, label in _BANDS:
@@ -178,8 +181,10 @@ def render(console: Console, path: Path, row: dict[str, Any], index: int, num_ro
     legend.append(" not scored ", style=_UNSCORED)
     console.print(legend)
 
-    def token(i: int) -> str:
-        return json.dumps(texts[i], ensure_ascii=False)
+    def token(i: int) -> str:  # its own text; a part of a character also names the character
+        start, stop, span = tt.span_of(i)
+        own = json.dumps(tt.pieces[i], ensure_ascii=False)
+        return own if stop - start == 1 else f"{own} (part of {json.dumps(span, ensure_ascii=False)})"
 
     if position is None:
         scored = sorted((lp, i) for i, lp in enumerate(t.logprobs) if lp is not None)[:_LOWEST]
@@ -202,7 +207,7 @@ def render(console: Console, path: Path, row: dict[str, Any], index: int, num_ro
         console.print("no top-K stored at this position (the run's K was 0)", highlight=False)
         return
     top_lps = t.top_logprobs[position]
-    alt = [pieces([i])[0] for i in top_ids]
+    alt = [texts([i]).pieces[0] for i in top_ids]  # alone: a partial character shows its bytes (<0xE8>)
     table = Table("", "token", "id", "logprob", title=f"top-{len(top_ids)} at position {position}",
                   title_justify="left")
     for k, (tid, lp, piece) in enumerate(zip(top_ids, top_lps, alt), 1):
@@ -230,7 +235,7 @@ def show(
     """One record of a result file: its tokens coloured by logprob and, for a position, its rank and top-K."""
     err = Console(stderr=True)
     try:
-        from apcscore.io.token_text import pieces_for, tokenizer_path
+        from apcscore.io.token_text import texts_for, tokenizer_path
         from apcscore.models.loading import try_load_tokenizer
 
         pf, meta = _open(results)
@@ -248,7 +253,7 @@ def show(
         if tok is None:
             err.print(f"[yellow]note:[/] tokens are shown as ids: {escape(why or '')} (pass --tokenizer DIR)",
                       highlight=False, soft_wrap=True)
-        render(Console(), results, row, index, pf.metadata.num_rows, t, pieces_for(tok), record_id is None, position)
+        render(Console(), results, row, index, pf.metadata.num_rows, t, texts_for(tok), record_id is None, position)
     except ApcscoreError as e:
         err.print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(e.exit_code) from None

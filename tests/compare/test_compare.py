@@ -54,11 +54,14 @@ PERPLEXITY_SCHEMA = pa.schema([
 
 def write_results(path: Path, rows: list[dict], *, command: str = "score", dtype: str = "float32",
                   vocab_size: int | None = VOCAB, dataset_sha256: str = "ab" * 32, drop: tuple[str, ...] = (),
-                  metadata: bool = True, schema: pa.Schema = SCORE_SCHEMA, job: dict | None = None) -> Path:
-    """Write rows (dicts; missing keys are null) as an apcscore result file with its `apcscore` metadata."""
+                  metadata: bool = True, schema: pa.Schema = SCORE_SCHEMA, job: dict | None = None,
+                  meta: dict | None = None) -> Path:
+    """Write rows (dicts; missing keys are null) as an apcscore result file with its `apcscore` metadata (`meta`:
+    more top-level keys, or keys that replace these)."""
     meta = {"apcscore_version": "0.1.0", "command": command, "dtype": dtype,
             "model": {"name": "tiny-random", **({"vocab_size": vocab_size} if vocab_size else {})},
-            "dataset": {"path": "data.jsonl", "sha256": dataset_sha256}, **({"job": job} if job else {})}
+            "dataset": {"path": "data.jsonl", "sha256": dataset_sha256}, **({"job": job} if job else {}),
+            **(meta or {})}
     schema = pa.schema([f for f in schema if f.name not in drop])
     table = pa.Table.from_pylist([{k: r.get(k) for k in schema.names} for r in rows], schema=schema)
     if metadata:
@@ -129,11 +132,11 @@ def tiny() -> tuple[TinyLM, dict[str, list[int]]]:
     return TinyLM(), make_records()
 
 
-def run_cli(*args: str | Path):
+def run_cli(*args: str | Path, columns: int = 200):
     app = typer.Typer()
     app.command("compare")(compare)
     app.callback()(lambda: None)  # keep `compare` a subcommand, as in the real app
-    return CliRunner().invoke(app, ["compare", *map(str, args)], env={"COLUMNS": "200"})
+    return CliRunner().invoke(app, ["compare", *map(str, args)], env={"COLUMNS": str(columns)})
 
 
 def one_line(text: str) -> str:

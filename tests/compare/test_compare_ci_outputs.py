@@ -86,11 +86,33 @@ def test_github_actions_annotations_and_step_summary(tmp_path, monkeypatch) -> N
     assert sum(line.startswith("::error") for line in lines) == 1
     assert "::notice title=apcscore compare::FAIL (1 of 4 thresholds)" in lines
     text = summary.read_text()
-    assert text.startswith("earlier step\n## apcscore compare: ❌ FAIL (1 of 4 thresholds)")  # appended
-    # --report-md naming the summary file itself writes it once, not twice
-    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25, "--report-md", summary, "--overwrite")
+    assert text.startswith("earlier step\n\n## apcscore compare: ❌ FAIL (1 of 4 thresholds)")  # appended
+    # --report-md naming the summary file itself appends the report once (not twice), keeping what came before
+    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25, "--report-md", summary)
     assert r.exit_code == 0 and "::notice title=apcscore compare::PASS" in r.output.splitlines()
-    assert summary.read_text().count("## apcscore compare:") == 1
+    after = summary.read_text()
+    assert after.startswith(text) and after.count("## apcscore compare:") == 2
+    assert after[len(text):].startswith("\n## apcscore compare: ✅ PASS")  # a blank line between the two
+
+
+def test_report_md_appends_to_the_step_summary_as_the_ci_recipe_writes_it(tmp_path, monkeypatch) -> None:
+    """Issue 52, item 8: `--report-md "$GITHUB_STEP_SUMMARY"` (README, examples/ci) replaced the summary, or was
+    refused (exit 2) when an earlier command of the step had written to it; GitHub appends a step's writes."""
+    base, new = _files(tmp_path)
+    summary = tmp_path / "step_summary.md"
+    summary.write_text("| earlier | table |\n|---|---|\n| a | b |")  # no newline at the end
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    for _ in range(2):  # each run adds its report
+        r = run_cli(base, new, "--max-accuracy-drop", 0.25, "--report-md", summary)
+        assert r.exit_code == 0, r.output
+    text = summary.read_text()
+    assert text.startswith("| earlier | table |\n|---|---|\n| a | b |\n\n## apcscore compare: ✅ PASS")
+    assert text.count("## apcscore compare: ✅ PASS") == 2 and "\n\n\n" not in text
+    # another path is still written whole: a local rerun does not pile reports up
+    md = tmp_path / "r.md"
+    for _ in range(2):
+        assert run_cli(base, new, "--max-accuracy-drop", 0.25, "--report-md", md).exit_code == 0
+    assert md.read_text().count("## apcscore compare:") == 1
 
 
 @pytest.mark.parametrize("value", ["false", ""])

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from apcscore.cli import app
-from apcscore.io.token_text import token_pieces
+from apcscore.io.token_text import token_texts
 
 RECORDS = [
     {"id": "q", "context": "The sky is", "choices": [" blue", " green"], "answer": 0},  # no per-token logprobs
@@ -66,7 +66,7 @@ def test_a_position_shows_the_parquets_rank_and_top_k(files) -> None:
     r = show(path, "--id", "capital", "--position", "5")
     assert r.exit_code == 0, r.output
     rec = row(path, "capital")
-    pieces = token_pieces(tokenizer(path), rec["token_ids"])
+    pieces = token_texts(tokenizer(path), rec["token_ids"]).pieces
     out = r.stdout
     assert "".join(pieces) in out.replace("↵\n", "\n")  # every token, in order: the record's text
     assert "[bold]Berlin[/bold]" in out  # printed as text, not read as Rich markup
@@ -78,7 +78,8 @@ def test_a_position_shows_the_parquets_rank_and_top_k(files) -> None:
     assert len(lines) == 3
     for k, (line, tid, lp) in enumerate(zip(lines, rec["top_ids"][5], rec["top_logprobs"][5]), 1):
         cells = [c.strip() for c in line.strip("│").split("│")]
-        assert cells == [str(k), json.dumps(tok.decode([tid]), ensure_ascii=False), str(tid), f"{lp:.4f}"]
+        assert cells == [str(k), json.dumps(token_texts(tok, [tid]).pieces[0], ensure_ascii=False), str(tid),
+                         f"{lp:.4f}"]
 
 
 def test_without_an_id_the_first_record_with_token_logprobs(files) -> None:
