@@ -270,29 +270,6 @@ def split_excluded(base: pa.Table, new: pa.Table) -> tuple[np.ndarray, list[Excl
     return ok_b & ok_n, out
 
 
-def check_token_ids(base: pa.Table, new: pa.Table) -> None:
-    """Refuse when a record was tokenized differently on the two sides (aligned tables of ok records)."""
-    lb = pc.fill_null(pc.list_value_length(base["token_ids"]), -1).to_numpy()
-    ln = pc.fill_null(pc.list_value_length(new["token_ids"]), -1).to_numpy()
-    bad = np.flatnonzero(lb != ln)
-    if not len(bad):
-        vb = pc.list_flatten(base["token_ids"]).to_numpy()
-        vn = pc.list_flatten(new["token_ids"]).to_numpy()
-        diff = vb != vn
-        if not diff.any():
-            return
-        rec = np.repeat(np.arange(len(base)), np.maximum(lb, 0))[diff]
-        bad = np.unique(rec)
-    i = int(bad[0])
-    tb, tn = base["token_ids"][i].as_py() or [], new["token_ids"][i].as_py() or []
-    j = next((k for k, (x, y) in enumerate(zip(tb, tn)) if x != y), min(len(tb), len(tn)))
-    ids = [base["id"][int(k)].as_py() for k in bad]
-    raise ApcscoreError(
-        f"the files were tokenized differently (another tokenizer?): token ids differ in {len(bad)} record(s) "
-        f"({examples(ids)}); record {ids[0]!r}: {len(tb)} tokens in the baseline, {len(tn)} in the candidate, "
-        f"first difference at position {j}. compare needs two runs with the same tokenizer")
-
-
 @dataclass
 class FileInfo:
     """What the run metadata says about one side."""

@@ -7,10 +7,8 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 
-from rich import box
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from apcscore.compare.fit_table import print_table
 from apcscore.compare.gate import Check, Comparison
