@@ -7,7 +7,7 @@ imported only when one is selected, so choosing "torch" on a CPU never imports T
 Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
 on how many rows share the GEMM. On the CPU that is our fixed-order GEMM (apcscore.kernels.cpu_gemm: every
 element summed in one fixed order over k, by construction); where it cannot be built (no C compiler) torch's GEMM on rows
-padded to a multiple of 16 (apcscore.kernels.matmul_ref), which holds on some CPUs only, so the engine's
+padded to a multiple of 16 (apcscore.kernels.matmul_torch), which holds on some CPUs only, so the engine's
 start-up probe (apcscore.engine.gemm_probe) decides and the run metadata says. On CUDA the
 fixed-configuration Triton matmul (apcscore.kernels.matmul), whichever attention backend runs.
 batch_invariant=False (`--no-batch-invariant`) takes the library GEMM.
@@ -19,8 +19,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from apcscore.kernels.rotary_ref import rotary_torch
-from apcscore.kernels.silu_mul_ref import silu_mul_torch
+from apcscore.kernels.rotary_torch import rotary_torch
+from apcscore.kernels.silu_mul_torch import silu_mul_torch
 
 BACKENDS = ("torch", "triton")
 
@@ -55,7 +55,7 @@ class Ops:
 
 def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]:
     """The linear layer of a device: see the module doc."""
-    from apcscore.kernels.matmul_ref import invariant_linear_torch, plain_linear
+    from apcscore.kernels.matmul_torch import invariant_linear_torch, plain_linear
 
     if not batch_invariant:
         return plain_linear
@@ -77,7 +77,7 @@ def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]
 
 def linear_construction(linear: Callable[..., Any]) -> str:
     """How a linear layer fixes its reduction order, as the run metadata records it."""
-    from apcscore.kernels.matmul_ref import invariant_linear_torch, plain_linear
+    from apcscore.kernels.matmul_torch import invariant_linear_torch, plain_linear
 
     if linear is plain_linear:
         return "library GEMM (not batch-invariant)"
@@ -107,7 +107,7 @@ def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True
     linear = select_linear(device_type, batch_invariant)
     if name == "torch":
         from apcscore.attention.torch_backend import TorchAttentionBackend
-        from apcscore.kernels.logprobs_ref import token_logprobs_torch
+        from apcscore.kernels.logprobs_torch import token_logprobs_torch
         from apcscore.kernels.rowmath import rms_norm
 
         return Ops("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm, token_logprobs_torch)

@@ -231,7 +231,7 @@ def test_without_batch_invariance_the_lm_head_is_cublas_writing_fp32(tiny_dir) -
     """`--no-batch-invariant` on CUDA multiplies the LM head with cuBLAS (the invariance tax compares against
     that), still writing fp32 logits from the fp32 accumulator; with invariance it is the Triton matmul."""
     from apcscore.kernels.matmul import invariant_linear
-    from apcscore.kernels.matmul_ref import library_logits
+    from apcscore.kernels.matmul_torch import library_logits
 
     library = cuda_engine(tiny_dir("llama"), dtype="bfloat16", graphs=False, batch_invariant=False)
     linear, head, rows_dtype = library.runner.model.logits_product()
