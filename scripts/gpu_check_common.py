@@ -117,17 +117,12 @@ def random_hf_model(cfg, dtype, device: str):
 def make_engine(cfg, state: dict, device: str, dtype: str, backend: str, **overrides):
     """Engine.from_parts on these weights; on CUDA with the Triton backend, decode steps replay CUDA graphs."""
     from apcscore.config import EngineConfig
-    from apcscore.engine.cuda_graphs import attach
     from apcscore.engine.engine import Engine
 
     config = dict(device=device, dtype=dtype, attention_backend=backend, max_model_len=4096, num_kv_blocks=4096,
                   block_size=16, max_batch_tokens=8192, max_num_seqs=256, logprobs_chunk_size=2048)
     config.update(overrides)
-    engine = Engine.from_parts(cfg, state, IdsTokenizer(), EngineConfig(**config))
-    runner = engine.runner
-    if device == "cuda" and backend == "triton" and engine.config.use_cuda_graphs and runner.cuda_graphs is None:
-        attach(engine)  # until Engine passes use_cuda_graphs / max_num_seqs on to ModelRunner
-    return engine
+    return Engine.from_parts(cfg, state, IdsTokenizer(), EngineConfig(**config))
 
 
 def engine_and_state(name: str, small: bool):

@@ -207,7 +207,7 @@ def check_silu_mul(small: bool, tag: dict) -> bool:
     import torch
 
     from apcscore.kernels.silu_mul import silu_mul
-    from apcscore.kernels.silu_mul_ref import silu_mul_reference
+    from apcscore.kernels.silu_mul_torch import silu_mul_reference
 
     inter = llama_config("llama-3.2-1b", small).intermediate_size
     tokens, device, reps = (16, "cpu", 2) if small else (8192, "cuda", 20)

@@ -214,14 +214,3 @@ class DecodeGraphRunner:
             return self.outputs[bs][:n]
         self.num_eager += 1
         return self._forward(bs, self._meta(bs, inp))[:n]
-
-
-def attach(engine, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES, capture: bool | None = None
-           ) -> DecodeGraphRunner:
-    """Give an engine's model runner a DecodeGraphRunner (benchmarks and tests; engines built on CUDA with
-    use_cuda_graphs get one from ModelRunner itself). capture=None: capture on CUDA, eager elsewhere."""
-    runner = engine.runner
-    capture = runner.device.type == "cuda" if capture is None else capture
-    runner.cuda_graphs = DecodeGraphRunner(runner.model, runner.block_size, engine.config.max_num_seqs,
-                                           runner.device, sizes, capture=capture)
-    return runner.cuda_graphs

@@ -5,7 +5,7 @@ What it does not have: the paged KV cache, the prefix cache, chunked prefill, co
 batch-invariance contract. Every request runs alone, in arrival order, with a full recompute of its prompt:
 - prompt logprobs (score, perplexity, loglikelihood, `generate --prompt-logprobs`): one forward over the
   whole prompt, fp32 logits, the same logprob/rank/top-K function as the native CPU path
-  (`apcscore.kernels.logprobs_ref.token_logprobs_torch`: ranks = 1 + strictly greater logits, ties in the
+  (`apcscore.kernels.logprobs_torch.token_logprobs_torch`: ranks = 1 + strictly greater logits, ties in the
   top-K by token id);
 - generation: `model.generate()` with the request's temperature, top-k, top-p, max_tokens and stop tokens;
   a sampled request's RNG is seeded like the native path's (its own seed, or the engine seed and its arrival);
@@ -34,7 +34,7 @@ from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
 from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
-from apcscore.kernels.logprobs_ref import token_logprobs_torch
+from apcscore.kernels.logprobs_torch import token_logprobs_torch
 from apcscore.models.loading import eos_token_ids
 
 NO_CACHE_WARNING = ("this model runs through the transformers fallback (--model-backend transformers): full "

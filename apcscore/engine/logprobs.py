@@ -3,7 +3,7 @@ peak memory is O(chunk x vocab).
 
 For each row: the target token's logprob (fp32 log_softmax), its rank (1 = argmax: one plus the number
 of vocabulary entries with a strictly larger logprob) and the top-K ids and logprobs, sorted descending,
-computed by the backend's logprob function (apcscore.kernels.logprobs_ref on the CPU, the fused
+computed by the backend's logprob function (apcscore.kernels.logprobs_torch on the CPU, the fused
 apcscore.kernels.logprobs on CUDA).
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from apcscore.engine.request import TokenLogprobs
-from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
+from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
 
 LogprobFn = Callable[..., tuple[torch.Tensor, ...]]  # (logits [N, V], targets [N], k, ranks=bool) -> 4 tensors
 

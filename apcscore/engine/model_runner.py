@@ -24,8 +24,8 @@ from apcscore.engine.score_store import publishes
 from apcscore.engine.request import PromptLogprobs, TokenLogprobs
 from apcscore.engine.sequence import Sequence
 from apcscore.engine.step_inputs import InputStager, StepInputs, build_step_inputs
-from apcscore.kernels.logprobs_ref import Scratch, token_logprobs_torch
-from apcscore.kernels.matmul_ref import padded_rows
+from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
+from apcscore.kernels.matmul_torch import padded_rows
 from apcscore.models.llama import LlamaDecoder
 
 
@@ -73,7 +73,7 @@ class ModelRunner:
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """input_ids [T], positions [T] and the attention metadata of a step, on the device."""
         # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
-        # (apcscore.kernels.matmul_ref), with no per-layer padding copy
+        # (apcscore.kernels.matmul_torch), with no per-layer padding copy
         return self._stage(self._step_inputs(batch))
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:

@@ -11,7 +11,7 @@ EOS where there is none (lm-eval's `prefix_token_id`), so the first continuation
 A continuation's loglikelihood is the sum of its tokens' logprobs; `is_greedy` says every one of its tokens
 is the model's argmax as lm-eval defines it (`logits.argmax(-1) == tokens`): with tied top logits only the
 lowest token id is greedy, so a rank of 1 (ties share it) is not enough. The request asks for at least the
-top-1 id, whose ties the engine orders by token id (`apcscore.kernels.logprobs_ref.top_k`). A multiple-choice
+top-1 id, whose ties the engine orders by token id (`apcscore.kernels.logprobs_torch.top_k`). A multiple-choice
 record scores each choice as the continuation of the context, one request per choice, except that choices whose
 tokens differ only in the last one share a request (`group_by_last_token`); `pred` is the
 argmax of the loglikelihoods and `pred_norm` the argmax of the loglikelihoods divided by each choice's length

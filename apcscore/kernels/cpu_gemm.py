@@ -86,11 +86,18 @@ class FixedOrderLinear:
 
     # x and weight may differ in dtype (fp32 rows x a bf16 LM head): each is converted exactly to fp32 in the kernel
     mixed_dtypes = True
+    # the same bits on every CPU, by construction (with the portable row math: models/ops.portable_construction)
+    portable = True
 
     def __init__(self, simd: int | None = None) -> None:
         # -1: the best micro-kernel of this CPU; 0 scalar, 1 AVX2, 2 AVX-512 (at most the CPU's); None: APCSCORE_SIMD
         self.simd = forced_simd() if simd is None else simd
         self._packed: dict[tuple, PackedWeight] = {}
+
+    @property
+    def construction(self) -> str:
+        """How the reduction order is fixed, as the run metadata records it (numerics.linear)."""
+        return f"apcscore fixed-order GEMM, order {order_version()} (blocked fma chains)"
 
     def pack(self, weight: torch.Tensor) -> PackedWeight:
         """The packed form of `weight` (packed now if new or changed since)."""

@@ -1,9 +1,9 @@
-"""Per-token logprobs over the vocabulary: a fused Triton kernel (its exact torch reference: logprobs_ref).
+"""Per-token logprobs over the vocabulary: a fused Triton kernel (its exact torch reference: logprobs_torch).
 
 For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
 (1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
 and the top-k token ids with their logprobs, sorted by descending logit, equal logits by ascending token id
-(logprobs_ref.top_k). A target outside [0, V) gives logprob NaN and rank 0 in both implementations (no device
+(logprobs_torch.top_k). A target outside [0, V) gives logprob NaN and rank 0 in both implementations (no device
 sync is spent on checking it).
 """
 
@@ -15,12 +15,12 @@ import triton.language as tl
 
 from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
                                       check_tensors)
-from apcscore.kernels.logprobs_ref import top_k
+from apcscore.kernels.logprobs_torch import top_k
 
 BLOCK_V = 4096  # vocabulary entries per chunk of the kernel's loop (untuned)
 NUM_WARPS = 8
 # Top-k up to this k is kept in the kernel's pass over the vocabulary (a running set of k slots); a larger k takes
-# logprobs_ref.top_k (torch.topk). Both give the same ids and values (one defined order, the logits themselves),
+# logprobs_torch.top_k (torch.topk). Both give the same ids and values (one defined order, the logits themselves),
 # so which one ran for a batch (k is the largest any of its requests asks for) does not reach a record's bits.
 # The kernel is compiled once for every k (K_PAD is always this, k is a runtime argument it is not specialised
 # on): the log-sum-exp, logprob and rank of a row come from one binary whatever its batch asks for.
@@ -111,7 +111,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: b
     logits: [N, V] fp32/fp16/bf16 (rows may be strided, V contiguous); targets: [N] int64; k >= 0.
     Returns logprobs [N] f32, ranks [N] int64, top_ids [N, k] int64, top_logprobs [N, k] f32.
     The kernel computes the fp32 log-sum-exp, the target's logprob and rank, and for k <= fused_top_k_max the
-    top-k, in one pass over the vocabulary; a larger k uses logprobs_ref.top_k (torch.topk) on the input logits.
+    top-k, in one pass over the vocabulary; a larger k uses logprobs_torch.top_k (torch.topk) on the input logits.
     Either way the top-k are ordered by descending logit, equal logits by ascending token id, and their logprobs
     are those logits in fp32 minus the kernel's log-sum-exp: the same bits (rows holding a NaN logit, whose
     logprobs are NaN, have no defined top-k order). block_v: vocabulary entries per chunk (a power of two).

@@ -184,6 +184,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out if bias is None else out.add_(bias)
 
 
+# How the reduction order is fixed, as the run metadata records it (numerics.linear; models/ops.linear_construction).
+invariant_linear.construction = "Triton matmul, one fixed configuration"  # type: ignore[attr-defined]
 # The configuration depends on the weight's shape: a caller that multiplies a slice of a weight as a stand-in for
 # the whole (the start-up probe, engine/gemm_probe.py) passes config=invariant_linear.config_for_weight(whole).
 invariant_linear.config_for_weight = weight_config  # type: ignore[attr-defined]

@@ -1,6 +1,6 @@
 """Triton kernel: rotary position embedding of q and k in one launch, bitwise transformers' arithmetic.
 
-The torch form (kernels/rotary_ref.rotary_torch: `x * cos + rotate_half(x) * sin`) is about ten launches per
+The torch form (kernels/rotary_torch.rotary_torch: `x * cos + rotate_half(x) * sin`) is about ten launches per
 layer (products, negation, concatenation, sum, for q and k) over tensors of the batch's size: ~0.036 s of the 1B
 shape's 0.49 s of scoring kernels in run 3 on the H200, against 0.006 s for this kernel in run 4
 (docs/benchmarks.md). This kernel reads q and k where they lie (strided views of the fused qkv projection) and
@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from apcscore.kernels._checks import FLOAT_DTYPES, check_dtype, check_shape, check_tensors
-from apcscore.kernels.rotary_ref import rotary_torch
+from apcscore.kernels.rotary_torch import rotary_torch
 
 BLOCK_H = 4  # heads per step of the kernel's loop
 

@@ -18,7 +18,7 @@ from apcscore.attention.metadata import get_attention_metadata
 from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.ops import Ops
-from apcscore.kernels.silu_mul_ref import silu_mul_torch
+from apcscore.kernels.silu_mul_torch import silu_mul_torch
 from apcscore.models.rope import rope_frequencies, rotary_tables, with_portable_math
 from apcscore.models.weights import WeightCopier, param_slices
 
@@ -260,14 +260,14 @@ class LlamaDecoder(nn.Module):
         the dtype x is cast to). The start-up probe (engine/gemm_probe.py) checks exactly this product.
 
         On CUDA the Triton matmul reads the model dtype and accumulates and writes fp32 (without batch
-        invariance, cuBLAS does the same: matmul_ref.library_logits); on the CPU a half-precision model's hidden
+        invariance, cuBLAS does the same: matmul_torch.library_logits); on the CPU a half-precision model's hidden
         states and LM head are upcast (the fp32 head is kept: vocab x hidden x 4 bytes), unless the linear
         multiplies fp32 rows by half weights exactly (`mixed_dtypes`).
         """
         weight = self.lm_head_weight
         if weight.device.type == "cuda":
             if not self.ops.batch_invariant:
-                from apcscore.kernels.matmul_ref import library_logits
+                from apcscore.kernels.matmul_torch import library_logits
 
                 return library_logits, weight, weight.dtype
             from apcscore.kernels.matmul import invariant_linear

@@ -1,16 +1,18 @@
 """The ops a model computes with (`Ops`), chosen in one place: linear layers, attention, RMSNorm and logprobs.
 
-"torch" runs anywhere (the CPU engine, and CUDA as a reference); "triton" runs the Triton kernels of
-apcscore.kernels on CUDA (and on the CPU under TRITON_INTERPRET=1 in tests). The backends' modules are
-imported only when one is selected, so choosing "torch" on a CPU never imports Triton.
+The attention backends register here by name (`BACKENDS`, filled by `@backend`): "torch" runs anywhere (the CPU
+engine, and CUDA as a reference); "triton" runs the Triton kernels of apcscore.kernels on CUDA (and on the CPU
+under TRITON_INTERPRET=1 in tests). A backend's modules are imported only when it is selected, so choosing "torch"
+on a CPU never imports Triton.
 
 Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
 on how many rows share the GEMM. On the CPU that is our fixed-order GEMM (apcscore.kernels.cpu_gemm: every
 element summed in one fixed order over k, by construction); where it cannot be built (no C compiler) torch's GEMM on rows
-padded to a multiple of 16 (apcscore.kernels.matmul_ref), which holds on some CPUs only, so the engine's
+padded to a multiple of 16 (apcscore.kernels.matmul_torch), which holds on some CPUs only, so the engine's
 start-up probe (apcscore.engine.gemm_probe) decides and the run metadata says. On CUDA the
 fixed-configuration Triton matmul (apcscore.kernels.matmul), whichever attention backend runs.
-batch_invariant=False (`--no-batch-invariant`) takes the library GEMM.
+batch_invariant=False (`--no-batch-invariant`) takes the library GEMM. Each linear says how it fixes its order
+(its `construction`, which the run metadata records) and whether that order is the same on every CPU (`portable`).
 """
 
 from __future__ import annotations
@@ -19,19 +21,18 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from apcscore.kernels.rotary_ref import rotary_torch
-from apcscore.kernels.silu_mul_ref import silu_mul_torch
-
-BACKENDS = ("torch", "triton")
+from apcscore.kernels.rotary_torch import rotary_torch
+from apcscore.kernels.silu_mul_torch import silu_mul_torch
 
 
 @dataclass(frozen=True)
 class Ops:
     """What a model computes with.
 
-    name: "torch" | "triton".
+    name: the backend's name in BACKENDS ("torch" | "triton").
     linear: (x [M, K], weight [N, K], bias=None, out=None) -> [M, N]; `out` (a reused buffer, rows >= M) is
-        written when given. Batch-invariant unless batch_invariant is False.
+        written when given. Batch-invariant unless batch_invariant is False. It has `construction` (str) and may
+        have `portable` (bool, default False): see linear_construction and portable_construction.
     attention: the attention backend: forward(query, key, value, k_cache, v_cache, meta, scale) -> out
         (write-then-read over the paged KV cache; apcscore.attention), optionally allocate_kv_cache(...).
     rms_norm: (x, weight, eps, residual=None) -> out, or (out, new residual) when residual is given.
@@ -55,7 +56,7 @@ class Ops:
 
 def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]:
     """The linear layer of a device: see the module doc."""
-    from apcscore.kernels.matmul_ref import invariant_linear_torch, plain_linear
+    from apcscore.kernels.matmul_torch import invariant_linear_torch, plain_linear
 
     if not batch_invariant:
         return plain_linear
@@ -76,41 +77,43 @@ def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]
 
 
 def linear_construction(linear: Callable[..., Any]) -> str:
-    """How a linear layer fixes its reduction order, as the run metadata records it."""
-    from apcscore.kernels.matmul_ref import invariant_linear_torch, plain_linear
-
-    if linear is plain_linear:
-        return "library GEMM (not batch-invariant)"
-    if linear is invariant_linear_torch:
-        return "library GEMM on rows padded to 16 (probed, not by construction)"
-    if type(linear).__name__ == "FixedOrderLinear":
-        from apcscore.kernels.cpu_gemm import order_version
-
-        return f"apcscore fixed-order GEMM, order {order_version()} (blocked fma chains)"
-    return "Triton matmul, one fixed configuration"
+    """How a linear layer fixes its reduction order, as the run metadata records it: the linear's own word."""
+    return linear.construction  # type: ignore[attr-defined]
 
 
 def portable_construction(linear: Callable[..., Any]) -> bool:
-    """Whether a CPU model computing with `linear` gives the same bits on every CPU: our fixed-order GEMM, with the
-    portable row math (apcscore.kernels.rowmath), both from the one C library."""
+    """Whether a CPU model computing with `linear` gives the same bits on every CPU: a portable linear (our
+    fixed-order GEMM), with the portable row math (apcscore.kernels.rowmath), both from the one C library."""
     from apcscore.kernels.rowmath import portable
 
-    return type(linear).__name__ == "FixedOrderLinear" and portable()
+    return getattr(linear, "portable", False) and portable()
 
 
-def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Ops:
-    """The ops of the attention backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch elsewhere."""
-    if name == "auto":
-        name = "triton" if device_type == "cuda" else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; one of auto, {', '.join(BACKENDS)}")
-    linear = select_linear(device_type, batch_invariant)
-    if name == "torch":
-        from apcscore.attention.torch_backend import TorchAttentionBackend
-        from apcscore.kernels.logprobs_ref import token_logprobs_torch
-        from apcscore.kernels.rowmath import rms_norm
+# The attention backends by name: each builds its Ops around the linear layer (make(linear, batch_invariant)).
+BACKENDS: dict[str, Callable[[Callable[..., Any], bool], Ops]] = {}
 
-        return Ops("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm, token_logprobs_torch)
+
+def backend(name: str) -> Callable[[Callable[..., Ops]], Callable[..., Ops]]:
+    """Register the decorated `make(linear, batch_invariant) -> Ops` as the attention backend `name`."""
+    def register(make: Callable[..., Ops]) -> Callable[..., Ops]:
+        BACKENDS[name] = make
+        return make
+    return register
+
+
+@backend("torch")
+def torch_ops(linear: Callable[..., Any], batch_invariant: bool) -> Ops:
+    """torch attention (apcscore.attention.torch_backend), the torch twins of the kernels, the CPU's row math."""
+    from apcscore.attention.torch_backend import TorchAttentionBackend
+    from apcscore.kernels.logprobs_torch import token_logprobs_torch
+    from apcscore.kernels.rowmath import rms_norm
+
+    return Ops("torch", linear, batch_invariant, TorchAttentionBackend(), rms_norm, token_logprobs_torch)
+
+
+@backend("triton")
+def triton_ops(linear: Callable[..., Any], batch_invariant: bool) -> Ops:
+    """Triton attention (apcscore.attention.triton_backend) and the Triton kernels of apcscore.kernels."""
     from apcscore.attention.triton_backend import TritonAttentionBackend
     from apcscore.kernels.logprobs import token_logprobs
     from apcscore.kernels.rmsnorm import rms_norm
@@ -119,3 +122,13 @@ def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True
 
     return Ops("triton", linear, batch_invariant, TritonAttentionBackend(), rms_norm, token_logprobs, rotary,
                silu_mul)
+
+
+def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Ops:
+    """The ops of the attention backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device_type == "cuda" else "torch"
+    make = BACKENDS.get(name)
+    if make is None:
+        raise ValueError(f"unknown backend {name!r}; one of auto, {', '.join(BACKENDS)}")
+    return make(select_linear(device_type, batch_invariant), batch_invariant)

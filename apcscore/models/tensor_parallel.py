@@ -85,13 +85,6 @@ def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
     return min(vocab, rank * per), min(vocab, (rank + 1) * per)
 
 
-def slice_sizes(hf_config: Any, world_size: int) -> tuple[int, int, int]:
-    """(query heads, KV heads, intermediate size) per rank; KV heads are replicated when fewer than ranks."""
-    heads = hf_config.num_attention_heads
-    kv = getattr(hf_config, "num_key_value_heads", None) or heads
-    return heads // world_size, max(1, kv // world_size), hf_config.intermediate_size // world_size
-
-
 def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> str | None:
     """Why `decoder` cannot run hf_config split over `world_size` ranks, or None."""
     if world_size == 1:

@@ -29,10 +29,6 @@ from apcscore.errors import ApcscoreError
 from apcscore.options.commands import EvalOptions
 from apcscore.run import eval_folder
 
-def is_eval_shard(path: Path) -> bool:
-    """Whether `path` is the folder of an `eval --shard` run (finished or not)."""
-    return Path(path).is_dir() and ((Path(path) / eval_folder.SHARD_FILE).exists() or (Path(path) / eval_folder.RUN_FILE).exists())
-
 
 def read_shards(paths: list[Path]) -> list[dict[str, Any]]:
     """The shard records of `paths`, in shard order, after checking they are the finished shards of one run."""

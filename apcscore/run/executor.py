@@ -1,8 +1,9 @@
 """The executor interface: where a run's records become rows.
 
 The driver (run/driver.py) owns everything around an executor: the writer, resume, signals, progress, the summary
-and the exit code. Two executors implement `Executor`: run/local.LocalExecutor (one engine in this process) and
-run/ray_executor.RayExecutor (Ray replicas).
+and the exit code. Two executors implement `Executor`: run/local.LocalExecutor (one engine in this process; it
+subclasses `Executor` for the defaults of `failure`, `closing_line` and `close`) and run/ray_executor.RayExecutor
+(Ray replicas).
 """
 
 from __future__ import annotations
@@ -50,12 +51,12 @@ class Executor(Protocol):
         ...
 
     def failure(self) -> str | None:
-        """Why records were not run, or None."""
-        ...
+        """Why records were not run, or None (the default: an executor that stops by raising)."""
+        return None
 
     def closing_line(self) -> str | None:
-        """A line for after the summary, or None."""
-        ...
+        """A line for after the summary, or None (the default)."""
+        return None
 
     def close(self) -> None:
-        ...
+        """Release what the executor holds (the default: nothing)."""

@@ -11,12 +11,13 @@ from apcscore.engine.model_files import LoadedModel
 from apcscore.io.reader import LoadedDataset
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job
+from apcscore.run.executor import Executor
 from apcscore.run.metadata import run_metadata
 from apcscore.options.commands import RunOptions
 from apcscore.run.runner import run_records
 
 
-class LocalExecutor:
+class LocalExecutor(Executor):
     """One engine, built around the already located and checked model (`engine/model_files.LoadedModel`)."""
 
     def __init__(self, command: str, opts: RunOptions, model: LoadedModel) -> None:
@@ -76,12 +77,3 @@ class LocalExecutor:
 
     def verify(self) -> dict | None:
         return self.verifier.check(self.engine) if self.verifier is not None else None
-
-    def failure(self) -> str | None:
-        return None
-
-    def closing_line(self) -> str | None:
-        return None
-
-    def close(self) -> None:
-        pass

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
-from apcscore.engine.cuda_graphs import (DecodeGraphRunner, attach, capture_sizes, decode_inputs, pad_decode_inputs,
-                                  padded_size)
+from apcscore.engine.cuda_graphs import (DEFAULT_CAPTURE_SIZES, DecodeGraphRunner, capture_sizes, decode_inputs,
+                                         pad_decode_inputs, padded_size)
 from apcscore.engine import Engine
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import Sequence
@@ -44,6 +44,15 @@ def make_engine(model_dir, **overrides) -> Engine:
                max_num_seqs=16, attention_backend="torch")
     cfg.update(overrides)
     return Engine.from_model(str(model_dir), EngineConfig(**cfg))
+
+
+def attach(engine: Engine, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES) -> DecodeGraphRunner:
+    """Give the engine's model runner a DecodeGraphRunner of `sizes` (on CUDA captured, elsewhere its padded forward
+    runs eagerly), built as ModelRunner builds one on CUDA for the Triton backend."""
+    runner = engine.runner
+    runner.cuda_graphs = DecodeGraphRunner(runner.model, runner.block_size, engine.config.max_num_seqs, runner.device,
+                                           sizes, capture=runner.device.type == "cuda")
+    return runner.cuda_graphs
 
 
 def running_sequences(engine: Engine, lengths: list[int], computed: list[int]) -> list[Sequence]:

@@ -15,7 +15,7 @@ from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention import triton_backend
 from apcscore.attention.decode_groups import SWITCH
 from apcscore.engine import Engine
-from apcscore.engine.cuda_graphs import attach
+from tests.engine.test_cuda_graphs import attach
 from triton_device import DEVICE, TRITON_MARKS  # noqa: E402
 from portable_models import tiny_dir  # noqa: F401  (fixture)
 
@@ -62,7 +62,7 @@ def test_grouped_generations_are_bitwise_one_at_a_time(tiny_dir, monkeypatch) ->
     for graphs in (False, True):  # the eager step, then the CUDA-graph runner's padded step (eager on the CPU)
         engine = make_engine(model_dir)
         generate(engine, [prefix], first=100)  # the prefix's blocks in the cache: the prompts below hit them
-        runner = attach(engine, sizes=(16,), capture=None) if graphs else None
+        runner = attach(engine, sizes=(16,)) if graphs else None
         launched.clear()
         together = generate(engine, ps)
         assert launched and max(launched) == 1, launched  # the three decodes ran as one group

@@ -293,10 +293,10 @@ def test_decode_with_a_shared_cached_prefix_equals_decode_alone(llama_dir):
 
 
 def test_reused_logprob_buffers_give_the_same_bits():
-    """The CPU logprob path reuses [rows, vocab] buffers (kernels.logprobs_ref.Scratch); results must not change, and a
-    chunk's results must not alias the buffers the next chunk overwrites."""
+    """The CPU logprob path reuses [rows, vocab] buffers (kernels.logprobs_torch.Scratch); results must not change,
+    and a chunk's results must not alias the buffers the next chunk overwrites."""
     from apcscore.engine.logprobs import chunked_token_logprobs
-    from apcscore.kernels.logprobs_ref import Scratch
+    from apcscore.kernels.logprobs_torch import Scratch
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(300, 32, generator=g), torch.randn(1000, 32, generator=g)

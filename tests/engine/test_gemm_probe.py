@@ -31,6 +31,8 @@ class SplitKAboveRows:
     multiple of 64, two calls of the fixed-order GEMM would add the same block sums in the same order, which is
     its own order (the blocks of 64 k: kernels/cpu_gemm.c), so no bit could differ."""
 
+    construction = "split-K above a row count (the test's linear)"  # what a linear tells the run metadata
+
     def __init__(self, rows: int = 64) -> None:
         self.rows, self.inner = rows, FixedOrderLinear()
 

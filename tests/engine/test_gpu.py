@@ -23,7 +23,7 @@ import torch
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine import Engine
-from apcscore.engine.cuda_graphs import DecodeGraphRunner, attach, decode_inputs
+from apcscore.engine.cuda_graphs import DecodeGraphRunner, decode_inputs
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.sequence import Sequence
 from apcscore.kernels._checks import interpreting
@@ -43,10 +43,7 @@ def cuda_engine(model_dir, dtype: str = "float32", backend: str = "triton", grap
     cfg = dict(device=DEVICE, dtype=dtype, num_kv_blocks=512, block_size=16, max_batch_tokens=512,
                max_num_seqs=8, attention_backend=backend, use_cuda_graphs=graphs)
     cfg.update(overrides)
-    engine = Engine.from_model(str(model_dir), EngineConfig(**cfg))
-    if graphs and engine.runner.cuda_graphs is None and backend == "triton":
-        attach(engine)  # until Engine passes use_cuda_graphs / max_num_seqs to ModelRunner
-    return engine
+    return Engine.from_model(str(model_dir), EngineConfig(**cfg))
 
 
 def prompts(lengths: list[int], seed: int, prefix: int = 0) -> list[list[int]]:
@@ -234,7 +231,7 @@ def test_without_batch_invariance_the_lm_head_is_cublas_writing_fp32(tiny_dir) -
     """`--no-batch-invariant` on CUDA multiplies the LM head with cuBLAS (the invariance tax compares against
     that), still writing fp32 logits from the fp32 accumulator; with invariance it is the Triton matmul."""
     from apcscore.kernels.matmul import invariant_linear
-    from apcscore.kernels.matmul_ref import library_logits
+    from apcscore.kernels.matmul_torch import library_logits
 
     library = cuda_engine(tiny_dir("llama"), dtype="bfloat16", graphs=False, batch_invariant=False)
     linear, head, rows_dtype = library.runner.model.logits_product()

@@ -172,7 +172,7 @@ def test_vocab_parallel_logprobs_match_one_device_on_ties(n: int) -> None:
     """Integer logits (many ties, across shard boundaries and across the K-th place): ranks and top-K ids are
     exactly the one-device function's, logprobs within fp32 rounding."""
     from apcscore.engine.parallel.logprobs import parallel_token_logprobs
-    from apcscore.kernels.logprobs_ref import token_logprobs_torch
+    from apcscore.kernels.logprobs_torch import token_logprobs_torch
     from apcscore.models.tensor_parallel import vocab_range
 
     gen = torch.Generator().manual_seed(0)

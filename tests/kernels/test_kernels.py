@@ -24,7 +24,7 @@ from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
 from apcscore.kernels import rms_norm, token_logprobs, token_logprobs_torch
 from triton_device import DEVICE, HAS_CUDA, INTERPRET, TRITON_MARKS  # noqa: E402
-from apcscore.kernels.logprobs_ref import Scratch
+from apcscore.kernels.logprobs_torch import Scratch
 from apcscore.kernels.paged_attention import paged_attention
 from apcscore.kernels.store_kv import store_kv
 

@@ -1,5 +1,5 @@
 """Batch-invariant linear layers in Triton (apcscore.kernels.matmul), and the pad-16 torch fallback's plumbing
-(apcscore.kernels.matmul_ref): a row's bits must not depend on how many rows share the GEMM, nor on where the
+(apcscore.kernels.matmul_torch): a row's bits must not depend on how many rows share the GEMM, nor on where the
 row sits among them. The CPU's construction, our fixed-order GEMM, is tested in tests/kernels/test_cpu_gemm.py; the
 pad-16 fallback is a measured property of some CPUs only (not of MKL on an Intel Xeon), which the engine's
 start-up probe checks where it runs (tests/engine/test_gemm_probe.py).
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from apcscore.kernels.matmul_ref import ROW_TILE, invariant_linear_torch, padded_rows, plain_linear
+from apcscore.kernels.matmul_torch import ROW_TILE, invariant_linear_torch, padded_rows, plain_linear
 
 # SmolLM2-135M: qkv, o, gate_up, down, LM head ([in, out])
 DEFAULT_MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]

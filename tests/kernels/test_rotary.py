@@ -1,4 +1,4 @@
-"""The Triton rotary kernel (apcscore.kernels.rotary) gives the torch form's bits (kernels/rotary_ref.rotary_torch,
+"""The Triton rotary kernel (apcscore.kernels.rotary) gives the torch form's bits (kernels/rotary_torch.rotary_torch,
 transformers' `x * cos + rotate_half(x) * sin`): each product and the sum rounded to the inputs' dtype, no fma, on
 the strided q and k views the model passes (splits of the fused qkv projection)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apcscore.kernels.rotary_ref import rotary_torch
+from apcscore.kernels.rotary_torch import rotary_torch
 from test_kernels import DEVICE, HAS_CUDA, INTERPRET
 
 pytestmark = [

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from apcscore.kernels._checks import interpreting
-from apcscore.kernels.silu_mul_ref import silu_mul_reference, silu_mul_torch
+from apcscore.kernels.silu_mul_torch import silu_mul_reference, silu_mul_torch
 
 HAS_CUDA = torch.cuda.is_available()
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

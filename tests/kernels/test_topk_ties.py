@@ -1,5 +1,5 @@
 """The top-k order of tied logits is defined: descending logit, equal logits by ascending token id, also where a
-tie crosses the k-th place (apcscore.kernels.logprobs_ref.top_k, used by the torch reference and the Triton
+tie crosses the k-th place (apcscore.kernels.logprobs_torch.top_k, used by the torch reference and the Triton
 path alike). CUDA's torch.topk orders ties differently from the CPU's, which made the GPU kernel test fail."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from apcscore.kernels.logprobs_ref import Scratch, top_k, token_logprobs_torch
+from apcscore.kernels.logprobs_torch import Scratch, top_k, token_logprobs_torch
 
 
 def stable_order(logits: torch.Tensor, k: int) -> torch.Tensor:

@@ -8,7 +8,7 @@ state). Per row chunk, every rank computes
 and all of them are all-gathered once. The global max M is the max of the m_r (exact), the sum
 S = sum_r s_r * exp(m_r - M) is added in rank order (fixed: it cannot depend on timing or message size), and
 lse = M + log(S). The merged top-K is the first K of the gathered candidates in the same order as
-kernels/logprobs_ref.top_k (every global top-K entry is in its own slice's top-K, so the merge is exact, ties by
+kernels/logprobs_torch.top_k (every global top-K entry is in its own slice's top-K, so the merge is exact, ties by
 lowest id across slices too). The rank is 1 + the sum over ranks of each slice's count of logits strictly above
 the target's (integers: exact), one more gather. Everything per row, so batch invariant.
 """
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from apcscore.engine.request import TokenLogprobs
-from apcscore.kernels.logprobs_ref import top_k
+from apcscore.kernels.logprobs_torch import top_k
 from apcscore.models.tensor_parallel import TensorParallel
 
 LocalLogits = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> fp32 logits of this rank's rows [N, Vr]

@@ -43,6 +43,11 @@ def invariant_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return y
 
 
+# how the reduction order is fixed, as the run metadata records it (numerics.linear; models/ops.linear_construction)
+invariant_linear_torch.construction = (  # type: ignore[attr-defined]
+    "library GEMM on rows padded to 16 (probed, not by construction)")
+
+
 def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
     """The fast path without the invariance guarantee (`--no-batch-invariant`): one library GEMM."""
@@ -50,6 +55,9 @@ def plain_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return F.linear(x, weight, bias)
     y = torch.mm(x, weight.t(), out=out[:x.shape[0]])
     return y if bias is None else y + bias
+
+
+plain_linear.construction = "library GEMM (not batch-invariant)"  # type: ignore[attr-defined]
 
 
 def library_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
