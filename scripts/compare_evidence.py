@@ -1,7 +1,7 @@
 """The evidence behind `apcscore compare`'s default gate: harmless and damaging changes of the default model,
 scored on one varied dataset and compared against the unchanged model (docs/compare.md, "The default gate").
 
-    .venv/bin/python scripts/compare_evidence.py                 # every candidate, K = 5 (~25 min on 2 cores)
+    .venv/bin/python scripts/compare_evidence.py                 # every candidate, K = 5 (~12 min on 2 quiet cores)
     .venv/bin/python scripts/compare_evidence.py --top-k 20 --candidates bf16,mlp_zeroed
 
 The dataset is built here, deterministically, from the repository's sample datasets (Shakespeare chunks, the
@@ -33,7 +33,8 @@ from safetensors.torch import load_file, save_file
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from apcscore.compare.gate import Thresholds, compare_files  # noqa: E402
+from apcscore.compare.gate import compare_files  # noqa: E402
+from apcscore.compare.thresholds import Thresholds  # noqa: E402
 from apcscore.models.locate import resolve_model  # noqa: E402
 
 # One sentence in each of 20 languages (written for this project): scripts that byte-level BPE splits.
@@ -169,7 +170,7 @@ CANDIDATES: dict[str, tuple[str, str, Callable[[Weights], Weights] | None, list[
     "int8": ("pass", "int8 per-channel weight-only (RTN)", _quantize(8, None), [], {}),
     "int4_g32": ("fail", "int4 weight-only, groups of 32 (RTN)", _quantize(4, 32), [], {}),
     "int4": ("fail", "int4 per-channel weight-only (RTN)", _quantize(4, None), [], {}),
-    "noise_1pct": ("fail", "1% Gaussian weight noise", _noise(0.01), [], {}),
+    "noise_1pct": ("pass", "1% Gaussian weight noise (about int8's error)", _noise(0.01), [], {}),
     "noise_2pct": ("fail", "2% Gaussian weight noise", _noise(0.02), [], {}),
     "noise_5pct": ("fail", "5% Gaussian weight noise", _noise(0.05), [], {}),
     "mlp_zeroed": ("fail", "layer 15's MLP down projection zeroed", _zero(15, "mlp.down_proj"), [], {}),
@@ -242,23 +243,22 @@ def main() -> None:
         if args.score_only:
             continue
         c = compare_files(base_out, out, Thresholds.defaults())
+        strict = compare_files(base_out, out, Thresholds.defaults().override(Thresholds(decision="strict"))).passed
         m = c.metrics
-        bounds = {ch.metric: ch for ch in c.checks}
         verdict = "PASS" if c.passed else "FAIL"
         failed = ", ".join(ch.option for ch in c.checks if not ch.passed)
         rows.append(f"| {name} | {what} | {_fmt(m.ppl_ratio, 5)} | {_fmt(m.kld.mean if m.kld else None)} | "
-                    f"{_fmt(m.kld.p99 if m.kld else None)} | {_fmt(m.top1_agreement, 4)} | "
+                    f"{_fmt(m.kld.percentiles['99'] if m.kld else None)} | {_fmt(m.top1_agreement, 4)} | "
                     f"{_fmt(m.accuracy_base)} → {_fmt(m.accuracy_new)} | {verdict}{f' ({failed})' if failed else ''} "
-                    f"| {expected.upper()} |")
+                    f"| {'PASS' if strict else 'FAIL'} | {expected.upper()} |")
         dump[name] = {"expected": expected, "passed": c.passed, "checks": [ch.__dict__ for ch in c.checks],
                       "ppl_ratio": m.ppl_ratio, "mean_kld": m.kld.mean if m.kld else None,
                       "top1_agreement": m.top1_agreement, "accuracy_base": m.accuracy_base,
                       "accuracy_new": m.accuracy_new}
-        del bounds
     print(f"\n{len(records)} records, K = {args.top_k}; baseline: the default model's fp32 weights\n")
     print("| candidate | change | PPL ratio | mean KL (K bound) | p99 KL | top-1 | accuracy | default verdict | "
-          "expected |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "--decision strict | expected |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
     if args.json_out:
         args.json_out.write_text(json.dumps(dump, indent=1, default=str), encoding="utf-8")

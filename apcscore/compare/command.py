@@ -100,7 +100,8 @@ def compare(
         import pyarrow as pa
 
         from apcscore.compare.ci_outputs import checks_to_cases, github_outputs, to_junit, write_markdown
-        from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
+        from apcscore.compare.gate import compare_files
+        from apcscore.compare.thresholds import Thresholds, load_thresholds
         from apcscore.compare.report import render_console, to_json, to_markdown, verdict, write_report
         from apcscore.compare.report_paths import check_report_paths
 

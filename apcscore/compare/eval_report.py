@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
-from apcscore.compare.gate import Thresholds
+from apcscore.compare.thresholds import Thresholds
 from apcscore.compare.report import CHECK_HEAD, check_rows, md_table, print_checks, rich_table, verdict
 from apcscore.errors import ApcscoreError
 

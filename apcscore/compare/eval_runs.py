@@ -28,7 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from apcscore.compare.gate import LIMITS, Check, Thresholds
+from apcscore.compare.gate import Check
+from apcscore.compare.thresholds import LIMITS, Thresholds
 from apcscore.compare.stats import clopper_pearson, margin_verdict, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 

@@ -4,12 +4,13 @@ record (NLL, word and byte perplexity, multiple-choice accuracy and flips), on a
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from apcscore.compare.broken import Broken, broken_positions
 from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, share_se
 from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk
 from apcscore.errors import ApcscoreError
@@ -125,85 +126,6 @@ def _logprobs(t: pa.Table, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]
     return out, valid
 
 
-@dataclass
-class Broken:
-    """Numbers the gate cannot compare because one side's is broken (docs/compare.md, "Broken numbers").
-
-    Null means "not scored by design" and is never broken when both sides have it; NaN or +-inf where a number
-    belongs, or a position scored on one side and null on the other, is. Such positions and records are left out
-    of every figure, counted here, and fail the gate by default (`--max-broken 0`).
-    """
-
-    kinds: dict[str, int] = field(default_factory=dict)  # e.g. "candidate token_logprobs NaN" -> positions
-    positions: int = 0  # positions with at least one broken number (either side)
-    records: int = 0  # records with at least one (positions or per-record figures)
-    examples: list[str] = field(default_factory=list)  # the first records with one, in file order (at most 5)
-
-    def add(self, kind: str, count: int) -> None:
-        if count:
-            self.kinds[kind] = self.kinds.get(kind, 0) + int(count)
-
-    def describe(self) -> str:
-        """One line: what is broken, how often, and the first records."""
-        parts = ", ".join(f"{k}: {v}" for k, v in self.kinds.items())
-        return (f"{self.positions} position(s) and {self.records} record(s) hold broken numbers ({parts}); first "
-                f"records: {', '.join(repr(x) for x in self.examples)}")
-
-
-def _non_finite(kind: str) -> str:
-    return "NaN" if kind == "nan" else "infinite"
-
-
-def _broken_positions(broken: Broken, blp: np.ndarray, bvalid: np.ndarray, nlp: np.ndarray, nvalid: np.ndarray
-                      ) -> np.ndarray:
-    """Count the positions of one chunk whose target logprob is broken on a side ([p] arrays from `_logprobs`);
-    returns the [p] mask of broken positions."""
-    bad = np.zeros(len(blp), bool)
-    for role, lp, valid, other in (("baseline", blp, bvalid, nvalid), ("candidate", nlp, nvalid, bvalid)):
-        nan, inf = valid & np.isnan(lp), valid & np.isinf(lp)
-        missing = ~valid & other  # scored on the other side, null here
-        broken.add(f"{role} token_logprobs NaN", nan.sum())
-        broken.add(f"{role} token_logprobs infinite", inf.sum())
-        broken.add(f"{role} token_logprobs null where the other side scored", missing.sum())
-        bad |= nan | inf | missing
-    return bad
-
-
-# per-record figures whose value, where present on an ok record, must be finite
-RECORD_FIGURES = ("sum_logprob", "mean_nll", "perplexity", "continuation_logprob", "word_perplexity",
-                  "byte_perplexity", "bits_per_byte")
-
-
-def broken_records(base: pa.Table, new: pa.Table) -> tuple[np.ndarray, Broken]:
-    """[rows] mask of aligned ok records whose per-record figures (RECORD_FIGURES, choice_logprobs) hold NaN or
-    +-inf on a side, or a value on one side and null on the other; and their counts."""
-    broken = Broken()
-    bad = np.zeros(base.num_rows, bool)
-    for name in RECORD_FIGURES + ("choice_logprobs",):
-        if name not in base.column_names or name not in new.column_names:
-            continue
-        flags = []
-        for t in (base, new):
-            col = t[name]
-            if pa.types.is_list(col.type) or pa.types.is_large_list(col.type):  # broken when any entry is
-                values = pc.cast(pc.list_flatten(col), pa.float64())
-                parent = pc.list_parent_indices(col).to_numpy()
-                finite = pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)
-                row_bad = np.zeros(t.num_rows, bool)
-                row_bad[parent[~finite]] = True
-                flags.append((col.is_valid().to_numpy(zero_copy_only=False), row_bad))
-            else:
-                values = pc.cast(col, pa.float64())
-                valid = values.is_valid().to_numpy(zero_copy_only=False)
-                flags.append((valid, valid & ~pc.fill_null(pc.is_finite(values), True).to_numpy(zero_copy_only=False)))
-        (bv, bb), (nv, nb) = flags
-        for role, nonfinite, missing in (("baseline", bb, ~bv & nv), ("candidate", nb, ~nv & bv)):
-            broken.add(f"{role} {name} NaN or infinite", nonfinite.sum())
-            broken.add(f"{role} {name} null where the other side has one", missing.sum())
-            bad |= nonfinite | missing
-    return bad, broken
-
-
 def _same_argmax(bi: np.ndarray, bl: np.ndarray, ni: np.ndarray, nl: np.ndarray) -> np.ndarray:
     """[m] 1 where the argmax is the same on both sides: the top-1 ids match, or one side's top-1 is tied
     for the maximum on the other side (bf16 logits tie often; which tied id comes first is arbitrary)."""
@@ -252,7 +174,7 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
         rec = np.repeat(np.arange(start, stop), ln)  # [p]
         at = np.arange(int(ln.sum())) - np.repeat(np.cumsum(ln) - ln, ln)  # [p] index within the record
         (blp, bvalid), (nlp, nvalid) = _logprobs(b, ln), _logprobs(n, ln)  # [p] each
-        bad = _broken_positions(broken, blp, bvalid, nlp, nvalid)  # [p]
+        bad = broken_positions(broken, blp, bvalid, nlp, nvalid)  # [p]
         scored = bvalid & nvalid & ~bad  # [p]
         if topk:
             bl = _padded(b, "top_logprobs", ln, -math.inf, np.float64)  # [p, Kb]

@@ -12,11 +12,8 @@
   regular file of this user or root that neither group nor others can write, with no second name: a hard link to a
   root-owned library under our name would otherwise pass); then it is loaded through that descriptor
   (/proc/self/fd/N), so the file checked is the file loaded, whatever is renamed meanwhile.
-- Sharing (our decision). A library another user (not root) built is never loaded: that would run their code in our
-  process. So a cache is shared only read-only, an administrator's: root builds the library into it (any command that
-  uses the CPU kernels, run as root with that APCSCORE_CACHE) and every user loads that root-owned file (mode 0755).
-  A cache that other users can write is refused as a whole, so otherwise each user keeps their own (the default,
-  ~/.cache/apcscore, is per user).
+- Sharing (our decision): a library another user (not root) built is never loaded (it would run their code), so a
+  cache is shared only read-only: root builds into it, every user loads that root-owned file (mode 0755).
 - Building. A library is built in a private temporary folder (mode 0700) made inside the cache folder, loaded from
   there (the copy we built, checked as above), then renamed into the cache (atomic: one folder, one file system) with
   mode 0755; the temporary folder is removed. Where the cache is refused or cannot be written (read-only), or holds a
@@ -24,15 +21,12 @@
   the process builds a private copy in a temporary folder of the system's instead (removed once loaded), with one
   warning that names the cache and says why and what to do. A private copy rather than torch's ops (our decision):
   the fixed-order kernels' bits are the run's contract, and a refused cache costs only the build (~10 s).
-- A sticky folder others can write (as /tmp) is used: they cannot rename or remove our files there, and what they
-  add under our name fails the file checks (their owner, a link, or a second name; a hard link whose first name is
-  removed later would pass, which Linux's fs.protected_hardlinks, on by default, prevents: no linking of a file
-  one cannot write).
+- A sticky folder others can write (as /tmp) is used: they cannot rename or remove our files, and what they add
+  under our name fails the file checks (fs.protected_hardlinks, on by default, covers a hard link's later unlink).
 - Every other way of not getting a loaded library with all its entry points (no compiler, a failed compile, a build
   that cannot be loaded) is `CpuGemmUnavailable`, never another exception: `available()` is then False and the
   callers run torch's ops (models.ops.select_linear warns).
-- `$CC` may be a command line ("ccache gcc"); a compile that fails or takes more than BUILD_TIMEOUT seconds is a
-  `CpuGemmUnavailable` naming the reason.
+- `$CC` may be a command line ("ccache gcc"); a compile that fails or takes over BUILD_TIMEOUT s names the reason.
 """
 
 from __future__ import annotations
@@ -83,9 +77,8 @@ SIGNATURES: dict[str, tuple[list, object]] = {
 }
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _lib: ctypes.CDLL | None = None
-# The descriptors libraries were loaded through, kept open while the process lives (ctypes never unloads a library):
-# glibc's dlopen returns the object already loaded under a name, so a /proc/self/fd/N reused for another file
-# would give the old library.
+# The descriptors libraries were loaded through, kept open (ctypes never unloads; glibc's dlopen returns the object
+# already loaded under a name, so a reused /proc/self/fd/N would give the old library).
 _held: list[int] = []
 
 
@@ -98,8 +91,7 @@ class _Untrusted(Exception):
 
 
 class _NotUsed(Exception):
-    """The kernel cache (or the file under our name in it) is not used: why, and what to do (a private copy is
-    built instead)."""
+    """The kernel cache (or our file in it) is not used: why, and what to do (a private copy is built instead)."""
 
     def __init__(self, why: str, todo: str) -> None:
         super().__init__(why)
@@ -107,8 +99,7 @@ class _NotUsed(Exception):
 
 
 def cache_root() -> Path:
-    """The apcscore cache: $APCSCORE_CACHE, default ~/.cache/apcscore (models.gguf_cache.cache_root's twin: kernels
-    import nothing from the rest of apcscore)."""
+    """$APCSCORE_CACHE, default ~/.cache/apcscore (gguf_cache.cache_root's twin: kernels import no other module)."""
     root = os.environ.get("APCSCORE_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "apcscore"
 

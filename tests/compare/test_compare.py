@@ -21,7 +21,8 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from apcscore.compare.command import compare
-from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
+from apcscore.compare.gate import compare_files
+from apcscore.compare.thresholds import Thresholds, load_thresholds
 from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk, solve_unknown_masses
 from apcscore.errors import ApcscoreError
 

@@ -23,7 +23,8 @@ from scipy import stats as sps
 from test_compare import TinyLM, make_records, one_line, run_cli, score_rows, write_results
 from test_compare_stats import _mc_pair
 
-from apcscore.compare.gate import DEFAULT_GATE, Thresholds, compare_files, load_thresholds
+from apcscore.compare.gate import compare_files
+from apcscore.compare.thresholds import DEFAULT_GATE, Thresholds, load_thresholds
 from apcscore.compare.stats import clopper_pearson, margin_verdict
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,8 @@ from scipy import stats as sps
 from test_compare import TinyLM, make_records, mc_rows, one_line, run_cli, score_rows, write_results
 
 from apcscore.compare import stats
-from apcscore.compare.gate import Thresholds, compare_files, load_thresholds
+from apcscore.compare.gate import compare_files
+from apcscore.compare.thresholds import Thresholds, load_thresholds
 from apcscore.compare.stats import bootstrap_replicates, mcnemar_exact_p, mcnemar_mde, paired_interval
 from apcscore.errors import ApcscoreError
 

@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 
 from apcscore.cli import app
 from apcscore.compare import html_report
-from apcscore.compare.gate import Thresholds, compare_files
+from apcscore.compare.gate import compare_files
+from apcscore.compare.thresholds import Thresholds
 from test_compare import TinyLM, make_records, score_rows, write_results
 
 PROMPTS = [
