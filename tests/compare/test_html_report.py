@@ -78,7 +78,8 @@ def report(runs, *extra: str) -> tuple[Path, object]:
     base, new, tmp = runs
     page = tmp / "report" / "compare.html"
     r = CliRunner().invoke(app, ["compare", str(base), str(new), "--max-mean-kld", "0.001", "--max-accuracy-drop",
-                                 "0.5", "--report-html", str(page), *extra], env={"COLUMNS": "200"})
+                                 "0.5", "--no-default-gate", "--report-html", str(page), *extra],
+                           env={"COLUMNS": "200"})
     return page, r
 
 
@@ -95,8 +96,8 @@ def test_page_holds_verdict_checks_tokens_and_flips(runs) -> None:
     html = page.read_text(encoding="utf-8")
     c = compare_files(base, new, Thresholds(max_mean_kld=0.001, max_accuracy_drop=0.5))
     assert not c.passed and c.flips, "the fixture should give a failing check and at least one flip"
-    assert re.search(r'<span class="verdict fail" id="verdict">FAIL \(1 of 4 thresholds\)</span>', html)
-    assert "<title>apcscore compare: FAIL (1 of 4 thresholds)</title>" in html
+    assert re.search(r'<span class="verdict fail" id="verdict">FAIL \(1 of 5 thresholds\)</span>', html)
+    assert "<title>apcscore compare: FAIL (1 of 5 thresholds)</title>" in html
     checks = re.search(r'<table id="thresholds">(.*?)</table>', html, re.S).group(1)
     assert checks.count("<tr") == 1 + len(c.checks) and '<tr class="fail"><td>--max-mean-kld</td>' in checks
     # self-contained: plotly.js inlined, nothing fetched from the network
@@ -215,7 +216,7 @@ def test_page_in_headless_chromium(runs, tmp_path) -> None:
     clicked.write_text(page.read_text(encoding="utf-8").replace(
         "</body>", '<script>document.querySelector(".tok:not(.na)").click()</script></body>'), encoding="utf-8")
     dom = chromium(tmp_path, "--dump-dom", clicked.as_uri()).stdout
-    assert re.search(r'id="verdict">FAIL \(1 of 4 thresholds\)<', dom)
+    assert re.search(r'id="verdict">FAIL \(1 of 5 thresholds\)<', dom)
     for div in ("plot-dlogprob", "plot-kl", "plot-scatter"):
         start = dom.index(f'id="{div}"')
         end = dom.find('id="plot-', start + 1)
