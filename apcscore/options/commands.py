@@ -15,7 +15,7 @@ from typing import Any, ClassVar, Mapping, TypeVar
 
 from apcscore.config import NOT_GIVEN, EngineConfig, Spec, base_type, option, spec_of
 
-O = TypeVar("O", bound="Options")
+OptionsT = TypeVar("OptionsT", bound="Options")
 # the engine options of score, generate and perplexity on the command line, in --help order
 ENGINE_CLI = ("device", "dtype", "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs",
               "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len",
@@ -43,7 +43,7 @@ class Options:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @classmethod
-    def from_values(cls: type[O], values: Mapping[str, Any]) -> O:
+    def from_values(cls: type[OptionsT], values: Mapping[str, Any]) -> OptionsT:
         """The options of flat values (keys as in a config file; None = not given, so the default)."""
         own = {f.name: values[f.name] for f in fields(cls)
                if f.name != "engine" and values.get(f.name) is not None}
