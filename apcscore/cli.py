@@ -223,7 +223,8 @@ def generate(**params: Any) -> None:
     """Completions with sampling options; prompts sharing a prefix reuse its cached KV.
 
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
-    {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt), optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
+    {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt),
+    optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
     Or OpenAI Batch request lines (/v1/chat/completions, /v1/completions); --out X.jsonl writes result lines.
     """
     _run("generate", params)

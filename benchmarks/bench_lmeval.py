@@ -348,12 +348,14 @@ def main() -> None:
           "largest abs (rel) difference | load |\n| --- | ---: | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for row in report:
         base = statistics.median(row["seconds"]["hf"])
-        cell = {n: f"{statistics.median(v):.1f} s ({statistics.median(v) / base:.2f}x)" for n, v in row["seconds"].items()}
+        cell = {n: f"{statistics.median(v):.1f} s ({statistics.median(v) / base:.2f}x)"
+                for n, v in row["seconds"].items()}
         equal = "PASS" if not any(row["checks"].values()) else "FAIL"
         w = (row["work"].get("apcscore --exact-reuse") or [{}])[-1]
         tokens = f"{w['computed']:,} / {w['queried']:,}" if w.get("queried") else "-"
         print(f"| {row['task']} | {sum(row['docs'].values())} | {base:.1f} | {cell.get('apcscore', '-')} | "
-              f"{cell['apcscore --exact-reuse']} | {tokens} | {equal} | {row['worst_abs'][0]:.2g} ({row['worst_abs'][1]:.2g}) | "
+              f"{cell['apcscore --exact-reuse']} | {tokens} | {equal} | "
+              f"{row['worst_abs'][0]:.2g} ({row['worst_abs'][1]:.2g}) | "
               f"{min(row['load']):.1f}-{max(row['load']):.1f} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))

@@ -51,7 +51,8 @@ def main() -> None:
     data = dataset(tmp / "d.jsonl", args.groups, args.per_group, args.words)
     base = [sys.executable, "-m", "apcscore", "generate", str(data), "--model", args.model, "--max-tokens",
             str(args.tokens), "--num-kv-blocks", "2048", "-q"]
-    runs = {"1 process": [], "ray, 1 replica (2 CPUs)": ["--ray", "local", "--replicas", "1", "--cpus-per-replica", "2"],
+    runs = {"1 process": [],
+            "ray, 1 replica (2 CPUs)": ["--ray", "local", "--replicas", "1", "--cpus-per-replica", "2"],
             "ray, 2 replicas (1 CPU each), prefix-aware": ["--ray", "local", "--replicas", "2"],
             "ray, 2 replicas (1 CPU each), random": ["--ray", "local", "--replicas", "2", "--partition", "random"]}
     print(f"{args.groups} groups x {args.per_group} prompts, ~{args.words}-word shared preamble, {args.tokens} "

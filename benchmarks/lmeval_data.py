@@ -6,12 +6,14 @@ document of a split is distinct, and lengths are those of the real datasets (rou
 
 | task | fields written | length |
 | --- | --- | --- |
-| hellaswag | ind, activity_label, ctx_a, ctx_b, ctx, endings, source_id, split, split_type, label ("0"-"3") | ctx ~40 words, 4 endings ~20 words |
+| hellaswag | ind, activity_label, ctx_a, ctx_b, ctx, endings, label ("0"-"3"), ... (*) | ctx ~40, 4 endings ~20 words |
 | arc_easy | id, question, choices {text, label}, answerKey | question ~25 words, choices 1-6 words |
 | winogrande | sentence (one "_"), option1, option2, answer ("1"/"2") | ~22 words |
 | lambada_openai | text | ~75 words, scored: the last word |
 | gsm8k | question, answer (steps with <<a*b=c>> and "#### N") | ~45 + ~40 words |
 | mmlu | question, subject, choices (4), answer (0-3) | ~30 words, choices ~4 words |
+
+(*) and source_id, split, split_type.
 
 `write_all(folder, docs, subjects)` writes `<folder>/<task>/<split>.jsonl`, the paths the task copies name
 with `@DATA@` (bench_lmeval.py replaces it with `folder`).
@@ -109,7 +111,8 @@ def lambada(rng: random.Random, i: int) -> dict:
 
 
 def gsm8k(rng: random.Random, i: int) -> dict:
-    who, thing, other = rng.choice(["Horatio", "Marcellus", "Bernardo", "Francisco", "Adonis", "Cytherea"]), *rng.sample(NOUNS, 2)
+    who, thing, other = (rng.choice(["Horatio", "Marcellus", "Bernardo", "Francisco", "Adonis", "Cytherea"]),
+                         *rng.sample(NOUNS, 2))
     a, b, c, d = rng.randint(2, 40), rng.randint(2, 12), rng.randint(2, 30), rng.randint(1, 9)
     total = a * b
     left = total - c if total > c else total + c

@@ -87,7 +87,10 @@ def measure(records: int, model: str | None, workdir: Path, interval: float = 0.
     running = [s for s in samples if s[2] >= min(256, records // 4)]
     if len(running) < 4:
         running = samples[len(samples) // 4:]
-    at = lambda q: running[min(len(running) - 1, int(q * (len(running) - 1)))][1]
+
+    def at(q: float) -> float:
+        return running[min(len(running) - 1, int(q * (len(running) - 1)))][1]
+
     return {
         "records": records, "model": model if not model.endswith("tiny-llama") else "tiny random Llama",
         "seconds": round(time.perf_counter() - started, 1),

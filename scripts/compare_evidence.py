@@ -206,7 +206,8 @@ def _fmt(v: float | None, digits: int = 3) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--top-k", type=int, default=5)
-    ap.add_argument("--candidates", default=",".join(CANDIDATES), help="comma-separated names: " + ", ".join(CANDIDATES))
+    ap.add_argument("--candidates", default=",".join(CANDIDATES),
+                    help="comma-separated names: " + ", ".join(CANDIDATES))
     ap.add_argument("--work", type=Path, help="keep the folders and result files here (default: a temporary folder)")
     ap.add_argument("--dataset-out", type=Path, help="also write the evidence dataset here")
     ap.add_argument("--json-out", type=Path, help="also write every candidate's figures as JSON here")

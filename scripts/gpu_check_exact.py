@@ -17,6 +17,7 @@ library.
 from __future__ import annotations
 
 import random
+from functools import partial
 from typing import Any
 
 from gpu_check_common import (GENERATE_SHAPE, columns, emit, engine_and_state, engine_generate, engine_score,
@@ -245,8 +246,8 @@ def check_silu_mul(small: bool, tag: dict) -> bool:
                 u16 = (3 * torch.randn(256, 256, generator=gen, device=device)).to(dtype)
                 row["every_16_bit_gate_value_differing"][name] = differing_bits(silu_mul(g16, u16),
                                                                                 torch_form(g16, u16))
-            row["fused_ms"][name] = mean_ms(lambda: silu_mul(gate, up))
-            row["torch_ms"][name] = mean_ms(lambda: torch_form(gate, up))
+            row["fused_ms"][name] = mean_ms(partial(silu_mul, gate, up))
+            row["torch_ms"][name] = mean_ms(partial(torch_form, gate, up))
             row["speedup"][name] = rounded(row["torch_ms"][name] / row["fused_ms"][name], 3)
             del fused, gate, up
     row["ok"] = not any(row["differing_vs_torch"].values()) and not any(

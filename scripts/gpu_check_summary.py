@@ -60,8 +60,8 @@ def _exactness(lines) -> list[str]:
         elif "speedup" in ln:  # shared_prefix_decode: grouped vs today's kernel
             extra["speedup"] = ln["speedup"]
         rows.append([ln["check"], _fmt(diffs), _fmt(extra), "**yes**" if ln.get("ok") else "**NO**"])
-    return _table(["check", "values differing (0 = bitwise)", "reuse / preemption / groups / speed-up", "bitwise"], rows) if rows \
-        else ["no lines"]
+    header = ["check", "values differing (0 = bitwise)", "reuse / preemption / groups / speed-up", "bitwise"]
+    return _table(header, rows) if rows else ["no lines"]
 
 
 def _tax(lines) -> list[str]:

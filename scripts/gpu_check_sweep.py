@@ -35,7 +35,8 @@ CHECK_MS = (1, 57, 256, 2048)  # rows compared bitwise with the same rows at max
 def candidates() -> dict[str, Any]:
     """name -> MatmulConfig: DEFAULT, variations of its block sizes, warps and stages, and TMA persistent ones
     (Hopper: at most 227 KB of shared memory per block: (BM x BK + BK x BN) x 2 bytes per stage in bf16, plus
-    BM x BN x the output's bytes for a TMA store; tests/kernels/test_kernels.py compiles each for sm_90 and checks it)."""
+    BM x BN x the output's bytes for a TMA store; tests/kernels/test_kernels.py compiles each for sm_90 and checks
+    it)."""
     from apcscore.kernels.matmul_configs import DEFAULT, MatmulConfig
 
     c = MatmulConfig

@@ -6,8 +6,8 @@ By default one record that is ok in the baseline and an error in the candidate f
 (`--max-new-errors 0`).
 In GitHub Actions (GITHUB_ACTIONS=true) it also prints workflow commands, and it appends the Markdown report to
 $GITHUB_STEP_SUMMARY when that is set (apcscore.compare.ci_outputs).
-The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this module
-(and `apcscore --help`) stays fast.
+The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this
+module (and `apcscore --help`) stays fast.
 """
 
 from __future__ import annotations

@@ -280,7 +280,8 @@ def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
             drop = m.base - m.new
             lost, gained = m.flips_to_wrong, m.flips_to_right
             what = f"{m.task} {m.metric} drop (base - new)"
-            mcnemar_text = f"McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} lost, {gained} gained of {m.num_docs}"
+            mcnemar_text = (f"McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} lost, {gained} gained "
+                            f"of {m.num_docs}")
             flips = lost + gained
             q_lower, q_upper = clopper_pearson(lost, flips, t.alpha) if flips else (0.5, 0.5)
             lower, upper = flips * (2 * q_lower - 1) / m.num_docs, flips * (2 * q_upper - 1) / m.num_docs

@@ -115,7 +115,8 @@ class ModelRunner:
         with set_attention_metadata(meta):
             return self.model(input_ids, positions)
 
-    def _block_hidden(self, batch: ScheduledBatch, hidden: torch.Tensor) -> list[tuple[Sequence, dict[int, torch.Tensor]]]:
+    def _block_hidden(self, batch: ScheduledBatch,
+                      hidden: torch.Tensor) -> list[tuple[Sequence, dict[int, torch.Tensor]]]:
         """The final hidden states of the block-ending positions this step computed, for blocks whose score-store
         entry the sequence writes (score_store.publishes), copied to host memory in one transfer."""
         bs = self.block_size

@@ -81,8 +81,9 @@ def prompt_blocks(seq: Sequence, block_size: int) -> int:
 def writes_entry_for(writer: Sequence, reader: Sequence, block: int, block_size: int) -> bool:
     """Whether `writer`, computing its block `block`, publishes an entry that covers `reader`'s request."""
     w, r = writer.request, reader.request
-    return (writer.scores_prompt and publishes(w, block, block_size, writer.prompt_len) and r.prompt_logprobs is not None
-            and w.prompt_logprobs >= r.prompt_logprobs and (w.prompt_logprob_ranks or not r.prompt_logprob_ranks))
+    return (writer.scores_prompt and publishes(w, block, block_size, writer.prompt_len)
+            and r.prompt_logprobs is not None and w.prompt_logprobs >= r.prompt_logprobs
+            and (w.prompt_logprob_ranks or not r.prompt_logprob_ranks))
 
 
 class ScoreStore:

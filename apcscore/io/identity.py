@@ -10,10 +10,11 @@ One list, `FIELDS`, read by four named views, each a documented subset of it:
 
 Measured facts decide, not requested flags: the schedule and the reuse switches drop out where the start-up probe
 found the engine batch-invariant (`numerics.batch_invariant`), the machine's CPU and BLAS count where the GEMM is
-a library one (`numerics.linear`: the pad-16 fallback, `--no-batch-invariant`) or the probe failed, the CPU's instruction set where the bits are not
-portable (`numerics.portable`), and the settings as resolved (`device`, `dtype`, ...) stand for what was typed
-(`engine.device`, ...: "auto" and "cpu" that resolved alike are one run). docs/architecture.md, "A run's
-identity", holds the same rules as a table, and tests/io/test_identity.py reads that table.
+a library one (`numerics.linear`: the pad-16 fallback, `--no-batch-invariant`) or the probe failed, the CPU's
+instruction set where the bits are not portable (`numerics.portable`), and the settings as resolved (`device`,
+`dtype`, ...) stand for what was typed (`engine.device`, ...: "auto" and "cpu" that resolved alike are one run).
+docs/architecture.md, "A run's identity", holds the same rules as a table, and tests/io/test_identity.py reads that
+table.
 
 A field of the `engine`, `numerics` or `versions` section that is neither in `FIELDS` nor in `NOT_BITS` (one a
 later change adds) is compared by every view: a new field is a refusal until someone classifies it.

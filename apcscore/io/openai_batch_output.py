@@ -7,8 +7,8 @@ One line per input record, in input order: ``{"id", "custom_id", "response": {"s
 - `id`, `request_id` and the body's `id` are derived from the custom_id (sha256), so a rerun writes the same
   ids; `created` is the run's start (its metadata's `created`, the first session's for a resumed run);
   `model` the body's model where it names one, else --model as given.
-- chat: `choices[0].message` = {"role": "assistant", "content": completion, "refusal": null}; `logprobs.content` one entry per
-  generated token: token text, logprob, UTF-8 bytes, `top_logprobs` (top_logprobs entries).
+- chat: `choices[0].message` = {"role": "assistant", "content": completion, "refusal": null}; `logprobs.content`
+  one entry per generated token: token text, logprob, UTF-8 bytes, `top_logprobs` (top_logprobs entries).
 - completions: `choices[0].text` (with `echo`: the prompt's text first); `logprobs` the legacy object
   (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, the token itself added as vLLM does,
   `text_offset` from the start of `text`); with echo the prompt's tokens come first, the first one's logprob

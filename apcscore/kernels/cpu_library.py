@@ -1,5 +1,5 @@
-"""The CPU kernel library: cpu_gemm.c, cpu_math.c and cpu_attention.c compiled into one shared object, kept in the kernel cache
-(safely), loaded with ctypes (`library()`, every entry point's signature in SIGNATURES).
+"""The CPU kernel library: cpu_gemm.c, cpu_math.c and cpu_attention.c compiled into one shared object, kept in the
+kernel cache (safely), loaded with ctypes (`library()`, every entry point's signature in SIGNATURES).
 
 - The cache is `$APCSCORE_CACHE/kernels` (default ~/.cache/apcscore/kernels); a library is named by a hash of the
   sources, the compiler's `--version`, the flags, the machine's architecture and its C library, so a shared home

@@ -2,9 +2,9 @@
 GELU, row sums and row log-sum-exp, and double-precision exp, log, sin, cos and erf.
 
 Their bits are a function of the inputs alone: the same on every CPU (scalar, AVX2, AVX-512; Intel, AMD, ARM),
-with any thread count and any torch version (cpu_math.c's header says why). The library is apcscore.kernels.cpu_library's
-(both C files in one), so `CpuGemmUnavailable` covers both. Callers go through apcscore.kernels.rowmath,
-which runs torch's ops instead on other devices.
+with any thread count and any torch version (cpu_math.c's header says why). The library is
+apcscore.kernels.cpu_library's (both C files in one), so `CpuGemmUnavailable` covers both. Callers go through
+apcscore.kernels.rowmath, which runs torch's ops instead on other devices.
 """
 
 from __future__ import annotations

@@ -51,12 +51,14 @@ TABLE: dict[Key, MatmulConfig] = {
     ("sm90", "bfloat16", 2048, 2048): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.2-1b o
     ("sm90", "bfloat16", 16384, 2048): MatmulConfig(128, 256, 64, 8, 8, 3, tma_persistent=True),  # llama-3.2-1b gate_up
     ("sm90", "bfloat16", 2048, 8192): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.2-1b down
-    ("sm90", "bfloat16", 128256, 2048): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.2-1b lm_head
+    # llama-3.2-1b lm_head
+    ("sm90", "bfloat16", 128256, 2048): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),
     ("sm90", "bfloat16", 6144, 4096): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.1-8b qkv
     ("sm90", "bfloat16", 4096, 4096): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.1-8b o
     ("sm90", "bfloat16", 28672, 4096): MatmulConfig(128, 256, 64, 8, 8, 3, tma_persistent=True),  # llama-3.1-8b gate_up
     ("sm90", "bfloat16", 4096, 14336): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.1-8b down
-    ("sm90", "bfloat16", 128256, 4096): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # llama-3.1-8b lm_head
+    # llama-3.1-8b lm_head
+    ("sm90", "bfloat16", 128256, 4096): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),
     ("sm90", "bfloat16", 960, 576): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # smollm2-135m qkv
     ("sm90", "bfloat16", 576, 576): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # smollm2-135m o
     ("sm90", "bfloat16", 3072, 576): MatmulConfig(128, 128, 64, 8, 4, 4, tma_persistent=True),  # smollm2-135m gate_up

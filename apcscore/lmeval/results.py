@@ -9,7 +9,8 @@ import json
 from typing import Any, Mapping
 
 from apcscore.config import EngineConfig
-from apcscore.engine.provenance import apcscore_version, code_fingerprint, engine_sections, model_section, package_version, run_header, versions
+from apcscore.engine.provenance import (apcscore_version, code_fingerprint, engine_sections, model_section,
+                                        package_version, run_header, versions)
 from apcscore.options.commands import EvalOptions
 from apcscore.lmeval.tasks import fewshot_as_multiturn, lm_eval_limit
 

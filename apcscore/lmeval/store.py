@@ -39,7 +39,8 @@ PREFIX = "responses-"
 
 
 def identity(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity of a configuration from a run's metadata (lmeval/results.config_sections): io/identity's EVAL view."""
+    """The identity of a configuration from a run's metadata (lmeval/results.config_sections): io/identity's EVAL
+    view."""
     return view(meta, EVAL)
 
 

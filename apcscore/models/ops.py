@@ -7,8 +7,8 @@ on a CPU never imports Triton.
 
 Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
 on how many rows share the GEMM. On the CPU that is our fixed-order GEMM (apcscore.kernels.cpu_gemm: every
-element summed in one fixed order over k, by construction); where it cannot be built (no C compiler) torch's GEMM on rows
-padded to a multiple of 16 (apcscore.kernels.matmul_torch), which holds on some CPUs only, so the engine's
+element summed in one fixed order over k, by construction); where it cannot be built (no C compiler) torch's GEMM on
+rows padded to a multiple of 16 (apcscore.kernels.matmul_torch), which holds on some CPUs only, so the engine's
 start-up probe (apcscore.engine.gemm_probe) decides and the run metadata says. On CUDA the
 fixed-configuration Triton matmul (apcscore.kernels.matmul), whichever attention backend runs.
 batch_invariant=False (`--no-batch-invariant`) takes the library GEMM. Each linear says how it fixes its order
@@ -125,7 +125,8 @@ def triton_ops(linear: Callable[..., Any], batch_invariant: bool) -> Ops:
 
 
 def select_ops(name: str, device_type: str = "cpu", batch_invariant: bool = True) -> Ops:
-    """The ops of the attention backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch elsewhere."""
+    """The ops of the attention backend called `name`; "auto" is triton on CUDA (device_type "cuda") and torch
+    elsewhere."""
     if name == "auto":
         name = "triton" if device_type == "cuda" else "torch"
     make = BACKENDS.get(name)

@@ -118,7 +118,8 @@ def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> Non
 
 
 class ColumnParallelLinear(Linear):
-    """This rank's output rows of a projection (`weight_slice`: which rows of the full, fused weight; the bias alike)."""
+    """This rank's output rows of a projection (`weight_slice`: which rows of the full, fused weight; the bias
+    alike)."""
 
     def __init__(self, in_features: int, rank_slice: SliceSpec, bias: bool, linear_fn: Callable[..., torch.Tensor],
                  device: Any = None) -> None:

@@ -15,12 +15,20 @@ from typing import Any, ClassVar, Mapping, TypeVar
 
 from apcscore.config import NOT_GIVEN, EngineConfig, Spec, base_type, option, spec_of
 
-O = TypeVar("O", bound="Options")
-# the engine options of score, generate and perplexity on the command line, in --help order
+OptionsT = TypeVar("OptionsT", bound="Options")
+# the engine options on the command line, in --help order: score's, generate's and perplexity's; eval's through
+# engine_cli (each command's CLI_LEAVES_OUT names those it leaves out, and why)
 ENGINE_CLI = ("device", "dtype", "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs",
               "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len",
               "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant",
               "model_backend", "exact_reuse", "tensor_parallel_size")
+
+
+def engine_cli(*placed: str) -> tuple[str, ...]:
+    """ENGINE_CLI, in its order, without the settings a command shows elsewhere on its --help page (`placed`)."""
+    return tuple(name for name in ENGINE_CLI if name not in placed)
+
+
 # the options score, generate and perplexity share, in --help order (`config` is cli.py's --config FILE)
 RUN_CLI = ("model", "out", "overwrite", "resume", "limit", "config", "skip_invalid", "quiet", "columns",
            *ENGINE_CLI, "verify_reuse", "shard", "partition", "ray", "replicas", "gpus_per_replica",
@@ -32,6 +40,9 @@ class Options:
     """What every command that runs a model takes: the model, where the results go, the engine settings."""
 
     CLI: ClassVar[tuple[str, ...]] = ()  # the command's parameters in --help order
+    # engine settings (`EngineConfig` fields, as their off-flags where they have one) the command leaves off its
+    # command line, each with the reason; every other one is in CLI (tests/cli/test_help_pages.py checks it)
+    CLI_LEAVES_OUT: ClassVar[dict[str, str]] = {}
 
     model: str = option("smollm2-135m", "Model alias (smollm2-135m), Hugging Face model directory, or .gguf "
                         "file.", "--model", "-m", show=True)
@@ -43,7 +54,7 @@ class Options:
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     @classmethod
-    def from_values(cls: type[O], values: Mapping[str, Any]) -> O:
+    def from_values(cls: type[OptionsT], values: Mapping[str, Any]) -> OptionsT:
         """The options of flat values (keys as in a config file; None = not given, so the default)."""
         own = {f.name: values[f.name] for f in fields(cls)
                if f.name != "engine" and values.get(f.name) is not None}
@@ -128,6 +139,7 @@ class ScoreOptions(RequestOptions):
 
     CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "errors_out", "ignore_body_model",
            *RUN_CLI)
+    CLI_LEAVES_OUT = {"seed": "scoring samples nothing: the seed only derives each record's sampling seed"}
 
     prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
 
@@ -154,6 +166,7 @@ class PerplexityOptions(RunOptions):
     """`apcscore perplexity` (window and stride None: derived from the model's context length)."""
 
     CLI = ("window", "stride", "prompt_logprobs", *RUN_CLI)
+    CLI_LEAVES_OUT = {"seed": "perplexity samples nothing: the seed only derives each record's sampling seed"}
 
     window: int | None = option(None, "Tokens of context a window feeds the model (default: the model's "
                                 "context length minus one, at most 4096).", at_least=1, click_min=True)
@@ -167,13 +180,11 @@ class PerplexityOptions(RunOptions):
 class EvalOptions(ScaleOptions):
     """`apcscore eval` (lm-eval tasks; the options named as lm-eval's, with dashes)."""
 
+    # --exact-reuse and --seed among lm-eval's own options, then every other engine setting (engine_cli)
     CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn",
            "system_instruction", "gen_kwargs", "exact_reuse", "max_length", "seed", "model", "out", "overwrite",
-           "log_samples", "resume", "cache", "config", "quiet", "batch_size", *ENGINE_CLI[:7],
-           "attention_backend", "max_model_len", "logprobs_chunk_size", "kv_cache_memory_fraction",
-           "no_cuda_graphs", "no_batch_invariant", "model_backend", "tensor_parallel_size", "shard", "partition", "ray",
-           "replicas",
-           "gpus_per_replica", "cpus_per_replica")
+           "log_samples", "resume", "cache", "config", "quiet", "batch_size", *engine_cli("exact_reuse"),
+           "shard", "partition", "ray", "replicas", "gpus_per_replica", "cpus_per_replica")
 
     tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2); required, here or as `tasks` "
                         "in the --config file.", "--tasks", "-t", show_default=False)

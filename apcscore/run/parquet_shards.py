@@ -46,9 +46,10 @@ def check_shards(paths: list[Path]) -> list[dict]:
     metas = []
     folders = [p for p in paths if p.is_dir()]
     if folders:  # the cli sends all-folder merges to eval's; a mix is refused here
-        raise ApcscoreError(f"{folders[0]} is a folder (an eval shard?) and {next(p for p in paths if p not in folders)} "
-                            "is not: merge joins the shard files of one score, generate or perplexity run, or the "
-                            "shard folders of one eval run — give shards of one kind")
+        raise ApcscoreError(f"{folders[0]} is a folder (an eval shard?) and "
+                            f"{next(p for p in paths if p not in folders)} is not: merge joins the shard files of "
+                            "one score, generate or perplexity run, or the shard folders of one eval run — give "
+                            "shards of one kind")
     for path in paths:
         if not path.is_file():
             partial = path.with_name(path.name + ".partial")

@@ -32,8 +32,9 @@ def default_out(dataset: Path, command: str, suffix: str = ".parquet", shard: st
 # --out suffixes that name a format apcscore reads as a dataset or a compressed file: a parquet file under such a
 # name is refused (other names, e.g. .out, get a note)
 _OTHER_FORMATS = {".csv": "CSV", ".tsv": "tab-separated text", ".json": "JSON", ".jsonl": "JSON lines",
-                  ".ndjson": "JSON lines", ".txt": "text", ".gz": "gzip-compressed data", ".bz2": "bzip2-compressed data",
-                  ".xz": "xz-compressed data", ".zst": "zstd-compressed data", ".zip": "a zip archive"}
+                  ".ndjson": "JSON lines", ".txt": "text", ".gz": "gzip-compressed data",
+                  ".bz2": "bzip2-compressed data", ".xz": "xz-compressed data", ".zst": "zstd-compressed data",
+                  ".zip": "a zip archive"}
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -78,7 +79,8 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     return out, warning
 
 
-def check_out_format(out: Path, what: str = "--out", written: str = "the results are", suffix: str = ".parquet") -> None:
+def check_out_format(out: Path, what: str = "--out", written: str = "the results are",
+                     suffix: str = ".parquet") -> None:
     """Refuse an output `out` (named by `what`) whose suffix names a data format apcscore reads (.csv, .jsonl.gz,
     ...) other than the `suffix` it is written as: read back as a dataset, such a file would not decode."""
     other = _OTHER_FORMATS.get(out.suffix.lower())
@@ -131,7 +133,8 @@ def check_file_path(out: Path, what: str = "--out") -> None:
 def check_against_model(command: str, opts: RunOptions, data: LoadedDataset, vocab_size: int,
                         tokenizer: Any) -> LoadedDataset:
     """`data` with the records the model cannot run moved to `invalid` (or ApcscoreError without --skip-invalid)."""
-    asked = {"prompt-logprobs": opts.prompt_logprobs, "logprobs": opts.logprobs if isinstance(opts, GenerateOptions) else None}
+    asked = {"prompt-logprobs": opts.prompt_logprobs,
+             "logprobs": opts.logprobs if isinstance(opts, GenerateOptions) else None}
     for key, k in asked.items():
         if k is not None and k > vocab_size:
             raise ApcscoreError(f"--{key} {k} is more than the model's vocabulary of {vocab_size} "

@@ -73,7 +73,8 @@ class PlainProgress:
         eta = _clock(elapsed / self.done * left) if self.done and left > 0 else "0:00:00" if not left else "-"
         f = self.fields
         return (f"{self.description}: {self.done:,}/{self.total:,} records{share}, {_clock(elapsed)} elapsed, "
-                f"ETA {eta}, {f.get('tok_s', 0.0):,.0f} tok/s, prefix hit {f.get('hit', 0.0):.0%}, KV {f.get('kv', '-')}")
+                f"ETA {eta}, {f.get('tok_s', 0.0):,.0f} tok/s, prefix hit {f.get('hit', 0.0):.0%}, "
+                f"KV {f.get('kv', '-')}")
 
     def _line(self, now: float) -> None:
         self.console.print(escape(self.line(now)), highlight=False, soft_wrap=True)

@@ -63,10 +63,10 @@ def replica_resources(ray: Any, opts: ScaleOptions) -> tuple[float, float]:
     for name, key, need in (("GPU", "gpus", gpus), ("CPU", "cpus", cpus)):
         if need > have.get(name, 0):  # the actor would wait for them forever, without a word
             shown = ", ".join(f"{k} {v:g}" for k, v in sorted(have.items()) if k in ("CPU", "GPU")) or "none"
+            cpu_hint = " (--gpus-per-replica 0 runs on the CPU)" if name == "GPU" else ""
             raise ApcscoreError(f"--{key}-per-replica {need:g}: the Ray cluster has {have.get(name, 0):g} {name}s "
                                 f"in all ({shown}), so no replica could start — ask for at most "
-                                f"{have.get(name, 0):g}" + (" (--gpus-per-replica 0 runs on the CPU)" if name == "GPU"
-                                                            else "") + ", or join a cluster that has them (--ray ADDRESS)")
+                                f"{have.get(name, 0):g}{cpu_hint}, or join a cluster that has them (--ray ADDRESS)")
     return cpus, gpus
 
 

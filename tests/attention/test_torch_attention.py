@@ -173,8 +173,8 @@ def test_windowed_and_soft_capped_attention(window, softcap):
         assert torch.equal(got, whole[a:b]), (a, b)
     for n in (17, 64, 65, 130, length):  # a decode query equals the last row of its prefill, alone or batched
         alone = tb.paged_attention(q[n - 1:n], k, v, meta_for([(1, n)], [table]), scale, window, softcap)
-        pair = tb.paged_attention(torch.cat([q[n - 1:n], q[:1]]), k, v, meta_for([(1, n), (1, length)],
-                                                                                  [table, table]), scale, window, softcap)
+        pair = tb.paged_attention(torch.cat([q[n - 1:n], q[:1]]), k, v,
+                                  meta_for([(1, n), (1, length)], [table, table]), scale, window, softcap)
         prefill = tb.paged_attention(q[:n], k, v, meta_for([(n, n)], [table]), scale, window, softcap)
         assert torch.equal(alone[0], prefill[-1]) and torch.equal(pair[0], alone[0]), n
 

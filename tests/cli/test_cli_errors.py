@@ -118,7 +118,8 @@ def test_a_bad_apcscore_cache_is_one_clear_error(tmp_path, write_jsonl, tiny):
     default model) or a silent fallback from the fixed-order CPU GEMM (a tiny model)."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
     (tmp_path / "file").write_text("x")
-    cases = {str(tmp_path / "file"): "is a file, not a folder", str(tmp_path / "file" / "sub"): "is a file, not a folder",
+    cases = {str(tmp_path / "file"): "is a file, not a folder",
+             str(tmp_path / "file" / "sub"): "is a file, not a folder",
              "/proc/apcscore-cache": "cannot write in /proc"}
     for cache, message in cases.items():
         for model in ([tiny], []):
@@ -188,7 +189,8 @@ def test_a_choices_record_too_long_is_reported_by_its_longest_choice(tmp_path, w
     from apcscore.models.loading import load_tokenizer
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "m", "context": "one two three", "choices": [
-        " four five six seven eight nine", " five six seven eight nine ten eleven twelve thirteen fourteen", " x"], "answer": 0}])
+        " four five six seven eight nine", " five six seven eight nine ten eleven twelve thirteen fourteen", " x"],
+        "answer": 0}])
     out = tmp_path / "o.parquet"
     res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--max-model-len", "8", "-q"])
     assert res.exit_code == 1, res.output  # every record failed

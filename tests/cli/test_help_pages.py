@@ -103,3 +103,38 @@ def test_help_in_a_log_is_80_columns_and_whole() -> None:
     assert not _cut_or_long(done.stdout, 80)
     for option in ("--min-top1-agreement", "--max-abs-logprob-diff", "--max-excluded-fraction", "--common-records"):
         assert option in done.stdout.split()
+
+
+@pytest.mark.parametrize("command", ["score", "generate", "perplexity", "eval"])
+def test_every_engine_option_is_on_the_command_line_or_left_out_with_a_reason(command: str) -> None:
+    """Each engine setting (an `EngineConfig` field, as its off-flag where it has one) is a parameter of every
+    command that runs a model, exactly once, unless the command's `CLI_LEAVES_OUT` names it with the reason. Issue
+    54, item 2: eval's parameters spliced `ENGINE_CLI[:7]` and so silently left out --max-logprobs."""
+    from dataclasses import fields
+
+    from apcscore.config import EngineConfig, spec_of
+    from apcscore.options.commands import COMMANDS
+
+    cls = COMMANDS[command]
+    keys = [spec_of(f).negation or f.name for f in fields(EngineConfig)]  # type: ignore[union-attr]
+    left_out = cls.CLI_LEAVES_OUT
+    assert all(reason.strip() for reason in left_out.values()), left_out
+    assert set(left_out) <= set(keys), f"{command} leaves out {set(left_out) - set(keys)}, no engine setting"
+    for key in keys:
+        shown = cls.CLI.count(key)
+        assert shown == (0 if key in left_out else 1), f"{command}: {key} is {shown} times in its CLI"
+
+
+def test_eval_help_lists_max_logprobs() -> None:
+    """The eval page shows --max-logprobs, the cap its --config file already took (issue 54, item 2)."""
+    res = CliRunner().invoke(app, ["eval", "--help"], env={"COLUMNS": "200"}, color=False)
+    assert res.exit_code == 0, res.output
+    assert "--max-logprobs" in res.output, res.output
+
+
+def test_eval_takes_max_logprobs_into_its_engine_config(tmp_path) -> None:
+    """--max-logprobs reaches eval's EngineConfig: its check refuses -1 before any task or model loads."""
+    res = CliRunner().invoke(app, ["eval", "--tasks", "arc_easy", "--max-logprobs", "-1", "--out",
+                                   str(tmp_path / "out")], color=False)
+    assert res.exit_code == 2, res.output
+    assert "--max-logprobs must be >= 0, not -1" in " ".join(res.output.split()), res.output

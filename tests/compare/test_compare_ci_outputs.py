@@ -38,7 +38,8 @@ def test_junit_has_one_testcase_per_threshold_with_the_figures(tmp_path) -> None
     assert failed.result[0].message == "accuracy drop (base - new) = 0.2, limit <= 0.1 (option): FAIL"
     assert cases["--max-accuracy-drop: acc_norm drop (base - new)"].is_passed
     # a passing gate: every case passes; the file is replaced (an earlier report), not refused
-    assert run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25, "--report-junit", junit).exit_code == 0
+    assert run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.25,
+                   "--report-junit", junit).exit_code == 0
     suite = list(JUnitXml.fromfile(str(junit)))[0]
     assert suite.tests == 4 and suite.failures == 0 and all(c.is_passed for c in suite)
     # a file that is not a report is not replaced
@@ -74,7 +75,8 @@ def test_github_actions_annotations_and_step_summary(tmp_path, monkeypatch) -> N
     base, new = _files(tmp_path)
     summary = tmp_path / "step_summary.md"
     summary.write_text("earlier step\n")
-    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.1)  # not in GitHub Actions (conftest clears the variables)
+    # not in GitHub Actions (conftest clears the variables)
+    r = run_cli(base, new, "--decision", "point", "--max-accuracy-drop", 0.1)
     assert "::error" not in r.output and "::notice" not in r.output
     monkeypatch.setenv("GITHUB_ACTIONS", "true")
     monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))

@@ -238,7 +238,8 @@ def test_margin_verdict(op, est, lo, hi, limit, strict, passed) -> None:
 def test_each_limit_names_its_source(candidates, tmp_path) -> None:
     cfg = tmp_path / "gate.toml"
     cfg.write_text("[thresholds]\nmax_mean_kld = 0.5\nmin_top1_agreement = 0.1\ndecision = \"strict\"\n")
-    t = Thresholds.defaults().override(load_thresholds(cfg)).override(Thresholds(min_top1_agreement=0.2).given("option"))
+    t = (Thresholds.defaults().override(load_thresholds(cfg))
+         .override(Thresholds(min_top1_agreement=0.2).given("option")))
     assert (t.source("max_ppl_ratio"), t.source("max_mean_kld"), t.source("min_top1_agreement")) == \
         ("default", f"config {cfg}", "option")
     assert t.decision == "strict" and t.min_top1_agreement == 0.2 and t.max_mean_kld == 0.5

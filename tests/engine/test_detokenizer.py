@@ -127,7 +127,8 @@ def test_engine_stops_where_a_full_decode_would(tiny_model_dir, default_tokenize
         stop = text[start:start + 3]
         cut = text.find(stop)
         # the first token count whose decode holds the stop string
-        n = next(n for n in range(1, len(ids) + 1) if stop in default_tokenizer.decode(ids[:n], skip_special_tokens=True))
+        n = next(n for n in range(1, len(ids) + 1)
+                 if stop in default_tokenizer.decode(ids[:n], skip_special_tokens=True))
         (out,) = engine.run([Request(0, prompt, sampling=SamplingParams(max_tokens=24, ignore_eos=True,
                                                                         stop=(stop, "\x00never")))])
         assert out.finish_reason == "stop" and out.output_text == text[:cut], stop

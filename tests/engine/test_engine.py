@@ -172,7 +172,10 @@ def test_tiny_batch_budget_and_preemption_do_not_change_scores(llama_dir):
 @pytest.mark.slow
 def test_preemption_during_generation_gives_the_same_tokens(llama_dir):
     ps = prompts([20, 25, 30, 22], seed=9)
-    req = lambda: [Request(i, p, sampling=SamplingParams(max_tokens=16, ignore_eos=True)) for i, p in enumerate(ps)]
+
+    def req() -> list[Request]:
+        return [Request(i, p, sampling=SamplingParams(max_tokens=16, ignore_eos=True)) for i, p in enumerate(ps)]
+
     big = {o.request_id: o.output_token_ids for o in make_engine(llama_dir).run(req())}
     small = make_engine(llama_dir, num_kv_blocks=16)
     got = {o.request_id: o.output_token_ids for o in small.run(req())}
@@ -187,7 +190,8 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llama_dir):
     alone = list(make_engine(llama_dir).run([Request(0, p, sampling=params)]))[0].output_token_ids
     others = [Request(i, q, sampling=SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True))
               for i, q in enumerate(prompts([7, 15, 9], seed=11), start=1)]
-    batch = {o.request_id: o.output_token_ids for o in make_engine(llama_dir).run([*others, Request(0, p, sampling=params)])}
+    batch = {o.request_id: o.output_token_ids
+             for o in make_engine(llama_dir).run([*others, Request(0, p, sampling=params)])}
     assert batch[0] == alone
     other_seed = list(make_engine(llama_dir).run([Request(0, p, sampling=SamplingParams(
         max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=99, ignore_eos=True))]))[0].output_token_ids
@@ -207,7 +211,8 @@ def test_stop_token_ids_eos_and_stop_strings(llama_dir, default_tokenizer):
     p = prompts([10], seed=13)[0]
     (free,) = engine.run([Request(0, p, sampling=SamplingParams(max_tokens=10, ignore_eos=True))])
     first, third = free.output_token_ids[0], free.output_token_ids[2]
-    (by_id,) = engine.run([Request(0, p, sampling=SamplingParams(max_tokens=10, stop_token_ids=(third,), ignore_eos=True))])
+    (by_id,) = engine.run([Request(0, p, sampling=SamplingParams(max_tokens=10, stop_token_ids=(third,),
+                                                                 ignore_eos=True))])
     assert by_id.finish_reason == "stop" and by_id.output_token_ids == free.output_token_ids[:3]
     engine.eos_token_ids = {first}
     (eos,) = engine.run([Request(0, p, sampling=SamplingParams(max_tokens=10))])

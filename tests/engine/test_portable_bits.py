@@ -98,8 +98,9 @@ def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
 
 def test_accuracy_against_float64() -> None:
     """Bounds stated here and in docs/architecture.md: exp 1 ulp, tanh / sigmoid / silu 2.5 ulp, logsumexp 2e-8
-    absolute (float exps, double sums and log: a logprob's fp32 rounding is coarser), the double functions within 4e-16 of CPython's libm (correctly rounded or
-    nearly; erf within 1e-10: its series cancels near |x| = 4, and it only feeds a float GELU), sin / cos also at large arguments (rotary angles up to 1e5)."""
+    absolute (float exps, double sums and log: a logprob's fp32 rounding is coarser), the double functions within
+    4e-16 of CPython's libm (correctly rounded or nearly; erf within 1e-10: its series cancels near |x| = 4, and it
+    only feeds a float GELU), sin / cos also at large arguments (rotary angles up to 1e5)."""
     x = inputs()
     x = x[torch.isfinite(x)]
     d = x.double()

@@ -41,7 +41,8 @@ def test_a_chunk_across_blocks_and_a_decode_row_padded() -> None:
 
 def arrays(seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(-5, 1 << 40, size=int(rng.integers(1, 40))), rng.integers(0, 1 << 30, size=(3, 5)).astype(np.int32),
+    return [rng.integers(-5, 1 << 40, size=int(rng.integers(1, 40))),
+            rng.integers(0, 1 << 30, size=(3, 5)).astype(np.int32),
             np.zeros(0, dtype=np.int64), rng.integers(0, 9, size=7).astype(np.int32)]
 
 

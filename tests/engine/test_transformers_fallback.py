@@ -158,7 +158,8 @@ def test_a_native_model_forced_onto_the_fallback_agrees_with_the_native_path(com
         assert meta_of(files[backend])["model_backend"] == backend
     native, fallback = (pq.read_table(files[b]).to_pylist() for b in ("native", "transformers"))
     for n, f in zip(native, fallback):
-        assert n["token_ids"] == f["token_ids"] and n["token_ranks"] == f["token_ranks"] and n["top_ids"] == f["top_ids"]
+        assert (n["token_ids"] == f["token_ids"] and n["token_ranks"] == f["token_ranks"]
+                and n["top_ids"] == f["top_ids"])
         lp_n = np.array([x for x in n["token_logprobs"] if x is not None])
         lp_f = np.array([x for x in f["token_logprobs"] if x is not None])
         assert lp_n.shape == lp_f.shape and np.abs(lp_n - lp_f).max() < TOL
@@ -192,7 +193,8 @@ def test_the_warning_names_what_is_missing():
 
 
 def test_a_native_family_config_we_cannot_run_exactly_goes_to_the_fallback():
-    """Long-rope is native for Phi-3 (with partial rotary too: tests/models/test_longrope.py), not for other families."""
+    """Long-rope is native for Phi-3 (with partial rotary too: tests/models/test_longrope.py), not for other
+    families."""
     from transformers import MistralConfig, Phi3Config
 
     from apcscore.errors import ApcscoreError

@@ -535,15 +535,15 @@ def test_a_run_says_once_which_lines_take_our_defaults(tmp_path, write_jsonl, ti
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())
     assert text.count("note:") == 1
-    assert ("note: 2 of 3 request lines give no temperature: they use --temperature 0 (greedy) (the API's default: 1) — set them "
-            "in the bodies or on the command line") in text
+    assert ("note: 2 of 3 request lines give no temperature: they use --temperature 0 (greedy) (the API's default: "
+            "1) — set them in the bodies or on the command line") in text
     both = write_jsonl(tmp_path / "c.jsonl", [line("a", "/v1/completions", {"prompt": "Hi"})])
     res = run("generate", both, "--model", tiny_model_dir("llama"), "--out", tmp_path / "p.jsonl", "-q",
               "--max-tokens", 1, "--temperature", 0.7)
     assert res.exit_code == 0, res.output
     assert ("note: 1 of 1 request lines give no max_tokens: they stop at --max-tokens 1 (the API's chat default: "
-            "until the context ends); 1 of 1 request lines give no temperature: they use --temperature 0.7 (the API's default: "
-            "1)") in " ".join(res.output.split())
+            "until the context ends); 1 of 1 request lines give no temperature: they use --temperature 0.7 (the API's "
+            "default: 1)") in " ".join(res.output.split())
 
 
 def test_errors_out_writes_the_error_lines_to_a_file_of_their_own(tmp_path, write_jsonl, tiny_model_dir) -> None:

@@ -207,8 +207,8 @@ def test_duplicate_ids_name_both_lines(tmp_path: Path) -> None:
 def test_error_rows_of_duplicate_ids_have_ids_of_their_own(tmp_path: Path) -> None:
     """With --skip-invalid a duplicate becomes an error row under an id no other row has (the output's ids stay
     unique, as compare, show and merge require), and a later record cannot take that id either."""
-    path = write(tmp_path, ['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}', '{"id": "a#line2", "prompt": "z"}',
-                            '{"id": "a", "prompt": "w"}'])
+    path = write(tmp_path, ['{"id": "a", "prompt": "x"}', '{"id": "a", "prompt": "y"}',
+                            '{"id": "a#line2", "prompt": "z"}', '{"id": "a", "prompt": "w"}'])
     data = load_dataset(path, "score", skip_invalid=True)
     ids = [r.id for r in data.records] + [r.id for r in data.invalid]
     assert [r.id for r in data.records] == ["a"]

@@ -381,7 +381,8 @@ MEMORY_SCRIPT = textwrap.dedent("""
     for i in order[1:]:
         writer.add(i, {"id": str(i), "token_logprobs": logprobs, "token_ids": ids})
     writer.close()
-    print(json.dumps({"base_mb": base, "peak_mb": rss_mb(), "arrow_peak_mb": pa.default_memory_pool().max_memory() / 2**20}))
+    print(json.dumps({"base_mb": base, "peak_mb": rss_mb(),
+                      "arrow_peak_mb": pa.default_memory_pool().max_memory() / 2**20}))
 """)
 
 

@@ -1,7 +1,8 @@
 """The CPU's batch-invariant linear layer, apcscore.kernels.cpu_gemm: every output element is summed in one fixed
 order (an fma chain per block of 64 k, the blocks added in order), so a row's bits cannot depend on the row count,
-the row's place in the call, the thread count, the micro-kernel (AVX-512, AVX2 or scalar) or the CPU vendor. Checked exactly (no tolerance) on the default
-model's real projection shapes, in every dtype the engine runs; accuracy against a float64 product.
+the row's place in the call, the thread count, the micro-kernel (AVX-512, AVX2 or scalar) or the CPU vendor. Checked
+exactly (no tolerance) on the default model's real projection shapes, in every dtype the engine runs; accuracy
+against a float64 product.
 """
 
 from __future__ import annotations

@@ -136,7 +136,8 @@ def test_gemma_long_prompts_match_transformers_across_windows(tiny_model_dir, ar
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_gemma_builds_on_the_triton_attention_backend(tiny_model_dir, arch):
     """No refusal (docs/errors.md row 80, retired): the Triton kernel masks the window and soft-caps, and each
-    layer hands its window / soft-cap to the backend (tests/engine/test_triton_engine.py runs it against transformers)."""
+    layer hands its window / soft-cap to the backend (tests/engine/test_triton_engine.py runs it against
+    transformers)."""
     from transformers import AutoConfig
 
     from apcscore.models.ops import Ops

@@ -129,7 +129,8 @@ def test_code_fingerprint_names_the_part_that_changed(tmp_path) -> None:
     run_metadata.code_fingerprint.cache_clear()
     with_c = run_metadata.code_fingerprint(root)["kernels"]
     assert with_c != before["kernels"]
-    (root / "kernels" / "cpu_vec.h").write_text((root / "kernels" / "cpu_vec.h").read_text() + "\n")  # the C headers too
+    # the C headers too
+    (root / "kernels" / "cpu_vec.h").write_text((root / "kernels" / "cpu_vec.h").read_text() + "\n")
     run_metadata.code_fingerprint.cache_clear()
     assert run_metadata.code_fingerprint(root)["kernels"] != with_c
 

@@ -1,6 +1,7 @@
 """Provenance that --resume and merge check (issue 24, item 2; since issue 40 the views of io/identity.py): the
 engine and numerics fields that change bits (and fields added later, until classified), but not the thread count or
-the auto-sized KV pool; versions and the --columns mapping. tests/io/test_identity.py checks every field by the table."""
+the auto-sized KV pool; versions and the --columns mapping. tests/io/test_identity.py checks every field by the
+table."""
 
 from __future__ import annotations
 

@@ -265,7 +265,8 @@ def test_resources_the_cluster_does_not_have_are_refused_not_waited_for(tmp_path
     actor is never placed). One replica's resources are checked against the cluster's before any starts."""
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}])
     out = tmp_path / "o.parquet"
-    for args, message in ((["--gpus-per-replica", 1], "--gpus-per-replica 1: the Ray cluster has 0 GPUs in all (CPU 2)"),
+    for args, message in ((["--gpus-per-replica", 1],
+                           "--gpus-per-replica 1: the Ray cluster has 0 GPUs in all (CPU 2)"),
                           (["--cpus-per-replica", 3], "--cpus-per-replica 3: the Ray cluster has 2 CPUs in all")):
         res = run("score", data, "--model", tiny, "--ray", "auto", *args, "--out", out, "-q")
         assert res.exit_code == 2 and "Traceback" not in res.output, res.output

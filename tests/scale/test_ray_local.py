@@ -37,7 +37,7 @@ def test_ray_local_with_a_gpu_per_replica_on_a_machine_without_one_is_refused(tm
         pytest.fail("--ray local --gpus-per-replica 1 on a machine without a GPU still waits (300 s)")
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
-    assert len(errors) == 1 and errors[0].startswith("error: --gpus-per-replica 1: the Ray cluster has 0 GPUs in all"), \
-        proc.stderr
+    assert len(errors) == 1, proc.stderr
+    assert errors[0].startswith("error: --gpus-per-replica 1: the Ray cluster has 0 GPUs in all"), proc.stderr
     assert "--gpus-per-replica 0 runs on the CPU" in errors[0] and not out.exists()
     assert not out.with_name(out.name + ".partial").exists()

@@ -240,7 +240,8 @@ def test_partition_keeps_prefix_groups_together_and_balances() -> None:
 
 def test_a_group_too_heavy_for_one_part_is_split_by_its_next_block() -> None:
     # every prompt shares the first block; 4 sub-groups share the second
-    prompts = [[1, 2, 3, 4] + [10 * s + 1, 10 * s + 2, 10 * s + 3, 10 * s + 4] + [k] for s in range(4) for k in range(5)]
+    prompts = [[1, 2, 3, 4] + [10 * s + 1, 10 * s + 2, 10 * s + 3, 10 * s + 4] + [k]
+               for s in range(4) for k in range(5)]
     parts = assign(items_of(prompts), 2)
     assert sorted(parts.count(p) for p in (0, 1)) == [10, 10]
     for s in range(4):

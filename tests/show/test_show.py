@@ -165,4 +165,5 @@ def test_clear_errors(files, tmp_path, case, args, message) -> None:
     assert r.exit_code == 2, (case, r.output)
     err = " ".join(r.stderr.split())
     parts = message if isinstance(message, tuple) else (message,)
-    assert err.startswith("error: ") and all(m in err for m in parts) and err.count("error:") == 1 and "Traceback" not in r.output, (case, err)
+    assert (err.startswith("error: ") and all(m in err for m in parts) and err.count("error:") == 1
+            and "Traceback" not in r.output), (case, err)
