@@ -4,7 +4,12 @@ Both backends run the same four tasks (multiple choice with 2-shot examples from
 loglikelihood task, rolling perplexity over texts longer than the 64-token window, greedy generate_until with
 exact match) on the default model's converted Hugging Face directory, fp32 on the CPU, max_length 64 (so the
 rolling windows and HFLM's left truncation are exercised). They must agree: acc and acc_norm equal, every
-loglikelihood within 1e-4, the perplexities within 1e-4 relative, generations identical.
+loglikelihood and perplexity within 1e-4 relative (`close`), generations identical.
+
+Relative, not 1e-4 absolute: a loglikelihood is a float32 sum over the continuation's tokens, ours in a fixed order
+and transformers' in its kernels' order, so the two differ in proportion to its size. With transformers 5.25 (from
+PyPI on 2026-12-06; the same numbers from this code and from the code before that day's changes) two 2-shot
+multiple-choice loglikelihoods differed by 1.01e-4 (of 5.77) and 1.03e-4 (of 23.76): 1.8e-5 and 4.4e-6 relative.
 """
 
 from __future__ import annotations
@@ -58,6 +63,11 @@ def both(in_repo, default_model_files, engine):
     return ours, hf
 
 
+def close(ours: float, theirs: float) -> bool:
+    """Within 1e-4 relative (1e-4 absolute below 1): float32 sums in two orders (see the module docstring)."""
+    return abs(ours - theirs) < 1e-4 * max(1.0, abs(theirs))
+
+
 def _samples(results: dict, task: str) -> list[dict]:
     return sorted(results["samples"][task], key=lambda s: s["doc_id"])
 
@@ -78,7 +88,7 @@ def test_multiple_choice_agrees_with_hf(both):
         assert "Question:" in a["arguments"][0][0].split("\n\n")[0]  # few-shot examples are there
         assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"])
         for (ll_a, greedy_a), (ll_b, greedy_b) in zip([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]):
-            assert abs(ll_a - ll_b) < 1e-4
+            assert close(ll_a, ll_b), (ll_a, ll_b)
             assert greedy_a == greedy_b
 
 
@@ -87,7 +97,7 @@ def test_loglikelihood_agrees_with_hf(both):
     assert ours["results"]["apc_ll"]["acc,none"] == hf["results"]["apc_ll"]["acc,none"]
     for a, b in _pairs(both, "apc_ll"):
         (ll_a, greedy_a), (ll_b, greedy_b) = a["resps"][0][0], b["resps"][0][0]
-        assert abs(ll_a - ll_b) < 1e-4
+        assert close(ll_a, ll_b), (ll_a, ll_b)
         assert greedy_a == greedy_b
 
 
@@ -99,7 +109,7 @@ def test_rolling_perplexity_agrees_with_hf(both, engine):
     lengths = []
     for a, b in _pairs(both, "apc_ppl"):
         assert isinstance(a["resps"][0][0], float)  # one float per request
-        assert abs(a["resps"][0][0] - b["resps"][0][0]) < 1e-4 * max(1.0, abs(b["resps"][0][0]))
+        assert close(a["resps"][0][0], b["resps"][0][0])
         lengths.append(len(engine.tokenizer(a["arguments"][0][0], add_special_tokens=False).input_ids))
     assert max(lengths) > MAX_LENGTH  # more than one window per text
 
@@ -268,7 +278,7 @@ def both_chat(in_repo, default_model_files, engine):
 
 
 def test_chat_template_runs_agree_with_hf(both_chat):
-    """The same rendered chat prompts as HFLM, the same greedy generations, loglikelihoods within 1e-4."""
+    """The same rendered chat prompts as HFLM, the same greedy generations, loglikelihoods within 1e-4 relative."""
     for a, b in _pairs(both_chat, "apc_gen"):
         assert a["arguments"] == b["arguments"]
         assert "<|im_start|>" in a["arguments"][0][0]  # the template was applied
@@ -277,7 +287,7 @@ def test_chat_template_runs_agree_with_hf(both_chat):
         assert a["arguments"] == b["arguments"]
         assert "<|im_start|>" in a["arguments"][0][0]
         for (ll_a, greedy_a), (ll_b, greedy_b) in zip([r[0] for r in a["resps"]], [r[0] for r in b["resps"]]):
-            assert abs(ll_a - ll_b) < 1e-4
+            assert close(ll_a, ll_b), (ll_a, ll_b)
             assert greedy_a == greedy_b
 
 
