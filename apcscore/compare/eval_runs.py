@@ -34,7 +34,7 @@ from apcscore.compare.stats import clopper_pearson, margin_verdict, mcnemar_exac
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
-RUNSETTINGS = ("num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn", "system_instruction",
+RUN_SETTINGS = ("num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn", "system_instruction",
                 "gen_kwargs", "max_length")
 SEEDS = ("random_seed", "numpy_seed", "torch_seed", "fewshot_seed")  # results.json's `config` (lm-eval's)
 IGNORED_CONFIG_KEYS = ("metadata.config_source",)  # where the YAML was read from, not what it says
@@ -122,7 +122,7 @@ def check_same_eval(base: EvalRun, new: EvalRun) -> list[str]:
     if tb != tn:
         raise ApcscoreError(f"the eval runs have different tasks: baseline {tb}, candidate {tn}; compare runs of "
                             "the same --tasks")
-    diffs = [f"{k}: {_short(base.meta.get(k))} vs {_short(new.meta.get(k))}" for k in RUNSETTINGS
+    diffs = [f"{k}: {_short(base.meta.get(k))} vs {_short(new.meta.get(k))}" for k in RUN_SETTINGS
              if base.meta.get(k) != new.meta.get(k)]
     diffs += [f"{k}: {base.config.get(k)} vs {new.config.get(k)}" for k in SEEDS
               if k in base.config and k in new.config and base.config[k] != new.config[k]]
