@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 
 from apcscore.compare.gate import Check
 from apcscore.compare.thresholds import LIMITS, Thresholds
-from apcscore.compare.stats import clopper_pearson, margin_verdict, mcnemar_exact_p
+from apcscore.compare.stats import bound_label, clopper_pearson, margin_verdict, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
@@ -288,8 +288,8 @@ def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
             point = t.decision == "point"
             ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, None if point else lower,
                                        None if point else upper, t.decision == "strict")
-            text = (mcnemar_text if point else f"{'upper' if t.decision == 'strict' else 'lower'} "
-                    f"{100 * (1 - t.alpha):g}% bound {bound:.6g} ({mcnemar_text})")
+            text = mcnemar_text if point else \
+                f"{bound_label('<=', t.decision == 'strict', t.alpha, bound)} ({mcnemar_text})"
             c.checks.append(Check("--max-accuracy-drop", what, drop, "<=", t.max_accuracy_drop, ok,
                                   t.source("max_accuracy_drop"), text))
             c.check_tasks.append(m.task)

@@ -31,7 +31,8 @@ from apcscore.compare.inputs import (COMMON_RECORDS, Excluded, FileInfo, LeftOut
 from apcscore.compare.broken import Broken, broken_records
 from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, flips, position_data, record_level,
                                       record_rows, token_summary)
-from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, margin_verdict, paired_stats
+from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, bound_label, margin_verdict, \
+    paired_stats
 from apcscore.compare.thresholds import Thresholds
 from apcscore.errors import ApcscoreError
 
@@ -148,10 +149,8 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
             checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name)))
             return
         ok, bound = margin_verdict(value, op, limit, *bound_pair, strict)
-        side = ("upper" if strict else "lower") if op == "<=" else ("lower" if strict else "upper")
-        text = f"{side} {100 * (1 - t.alpha):g}% bound {bound:.6g}"
         checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name),
-                            text))
+                            bound_label(op, strict, t.alpha, bound)))
 
     if t.max_new_errors is not None:
         new_errors = sum(e.side == "candidate" for e in c.excluded)

@@ -202,6 +202,13 @@ def margin_verdict(estimate: float, op: str, limit: float, lower: float | None, 
     return (bound <= limit if larger_is_worse else bound >= limit), bound
 
 
+def bound_label(op: str, strict: bool, alpha: float, bound: float) -> str:
+    """How a check names the bound `margin_verdict` judged: "lower 95% bound 1.0012" (the optimistic bound in margin
+    mode, the pessimistic one in strict mode; lower is optimistic for "<=", upper for ">=")."""
+    side = ("upper" if strict else "lower") if op == "<=" else ("lower" if strict else "upper")
+    return f"{side} {100 * (1 - alpha):g}% bound {bound:.6g}"
+
+
 def _column(t: pa.Table, name: str) -> np.ndarray | None:
     return pc.cast(t[name], pa.float64()).to_numpy(zero_copy_only=False) if name in t.column_names else None
 
