@@ -11,8 +11,7 @@ The Python API the CLI itself uses::
 __version__ = "0.1.0"
 
 from apcscore.config import EngineConfig
-from apcscore.engine.sampling_params import SamplingParams
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, SamplingParams, TokenLogprobs
 
 __all__ = [
     "Engine",

@@ -177,7 +177,7 @@ def run_score(args: argparse.Namespace) -> None:
 def run_apcscore(args: argparse.Namespace) -> None:
     from apcscore.config import EngineConfig
     from apcscore.engine import load_engine
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request
 
     chunks = [json.loads(line)["prompt_token_ids"] for line in Path(args.data).read_text().splitlines() if line]
     t0 = time.perf_counter()

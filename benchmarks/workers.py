@@ -54,7 +54,7 @@ def apcscore_load(model: str, batch_invariant: bool = True) -> Any:
 
 
 def apcscore_score(engine: Any, records: list[dict], k: int) -> list[Scored]:
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request
 
     requests = [Request(i, r["prompt_token_ids"], prompt_logprobs=k) for i, r in enumerate(records)]
     results: list[Scored | None] = [None] * len(records)
@@ -68,8 +68,7 @@ def apcscore_score(engine: Any, records: list[dict], k: int) -> list[Scored]:
 
 
 def apcscore_generate(engine: Any, records: list[dict], max_new: int) -> list[list[int]]:
-    from apcscore.engine.sampling_params import SamplingParams
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request, SamplingParams
 
     params = SamplingParams(max_tokens=max_new, temperature=0.0, ignore_eos=True)
     requests = [Request(i, r["prompt_token_ids"], sampling=params) for i, r in enumerate(records)]

@@ -214,7 +214,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 # ---- engine and transformers workloads -----------------------------------------------------------------------
 def engine_score(engine, prompts: list[list[int]], k: int) -> list:
     """PromptLogprobs of every prompt, in input order."""
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request
 
     outs = {o.request_id: o for o in engine.run(Request(i, p, prompt_logprobs=k) for i, p in enumerate(prompts))}
     bad = [o.error for o in outs.values() if o.error]
@@ -224,8 +224,7 @@ def engine_score(engine, prompts: list[list[int]], k: int) -> list:
 
 
 def engine_generate(engine, prompts: list[list[int]], max_tokens: int, logprobs: int | None = None) -> list:
-    from apcscore.engine.sampling_params import SamplingParams
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request, SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, ignore_eos=True)
     outs = {o.request_id: o for o in engine.run(Request(i, p, sampling=params) for i, p in enumerate(prompts))}

@@ -45,8 +45,7 @@ def part_exactness(args) -> bool:
     """Budgets and alone, exact reuse, last-token alternatives, greedy generation: one JSON line each."""
     import numpy as np
 
-    from apcscore.engine.sampling_params import SamplingParams
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request, SamplingParams
     from apcscore.jobs.loglikelihood import group_by_last_token
 
     import os

@@ -57,7 +57,7 @@ def hf_loglikelihoods(model, rows: list[tuple[list[int], list[list[int]]]]) -> l
 def engine_loglikelihoods(engine, rows: list[tuple[list[int], list[list[int]]]]) -> list[list[tuple[float, bool]]]:
     """The lm-eval backend's path (apcscore/lmeval/model.py): one scoring request per continuation (top-1, no
     ranks), merged by group_by_last_token, read with continuation_score. Per row, per continuation."""
-    from apcscore.engine.request import Request
+    from apcscore.engine.step import Request
     from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
 
     separate = [Request(None, ctx + cont, prompt_logprobs=1, score_from=len(ctx), prompt_logprob_ranks=False)

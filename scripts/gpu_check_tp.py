@@ -30,8 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from apcscore.config import EngineConfig
     from apcscore.engine.engine import Engine
-    from apcscore.engine.request import Request
-    from apcscore.engine.sampling_params import SamplingParams
+    from apcscore.engine.step import Request, SamplingParams
     from apcscore.models.loading import LazyCheckpoint
 
     small = "--small" in (argv if argv is not None else sys.argv[1:])

@@ -1,7 +1,7 @@
 """The batch engine and its parts: scheduler, block manager, model runner, sampler, logprobs, CUDA graphs.
 
 `from apcscore.engine import Engine, load_engine` works; both (torch, the model) are imported lazily, so the
-light parts (sampling_params, sequence, counters) can be imported without torch.
+light parts (the step types of engine.step, counters) can be imported without torch.
 """
 
 __all__ = ["Engine", "load_engine"]

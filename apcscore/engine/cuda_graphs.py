@@ -35,8 +35,8 @@ import torch
 
 from apcscore.attention.decode_groups import DecodeGroups, group_shape, pack_decode_groups, plan_decode_groups
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
-from apcscore.engine.scheduler import ScheduledBatch
-from apcscore.engine.step_inputs import InputStager, StepInputs, build_step_inputs
+from apcscore.engine.step import ScheduledBatch, StepInputs
+from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.models.llama import LlamaDecoder
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)

@@ -23,12 +23,12 @@ from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profi
 from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
 from apcscore.engine.model_files import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, capping_window, context_length
-from apcscore.engine.model_runner import ModelRunner, StepOutput
+from apcscore.engine.model_runner import ModelRunner
+from apcscore.engine.step import (PromptLogprobs, Request, RequestOutput, Sequence, StepOutput, TokenLogprobs,
+                                  request_problem)
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.score_store import ScoreStore, store_bytes_per_block
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
-from apcscore.engine.sequence import Sequence
 from apcscore.models.architecture import check_architecture
 from apcscore.models.ops import Ops, select_ops
 from apcscore.models.decoders import build_decoder, decoder_class

@@ -32,7 +32,7 @@ from apcscore.engine.model_files import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
+from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
 from apcscore.kernels.logprobs_torch import token_logprobs_torch
 from apcscore.models.loading import eos_token_ids

@@ -14,7 +14,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.model_info import ModelInfo
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput
 
 
 @runtime_checkable

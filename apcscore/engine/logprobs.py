@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from apcscore.engine.request import TokenLogprobs
+from apcscore.engine.step import TokenLogprobs
 from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
 
 LogprobFn = Callable[..., tuple[torch.Tensor, ...]]  # (logits [N, V], targets [N], k, ranks=bool) -> 4 tensors

@@ -8,8 +8,6 @@ and the final hidden state of each block's last position is captured for the sto
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
 
@@ -19,24 +17,12 @@ from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.sampler import make_generator, sample_rows
-from apcscore.engine.scheduler import ScheduledBatch
+from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, StepOutput, TokenLogprobs
 from apcscore.engine.score_store import publishes
-from apcscore.engine.request import PromptLogprobs, TokenLogprobs
-from apcscore.engine.sequence import Sequence
-from apcscore.engine.step_inputs import InputStager, StepInputs, build_step_inputs
+from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
 from apcscore.kernels.matmul_torch import padded_rows
 from apcscore.models.llama import LlamaDecoder
-
-
-@dataclass
-class StepOutput:
-    prompt_logprobs: list[tuple[Sequence, PromptLogprobs]]
-    sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
-    # score store: per sequence, block index -> final hidden state [H] (host) of the block's last position
-    block_hidden: list[tuple[Sequence, dict[int, torch.Tensor]]] = field(default_factory=list)
-    # Request.last_token_alternatives scored this step (the step that scored the last prompt token)
-    alternatives: list[tuple[Sequence, TokenLogprobs]] = field(default_factory=list)
 
 
 class ModelRunner:

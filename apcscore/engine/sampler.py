@@ -17,7 +17,7 @@ import torch
 
 from apcscore.kernels import rowmath
 
-from apcscore.engine.sampling_params import SamplingParams
+from apcscore.engine.step import SamplingParams
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

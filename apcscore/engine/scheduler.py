@@ -17,26 +17,10 @@ they could have read before their first scored position are counted (`PrefixCach
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreStore, prompt_blocks, writes_entry_for
-from apcscore.engine.sequence import Sequence, SequenceStatus
-
-
-@dataclass
-class ScheduledBatch:
-    """The work of one step: (sequence, number of new tokens to compute) in batch order."""
-
-    items: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+from apcscore.engine.step import ScheduledBatch, Sequence, SequenceStatus
 
 
 class Scheduler:

@@ -26,8 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from apcscore.engine.request import PromptLogprobs, Request
-from apcscore.engine.sequence import Sequence
+from apcscore.engine.step import PromptLogprobs, Request, Sequence
 
 ENTRY_OVERHEAD_BYTES = 1400  # the entry object, four numpy arrays, a torch tensor, the dict slot (measured ~1,350)
 

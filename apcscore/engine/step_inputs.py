@@ -9,35 +9,13 @@ On the CPU the arrays are used in place (no copy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from apcscore.engine.scheduler import ScheduledBatch
+from apcscore.engine.step import ScheduledBatch, StepInputs
 
 _ALIGN = 64  # bytes: every array starts 64-byte aligned, as a fresh allocation would (Triton specialises on it)
-
-
-@dataclass
-class StepInputs:
-    """Flat host arrays of one step: B sequences, T token rows (rows past cu_seqlens_q[-1] are padding)."""
-
-    input_ids: np.ndarray  # [T] int64
-    positions: np.ndarray  # [T] int64: rotary-table rows = positions (+ rope_offset for a long-rope sequence)
-    slot_mapping: np.ndarray  # [T] int64, -1 on padding rows (nothing stored)
-    cu_seqlens_q: np.ndarray  # [B + 1] int32
-    seq_lens: np.ndarray  # [B] int32: context length including this step's tokens
-    block_tables: np.ndarray  # [B, max_blocks] int32, rows padded with 0
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
-
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence computes exactly one token."""
-        return self.num_seqs > 0 and int(self.cu_seqlens_q[-1]) == self.num_seqs
 
 
 def build_step_inputs(batch: ScheduledBatch, block_size: int, num_rows: int | None = None,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from apcscore.engine.detokenizer import IncrementalDetokenizer, find_stop
-from apcscore.engine.sampling_params import SamplingParams
+from apcscore.engine.step import SamplingParams
 
 
 def stop_tokens(params: SamplingParams, eos_token_ids: set[int]) -> set[int]:

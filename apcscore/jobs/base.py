@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from apcscore.engine import numerics
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.step import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.options.commands import RunOptions

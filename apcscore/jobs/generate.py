@@ -8,8 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from apcscore.config import RECORD_FIELDS
-from apcscore.engine.sampling_params import SamplingParams
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput, SamplingParams
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns

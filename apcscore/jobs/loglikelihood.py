@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from apcscore.engine import numerics
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.step import PromptLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 
 # Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.

@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from apcscore.engine import numerics
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns

@@ -28,7 +28,7 @@ from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, c
                                          continuation_score, group_by_last_token, mean_stderr,
                                          prefix_token_id, trim_top)
 from apcscore.engine import numerics
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput
 from apcscore.io.schemas import Record
 from apcscore.options.commands import ScoreOptions
 

@@ -29,8 +29,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm import tqdm
 
 from apcscore.config import EngineConfig
-from apcscore.engine.sampling_params import SamplingParams
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput, SamplingParams
 from apcscore.errors import ApcscoreError
 from apcscore.jobs.generate import record_seed
 from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token

@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterable, Iterator
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.model_files import LoadedModel
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.identity import EVAL
 from apcscore.options.commands import EvalOptions

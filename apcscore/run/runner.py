@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterator
 
 from apcscore.engine.interface import BatchEngine
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import Job, RecordPlan

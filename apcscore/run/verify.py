@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from apcscore.engine.interface import BatchEngine
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput
 
 # RequestOutput arrays compared, by the name a mismatch reports
 _PROMPT = ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs", "positions")

@@ -18,7 +18,7 @@ import time
 from typing import Any, Callable
 
 from apcscore.engine.model_files import load_model
-from apcscore.engine.request import Request, RequestOutput
+from apcscore.engine.step import Request, RequestOutput
 from apcscore.jobs.registry import JOBS
 from apcscore.options.commands import ScaleOptions
 

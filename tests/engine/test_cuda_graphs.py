@@ -15,8 +15,7 @@ from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine.cuda_graphs import (DEFAULT_CAPTURE_SIZES, DecodeGraphRunner, capture_sizes, decode_inputs,
                                          pad_decode_inputs, padded_size)
 from apcscore.engine import Engine
-from apcscore.engine.scheduler import ScheduledBatch
-from apcscore.engine.sequence import Sequence
+from apcscore.engine.step import ScheduledBatch, Sequence
 from apcscore.kernels._checks import interpreting
 
 

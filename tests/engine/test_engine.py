@@ -62,8 +62,7 @@ def test_logits_match_transformers(arch_pair):
         ref = hf(torch.tensor([ids])).logits[0]  # [T, V]
     # full prompt logprobs with K = vocab-wide check through logits: compare the model directly
     from apcscore.attention.metadata import set_attention_metadata
-    from apcscore.engine.scheduler import ScheduledBatch
-    from apcscore.engine.sequence import Sequence
+    from apcscore.engine.step import ScheduledBatch, Sequence
 
     seq = Sequence(Request(0, ids), 0, engine.long_rope_after)  # (long-rope Phi-3: 37 > 32, the long tables)
     assert engine.block_manager.allocate(seq, len(ids))

@@ -226,7 +226,7 @@ def test_verify_reuse_passes_and_catches_a_wrong_reuse(model: str, tmp_path, wri
     report = meta["verify_reuse"]
     assert report["mismatches"] == [] and report["records"] == len(score_records())
     # a reuse that takes one block too many skips positions it must score: the verification must fail the run
-    from apcscore.engine.sequence import Sequence
+    from apcscore.engine.step import Sequence
 
     right = Sequence.reusable_blocks
     monkeypatch.setattr(Sequence, "reusable_blocks", lambda self, bs: right(self, bs) + 1)

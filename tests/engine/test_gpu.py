@@ -24,8 +24,7 @@ from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine import Engine
 from apcscore.engine.cuda_graphs import DecodeGraphRunner, decode_inputs
-from apcscore.engine.scheduler import ScheduledBatch
-from apcscore.engine.sequence import Sequence
+from apcscore.engine.step import ScheduledBatch, Sequence
 from apcscore.kernels._checks import interpreting
 from portable_models import VOCAB_SIZE, tiny_dir  # noqa: F401  (fixture)
 

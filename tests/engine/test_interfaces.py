@@ -15,7 +15,7 @@ from apcscore.engine.hf_engine import TransformersEngine
 from apcscore.engine.interface import BatchEngine
 from apcscore.engine.loader import load_engine
 from apcscore.engine.model_files import LoadedModel, load_model
-from apcscore.engine.request import Request
+from apcscore.engine.step import Request
 from apcscore.errors import ApcscoreError
 from apcscore.run.executor import Executor
 from apcscore.run.local import LocalExecutor

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from apcscore import EngineConfig, Request, SamplingParams, load_engine
-from apcscore.engine.request import request_problem
+from apcscore.engine.step import request_problem
 from apcscore.jobs.loglikelihood import continuation_score
 from tests.engine.test_exact_reuse import engine, model  # noqa: F401  (the tiny Llama fixture and engine set-up)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from apcscore.engine.sampler import make_generator, sample_rows
-from apcscore.engine.sampling_params import SamplingParams
+from apcscore.engine.step import SamplingParams
 from apcscore.kernels import rowmath
 
 

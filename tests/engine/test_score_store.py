@@ -16,8 +16,7 @@ import pytest
 from apcscore import Engine, EngineConfig, Request, SamplingParams
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
-from apcscore.engine.request import PromptLogprobs
-from apcscore.engine.sequence import Sequence
+from apcscore.engine.step import PromptLogprobs, Sequence
 from tests.engine.test_exact_reuse import assert_tables_equal, cli_run, engine, model  # noqa: F401 (model: a fixture)
 from tests.engine.test_invariance import assert_same, columns, run
 

@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from apcscore import Request
-from apcscore.engine.scheduler import ScheduledBatch
-from apcscore.engine.sequence import Sequence
+from apcscore.engine.step import ScheduledBatch, Sequence
 from apcscore.engine.step_inputs import InputStager, build_step_inputs
 
 

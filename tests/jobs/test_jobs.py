@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apcscore.engine.request import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.generate import GenerateJob

@@ -18,7 +18,7 @@ from apcscore import EngineConfig
 from apcscore.cli import app
 from apcscore.engine import Engine
 from apcscore.errors import ApcscoreError
-from apcscore.engine.request import Request
+from apcscore.engine.step import Request
 from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, continuation_score, encode_pair,
                                          mean_stderr, prefix_token_id)
 from apcscore.io.schemas import Record

@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from apcscore.engine.request import TokenLogprobs
+from apcscore.engine.step import TokenLogprobs
 from apcscore.kernels.logprobs_torch import top_k
 from apcscore.models.tensor_parallel import TensorParallel
 

@@ -3,7 +3,7 @@
 Rank 0 is the process that builds the `Engine`: its scheduler, block manager and score store run there only,
 as vLLM's driver worker. The other ranks hold their slice of the model (models/tensor_parallel.py) and a KV
 cache of their heads, and do what rank 0 tells them: rank 0 broadcasts each call (`RankGroup.call`: an
-operation and its arguments, e.g. a step's host inputs, engine/step_inputs.StepInputs), then every rank runs
+operation and its arguments, e.g. a step's host inputs, engine/step.StepInputs), then every rank runs
 it, meeting in the same collectives (the layers' gathers, the logprobs' gathers) in the same order; only rank 0
 keeps outputs (engine/parallel/runner.py).
 

@@ -20,8 +20,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.kv_cache import profile_peak_memory
 from apcscore.engine.model_runner import ModelRunner
-from apcscore.engine.request import TokenLogprobs
-from apcscore.engine.step_inputs import StepInputs
+from apcscore.engine.step import StepInputs, TokenLogprobs
 from apcscore.engine.parallel.logprobs import gathered_logits, parallel_token_logprobs
 from apcscore.models.decoders import build_decoder
 from apcscore.models.llama import LlamaDecoder

@@ -1,0 +1,318 @@
+"""The data of one engine step, in one place: what a request asks (`SamplingParams`, `Request`), what the engine
+keeps of it while it runs (`Sequence`), what a step runs (`ScheduledBatch`: the scheduler's; `StepInputs`: the model
+runner's flat host arrays) and what it gives back (`StepOutput`; `TokenLogprobs`, `PromptLogprobs` and
+`RequestOutput` for the caller). Torch-free: the package face imports it.
+
+The attention layer's own input, `AttentionMetadata` (apcscore.attention.metadata), lives below the engine (the
+layers of docs/architecture.md); the model runner builds it from `StepInputs`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from apcscore.config import SAMPLING_CHECKS
+from apcscore.engine.block_manager import NONE_HASH, variant_root
+from apcscore.errors import ApcscoreError
+
+_UNSET_ALLOWED = ("seed", "logprobs")  # None = no seed, no logprobs
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+LONG_ROPE_ROOT = variant_root("long-rope: long frequencies")  # hash_root of a Sequence.rope_long sequence
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample a completion. `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` are off.
+
+    `seed` makes a sampled completion reproducible whatever else is in the batch. `logprobs` asks for the
+    sampled tokens' logprobs (0 = the token's own logprob and rank, K > 0 adds the top-K).
+
+    A temperature below GREEDY_BELOW (1e-5, vLLM's `_SAMPLING_EPS`) is greedy: dividing logits by it can
+    overflow to inf (NaN probabilities), and the distribution is the argmax anyway but for exact ties.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ApcscoreError("; ".join(problems))
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these values, as messages a user can act on."""
+        out = []
+        for name, check in SAMPLING_CHECKS.items():
+            value = getattr(self, name)
+            if value is None and name in _UNSET_ALLOWED:
+                continue
+            why = check(value)
+            if why is not None:
+                out.append(f"{name} {why}")
+        return out
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stop"] = list(self.stop)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+
+@dataclass
+class Request:
+    """One unit of engine work: a prompt, and what to compute for it.
+
+    prompt_logprobs: None = no prompt scoring; 0 = each scored token's own logprob and rank; K > 0 adds the
+        top-K alternatives. A request with prompt logprobs never *reads* the prefix cache (a hit has KV but
+        no logits), but still writes its full blocks to it.
+    score_from: first prompt position that is scored (position 0 never is: it has no context).
+    prompt_logprob_ranks: False lets the engine skip counting ranks (a pass over the vocabulary per token) for
+        a job that only sums logprobs; ranks then read 0 unless another request of the step needed them.
+    sampling: None for a scoring-only request (nothing is generated).
+    last_token_alternatives: other tokens to score in place of the last prompt token (which must be scored):
+        each gets the logprob, rank and top-K that the last prompt position gives it, in
+        `RequestOutput.last_token_alternatives`. Their context is the same, so they are read from the same
+        hidden-state row: one forward pass serves one-token continuations of one context (lm-eval's hf groups
+        them the same way), bitwise equal to separate requests under the batch-invariance contract.
+    """
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    sampling: SamplingParams | None = None
+    prompt_logprobs: int | None = None
+    score_from: int = 1
+    prompt_logprob_ranks: bool = True
+    last_token_alternatives: tuple[int, ...] = ()
+
+    @property
+    def max_tokens(self) -> int:
+        return 0 if self.sampling is None else self.sampling.max_tokens
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprobs of a run of tokens (scored prompt positions, or sampled tokens), as numpy arrays.
+
+    token_ids[i] is the token whose logprob is token_logprobs[i]; rank 1 = the model's argmax.
+    top_ids / top_logprobs are [n, K] (K may be 0), sorted by logprob, descending.
+    """
+
+    token_ids: np.ndarray  # [n] int64
+    token_logprobs: np.ndarray  # [n] float32
+    ranks: np.ndarray  # [n] int64
+    top_ids: np.ndarray  # [n, K] int64
+    top_logprobs: np.ndarray  # [n, K] float32
+
+    @staticmethod
+    def concat(parts: list["TokenLogprobs"], k: int) -> "TokenLogprobs":
+        if not parts:
+            return TokenLogprobs(
+                np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
+                np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
+            )
+        return TokenLogprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                               ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def rows(self, start: int, stop: int, k: int | None = None) -> "TokenLogprobs":
+        """Rows start..stop-1, their top-K columns cut to k when given."""
+        return TokenLogprobs(self.token_ids[start:stop], self.token_logprobs[start:stop], self.ranks[start:stop],
+                             self.top_ids[start:stop, :k], self.top_logprobs[start:stop, :k])
+
+
+@dataclass
+class PromptLogprobs(TokenLogprobs):
+    """TokenLogprobs of the scored prompt positions; positions[i] is the prompt index of row i."""
+
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+
+@dataclass
+class RequestOutput:
+    """What the engine returns for one request, in completion order."""
+
+    request_id: Any
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""
+    output_logprobs: TokenLogprobs | None = None
+    finish_reason: str | None = None  # stop | length | error
+    num_cached_tokens: int = 0
+    error: str | None = None
+    last_token_alternatives: TokenLogprobs | None = None  # the request's alternatives, in its order
+
+
+def request_problem(request: Request, max_len: int, vocab: int, max_logprobs: int) -> str | None:
+    """Why this request cannot run on a model of context max_len and vocabulary vocab, or None (the checks
+    every model path shares; the native engine adds its KV pool's)."""
+    n = len(request.prompt_token_ids)
+    if n == 0:
+        return "the prompt has no tokens"
+    if n > max_len:
+        return (f"the prompt has {n} tokens, more than the model's context of {max_len} tokens — shorten it, "
+                f"or pass --truncate left to drop its oldest tokens")
+    bad = [t for t in (*request.prompt_token_ids, *request.last_token_alternatives) if not 0 <= t < vocab]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {vocab})"
+    k = request.prompt_logprobs
+    if request.last_token_alternatives and (k is None or not 1 <= request.score_from <= n - 1):
+        return "last_token_alternatives need prompt logprobs that score the last prompt token"
+    if k is not None and k > max_logprobs:
+        return f"prompt_logprobs {k} is above max_logprobs {max_logprobs}"
+    if request.sampling is not None:
+        problems = request.sampling.problems()
+        if problems:
+            return "; ".join(problems)
+        if request.sampling.logprobs is not None and request.sampling.logprobs > max_logprobs:
+            return f"logprobs {request.sampling.logprobs} is above max_logprobs {max_logprobs}"
+    return None
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """The engine's state of one request: its tokens, blocks, progress and collected results."""
+
+    def __init__(self, request: Request, arrival: int, long_rope_after: int | None = None) -> None:
+        """long_rope_after: the model's long-rope threshold (LlamaDecoder.long_rope_after): a longer prompt is
+        rotated with the long frequencies from the start."""
+        self.request = request
+        self.arrival = arrival  # admission order; ties broken deterministically
+        self.prompt_len = len(request.prompt_token_ids)
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.block_ids: list[int] = []
+        self.block_hashes: list[bytes] = []  # SHA-256 chain digest of each full block of token_ids, computed lazily
+        self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+        self.prompt_logprob_parts: list[PromptLogprobs] = []
+        self.alternative_logprobs: TokenLogprobs | None = None  # of request.last_token_alternatives, once scored
+        self.output_logprob_parts: list[TokenLogprobs] = []
+        self.finish_reason: str | None = None
+        self.output_text: str | None = None  # set when a stop string cut the completion
+        self.generator: Any = None  # torch.Generator of a sampled request, made by the sampler
+        self.detokenizer: Any = None  # IncrementalDetokenizer of a request with stop strings, made by the engine
+        # exact reuse, score store: the stored final hidden state [H] of the last row of the last block read at
+        # admission (its target is the first prefilled token); scored in the admission step, then dropped
+        self.boundary_hidden: Any = None
+        # long-rope models (apcscore.models.phi3): whether this sequence is rotated with the long frequencies at
+        # every position, which changes its KV, hence its blocks' digests (hash_root: their first parent)
+        self.rope_long = False
+        self.hash_root = NONE_HASH
+        self.kv_only = False  # re-prefilled for its KV only (a long-rope switch): its prompt is already scored
+        if long_rope_after is not None and self.prompt_len > long_rope_after:
+            self.use_long_rope()
+
+    @property
+    def request_id(self) -> Any:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill computes prompt logprobs (not once they are all done: kv_only)."""
+        return self.request.prompt_logprobs is not None and not self.kv_only
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Design rule: a sequence that computes prompt logprobs never reads the prefix cache, unless the engine
+        runs with exact reuse (then `reusable_blocks` says how much of it it may read)."""
+        return not self.scores_prompt
+
+    def use_long_rope(self) -> None:
+        """From now on every position is rotated with the long-rope frequencies; the block digests follow."""
+        self.rope_long = True
+        self.hash_root = LONG_ROPE_ROOT
+        self.block_hashes = []
+
+    def reusable_blocks(self, block_size: int) -> int:
+        """Exact reuse: the full blocks lying entirely before position score_from - 1, the first row whose logits
+        are needed; their KV (bitwise what a fresh prefill writes) is all a scoring request may take from the cache."""
+        return max(0, min(self.request.score_from - 1, self.prompt_len - 1)) // block_size
+
+    def reset_for_recompute(self) -> None:
+        """Preemption: drop the KV; prompt (and output so far) are prefilled again later."""
+        self.num_computed_tokens = 0
+        self.block_ids = []
+        if not self.kv_only:  # (kv_only: the prompt was scored before, and is not scored again)
+            self.prompt_logprob_parts = []
+            self.alternative_logprobs = None
+        self.boundary_hidden = None
+        self.status = SequenceStatus.WAITING
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: (sequence, number of new tokens to compute) in batch order."""
+
+    items: list[tuple[Sequence, int]] = field(default_factory=list)
+    num_preempted: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+@dataclass
+class StepInputs:
+    """Flat host arrays of one step: B sequences, T token rows (rows past cu_seqlens_q[-1] are padding);
+    engine/step_inputs.build_step_inputs makes them from a ScheduledBatch."""
+
+    input_ids: np.ndarray  # [T] int64
+    positions: np.ndarray  # [T] int64: rotary-table rows = positions (+ rope_offset for a long-rope sequence)
+    slot_mapping: np.ndarray  # [T] int64, -1 on padding rows (nothing stored)
+    cu_seqlens_q: np.ndarray  # [B + 1] int32
+    seq_lens: np.ndarray  # [B] int32: context length including this step's tokens
+    block_tables: np.ndarray  # [B, max_blocks] int32, rows padded with 0
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence computes exactly one token."""
+        return self.num_seqs > 0 and int(self.cu_seqlens_q[-1]) == self.num_seqs
+
+
+@dataclass
+class StepOutput:
+    """What the model runner computed in one step, per sequence of its batch."""
+
+    prompt_logprobs: list[tuple[Sequence, PromptLogprobs]]
+    sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
+    # score store: per sequence, block index -> final hidden state [H] (a host torch tensor) of the block's last
+    # position
+    block_hidden: list[tuple[Sequence, dict[int, Any]]] = field(default_factory=list)
+    # Request.last_token_alternatives scored this step (the step that scored the last prompt token)
+    alternatives: list[tuple[Sequence, TokenLogprobs]] = field(default_factory=list)
