@@ -223,7 +223,7 @@ def generate(**params: Any) -> None:
 
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
     {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt),
-    optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
+    optionally with per-record values of the Sampling options (as keys with underscores: max_tokens, top_p, ...).
     Or OpenAI Batch request lines (/v1/chat/completions, /v1/completions); --out X.jsonl writes result lines.
     """
     _run("generate", params)

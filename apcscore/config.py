@@ -221,8 +221,9 @@ def _stop(v: Any) -> str | None:
 Check = Callable[[Any], "str | None"]
 
 # The sampling options a generate record may set for itself, and how each is checked: declared once, used by
-# SamplingParams (engine/sampling_params.py), by generate's options and by the generate record schema
-# (io/schemas.py). They live here, below every package, so that io needs no engine.
+# SamplingParams (engine/sampling_params.py), by generate's options, by the generate record schema (io/schemas.py),
+# OpenAI Batch bodies (io/openai_batch.py) and CSV cells (io/tabular_input.py). They live here, below every
+# package, so that io needs no engine.
 RECORD_FIELDS: dict[str, Check] = {
     "max_tokens": _int_at_least_0,
     "temperature": _number_at_least_0,
@@ -233,3 +234,6 @@ RECORD_FIELDS: dict[str, Check] = {
 }
 # and what SamplingParams checks besides
 SAMPLING_CHECKS: dict[str, Check] = {**RECORD_FIELDS, "logprobs": _int_at_least_0}
+# what a CSV cell of a sampling field is read as (io/tabular_input.py), from its check: a number field's type
+RECORD_NUMBERS: dict[str, type] = {name: int if check in (_int_at_least_0, _any_int) else float
+                                   for name, check in RECORD_FIELDS.items() if check is not _stop}
