@@ -17,9 +17,9 @@ docs/architecture.md, "A run's identity", holds the same rules as a table, and t
 table.
 
 The `engine` section's fields are classified where EngineConfig declares them (config.py, `Identity`): a new
-engine setting brings its classification with it. A field of the `numerics` or `versions` section that is
-neither in `FIELDS` nor in `NOT_BITS` (one a later change adds) is compared by every view: a new field is a
-refusal until someone classifies it.
+engine setting brings its classification with it. A field of the `engine`, `numerics` or `versions` section that
+is neither in `FIELDS` nor in `NOT_BITS` (an engine field declared without an `Identity`, a field a later change
+adds) is compared by every view: a new field is a refusal until someone classifies it.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def _engine_field(name: str, identity: Identity) -> Field:
                  when=library_gemm if identity.unless_invariant else None)
 
 
-_ENGINE = {f.name: f.metadata["identity"] for f in fields(EngineConfig)}  # every field declares its Identity
+# how each EngineConfig field declares itself (`config.setting`); one declared without is compared, as unclassified
+_ENGINE = {f.name: f.metadata["identity"] for f in fields(EngineConfig) if "identity" in f.metadata}
 _CODE_WHY = "the numerics fingerprint: a change to this code may change any bit (its hash, run/metadata.code)"
 
 FIELDS: tuple[Field, ...] = (
