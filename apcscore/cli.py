@@ -156,17 +156,16 @@ OverwriteOpt = Annotated[bool, _flag("--overwrite", help="Replace an existing ou
 def takes(options: type[Options], *first: inspect.Parameter,
           **extra: inspect.Parameter) -> Callable[[Callable[..., None]], Callable[..., None]]:
     """Give a command function `fn(**params)` the parameters `first` (the dataset), then those of an options
-    class (options/commands.py) in its --help order, with `extra` (--config), the parameters no option declares,
-    where that order names them."""
+    class (options/commands.py) in its --help order, each in its panel, with `extra` (--config), the parameters
+    no option declares, where that order names them."""
     params = list(first)
     for p in cli_params(options):
         if isinstance(p, str):
             params.append(extra[p])
             continue
-        kind = p.type if p.required or p.default is False else Optional[p.type]
-        annotation = Annotated[kind, typer.Option(*p.flags, help=p.help, **p.typer)]
-        default = inspect.Parameter.empty if p.required else p.default
-        params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=default,
+        kind = p.type if p.default is False else Optional[p.type]
+        annotation = Annotated[kind, typer.Option(*p.flags, help=p.help, rich_help_panel=p.panel, **p.typer)]
+        params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=p.default,
                                         annotation=annotation))
 
     def give(fn: Callable[..., None]) -> Callable[..., None]:
@@ -224,7 +223,7 @@ def generate(**params: Any) -> None:
 
     Records: {"id"?, "prompt": str}, {"id"?, "prompt_token_ids": \\[int, ...]} or
     {"id"?, "messages": \\[{"role", "content"}, ...]} (chat template with generation prompt),
-    optionally with per-record max_tokens, temperature, top_p, top_k, seed, stop.
+    optionally with per-record values of the Sampling options (as keys with underscores: max_tokens, top_p, ...).
     Or OpenAI Batch request lines (/v1/chat/completions, /v1/completions); --out X.jsonl writes result lines.
     """
     _run("generate", params)

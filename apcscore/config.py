@@ -1,171 +1,156 @@
-"""Engine configuration: one frozen dataclass, validated on construction; and `option`, the declaration of a
-setting (default, help text, CLI flags, checks) that EngineConfig and the run options (options/commands.py) share.
+"""The engine's settings: `EngineConfig`, one frozen dataclass checked on construction, whose errors name its
+fields (`block_size must be a power of two`); each field also says how it enters a run's identity (`Identity`,
+read by io/identity.py). No command line here: the flags, help text and --help groups of these settings are the
+options' (options/specs.py), which also put a config error in the flags the user typed.
+
+Below every package, the checks of numbers and sampling values that records, options and SamplingParams share.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import Field, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from apcscore.errors import ApcscoreError, shown
 
 MAX_LOGPROBS_DEFAULT = 20
-NOT_GIVEN: Any = ...  # `option(NOT_GIVEN, ...)`: a field without a default (a required CLI option)
+
+
+class ConfigError(ApcscoreError):
+    """An EngineConfig value no run can use. `names`: the settings the message names (as field names, a switch's
+    value as `name=False`), so that the command line can name them by the flags the user typed."""
+
+    def __init__(self, message: str, *names: str) -> None:
+        super().__init__(message)
+        self.names = names
 
 
 @dataclass(frozen=True)
-class Spec:
-    """How one setting is declared on the command line and checked.
+class Identity:
+    """How a setting enters a run's identity (io/identity.py, docs/architecture.md "A run's identity").
 
-    help: the --help text; show: append `[default: X]`, X the field's default (True) or this text (a str).
-    flags: the CLI names (default `--name-with-dashes`); negation: the CLI/TOML name of an off-switch flag
-    (`no_prefix_caching` for `enable_prefix_caching`); at_least: the lower bound checked on every value;
-    click_min: also give Typer the bound (checked while parsing); cli_type: the CLI value type where it is
-    not the field's; typer: other keyword arguments of `typer.Option`."""
+    why: why it changes bits or rows (compared), or why it cannot (`compared=False`: recorded, never compared);
+    result_files_only: compared by the result files' views (resume, merge, Ray), left out of the eval cache's key;
+    unless_invariant: dropped where the start-up probe found the engine batch-invariant (schedule and reuse)."""
 
-    help: str
-    show: bool | str = False
-    flags: tuple[str, ...] = ()
-    negation: str | None = None
-    at_least: int | None = None
-    click_min: bool = False
-    cli_type: Any = None
-    typer: tuple[tuple[str, Any], ...] = ()
+    why: str
+    compared: bool = True
+    result_files_only: bool = False
+    unless_invariant: bool = False
 
 
-def option(default: Any, help: str, *flags: str, show: bool | str = False, negation: str | None = None,
-           at_least: int | None = None, click_min: bool = False, cli_type: Any = None, **typer: Any) -> Any:
-    """A dataclass field declared with its default and its `Spec` (in `metadata["spec"]`)."""
-    spec = Spec(help, show, flags, negation, at_least, click_min, cli_type, tuple(typer.items()))
-    if default is NOT_GIVEN:
-        return field(metadata={"spec": spec})
-    return field(default=default, metadata={"spec": spec})
+def setting(default: Any, identity: Identity) -> Any:
+    """An EngineConfig field: its default and its part in a run's identity (in `metadata["identity"]`)."""
+    return field(default=default, metadata={"identity": identity})
 
 
-def spec_of(f: Field) -> Spec | None:
-    """The Spec a field was declared with (None for a field declared without `option`)."""
-    return f.metadata.get("spec")
+_SCHEDULE = ("which requests share a step: a library GEMM's bits change with the row count (dropped where the "
+             "probe passed: the contract is any budget, any batch)")
+_REUSE = ("a prefix-cache or score-store hit serves values computed in another step (dropped where the probe "
+          "passed: a hit is then bitwise a recompute; exact reuse is refused where it failed)")
 
 
-def base_type(annotation: str) -> str:
-    """`int | None` -> `int`: an annotation (a string: `from __future__ import annotations`) less None."""
-    return annotation.removesuffix(" | None")
+def _typed(resolved: str) -> Identity:
+    return Identity(f"what was typed; the resolved `{resolved}` is compared", compared=False)
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of the batch engine. Every field has a CLI option of the same name (dashes for underscores) on
-    score, generate and perplexity (`seed` on generate only), and a key of the same name in a `--config` file;
-    the switches that default to on are turned off with --no-prefix-caching, --no-cuda-graphs and
-    --no-batch-invariant (also keys of a `--config` file)."""
+    """Settings of the batch engine; every value is checked on construction (`ConfigError`)."""
 
-    device: str = option("auto", "auto | cpu | cuda (auto = cuda if available).", show=True)
-    dtype: str = option("auto", "auto | float32 | bfloat16 | float16 (auto = float32 on CPU, bfloat16 on "
-                        "CUDA).", show=True)
-    block_size: int = option(16, "Tokens per KV block.", show=True)
+    device: str = setting("auto", _typed("device"))  # auto | cpu | cuda | cuda:N (auto = cuda if available)
+    dtype: str = setting("auto", _typed("dtype"))  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU)
+    block_size: int = setting(16, Identity("the KV blocks that prefix caching and the --shard split count in"))
     # None = derived from available memory
-    num_kv_blocks: int | None = option(None, "KV pool size in blocks.", show="from free memory")
+    num_kv_blocks: int | None = setting(None, Identity(
+        "the KV pool's size (auto-sized from free memory): a request's blocks hold the same KV", compared=False))
     # token budget of one engine step (prefill chunks + decodes)
-    max_batch_tokens: int = option(2048, "Token budget of one engine step.", show=True)
-    max_num_seqs: int = option(64, "Sequences running at once.", show=True)
-    enable_prefix_caching: bool = option(True, "Turn automatic prefix caching off.",
-                                         negation="no_prefix_caching")
-    max_logprobs: int = option(MAX_LOGPROBS_DEFAULT, "Cap on --prompt-logprobs / --logprobs.", show=True)
-    logprobs_chunk_size: int = option(1024, "Rows of the vocabulary projection computed at once.", show=True)
-    attention_backend: str = option("auto", "auto | torch | triton (auto = triton on CUDA).", show=True)
+    max_batch_tokens: int = setting(2048, Identity(_SCHEDULE, unless_invariant=True))
+    max_num_seqs: int = setting(64, Identity(_SCHEDULE, unless_invariant=True))  # sequences running at once
+    enable_prefix_caching: bool = setting(True, Identity(_REUSE, unless_invariant=True))
+    # cap on a request's top-K (prompt logprobs, logprobs)
+    max_logprobs: int = setting(MAX_LOGPROBS_DEFAULT, Identity(
+        "a record asking for more top-K fails: other rows (an eval request asks for its own k, in its key)",
+        result_files_only=True))
+    # rows of the vocabulary projection computed at once
+    logprobs_chunk_size: int = setting(1024, Identity(
+        "the LM head's row count per call (schedule-like, dropped where the probe passed; the eval cache leaves "
+        "it out: it is sized to fit memory)", result_files_only=True, unless_invariant=True))
+    attention_backend: str = setting("auto", _typed("attention_backend"))  # auto | torch | triton
     # share of memory for the KV pool when num_kv_blocks is None (None: 0.25 of free host memory, at most
     # 4 GiB, on CPU; on CUDA 0.85 of the card's total, minus the peak of a profile run of the largest step)
-    kv_cache_memory_fraction: float | None = option(
-        None, "Share of memory for the KV pool when --num-kv-blocks is not given (CPU: of free host memory, "
-        "at most 4 GiB; CUDA: of the GPU's total, after weights and the largest step).",
-        show="0.25 CPU, 0.85 CUDA")
+    kv_cache_memory_fraction: float | None = setting(None, Identity("as num_kv_blocks", compared=False))
     # base seed for requests that do not set their own
-    seed: int = option(0, "Sampling seed (per record unless the record sets its own).")
-    max_model_len: int | None = option(None, "Cap on the context length in tokens.", show="the model's")
-    use_cuda_graphs: bool = option(True, "Run decode steps on CUDA eagerly instead of replaying captured CUDA "
-                                   "graphs.", negation="no_cuda_graphs")
+    seed: int = setting(0, Identity("each record's sampling seed derives from it (an eval request's seed is in "
+                                    "its key)", result_files_only=True))
+    # cap on the context length in tokens (None: the model's)
+    max_model_len: int | None = setting(None, Identity(
+        "which records fit and how they are truncated (an eval request's tokens after truncation are its key)",
+        result_files_only=True))
+    # replay captured CUDA graphs for decode steps
+    use_cuda_graphs: bool = setting(True, Identity(
+        "a graph replays the kernels an eager step runs, with the same arguments", compared=False))
     # a record's results do not depend on what shares its steps (docs/architecture.md); False trades it for speed
-    batch_invariant: bool = option(True, "Library GEMMs instead of batch-invariant ones: faster, but a "
-                                   "record's last bits may then depend on what shares its steps.",
-                                   negation="no_batch_invariant")
+    batch_invariant: bool = setting(True, Identity(
+        "what was asked; the probe's verdict (numerics.batch_invariant) and the construction (numerics.linear) "
+        "are compared", compared=False))
     # auto | native | transformers: our decoder (paged KV, prefix cache, batch invariance) or the model's own
     # transformers forward and generate() (full recompute, no cache); auto = native where it implements the
     # architecture, else transformers (apcscore.models.architecture.choose_model_backend)
-    model_backend: str = option(
-        "auto", "auto | native | transformers: our decoder (paged KV, prefix cache, batch invariant) or the "
-        "model's own transformers code (full recompute, no cache); auto = native where the architecture is "
-        "supported.", "--model-backend", "--backend", show=True)
+    model_backend: str = setting("auto", _typed("model_backend"))
     # scoring requests read cached KV of the blocks before their first scored position (needs batch_invariant:
     # then the results are bitwise those of a full recompute, docs/architecture.md "Exact reuse")
-    exact_reuse: bool = option(
-        False, "Scoring reads cached KV of the blocks before each record's first scored position (shared "
-        "contexts, few-shot prefixes computed once); results stay bitwise those of a full recompute. Needs "
-        "batch invariance.")
+    exact_reuse: bool = setting(False, Identity(_REUSE, unless_invariant=True))
     # ranks one model is split over (engine/parallel/ranks.py); 1 = one device, the plain single-process engine
-    tensor_parallel_size: int = option(
-        1, "Split the model over N ranks (tensor parallelism on torch.distributed: NCCL on CUDA, one GPU per rank; "
-        "gloo on the CPU). Results are exact within a degree.", "--tensor-parallel",
-        show=True, at_least=1)
+    tensor_parallel_size: int = setting(1, Identity("the reductions across ranks (exact within a degree only)"))
 
     def __post_init__(self) -> None:
-        def need(cond: bool, msg: str) -> None:
+        def need(cond: bool, msg: str, *names: str) -> None:
             if not cond:
-                raise ApcscoreError(msg)
+                raise ConfigError(msg, *names)
 
         for f in fields(self):  # types first, so that the range checks below cannot raise TypeError
             value, kinds = getattr(self, f.name), _kinds(str(f.type))
             need((value is None and type(None) in kinds) or
                  (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)),
-                 f"--{f.name.replace('_', '-')} must be {_WHAT[kinds]}, not {shown(value)}")
+                 f"{f.name} must be {_WHAT[kinds]}, not {shown(value)}", f.name)
             if float in kinds and (why := finite_problem(value)) is not None:
-                raise ApcscoreError(f"--{f.name.replace('_', '-')} {why}")
+                raise ConfigError(f"{f.name} {why}", f.name)
 
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
-             f"--device must be auto, cpu or cuda, not {self.device!r}")
+             f"device must be auto, cpu or cuda, not {self.device!r}", "device")
         need(self.dtype in ("auto", "float32", "bfloat16", "float16"),
-             f"--dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}")
+             f"dtype must be auto, float32, bfloat16 or float16, not {self.dtype!r}", "dtype")
         need(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
-             f"--block-size must be a power of two, not {self.block_size}")
-        need(self.num_kv_blocks is None or self.num_kv_blocks >= 1,
-             f"--num-kv-blocks must be at least 1, not {self.num_kv_blocks}")
+             f"block_size must be a power of two, not {self.block_size}", "block_size")
+        for name in ("num_kv_blocks", "max_batch_tokens", "max_num_seqs", "logprobs_chunk_size",
+                     "tensor_parallel_size"):
+            value = getattr(self, name)
+            need(value is None or value >= 1, f"{name} must be at least 1, not {value}", name)
         need(self.max_model_len is None or self.max_model_len >= 1,
-             f"--max-model-len must be at least 1 (tokens), not {self.max_model_len}; leave it out for the model's "
-             "own context length")
-        need(self.max_batch_tokens >= 1, f"--max-batch-tokens must be at least 1, not {self.max_batch_tokens}")
-        need(self.max_num_seqs >= 1, f"--max-num-seqs must be at least 1, not {self.max_num_seqs}")
-        need(self.max_logprobs >= 0, f"--max-logprobs must be >= 0, not {self.max_logprobs}")
-        need(self.logprobs_chunk_size >= 1, f"--logprobs-chunk-size must be at least 1, not {self.logprobs_chunk_size}")
+             f"max_model_len must be at least 1 (tokens), not {self.max_model_len}; leave it out for the model's "
+             "own context length", "max_model_len")
+        need(self.max_logprobs >= 0, f"max_logprobs must be >= 0, not {self.max_logprobs}", "max_logprobs")
         need(self.attention_backend in ("auto", "torch", "triton"),
-             f"--attention-backend must be auto, torch or triton, not {self.attention_backend!r}")
+             f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}", "attention_backend")
         need(self.model_backend in ("auto", "native", "transformers"),
-             f"--model-backend must be auto, native or transformers, not {self.model_backend!r}")
-        need(self.tensor_parallel_size >= 1,
-             f"--tensor-parallel must be at least 1, not {self.tensor_parallel_size}")
+             f"model_backend must be auto, native or transformers, not {self.model_backend!r}", "model_backend")
         need(self.tensor_parallel_size == 1 or self.model_backend != "transformers",
-             f"--tensor-parallel {self.tensor_parallel_size} needs the native engine: the transformers fallback "
-             "(--model-backend transformers) runs on one device — drop one of the two")
+             f"tensor_parallel_size={self.tensor_parallel_size} needs the native engine: the transformers fallback "
+             "(model_backend=transformers) runs on one device — drop one of the two", "tensor_parallel_size",
+             "model_backend")
         need(self.kv_cache_memory_fraction is None or 0 < self.kv_cache_memory_fraction <= 0.95,
-             f"--kv-cache-memory-fraction must be in (0, 0.95], not {self.kv_cache_memory_fraction}")
+             f"kv_cache_memory_fraction must be in (0, 0.95], not {self.kv_cache_memory_fraction}",
+             "kv_cache_memory_fraction")
         need(not self.exact_reuse or self.batch_invariant,
-             "--exact-reuse needs batch invariance: without it a cached block's KV is not bitwise what a fresh "
-             "prefill writes, so reused scores could differ from a full recompute — drop --no-batch-invariant "
-             "(or --exact-reuse)")
+             "exact_reuse needs batch invariance: without it a cached block's KV is not bitwise what a fresh "
+             "prefill writes, so reused scores could differ from a full recompute — drop batch_invariant=False "
+             "(or exact_reuse=True)", "exact_reuse", "batch_invariant")
         need(not self.exact_reuse or self.enable_prefix_caching,
-             "--exact-reuse reads the prefix cache, which --no-prefix-caching turns off — drop one of the two")
-
-    def check_logprobs(self, k: int | None, option: str) -> None:
-        """Refuse a top-K request above `max_logprobs` with a message that says how to raise the cap."""
-        if k is None:
-            return
-        if k < 0:
-            raise ApcscoreError(f"{option} must be >= 0, not {k}")
-        if k > self.max_logprobs:
-            raise ApcscoreError(
-                f"{option} {k} is above the cap max_logprobs = {self.max_logprobs}; "
-                f"ask for at most {self.max_logprobs}, or raise the cap with --max-logprobs {k}"
-            )
+             "exact_reuse reads the prefix cache, which enable_prefix_caching=False turns off — drop one of the "
+             "two", "exact_reuse", "enable_prefix_caching")
 
     def to_dict(self) -> dict:
         """The settings as a plain dict (the run metadata's `engine`)."""
@@ -174,7 +159,7 @@ class EngineConfig:
 
 def _kinds(annotation: str) -> tuple[type, ...]:
     """The types a field of this annotation takes (a float setting takes an int too)."""
-    kinds = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}[base_type(annotation)]
+    kinds = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}[annotation.removesuffix(" | None")]
     return (*kinds, type(None)) if annotation.endswith(" | None") else kinds
 
 
@@ -236,8 +221,9 @@ def _stop(v: Any) -> str | None:
 Check = Callable[[Any], "str | None"]
 
 # The sampling options a generate record may set for itself, and how each is checked: declared once, used by
-# SamplingParams (engine/sampling_params.py), by generate's options and by the generate record schema
-# (io/schemas.py). They live here, below every package, so that io needs no engine.
+# SamplingParams (engine/sampling_params.py), by generate's options, by the generate record schema (io/schemas.py),
+# OpenAI Batch bodies (io/openai_batch.py) and CSV cells (io/tabular_input.py). They live here, below every
+# package, so that io needs no engine.
 RECORD_FIELDS: dict[str, Check] = {
     "max_tokens": _int_at_least_0,
     "temperature": _number_at_least_0,
@@ -248,3 +234,6 @@ RECORD_FIELDS: dict[str, Check] = {
 }
 # and what SamplingParams checks besides
 SAMPLING_CHECKS: dict[str, Check] = {**RECORD_FIELDS, "logprobs": _int_at_least_0}
+# what a CSV cell of a sampling field is read as (io/tabular_input.py), from its check: a number field's type
+RECORD_NUMBERS: dict[str, type] = {name: int if check in (_int_at_least_0, _any_int) else float
+                                   for name, check in RECORD_FIELDS.items() if check is not _stop}

@@ -16,15 +16,19 @@ instruction set where the bits are not portable (`numerics.portable`), and the s
 docs/architecture.md, "A run's identity", holds the same rules as a table, and tests/io/test_identity.py reads that
 table.
 
-A field of the `engine`, `numerics` or `versions` section that is neither in `FIELDS` nor in `NOT_BITS` (one a
-later change adds) is compared by every view: a new field is a refusal until someone classifies it.
+The `engine` section's fields are classified where EngineConfig declares them (config.py, `Identity`): a new
+engine setting brings its classification with it. A field of the `engine`, `numerics` or `versions` section that
+is neither in `FIELDS` nor in `NOT_BITS` (an engine field declared without an `Identity`, a field a later change
+adds) is compared by every view: a new field is a refusal until someone classifies it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping
+
+from apcscore.config import EngineConfig, Identity
 
 RESUME, MERGE, RAY, EVAL = "resume", "merge", "ray", "eval"
 VIEWS = (RESUME, MERGE, RAY, EVAL)
@@ -83,10 +87,14 @@ class Field:
     value: Callable[[Any], Any] | None = None
 
 
-_SCHEDULE_WHY = ("which requests share a step: a library GEMM's bits change with the row count (dropped where "
-                 "the probe passed: the contract is any budget, any batch)")
-_REUSE_WHY = ("a prefix-cache or score-store hit serves values computed in another step (dropped where the probe "
-              "passed: a hit is then bitwise a recompute; --exact-reuse is refused where it failed)")
+def _engine_field(name: str, identity: Identity) -> Field:
+    """The identity field of the EngineConfig setting `name`, as it declares itself (a compared one)."""
+    return Field(f"engine.{name}", identity.why, RUNS if identity.result_files_only else ALL,
+                 when=library_gemm if identity.unless_invariant else None)
+
+
+# how each EngineConfig field declares itself (`config.setting`); one declared without is compared, as unclassified
+_ENGINE = {f.name: f.metadata["identity"] for f in fields(EngineConfig) if "identity" in f.metadata}
 _CODE_WHY = "the numerics fingerprint: a change to this code may change any bit (its hash, run/metadata.code)"
 
 FIELDS: tuple[Field, ...] = (
@@ -107,19 +115,7 @@ FIELDS: tuple[Field, ...] = (
     Field("device", "the device type as resolved (cuda:0 and cuda:1 are one)", value=device_type),
     Field("attention_backend", "torch or Triton attention, as resolved"),
     Field("model_backend", "our decoder or transformers' forward, as resolved"),
-    Field("engine.block_size", "the KV blocks that prefix caching and the --shard split count in"),
-    Field("engine.max_batch_tokens", _SCHEDULE_WHY, when=library_gemm),
-    Field("engine.max_num_seqs", _SCHEDULE_WHY, when=library_gemm),
-    Field("engine.logprobs_chunk_size", "the LM head's row count per call (schedule-like, dropped where the probe "
-          "passed; the eval cache leaves it out: it is sized to fit memory)", RUNS, when=library_gemm),
-    Field("engine.enable_prefix_caching", _REUSE_WHY, when=library_gemm),
-    Field("engine.exact_reuse", _REUSE_WHY, when=library_gemm),
-    Field("engine.max_logprobs", "a record asking for more top-K fails: other rows (an eval request asks for "
-          "its own k, in its key)", RUNS),
-    Field("engine.seed", "each record's sampling seed derives from it (an eval request's seed is in its key)", RUNS),
-    Field("engine.max_model_len", "which records fit and how they are truncated (an eval request's tokens after "
-          "truncation are its key)", RUNS),
-    Field("engine.tensor_parallel_size", "the reductions across ranks (exact within a degree only)"),
+    *(_engine_field(name, identity) for name, identity in _ENGINE.items() if identity.compared),
     Field("numerics.batch_invariant", "the probe's verdict: whether a row's bits depend on its step"),
     Field("numerics.linear", "the GEMM's construction (the fixed-order GEMM with its order version)"),
     Field("numerics.portable", "whether the bits are the same on every CPU"),
@@ -140,15 +136,7 @@ FIELDS: tuple[Field, ...] = (
 
 # Recorded, never compared: field -> why it cannot change a bit
 NOT_BITS: dict[str, str] = {
-    "engine.num_kv_blocks": "the KV pool's size (auto-sized from free memory): a request's blocks hold the same KV",
-    "engine.kv_cache_memory_fraction": "as num_kv_blocks",
-    "engine.device": "what was typed; the resolved `device` is compared",
-    "engine.dtype": "what was typed; the resolved `dtype` is compared",
-    "engine.attention_backend": "what was typed; the resolved `attention_backend` is compared",
-    "engine.model_backend": "what was typed; the resolved `model_backend` is compared",
-    "engine.batch_invariant": "what was asked; the probe's verdict (numerics.batch_invariant) and the construction "
-                              "(numerics.linear) are compared",
-    "engine.use_cuda_graphs": "a graph replays the kernels an eager step runs, with the same arguments",
+    **{f"engine.{name}": identity.why for name, identity in _ENGINE.items() if not identity.compared},
     "numerics.torch_threads": "threads split output columns or rows, never a sum",
     "numerics.simd": "apcscore's scalar, AVX2 and AVX-512 copies give the same bits by construction",
     "numerics.reason": "the probe's failure in words (batch_invariant says it)",

@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from apcscore.config import RECORD_FIELDS
 from apcscore.errors import shown as _show
 
 CHAT_URL = "/v1/chat/completions"
@@ -33,7 +34,7 @@ LINE_KEYS = ("custom_id", "method", "url", "body")
 INPUT_FORMATS = ("auto", "apcscore", "openai-batch")
 OUTPUT_FORMATS = ("parquet", "openai-batch")
 
-_SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+_SAMPLING = tuple(RECORD_FIELDS)  # a body's sampling fields are a generate record's
 _HARMLESS = {"model", "user", "metadata", "store", "service_tier", "stream", "stream_options"}
 # fields we do not implement, accepted only at the value that changes nothing
 _NEUTRAL: dict[str, tuple[Any, ...]] = {

@@ -6,11 +6,12 @@ file and the row (`FILE:row N`, rows counted from 1 after any CSV header). As in
 an absent field (tables fill missing values with null).
 
 CSV cells are text: every column is read as a string (an id `007` stays "007", as in JSONL), and only the fields
-the record schema declares as numbers are converted (`answer`, `max_tokens`, `top_k`, `seed` as integers;
-`temperature`, `top_p` as numbers: CSV_NUMBERS); a list field (`choices`, `prompt_token_ids`, `stop`,
-`messages`) can be written as a JSON list in its cell. Only an empty cell is null (absent): `NA`, `N/A`,
-`null` and `NaN` are the strings they read. Duplicate header names are refused (JSONL refuses duplicate keys);
-quoted cells may hold newlines; a cell may be far larger than pyarrow's default 1 MiB block.
+the record schema declares as numbers are converted (`answer` and the integer sampling fields such as `max_tokens`
+and `seed` as integers; `temperature`, `top_p` as numbers: CSV_NUMBERS, from config.RECORD_FIELDS); a list field
+(`choices`, `prompt_token_ids`, `stop`, `messages`) can be written as a JSON list in its cell. Only an empty cell
+is null (absent): `NA`, `N/A`, `null` and `NaN` are the strings they read. Duplicate header names are refused
+(JSONL refuses duplicate keys); quoted cells may hold newlines; a cell may be far larger than pyarrow's default
+1 MiB block.
 
 `--columns prompt=text,id=doc_id` gives a record field (left) the column it is read from (right).
 """
@@ -25,12 +26,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from apcscore.config import RECORD_NUMBERS
 from apcscore.errors import ApcscoreError
 
 TABULAR_SUFFIXES = (".parquet", ".csv")
 _LIST_FIELDS = ("choices", "prompt_token_ids", "stop", "messages")
-CSV_NUMBERS: dict[str, type] = {"answer": int, "max_tokens": int, "top_k": int, "seed": int,
-                                "temperature": float, "top_p": float}  # what a CSV cell of the field is read as
+CSV_NUMBERS: dict[str, type] = {"answer": int, **RECORD_NUMBERS}  # what a CSV cell of the field is read as
 _INT = re.compile(r"[+-]?[0-9]+")
 
 

@@ -1,8 +1,9 @@
 """The options of score / generate / perplexity / eval: one frozen dataclass per command, each field declared
-once (type, default, help text, CLI flags, lower bound: `config.option`), holding an `EngineConfig`.
+once (type, default, help text, CLI flags, lower bound, --help group: `specs.option`), holding an `EngineConfig`
+(whose command line is `specs.ENGINE_OPTIONS`).
 
-From the declarations come the CLI parameters (`cli_params`, turned into Typer's by cli.py), the keys of a
-`--config FILE` (TOML, `settings`) and the engine settings of flat values such as lm-eval's model_args
+From the declarations come the CLI parameters in --help order (`cli_params`, turned into Typer's by cli.py), the
+keys of a `--config FILE` (TOML, `settings`) and the engine settings of flat values such as lm-eval's model_args
 (`engine_config`). How command line, config file and defaults merge, and the checks: options/resolve.py.
 """
 
@@ -13,35 +14,19 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from apcscore.config import NOT_GIVEN, EngineConfig, Spec, base_type, option, spec_of
+from apcscore.config import EngineConfig
+from apcscore.options.specs import (ENGINE_OPTIONS, GROUPS, NOT_GIVEN, OPTIONS, SAMPLING, SCALE, Spec,
+                                    base_type, option, option_name, spec_of)
 
 OptionsT = TypeVar("OptionsT", bound="Options")
-# the engine options on the command line, in --help order: score's, generate's and perplexity's; eval's through
-# engine_cli (each command's CLI_LEAVES_OUT names those it leaves out, and why)
-ENGINE_CLI = ("device", "dtype", "block_size", "num_kv_blocks", "max_batch_tokens", "max_num_seqs",
-              "no_prefix_caching", "max_logprobs", "attention_backend", "max_model_len",
-              "logprobs_chunk_size", "kv_cache_memory_fraction", "no_cuda_graphs", "no_batch_invariant",
-              "model_backend", "exact_reuse", "tensor_parallel_size")
-
-
-def engine_cli(*placed: str) -> tuple[str, ...]:
-    """ENGINE_CLI, in its order, without the settings a command shows elsewhere on its --help page (`placed`)."""
-    return tuple(name for name in ENGINE_CLI if name not in placed)
-
-
-# the options score, generate and perplexity share, in --help order (`config` is cli.py's --config FILE)
-RUN_CLI = ("model", "out", "overwrite", "resume", "limit", "config", "skip_invalid", "quiet", "columns",
-           *ENGINE_CLI, "verify_reuse", "shard", "partition", "ray", "replicas", "gpus_per_replica",
-           "cpus_per_replica")
 
 
 @dataclass(frozen=True, kw_only=True)
 class Options:
     """What every command that runs a model takes: the model, where the results go, the engine settings."""
 
-    CLI: ClassVar[tuple[str, ...]] = ()  # the command's parameters in --help order
     # engine settings (`EngineConfig` fields, as their off-flags where they have one) the command leaves off its
-    # command line, each with the reason; every other one is in CLI (tests/cli/test_help_pages.py checks it)
+    # command line, each with the reason; every other one is a parameter (tests/cli/test_help_pages.py checks it)
     CLI_LEAVES_OUT: ClassVar[dict[str, str]] = {}
 
     model: str = option("smollm2-135m", "Model alias (smollm2-135m), Hugging Face model directory, or .gguf "
@@ -66,21 +51,26 @@ class ScaleOptions(Options):
     """How a run is split: --shard (array jobs) or --ray (replicas); score, generate, perplexity and eval."""
 
     shard: str | None = option(None, "I/N: run only shard I (0-based) of N of a deterministic prefix-aware "
-                               "split (array jobs); join the outputs with `apcscore merge`.")
+                               "split (array jobs); join the outputs with `apcscore merge`.", group=SCALE)
     partition: str = option("prefix", "prefix | random: how --shard and --ray split the records (random: to "
-                            "measure what prefix-awareness buys).", show=True)
+                            "measure what prefix-awareness buys).", show=True, group=SCALE)
     ray: str | None = option(None, "Run on Ray replicas: auto (join the running cluster), local (start one "
-                             "here) or a cluster address. Needs the `ray` extra.")
-    replicas: int = option(1, "With --ray: engine replicas (one Ray actor each).", show=True, at_least=1)
-    gpus_per_replica: float | None = option(None, "With --ray: GPUs per replica.", at_least=0,
+                             "here) or a cluster address. Needs the `ray` extra.", group=SCALE)
+    replicas: int = option(1, "With --ray: engine replicas (one Ray actor each).", show=True, at_least=1,
+                           group=SCALE)
+    gpus_per_replica: float | None = option(None, "With --ray: GPUs per replica.", at_least=0, group=SCALE,
                                             show="1 on a cluster with GPUs (unless --device cpu), else 0")
-    cpus_per_replica: float | None = option(None, "With --ray: CPUs per replica.", show="1", at_least=0)
+    cpus_per_replica: float | None = option(None, "With --ray: CPUs per replica.", show="1", at_least=0,
+                                            group=SCALE)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RunOptions(ScaleOptions):
     """The options of score, generate and perplexity (a dataset in, one parquet file out)."""
 
+    prompt_logprobs: int | None = option(None, "Top-K alternatives per prompt token (0 = the token's own logprob "
+                                         "and rank only; perplexity writes per-token columns only with it).",
+                                         at_least=0)
     resume: bool = option(False, "Continue an interrupted run from <out>.partial.")
     skip_invalid: bool = option(False, "Turn invalid records into error rows instead of refusing the "
                                 "dataset.")
@@ -89,36 +79,6 @@ class RunOptions(ScaleOptions):
     verify_reuse: float | None = option(
         None, "With --exact-reuse: re-score this fraction of the records (0..1, a seeded sample) by full "
         "recompute at the end of the run; any bit differing fails the run (exit 1) naming ids and columns.")
-    prompt_logprobs: int | None = None  # each command declares its own (score's default is 0)
-
-
-def _prompt_logprobs(default: int | None, help: str = "Top-K alternatives per prompt token (0 = the token's "
-                     "own logprob and rank only).") -> Any:
-    return option(default, help, at_least=0)
-
-
-def _input_format() -> Any:
-    return option("auto", "auto | apcscore | openai-batch: the dataset's lines (auto: OpenAI Batch request lines "
-                  "when the first line has custom_id, method, url and body).", show=True)
-
-
-def _output_format() -> Any:
-    return option(None, "parquet | openai-batch (OpenAI Batch result lines, JSONL; needs OpenAI Batch input).",
-                  show="openai-batch for an --out ending in .jsonl, else parquet")
-
-
-def _errors_out() -> Any:
-    return option(None, "With --output-format openai-batch: write the error lines to this file (OpenAI's error "
-                  "file) and only the answered requests to --out.")
-
-
-def _ignore_body_model() -> Any:
-    return option(False, "OpenAI Batch input: answer every line with --model, whatever model its body names.")
-
-
-def _truncate() -> Any:
-    return option(None, "left: drop a too-long prompt's oldest tokens (counted in num_truncated_tokens) "
-                  "instead of an error row.")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -126,65 +86,58 @@ class RequestOptions(RunOptions):
     """The options of the commands whose records are requests (score and generate): truncation, and OpenAI Batch
     lines in and out."""
 
-    truncate: str | None = _truncate()
-    input_format: str = _input_format()
-    output_format: str | None = _output_format()
-    errors_out: str | None = _errors_out()
-    ignore_body_model: bool = _ignore_body_model()
+    truncate: str | None = option(None, "left: drop a too-long prompt's oldest tokens (counted in "
+                                  "num_truncated_tokens) instead of an error row.")
+    input_format: str = option("auto", "auto | apcscore | openai-batch: the dataset's lines (auto: OpenAI Batch "
+                               "request lines when the first line has custom_id, method, url and body).", show=True)
+    output_format: str | None = option(None, "parquet | openai-batch (OpenAI Batch result lines, JSONL; needs "
+                                       "OpenAI Batch input).",
+                                       show="openai-batch for an --out ending in .jsonl, else parquet")
+    errors_out: str | None = option(None, "With --output-format openai-batch: write the error lines to this file "
+                                    "(OpenAI's error file) and only the answered requests to --out.")
+    ignore_body_model: bool = option(False, "OpenAI Batch input: answer every line with --model, whatever model "
+                                     "its body names.")
 
 
 @dataclass(frozen=True, kw_only=True)
 class ScoreOptions(RequestOptions):
     """`apcscore score`."""
 
-    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "errors_out", "ignore_body_model",
-           *RUN_CLI)
     CLI_LEAVES_OUT = {"seed": "scoring samples nothing: the seed only derives each record's sampling seed"}
 
-    prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
+    prompt_logprobs: int = option(0, "Top-K alternatives per prompt token (0 = the token's own logprob and rank "
+                                  "only).", at_least=0)  # score always scores: own logprob and rank
 
 
 @dataclass(frozen=True, kw_only=True)
 class GenerateOptions(RequestOptions):
     """`apcscore generate` (the sampling options are the defaults of records that do not set their own)."""
 
-    CLI = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt_logprobs",
-           "truncate", "input_format", "output_format", "errors_out", "ignore_body_model", *RUN_CLI)
-
-    max_tokens: int = option(16, "Most tokens to generate.", show=True)
-    temperature: float = option(0.0, "0 = greedy.", show=True)
-    top_p: float = option(1.0, "Nucleus sampling mass.", show=True)
-    top_k: int = option(0, "Sample among the K most likely (0 = off).", show=True)
+    max_tokens: int = option(16, "Most tokens to generate.", show=True, group=SAMPLING)
+    temperature: float = option(0.0, "0 = greedy.", show=True, group=SAMPLING)
+    top_p: float = option(1.0, "Nucleus sampling mass.", show=True, group=SAMPLING)
+    top_k: int = option(0, "Sample among the K most likely (0 = off).", show=True, group=SAMPLING)
     stop: str | list[str] | None = option(None, "Stop string (repeatable); not included in the completion.",
-                                          cli_type=list[str])
-    logprobs: int | None = option(None, "Logprobs of the sampled tokens with top-K alternatives.", at_least=0)
-    prompt_logprobs: int | None = _prompt_logprobs(None)
+                                          cli_type=list[str], group=SAMPLING)
+    logprobs: int | None = option(None, "Logprobs of the sampled tokens with top-K alternatives.", at_least=0,
+                                  group=SAMPLING)
 
 
 @dataclass(frozen=True, kw_only=True)
 class PerplexityOptions(RunOptions):
     """`apcscore perplexity` (window and stride None: derived from the model's context length)."""
 
-    CLI = ("window", "stride", "prompt_logprobs", *RUN_CLI)
     CLI_LEAVES_OUT = {"seed": "perplexity samples nothing: the seed only derives each record's sampling seed"}
 
     window: int | None = option(None, "Tokens of context a window feeds the model (default: the model's "
                                 "context length minus one, at most 4096).", at_least=1, click_min=True)
     stride: int | None = option(None, "Tokens a window advances, at most --window (default: --window, "
                                 "disjoint windows).", at_least=1, click_min=True)
-    prompt_logprobs: int | None = _prompt_logprobs(None, "Also write per-token columns, with top-K "
-                                                   "alternatives (0 = own logprob and rank only).")
 
 
 @dataclass(frozen=True, kw_only=True)
 class EvalOptions(ScaleOptions):
     """`apcscore eval` (lm-eval tasks; the options named as lm-eval's, with dashes)."""
-
-    # --exact-reuse and --seed among lm-eval's own options, then every other engine setting (engine_cli)
-    CLI = ("tasks", "include_path", "num_fewshot", "limit", "apply_chat_template", "fewshot_as_multiturn",
-           "system_instruction", "gen_kwargs", "exact_reuse", "max_length", "seed", "model", "out", "overwrite",
-           "log_samples", "resume", "cache", "config", "quiet", "batch_size", *engine_cli("exact_reuse"),
-           "shard", "partition", "ray", "replicas", "gpus_per_replica", "cpus_per_replica")
 
     tasks: str = option(NOT_GIVEN, "lm-eval task names, comma-separated (T1,T2); required, here or as `tasks` "
                         "in the --config file.", "--tasks", "-t", show_default=False)
@@ -246,8 +199,8 @@ def settings(cls: type[Options]) -> dict[str, Setting]:
     found = {f.name: Setting(f.name, str(f.type), NOT_GIVEN if f.default is MISSING else f.default, spec)
              for f in fields(cls) if (spec := spec_of(f)) is not None}
     for f in fields(EngineConfig):
-        spec = spec_of(f)
-        assert spec is not None, f"EngineConfig.{f.name} is declared without config.option"
+        spec = ENGINE_OPTIONS.get(f.name)
+        assert spec is not None, f"EngineConfig.{f.name} has no command line: declare it in ENGINE_OPTIONS"
         found[f.name] = Setting(f.name, str(f.type), f.default, spec)
         if spec.negation:
             found[spec.negation] = Setting(spec.negation, "bool", False, spec)
@@ -262,7 +215,7 @@ def defaults(cls: type[Options]) -> dict[str, Any]:
 def engine_keys() -> frozenset[str]:
     """The keys `engine_config` reads: EngineConfig's field names and their off-flags (`no_prefix_caching`)."""
     names = {f.name for f in fields(EngineConfig)}
-    return frozenset(names | {neg for f in fields(EngineConfig) if (neg := spec_of(f).negation)})  # type: ignore
+    return frozenset(names | {neg for name in names if (neg := ENGINE_OPTIONS[name].negation)})
 
 
 def engine_config(values: Mapping[str, Any]) -> EngineConfig:
@@ -272,26 +225,20 @@ def engine_config(values: Mapping[str, Any]) -> EngineConfig:
     for f in fields(EngineConfig):
         if values.get(f.name) is not None:
             given[f.name] = values[f.name]
-        negation = spec_of(f).negation  # type: ignore[union-attr]
+        negation = ENGINE_OPTIONS[f.name].negation
         if negation and values.get(negation):
             given[f.name] = False
     return EngineConfig(**given)
 
 
-def cli_values(cli: Mapping[str, Any], cls: type[Options] | None = None) -> dict[str, Any]:
-    """The values given on the command line: None (False for on/off flags, [] for lists) is not given; False
-    is given for a flag of `cls` with an off-switch of its own (`bool | None`: `--no-fewshot-as-multiturn`)."""
-    both = {k for k, s in settings(cls).items() if s.type == "bool | None"} if cls is not None else set()
-    return {k: v for k, v in cli.items() if v is not None and (v is not False or k in both) and v != []}
-
-
-def option_name(key: str) -> str:
-    """`max_tokens` -> `--max-tokens`; an engine setting declared with flags of its own names its first
-    (`tensor_parallel_size` -> `--tensor-parallel`)."""
-    for f in fields(EngineConfig):
-        if f.name == key and (spec := spec_of(f)) is not None and spec.flags:
-            return spec.flags[0]
-    return "--" + key.replace("_", "-")
+def cli_keys(cls: type[Options]) -> list[str]:
+    """The option keys on the command line of `cls`'s command, in --help order: panel by panel (`GROUPS`), each
+    in declaration order, the class's fields (dataclass order: a base class's first) before EngineConfig's (an
+    engine switch as its off-flag); the engine settings in `CLI_LEAVES_OUT` left out."""
+    known = settings(cls)
+    keys = [f.name for f in fields(cls) if f.name in known]
+    keys += [ENGINE_OPTIONS[f.name].negation or f.name for f in fields(EngineConfig)]
+    return sorted((k for k in keys if k not in cls.CLI_LEAVES_OUT), key=lambda k: GROUPS.index(known[k].spec.group))
 
 
 def _shown_default(value: Any) -> str:
@@ -306,23 +253,22 @@ class CliParam:
     type: Any  # the value's type (bool for an on/off flag)
     flags: tuple[str, ...]
     help: str
-    required: bool
+    panel: str | None  # its --help panel (None: Typer's own, "Options")
     typer: dict[str, Any]  # other keyword arguments of typer.Option
     default: Any = None  # False for an on/off flag; None (not given) for the others, `--x/--no-x` flags too
 
 
 def cli_params(cls: type[Options]) -> list[CliParam | str]:
-    """The parameters of `cls`'s command in --help order; a name that is no option (`config`) stays a str.
-
-    A required option is left to the command to check where it may come from a --config file."""
+    """The parameters of `cls`'s command in --help order (`cli_keys`), and "config" (cli.py's --config FILE, no
+    option) last in the first panel. None is required: a required option (eval's --tasks) may come from the
+    --config file, so options/resolve.py checks it."""
     known = settings(cls)
     out: list[CliParam | str] = []
-    for name in cls.CLI:
-        if name not in known:
-            out.append(name)
-            continue
+    for name in cli_keys(cls):
         s = known[name]
         spec, flag = s.spec, s.type in ("bool", "bool | None")
+        if spec.group != OPTIONS and "config" not in out:
+            out.append("config")
         text = spec.help
         if spec.show:
             text += f" \\[default: {_shown_default(s.default) if spec.show is True else spec.show}]"
@@ -331,7 +277,6 @@ def cli_params(cls: type[Options]) -> list[CliParam | str]:
         extra = {**dict(spec.typer), **({"min": spec.at_least} if spec.click_min else {}),
                  **({"metavar": ""} if flag else {})}
         flags = spec.flags if spec.flags and name != spec.negation else (option_name(name),)
-        required = s.default is NOT_GIVEN and "config" not in cls.CLI
-        out.append(CliParam(name, kind, flags, text, required, extra, False if s.type == "bool" else None))
+        panel = None if spec.group == OPTIONS else spec.group
+        out.append(CliParam(name, kind, flags, text, panel, extra, False if s.type == "bool" else None))
     return out
-

@@ -1,10 +1,11 @@
-"""The options of a run of score / generate / perplexity / eval: command line > `--config FILE` (TOML) >
-defaults (options/commands.py declares them), merged and checked.
+"""The one converter from a command's parsed arguments to its options: command line > `--config FILE` (TOML) >
+defaults (options/commands.py declares them), merged and checked (`resolve_options`).
 
 Every value is checked here, before the dataset is read and long before a model loads: a config file's value
 of the wrong type, a key of another command, a sampling option out of range (checked by the very checks
-SamplingParams and generate records use, `RECORD_FIELDS`). Problems are `ApcscoreError`s (exit 2) that name
-the option, or the config file and line.
+SamplingParams and generate records use, `RECORD_FIELDS`), an engine setting by EngineConfig's own checks. Problems
+are `ApcscoreError`s (exit 2) that name the option as the user gave it: the flag they typed (`specs.in_flags`), or
+the config file and line.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from apcscore.config import NOT_GIVEN, RECORD_FIELDS, base_type, finite_problem, is_number
+from apcscore.config import RECORD_FIELDS, ConfigError, finite_problem, is_number
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.openai_batch import INPUT_FORMATS, OUTPUT_FORMATS
-from apcscore.options.commands import COMMANDS, RunOptions, Setting, cli_values, defaults, option_name, settings
+from apcscore.options.commands import COMMANDS, Options, RunOptions, Setting, defaults, settings
+from apcscore.options.specs import NOT_GIVEN, base_type, in_flags, option_name
 
 try:
     import tomllib
@@ -38,7 +40,27 @@ def resolve_options(command: str, cli: Mapping[str, Any], config_path: Path | No
                                 "the --config file")
     check_options(command, merged)
     paths = {k for k, s in settings(cls).items() if base_type(s.type) == "Path"}
-    return cls.from_values({k: Path(v) if k in paths and isinstance(v, str) else v for k, v in merged.items()})
+    try:
+        opts = cls.from_values({k: Path(v) if k in paths and isinstance(v, str) else v for k, v in merged.items()})
+    except ConfigError as exc:  # EngineConfig's check, in the flags the user typed
+        raise ApcscoreError(in_flags(exc, cli_values(cli, cls))) from None
+    for key in ("prompt_logprobs", "logprobs"):
+        check_logprobs(getattr(opts, key, None), option_name(key), opts.engine.max_logprobs)
+    return opts
+
+
+def cli_values(cli: Mapping[str, Any], cls: type[Options] | None = None) -> dict[str, Any]:
+    """The values given on the command line: None (False for on/off flags, [] for lists) is not given; False
+    is given for a flag of `cls` with an off-switch of its own (`bool | None`: `--no-fewshot-as-multiturn`)."""
+    both = {k for k, s in settings(cls).items() if s.type == "bool | None"} if cls is not None else set()
+    return {k: v for k, v in cli.items() if v is not None and (v is not False or k in both) and v != []}
+
+
+def check_logprobs(k: int | None, option: str, cap: int) -> None:
+    """Refuse a top-K request above the cap `max_logprobs` with a message that says how to raise the cap."""
+    if k is not None and k > cap:
+        raise ApcscoreError(f"{option} {k} is above the cap max_logprobs = {cap}; ask for at most {cap}, or raise "
+                            f"the cap with --max-logprobs {k}")
 
 
 def _is_int(v: Any) -> bool:

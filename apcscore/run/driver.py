@@ -58,9 +58,6 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
 
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
-    cfg.check_logprobs(opts.prompt_logprobs, "--prompt-logprobs")
-    if isinstance(opts, GenerateOptions):
-        cfg.check_logprobs(opts.logprobs, "--logprobs")
     check_model_spec(opts.model)
     lines = output_format(opts) == "openai-batch"
     if lines and opts.shard:

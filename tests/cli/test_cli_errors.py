@@ -274,3 +274,33 @@ def test_a_path_in_a_message_is_never_broken(tmp_path, write_jsonl, tiny, monkey
     assert f"note: nothing to resume: {other}.partial does not exist" in fresh.output.splitlines()[0]
     error = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "-q"])
     assert error.exit_code == 2 and f"error: {out} exists" in error.output.splitlines()[0], error.output
+
+
+def test_an_engine_setting_is_named_as_the_user_gave_it(tmp_path):
+    """EngineConfig's errors name its fields (issue 54, item 2); the command line names each setting the user typed
+    by its flag, and one from the config file by its key."""
+    from apcscore.config import ConfigError, EngineConfig
+    from apcscore.errors import ApcscoreError
+    from apcscore.options.resolve import resolve_options
+
+    with pytest.raises(ConfigError, match="^block_size must be a power of two, not 12$"):
+        EngineConfig(block_size=12)
+    config = tmp_path / "c.toml"
+    config.write_text("batch_invariant = false\nmodel_backend = \"transformers\"\n")
+    cases = [({"exact_reuse": True}, "--exact-reuse needs batch invariance: without it a cached block's KV is not "
+              "bitwise what a fresh prefill writes, so reused scores could differ from a full recompute — drop "
+              "batch_invariant=False (or --exact-reuse)"),
+             ({"tensor_parallel_size": 2}, "--tensor-parallel 2 needs the native engine: the transformers fallback "
+              "(model_backend=transformers) runs on one device — drop one of the two"),
+             ({"tensor_parallel_size": 2, "model_backend": "transformers", "device": "cpu"},
+              "--tensor-parallel 2 needs the native engine: the transformers fallback (--model-backend transformers) "
+              "runs on one device — drop one of the two")]
+    for cli, message in cases:
+        with pytest.raises(ApcscoreError) as err:
+            resolve_options("score", cli, config)
+        assert str(err.value) == message
+    config.write_text("block_size = 12\n")
+    with pytest.raises(ApcscoreError, match="^block_size must be a power of two, not 12$"):
+        resolve_options("score", {}, config)
+    with pytest.raises(ApcscoreError, match="^--block-size must be a power of two, not 12$"):
+        resolve_options("score", {"block_size": 12}, None)

@@ -112,16 +112,17 @@ def test_every_engine_option_is_on_the_command_line_or_left_out_with_a_reason(co
     54, item 2: eval's parameters spliced `ENGINE_CLI[:7]` and so silently left out --max-logprobs."""
     from dataclasses import fields
 
-    from apcscore.config import EngineConfig, spec_of
-    from apcscore.options.commands import COMMANDS
+    from apcscore.config import EngineConfig
+    from apcscore.options.commands import COMMANDS, cli_keys
+    from apcscore.options.specs import ENGINE_OPTIONS
 
     cls = COMMANDS[command]
-    keys = [spec_of(f).negation or f.name for f in fields(EngineConfig)]  # type: ignore[union-attr]
+    keys = [ENGINE_OPTIONS[f.name].negation or f.name for f in fields(EngineConfig)]
     left_out = cls.CLI_LEAVES_OUT
     assert all(reason.strip() for reason in left_out.values()), left_out
     assert set(left_out) <= set(keys), f"{command} leaves out {set(left_out) - set(keys)}, no engine setting"
     for key in keys:
-        shown = cls.CLI.count(key)
+        shown = cli_keys(cls).count(key)
         assert shown == (0 if key in left_out else 1), f"{command}: {key} is {shown} times in its CLI"
 
 

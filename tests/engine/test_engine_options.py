@@ -14,8 +14,8 @@ from typer.testing import CliRunner
 
 from apcscore import EngineConfig
 from apcscore.cli import app
-from apcscore.config import spec_of
 from apcscore.engine import Engine
+from apcscore.options.specs import ENGINE_OPTIONS
 
 SWITCHES = {"enable_prefix_caching": "--no-prefix-caching", "use_cuda_graphs": "--no-cuda-graphs",
             "batch_invariant": "--no-batch-invariant"}
@@ -29,7 +29,7 @@ def test_every_engine_setting_has_an_option(command: str) -> None:
     for field in dataclasses.fields(EngineConfig):
         if field.name == "seed" and command != "generate":
             continue  # only generate samples
-        declared = spec_of(field).flags  # a field may name its flags (--tensor-parallel for tensor_parallel_size)
+        declared = ENGINE_OPTIONS[field.name].flags  # may name its flags (--tensor-parallel for tensor_parallel_size)
         flag = SWITCHES.get(field.name, declared[0] if declared else "--" + field.name.replace("_", "-"))
         assert flag in names, (command, field.name)
 

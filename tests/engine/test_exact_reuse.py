@@ -119,9 +119,9 @@ def test_followers_wait_for_a_prefix_being_computed(model: str) -> None:
 
 
 def test_exact_reuse_needs_batch_invariance() -> None:
-    with pytest.raises(ApcscoreError, match="--exact-reuse needs batch invariance"):
+    with pytest.raises(ApcscoreError, match="exact_reuse needs batch invariance"):  # EngineConfig names its fields
         EngineConfig(exact_reuse=True, batch_invariant=False)
-    with pytest.raises(ApcscoreError, match="--no-prefix-caching"):
+    with pytest.raises(ApcscoreError, match="enable_prefix_caching=False"):
         EngineConfig(exact_reuse=True, enable_prefix_caching=False)
 
 

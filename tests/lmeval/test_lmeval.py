@@ -178,7 +178,7 @@ def test_engine_options_pass_through():
     cfg = engine_config({"dtype": "float32", "no_prefix_caching": True, "tasks": "x", "max_num_seqs": None})
     assert (cfg.dtype, cfg.enable_prefix_caching, cfg.max_num_seqs) == ("float32", False, 64)
     assert engine_config({"exact_reuse": True}).exact_reuse is True
-    with pytest.raises(ApcscoreError, match="exact-reuse"):  # EngineConfig's own refusal reaches the user
+    with pytest.raises(ApcscoreError, match="exact_reuse needs batch invariance"):  # EngineConfig refuses: its field
         engine_config({"exact_reuse": True, "no_batch_invariant": True})
     assert engine_config({"exact_reuse": False}) == engine_config({})
 
