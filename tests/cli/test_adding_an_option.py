@@ -116,7 +116,7 @@ def test_a_new_sampling_option_needs_only_its_check_its_flag_and_its_sampling_fi
                                 "show=True, group=SAMPLING)\n",
                                 "    min_p: float = option(0.0, \"Drop tokens below this share of the top one's "
                                 "probability.\", show=True, group=SAMPLING)\n"),
-        "engine/sampling_params.py": ("    top_k: int = 0\n", "    min_p: float = 0.0\n"),
+        "engine/step.py": ("    top_k: int = 0\n", "    min_p: float = 0.0\n"),
     })
     got = _run(root, _PANELS + """
 import csv
