@@ -221,7 +221,7 @@ def _stop(v: Any) -> str | None:
 Check = Callable[[Any], "str | None"]
 
 # The sampling options a generate record may set for itself, and how each is checked: declared once, used by
-# SamplingParams (engine/sampling_params.py), by generate's options, by the generate record schema (io/schemas.py),
+# SamplingParams (engine/step.py), by generate's options, by the generate record schema (io/schemas.py),
 # OpenAI Batch bodies (io/openai_batch.py) and CSV cells (io/tabular_input.py). They live here, below every
 # package, so that io needs no engine.
 RECORD_FIELDS: dict[str, Check] = {
