@@ -95,6 +95,7 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
             writer.before_flush(lambda: writer.update_metadata({"timings": timings()}))
             rows, errors, interrupted, not_run = write_rows(job, engine, data, writer, console, quiet, verifier)
             total = timings()
+            writer.before_flush(None)  # the session's timings are these (--verify-reuse's recompute is not its run)
             writer.update_metadata({"timings": total, **({"ray": engine.section()} if opts.ray else {})})
             return finish(console, command, opts, engine, job, writer, (before[0] + rows, before[1] + errors, sessions),
                           total, interrupted, not_run, verifier, errors_path)

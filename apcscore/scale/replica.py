@@ -57,6 +57,3 @@ class Replica:
         return {"pid": os.getpid(), "requests": self.requests, "started": self.started,
                 "load_seconds": self.load_seconds, "run_seconds": self.run_seconds,
                 "counters": self.engine.counters()}
-
-    def pid(self) -> int:
-        return os.getpid()
