@@ -88,6 +88,7 @@ class ReplicaPool:
     io/identity.py (they write one file), or for eval the EVAL view (their responses make one run)."""
 
     def __init__(self, command: str, opts: ScaleOptions) -> None:
+        view, output = (EVAL, "responses") if command == "eval" else (RAY, "rows")
         ray = self.ray = import_ray()
         self.address = opts.ray
         self.started_ray = connect(ray, opts.ray)
@@ -105,7 +106,7 @@ class ReplicaPool:
         self.actors = [remote.remote(opts) for _ in range(int(opts.replicas))]
         try:
             self.descs = [self.get(ref) for ref in [a.describe.remote() for a in self.actors]]
-            check_replicas([d["metadata"] for d in self.descs], *((EVAL, "responses") if command == "eval" else ()))
+            check_replicas([d["metadata"] for d in self.descs], view, output)
         except BaseException:
             self.close()
             raise
