@@ -76,6 +76,14 @@ def model_section(engine: BatchEngine) -> dict:
             "context_capped_by_sliding_window": info.sliding_window}
 
 
+def describe(engine: BatchEngine, cfg: Any) -> dict:
+    """What fixes an engine's bits, as a run's metadata records it (every command's, and each `--ray` replica's
+    of itself): apcscore's version and code, the model, the engine's place and settings, numerics, versions."""
+    return {"apcscore_version": apcscore_version(), "code": code_fingerprint(), "model": model_section(engine),
+            **engine_sections(engine, cfg), "numerics": engine.numerics,
+            "versions": versions(triton=package_version("triton"))}
+
+
 def engine_sections(engine: BatchEngine, cfg: Any) -> dict:
     """Where and how the engine ran: dtype, device, attention backend, native or transformers, its settings."""
     return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),

@@ -36,7 +36,6 @@ from apcscore.jobs.loglikelihood import continuation_score, group_by_last_token
 from apcscore.options.commands import engine_config
 from apcscore.lmeval.model_args import check_model_args, device_args
 from apcscore.lmeval.store import generation_key, loglikelihood_key
-from apcscore.scale.partition import assign_prompts
 
 DEFAULT_MAX_GEN_TOKS = 256  # HFLM's
 # generation kwargs lm-eval tasks set that change nothing here (HF generate's own switches)
@@ -92,8 +91,8 @@ class ApcscoreLM(TemplateLM):
         self.chat_template_args: dict[str, Any] = {}
         self._generation_index = 0
         self.store: Any = None  # lmeval/store.ResponseStore (use_store)
-        self.shard: tuple[int, int] | None = None
-        self.partition, self.strict = "prefix", False
+        self.mine: Callable[[list[list[int]], list[int]], list[bool]] | None = None  # use_store's
+        self.strict = False
         self.on_step: Callable[[Any], None] | None = None  # called by the engine after each step (SIGINT checks)
         self.computed = self.reused = self.skipped = 0  # lm-eval requests: run by the engine, read, not ours
         self._next_request_id = 0  # engine request ids are unique across calls (`_run`)
@@ -158,23 +157,18 @@ class ApcscoreLM(TemplateLM):
             return self.tokenizer.apply_chat_template(history, **kwargs)
 
     # ---- running requests ---------------------------------------------------------------------------
-    def use_store(self, store: Any, shard: tuple[int, int] | None = None, partition: str = "prefix",
+    def use_store(self, store: Any, mine: Callable[[list[list[int]], list[int]], list[bool]] | None = None,
                   strict: bool = False) -> None:
-        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response
-        into it; with shard (I, N), compute only shard I's share of the requests (`shard_mask`, split by
-        `partition`) and answer the others with placeholders (a shard's metrics are not written: its store is
-        what it is for). strict: every response must be in the store (a merge of shards computes nothing)."""
-        self.store, self.shard, self.partition, self.strict = store, shard, partition, strict
+        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response into it;
+        with `mine` (an `eval --shard`: which requests of a call, given their prompts and loads, this shard computes:
+        run/eval.py's split), compute only those and answer the others with placeholders (a shard's metrics are not
+        written: its store is what it is for). strict: every response must be in the store (a merge of shards
+        computes nothing)."""
+        self.store, self.mine, self.strict = store, mine, strict
 
     def shard_mask(self, prompts: list[list[int]], loads: list[int]) -> list[bool]:
-        """Which requests this shard computes (all without a shard): the prefix-aware split of --shard
-        (scale/partition.py) over every request of the call, so that each shard, seeing the same requests,
-        computes the same assignment and requests that share their first KV blocks run in one engine."""
-        if self.shard is None:
-            return [True] * len(prompts)
-        index, parts = self.shard
-        return [part == index for part in assign_prompts(prompts, loads, parts, self.engine.config.block_size,
-                                                         self.partition)]
+        """Which requests this process computes (all without a shard)."""
+        return [True] * len(prompts) if self.mine is None else self.mine(prompts, loads)
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
              done: Callable[[int, RequestOutput], None], total: int) -> None:
@@ -197,6 +191,9 @@ class ApcscoreLM(TemplateLM):
                     raise RuntimeError(f"{desc}: internal error: the engine gave request id {out.request_id!r}, not "
                                        f"one of this call's unanswered requests ({base}..{base + len(requests) - 1})")
                 answered[i] = True
+                if out.finish_reason == "abort":  # not run (run/ray_engine.py: a Ray chunk that failed)
+                    raise ApcscoreError(f"{out.error}; the responses finished so far are kept: fix the cause (e.g. "
+                                        "memory) and rerun the same command with --resume", exit_code=1)
                 if out.error is not None:
                     raise ApcscoreError(f"{desc}: request {i} failed in the engine: {out.error}")
                 done(i, out)

@@ -9,8 +9,7 @@ import json
 from typing import Any, Mapping
 
 from apcscore.config import EngineConfig
-from apcscore.engine.provenance import (apcscore_version, code_fingerprint, engine_sections, model_section,
-                                        package_version, run_header, versions)
+from apcscore.engine.provenance import describe, package_version, run_header
 from apcscore.options.commands import EvalOptions
 from apcscore.lmeval.tasks import fewshot_as_multiturn, lm_eval_limit
 
@@ -28,17 +27,12 @@ def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def config_sections(engine: Any, config: EngineConfig) -> dict[str, Any]:
-    """The run metadata's sections that describe the model and the engine (an engine/interface.BatchEngine;
-    run/metadata.py, as every run records them): what fixes the bits, so the responses' identity is made of them
-    (lmeval/store.identity)."""
-    return {
-        "apcscore_version": apcscore_version(),
-        "code": code_fingerprint(),
-        "model": model_section(engine),
-        **engine_sections(engine, config),
-        "numerics": engine.numerics,  # batch invariance on this machine (docs/architecture.md, "The contract")
-        "versions": versions(lm_eval=package_version("lm_eval"), triton=package_version("triton")),
-    }
+    """The run metadata's sections that describe the model and the engine (engine/provenance.describe, as every run
+    records them, plus lm-eval's version): what fixes the bits, so the responses' identity is made of them
+    (lmeval/store.identity). An engine that ran elsewhere brings its own description (`sections`: a Ray engine's
+    replica 0, a merge's shards)."""
+    sections = getattr(engine, "sections", None) or describe(engine, config)
+    return {**sections, "versions": {"lm_eval": package_version("lm_eval"), **sections["versions"]}}
 
 
 def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],

@@ -1,13 +1,16 @@
-"""One run of score / generate / perplexity: check everything, start an executor, write its rows, summarise.
+"""One run of score / generate / perplexity: check everything, open an engine, write the rows of the job's
+requests through it, summarise.
 
 Order: options (options/commands.py) -> output location (run/preflight.py) -> dataset (io/reader.py) -> the
-model's config and tokenizer, and the records checked against them -> the executor (the weights load) ->
-rows -> final file. So every problem the user can fix is reported before the weights load.
+model's config and tokenizer, and the records checked against them -> the engine (the weights load) -> rows ->
+final file. So every problem the user can fix is reported before the weights load.
 
-The executor is where records become rows: `run/local.LocalExecutor` (one engine here) or
-`run/ray_executor.RayExecutor` (`--ray`: engine replicas; this process writes the file). Everything else is
-written once, here: the writer (`--shard`'s included), resume, SIGINT/SIGTERM, progress, `--verify-reuse`,
-the summary and the exit code (0 done, 1 every record failed or records not run, 130 interrupted).
+Only the engine differs between runs: one here (engine/loader.load_engine: the native engine, tensor-parallel
+ranks or the transformers fallback) or, with `--ray`, run/ray_engine.RayEngine (the requests run on replicas; this
+process writes the file). The job turns records into requests and outputs into rows (run/runner.write_rows).
+Everything else is written once, here: the writer (`--shard`'s included), resume, SIGINT/SIGTERM, progress,
+`--verify-reuse`, the summary and the exit code (0 done, 1 every record failed or records not run, 130
+interrupted).
 
 A resumed run is one file written by several sessions: its metadata counts them (`sessions`, `resumed`),
 its `timings` add up every session that ended normally or by an interrupt (a killed session's are lost),
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
@@ -26,24 +30,26 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from apcscore.io.identity import resume_check
+from apcscore.config import EngineConfig
+from apcscore.engine.interface import BatchEngine
+from apcscore.engine.model_files import LoadedModel
+from apcscore.engine.provenance import now
 from apcscore.errors import ApcscoreError, count
+from apcscore.io.identity import resume_check
 from apcscore.io.openai_batch import defaults_note
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
 from apcscore.io.tabular_input import parse_columns
 from apcscore.io.writer import ResultsWriter
-from apcscore.run.executor import Executor
-from apcscore.engine.provenance import now
-from apcscore.run.metadata import add_timings, dataset_metadata
-from apcscore.options.commands import GenerateOptions, RequestOptions, RunOptions
-from apcscore.run.preflight import check_against_model, check_errors_out, check_output
-from apcscore.run.progress import make_progress
 from apcscore.jobs.registry import job_class
+from apcscore.options.commands import GenerateOptions, RequestOptions, RunOptions
 from apcscore.options.resolve import resolve_options
-from apcscore.run.verify import describe
-from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
+from apcscore.run.metadata import add_timings, dataset_metadata, run_metadata
+from apcscore.run.preflight import check_against_model, check_errors_out, check_output
+from apcscore.run.runner import write_rows
+from apcscore.run.signals import EXIT_INTERRUPTED
 from apcscore.run.summary import exit_code, print_interrupted, print_summary
+from apcscore.run.verify import ReuseVerifier, describe
 
 # columns too big to read back for the summary of a resumed run (no job's summary reads them)
 _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs", "completion_logprobs",
@@ -54,6 +60,56 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
                 console: Console) -> int:
     """Run `command`; return the exit code."""
     from apcscore.engine.model_files import load_model
+
+    opts, data, out, lines, errors_path = prepare(command, dataset, cli_opts, config_path, console)
+    quiet = opts.quiet
+    with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
+        model = load_model(opts.model)
+        data = check_against_model(command, opts, data, int(model.config.vocab_size), model.tokenizer)
+        started = time.perf_counter()
+        engine = open_engine(command, opts, model)
+        load_seconds = time.perf_counter() - started
+    try:
+        for text, soft_wrap in engine_warnings(engine, opts.engine, model) if not quiet else ():
+            console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)
+        job = job_class(command)(engine.tokenizer, engine.info.max_model_len, opts)
+        metadata = dict(run_metadata(command, engine, job, opts), argv=sys.argv, created=now(),
+                        dataset=dataset_metadata(data, opts))
+        writer, data = _open_writer(job, data, out, metadata, opts)
+        try:
+            sessions, previous = start_session(writer, metadata["created"], console)
+            if lines:
+                writer.lines = LineWriter(engine.tokenizer, opts.model,
+                                          created_seconds(previous.get("created", metadata["created"])),
+                                          {r.index: r.fields for r in data.records}, {r.index for r in data.invalid},
+                                          data.no_custom_id).line
+                writer.errors_path = errors_path
+            before = observe_previous(job, writer)
+            verifier = ReuseVerifier(opts.verify_reuse, opts.engine.seed) if opts.verify_reuse else None
+            started = time.perf_counter()
+
+            def timings() -> dict:  # of every session so far; kept before each part reaches the partial too
+                so_far = engine.counters().to_timings(load_seconds, time.perf_counter() - started)
+                return add_timings(previous.get("timings"), so_far)
+
+            writer.before_flush(lambda: writer.update_metadata({"timings": timings()}))
+            rows, errors, interrupted, not_run = write_rows(job, engine, data, writer, console, quiet, verifier)
+            total = timings()
+            writer.before_flush(None)  # the session's timings are these (--verify-reuse's recompute is not its run)
+            writer.update_metadata({"timings": total, **({"ray": engine.section()} if opts.ray else {})})
+            return finish(console, command, opts, engine, job, writer, (before[0] + rows, before[1] + errors, sessions),
+                          total, interrupted, not_run, verifier, errors_path)
+        finally:
+            writer.release()  # the partial's lock: whatever happened, this run no longer writes it
+    finally:
+        if opts.ray:
+            engine.close()
+
+
+def prepare(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
+            console: Console) -> tuple[RunOptions, LoadedDataset, Path, bool, Path | None]:
+    """Everything checked before the model loads: (options, dataset, output path, whether it is OpenAI Batch
+    lines, the error lines' path)."""
     from apcscore.models.locate import check_model_spec
 
     opts = resolve_options(command, cli_opts, config_path)
@@ -89,87 +145,83 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
              if data.format == "openai-batch" and command == "generate" else None]
     for text in filter(None, notes):  # the defaults' note: once per run, before the weights load
         console.print(f"[yellow]note:[/] {escape(text)}", highlight=False, soft_wrap=True)
-    quiet = opts.quiet
-    if opts.ray:
-        from apcscore.run.ray_executor import RayExecutor as executor_class
-    else:
+    if not opts.ray:
         from apcscore.engine.devices import check_backend_device
-        from apcscore.run.local import LocalExecutor as executor_class
 
         check_backend_device(cfg)
-    with console.status(f"loading {escape(opts.model)} ...", spinner="dots") if not quiet else nullcontext():
-        model = load_model(opts.model)
-        data = check_against_model(command, opts, data, int(model.config.vocab_size), model.tokenizer)
-        executor = executor_class(command, opts, model)
-    try:
-        for text, soft_wrap in executor.warnings if not quiet else ():
-            console.print(f"[yellow]warning:[/] {escape(text)}", highlight=False, soft_wrap=soft_wrap)
-        return _drive(executor, command, opts, data, out, console, lines, errors_path)
-    finally:
-        executor.close()
+    return opts, data, out, lines, errors_path
 
 
-def _drive(executor: Executor, command: str, opts: RunOptions, data: LoadedDataset, out: Path,
-           console: Console, lines: bool = False, errors_path: Path | None = None) -> int:
-    """Write the executor's rows of `data` to `out` (`lines`: as OpenAI Batch result lines, the error lines to
-    `errors_path` when given); the exit code."""
-    job = job_class(command)(executor.tokenizer, executor.max_model_len, opts)
-    metadata = dict(executor.metadata(job), argv=sys.argv, created=now(), dataset=dataset_metadata(data, opts))
-    writer, data = _open_writer(job, data, out, metadata, opts)
-    for note in writer.notes:
-        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
-    try:
-        return _drive_open(executor, command, opts, job, data, writer, metadata, console, lines, errors_path)
-    finally:
-        writer.release()  # the partial's lock: whatever happened, this run no longer writes it
+def open_engine(command: str, opts: RunOptions, model: LoadedModel) -> BatchEngine:
+    """The engine the run goes through: one here (engine/loader.load_engine), or with --ray replicas
+    (run/ray_engine.RayEngine: close it)."""
+    if opts.ray:
+        from apcscore.run.ray_engine import RayEngine
+
+        return RayEngine(command, opts, model)
+    from apcscore.engine.loader import load_engine
+
+    with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line (engine_warnings)
+        warnings.filterwarnings("ignore", message="the start-up probe")
+        return load_engine(model, opts.engine)
 
 
-def _drive_open(executor: Executor, command: str, opts: RunOptions, job: Any, data: LoadedDataset, writer: Any,
-                metadata: dict, console: Console, lines: bool, errors_path: Path | None) -> int:
-    """`_drive` once the writer holds the partial."""
-    sessions, previous = start_session(writer, metadata["created"])
-    if lines:
-        writer.lines = LineWriter(executor.tokenizer, opts.model, created_seconds(previous.get("created",
-                                                                                                metadata["created"])),
-                                  {r.index: r.fields for r in data.records}, {r.index for r in data.invalid},
-                                  data.no_custom_id).line
-        writer.errors_path = errors_path
-    before = observe_previous(job, writer)
-    started = time.perf_counter()
+def engine_warnings(engine: BatchEngine, cfg: EngineConfig, model: LoadedModel) -> list[tuple[str, bool]]:
+    """(text, soft_wrap) lines printed once the engine is loaded: what it does not do as asked."""
+    from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
-    def keep_timings() -> None:  # before each part reaches the partial, so that a session killed outright counts
-        if (so_far := executor.snapshot(time.perf_counter() - started)) is not None:
-            writer.update_metadata({"timings": add_timings(previous.get("timings"), so_far)})
+    native = engine.model_backend == "native"
+    found = [(w, True) for w in model.files.warnings]  # GGUF reading left out
+    if not native:
+        found.append((NO_CACHE_WARNING, True))
+    if cfg.batch_invariant and not engine.batch_invariant and native:
+        # (--exact-reuse, which --verify-reuse needs, was refused by the engine)
+        found.append((f"{engine.numerics['reason']}: a record's scores may depend on what shares its steps "
+                      "(metadata numerics.batch_invariant = false)", True))
+    length, window = engine.info.max_model_len, engine.info.sliding_window
+    if cfg.max_model_len and cfg.max_model_len > length and not window:
+        found.append((f"--max-model-len {cfg.max_model_len} is above the model's context length: the context stays "
+                      f"{length} tokens (longer prompts are refused or truncated)", False))
+    if window:
+        found.append((f"the model's sliding attention window is not implemented: the context is capped at its "
+                      f"{window} tokens (longer prompts are refused or truncated)", False))
+    return found
 
-    writer.before_flush(keep_timings)
-    quiet = opts.quiet
-    rows, errors, seconds, interrupted = _write_rows(executor, job, data, writer, console, quiet)
-    this_session, extra = executor.finish(interrupted, seconds)
-    timings = add_timings(previous.get("timings"), this_session)
-    writer.update_metadata({"timings": timings, **extra})
-    rows, errors = before[0] + rows, before[1] + errors
-    if (failure := executor.failure()) is not None:
+
+def finish(console: Console, command: str, opts: RunOptions, engine: Any, job: Any, writer: Any,
+           counts: tuple[int, int, int], timings: dict, interrupted: bool, not_run: list[tuple[str, str]],
+           verifier: ReuseVerifier | None, errors_path: Path | None) -> int:
+    """After the rows (counts: rows and error rows of every session, and the sessions): the records not run, the
+    interrupt, --verify-reuse, the final file and the summary; the exit code."""
+    rows, errors, sessions = counts
+    if not_run:
         writer.flush()
-        saved = f"{count(rows, 'row')} {'is' if rows == 1 else 'are'} saved in"
-        console.print(f"[bold red]error:[/] {escape(failure)}\n{saved} "
+        whys: dict[str, list[str]] = {}
+        for rid, why in not_run:
+            whys.setdefault(why, []).append(rid)
+        lines = [f"{why}: {count(len(ids), 'record')} ({', '.join(ids[:10])}"
+                 f"{f' and {len(ids) - 10} more' if len(ids) > 10 else ''})" for why, ids in whys.items()]
+        console.print(f"[bold red]error:[/] {escape(f'{len(not_run)} records were not run:')}\n"
+                      f"{escape(chr(10).join(lines))}\n{count(rows, 'row')} {'is' if rows == 1 else 'are'} saved in "
                       f"{escape(str(writer.partial_path))}; fix the cause (e.g. memory) and rerun the same command "
                       "plus --resume", highlight=False, soft_wrap=True)
         return 1
     if interrupted:
         print_interrupted(console, rows, writer.partial_path)
         return EXIT_INTERRUPTED
-    verified = executor.verify()
+    verified = verifier.check(engine) if verifier is not None else None
     if verified is not None:
         writer.update_metadata({"verify_reuse": verified})
-        if not quiet and not verified["mismatches"]:
+        if not opts.quiet and not verified["mismatches"]:
             console.print(f"verify-reuse: {escape(describe(verified))}", highlight=False, soft_wrap=True)
     final = writer.close()
-    if not quiet:
+    if not opts.quiet:
         print_summary(console, command, final, rows, errors, sessions, timings, job.summary())
         if errors_path is not None:
             console.print(f"error lines: {errors:,} in {escape(str(errors_path))}", highlight=False, soft_wrap=True)
-        if (line := executor.closing_line()) is not None:
-            console.print(line, highlight=False, soft_wrap=True)
+        if opts.ray:
+            console.print(f"ray: {len(engine.assigned)} replicas; records per replica {engine.assigned}",
+                          highlight=False, soft_wrap=True)
     if verified is not None and verified["mismatches"]:
         console.print(f"[bold red]error:[/] --verify-reuse: {len(verified['mismatches'])} of {verified['requests']} "
                       f"re-scored requests differ from full recompute:\n{escape(describe(verified))}",
@@ -230,8 +282,11 @@ def batch_options(opts: RunOptions, data: LoadedDataset) -> RunOptions:
     return replace(opts, **{key: max(ks) if ks else None for key, ks in asked.items()})
 
 
-def start_session(writer: Any, created: str) -> tuple[int, dict]:
-    """Count this session in the writer's metadata (`sessions`, `resumed`); return (sessions, previous metadata)."""
+def start_session(writer: Any, created: str, console: Console) -> tuple[int, dict]:
+    """Print the writer's notes, count this session in its metadata (`sessions`, `resumed`); return (sessions,
+    previous metadata)."""
+    for note in writer.notes:
+        console.print(f"[yellow]note:[/] {escape(note)}", highlight=False, soft_wrap=True)
     previous = writer.previous_metadata or {}
     sessions = int(previous.get("sessions", 1)) + 1 if writer.previous_metadata is not None else 1
     writer.update_metadata({"sessions": sessions, "resumed": sessions > 1, "created": previous.get("created", created)})
@@ -248,46 +303,3 @@ def observe_previous(job: Any, writer: Any) -> tuple[int, int]:
         rows += 1
         errors += row.get("status") == "error"
     return rows, errors
-
-
-def _write_rows(executor: Executor, job: Any, data: LoadedDataset, writer: Any, console: Console,
-                quiet: bool) -> tuple[int, int, float, bool]:
-    """Invalid records' error rows, then the executor's rows of the records not done yet, into the writer;
-    (rows, error rows, seconds, interrupted). SIGINT/SIGTERM stop it after the current engine step (or the
-    chunks in hand); whatever went wrong, every finished row is flushed to the partial file."""
-    done = set(writer.done_indices)
-    todo = [r for r in data.records if r.index not in done]
-    invalid = [r for r in data.invalid if r.index not in done]
-    counts = {"rows": 0, "errors": 0}
-    progress = make_progress(console, quiet)  # a bar with an ETA, or plain lines in a log (run/progress.py)
-    task = progress.add_task(job.command, total=len(todo) + len(invalid), tok_s=0.0, hit=0.0, kv="0/0")
-
-    def emit(index: int, row: dict) -> None:
-        writer.add(index, row)
-        job.observe(row)
-        counts["rows"] += 1
-        counts["errors"] += row.get("status") == "error"
-        progress.update(task, advance=1)
-
-    def tick() -> None:
-        writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
-        progress.update(task, **executor.progress())
-        stop.check()
-
-    started = time.perf_counter()
-    interrupted = False
-    with stop_on_signals() as stop:  # held until every finished row is flushed
-        try:
-            with progress:
-                for rec in invalid:  # invalid records need no engine
-                    emit(rec.index, job.finish_row(job.error_row(rec.id, rec.message)))
-                for index, row in executor.rows(job, data, todo, tick):
-                    emit(index, row)
-        except Interrupted:
-            interrupted = True
-            writer.flush()
-        except BaseException:
-            writer.flush()  # keep every finished row, whatever went wrong
-            writer.abandon()  # a run that failed before its first row leaves no partial to block the next one
-            raise
-    return counts["rows"], counts["errors"], time.perf_counter() - started, interrupted

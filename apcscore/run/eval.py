@@ -20,7 +20,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from apcscore.errors import ApcscoreError
 from apcscore.io.result_tables import write_atomic
@@ -33,6 +33,7 @@ from apcscore.lmeval.tasks import EvalPlan, import_lm_eval, load_tasks, plan, si
 from apcscore.run import eval_folder
 from apcscore.run.eval_shards import prepare_merge
 from apcscore.run.signals import EXIT_INTERRUPTED, Interrupted, stop_on_signals
+from apcscore.scale.partition import assign_prompts
 
 BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
 
@@ -77,7 +78,7 @@ def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: 
     from apcscore.engine.model_files import load_model
     from apcscore.run.ray_engine import RayEngine
 
-    ray_engine = RayEngine(opts, load_model(opts.model))  # the weights on the replicas
+    ray_engine = RayEngine("eval", opts, load_model(opts.model))  # the weights on the replicas
     try:
         return _evaluate(opts, parsed, manager, echo, note, started, None, ray_engine)
     finally:
@@ -94,14 +95,14 @@ def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note
     lm = ApcscoreLM(pretrained=opts.model, max_length=opts.max_length, seed=opts.engine.seed,
                     progress=not opts.quiet, engine=engine, config=opts.engine)
     load_seconds = time.perf_counter() - started
-    sections = engine.sections if engine is not None else config_sections(lm.engine, opts.engine)
+    sections = config_sections(lm.engine, opts.engine)
     ident = identity(sections)
     resumed = eval_folder.start(out, eval_folder.run_record(opts, ident), opts.resume)
     caches = [opts.cache] if opts.cache is not None else []
     store = ResponseStore(ident, folders=[*(shards or []), *caches], journals=[out, *caches])
     for text in store.notes:
         note(text)
-    lm.use_store(store, parsed.shard, partition=opts.partition, strict=shards is not None)
+    lm.use_store(store, shard_split(parsed.shard, opts), strict=shards is not None)
     if shards is not None:
         store.write_all()  # the merged folder's journal holds every response: a cache for later runs
     if resumed or store.read:
@@ -152,6 +153,17 @@ def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note
             echo(f"ray: {ray['replicas']} replicas; engine requests per replica "
                  f"{[r['requests_assigned'] for r in ray['per_replica']]}")
     return 0
+
+
+def shard_split(shard: tuple[int, int] | None, opts: EvalOptions) -> Callable[[list, list], list[bool]] | None:
+    """For `--shard I/N`: which requests of an lm-eval call shard I computes, from their prompts and loads (the
+    prefix-aware split of --shard, scale/partition.py, over every request of the call: each shard, seeing the same
+    requests, computes the same assignment, and requests that share their first KV blocks run in one engine)."""
+    if shard is None:
+        return None
+    index, count = shard
+    return lambda prompts, loads: [part == index for part in assign_prompts(prompts, loads, count,
+                                                                            opts.engine.block_size, opts.partition)]
 
 
 def _write_shard(out: Path, opts: EvalOptions, ident: dict, sections: dict, counts: dict, timing: dict) -> None:

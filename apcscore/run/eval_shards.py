@@ -3,7 +3,7 @@ jobs), results equal to one process's. (`eval --ray` needs no shards: one lm-eva
 replicas, run/ray_engine.py.)
 
 A shard process builds every task's requests (lm-eval's task building is deterministic), computes only its
-share of each request call (ApcscoreLM.shard_mask: the prefix-aware split of `--shard`, scale/partition.py,
+share of each request call (run/eval.shard_split: the prefix-aware split of `--shard`, scale/partition.py,
 so the requests that share their first KV blocks — a task's few-shot prefix, a context's choices — run in one
 engine), appends those responses to its journal (lmeval/store.py) and writes `shard.json` (what it was asked,
 its configuration, its counts). It writes no results: its metrics would be computed over placeholders.

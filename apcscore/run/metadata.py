@@ -2,8 +2,8 @@
 metadata of one engine (its provenance sections from engine/provenance.py), the dataset, and the `timings` of
 all the sessions that wrote the file.
 
-A Ray replica runs a local executor, so it describes itself exactly as a single process would
-(scale/replica.py); the driver adds what only it knows (argv, created, dataset).
+A Ray replica describes its engine as a single process would (engine/provenance.describe); the driver adds what
+only it knows (the job, the tokenizer, argv, created, dataset).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from apcscore.engine.interface import BatchEngine
-from apcscore.engine.provenance import engine_sections, model_section, package_version, run_header, versions
+from apcscore.engine.provenance import describe, run_header
 from apcscore.io.tabular_input import parse_columns
 from apcscore.options.commands import RequestOptions, RunOptions
 
@@ -23,24 +23,17 @@ def dataset_metadata(data: Any, opts: RunOptions) -> dict:
             "columns": parse_columns(opts.columns)}
 
 
-def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions, dataset: dict | None = None) -> dict:
-    """The run metadata of `command` on `engine`; `dataset` (dataset_metadata) is filled in by the driver."""
+def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions) -> dict:
+    """The run metadata of `command` on `engine` (engine/provenance.describe; a Ray engine brings replica 0's,
+    `sections`); the driver adds `argv`, `created` and `dataset`."""
     tok = engine.tokenizer
     job_meta = job.metadata()
     if isinstance(opts, RequestOptions):  # score and generate
         job_meta["truncate"] = opts.truncate
-    return {
-        **run_header(command),
-        "model": model_section(engine),
-        "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
-                      "vocab_size": len(tok)},
-        **engine_sections(engine, opts.engine),
-        "job": job_meta,
-        "dataset": dataset,
-        "versions": versions(triton=package_version("triton")),
-        # what else the bits of a batch-invariant run depend on (docs/architecture.md, "The contract")
-        "numerics": engine.numerics,
-    }
+    return {**run_header(command), **(getattr(engine, "sections", None) or describe(engine, opts.engine)),
+            "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
+                          "vocab_size": len(tok)},
+            "job": job_meta, "dataset": None}
 
 
 def add_timings(previous: dict | None, now: dict) -> dict:

@@ -1,121 +1,138 @@
-"""`eval --ray`: lm-eval's requests on Ray replicas, behind the engine interface.
+"""`--ray`: the Ray engine, an engine/interface.BatchEngine whose requests run on `--replicas` Ray actors
+(run/ray_replicas.ReplicaPool; each a scale/replica.Replica hosting an engine). It is the one Ray adapter: the
+driver (run/driver.py) runs score / generate / perplexity through it as through a local engine, and lm-eval's model
+class (lmeval/model.ApcscoreLM) runs eval's requests through it.
 
-The eval runs as one process does (run/eval.evaluate: one lm-eval, one journal in --out, the same resume,
-signals, results and exit codes); only its engine differs. `RayEngine` is an engine/interface.BatchEngine whose
-`run` sends the requests of each lm-eval call to `--replicas` Ray actors (run/ray_replicas.ReplicaPool, the
-replicas score's `--ray` runs on) and yields their outputs as chunks come back, so `ApcscoreLM` journals each
-response as it arrives:
-- the requests are split prefix-aware (scale/partition.assign_prompts, the split of `eval --shard`), so the
-  requests that share their first KV blocks (a task's few-shot prefix, a context's choices) run on one replica
-  and hit its prefix cache;
-- each replica gets its requests in order, in chunks of CHUNK_REQUESTS, at most IN_FLIGHT chunks queued;
-- a replica's output is bitwise the one process's (the batch-invariance contract: a request's values do not
-  depend on what shares its steps), and replicas that differ in what fixes the bits (io/identity.py's EVAL view)
-  are refused before any request runs. So the journal, results.json and requests.parquet are one process's,
-  and a `--ray` run can be resumed without `--ray` and the other way round.
+`run(requests)`:
+- splits the requests prefix-aware over the replicas, here and once (scale/partition.assign_prompts, the split of
+  `--shard`: by the chained digests of their first KV blocks), so that requests that share their first blocks (a
+  task's few-shot prefix, a context's choices) run on one replica and hit its prefix cache. The requests of one
+  record (ids `(record, j)`, as run/runner.py gives them) are one group: one replica, one chunk;
+- sends each replica its groups in order, in chunks of `chunk` groups (64 records; 256 eval requests), at most
+  IN_FLIGHT chunks queued, and yields the outputs as chunks come back.
+A replica's output is bitwise the one process's (the batch-invariance contract: a request's values do not depend on
+what shares its steps), and replicas that differ in what fixes the bits (io/identity.py's RAY view; EVAL for eval)
+are refused before any request runs. So the file, or eval's journal and results, are one process's, and a `--ray`
+run can be resumed without `--ray` and the other way round.
 
-Faults: Ray restarts a dead replica and runs its chunk again (run/ray_replicas.py); a chunk that still fails ends
-the run with exit 1, the finished responses kept in the journal for `--resume`. SIGINT/SIGTERM: `on_step` raises
-between chunks; the chunks in hand are dropped (their replicas are stopped by `close`), the journal is kept.
+Faults: Ray restarts a dead replica and runs its chunk again (run/ray_replicas.py). A chunk that still fails is an
+output: every request of it, and of its replica's later chunks, comes back aborted (finish_reason "abort",
+run/runner.ABORTED, `error` says why), while the other replicas go on. The driver keeps aborted records out of the
+file (`--resume` runs them); lm-eval's model class ends the eval (exit 1, the journal kept). SIGINT/SIGTERM:
+`on_step` raises between chunks; the chunks in hand are dropped (their replicas are stopped by `close`).
+
+Why plain actors and not Ray Data's `map_batches` with an actor pool: an actor pool hands each block to whichever
+actor is free, so a prefix group would be scattered over replicas unless a whole part were one block, and then
+nothing would come back before a part was finished (no streaming, no resume, a fault reruns a whole part).
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Iterator
 
-from apcscore.config import EngineConfig
+import torch
+
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.model_files import LoadedModel
 from apcscore.engine.step import Request, RequestOutput
 from apcscore.errors import ApcscoreError
-from apcscore.io.identity import EVAL
-from apcscore.options.commands import EvalOptions
-from apcscore.run.eval_shards import RecordedEngine
+from apcscore.options.commands import ScaleOptions
 from apcscore.run.ray_replicas import MAX_TASK_RETRIES, ReplicaPool, replica_run
+from apcscore.run.runner import ABORTED
 from apcscore.scale.partition import assign_prompts
 
-CHUNK_REQUESTS = 256  # engine requests per chunk: enough for full steps, small enough to stream and retry
 IN_FLIGHT = 2  # chunks queued per replica
 
 
-class EngineHost:
-    """What an eval replica hosts (scale/replica.Replica): the engine alone; lm-eval's model class, in the
-    driver's process, makes the requests and reads the outputs."""
-
-    def __init__(self, command: str, opts: EvalOptions, model: LoadedModel) -> None:
-        from apcscore.engine.loader import load_engine
-
-        self.config = opts.engine
-        self.engine = load_engine(model, opts.engine)
-        self.tokenizer = self.engine.tokenizer
-        self.max_model_len = self.engine.info.max_model_len
-
-    def metadata(self, job: None) -> dict:
-        """The sections the eval identity is made of (lmeval/results.config_sections), of this replica's engine."""
-        from apcscore.lmeval.results import config_sections
-
-        return config_sections(self.engine, self.config)
-
-    def verify(self) -> None:
-        return None  # --verify-reuse is not an eval option
+def group_of(request: Request) -> Any:
+    """The group a request runs with: its record for an id `(record, j)`, else itself."""
+    rid = request.request_id
+    return rid[0] if isinstance(rid, tuple) else rid
 
 
-class RayEngine(RecordedEngine):
-    """A BatchEngine over Ray replicas: the tokenizer and model facts here, the weights on the replicas (each
-    described its configuration: `sections`, replica 0's). Close it (`close`) when the eval is done."""
+class RayEngine:
+    """A BatchEngine over Ray replicas: the tokenizer here, the weights on the replicas, the model facts and the
+    metadata sections replica 0's (`info`, `sections`: engine/provenance.describe). `close` it when done."""
 
-    def __init__(self, opts: EvalOptions, model: LoadedModel) -> None:
-        self.pool = ReplicaPool("eval", opts, EngineHost, view=EVAL, output="responses")
-        super().__init__(model.tokenizer, self.pool.metadata(0))
-        self.config: EngineConfig = opts.engine
-        self.partition = opts.partition
-        sections = self.sections
-        self.model_backend, self.attention_backend = sections["model_backend"], sections["attention_backend"]
-        self.device, self.numerics = sections["device"], sections["numerics"]
-        self.batch_invariant = bool((sections["numerics"] or {}).get("batch_invariant"))
-        self.assigned = [0] * len(self.pool)  # engine requests sent to each replica
+    def __init__(self, command: str, opts: ScaleOptions, model: LoadedModel) -> None:
+        self.pool = ReplicaPool(command, opts)  # started, described, checked to agree
+        first = self.pool.descs[0]
+        self.sections, self.info = first["metadata"], first["info"]
+        self.tokenizer, self.config, self.partition = model.tokenizer, opts.engine, opts.partition
+        self.model_backend, self.attention_backend = self.sections["model_backend"], self.sections["attention_backend"]
+        self.device, self.dtype = torch.device(self.sections["device"]), getattr(torch, self.sections["dtype"])
+        self.numerics = self.sections["numerics"]
+        self.batch_invariant = bool((self.numerics or {}).get("batch_invariant"))
+        # a group is an eval request (small: a step wants many) or a record's requests
+        self.unit, self.chunk = ("requests", 256) if command == "eval" else ("records", 64)
+        n = len(self.pool)
+        self.assigned, self.ran, self.loads = [0] * n, [0] * n, [0] * n  # groups sent, groups back, their load
+        self.stats: list[dict | None] = [None] * n  # each replica's latest Replica.stats (with its last chunk)
+        self.failed: set[int] = set()  # replicas whose chunk failed after Ray's retries
 
     def run(self, requests: Iterable[Request], on_step: Callable[[Any], None] | None = None
             ) -> Iterator[RequestOutput]:
         """Every request's output, in completion order (chunk by chunk); `on_step(self)` while waiting."""
-        requests = list(requests)
-        parts = assign_prompts([r.prompt_token_ids for r in requests],
-                               [len(r.prompt_token_ids) + r.max_tokens for r in requests], len(self.pool),
-                               self.config.block_size, self.partition)
-        queues: list[list[list[Request]]] = []
-        for part in range(len(self.pool)):
-            mine = [r for r, p in zip(requests, parts) if p == part]
-            self.assigned[part] += len(mine)
-            queues.append([mine[i:i + CHUNK_REQUESTS] for i in range(0, len(mine), CHUNK_REQUESTS)])
-        return self._outputs(queues, on_step)
+        return self._outputs(self._queues(requests), on_step)
 
-    def _outputs(self, queues: list[list[list[Request]]], on_step: Callable[[Any], None] | None
-                 ) -> Iterator[RequestOutput]:
-        def tick() -> None:  # SIGINT/SIGTERM stop here: the responses yielded so far are journaled
+    def run_recomputed(self, requests: Iterable[Request]) -> Iterator[RequestOutput]:
+        """`run` by full recompute on the replicas (the reference of --verify-reuse)."""
+        return self._outputs(self._queues(requests), None, "run_recomputed")
+
+    def _queues(self, requests: Iterable[Request]) -> list[list[list[Request]]]:
+        """Each replica's chunks: the groups of `requests` split prefix-aware, in order, `chunk` groups a chunk."""
+        groups: dict[Any, list[Request]] = {}
+        for request in requests:
+            groups.setdefault(group_of(request), []).append(request)
+        grouped = list(groups.values())
+        loads = [sum(len(r.prompt_token_ids) + r.max_tokens for r in g) for g in grouped]
+        parts = assign_prompts([g[0].prompt_token_ids for g in grouped], loads, len(self.pool),
+                               self.config.block_size, self.partition)
+        queues = []
+        for part in range(len(self.pool)):
+            mine = [g for g, p in zip(grouped, parts) if p == part]
+            self.assigned[part] += len(mine)
+            self.loads[part] += sum(load for load, p in zip(loads, parts) if p == part)
+            queues.append([[r for g in mine[i:i + self.chunk] for r in g] for i in range(0, len(mine), self.chunk)])
+        return queues
+
+    def _outputs(self, queues: list[list[list[Request]]], on_step: Callable[[Any], None] | None,
+                 method: str = "run_requests") -> Iterator[RequestOutput]:
+        def tick() -> None:  # SIGINT/SIGTERM stop here: the outputs yielded so far are kept
             if on_step is not None:
                 on_step(self)
 
-        for r, chunk, outputs in self.pool.feed("run_requests", queues, tick, IN_FLIGHT):
-            if isinstance(outputs, ApcscoreError):
-                raise ApcscoreError(f"--ray: a chunk of {len(chunk)} requests failed {MAX_TASK_RETRIES + 1} times on "
-                                    f"replica {r} ({outputs}); the responses finished so far are kept: fix the "
-                                    "cause (e.g. memory) and rerun the same command with --resume",
-                                    exit_code=1) from None
+        for r, chunk, result in self.pool.feed(method, queues, tick, IN_FLIGHT):
+            if isinstance(result, ApcscoreError):  # this replica is done; its other chunks are not run
+                self.failed.add(r)
+                yield from aborted(chunk, f"--ray: a chunk of {len(chunk)} requests failed {MAX_TASK_RETRIES + 1} "
+                                          f"times on replica {r} ({result})")
+                for later in queues[r]:
+                    yield from aborted(later, f"--ray: not run, as replica {r} failed before")
+                queues[r] = []
+                continue
+            outputs, self.stats[r] = result
+            self.ran[r] += len({group_of(req) for req in chunk})
             yield from outputs
 
     def counters(self) -> EngineCounters:
-        """The replicas' counters added up."""
-        stats = [s for s in self.pool.stats() if s is not None]
-        return sum((s["counters"] for s in stats), EngineCounters())
+        """The replicas' counters added up (each replica's as of its last chunk)."""
+        return sum((s["counters"] for s in self.stats if s is not None), EngineCounters())
 
     def section(self) -> dict:
-        """The results metadata's `ray`: the replicas, their resources, and what each ran where."""
-        per_replica = []
-        for r, stats in enumerate(self.pool.stats()):
-            ran = replica_run(stats, "requests") if stats is not None else {}
-            per_replica.append({"replica": r, "requests_assigned": self.assigned[r], **self.pool.described(r), **ran})
-        return {**self.pool.section(), "chunk_requests": CHUNK_REQUESTS, "partition": self.partition,
+        """The metadata's `ray`: the replicas, their resources, and what each was sent and ran, where."""
+        per_replica = [{"replica": r, f"{self.unit}_assigned": self.assigned[r], f"{self.unit}_run": self.ran[r],
+                        "load_assigned": self.loads[r], **self.pool.described(r),
+                        **({"stats": "failed"} if r in self.failed else replica_run(s) if s is not None else
+                           {"stats": "not available (no chunk came back)"})}
+                       for r, s in enumerate(self.stats)]
+        return {**self.pool.section(), f"chunk_{self.unit}": self.chunk, "partition": self.partition,
                 "per_replica": per_replica}
 
     def close(self) -> None:
         self.pool.close()
+
+
+def aborted(requests: list[Request], why: str) -> Iterator[RequestOutput]:
+    """The outputs of requests that were not run."""
+    return (RequestOutput(r.request_id, r.prompt_token_ids, finish_reason=ABORTED, error=why) for r in requests)

@@ -1,16 +1,11 @@
-"""Ray replicas, the one Ray design of every command: `--replicas` actors (scale/replica.Replica), each holding
-an engine, fed chunks of work by the one process that owns the run.
-
-- score, generate and perplexity: run/ray_executor.RayExecutor, an executor behind the driver (chunks of
-  records in, rows out; the driver writes the file);
-- eval: run/ray_engine.RayEngine, an engine behind lm-eval's model class (chunks of engine requests in, their
-  outputs out; the eval's journal keeps them).
+"""Ray replicas: `--replicas` actors (scale/replica.Replica), each hosting an engine, fed chunks of engine requests
+by run/ray_engine.RayEngine, the one Ray engine of every command (score, generate, perplexity and eval).
 
 This module starts the actors (the resources each asks for are checked against the cluster's first: an actor
-that can never be placed would wait forever, without a word), has each describe its configuration before any
-work, refuses replicas that differ in what fixes the bits, collects their counters, and stops them. Ray
-restarts a replica whose process died (`MAX_RESTARTS`) and runs its unfinished chunk again
-(`MAX_TASK_RETRIES`). Ray is imported only here, and only for `--ray`.
+that can never be placed would wait forever, without a word), has each describe its engine before any work,
+refuses replicas that differ in what fixes the bits, feeds them, and stops them. Ray restarts a replica whose
+process died (`MAX_RESTARTS`) and runs its unfinished chunk again (`MAX_TASK_RETRIES`). Ray is imported only
+here, and only for `--ray`.
 """
 
 from __future__ import annotations
@@ -19,7 +14,7 @@ import time
 from typing import Any, Callable, Iterator
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.identity import RAY, differing
+from apcscore.io.identity import EVAL, RAY, differing
 from apcscore.options.commands import ScaleOptions
 from apcscore.run.metadata import add_timings
 from apcscore.scale.replica import Replica
@@ -89,14 +84,11 @@ def ray_get(ray: Any, ref: Any) -> Any:
 
 
 class ReplicaPool:
-    """`--replicas` Ray actors, each a `Replica(command, opts, host)`: started, described and checked to agree.
+    """`--replicas` Ray actors, each a `Replica(opts)`: started, described and checked to agree: on the RAY view of
+    io/identity.py (they write one file), or for eval the EVAL view (their responses make one run)."""
 
-    host: what the replica runs (run/local.LocalExecutor for score/generate/perplexity, run/ray_engine.EngineHost
-    for eval). view: the io/identity.py view the replicas must share with replica 0 (RAY: they write one file;
-    EVAL: their responses make one run); `output` names what would differ ("rows", "responses")."""
-
-    def __init__(self, command: str, opts: ScaleOptions, host: Callable[..., Any], view: str = RAY,
-                 output: str = "rows") -> None:
+    def __init__(self, command: str, opts: ScaleOptions) -> None:
+        view, output = (EVAL, "responses") if command == "eval" else (RAY, "rows")
         ray = self.ray = import_ray()
         self.address = opts.ray
         self.started_ray = connect(ray, opts.ray)
@@ -111,7 +103,7 @@ class ReplicaPool:
         remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
                                              max_task_retries=MAX_TASK_RETRIES)
         self.load_start = time.perf_counter()
-        self.actors = [remote.remote(command, opts, host) for _ in range(int(opts.replicas))]
+        self.actors = [remote.remote(opts) for _ in range(int(opts.replicas))]
         try:
             self.descs = [self.get(ref) for ref in [a.describe.remote() for a in self.actors]]
             check_replicas([d["metadata"] for d in self.descs], view, output)
@@ -125,10 +117,6 @@ class ReplicaPool:
 
     def get(self, ref: Any) -> Any:
         return ray_get(self.ray, ref)
-
-    def metadata(self, replica: int = 0) -> dict:
-        """What replica `replica` described of itself (its host's metadata)."""
-        return dict(self.descs[replica]["metadata"])
 
     def feed(self, method: str, queues: list[list[list[Any]]], tick: Callable[[], None], in_flight: int
              ) -> Iterator[tuple[int, list[Any], Any]]:
@@ -162,14 +150,6 @@ class ReplicaPool:
                 yield r, chunk, result
                 submit(r)
 
-    def stats(self, dead: set[int] = frozenset(), interrupted: bool = False) -> list[dict | None]:
-        """Each replica's counters (scale/replica.Replica.stats); None for a failed replica (`dead`), or one still
-        busy after an interrupt."""
-        refs = [a.stats.remote() for r, a in enumerate(self.actors) if r not in dead]
-        ready, _ = self.ray.wait(refs, num_returns=len(refs), timeout=2.0 if interrupted else None)
-        alive = iter(self.get(ref) if ref in ready else None for ref in refs)
-        return [None if r in dead else next(alive) for r in range(len(self.actors))]
-
     def described(self, replica: int) -> dict:
         """What a replica's own metadata says about where it ran (recorded per replica)."""
         meta = self.descs[replica]["metadata"]
@@ -194,11 +174,10 @@ class ReplicaPool:
             self.started_ray = False
 
 
-def replica_run(stats: dict, unit: str) -> dict:
-    """What one replica ran (recorded per replica): its `unit` ("records" or "requests") run, process and timings,
-    from `ReplicaPool.stats`."""
+def replica_run(stats: dict) -> dict:
+    """What one replica ran (recorded per replica): its process and timings, from its latest `Replica.stats`."""
     timings = stats["counters"].to_timings(stats["load_seconds"], stats["run_seconds"])
-    return {f"{unit}_run": stats[unit], "pid": stats["pid"], "timings": add_timings(None, timings)}
+    return {"pid": stats["pid"], "timings": add_timings(None, timings)}
 
 
 def check_replicas(metas: list[dict], view: str = RAY, output: str = "rows") -> None:

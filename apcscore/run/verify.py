@@ -87,13 +87,6 @@ class ReuseVerifier:
                 "requests": len(todo), "mismatches": mismatches}
 
 
-def combine_reports(reports: list[dict]) -> dict:
-    """One report of several engines' checks (the replicas of a --ray run), as one engine would have made it."""
-    return {"fraction": reports[0]["fraction"] if reports else 0.0,
-            "records": sum(r["records"] for r in reports), "requests": sum(r["requests"] for r in reports),
-            "mismatches": [m for r in reports for m in r["mismatches"]]}
-
-
 def describe(report: dict) -> str:
     """One line per mismatch (at most 20), or the all-clear."""
     if not report["mismatches"]:

@@ -3,7 +3,8 @@
 Records whose first KV blocks of tokens are equal go to the same part, so one engine computes a shared prefix
 once and the others read it from its prefix cache; the load (prompt tokens plus the tokens a record may
 generate) is otherwise balanced. The same function serves `--shard I/N` (each array task computes the whole
-assignment and keeps its part) and `--ray` (the driver computes it once).
+assignment and keeps its part) and `--ray` (the Ray engine computes it once, over the requests it is given, a
+record's requests one group: run/ray_engine.py).
 
 How:
 1. Each record's key is the chain of its first full blocks: digest_d = BLAKE2b(digest_{d-1} + block d's token
@@ -128,7 +129,7 @@ def assign(items: list[Item], parts: int, method: str = "prefix") -> list[int]:
 def assign_prompts(prompts: Sequence[Sequence[int]], loads: Sequence[int], parts: int, block_size: int,
                    method: str = "prefix") -> list[int]:
     """The part of each prompt (token ids, with its load: prompt plus generated tokens): `assign` over requests
-    rather than records (lm-eval's request calls: `eval --shard`'s mask and `eval --ray`'s routing)."""
+    rather than records (`--ray`'s routing, run/ray_engine.py, and `eval --shard`'s mask, run/eval.shard_split)."""
     items = [Item(i, block_digests(p, block_size), max(1, n)) for i, (p, n) in enumerate(zip(prompts, loads))]
     return assign(items, parts, method)
 

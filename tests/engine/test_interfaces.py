@@ -1,6 +1,6 @@
-"""The engine and executor interfaces (engine/interface.BatchEngine, run/executor.Executor) are what the two
-engines and the two executors really offer, and the model value (engine/model_files.load_model) is what they
-are built from: a member renamed or dropped in one implementation fails here, not in a user's run."""
+"""The engine interface (engine/interface.BatchEngine) is what the two engines and the Ray engine really offer, and
+the model value (engine/model_files.load_model) is what they are built from: a member renamed or dropped in one
+implementation fails here, not in a user's run."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ from apcscore.engine.loader import load_engine
 from apcscore.engine.model_files import LoadedModel, load_model
 from apcscore.engine.step import Request
 from apcscore.errors import ApcscoreError
-from apcscore.run.executor import Executor
-from apcscore.run.local import LocalExecutor
-from apcscore.options.commands import ScoreOptions
 from apcscore.run.verify import ReuseVerifier
 
 CFG = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
@@ -65,16 +62,11 @@ def test_recompute_restores_exact_reuse(tiny):
     assert engine.scheduler.exact_reuse  # the run's own setting is back
 
 
-def test_executors_offer_the_interface(tiny):
-    from apcscore.run.ray_executor import RayExecutor
+def test_the_ray_engine_offers_the_interface():
+    from apcscore.run.ray_engine import RayEngine
 
-    executor = LocalExecutor("score", ScoreOptions(model=tiny, engine=EngineConfig(**CFG)), load_model(tiny))
-    try:
-        assert isinstance(executor, Executor)
-    finally:
-        executor.close()
-    methods = [name for name, member in inspect.getmembers(Executor) if inspect.isfunction(member)
+    methods = [name for name, member in inspect.getmembers(BatchEngine) if inspect.isfunction(member)
                and not name.startswith("_")]
-    assert methods and all(callable(getattr(RayExecutor, name, None)) for name in methods), methods
-    set_in_init = inspect.getsource(RayExecutor.__init__)
-    assert all(re.search(rf"self\.{name}\b[^=\n]*=", set_in_init) for name in Executor.__annotations__)
+    assert methods and all(callable(getattr(RayEngine, name, None)) for name in methods), methods
+    set_in_init = inspect.getsource(RayEngine.__init__)
+    assert all(re.search(rf"self\.{name}\b[^=\n]*=", set_in_init) for name in BatchEngine.__annotations__)

@@ -175,11 +175,11 @@ def test_part_files_reach_the_disk_while_the_run_goes(tmp_path, write_jsonl, tin
 
 
 def test_a_run_that_fails_before_its_first_row_leaves_no_partial(tmp_path, write_jsonl, tiny, monkeypatch):
-    import apcscore.run.local as local_executor
+    from apcscore.engine.engine import Engine
 
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
-    monkeypatch.setattr(local_executor, "run_records", broken)
+    monkeypatch.setattr(Engine, "run", broken)
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
     res = run("score", data, "--model", tiny, "--out", tmp_path / "o.parquet", "-q")
     assert isinstance(res.exception, RuntimeError)

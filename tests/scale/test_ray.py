@@ -206,13 +206,11 @@ def test_a_replica_that_refuses_the_run_is_one_clear_error(tmp_path, cluster) ->
     not share the driver's files; the options object refuses bad settings before any replica exists.)"""
     from apcscore.errors import ApcscoreError
     from apcscore.options.commands import ScoreOptions
-    from apcscore.run.local import LocalExecutor
     from apcscore.run.ray_replicas import ray_get
     from apcscore.scale.replica import Replica
 
     opts = ScoreOptions(model=str(tmp_path / "no-such-model"))
-    actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote("score", opts,
-                                                                                                 LocalExecutor)
+    actor = ray.remote(Replica).options(num_cpus=1, max_restarts=-1, max_task_retries=-1).remote(opts)
     with pytest.raises(ApcscoreError, match=r"^a Ray replica refused the run: Unknown model '.*no-such-model': "
                                             r"no such alias"):
         ray_get(ray, actor.describe.remote())
@@ -224,10 +222,10 @@ def poison_replica() -> type:
     in a function so that Ray ships the class by value (workers cannot import this test module by its name)."""
 
     class PoisonReplica(Replica):
-        def run(self, records):
-            if any(r.id == "poison" for r in records):
+        def run_requests(self, requests):
+            if any(r.request_id[0] == 5 for r in requests):  # a request of the record "poison" (dataset position 5)
                 os._exit(1)
-            return super().run(records)
+            return super().run_requests(requests)
 
     return PoisonReplica
 
