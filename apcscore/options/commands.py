@@ -137,11 +137,15 @@ class RequestOptions(RunOptions):
 class ScoreOptions(RequestOptions):
     """`apcscore score`."""
 
-    CLI = ("prompt_logprobs", "truncate", "input_format", "output_format", "errors_out", "ignore_body_model",
-           *RUN_CLI)
+    CLI = ("prompt_logprobs", "reference_model", "truncate", "input_format", "output_format", "errors_out",
+           "ignore_body_model", *RUN_CLI)
     CLI_LEAVES_OUT = {"seed": "scoring samples nothing: the seed only derives each record's sampling seed"}
 
     prompt_logprobs: int = _prompt_logprobs(0)  # score always scores: own logprob and rank
+    reference_model: str | None = option(  # engine/reference.py; the columns: jobs/reference_columns.py
+        None, "A reference model (alias, Hugging Face folder or .gguf) with the same tokenizer: add each scored "
+        "token's exact KL(reference || model) over the whole vocabulary, the reference's logprob, delta p and "
+        "top-1 agreement, and each record's mean_kl (`apcscore compare` gates on them).")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -62,6 +62,8 @@ def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_pa
     if isinstance(opts, GenerateOptions):
         cfg.check_logprobs(opts.logprobs, "--logprobs")
     check_model_spec(opts.model)
+    if getattr(opts, "reference_model", None):  # score --reference-model (engine/reference.py)
+        check_model_spec(opts.reference_model)
     lines = output_format(opts) == "openai-batch"
     if lines and opts.shard:
         raise ApcscoreError("--shard writes shard files for apcscore merge, which are parquet, so it cannot write "

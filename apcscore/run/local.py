@@ -29,7 +29,7 @@ class LocalExecutor(Executor):
         started = time.perf_counter()
         with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line
             warnings.filterwarnings("ignore", message="the start-up probe")
-            self.engine = load_engine(model, cfg)
+            self.engine = load_engine(model, cfg, reference=getattr(opts, "reference_model", None))
         self.load_seconds = time.perf_counter() - started
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.info.max_model_len

@@ -29,6 +29,8 @@ def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions, 
     job_meta = job.metadata()
     if isinstance(opts, RequestOptions):  # score and generate
         job_meta["truncate"] = opts.truncate
+    if getattr(engine, "reference", None) is not None:  # score --reference-model: its weights change the columns
+        job_meta["reference_model"] = model_section(engine.reference)
     return {
         **run_header(command),
         "model": model_section(engine),
