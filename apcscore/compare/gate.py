@@ -181,7 +181,8 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         v = need("max_mean_kld", m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both "
                  f"files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
         if v is not None:
-            add("max_mean_kld", f"mean KL(base || new), {c.kl_label.split(',')[0]}", v, "<=", t.max_mean_kld, bounds("mean KL"))
+            exact = ", exact" if c.kl_label == EXACT_LABEL else ""  # (the top-K bound's name is unchanged)
+            add("max_mean_kld", f"mean KL(base || new){exact}", v, "<=", t.max_mean_kld, bounds("mean KL"))
     if t.min_top1_agreement is not None:
         v = need("min_top1_agreement", m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files "
                  f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
@@ -203,7 +204,8 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
             if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
                 add("max_accuracy_drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
                     "<=", t.max_accuracy_drop, tests.get("acc_norm"))
-    if c.kl_label == BOUND_LABEL and c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 and t.max_mean_kld is not None:
+    if c.kl_label == BOUND_LABEL and c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 \
+            and t.max_mean_kld is not None:
         c.notes.append(f"the KL bound is loose at K = {min(c.base.top_k, c.new.top_k)} (the default limit was chosen "
                        "at K = 5 and 20): score with --prompt-logprobs 5 or more for a gate that sees the tails")
     return checks

@@ -18,7 +18,7 @@ from apcscore.attention.metadata import AttentionMetadata, set_attention_metadat
 from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
-from apcscore.engine.reference import PairedRows
+from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.scheduler import ScheduledBatch
 from apcscore.engine.score_store import publishes

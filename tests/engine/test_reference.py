@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from apcscore.config import EngineConfig
-from apcscore.engine import reference as reference_module
+from apcscore.engine import paired_rows as reference_module
 from apcscore.engine.loader import load_engine
 from apcscore.engine.request import Request
 from apcscore.errors import ApcscoreError
