@@ -83,10 +83,11 @@ def test_exact_against_float64_of_both_logits(pair, monkeypatch):
 def test_columns_match_each_model_alone(pair):
     """The model's own columns are unchanged, and the reference's token logprobs are those of the reference alone."""
     ref, cand = pair
-    paired = load_engine(str(cand), EngineConfig(), reference=str(ref))
+    cfg = EngineConfig(num_kv_blocks=256)
+    paired = load_engine(str(cand), cfg, reference=str(ref))
     both = _score(paired, _requests(paired.tokenizer))
-    alone = _score(load_engine(str(cand), EngineConfig()), _requests(paired.tokenizer))
-    ref_alone = _score(load_engine(str(ref), EngineConfig()), _requests(paired.tokenizer))
+    alone = _score(load_engine(str(cand), cfg), _requests(paired.tokenizer))
+    ref_alone = _score(load_engine(str(ref), cfg), _requests(paired.tokenizer))
     for i in range(len(PROMPTS)):
         assert np.array_equal(both[i].token_logprobs, alone[i].token_logprobs)
         assert np.array_equal(both[i].ranks, alone[i].ranks)
@@ -96,7 +97,7 @@ def test_columns_match_each_model_alone(pair):
 def test_bitwise_whatever_the_batch(pair):
     """One at a time, all together in other orders, other budgets and chunk sizes, warm prefix cache: same bits."""
     ref, cand = pair
-    engine = load_engine(str(cand), EngineConfig(), reference=str(ref))
+    engine = load_engine(str(cand), EngineConfig(num_kv_blocks=256), reference=str(ref))
     tok = engine.tokenizer
     together = _score(engine, _requests(tok))
     runs = [{i: next(iter(_score(engine, _requests(tok, [i])).values())) for i in range(len(PROMPTS))},
