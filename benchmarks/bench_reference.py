@@ -17,7 +17,6 @@ JSON: results/bench_reference.json.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -30,17 +29,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-
-def int8_candidate(work: Path) -> Path:
-    """The default model quantized to int8 per channel (compare_evidence's construction), written once."""
-    dest = work / "smollm2-135m-int8"
-    if not dest.exists():
-        spec = importlib.util.spec_from_file_location("compare_evidence", ROOT / "scripts" / "compare_evidence.py")
-        evidence = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(evidence)
-        evidence.write_folder(evidence.resolve_model("smollm2-135m").path, dest, evidence._quantize(8, None))
-    return dest
+from golden_digests import int8_copy  # noqa: E402  (the default model quantized to int8 per channel)
 
 
 def texts_dataset(work: Path) -> Path:
@@ -82,7 +73,7 @@ def main() -> None:
     args = ap.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="apcscore-bench-reference-"))
     work.mkdir(parents=True, exist_ok=True)
-    cand = int8_candidate(work)
+    cand = int8_copy(work)
     data = texts_dataset(work) if args.data == "texts" else Path(args.data)
     common = [str(data), "--model", str(cand), "--prompt-logprobs", str(args.prompt_logprobs)]
     modes = {"alone": common, "paired": [*common, "--reference-model", "smollm2-135m"]}

@@ -73,6 +73,8 @@ def load_paired_engine(model: LoadedModel | str, reference: LoadedModel | str, c
     ref_engine = Engine.from_model(reference, config)
     if not sized:  # both built with a placeholder pool: now the memory left by both is known
         resize_pools(engine, ref_engine, shared_num_kv_blocks(engine, ref_engine))
+    if ref_engine.info.max_model_len < engine.info.max_model_len:  # both models must take every scored position
+        engine.info = dataclasses.replace(engine.info, max_model_len=ref_engine.info.max_model_len)
     engine.runner.reference = ref_engine.runner
     engine.reference = ref_engine
     if engine.batch_invariant and not ref_engine.batch_invariant:
