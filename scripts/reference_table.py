@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
@@ -43,7 +45,10 @@ def bound_copy(src: Path, dest: Path, k: int) -> Path:
     t = pq.read_table(src)
     t = t.drop_columns([c for c in EXACT if c in t.column_names])
     for name in ("top_ids", "top_logprobs"):
-        t = t.set_column(t.column_names.index(name), name, pc.list_slice(t[name], 0, k))
+        outer = t[name].combine_chunks()  # [records] of [positions] of [K]: cut the innermost lists
+        inner = pc.list_slice(outer.flatten(), 0, k)
+        t = t.set_column(t.column_names.index(name), name,
+                         pa.ListArray.from_arrays(outer.offsets, inner, mask=outer.is_null()))
     pq.write_table(t, dest)
     return dest
 
@@ -61,7 +66,7 @@ def main() -> None:
     base = work / "base.parquet"
     if not base.exists():
         ev.score(base_model, args.data, base, 20, [], {})
-    rows = []
+    rows, excess = [], []  # excess: bound - exact at each position (the bound reads float32 logprobs)
     for name in CANDIDATES:
         model = work / f"model-{name}"
         if not model.exists():
@@ -71,9 +76,10 @@ def main() -> None:
             ev.score(model, args.data, out, 20, ["--reference-model", "smollm2-135m"], {})
         exact = compare_files(base, out, Thresholds())
         assert exact.kl_label.startswith("exact"), exact.kl_label
-        bounds = {k: compare_files(bound_copy(base, work / f"base-k{k}.parquet", k),
-                                   bound_copy(out, work / f"{name}-k{k}.parquet", k), Thresholds()).metrics.kld
-                  for k in (5, 20)}
+        bounded = {k: compare_files(bound_copy(base, work / f"base-k{k}.parquet", k),
+                                    bound_copy(out, work / f"{name}-k{k}.parquet", k), Thresholds()) for k in (5, 20)}
+        bounds = {k: c.metrics.kld for k, c in bounded.items()}
+        excess += [c.aligned.positions.kld - exact.aligned.positions.kld for c in bounded.values()]
         e = exact.metrics.kld
         rows.append(f"| {name} | {ev.CANDIDATES[name][1]} | {bounds[5].mean:.3g} ({bounds[5].mean / e.mean:.0%}) | "
                     f"{bounds[20].mean:.3g} ({bounds[20].mean / e.mean:.0%}) | {e.mean:.3g} | "
@@ -84,7 +90,10 @@ def main() -> None:
                        "| p99 bound, K = 20 | p99 exact | same top p |", "| --- | --- | --- | --- | --- | --- | --- "
                        "| --- |", *rows])
     n = exact.metrics.num_positions
-    table += f"\n\n{n} positions, vocabulary 49152; the bound never exceeded the exact KL at any position."
+    over = np.concatenate(excess)
+    table += (f"\n\n{n} positions, vocabulary 49152. The bound exceeded the exact KL at {int((over > 0).sum())} of "
+              f"{len(over)} (position, candidate, K) cases, by at most {over.max():.1e} nats: the float32 logprobs "
+              "the files store.")
     print(table)
     if args.update_docs:
         doc = ROOT / "docs" / "compare.md"

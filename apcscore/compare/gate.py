@@ -33,7 +33,7 @@ from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, f
                                       record_rows, token_summary)
 from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, bound_label, margin_verdict, \
     paired_stats
-from apcscore.compare.thresholds import Thresholds
+from apcscore.compare.thresholds import DEFAULT_GATE, EXACT_MEAN_KLD, Thresholds
 from apcscore.compare.reference_kl import BOUND_LABEL, EXACT_LABEL, apply_exact, candidate_alone, exact_applies, \
     reference_side
 from apcscore.errors import ApcscoreError
@@ -181,8 +181,11 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         v = need("max_mean_kld", m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both "
                  f"files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
         if v is not None:
-            exact = ", exact" if c.kl_label == EXACT_LABEL else ""  # (the top-K bound's name is unchanged)
-            add("max_mean_kld", f"mean KL(base || new){exact}", v, "<=", t.max_mean_kld, bounds("mean KL"))
+            exact = c.kl_label == EXACT_LABEL  # (the top-K bound's name is unchanged)
+            default = t.source("max_mean_kld") == "default" and t.max_mean_kld == DEFAULT_GATE["max_mean_kld"]
+            limit = EXACT_MEAN_KLD if exact and default else t.max_mean_kld
+            add("max_mean_kld", f"mean KL(base || new){', exact' if exact else ''}", v, "<=", limit,
+                bounds("mean KL"))
     if t.min_top1_agreement is not None:
         v = need("min_top1_agreement", m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files "
                  f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")

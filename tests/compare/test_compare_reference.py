@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from apcscore.cli import app
 from apcscore.compare.gate import compare_files
-from apcscore.compare.thresholds import Thresholds
+from apcscore.compare.thresholds import EXACT_MEAN_KLD, Thresholds
 from apcscore.io.writer import METADATA_KEY
 
 runner = CliRunner()
@@ -70,6 +70,9 @@ def test_compare_alone_and_against_the_baseline(runs):
     assert math.isclose(alone.metrics.ppl_ratio, pair.metrics.ppl_ratio, rel_tol=1e-9)
     assert bound.kl_label.startswith("lower bound") and bound.metrics.kld.mean <= pair.metrics.kld.mean
     assert compare_files(out["paired"], None, Thresholds(max_mean_kld=1e-9)).passed is False
+    default = next(ch for ch in compare_files(out["paired"], None, Thresholds.defaults()).checks
+                   if ch.option == "--max-mean-kld")
+    assert default.threshold == EXACT_MEAN_KLD and default.metric.endswith("exact")  # the exact figure's limit
 
 
 def test_compare_cli_says_exact(runs):
