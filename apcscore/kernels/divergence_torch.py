@@ -2,12 +2,14 @@
 KL(reference || model) over the whole vocabulary, the reference's logprob of the target, delta p (the model's
 probability of the target minus the reference's) and whether the two argmaxes agree. Imports no Triton.
 
-KL(r || m) = sum_v p_r(v) (log p_r(v) - log p_m(v)), every term in double: each row's log-sum-exp as the
-logprob path takes it (apcscore.kernels.rowmath.row_logsumexp: fp64 in a fixed order on the CPU), the
-logprobs as logit - lse in double, p_r by our double exp on the CPU (torch's elsewhere), and the sum over the
-vocabulary a fixed pairwise tree of elementwise adds (`tree_sum`): the same operations, in the same order, for a
-row whatever else is in the batch, on every CPU and thread count (and on CUDA, where torch's double exp and log
-are per GPU model anyway). Entries the reference gives probability 0 contribute 0.
+KL(r || m) = sum_v p_r(v) (log p_r(v) - log p_m(v)), every term in double: each row less its maximum (exact in
+double), its exps by our double exp on the CPU (torch's elsewhere), their sums and the sum over the vocabulary of
+p_r times the logprob difference each a fixed pairwise tree of elementwise adds (`tree_sum`), and our double log:
+the same operations, in the same order, for a row whatever else is in the batch, on every CPU and thread count
+(and on CUDA, where torch's double exp and log are per GPU model anyway). Entries the reference gives probability 0
+contribute 0. Both log-sum-exps are taken this way, not with the logprob path's fp32 exps: their ~1e-7 would move
+a KL of 1e-3 by 1e-4 of itself. The reference's token logprob is the logprob path's (the bits the reference alone
+gives).
 
 Rows are taken `TILE_ROWS` at a time, so the double temporaries stay O(tile x vocab) within the caller's
 O(chunk x vocab) logits.
@@ -35,21 +37,21 @@ def tree_sum(x: torch.Tensor) -> torch.Tensor:
     return x[..., 0]
 
 
-def _lse(logits: torch.Tensor) -> torch.Tensor:
-    """The row log-sum-exp [N] in float64: the logprob path's on the CPU (rowmath.row_logsumexp), elsewhere
-    max + log(tree_sum(exp(x - max))) in double."""
-    if rowmath.ours(logits):
-        return rowmath.row_logsumexp(logits)
-    x = logits.double()
-    top = x.amax(dim=-1, keepdim=True)  # [N, 1]
-    return (top + torch.log(tree_sum(torch.exp(x - top))[:, None]))[:, 0]
-
-
-def _exp(x: torch.Tensor) -> torch.Tensor:
-    """exp of a float64 tensor: our double exp on the CPU (the same bits everywhere), torch's elsewhere."""
+def _map(fn: int, x: torch.Tensor) -> torch.Tensor:
+    """exp or log (cpu_math.D_EXP / D_LOG) of a float64 tensor: ours on the CPU (the same bits everywhere),
+    torch's elsewhere."""
     if rowmath.ours(x):
-        return cpu_math.map_double(cpu_math.D_EXP, x).view(x.shape)
-    return torch.exp(x)
+        return cpu_math.map_double(fn, x).view(x.shape)
+    return torch.exp(x) if fn == cpu_math.D_EXP else torch.log(x)
+
+
+def _shifted_exp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [n, V] fp32 -> x = logit - row max [n, V] f64 (exact), e = exp(x) [n, V] f64, S = tree_sum(e) [n]:
+    every double, so log S, and with it each logprob x - log S, is good to ~1e-16 (the fp32 exps of the logprob
+    path's log-sum-exp leave ~1e-7 in it, which would move a small KL by as much)."""
+    x = logits.double() - logits.amax(dim=-1, keepdim=True).double()
+    e = _map(cpu_math.D_EXP, x)
+    return x, e, tree_sum(e)
 
 
 def row_divergence(logits: torch.Tensor, ref_logits: torch.Tensor, targets: torch.Tensor
@@ -71,15 +73,19 @@ def row_divergence(logits: torch.Tensor, ref_logits: torch.Tensor, targets: torc
 
 
 def _tile(logits: torch.Tensor, ref_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """row_divergence of at most TILE_ROWS rows."""
-    lp = logits.double() - _lse(logits)[:, None]  # [n, V] f64: the model's logprobs
-    ref_lp = ref_logits.double() - _lse(ref_logits)[:, None]  # [n, V] f64: the reference's
-    ref_p = _exp(ref_lp)  # [n, V]
-    terms = torch.where(ref_p > 0, ref_p * (ref_lp - lp), 0.0)  # p_r (log p_r - log p_m); 0 where p_r is 0
-    kl = tree_sum(terms)  # [n]
-    del terms
+    """row_divergence of at most TILE_ROWS rows. With x, y the two rows less their maxima, e = exp, S = sum e:
+    KL = sum_v p_r (y - ln S_r - x + ln S_m) = (sum_v e_r (y - x)) / S_r + ln S_m - ln S_r (as sum p_r = 1)."""
     at = targets[:, None]
-    target_lp, target_ref_lp = lp.gather(1, at), ref_lp.gather(1, at)  # [n, 1] f64
-    delta_p = (_exp(target_lp) - _exp(target_ref_lp))[:, 0]
+    x, e, s_m = _shifted_exp(logits)  # the model's
+    p_target = e.gather(1, at)[:, 0] / s_m
+    del e
+    y, e_r, s_r = _shifted_exp(ref_logits)  # the reference's
+    terms = torch.where(e_r > 0, e_r * (y - x), 0.0)  # 0 where the reference's probability is 0
+    logs = _map(cpu_math.D_LOG, torch.stack([s_m, s_r]))  # [2, n]
+    kl = tree_sum(terms) / s_r + (logs[0] - logs[1])  # [n]
+    delta_p = p_target - e_r.gather(1, at)[:, 0] / s_r
+    # the reference's token logprob as the logprob path computes it alone (its log-sum-exp), rounded once
+    lse = rowmath.row_logsumexp(ref_logits) if rowmath.ours(ref_logits) else ref_logits.amax(-1).double() + logs[1]
+    ref_lp = (ref_logits.gather(1, at)[:, 0].double() - lse).float()
     agree = logits.argmax(dim=-1) == ref_logits.argmax(dim=-1)
-    return kl, target_ref_lp[:, 0].float(), delta_p, agree
+    return kl, ref_lp, delta_p, agree
