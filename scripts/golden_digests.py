@@ -9,8 +9,10 @@ The runs (on the embedded default model unless --model): score of datasets/sampl
 multiple-choice set datasets/sample_choices.jsonl, perplexity of the first text of datasets/sample_texts.jsonl
 (window 256, stride 128), greedy and seeded-sampled generation of the sample prompts (16 tokens, with the sampled
 tokens' logprobs), each in float32 and bfloat16 (`generate-scored`, for other models: 8 sampled tokens with the
-prompts' logprobs too, every path in one run). A digest covers every column of the result file but `id`
-and `status` (each value written exactly: floats as their hex form), so any differing bit changes it.
+prompts' logprobs too, every path in one run), and `score-reference`: the default model's weights quantized to int8
+(per channel, round to nearest: scripts/compare_evidence.py's int8 candidate, a deterministic construction)
+scored with `--reference-model smollm2-135m`, the exact KL columns. A digest covers every column of the result file
+but `id` and `status` (each value written exactly: floats as their hex form), so any differing bit changes it.
 
 tests/golden_digests.json holds the digests committed with the code; tests/engine/test_portable_bits.py recomputes them
 on the machine it runs on (CI lands on Intel and AMD CPUs at random) and under forced instruction sets. If a
@@ -43,8 +45,11 @@ RUNS: dict[str, list[str]] = {
     # one run through every path (scored prefill, decode, sampling), for the many small models of the tests
     "generate-scored": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "8", "--temperature", "0.8",
                         "--top-p", "0.95", "--seed", "1234", "--logprobs", "3", "--prompt-logprobs", "5"],
+    # the exact divergence of an int8 copy of the default model from it (INT8: that copy, made by int8_copy)
+    "score-reference": ["score", "{data}/sample_prompts.jsonl", "--prompt-logprobs", "5", "--model", "{int8}",
+                        "--reference-model", "smollm2-135m"],
 }
-GOLDEN_RUNS = ["score", "choices", "perplexity", "generate-greedy", "generate-sampled"]
+GOLDEN_RUNS = ["score", "choices", "perplexity", "generate-greedy", "generate-sampled", "score-reference"]
 NOT_BITS = {"id", "status"}
 
 
@@ -87,7 +92,8 @@ def compute(models: list[str | None], runs: list[str], dtypes: list[str]) -> dic
             for name in runs:
                 for dtype in dtypes:
                     result_file = Path(tmp) / f"{prefix}{name}-{dtype}.parquet"
-                    args = [a.format(data=DATA) for a in RUNS[name]]
+                    int8 = int8_copy(Path(tmp)) if "{int8}" in RUNS[name] else ""
+                    args = [a.format(data=DATA, int8=int8) for a in RUNS[name]]
                     args += ["--dtype", dtype, "--out", str(result_file), "--quiet"]
                     if model:
                         args += ["--model", model]
@@ -96,6 +102,20 @@ def compute(models: list[str | None], runs: list[str], dtypes: list[str]) -> dic
                         raise SystemExit(f"apcscore {' '.join(args)} failed ({res.exit_code}):\n{res.output}")
                     out[f"{prefix}{name}/{dtype}"] = digest(result_file)
     return out
+
+
+def int8_copy(tmp: Path) -> Path:
+    """The default model with its projections quantized to int8 per channel (compare_evidence's int8 candidate:
+    amax, division, round half to even, product: the same bits on every machine), written once into tmp."""
+    import importlib.util
+
+    dest = tmp / "smollm2-135m-int8"
+    if not dest.exists():
+        spec = importlib.util.spec_from_file_location("compare_evidence", ROOT / "scripts" / "compare_evidence.py")
+        evidence = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(evidence)
+        evidence.write_folder(evidence.resolve_model("smollm2-135m").path, dest, evidence._quantize(8, None))
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -204,8 +204,11 @@ def small_bpe_tokenizer(tokenizer, size: int = 1024):
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), **specials)
 
 
-def write_gguf(model_dir: Path, out: Path, *, name: str = "tiny", f16: bool = False) -> Path:
-    """Write `model_dir` (config.json, model.safetensors, tokenizer.json) as the GGUF file `out`; return it."""
+def write_gguf(model_dir: Path, out: Path, *, name: str = "tiny", f16: bool = False, quant: str | None = None) -> Path:
+    """Write `model_dir` (config.json, model.safetensors, tokenizer.json) as the GGUF file `out`; return it.
+
+    quant: a GGML block type gguf-py quantizes ("Q8_0", "Q5_1", "Q4_0", ...) for every 2-D tensor whose rows are
+    whole blocks (as llama.cpp's quantize; the others stay float32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -222,8 +225,12 @@ def write_gguf(model_dir: Path, out: Path, *, name: str = "tiny", f16: bool = Fa
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16 if f16 else gguf.LlamaFileType.ALL_F32)
     _add_hparams(w, arch, config)
     _add_tokenizer(w, model_dir)
+    qtype = getattr(gguf.GGMLQuantizationType, quant) if quant else None
     for tensor_name, value in tensors.items():
-        w.add_tensor(tensor_name, value.astype(np.float16) if f16 and value.ndim > 1 else value)
+        if qtype is not None and value.ndim == 2 and value.shape[1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0:
+            w.add_tensor(tensor_name, gguf.quants.quantize(value, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(tensor_name, value.astype(np.float16) if f16 and value.ndim > 1 else value)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

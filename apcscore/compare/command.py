@@ -30,8 +30,9 @@ def compare(
     baseline: Annotated[Path, typer.Argument(help="Result file of the reference run (apcscore score / perplexity), "
                                                   "or its apcscore eval output folder.",
                                              show_default=False)],
-    candidate: Annotated[Path, typer.Argument(help="Result file (or eval folder) of the run under test, same data.",
-                                              show_default=False)],
+    candidate: Annotated[Optional[Path], typer.Argument(
+        help="Result file (or eval folder) of the run under test, same data. Left out: the baseline file was scored "
+             "with --reference-model and is compared with its reference (exact KL).", show_default=False)] = None,
     max_ppl_ratio: Annotated[Optional[float], typer.Option(
         help="Fail when PPL_new / PPL_base is above this (e.g. 1.01).")] = None,
     max_mean_kld: Annotated[Optional[float], typer.Option(
@@ -115,7 +116,10 @@ def compare(
         thresholds = thresholds.override(Thresholds(
             max_ppl_ratio, max_mean_kld, min_top1_agreement, max_abs_logprob_diff, max_accuracy_drop, max_new_errors,
             max_excluded_fraction, max_broken, significance, decision).given("option"))
-        if baseline.is_dir() or candidate.is_dir():  # two `apcscore eval` folders
+        if candidate is None and (baseline.is_dir() or exact):
+            raise ApcscoreError("one file alone is compared with the reference it was scored against (score "
+                                "--reference-model): give a result file, and a candidate file for --exact")
+        if candidate is not None and (baseline.is_dir() or candidate.is_dir()):  # two `apcscore eval` folders
             from apcscore.compare.eval_report import run_eval_compare
 
             if common_records:

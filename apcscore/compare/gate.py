@@ -33,7 +33,9 @@ from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, f
                                       record_rows, token_summary)
 from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, bound_label, margin_verdict, \
     paired_stats
-from apcscore.compare.thresholds import Thresholds
+from apcscore.compare.thresholds import DEFAULT_GATE, EXACT_MEAN_KLD, Thresholds
+from apcscore.compare.reference_kl import BOUND_LABEL, EXACT_LABEL, apply_exact, candidate_alone, exact_applies, \
+    reference_side
 from apcscore.errors import ApcscoreError
 
 
@@ -85,6 +87,7 @@ class Comparison:
     stats: PairedStats | None = None  # McNemar tests, bootstrap intervals, minimum detectable effects
     broken: Broken = field(default_factory=Broken)  # NaN, +-inf, one-sided positions: left out of every figure
     left_out: LeftOut = field(default_factory=LeftOut)  # records not in both files alike (--common-records)
+    kl_label: str = "lower bound from top-K"  # or exact (compare/reference_kl.py)
 
     @property
     def passed(self) -> bool:
@@ -178,7 +181,11 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         v = need("max_mean_kld", m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both "
                  f"files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
         if v is not None:
-            add("max_mean_kld", "mean KL(base || new)", v, "<=", t.max_mean_kld, bounds("mean KL"))
+            exact = c.kl_label == EXACT_LABEL  # (the top-K bound's name is unchanged)
+            default = t.source("max_mean_kld") == "default" and t.max_mean_kld == DEFAULT_GATE["max_mean_kld"]
+            limit = EXACT_MEAN_KLD if exact and default else t.max_mean_kld
+            add("max_mean_kld", f"mean KL(base || new){', exact' if exact else ''}", v, "<=", limit,
+                bounds("mean KL"))
     if t.min_top1_agreement is not None:
         v = need("min_top1_agreement", m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files "
                  f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
@@ -200,21 +207,28 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
             if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
                 add("max_accuracy_drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
                     "<=", t.max_accuracy_drop, tests.get("acc_norm"))
-    if c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 and t.max_mean_kld is not None:
+    if c.kl_label == BOUND_LABEL and c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 \
+            and t.max_mean_kld is not None:
         c.notes.append(f"the KL bound is loose at K = {min(c.base.top_k, c.new.top_k)} (the default limit was chosen "
                        "at K = 5 and 20): score with --prompt-logprobs 5 or more for a gate that sees the tails")
     return checks
 
 
-def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None = None,
+def compare_files(baseline: Path, candidate: Path | None, thresholds: Thresholds | None = None,
                   samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED, common_records: bool = False) -> Comparison:
     """Compare two apcscore result files of the same dataset; raise ApcscoreError when they are not comparable.
 
     `samples` and `seed` set the paired bootstrap (apcscore.compare.stats), at the level of
     `thresholds.significance` (0.05 when unset). `common_records` (--common-records): compare the records present
     and identical in both files, leaving the others out (`Comparison.left_out`), where they would be refused.
+    candidate None: `baseline` is a file of `score --reference-model`, compared with its reference side alone.
     """
-    base, new = load_result_file(baseline, "baseline"), load_result_file(candidate, "candidate")
+    if candidate is None:
+        run = load_result_file(baseline, "result")
+        base, new = reference_side(run), candidate_alone(run)
+    else:
+        base, new = load_result_file(baseline, "baseline"), load_result_file(candidate, "candidate")
+    exact = exact_applies(base, new)  # KL and top-1 from the candidate's exact columns (compare/reference_kl.py)
     check_same_run_kind(base, new)
     bt, nt, left_out = match_records(base, new, common_records)  # joined by id; other records refused or left out
     ok, excluded = split_excluded(bt, nt)
@@ -228,13 +242,15 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
         notes.append(f"no token_ids in {where}: the tokenizers were compared by token counts only")
     vocab = base.vocab_size or new.vocab_size
     tokens = has_ids and base.has("token_logprobs") and new.has("token_logprobs")
-    topk = tokens and all(f.has(c) for f in (base, new) for c in ("top_ids", "top_logprobs"))
+    topk = tokens and not exact and all(f.has(c) for f in (base, new) for c in ("top_ids", "top_logprobs"))
     bad_records, broken = broken_records(bt, nt)  # per-record figures that are NaN, +-inf or one-sided
     if bad_records.any():
         broken.records = int(bad_records.sum())
         broken.examples = bt["id"].filter(pa.array(bad_records)).to_pylist()[:5]
         bt, nt = bt.filter(~bad_records), nt.filter(~bad_records)
     pos, kb, kn = position_data(bt, nt, topk, vocab, broken) if tokens else (None, 0, 0)
+    if exact and pos is not None:
+        apply_exact(pos, nt)
     inferred = False
     if vocab is None and tokens:
         ids_max = [pc.max(pc.list_flatten(t["token_ids"])).as_py() for t in (bt, nt) if len(t)]
@@ -255,7 +271,7 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
                          f"not computed; {_KLD_HINT}")
     elif tokens:
         notes.append("no position was scored in both files (multiple-choice records carry no per-token logprobs)")
-    if tokens and not topk:
+    if tokens and not topk and not exact:
         where = "one file" if base.has("top_ids") or new.has("top_ids") else "either file"
         notes.append(f"no top_ids/top_logprobs in {where}: KL and top-1 agreement not computed; {_KLD_HINT}")
     notes += record_level(m, bt, nt)
@@ -266,7 +282,8 @@ def compare_files(baseline: Path, candidate: Path, thresholds: Thresholds | None
                      f"(listed): {left_out.describe()}")
     c = Comparison(file_info(base, kb), file_info(new, kn), vocab, inferred,
                    bt.num_rows + len(excluded) + int(bad_records.sum()), bt.num_rows, m, records, flips(bt, nt),
-                   excluded, [], notes, Aligned(bt, nt, pos), broken=broken, left_out=left_out)
+                   excluded, [], notes, Aligned(bt, nt, pos), broken=broken, left_out=left_out,
+                   kl_label=EXACT_LABEL if exact else BOUND_LABEL)
     thresholds = thresholds if thresholds is not None else Thresholds()
     if bt.num_rows:
         c.stats = paired_stats(bt, nt, pos, thresholds.alpha, samples, seed)

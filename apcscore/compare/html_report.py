@@ -119,7 +119,7 @@ def _figures(c: Comparison) -> list[tuple[str, object]]:
                                          "Δ logprob, nats", "#0969da"))]
     kl = pos.kld[~np.isnan(pos.kld)]
     if len(kl):
-        figs.append(("plot-kl", _histogram(kl, "KL(base ‖ new) per token (lower bound from top-K)", "KL, nats",
+        figs.append(("plot-kl", _histogram(kl, f"KL(base ‖ new) per token ({c.kl_label})", "KL, nats",
                                            "#8250df")))
     if (scatter := _scatter(c)) is not None:
         figs.append(("plot-scatter", scatter))

@@ -24,6 +24,7 @@ _COLUMNS = (
     "id", "status", "error", "num_tokens", "num_scored", "sum_logprob", "perplexity", "num_words", "num_bytes",
     "token_ids", "token_logprobs", "top_ids", "top_logprobs",
     "pred", "pred_norm", "correct", "correct_norm", "answer", "choice_logprobs", "continuation_num_tokens",
+    "ref_token_logprobs", "token_kl", "token_top1_agree",  # score --reference-model (compare/reference_kl.py)
 )
 
 

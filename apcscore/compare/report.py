@@ -147,7 +147,7 @@ def _extra_tables(c: Comparison) -> list[tuple[str, Row, list[Row]]]:
     out = []
     if c.metrics.kld is not None:
         head, row = _kld_row(c.metrics.kld)
-        out.append(("KL(base || new) per position, nats (lower bound from top-K)", head, [row]))
+        out.append((f"KL(base || new) per position, nats ({c.kl_label})", head, [row]))
     if c.metrics.delta_p is not None:
         head, row = _delta_p_row(c.metrics.delta_p)
         out.append(("Delta p of the target token per position (candidate - baseline)", head, [row]))

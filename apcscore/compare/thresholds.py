@@ -102,6 +102,10 @@ SETTINGS = ("significance", "decision")
 # projection) start at KL 0.010, top-1 0.91, PPL ratio 1.012. Each limit sits between, about twice from each side.
 DEFAULT_GATE: dict[str, float] = {"max_ppl_ratio": 1.01, "max_mean_kld": 0.005, "min_top1_agreement": 0.93,
                                   "max_accuracy_drop": 0.02}
+# The default max_mean_kld where the KL is exact (score --reference-model), not the K = 5 bound the limit above was
+# chosen on: the bound is ~0.6x the exact mean at K = 5 (docs/compare.md, "Exact KL"); on the sample prompts the
+# harmless candidates reach exact KL 0.0056 and the damaging ones start at 0.022.
+EXACT_MEAN_KLD = 0.01
 
 
 def _key_line(text: str, key: str) -> int:

@@ -25,17 +25,23 @@ from apcscore.models.decoders import decoder_class
 AnyEngine = Union[Engine, TransformersEngine]
 
 
-def load_engine(model: LoadedModel | str, config: EngineConfig | None = None) -> AnyEngine:
+def load_engine(model: LoadedModel | str, config: EngineConfig | None = None,
+                reference: LoadedModel | str | None = None) -> AnyEngine:
     """Build the engine that runs `model` (a `load_model` value, or a spec for it: alias, Hugging Face folder or
     .gguf path): the native `Engine` or the transformers fallback, as --model-backend says.
 
     The device checks are made here, once, before the model is located: a Triton backend without a GPU and
     --device cuda without one are refused before any weights are read; so is an architecture no path runs.
+    reference: a reference model beside it (score --reference-model; engine/reference.py), native only.
     """
     config = config or EngineConfig()
     check_backend_device(config)
     resolve_dtype(config.dtype, resolve_device(config.device))
     model = loaded(model)
+    if reference is not None:
+        from apcscore.engine.reference import load_paired_engine
+
+        return load_paired_engine(model, reference, config)
     if choose_model_backend(model.config, config.model_backend) == "transformers":
         check_single_device(model.config, config)
         return TransformersEngine.from_model(model, config)

@@ -23,10 +23,13 @@ LogprobFn = Callable[..., tuple[torch.Tensor, ...]]  # (logits [N, V], targets [
 def chunked_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                            targets: torch.Tensor, k: int, chunk_size: int,
                            fn: LogprobFn = token_logprobs_torch, ranks: bool = True,
-                           scratch: Scratch | None = None) -> TokenLogprobs:
+                           scratch: Scratch | None = None,
+                           beside: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> TokenLogprobs:
     """Project `hidden` [N, H] to the vocabulary chunk by chunk and score `targets` [N] (ranks: see fn).
 
     scratch (torch fn only): compute_logits(h, out) writes into it and fn reuses it; see Scratch.
+    beside: called after each chunk with (its first row, its logits [chunk, V], its targets [chunk]), while
+    the logits are alive (the reference model's divergence, engine/reference.py).
     """
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, hidden.shape[0], chunk_size):
@@ -36,6 +39,8 @@ def chunked_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor
         else:
             logits = compute_logits(hidden[start:start + chunk_size], scratch)
             parts.append(fn(logits, targets[start:start + chunk_size], k, ranks=ranks, scratch=scratch))
+        if beside is not None:
+            beside(start, logits, targets[start:start + chunk_size])
     if not parts:
         return TokenLogprobs.concat([], k)
     lp, ranks, top_ids, top_lp = (torch.cat([p[i] for p in parts]) for i in range(4))

@@ -16,6 +16,7 @@ from apcscore.attention.metadata import AttentionMetadata, set_attention_metadat
 from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
+from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, StepOutput, TokenLogprobs
 from apcscore.engine.score_store import publishes
@@ -39,6 +40,7 @@ class ModelRunner:
         self.base_seed = base_seed
         self.logprob_fn = logprob_fn
         self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
+        self.reference: ModelRunner | None = None  # the reference model's runner, same pool size (engine/reference.py)
         self.rope_offset = model.long_rope_after or 0  # long-rope sequences' table rows (step_inputs)
         # big logprob temporaries are reused on the CPU (the torch fn); CUDA's caching allocator reuses them anyway
         self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
@@ -88,7 +90,8 @@ class ModelRunner:
         if hidden is None:
             hidden = self._forward(batch)  # [T, H]
         captured = self._block_hidden(batch, hidden) if self.capture_block_hidden else []
-        prompt_lps, alternatives = self._score_prompts(batch, hidden)
+        ref_hidden = self.reference._forward(batch) if self.reference is not None else None  # [T, H]; fills its KV
+        prompt_lps, alternatives = self._score_prompts(batch, hidden, ref_hidden)
         return StepOutput(prompt_lps, self._sample(batch, hidden), captured, alternatives)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
@@ -130,7 +133,7 @@ class ModelRunner:
             out = scratch.get("logits", (padded_rows(hidden.shape[0]), vocab), torch.float32, hidden.device)
         return self.model.compute_logits(hidden, out)
 
-    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor
+    def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor, ref_hidden: torch.Tensor | None = None
                        ) -> tuple[list[tuple[Sequence, PromptLogprobs]], list[tuple[Sequence, TokenLogprobs]]]:
         """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see, and a
         sequence's last-token alternatives once its last prompt token is scored: more rows of the same hidden
@@ -166,7 +169,7 @@ class ModelRunner:
             return [], []
         k = max(seq.request.prompt_logprobs for seq, *_ in spans)
         lps = self._token_logprobs(hidden, rows, extra, targets, k,
-                                   any(seq.request.prompt_logprob_ranks for seq, *_ in spans))
+                                   any(seq.request.prompt_logprob_ranks for seq, *_ in spans), ref_hidden)
         out = [(seq, PromptLogprobs(**vars(lps.rows(first, first + count, seq.request.prompt_logprobs)),
                                     positions=np.arange(pos0, pos0 + count, dtype=np.int64)))
                for seq, first, count, pos0 in spans]
@@ -175,15 +178,22 @@ class ModelRunner:
         return out, alternatives
 
     def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], extra: list[torch.Tensor], targets: list[int],
-                        k: int, ranks: bool) -> TokenLogprobs:
+                        k: int, ranks: bool, ref_hidden: torch.Tensor | None = None) -> TokenLogprobs:
         """Score targets[i] from row rows[i] of hidden [T, H] followed by the `extra` rows (stored boundary
-        hidden states [H] each): logprob, rank (if ranks) and top-k, in logprobs_chunk_size row chunks."""
+        hidden states [H] each): logprob, rank (if ranks) and top-k, in logprobs_chunk_size row chunks; with the
+        reference's hidden states [T, H] (no extra rows: no exact reuse), its divergence at each row too."""
         if extra:
             hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
         dev = hidden.device
-        return chunked_token_logprobs(self._logits, hidden[torch.tensor(rows, device=dev)],
-                                      torch.tensor(targets, dtype=torch.int64, device=dev), k,
-                                      self.logprobs_chunk_size, self.logprob_fn, ranks=ranks, scratch=self.scratch)
+        index = torch.tensor(rows, device=dev)
+        paired = None if ref_hidden is None or self.reference is None else \
+            PairedRows(self.reference._logits, self.reference.scratch, ref_hidden[index])
+        lps = chunked_token_logprobs(self._logits, hidden[index], torch.tensor(targets, dtype=torch.int64, device=dev),
+                                     k, self.logprobs_chunk_size, self.logprob_fn, ranks=ranks, scratch=self.scratch,
+                                     beside=paired)
+        if paired is not None:
+            lps.divergence = paired.result()
+        return lps
 
     def _rows_logits(self, hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
         """fp32 logits [S, V] of rows `rows` (ascending) of hidden [T, H]."""

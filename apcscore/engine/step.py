@@ -103,6 +103,27 @@ class Request:
 
 
 @dataclass
+class Divergence:
+    """The exact divergence from a reference model (`score --reference-model`) at scored rows, as numpy arrays:
+    KL(reference || model) over the whole vocabulary, the reference's logprob of the token, delta p
+    (p_model(token) - p_ref(token)) and whether the two models' argmaxes agree (kernels/divergence_torch.py)."""
+
+    ref_logprobs: np.ndarray  # [n] float32
+    kl: np.ndarray  # [n] float64
+    delta_p: np.ndarray  # [n] float64
+    top1_agree: np.ndarray  # [n] bool
+
+    @staticmethod
+    def concat(parts: list["Divergence"]) -> "Divergence":
+        return Divergence(*(np.concatenate([getattr(p, f) for p in parts]) for f in
+                            ("ref_logprobs", "kl", "delta_p", "top1_agree")))
+
+    def rows(self, start: int, stop: int) -> "Divergence":
+        return Divergence(self.ref_logprobs[start:stop], self.kl[start:stop], self.delta_p[start:stop],
+                          self.top1_agree[start:stop])
+
+
+@dataclass
 class TokenLogprobs:
     """Logprobs of a run of tokens (scored prompt positions, or sampled tokens), as numpy arrays.
 
@@ -115,6 +136,7 @@ class TokenLogprobs:
     ranks: np.ndarray  # [n] int64
     top_ids: np.ndarray  # [n, K] int64
     top_logprobs: np.ndarray  # [n, K] float32
+    divergence: Divergence | None = None  # from the reference model, where the engine has one
 
     @staticmethod
     def concat(parts: list["TokenLogprobs"], k: int) -> "TokenLogprobs":
@@ -123,8 +145,10 @@ class TokenLogprobs:
                 np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
                 np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
             )
+        divergence = Divergence.concat([p.divergence for p in parts]) \
+            if all(p.divergence is not None for p in parts) else None
         return TokenLogprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                               ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")))
+                               ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")), divergence)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -132,7 +156,8 @@ class TokenLogprobs:
     def rows(self, start: int, stop: int, k: int | None = None) -> "TokenLogprobs":
         """Rows start..stop-1, their top-K columns cut to k when given."""
         return TokenLogprobs(self.token_ids[start:stop], self.token_logprobs[start:stop], self.ranks[start:stop],
-                             self.top_ids[start:stop, :k], self.top_logprobs[start:stop, :k])
+                             self.top_ids[start:stop, :k], self.top_logprobs[start:stop, :k],
+                             None if self.divergence is None else self.divergence.rows(start, stop))
 
 
 @dataclass

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from apcscore.jobs.base import (COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nll_summary, sum_logprobs,
                                 token_columns)
+from apcscore.jobs.reference_columns import NULL_COLUMNS, REFERENCE_FIELDS, DivergenceSummary, reference_columns
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, group_by_last_token, mean_stderr,
                                          prefix_token_id, trim_top)
@@ -54,6 +55,8 @@ class ScoreJob(Job):
         self._cont_greedy: list[float] = []
         self._correct: list[float] = []
         self._correct_norm: list[float] = []
+        self.reference = options.reference_model  # score --reference-model: the divergence columns
+        self._divergence = DivergenceSummary()
 
     def schema(self) -> pa.Schema:
         return pa.schema(COMMON_FIELDS + [
@@ -62,7 +65,7 @@ class ScoreJob(Job):
             pa.field("sum_logprob", pa.float64()),
             pa.field("mean_nll", pa.float64()),
             pa.field("perplexity", pa.float64()),
-        ] + LOGLIKELIHOOD_FIELDS + TOKEN_FIELDS)
+        ] + LOGLIKELIHOOD_FIELDS + TOKEN_FIELDS + (REFERENCE_FIELDS if self.reference else []))
 
     @property
     def prefix_id(self) -> int:
@@ -101,7 +104,7 @@ class ScoreJob(Job):
 
     def row(self, plan: RecordPlan, outputs: list[RequestOutput]) -> dict:
         record = plan.record
-        base = {"id": record.id, "status": "ok", "error": None}
+        base = {"id": record.id, "status": "ok", "error": None, **(NULL_COLUMNS if self.reference else {})}
         if record.kind == "choices":
             assert isinstance(plan, ScorePlan) and plan.choices is not None
             choices = plan.choices  # (its request, its last token) per choice
@@ -115,6 +118,8 @@ class ScoreJob(Job):
         n_scored = len(lps) if lps is not None else 0
         row = {**base, "num_tokens": len(out.prompt_token_ids), "num_scored": n_scored,
                **nll_summary(total, n_scored), **token_columns(out.prompt_token_ids, lps)}
+        if self.reference:
+            row.update(reference_columns(len(out.prompt_token_ids), lps))
         if record.kind == "continuation":
             score = continuation_score(out)
             row.update(continuation_logprob=score.logprob, continuation_num_tokens=score.num_tokens,
@@ -124,6 +129,7 @@ class ScoreJob(Job):
     def observe(self, row: dict) -> None:
         if row.get("status") != "ok":
             return
+        self._divergence.observe(row)
         if row.get("choice_logprobs") is not None:
             self._correct.append(float(row["correct"]))
             self._correct_norm.append(float(row["correct_norm"]))
@@ -152,7 +158,7 @@ class ScoreJob(Job):
                 n = len(values)
                 spread = f" ± {err:.4f}" if math.isfinite(err) else ""  # no standard error from one question
                 lines.append((label, f"{mean:.4f}{spread} ({n:,} question{'s' if n != 1 else ''})"))
-        return lines
+        return lines + self._divergence.lines()
 
     def metadata(self) -> dict:
         return {"prompt_logprobs": self.k}

@@ -107,6 +107,10 @@ class ScoreOptions(RequestOptions):
 
     prompt_logprobs: int = option(0, "Top-K alternatives per prompt token (0 = the token's own logprob and rank "
                                   "only).", at_least=0)  # score always scores: own logprob and rank
+    reference_model: str | None = option(  # engine/reference.py; the columns: jobs/reference_columns.py
+        None, "A reference model (alias, Hugging Face folder or .gguf) with the same tokenizer: add each scored "
+        "token's exact KL(reference || model) over the whole vocabulary, the reference's logprob, delta p and "
+        "top-1 agreement, and each record's mean_kl (`apcscore compare` gates on them).")
 
 
 @dataclass(frozen=True, kw_only=True)

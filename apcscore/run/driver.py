@@ -115,6 +115,11 @@ def prepare(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: 
     opts = resolve_options(command, cli_opts, config_path)
     cfg = opts.engine
     check_model_spec(opts.model)
+    if getattr(opts, "reference_model", None):  # score --reference-model (engine/reference.py)
+        check_model_spec(opts.reference_model)
+        if opts.ray:
+            raise ApcscoreError("--reference-model runs both models in one engine, which --ray's replicas do not "
+                                "host yet: run without --ray (or split the dataset with --shard I/N and merge)")
     lines = output_format(opts) == "openai-batch"
     if lines and opts.shard:
         raise ApcscoreError("--shard writes shard files for apcscore merge, which are parquet, so it cannot write "
@@ -163,7 +168,7 @@ def open_engine(command: str, opts: RunOptions, model: LoadedModel) -> BatchEngi
 
     with warnings.catch_warnings():  # the probe's warning is printed by the driver, as one line (engine_warnings)
         warnings.filterwarnings("ignore", message="the start-up probe")
-        return load_engine(model, opts.engine)
+        return load_engine(model, opts.engine, reference=getattr(opts, "reference_model", None))
 
 
 def engine_warnings(engine: BatchEngine, cfg: EngineConfig, model: LoadedModel) -> list[tuple[str, bool]]:

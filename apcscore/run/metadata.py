@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from apcscore.engine.interface import BatchEngine
-from apcscore.engine.provenance import describe, run_header
+from apcscore.engine.provenance import describe, model_section, run_header
 from apcscore.io.tabular_input import parse_columns
 from apcscore.options.commands import RequestOptions, RunOptions
 
@@ -30,6 +30,8 @@ def run_metadata(command: str, engine: BatchEngine, job: Any, opts: RunOptions) 
     job_meta = job.metadata()
     if isinstance(opts, RequestOptions):  # score and generate
         job_meta["truncate"] = opts.truncate
+    if getattr(engine, "reference", None) is not None:  # score --reference-model: its weights change the columns
+        job_meta["reference_model"] = model_section(engine.reference)
     return {**run_header(command), **(getattr(engine, "sections", None) or describe(engine, opts.engine)),
             "tokenizer": {"class": type(tok).__name__, "name_or_path": str(getattr(tok, "name_or_path", "")),
                           "vocab_size": len(tok)},

@@ -32,7 +32,7 @@ SCRIPT = ROOT / "scripts" / "golden_digests.py"
 SETTINGS = [("default", "scalar", "1"), ("avx2", "avx2", "2"), ("avx512", "avx512", "1")]
 # the default model's runs per setting: the scalar GEMM (fmaf one element at a time) takes minutes per run, so
 # there only fp32 scoring (~3 min on 2 cores); the vector settings also sample, and run bf16
-DEFAULT_MODEL_RUNS = {"scalar": ["--runs", "score", "--dtypes", "float32"],
+DEFAULT_MODEL_RUNS = {"scalar": ["--runs", "score,score-reference", "--dtypes", "float32"],
                       "avx2": ["--runs", "score,generate-sampled"], "avx512": ["--runs", "score,generate-sampled"]}
 NATIVE_TINY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope",
                "phi3_partial", "mixtral", "qwen2_moe", "gemma2", "gemma3"]

@@ -1,0 +1,125 @@
+"""A reference model in the same run (`score --reference-model A`): the exact divergence of the model from it at
+every scored position, computed from both models' logits chunks as they are produced.
+
+The reference is a second decoder with its own KV pool of the same number of blocks, run on the same scheduled
+batches: one scheduler and block manager, the same block tables, so a block of the prefix cache holds both models'
+KV of the same tokens. Each step runs both forwards; where the logprob step projects a chunk of scored rows
+(engine/logprobs.chunked_token_logprobs), the reference's logits of the same rows are computed beside the model's
+and reduced per row (kernels/divergence_torch.row_divergence). Peak memory: both models' weights and KV pools plus
+O(chunk x vocab); nothing of the full distributions is kept.
+
+Both models must read the same token ids: their vocabularies (size and the tokenizer's token -> id map) must be
+equal. Refused with a reference: the transformers fallback, tensor parallelism and exact reuse (the score store
+holds one model's results); CUDA graphs are turned off (both pools are sized after both models are loaded).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from apcscore.config import EngineConfig
+from apcscore.engine.model_files import LoadedModel, loaded
+from apcscore.errors import ApcscoreError
+
+
+def check_same_vocabulary(model: LoadedModel, reference: LoadedModel) -> None:
+    """Refuse a reference whose token ids mean other tokens than the model's, with the reason."""
+    name, ref_name = model.files.name, reference.files.name
+    sizes = int(model.config.vocab_size), int(reference.config.vocab_size)
+    if sizes[0] != sizes[1]:
+        raise ApcscoreError(f"--reference-model {ref_name} has a vocabulary of {sizes[1]:,} entries and the model "
+                            f"{name} one of {sizes[0]:,}: the exact divergence needs both models to read the same "
+                            "token ids (the same tokenizer and vocabulary)")
+    vocab, ref_vocab = model.tokenizer.get_vocab(), reference.tokenizer.get_vocab()
+    if vocab != ref_vocab:
+        differ = sorted(set(vocab.items()) ^ set(ref_vocab.items()), key=lambda kv: kv[1])
+        token = differ[0][0]
+        raise ApcscoreError(f"--reference-model {ref_name}'s tokenizer maps tokens to other ids than the model "
+                            f"{name}'s ({len(vocab):,} vs {len(ref_vocab):,} tokens; e.g. {token!r}: "
+                            f"{vocab.get(token)} vs {ref_vocab.get(token)}): the exact divergence needs both "
+                            "models to read the same token ids")
+
+
+def check_reference_config(config: EngineConfig, model: LoadedModel, reference: LoadedModel) -> None:
+    """Refuse the settings a reference model cannot run with."""
+    from apcscore.models.architecture import choose_model_backend
+
+    if config.tensor_parallel_size > 1:
+        raise ApcscoreError("--reference-model runs on one device: drop --tensor-parallel")
+    if config.exact_reuse:
+        raise ApcscoreError("--reference-model cannot run with --exact-reuse (the score store keeps one model's "
+                            "results): drop --exact-reuse")
+    for which, m in (("the model", model), ("--reference-model", reference)):
+        if choose_model_backend(m.config, config.model_backend) != "native":
+            raise ApcscoreError(f"{which} {m.files.name} runs through the transformers fallback; the exact "
+                                "divergence needs the native engine for both models")
+
+
+def load_paired_engine(model: LoadedModel | str, reference: LoadedModel | str, config: EngineConfig) -> Any:
+    """The native engine of `model` with `reference` beside it: both checked (vocabulary, settings) before any
+    weights are read, then both built with one KV pool size (from --num-kv-blocks, else from the memory left
+    once both are loaded, shared in proportion to each model's bytes per block)."""
+    from apcscore.engine.engine import Engine
+
+    model, reference = loaded(model), loaded(reference)
+    check_reference_config(config, model, reference)
+    check_same_vocabulary(model, reference)
+    sized = config.num_kv_blocks is not None
+    config = dataclasses.replace(config, use_cuda_graphs=False, num_kv_blocks=config.num_kv_blocks or 16)
+    engine = Engine.from_model(model, config)
+    ref_engine = Engine.from_model(reference, config)
+    if not sized:  # both built with a placeholder pool: now the memory left by both is known
+        resize_pools(engine, ref_engine, shared_num_kv_blocks(engine, ref_engine))
+    if ref_engine.info.max_model_len < engine.info.max_model_len:  # both models must take every scored position
+        engine.info = dataclasses.replace(engine.info, max_model_len=ref_engine.info.max_model_len)
+    engine.runner.reference = ref_engine.runner
+    engine.reference = ref_engine
+    if engine.batch_invariant and not ref_engine.batch_invariant:
+        engine.batch_invariant = False
+        engine.numerics = {**engine.numerics, "batch_invariant": False,
+                           "reason": f"the reference model: {ref_engine.numerics['reason']}"}
+    return engine
+
+
+def resize_pools(engine: Any, ref_engine: Any, num_blocks: int) -> None:
+    """Give both engines' runners KV pools of `num_blocks` blocks, and `engine` a block manager and scheduler of
+    that size (the engines are new: nothing is cached or scheduled yet)."""
+    from apcscore.engine.block_manager import BlockManager
+    from apcscore.engine.kv_cache import allocate_kv_cache, check_kv_pool
+    from apcscore.engine.scheduler import Scheduler
+
+    cfg = engine.config
+    for e in (engine, ref_engine):
+        check_kv_pool(e.model.config, num_blocks, cfg.block_size, e.dtype, e.device)
+    for e in (engine, ref_engine):
+        allocate_kv_cache(e.model, num_blocks, cfg.block_size, e.dtype, e.device)
+        e.runner.num_kv_blocks = num_blocks
+    engine.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+    engine.scheduler = Scheduler(engine.block_manager, cfg.max_batch_tokens, cfg.max_num_seqs, False, None)
+
+
+def shared_num_kv_blocks(engine: Any, ref_engine: Any) -> int:
+    """The blocks both pools get: the budget one engine's pool would get (kv_cache.default_num_kv_blocks' rule,
+    with both models loaded), over both models' bytes per block."""
+    from apcscore.engine.kv_cache import cuda_pool_bytes, kv_bytes_per_block, profile_peak_memory
+
+    cfg, device, dtype = engine.config, engine.device, engine.dtype
+    per_block = sum(kv_bytes_per_block(e.model.config, cfg.block_size, dtype) for e in (engine, ref_engine))
+    if device.type == "cuda":
+        peak = max(profile_peak_memory(e.model, max_batch_tokens=cfg.max_batch_tokens,
+                                       max_model_len=e.info.max_model_len, block_size=cfg.block_size, dtype=dtype,
+                                       device=device, logits_rows=cfg.logprobs_chunk_size,
+                                       logprob_fn=e.ops.token_logprobs, k=min(cfg.max_logprobs, e.info.vocab_size))
+                   for e in (engine, ref_engine))
+        free, total = torch.cuda.mem_get_info(device)
+        non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
+        budget = cuda_pool_bytes(total, cfg.kv_cache_memory_fraction or 0.85, peak, non_torch)
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        budget = min(free * (cfg.kv_cache_memory_fraction or 0.25), 4 * 2**30)
+    return max(16, int(budget // per_block))
