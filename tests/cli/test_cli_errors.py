@@ -304,3 +304,12 @@ def test_an_engine_setting_is_named_as_the_user_gave_it(tmp_path):
         resolve_options("score", {}, config)
     with pytest.raises(ApcscoreError, match="^--block-size must be a power of two, not 12$"):
         resolve_options("score", {"block_size": 12}, None)
+
+
+def test_reference_model_with_ray_is_refused_before_loading(tmp_path, write_jsonl, tiny):
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "hi"}])
+    out = tmp_path / "o.parquet"
+    res = runner.invoke(app, ["score", str(data), "--model", tiny, "--reference-model", tiny, "--ray", "local",
+                              "--out", str(out), "--quiet"])
+    assert res.exit_code == 2 and "--reference-model" in res.output and "--ray" in res.output, res.output
+    assert not out.exists()
