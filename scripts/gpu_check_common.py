@@ -115,14 +115,14 @@ def random_hf_model(cfg, dtype, device: str):
 
 
 def make_engine(cfg, state: dict, device: str, dtype: str, backend: str, **overrides):
-    """Engine.from_parts on these weights; on CUDA with the Triton backend, decode steps replay CUDA graphs."""
+    """native_engine_from_parts on these weights; on CUDA with the Triton backend, decode steps replay CUDA graphs."""
     from apcscore.config import EngineConfig
-    from apcscore.engine.engine import Engine
+    from apcscore.engine.loader import native_engine_from_parts
 
     config = dict(device=device, dtype=dtype, attention_backend=backend, max_model_len=4096, num_kv_blocks=4096,
                   block_size=16, max_batch_tokens=8192, max_num_seqs=256, logprobs_chunk_size=2048)
     config.update(overrides)
-    return Engine.from_parts(cfg, state, IdsTokenizer(), EngineConfig(**config))
+    return native_engine_from_parts(cfg, state, IdsTokenizer(), EngineConfig(**config))
 
 
 def engine_and_state(name: str, small: bool):

@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from apcscore.config import EngineConfig
     from apcscore.engine.engine import Engine
+    from apcscore.engine.loader import native_engine_from_parts
     from apcscore.engine.step import Request, SamplingParams
     from apcscore.models.loading import LazyCheckpoint
 
@@ -48,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                 max_batch_tokens=8192, max_num_seqs=64, use_cuda_graphs=False)
 
     def engine(degree: int, **overrides) -> Engine:
-        return Engine.from_parts(cfg, LazyCheckpoint(tmp, dtype), IdsTokenizer(),
-                                 EngineConfig(**{**base, **overrides}, tensor_parallel_size=degree))
+        return native_engine_from_parts(cfg, LazyCheckpoint(tmp, dtype), IdsTokenizer(),
+                                        EngineConfig(**{**base, **overrides}, tensor_parallel_size=degree))
 
     def run(eng: Engine, requests: list) -> dict:
         return {o.request_id: o for o in eng.run(requests)}

@@ -18,6 +18,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence as Seq
 
+from apcscore.engine.counters import EngineStats
+
 
 class BlockSequence(Protocol):
     """What the manager needs of a sequence (the engine's Sequence satisfies it). A sequence may also carry
@@ -56,21 +58,6 @@ class Block:
     token_ids: tuple[int, ...] = ()
 
 
-@dataclass
-class PrefixCacheStats:
-    queried_tokens: int = 0  # prompt tokens of requests that read the cache
-    hit_tokens: int = 0  # of those, tokens served from the cache
-    # prompt tokens of scoring requests (recompute mode) that --exact-reuse could have served from the cache:
-    # blocks before the first scored position that were cached or being prefilled when the request started
-    reusable_tokens: int = 0
-    # exact reuse: scored prompt positions whose results came from the score store (engine/score_store.py)
-    score_store_hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
 class BlockManager:
     """Hands out KV blocks to sequences and finds cached prefixes."""
 
@@ -84,7 +71,7 @@ class BlockManager:
         # Blocks with ref_count 0, least recently freed first. Cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block digest -> block id
-        self.stats = PrefixCacheStats()
+        self.stats = EngineStats()  # the prefix cache's fields; an engine's whole tally (Engine.stats)
         self._num_registered: dict[int, int] = {}  # id(seq) -> leading blocks already registered
         self.on_evict: Callable[[bytes], None] | None = None  # called with a digest leaving the cache (score store)
 

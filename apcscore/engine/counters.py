@@ -1,18 +1,16 @@
-"""The engines' counters: `EngineStats` (what an engine counts as it runs) and `EngineCounters` (the snapshot
+"""The engines' counters: `EngineStats` (what an engine counts as it runs: its own steps and tokens, and its prefix
+cache's hits, which the block manager and scheduler count into the same tally) and `EngineCounters` (the snapshot
 `Engine.counters()` returns: run metadata, progress bar, the sum over Ray replicas). Torch-free."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
-
-# the fields of block_manager.PrefixCacheStats
-_PREFIX_CACHE = ("queried_tokens", "hit_tokens", "reusable_tokens", "score_store_hits")
+from dataclasses import asdict, dataclass, fields
 
 
 @dataclass
 class EngineStats:
-    """What an engine counts as it runs (the prefix cache's counters are the block manager's)."""
+    """What an engine counts as it runs; the prefix cache's fields are counted by its block manager and scheduler
+    (engine/block_manager.py), 0 on the transformers fallback."""
 
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens prefilled (cache hits excluded)
@@ -21,16 +19,27 @@ class EngineStats:
     errors: int = 0
     preemptions: int = 0
     seconds: float = 0.0
+    queried_tokens: int = 0  # prompt tokens of requests that read the prefix cache
+    hit_tokens: int = 0  # of those, tokens served from the cache
+    # prompt tokens of scoring requests (recompute mode) that --exact-reuse could have served from the cache:
+    # blocks before the first scored position that were cached or being prefilled when the request started
+    reusable_tokens: int = 0
+    # exact reuse: scored prompt positions whose results came from the score store (engine/score_store.py)
+    score_store_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """The share of the queried prompt tokens that the prefix cache served."""
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
 
 
 @dataclass(frozen=True)
 class EngineCounters:
     """An engine's counters since it was built; `a + b` adds two up field by field (Ray replicas).
 
-    steps .. preemptions: EngineStats'. queried_tokens .. score_store_hits: the prefix cache's
-    (block_manager.PrefixCacheStats; 0 on the transformers fallback). seconds: time inside `run` (summed by +,
-    so a sum's tokens_per_second is per engine-second). used_kv_blocks / num_kv_blocks: the KV pool now (0 / 0
-    without one).
+    steps .. seconds: EngineStats' (the prefix cache's are 0 on the transformers fallback); seconds is the time
+    inside `run` (summed by +, so a sum's tokens_per_second is per engine-second). used_kv_blocks / num_kv_blocks:
+    the KV pool now (0 / 0 without one).
     """
 
     steps: int = 0
@@ -48,14 +57,9 @@ class EngineCounters:
     num_kv_blocks: int = 0
 
     @classmethod
-    def of(cls, stats: EngineStats, prefix_cache: Any = None, used_kv_blocks: int = 0,
-           num_kv_blocks: int = 0) -> "EngineCounters":
-        """The snapshot of an engine's stats and its prefix cache's (a PrefixCacheStats, or None)."""
-        pc = {k: getattr(prefix_cache, k) for k in _PREFIX_CACHE} if prefix_cache is not None else {}
-        return cls(steps=stats.steps, prompt_tokens=stats.prompt_tokens,
-                   generated_tokens=stats.generated_tokens, finished=stats.finished, errors=stats.errors,
-                   preemptions=stats.preemptions, seconds=stats.seconds, used_kv_blocks=used_kv_blocks,
-                   num_kv_blocks=num_kv_blocks, **pc)
+    def of(cls, stats: EngineStats, used_kv_blocks: int = 0, num_kv_blocks: int = 0) -> "EngineCounters":
+        """The snapshot of an engine's stats and its KV pool's use now."""
+        return cls(**asdict(stats), used_kv_blocks=used_kv_blocks, num_kv_blocks=num_kv_blocks)
 
     def __add__(self, other: "EngineCounters") -> "EngineCounters":
         if not isinstance(other, EngineCounters):

@@ -35,6 +35,7 @@ import torch
 
 from apcscore.attention.decode_groups import DecodeGroups, group_shape, pack_decode_groups, plan_decode_groups
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.config import EngineConfig
 from apcscore.engine.step import ScheduledBatch, StepInputs
 from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.models.llama import LlamaDecoder
@@ -125,12 +126,12 @@ class DecodeGraphRunner:
             self.capture()
 
     @classmethod
-    def for_model(cls, model: LlamaDecoder, block_size: int, max_num_seqs: int,
-                  device: torch.device) -> "DecodeGraphRunner | None":
-        """A capturing runner, or None when the model's attention backend cannot be captured (not Triton)."""
+    def for_model(cls, model: LlamaDecoder, config: EngineConfig, device: torch.device) -> "DecodeGraphRunner | None":
+        """A capturing runner of config's block_size and max_num_seqs (the largest decode batch), or None when the
+        model's attention backend cannot be captured (not Triton)."""
         if getattr(model.layers[0].self_attn.attention_backend, "name", None) != "triton":
             return None
-        return cls(model, block_size, max_num_seqs, device)
+        return cls(model, config.block_size, config.max_num_seqs, device)
 
     def _meta(self, bs: int, inp: StepInputs | None) -> AttentionMetadata:
         """Metadata of a bs-row step over the static buffers. The Python lists (read by the torch backend

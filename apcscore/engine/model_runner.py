@@ -13,6 +13,7 @@ import torch
 
 from apcscore.attention.decode_groups import DecodeGroups, group_shape, step_decode_groups
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.config import EngineConfig
 from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
@@ -27,17 +28,21 @@ from apcscore.models.llama import LlamaDecoder
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaDecoder, num_kv_blocks: int, block_size: int, device: torch.device,
-                 dtype: torch.dtype, logprobs_chunk_size: int, base_seed: int,
-                 logprob_fn: LogprobFn = token_logprobs_torch, use_cuda_graphs: bool = False,
-                 max_num_seqs: int = 64, capture_block_hidden: bool = False) -> None:
+    cuda_graphs_allowed = True  # (not for the tensor-parallel SliceRunner: collectives are not captured)
+
+    def __init__(self, model: LlamaDecoder, num_kv_blocks: int, config: EngineConfig, device: torch.device,
+                 dtype: torch.dtype, logprob_fn: LogprobFn = token_logprobs_torch,
+                 capture_block_hidden: bool = False) -> None:
+        """Reads config's block_size, logprobs_chunk_size, seed (of a sampled request without its own), and
+        use_cuda_graphs and max_num_seqs (the decode batch sizes captured, engine/cuda_graphs.py)."""
         self.model = model
+        self.config = config
         self.device = device
         self.dtype = dtype
-        self.block_size = block_size
+        self.block_size = config.block_size
         self.num_kv_blocks = num_kv_blocks
-        self.logprobs_chunk_size = logprobs_chunk_size
-        self.base_seed = base_seed
+        self.logprobs_chunk_size = config.logprobs_chunk_size
+        self.base_seed = config.seed
         self.logprob_fn = logprob_fn
         self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
         self.reference: ModelRunner | None = None  # the reference model's runner, same pool size (engine/reference.py)
@@ -46,16 +51,16 @@ class ModelRunner:
         self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
         if device.type == "cpu":
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
-        allocate_kv_cache(model, num_kv_blocks, block_size, dtype, device)
+        allocate_kv_cache(model, num_kv_blocks, self.block_size, dtype, device)
         self.stager = InputStager(device)  # step inputs: one non-blocking copy from pinned memory on CUDA
         # Triton backend: decode sequences sharing prefix blocks run as groups (attention/decode_groups.py);
         # None (the torch backend, or turned off): every step's metadata is built exactly as without groups
         self.decode_group_shape = group_shape(model.layers[0].self_attn)
         self.cuda_graphs = None  # decode-only batches replay CUDA graphs (apcscore.engine.cuda_graphs), captured now
-        if device.type == "cuda" and use_cuda_graphs:
+        if device.type == "cuda" and config.use_cuda_graphs and self.cuda_graphs_allowed:
             from apcscore.engine.cuda_graphs import DecodeGraphRunner
 
-            self.cuda_graphs = DecodeGraphRunner.for_model(model, block_size, max_num_seqs, device)
+            self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device)
 
     # ---- batch preparation ---------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from apcscore.config import EngineConfig
-from apcscore.engine.model_files import LoadedModel, loaded
+from apcscore.engine.model_files import LoadedModel
 from apcscore.errors import ApcscoreError
 
 
@@ -58,21 +58,10 @@ def check_reference_config(config: EngineConfig, model: LoadedModel, reference: 
                                 "divergence needs the native engine for both models")
 
 
-def load_paired_engine(model: LoadedModel | str, reference: LoadedModel | str, config: EngineConfig) -> Any:
-    """The native engine of `model` with `reference` beside it: both checked (vocabulary, settings) before any
-    weights are read, then both built with one KV pool size (from --num-kv-blocks, else from the memory left
-    once both are loaded, shared in proportion to each model's bytes per block)."""
-    from apcscore.engine.engine import Engine
-
-    model, reference = loaded(model), loaded(reference)
-    check_reference_config(config, model, reference)
-    check_same_vocabulary(model, reference)
-    sized = config.num_kv_blocks is not None
-    config = dataclasses.replace(config, use_cuda_graphs=False, num_kv_blocks=config.num_kv_blocks or 16)
-    engine = Engine.from_model(model, config)
-    ref_engine = Engine.from_model(reference, config)
-    if not sized:  # both built with a placeholder pool: now the memory left by both is known
-        resize_pools(engine, ref_engine, shared_num_kv_blocks(engine, ref_engine))
+def pair(engine: Any, ref_engine: Any) -> None:
+    """Put `ref_engine`'s model beside `engine`'s (both new, with pools of the same size, from
+    engine/loader.load_paired_engine): its runner runs each step's batch too, the context is the shorter of the
+    two, and the numerics are batch-invariant only if both are."""
     if ref_engine.info.max_model_len < engine.info.max_model_len:  # both models must take every scored position
         engine.info = dataclasses.replace(engine.info, max_model_len=ref_engine.info.max_model_len)
     engine.runner.reference = ref_engine.runner
@@ -81,7 +70,6 @@ def load_paired_engine(model: LoadedModel | str, reference: LoadedModel | str, c
         engine.batch_invariant = False
         engine.numerics = {**engine.numerics, "batch_invariant": False,
                            "reason": f"the reference model: {ref_engine.numerics['reason']}"}
-    return engine
 
 
 def resize_pools(engine: Any, ref_engine: Any, num_blocks: int) -> None:
@@ -97,8 +85,9 @@ def resize_pools(engine: Any, ref_engine: Any, num_blocks: int) -> None:
     for e in (engine, ref_engine):
         allocate_kv_cache(e.model, num_blocks, cfg.block_size, e.dtype, e.device)
         e.runner.num_kv_blocks = num_blocks
-    engine.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-    engine.scheduler = Scheduler(engine.block_manager, cfg.max_batch_tokens, cfg.max_num_seqs, False, None)
+    engine.scheduler = Scheduler(BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching), cfg)
+    engine.block_manager = engine.scheduler.bm
+    engine.stats = engine.block_manager.stats  # (the engine's one tally is its block manager's)
 
 
 def shared_num_kv_blocks(engine: Any, ref_engine: Any) -> int:

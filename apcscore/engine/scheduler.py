@@ -11,25 +11,27 @@ prefilled right now by another sequence waits a step instead of computing it twi
 prefix and arrive together still hit. With exact reuse (`--exact-reuse`) scoring sequences read the cache too,
 up to their first scored position (`Sequence.reusable_blocks`), and beyond it the blocks whose score-store
 entries cover them (engine/score_store.py), and wait for pending blocks the same way; without it, the tokens
-they could have read before their first scored position are counted (`PrefixCacheStats.reusable_tokens`).
+they could have read before their first scored position are counted (`EngineStats.reusable_tokens`).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
+from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreStore, prompt_blocks, writes_entry_for
 from apcscore.engine.step import ScheduledBatch, Sequence, SequenceStatus
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int,
-                 exact_reuse: bool = False, store: ScoreStore | None = None) -> None:
+    def __init__(self, block_manager: BlockManager, config: EngineConfig, store: ScoreStore | None = None) -> None:
+        """Reads config's max_batch_tokens (the step's token budget), max_num_seqs (the running sequences' cap)
+        and exact_reuse; store: exact reuse's score store, if kept."""
         self.bm = block_manager
-        self.max_batch_tokens = max_batch_tokens
-        self.max_num_seqs = max_num_seqs
-        self.exact_reuse = exact_reuse  # scoring sequences read the cache before their first scored position
+        self.max_batch_tokens = config.max_batch_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.exact_reuse = config.exact_reuse  # scoring sequences read the cache before their first scored position
         self.store = store  # exact reuse's score store: scoring sequences also read blocks they score
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []

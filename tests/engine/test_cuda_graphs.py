@@ -15,6 +15,7 @@ from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine.cuda_graphs import (DEFAULT_CAPTURE_SIZES, DecodeGraphRunner, capture_sizes, decode_inputs,
                                          pad_decode_inputs, padded_size)
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from apcscore.engine.step import ScheduledBatch, Sequence
 from apcscore.kernels._checks import interpreting
 
@@ -42,7 +43,7 @@ def make_engine(model_dir, **overrides) -> Engine:
     cfg = dict(device="cpu", dtype="float32", num_kv_blocks=128, block_size=4, max_batch_tokens=64,
                max_num_seqs=16, attention_backend="torch")
     cfg.update(overrides)
-    return Engine.from_model(str(model_dir), EngineConfig(**cfg))
+    return load_native_engine(str(model_dir), EngineConfig(**cfg))
 
 
 def attach(engine: Engine, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES) -> DecodeGraphRunner:
@@ -100,7 +101,8 @@ def test_padding_rows_are_empty_sequences(tiny_model_dir) -> None:
 
 def test_only_the_triton_backend_is_captured(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir("llama"))
-    assert DecodeGraphRunner.for_model(engine.model, 4, 16, torch.device("cpu")) is None
+    small = EngineConfig(block_size=4, max_num_seqs=16)
+    assert DecodeGraphRunner.for_model(engine.model, small, torch.device("cpu")) is None
     assert engine.runner.cuda_graphs is None  # on the CPU the model runner never makes one
 
 

@@ -15,6 +15,7 @@ from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention import triton_backend
 from apcscore.attention.decode_groups import SWITCH
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from tests.engine.test_cuda_graphs import attach
 from triton_device import DEVICE, TRITON_MARKS  # noqa: E402
 from portable_models import tiny_dir  # noqa: F401  (fixture)
@@ -24,7 +25,7 @@ pytestmark = TRITON_MARKS
 
 
 def make_engine(model_dir) -> Engine:
-    return Engine.from_model(str(model_dir), EngineConfig(
+    return load_native_engine(str(model_dir), EngineConfig(
         device=DEVICE, dtype="float32", num_kv_blocks=64, block_size=16, max_batch_tokens=128, max_num_seqs=16,
         attention_backend="triton", use_cuda_graphs=False))
 
@@ -83,7 +84,7 @@ def test_only_the_triton_backend_plans_groups_and_only_when_asked(tiny_dir, monk
     monkeypatch.delenv(SWITCH, raising=False)
     assert make_engine(model_dir).runner.decode_group_shape is None
     monkeypatch.setenv(SWITCH, "1")
-    torch_engine = Engine.from_model(str(model_dir), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=16,
-                                                                  attention_backend="torch"))
+    torch_engine = load_native_engine(str(model_dir), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=16,
+                                                                   attention_backend="torch"))
     assert torch_engine.runner.decode_group_shape is None
     assert make_engine(model_dir).runner.decode_group_shape == (64, 64, 2)

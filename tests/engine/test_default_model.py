@@ -12,6 +12,7 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 
 TEXTS = [
     "The capital of France is Paris. The capital of Germany is Berlin.",
@@ -23,7 +24,7 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_model("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=512))
+    return load_native_engine("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=512))
 
 
 @pytest.mark.slow

@@ -114,10 +114,10 @@ def test_engine_stops_where_a_full_decode_would(tiny_model_dir, default_tokenize
     """The engine's stop strings, found in the incremental text: the completion ends at the first token whose
     full decode contains a stop string, and the text is cut before it (as with a full decode every step)."""
     from apcscore import EngineConfig, Request, SamplingParams
-    from apcscore.engine import Engine
+    from apcscore.engine.loader import load_native_engine
 
-    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=128,
-                                                                          block_size=4))
+    engine = load_native_engine(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=128,
+                                                                           block_size=4))
     prompt = default_tokenizer("Once upon a time", add_special_tokens=False).input_ids
     (free,) = engine.run([Request(0, prompt, sampling=SamplingParams(max_tokens=24, ignore_eos=True))])
     ids = free.output_token_ids

@@ -13,6 +13,7 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 
 ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope", "phi3_partial",
          "mixtral", "qwen2_moe", "gemma2", "gemma3"]
@@ -21,7 +22,7 @@ ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3"
 def make_engine(model_dir, **overrides) -> Engine:
     cfg = dict(device="cpu", dtype="float32", num_kv_blocks=256, block_size=4, max_batch_tokens=64)
     cfg.update(overrides)
-    return Engine.from_model(str(model_dir), EngineConfig(**cfg))
+    return load_native_engine(str(model_dir), EngineConfig(**cfg))
 
 
 def prompts(n_list, seed=0, vocab=49152):

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from apcscore import EngineConfig
 from apcscore.cli import app
-from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from apcscore.options.specs import ENGINE_OPTIONS
 
 SWITCHES = {"enable_prefix_caching": "--no-prefix-caching", "use_cuda_graphs": "--no-cuda-graphs",
@@ -61,10 +61,10 @@ def windowed_mistral(tmp_path, tiny_model_dir):
 
 
 def test_sliding_window_cap_is_stated(tmp_path, write_jsonl, windowed_mistral) -> None:
-    engine = Engine.from_model(str(windowed_mistral), EngineConfig(device="cpu", num_kv_blocks=64, block_size=4))
+    engine = load_native_engine(str(windowed_mistral), EngineConfig(device="cpu", num_kv_blocks=64, block_size=4))
     assert engine.info.max_model_len == 32 and engine.info.sliding_window == 32
-    capped = Engine.from_model(str(windowed_mistral), EngineConfig(device="cpu", num_kv_blocks=64, block_size=4,
-                                                                   max_model_len=16))
+    capped = load_native_engine(str(windowed_mistral), EngineConfig(device="cpu", num_kv_blocks=64, block_size=4,
+                                                                    max_model_len=16))
     assert capped.info.max_model_len == 16 and capped.info.sliding_window is None  # our cap, not the window's
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"id": "a", "prompt_token_ids": list(range(1, 11))},

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.engine.loader import load_native_engine
 from apcscore.errors import ApcscoreError
 from tests.engine.test_invariance import assert_same, run
 
@@ -41,7 +42,7 @@ def model(tiny_model_dir) -> str:
 
 def engine(model: str, **overrides) -> Engine:
     base = dict(device="cpu", dtype="float32", max_batch_tokens=2048, max_num_seqs=16, num_kv_blocks=512)
-    return Engine.from_model(model, EngineConfig(**{**base, **overrides}))
+    return load_native_engine(model, EngineConfig(**{**base, **overrides}))
 
 
 @pytest.fixture(scope="module")
@@ -337,9 +338,9 @@ def test_exact_reuse_with_the_triton_backend(model: str) -> None:
             for i in range(3)]
 
     def triton(**kw) -> Engine:
-        return Engine.from_model(model, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
-                                                     max_batch_tokens=8, attention_backend="triton",
-                                                     use_cuda_graphs=False, **kw))
+        return load_native_engine(model, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
+                                                      max_batch_tokens=8, attention_backend="triton",
+                                                      use_cuda_graphs=False, **kw))
 
     reused = triton(exact_reuse=True)
     assert_same(run(reused, reqs), run(triton(), reqs), "triton")

@@ -14,7 +14,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from apcscore import Engine, EngineConfig
+from apcscore import EngineConfig
+from apcscore.engine.loader import native_engine_from_parts
 from apcscore.cli import app
 from apcscore.engine.gemm_probe import probe_linear, probe_model
 from apcscore.errors import ApcscoreError
@@ -82,22 +83,22 @@ def _tiny_parts(tiny_model_dir):
 def test_engine_reports_and_refuses_on_failure(tiny_model_dir, row_dependent_linear) -> None:
     parts, state = _tiny_parts(tiny_model_dir)
     with pytest.warns(UserWarning, match="start-up probe found this machine's linear layer not batch-invariant"):
-        engine = Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
+        engine = native_engine_from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
     assert engine.batch_invariant is False
     assert engine.numerics["batch_invariant"] is False and engine.numerics["probe"]["passed"] is False
     assert "rows give other bits" in engine.numerics["reason"] or "-row call" in engine.numerics["reason"]
     with pytest.raises(ApcscoreError, match="--exact-reuse needs batch invariance"):
-        Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu", exact_reuse=True))
+        native_engine_from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu", exact_reuse=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # --no-batch-invariant asks for nothing, so nothing is probed or warned
-        plain = Engine.from_parts(parts.config, state, parts.tokenizer,
-                                  EngineConfig(device="cpu", batch_invariant=False))
+        plain = native_engine_from_parts(parts.config, state, parts.tokenizer,
+                                         EngineConfig(device="cpu", batch_invariant=False))
     assert plain.numerics["probe"] is None and plain.numerics["reason"].startswith("turned off")
 
 
 def test_engine_records_a_passing_probe(tiny_model_dir) -> None:
     parts, state = _tiny_parts(tiny_model_dir)
-    engine = Engine.from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
+    engine = native_engine_from_parts(parts.config, state, parts.tokenizer, EngineConfig(device="cpu"))
     n = engine.numerics
     assert engine.batch_invariant and n["batch_invariant"] and n["reason"] is None and n["probe"]["passed"]
     assert n["linear"].startswith("apcscore fixed-order GEMM, order 2064")
@@ -147,8 +148,8 @@ def test_the_head_is_probed_as_compute_logits_multiplies_it_in_bf16(tiny_model_d
     from apcscore.kernels.matmul import invariant_linear
 
     parts, state = _tiny_parts(tiny_model_dir)
-    model = Engine.from_parts(parts.config, state, parts.tokenizer,
-                              EngineConfig(device="cpu", dtype="bfloat16")).model
+    model = native_engine_from_parts(parts.config, state, parts.tokenizer,
+                                     EngineConfig(device="cpu", dtype="bfloat16")).model
     head = model.lm_head_weight  # [V, H] bf16
     calls = []
 

@@ -23,6 +23,7 @@ import torch
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from apcscore.engine.cuda_graphs import DecodeGraphRunner, decode_inputs
 from apcscore.engine.step import ScheduledBatch, Sequence
 from apcscore.kernels._checks import interpreting
@@ -42,7 +43,7 @@ def cuda_engine(model_dir, dtype: str = "float32", backend: str = "triton", grap
     cfg = dict(device=DEVICE, dtype=dtype, num_kv_blocks=512, block_size=16, max_batch_tokens=512,
                max_num_seqs=8, attention_backend=backend, use_cuda_graphs=graphs)
     cfg.update(overrides)
-    return Engine.from_model(str(model_dir), EngineConfig(**cfg))
+    return load_native_engine(str(model_dir), EngineConfig(**cfg))
 
 
 def prompts(lengths: list[int], seed: int, prefix: int = 0) -> list[list[int]]:

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.engine.loader import load_native_engine
 
 BUDGETS = (1, 7, 8, 16, 31, 57, 64, 100, 128, 191, 257, 1000, 4096)
 K = 5
@@ -77,7 +78,7 @@ class Matrix:
         self.base.update(base)
 
     def engine(self, **overrides) -> Engine:
-        return Engine.from_model(self.model, EngineConfig(**{**self.base, **overrides}))
+        return load_native_engine(self.model, EngineConfig(**{**self.base, **overrides}))
 
     def check(self, make: Callable[[list[list[int]]], list[Request]], prompts: list[list[int]],
               budgets: tuple[int, ...], long_budget_limit: int = 10**9) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from apcscore import EngineConfig, Request
-from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from apcscore.engine import kv_cache
 from apcscore.engine.kv_cache import cuda_pool_bytes, default_num_kv_blocks, kv_bytes_per_block, step_lengths
 
@@ -36,8 +36,8 @@ def test_cuda_pool_size_subtracts_the_profiled_peak(monkeypatch, tiny_model_dir)
 
 
 def test_largest_step_runs_and_leaves_no_cache(tiny_model_dir) -> None:
-    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64,
-                                                                          block_size=4, max_batch_tokens=96))
+    engine = load_native_engine(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64,
+                                                                           block_size=4, max_batch_tokens=96))
     model = engine.model
     calls = []
 

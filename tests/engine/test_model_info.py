@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 
 from apcscore.config import EngineConfig
-from apcscore.engine.block_manager import PrefixCacheStats
 from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.model_info import capping_window, context_length
 from apcscore.errors import ApcscoreError
@@ -79,9 +78,8 @@ def test_context_length_needs_a_length() -> None:
 
 def test_counters_add_up_field_by_field() -> None:
     a = EngineCounters.of(EngineStats(steps=3, prompt_tokens=100, generated_tokens=7, finished=2, errors=1,
-                                      preemptions=1, seconds=2.0),
-                          PrefixCacheStats(queried_tokens=90, hit_tokens=30, reusable_tokens=12,
-                                           score_store_hits=5),
+                                      preemptions=1, seconds=2.0, queried_tokens=90, hit_tokens=30,
+                                      reusable_tokens=12, score_store_hits=5),
                           used_kv_blocks=4, num_kv_blocks=64)
     b = EngineCounters.of(EngineStats(steps=1, prompt_tokens=20, generated_tokens=3, seconds=0.5))
     total = a + b
@@ -97,9 +95,8 @@ def test_counters_add_up_field_by_field() -> None:
 
 
 def test_counters_give_the_metadata_timings() -> None:
-    c = EngineCounters.of(EngineStats(steps=2, prompt_tokens=10, generated_tokens=4, preemptions=1),
-                          PrefixCacheStats(queried_tokens=8, hit_tokens=4, reusable_tokens=2,
-                                           score_store_hits=1))
+    c = EngineCounters.of(EngineStats(steps=2, prompt_tokens=10, generated_tokens=4, preemptions=1,
+                                      queried_tokens=8, hit_tokens=4, reusable_tokens=2, score_store_hits=1))
     t = c.to_timings(1.5, 3.0)
     assert list(t) == ["load_seconds", "run_seconds", "prompt_tokens", "generated_tokens", "steps",
                        "preemptions", "prefix_cache"]  # the metadata's key order

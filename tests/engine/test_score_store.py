@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.engine.loader import load_native_engine
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
 from apcscore.engine.step import PromptLogprobs, Sequence
@@ -170,9 +171,9 @@ def test_the_triton_backend_reads_the_store_exactly(model: str) -> None:
     reqs = [Request(i, prefix + rng.integers(3, 49152, 3).tolist(), prompt_logprobs=2) for i in range(3)]
 
     def triton(**kw) -> Engine:
-        return Engine.from_model(model, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
-                                                     max_batch_tokens=8, attention_backend="triton",
-                                                     use_cuda_graphs=False, **kw))
+        return load_native_engine(model, EngineConfig(device=device, dtype="float32", num_kv_blocks=64, block_size=4,
+                                                      max_batch_tokens=8, attention_backend="triton",
+                                                      use_cuda_graphs=False, **kw))
 
     reused = triton(exact_reuse=True)
     assert_same(run(reused, reqs), run(triton(), reqs), "triton")

@@ -32,6 +32,7 @@ import pytest
 import torch
 
 from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.engine.loader import load_native_engine, native_engine_from_parts
 from apcscore.errors import ApcscoreError
 
 from test_invariance import Matrix, assert_same, make_prompts, run, score_requests
@@ -75,8 +76,8 @@ def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> No
     where two logits lie within that rounding of each other."""
     path = str(mqa_dir if arch == "mqa" else tiny_model_dir(arch))
     requests = score_requests(make_prompts([1, 33, 100], 49152, seed=11))
-    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
-    two = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    one = _scores(load_native_engine(path, EngineConfig(**BASE)), requests)
+    two = _scores(load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
     worst, rank_moves, positions = 0.0, 0, 0
     for rid, a in one.items():
         pa, pb = a.prompt_logprobs, two[rid].prompt_logprobs
@@ -98,15 +99,15 @@ def test_degree_2_agrees_with_degree_1(tiny_model_dir, mqa_dir, arch: str) -> No
 
 
 def test_a_state_dict_gives_the_bits_of_a_directory(tiny_model_dir) -> None:
-    """Engine.from_parts at degree 2 (the state dict sent to every rank, sliced there) gives bitwise what the
+    """native_engine_from_parts at degree 2 (the state dict sent to every rank, sliced there) gives bitwise what the
     directory (each rank reading its safetensors slices) gives."""
     from apcscore.models.loading import load_config, load_state_dict, load_tokenizer
 
     path = tiny_model_dir("qwen2")
     config = EngineConfig(**BASE, tensor_parallel_size=2)
     requests = score_requests(make_prompts([3, 40], 49152, seed=14))
-    from_dir = run(Engine.from_model(str(path), config), requests)
-    parts = Engine.from_parts(load_config(path), load_state_dict(path), load_tokenizer(path), config)
+    from_dir = run(load_native_engine(str(path), config), requests)
+    parts = native_engine_from_parts(load_config(path), load_state_dict(path), load_tokenizer(path), config)
     assert_same(run(parts, requests), from_dir, "state dict")
 
 
@@ -117,9 +118,9 @@ def test_exact_reuse_and_the_score_store_at_degree_2(tiny_model_dir) -> None:
 
     path = str(tiny_model_dir("llama"))
     requests = shared_prefix_requests(n=4)
-    want = run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
-    reuse = Engine.from_model(path, EngineConfig(**{**BASE, "max_batch_tokens": 57}, exact_reuse=True,
-                                                 tensor_parallel_size=2))
+    want = run(load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    reuse = load_native_engine(path, EngineConfig(**{**BASE, "max_batch_tokens": 57}, exact_reuse=True,
+                                                  tensor_parallel_size=2))
     assert_same(run(reuse, requests), want, "exact reuse")
     assert reuse.block_manager.stats.score_store_hits > 0
 
@@ -234,7 +235,7 @@ def test_refusals_before_any_load(tiny_model_dir) -> None:
     from apcscore.engine.parallel.ranks import check_devices
 
     with pytest.raises(ApcscoreError, match="does not divide the model's 4 attention heads"):
-        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=3))
+        load_native_engine(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=3))
     with pytest.raises(ApcscoreError, match="needs the native engine"):
         EngineConfig(model_backend="transformers", tensor_parallel_size=2)
     with pytest.raises(ApcscoreError, match="needs the native engine, and gpt2 runs through the transformers"):
@@ -319,17 +320,17 @@ def test_a_failure_on_rank_0_mid_step_does_not_leave_the_ranks_waiting(tiny_mode
 
     path = str(tiny_model_dir("llama"))
     requests = score_requests(make_prompts([5, 30], 49152, seed=15))
-    want = run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+    want = run(load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
 
     def boom(*args, **kwargs):  # type: ignore[no-untyped-def]
         raise RuntimeError("boom")
 
     monkeypatch.setattr(tp_runner, "parallel_token_logprobs", boom)
     with pytest.raises(RuntimeError, match="boom"):
-        run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
+        run(load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests)
     monkeypatch.undo()
     started = time.perf_counter()
-    assert_same(run(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests), want, "after")
+    assert_same(run(load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=2)), requests), want, "after")
     assert time.perf_counter() - started < 30
 
 
@@ -380,10 +381,11 @@ def test_a_worker_whose_rank_0_is_killed_exits_by_itself(tmp_path, tiny_model_di
     script = tmp_path / "rank0.py"
     script.write_text(
         "import sys, time\n"
-        "from apcscore import Engine, EngineConfig\n"
+        "from apcscore import EngineConfig\n"
+        "from apcscore.engine.loader import load_native_engine\n"
         "from apcscore.engine.parallel.ranks import current_group\n"
         "if __name__ == '__main__':\n"
-        f"    Engine.from_model(sys.argv[1], EngineConfig(**{BASE!r}, tensor_parallel_size=2))\n"
+        f"    load_native_engine(sys.argv[1], EngineConfig(**{BASE!r}, tensor_parallel_size=2))\n"
         "    print('workers', *[p.pid for p in current_group().processes], flush=True)\n"
         "    time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir("llama"))], stdout=subprocess.PIPE,
@@ -510,11 +512,11 @@ def test_an_engine_refused_after_loading_frees_the_workers_shards(tiny_model_dir
 
     path = str(tiny_model_dir("llama"))
     requests = score_requests(make_prompts([5, 9], 49152, seed=3))
-    engine = Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=2))  # (the group is running)
+    engine = load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=2))  # (the group is running)
     group = current_group()
     key = group.next_key
     with pytest.raises(ApcscoreError, match="the KV pool of"):
-        Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 10**12}, tensor_parallel_size=2))
+        load_native_engine(path, EngineConfig(**{**BASE, "num_kv_blocks": 10**12}, tensor_parallel_size=2))
     assert key in group.dropped
     run(engine, requests)  # the drop travels with the next call, and the ranks stay in step
     assert key not in group.dropped
@@ -528,7 +530,7 @@ def test_rank_0_takes_its_share_of_the_threads_while_the_ranks_run(tiny_model_di
     shutdown_ranks()  # a fresh group, started from this thread count
     before = torch.get_num_threads()
     try:
-        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        load_native_engine(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
         assert torch.get_num_threads() == max(1, before // 2)
     finally:
         shutdown_ranks()
@@ -581,11 +583,11 @@ def test_spawned_ranks_talk_over_the_loopback_interface(tiny_model_dir, monkeypa
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     shutdown_ranks()
     try:
-        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        load_native_engine(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
         assert worker_env().get("GLOO_SOCKET_IFNAME") == lo and "GLOO_SOCKET_IFNAME" not in os.environ
         shutdown_ranks()
         monkeypatch.setenv("GLOO_SOCKET_IFNAME", lo)  # the user's choice (here the same interface) is kept
-        Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+        load_native_engine(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
         assert os.environ["GLOO_SOCKET_IFNAME"] == lo
     finally:
         shutdown_ranks()
@@ -598,7 +600,7 @@ def test_a_worker_that_fails_names_its_error_on_rank_0(tiny_model_dir) -> None:
     from apcscore.engine.parallel.ranks import current_group
     from apcscore.models.tensor_parallel import RanksFailed
 
-    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
+    engine = load_native_engine(str(tiny_model_dir("llama")), EngineConfig(**BASE, tensor_parallel_size=2))
     runner = engine.runner
     # the worker runs "logits" before any forward: it has no hidden states and fails before its gather
     with pytest.raises(RanksFailed) as failed:
@@ -651,8 +653,8 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     requests = score_requests(make_prompts([13, 29, 60, 155], 49152, seed=13))
     from test_invariance import columns
 
-    one = _scores(Engine.from_model(path, EngineConfig(**BASE)), requests)
-    four = _scores(Engine.from_model(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)
+    one = _scores(load_native_engine(path, EngineConfig(**BASE)), requests)
+    four = _scores(load_native_engine(path, EngineConfig(**BASE, tensor_parallel_size=4)), requests)
     worst = max(float(np.abs(one[r].prompt_logprobs.token_logprobs - four[r].prompt_logprobs.token_logprobs)
                       .max(initial=0)) for r in one)
     print(f"degree 4 vs 1 max |d logprob| {worst:.2e}")
@@ -662,7 +664,7 @@ def test_degree_4_agrees_and_is_batch_invariant(tiny_model_dir) -> None:
     want = {r: columns(o) for r, o in four.items()}
     held = [Request(r.request_id, r.prompt_token_ids, prompt_logprobs=r.prompt_logprobs,
                     sampling=SamplingParams(max_tokens=8, ignore_eos=True)) for r in requests[::-1]]
-    tight = Engine.from_model(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
-                                                 tensor_parallel_size=4))
+    tight = load_native_engine(path, EngineConfig(**{**BASE, "num_kv_blocks": 13, "max_batch_tokens": 64},
+                                                  tensor_parallel_size=4))
     assert_same({o.request_id: columns(o) for o in tight.run(held)}, want, "reversed order, preemption")
     assert tight.stats.preemptions > 0

@@ -17,6 +17,7 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from triton_device import DEVICE, TRITON_MARKS  # noqa: E402
 from portable_models import tiny_dir  # noqa: F401  (fixture; works without the default model: GPU machine)
 
@@ -27,7 +28,7 @@ pytestmark = TRITON_MARKS
 
 def make_engine(model_dir, backend: str) -> Engine:
     # block_size 4: the 12-token shared prefix fills 3 blocks; max_batch_tokens 8 chunks every prompt
-    return Engine.from_model(str(model_dir), EngineConfig(
+    return load_native_engine(str(model_dir), EngineConfig(
         device=DEVICE, dtype="float32", num_kv_blocks=64, block_size=4, max_batch_tokens=8,
         attention_backend=backend, use_cuda_graphs=False))
 
@@ -119,7 +120,7 @@ def test_gemma_on_the_triton_backend_matches_transformers(tiny_dir, arch: str) -
     past an 80-token prompt (every decode step past the window) are transformers' argmax (up to 1e-4 near-ties)
     with its logprobs."""
     model_dir = tiny_dir(arch)
-    engine = Engine.from_model(str(model_dir), EngineConfig(
+    engine = load_native_engine(str(model_dir), EngineConfig(
         device=DEVICE, dtype="float32", num_kv_blocks=128, block_size=4, max_batch_tokens=32,
         attention_backend="triton", use_cuda_graphs=False))
     assert engine.attention_backend == "triton" and engine.info.sliding_window is None  # the window is masked

@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from apcscore import EngineConfig
 from apcscore.cli import app
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from apcscore.errors import ApcscoreError
 from apcscore.engine.step import Request
 from apcscore.jobs.loglikelihood import (choice_columns, continuation_request, continuation_score, encode_pair,
@@ -91,8 +92,8 @@ def test_mean_stderr_is_lm_evals():
 # ---- the real default model against transformers -------------------------------------------------------
 @pytest.fixture(scope="module")
 def engine() -> Engine:
-    return Engine.from_model("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=2048,
-                                                          num_kv_blocks=256))
+    return load_native_engine("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=2048,
+                                                           num_kv_blocks=256))
 
 
 def run_score(engine, records: list[Record], k: int = 0) -> tuple[list[dict], ScoreJob]:
@@ -234,8 +235,8 @@ def test_score_command_mixes_record_kinds_in_one_schema(tmp_path, write_jsonl, t
 def test_is_greedy_with_tied_logits_is_lm_evals_argmax(tiny_model_dir, default_tokenizer):
     """All logits tied (a zero vocabulary projection): every token has rank 1, but lm-eval's
     `logits.argmax(-1) == tokens` holds for token 0 only, the first maximum."""
-    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", dtype="float32",
-                                                                          num_kv_blocks=64, block_size=4))
+    engine = load_native_engine(str(tiny_model_dir("llama")), EngineConfig(device="cpu", dtype="float32",
+                                                                           num_kv_blocks=64, block_size=4))
     with torch.no_grad():
         engine.model.lm_head_weight.zero_()
     tok = default_tokenizer

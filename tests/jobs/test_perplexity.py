@@ -29,6 +29,7 @@ from typer.testing import CliRunner
 from apcscore import EngineConfig
 from apcscore.cli import app
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.options.commands import PerplexityOptions
@@ -141,8 +142,8 @@ def test_word_count_is_lm_evals():
 @pytest.fixture(scope="module")
 def engine() -> Engine:
     # All windows of the test below fit the KV pool at once; steps of 2048 tokens batch them together.
-    return Engine.from_model("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=2048,
-                                                          num_kv_blocks=1024))
+    return load_native_engine("smollm2-135m", EngineConfig(device="cpu", dtype="float32", max_batch_tokens=2048,
+                                                           num_kv_blocks=1024))
 
 
 def reference_windows(hf, seq, windows, dtype: torch.dtype = torch.float32) -> tuple[int, list[float]]:
@@ -320,7 +321,7 @@ def test_perplexity_command_refuses_a_stride_above_the_window(tmp_path, write_js
 def test_ranks_are_only_counted_when_per_token_columns_are_asked_for(tiny_model_dir):
     """Perplexity sums logprobs: without --prompt-logprobs the rank pass over the vocabulary is skipped, and
     the logprobs are the same bits either way."""
-    engine = Engine.from_model(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64))
+    engine = load_native_engine(str(tiny_model_dir("llama")), EngineConfig(device="cpu", num_kv_blocks=64))
     text = "the quick brown fox jumps over the lazy dog " * 8
     plain, per_token = (run_jobs(engine, [perplexity_job(engine, PerplexityOptions(window=32, prompt_logprobs=k))],
                                  text)[0] for k in (None, 0))

@@ -40,9 +40,9 @@ MAX_LENGTH = 64
 @pytest.fixture(scope="module")
 def engine(default_model_files):
     from apcscore.config import EngineConfig
-    from apcscore.engine.engine import Engine
+    from apcscore.engine.loader import load_native_engine
 
-    return Engine.from_model(str(default_model_files.path), EngineConfig(device="cpu", dtype="float32"))
+    return load_native_engine(str(default_model_files.path), EngineConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")

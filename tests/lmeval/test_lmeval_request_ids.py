@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("lm_eval")
 
 from apcscore import EngineConfig  # noqa: E402
-from apcscore.engine import Engine  # noqa: E402
+from apcscore.engine.loader import load_native_engine
 from apcscore.lmeval.model import ApcscoreLM  # noqa: E402
 from apcscore.lmeval.store import loglikelihood_key  # noqa: E402
 
@@ -23,8 +23,8 @@ class DictStore(dict):
 
 
 def test_an_output_of_another_call_is_never_stored(tiny_model_dir, monkeypatch):
-    engine = Engine.from_model(str(tiny_model_dir("llama")),
-                               EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4))
+    engine = load_native_engine(str(tiny_model_dir("llama")),
+                                EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4))
     lm = ApcscoreLM(engine=engine, progress=False)
     store = DictStore()
     lm.use_store(store)

@@ -18,13 +18,14 @@ import torch
 
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.engine import Engine
+from apcscore.engine.loader import load_native_engine, native_engine_from_parts
 from apcscore.errors import ApcscoreError
 
 
 def make_engine(model_dir, **overrides) -> Engine:
     cfg = dict(device="cpu", dtype="float32", num_kv_blocks=256, block_size=4, max_batch_tokens=64)
     cfg.update(overrides)
-    return Engine.from_model(str(model_dir), EngineConfig(**cfg))
+    return load_native_engine(str(model_dir), EngineConfig(**cfg))
 
 
 def random_prompt(n: int, seed: int, vocab: int = 49152) -> list[int]:
@@ -93,8 +94,8 @@ def test_moe_checkpoint_layouts_load_to_the_same_bits(tiny_model_dir, default_to
     prompt = random_prompt(40, seed=1)
     outs = []
     for weights in (state, other_layout(state, arch, inter, num)):
-        engine = Engine.from_parts(config, weights, default_tokenizer, EngineConfig(device="cpu", dtype="float32",
-                                                                                    num_kv_blocks=64, block_size=4))
+        engine = native_engine_from_parts(config, weights, default_tokenizer,
+                                          EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4))
         (out,) = engine.run([Request(0, prompt, prompt_logprobs=3)])
         outs.append(out.prompt_logprobs.token_logprobs)
     assert (outs[0] == outs[1]).all()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from apcscore import Engine, EngineConfig, Request, SamplingParams
+from apcscore.engine.loader import load_native_engine
 
 M = 32  # original_max_position_embeddings of the tiny long-rope configs (tests/conftest.py)
 TOL = 1e-4
@@ -33,7 +34,7 @@ def pair(request, tiny_model_dir):
 def engine(path, **overrides) -> Engine:
     cfg = dict(device="cpu", dtype="float32", num_kv_blocks=256, block_size=4, max_batch_tokens=64)
     cfg.update(overrides)
-    return Engine.from_model(str(path), EngineConfig(**cfg))
+    return load_native_engine(str(path), EngineConfig(**cfg))
 
 
 def prompts(lengths, seed, shared=()):

@@ -103,8 +103,8 @@ def test_a_remembered_load_skips_transformers_model_modules(tiny_model_dir, own_
     path = tiny_model_dir("llama3")
     resolve_model_parts(path)
     code = (
-        "import sys; from apcscore import Engine; from apcscore.config import EngineConfig;"
-        f"e = Engine.from_model({str(path)!r}, EngineConfig(device='cpu', num_kv_blocks=8));"
+        "import sys; from apcscore.engine.loader import load_native_engine; from apcscore.config import EngineConfig;"
+        f"e = load_native_engine({str(path)!r}, EngineConfig(device='cpu', num_kv_blocks=8));"
         "heavy = [m for m in ('transformers.models.llama.configuration_llama', 'torch._dynamo') if m in sys.modules];"
         "print(heavy)"
     )

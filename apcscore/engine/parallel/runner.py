@@ -63,9 +63,12 @@ class LoadArgs:
 class SliceRunner(ModelRunner):
     """The model runner of one rank; on rank 0 (`group` given) it also tells the workers what to run."""
 
-    def __init__(self, model: LlamaDecoder, tp: TensorParallel, group: Any = None, key: int = 0,
-                 **runner: Any) -> None:
-        super().__init__(model, use_cuda_graphs=False, **runner)  # (collectives are not captured)
+    cuda_graphs_allowed = False  # (collectives are not captured)
+
+    def __init__(self, model: LlamaDecoder, tp: TensorParallel, num_kv_blocks: int, config: EngineConfig,
+                 device: torch.device, dtype: torch.dtype, logprob_fn: Any, capture_block_hidden: bool = False,
+                 group: Any = None, key: int = 0) -> None:
+        super().__init__(model, num_kv_blocks, config, device, dtype, logprob_fn, capture_block_hidden)
         self.tp, self.group, self.key = tp, group, key
         self.vocab = model.config.vocab_size
         self.vocab_start = model.vocab_range[0]
@@ -120,8 +123,9 @@ class RankSlice:
     """One engine's slice on one rank: built by `load`, then `make_runner`; the rest are a step's parts."""
 
     def __init__(self, tp: TensorParallel, model: LlamaDecoder, ops: Ops, device: torch.device,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, config: EngineConfig | None = None) -> None:
         self.tp, self.model, self.ops, self.device, self.dtype = tp, model, ops, device, dtype
+        self.config = config  # the engine's, which its runner reads
         self.runner: SliceRunner | None = None
         self.hidden: torch.Tensor | None = None  # the last forward's final hidden states [T, H]
 
@@ -134,16 +138,16 @@ class RankSlice:
         state = LazyCheckpoint(args.weights, args.dtype) if isinstance(args.weights, str) else args.weights
         model = build_decoder(args.hf_config, ops, args.max_positions, device, args.dtype, state, args.rope,
                               consume=False, tp=tp)
-        return cls(tp, model, ops, device, args.dtype)
+        return cls(tp, model, ops, device, args.dtype, cfg)
 
-    def make_runner(self, num_kv_blocks: int, runner: dict[str, Any], group: Any = None, key: int = 0
+    def make_runner(self, num_kv_blocks: int, capture_block_hidden: bool = False, group: Any = None, key: int = 0
                     ) -> SliceRunner:
-        """The rank's runner and KV cache (its KV heads) of `num_kv_blocks` blocks; `runner`: ModelRunner's other
-        settings (block_size, logprobs_chunk_size, base_seed, max_num_seqs, capture_block_hidden)."""
+        """The rank's runner and KV cache (its KV heads) of `num_kv_blocks` blocks, with the engine's config;
+        capture_block_hidden: rank 0's, for exact reuse's score store (the workers keep no results)."""
         if group is not None:
-            group.call(key, "make_runner", num_kv_blocks, {**runner, "capture_block_hidden": False})
-        self.runner = SliceRunner(self.model, self.tp, group, key, num_kv_blocks=num_kv_blocks, device=self.device,
-                                  dtype=self.dtype, logprob_fn=self.ops.token_logprobs, **runner)
+            group.call(key, "make_runner", num_kv_blocks, False)
+        self.runner = SliceRunner(self.model, self.tp, num_kv_blocks, self.config, self.device, self.dtype,
+                                  self.ops.token_logprobs, capture_block_hidden, group, key)
         return self.runner
 
     def pool_config(self) -> Any:
@@ -189,9 +193,9 @@ class ParallelContext:
     group: Any  # engine.parallel.ranks.RankGroup
     key: int
 
-    def make_runner(self, num_kv_blocks: int, runner: dict[str, Any]) -> SliceRunner:
+    def make_runner(self, num_kv_blocks: int, capture_block_hidden: bool = False) -> SliceRunner:
         """Rank 0's runner; the workers build theirs with the same pool size."""
-        return self.rank_slice.make_runner(num_kv_blocks, runner, self.group, self.key)
+        return self.rank_slice.make_runner(num_kv_blocks, capture_block_hidden, self.group, self.key)
 
     def profile(self, step: dict[str, Any]) -> int:
         """The largest step's peak memory over every rank (CUDA KV pool sizing)."""
@@ -232,6 +236,6 @@ def serve(tp: TensorParallel) -> None:
 def load_args(hf_config: Any, state: Any, rope: Any, max_positions: int, config: EngineConfig,
               dtype: torch.dtype, device: torch.device) -> LoadArgs:
     """LoadArgs for `state`: a LazyCheckpoint travels as its directory (each rank opens it and reads its slices);
-    a state dict travels whole to every rank (pickled: for tests and small models, Engine.from_parts)."""
+    a state dict travels whole to every rank (pickled: for tests and small models, native_engine_from_parts)."""
     weights = str(state.path) if isinstance(state, LazyCheckpoint) else dict(state)
     return LoadArgs(hf_config, weights, rope, max_positions, config, dtype, device.type)
