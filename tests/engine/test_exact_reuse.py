@@ -254,8 +254,8 @@ def test_verify_reuse_catches_wrong_last_token_alternatives(model: str, tmp_path
         verifying.append(True)
         return right_check(self, engine)
 
-    def score_prompts(self, batch, hidden):
-        out, alternatives = right_score(self, batch, hidden)
+    def score_prompts(self, batch, hidden, *reference):  # (reference: the reference model's hidden states)
+        out, alternatives = right_score(self, batch, hidden, *reference)
         if not verifying:  # the reuse run only: its alternatives' logprobs are off by one ulp
             for _, alt in alternatives:
                 alt.token_logprobs = np.nextafter(alt.token_logprobs, np.float32(0))
