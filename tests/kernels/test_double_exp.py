@@ -9,16 +9,9 @@ import math
 import pytest
 import torch
 
-from apcscore.kernels import cpu_math, rowmath
-from apcscore.kernels.cpu_library import SIMD_SETTINGS, library
-
-pytestmark = pytest.mark.skipif(not rowmath.portable(), reason="the portable CPU math needs a C compiler")
-
-
-def levels() -> list[str]:
-    """The APCSCORE_SIMD settings this CPU can run (scalar always)."""
-    best = library().apc_math_level()
-    return [name for name, level in SIMD_SETTINGS.items() if level <= best]
+from apcscore.kernels import cpu_math
+from apcscore.kernels.cpu_library import library
+from tests.engine.test_portable_bits import levels, pytestmark  # noqa: F401  (the SIMD settings; skipped without C)
 
 
 def inputs() -> torch.Tensor:
