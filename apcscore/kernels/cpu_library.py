@@ -67,7 +67,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "apc_bmm_paged": ([_i64] * 6 + [_ptr, _int] + [_i64] * 5 + [_ptr, _int] + [_i64] * 3 + [_ptr, _i64, _ptr]
                       + [_i64, _i64, _int, _ptr] + [_i64] * 4 + [_ptr, _int, _int], None),
     "apc_math_level": ([], _int), "apc_map_f": ([_int, _ptr, _ptr, _i64, _int, _int], None),
-    "apc_map_d": ([_int, _ptr, _ptr, _i64], None),
+    "apc_map_d": ([_int, _ptr, _ptr, _i64, _int, _int], None),
     "apc_row_sums_f": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
     "apc_row_sums_d": ([_ptr, _i64, _i64, _i64, _int, _ptr, _int, _int], None),
     "apc_row_logsumexp": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),

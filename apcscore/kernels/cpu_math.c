@@ -125,16 +125,64 @@ double apc_erf_d(double x) {
     return sum * 1.12837916709551257390e+00; /* 2 / sqrt(pi) */
 }
 
-/* Elementwise double functions over arrays (tables computed once per model): out[i] = f(in[i]). */
-void apc_map_d(int which, const double *in, double *out, int64_t n) {
-    fpenv e = fp_enter();
+/* out[i] = f(in[i]) of one `which` (0 exp, 1 log, 2 sin, 3 cos, 4 erf), scalar; exp has a vector copy below. */
+static void map_d_scalar(int which, const double *in, double *out, int64_t n) {
     for (int64_t i = 0; i < n; i++) {
         double x = in[i];
         out[i] = which == 0 ? apc_exp_d(x) : which == 1 ? apc_log_d(x) : which == 2 ? apc_sin_d(x)
                : which == 3 ? apc_cos_d(x) : apc_erf_d(x);
     }
-    fp_leave(e);
 }
+
+/* ---- double vector exp: apc_exp_d's operations, in its order, on each lane ------------------------------------ */
+
+static const double INV_FACT[] = {1.0 / 479001600.0, 1.0 / 39916800.0, 1.0 / 3628800.0, 1.0 / 362880.0,
+                                  1.0 / 40320.0, 1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0,
+                                  1.0 / 6.0, 0.5, 1.0, 1.0}; /* apc_exp_d's Horner coefficients after 1/13! */
+
+/* map_exp_d_SFX: out[i] = apc_exp_d(in[i]) bit for bit, in vectors of the copy's native width (BYTES: 16 SSE2 /
+ * NEON, 32 AVX2, 64 AVX-512; a wider generic vector would have its comparisons done one lane at a time): each lane
+ * the same IEEE operations in the same order as apc_exp_d (no contraction: -ffp-contract=off). (int64_t)n is read
+ * from the magic sum's bits (t = x / ln 2 + 1.5 * 2^52 lies in [2^52, 2^53), where the ulp is 1, so bits(t) -
+ * bits(MAGIC) = t - MAGIC = n exactly), and d_pow2's n / 2 (toward zero) by logical shifts of n + 2048 > 0. The
+ * special lanes (NaN: x itself, > 709.8: +inf, < -745.2: 0) are computed on 0 and replaced, as apc_exp_d returns
+ * them before any arithmetic. The tail (fewer than a vector) is apc_exp_d's. */
+#define APC_EXP_D(SFX, ATTR, BYTES)                                                                               \
+    typedef double vd_##SFX __attribute__((vector_size(BYTES)));                                                  \
+    typedef int64_t vl_##SFX __attribute__((vector_size(BYTES)));                                                 \
+    typedef uint64_t vu_##SFX __attribute__((vector_size(BYTES)));                                                \
+    ATTR static void map_exp_d_##SFX(const double *in, double *out, int64_t n) {                                  \
+        typedef vd_##SFX vd;                                                                                      \
+        typedef vl_##SFX vl;                                                                                      \
+        typedef vu_##SFX vu;                                                                                      \
+        enum { W = BYTES / 8 };                                                                                   \
+        const vd inf = (vd)((vl){0} + 0x7ff0000000000000LL);                                                      \
+        int64_t whole = n / W * W;                                                                                \
+        for (int64_t i = 0; i < whole; i += W) {                                                                  \
+            vd x;                                                                                                 \
+            memcpy(&x, in + i, sizeof x);                                                                         \
+            const vl nan = x != x, over = x > 709.8, under = x < -745.2, special = nan | over | under;            \
+            vd xs = (vd)((vl)x & ~special); /* 0 in the special lanes */                                          \
+            vd t = xs * 1.44269504088896338700e+00 + MAGIC_D;                                                     \
+            vd nd = t - MAGIC_D;                                                                                  \
+            vd r = (xs - nd * LN2_HI) - nd * LN2_LO;                                                              \
+            vd p = (vd){0} + 1.0 / 6227020800.0;                                                                  \
+            _Pragma("GCC unroll 13") for (int k = 0; k < 13; k++) p = p * r + INV_FACT[k];                        \
+            vu ni = (vu)t - (vu)((vd){0} + MAGIC_D) + 2048; /* n + 2048, in [973, 3072] */                        \
+            vu n1 = ((ni - (vu)(ni < 2048)) >> 1) - 1024;   /* n / 2 toward zero: +1 (a mask is -1) below 0 */    \
+            vu n2 = ni - 2048 - n1;                                                                               \
+            vd y = (p * (vd)((n1 + 1023) << 52)) * (vd)((n2 + 1023) << 52);                                       \
+            y = (vd)(((vl)y & ~special) | ((vl)x & nan) | ((vl)inf & over)); /* under: 0 */                      \
+            memcpy(out + i, &y, sizeof y);                                                                        \
+        }                                                                                                         \
+        for (int64_t i = whole; i < n; i++) out[i] = apc_exp_d(in[i]);                                            \
+    }
+
+APC_EXP_D(base, , 16)
+#ifdef APC_X86
+APC_EXP_D(avx2, __attribute__((target("avx2"))), 32)
+APC_EXP_D(avx512, __attribute__((target("avx512f"))), 64)
+#endif
 
 /* ---- float vector functions (GCC vector extensions: each lane the same IEEE operations) ------------------- */
 
@@ -305,6 +353,16 @@ static int pick(int level) {
             }                                                                                                     \
         }                                                                                                         \
     } while (0)
+
+/* Elementwise double functions over arrays: out[i] = f(in[i]) (exp: the vector copy of `level`). */
+void apc_map_d(int which, const double *in, double *out, int64_t n, int level, int nthreads) {
+    int64_t groups = (n + 7) / 8; /* threads' shares start where a vector of any copy starts */
+    APC_PARALLEL(nthreads, groups, {
+        int64_t a = lo * 8, b = hi * 8 < n ? hi * 8 : n;
+        if (b > a && which == 0) APC_DISPATCH(level, map_exp_d, in + a, out + a, b - a);
+        else if (b > a) map_d_scalar(which, in + a, out + a, b - a);
+    });
+}
 
 void apc_map_f(int op, const float *x, float *out, int64_t n, int level, int nthreads) {
     /* ranges of whole LANES-element groups, so that a thread's share starts where a vector starts */

@@ -95,11 +95,12 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
 
 
 def map_double(fn: int, x: torch.Tensor) -> torch.Tensor:
-    """fn (D_EXP, D_LOG, D_SIN, D_COS, D_ERF) of every element, computed and returned in fp64."""
+    """fn (D_EXP, D_LOG, D_SIN, D_COS, D_ERF) of every element, computed and returned in fp64: exp in double
+    vectors (apc_exp_d's operations on each lane: its bits), every function split over threads by element."""
     src = x.to(device="cpu", dtype=torch.float64).contiguous()
     out = torch.empty_like(src)
     if src.numel():
-        _lib().apc_map_d(fn, src.data_ptr(), out.data_ptr(), src.numel())
+        _lib().apc_map_d(fn, src.data_ptr(), out.data_ptr(), src.numel(), _level(), _threads(src.numel()))
     return out
 
 
@@ -111,5 +112,5 @@ def scalar(fn: int, value: float) -> float:
     if fn not in (D_EXP, D_LOG, D_SIN, D_COS, D_ERF):
         raise ValueError(f"cpu_math.scalar: function code {fn}, not one of D_EXP .. D_ERF")
     src, out = (ctypes.c_double * 1)(float(value)), (ctypes.c_double * 1)()
-    _lib().apc_map_d(fn, src, out, 1)
+    _lib().apc_map_d(fn, src, out, 1, _level(), 1)
     return out[0]
