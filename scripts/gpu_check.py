@@ -24,6 +24,8 @@ first (a part cut short by its limit keeps the lines it printed; later parts sti
 - eval        5-shot multiple choice (350-token shared prefix, 1,000 questions x 4 one-token choices): recompute,
               --exact-reuse and transformers batched like lm-eval's hf; 64-token continuations, no shared prefix.
 - 8b          a Llama-3.1-8B shape built on the device: score tokens/s and MFU, generation of 256 x 512 tokens.
+- reference   `score --reference-model`: two 8B shapes (the candidate the reference's weights with 1% noise) in bf16
+              on one GPU: time against the candidate alone, peak memory, the KL bitwise alone vs batched.
 - long        16 x 8,192 and 4 x 32,768-token prompts at K=20 (vocabulary 128k): tokens/s, peak memory.
 - profile     the tax's score and generate workloads under torch.profiler, invariant and cuBLAS: the GPU's busy
               share of the wall time and kernel time by group (matmul, attention, logprobs, ...), top kernels.
@@ -58,7 +60,7 @@ from gpu_check_basic import part_bench, part_compare, part_env, part_tests  # no
 from gpu_check_common import PART_DEADLINE_ENV, ROOT, SHAPES  # noqa: E402
 from gpu_check_exact import part_exactness, part_tax  # noqa: E402
 from gpu_check_profile import part_profile  # noqa: E402
-from gpu_check_scale import part_8b, part_eval, part_long  # noqa: E402
+from gpu_check_scale import part_8b, part_eval, part_long, part_reference  # noqa: E402
 from gpu_check_summary import write_summary  # noqa: E402
 from gpu_check_sweep import SWEPT_TABLE_ENV, apply_swept_table, part_sweep, read_table  # noqa: E402
 
@@ -74,10 +76,12 @@ TOTAL_LIMIT_S = 540  # the whole check stays under 9 minutes (gpu_check.sh's bac
 # sweep (--only without it) they run the committed table.
 # Issue 45 added two checks to exactness (silu_mul; the shared-prefix decode groups: two more kernels to compile,
 # three timed caps, a warm generation run): about 15-20 s more by estimate, so exactness gets 15 s of the sweep's.
-PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 55, "exactness": 70, "tax": 50, "bench:llama-3.2-1b": 50,
-                 "eval": 45, "8b": 55, "long": 30, "profile": 45}
+# Issue 55 added `reference` (two 8B shapes built and 32 prompts scored twice: ~25 s by estimate, no run yet): its
+# 35 s come from the sweep (55 -> 45; it took 20), eval (45 -> 40; 26), 8b (55 -> 50; 31) and the profile (45 -> 30).
+PART_LIMITS_S = {"env": 15, "tests": 125, "sweep": 45, "exactness": 70, "tax": 50, "bench:llama-3.2-1b": 50,
+                 "eval": 40, "8b": 50, "reference": 35, "long": 30, "profile": 30}
 SMALL_LIMITS_S = {"env": 60, "tests": 180, "sweep": 180, "exactness": 180, "tax": 120, "bench:llama-3.2-1b": 120,
-                  "eval": 180, "8b": 120, "long": 120, "profile": 120}
+                  "eval": 180, "8b": 120, "reference": 120, "long": 120, "profile": 120}
 WITHOUT_TABLE = {"env", "tests", "sweep"}  # parts that set their own matmul configurations (or none)
 # parts whose Triton kernels run under TRITON_INTERPRET=1 in --small (exactness: its silu_mul check; its engines
 # take the torch backend there)
@@ -85,7 +89,7 @@ INTERPRETED = {"sweep", "exactness"}
 
 PARTS = {"env": part_env, "tests": part_tests, "compare": part_compare, "bench": part_bench,
          "exactness": part_exactness, "tax": part_tax, "sweep": part_sweep, "eval": part_eval, "8b": part_8b,
-         "long": part_long, "profile": part_profile}
+         "reference": part_reference, "long": part_long, "profile": part_profile}
 
 
 def part_argv(label: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""GPU check parts `eval`, `8b` and `long` (see scripts/gpu_check.py for the plan).
+"""GPU check parts `eval`, `8b`, `reference` and `long` (see scripts/gpu_check.py for the plan).
 
 eval: lm-eval-shaped work on synthetic token ids, on the Llama-3.2-1B shape. 5-shot multiple choice (a shared
     ~350-token prefix, 1,000 questions x 4 one-token choices) the way apcscore's lm-eval backend asks for it
@@ -8,6 +8,8 @@ eval: lm-eval-shaped work on synthetic token ids, on the Llama-3.2-1B shape. 5-s
     shared prefix (256 requests), the same two ways.
 8b: a Llama-3.1-8B shape with random weights built on the device: scoring throughput and MFU, and greedy
     generation of 256 prompts x 512 new tokens.
+reference: `score --reference-model` on a pair of 8B shapes in bf16: the cost against the candidate alone, the
+    peak memory, the KL columns bitwise one prompt at a time and batched.
 long: 16 prompts of 8,192 and 4 of 32,768 tokens on the 1B shape, prompt logprobs at K=20 over a 128k
     vocabulary: tokens/s and peak memory per group; fails on an error (an OOM) or a non-finite logprob.
 """
@@ -200,3 +202,49 @@ def part_long(args) -> bool:
         del out
     return bool(ok)
 
+
+
+def part_reference(args) -> bool:
+    """`score --reference-model` on two Llama-3.1-8B shapes in bf16 on one GPU (issue 55): the candidate (the
+    reference's weights times 1 + 1% noise) scored alone, then with the reference beside it (both pools the same
+    size, as engine/loader.load_paired_engine builds them); the time ratio, the peak memory, and on CUDA the KL
+    columns bitwise the same for prompts scored one at a time as in the batch. Fails on a non-finite or negative
+    KL, or a differing bit."""
+    import numpy as np
+    import torch
+
+    from apcscore.engine.reference import pair
+
+    small = args.small
+    cfg, state, precision, backend, device, hf = engine_and_state("llama-3.1-8b", small)
+    pool = dict(num_kv_blocks=2048, use_cuda_graphs=False)  # 32k tokens per model: the step's, not the dataset's
+    reference = make_engine(cfg, state, device, precision, backend, **pool)
+    generator = torch.Generator(device=device).manual_seed(5)
+    with torch.no_grad():
+        for tensor in state.values():  # the candidate: every weight times (1 + 0.01 N(0, 1)), in place
+            tensor.mul_(1 + 0.01 * torch.randn(tensor.shape, generator=generator, device=device, dtype=tensor.dtype))
+    candidate = make_engine(cfg, state, device, precision, backend, **pool)
+    del state, hf
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    n_prompts, lo, hi = (8, 16, 128) if small else (32, 64, 2048)
+    prompts = random_prompts(score_lengths(n_prompts, lo, hi, seed=50), cfg.vocab_size, seed=51)
+    tokens = sum(len(p) for p in prompts)
+    engine_score(candidate, prompts[:2], 5)  # compile outside the timing
+    _, alone = timed(lambda: engine_score(candidate, prompts, 5))
+    pair(candidate, reference)
+    engine_score(candidate, prompts[:2], 5)
+    outs, paired = timed(lambda: engine_score(candidate, prompts, 5))
+    kl = np.concatenate([o.divergence.kl for o in outs])
+    one_at_a_time = [engine_score(candidate, [p], 5)[0].divergence for p in prompts[:4]]
+    bitwise = all(np.array_equal(a.kl.view(np.int64), o.divergence.kl.view(np.int64))
+                  and np.array_equal(a.delta_p.view(np.int64), o.divergence.delta_p.view(np.int64))
+                  for a, o in zip(one_at_a_time, outs))
+    ok = bool(np.isfinite(kl).all() and (kl >= -1e-12).all() and bitwise)
+    emit({"part": "reference", "model": "llama-3.1-8b-" + ("tiny" if small else "shape") + " pair", "task": "score",
+          "dtype": precision, "backend": backend, "prompts": n_prompts, "tokens": tokens, "k": 5,
+          "seconds_alone": rounded(alone), "seconds": rounded(paired), "ratio": round(paired / alone, 3),
+          "tokens_per_s": round(tokens / paired), "mean_kl": float(kl.mean()), "peak_memory_gib": peak_memory_gib(),
+          "bitwise_one_at_a_time": bitwise, "ok": ok})
+    return ok

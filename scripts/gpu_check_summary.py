@@ -148,8 +148,9 @@ def write_summary(lines: list[dict[str, Any]]) -> str:
                 ("Exactness end to end (Llama-3.2-1B shape)", _exactness(lines)),
                 ("Invariance tax (Llama-3.2-1B shape)", _tax(lines)), ("apcscore vs transformers", _bench(lines)),
                 ("Matmul configurations per (N, K)", _sweep(lines)), ("Eval-shaped work", _eval(lines)),
-                ("Llama-3.1-8B shape", _scale(lines, "8b")), ("Long prompts (Llama-3.2-1B shape)",
-                                                              _scale(lines, "long")),
+                ("Llama-3.1-8B shape", _scale(lines, "8b")),
+                ("A reference model in the run (two Llama-3.1-8B shapes)", _scale(lines, "reference")),
+                ("Long prompts (Llama-3.2-1B shape)", _scale(lines, "long")),
                 ("Where the time goes (Llama-3.2-1B shape, torch.profiler)", _profile(lines))]
     out: list[str] = []
     for title, body in sections:

@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PARTS = ["env", "tests", "sweep", "exactness", "tax", "bench:llama-3.2-1b", "eval", "8b", "long", "profile"]
+PARTS = ["env", "tests", "sweep", "exactness", "tax", "bench:llama-3.2-1b", "eval", "8b", "reference", "long",
+         "profile"]
 # what each part must have printed besides its end line: (part, key) pairs of its JSON lines
 EXPECTED = {"exactness": {"budgets", "exact_reuse", "last_token_alternatives", "greedy_generation", "silu_mul",
                           "shared_prefix_decode"},
@@ -55,6 +56,8 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     # MFU counts the weights a token is multiplied by: the 8B's untied embedding (a lookup) is left out, the
     # 1B's tied one is its LM head
     assert all(ln["params"] - ln["mfu_params"] == 1024 * 64 for ln in by_part["8b"]), by_part["8b"]  # TINY
+    (reference,) = by_part["reference"]  # the pair's KL: finite, and the same bits one prompt at a time
+    assert reference["ok"] and reference["bitwise_one_at_a_time"] and reference["mean_kl"] > 0, reference
     setup = next(ln for ln in by_part["bench"] if ln["task"] == "setup")
     assert setup["mfu_params"] == setup["params"], setup
     assert [(ln["prompts"], ln["ok"]) for ln in by_part["long"]] == [(4, True), (2, True)]
@@ -78,7 +81,7 @@ def test_gpu_check_dry_run_passes_within_every_limit(tmp_path: Path) -> None:
     assert [json.loads(ln) for ln in logged] == lines
     markdown = (tmp_path / "out" / "gpu_check_summary.md").read_text()
     for title in ("Exactness end to end", "Invariance tax", "Matmul configurations per (N, K)", "Eval-shaped work",
-                  "Llama-3.1-8B shape", "Long prompts", "Where the time goes"):
+                  "Llama-3.1-8B shape", "A reference model in the run", "Long prompts", "Where the time goes"):
         assert f"### {title}" in markdown
     assert "no lines" not in markdown, markdown
 

@@ -95,7 +95,8 @@ class SliceRunner(ModelRunner):
         return self._run("forward", (inp,), lambda: self.forward_inputs(inp))
 
     def _token_logprobs(self, hidden: torch.Tensor, rows: list[int], extra: list[torch.Tensor], targets: list[int],
-                        k: int, ranks: bool) -> TokenLogprobs:
+                        k: int, ranks: bool, ref_hidden: None = None) -> TokenLogprobs:
+        # (ref_hidden: always None, as a reference model is refused under tensor parallelism: engine/reference.py)
         return self._run("logprobs", (rows, [e.cpu() for e in extra], targets, k, ranks),
                          lambda: self.local_logprobs(hidden, rows, extra, targets, k, ranks))
 
