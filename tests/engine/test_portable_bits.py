@@ -12,6 +12,8 @@ count (docs/architecture.md, "Portable bits").
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import json
 import math
 import os
@@ -46,6 +48,20 @@ def levels() -> list[str]:
     return [name for name, level in SIMD_SETTINGS.items() if level <= best]
 
 
+def each_setting(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, int]]:
+    """Every (SIMD setting, thread count 1 and 2) this CPU can run, each set while its iteration runs; the thread
+    count is restored afterwards."""
+    threads = torch.get_num_threads()
+    try:
+        for level in levels():
+            for n in (1, 2):
+                monkeypatch.setenv("APCSCORE_SIMD", level)
+                torch.set_num_threads(n)
+                yield level, n
+    finally:
+        torch.set_num_threads(threads)
+
+
 def inputs() -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 88.7, 88.8, -87.3, -103.9, -104.5,
@@ -73,16 +89,7 @@ def test_every_simd_level_and_thread_count_gives_the_same_bits(name: str, monkey
     x = inputs()[:120_011 // 61 * 61]
     if name in ("rms_norm", "layer_norm", "softmax", "row_logsumexp"):
         x = torch.nan_to_num(x, nan=1.0, posinf=50.0, neginf=-50.0)
-    results = {}
-    threads = torch.get_num_threads()
-    try:
-        for level in levels():
-            for n in (1, 2):
-                monkeypatch.setenv("APCSCORE_SIMD", level)
-                torch.set_num_threads(n)
-                results[(level, n)] = bits(FUNCTIONS[name](x.clone()))
-    finally:
-        torch.set_num_threads(threads)
+    results = {setting: bits(FUNCTIONS[name](x.clone())) for setting in each_setting(monkeypatch)}
     first = next(iter(results.values()))
     assert all(torch.equal(first, r) for r in results.values()), [k for k, r in results.items()
                                                                     if not torch.equal(first, r)]

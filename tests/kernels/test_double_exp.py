@@ -11,7 +11,7 @@ import torch
 
 from apcscore.kernels import cpu_math
 from apcscore.kernels.cpu_library import library
-from tests.engine.test_portable_bits import levels, pytestmark  # noqa: F401  (the SIMD settings; skipped without C)
+from tests.engine.test_portable_bits import each_setting, levels, pytestmark  # noqa: F401  (the SIMD settings; skipped without C)
 
 
 def inputs() -> torch.Tensor:
@@ -47,17 +47,10 @@ def bits(t: torch.Tensor) -> list[int]:
 def test_every_simd_level_and_thread_count_gives_apc_exp_ds_bits(monkeypatch: pytest.MonkeyPatch) -> None:
     x = inputs()
     want = bits(scalar_exp(x))
-    threads = torch.get_num_threads()
-    try:
-        for level in levels():
-            for n in (1, 2):
-                monkeypatch.setenv("APCSCORE_SIMD", level)
-                torch.set_num_threads(n)
-                got = bits(cpu_math.map_double(cpu_math.D_EXP, x))
-                bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
-                assert not bad, (level, n, [(x[i].item(), got[i], want[i]) for i in bad[:5]])
-    finally:
-        torch.set_num_threads(threads)
+    for setting in each_setting(monkeypatch):
+        got = bits(cpu_math.map_double(cpu_math.D_EXP, x))
+        bad = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        assert not bad, (setting, [(x[i].item(), got[i], want[i]) for i in bad[:5]])
 
 
 def test_every_length_and_offset_gives_apc_exp_ds_bits(monkeypatch: pytest.MonkeyPatch) -> None:
