@@ -118,14 +118,13 @@ class ResultsWriter:
         existed = self.partial_path.exists()
         if existed:
             self._check_ours()
-            self._lock = lock_partial(self.partial_path)  # a run still writing it: refused before touching it
         else:
             self.out_path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self.partial_path.mkdir()
             except FileExistsError:  # another run created it a moment ago
                 raise in_use(self.partial_path) from None
-            self._lock = lock_partial(self.partial_path)
+        self._lock = lock_partial(self.partial_path)  # a run still writing it: refused before touching it
         try:
             self._open_partial(existed, resume, overwrite, resume_keys)
         except BaseException:
