@@ -183,9 +183,8 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         batch = fmt["chosen"] == "openai-batch"
         if batch:
             converted = to_record(obj, command, max_logprobs=max_logprobs, model_names=model_names)
-            record, kind, fields, problems = converted.record, None, {}, []
-            if record is not None:
-                _, kind, fields, problems = check_record(record, command)
+            record = converted.record
+            _, kind, fields, problems = check_record(record, command) if record is not None else (None, None, {}, [])
             problems, given_id = [*converted.problems, *problems], converted.custom_id
             if converted.line is not None and not problems:
                 fields["openai"] = converted.line.to_dict()
