@@ -48,32 +48,20 @@ def in_use(partial: Path) -> ApcscoreError:
                          "(or stop it), then rerun — with --resume to continue its rows")
 
 
-class PartialLock:
-    """The exclusive lock on a partial folder: taken when made, given back by `release()` or when the object goes
-    (a writer dropped without closing, as a library user may)."""
-
-    def __init__(self, partial: Path) -> None:
-        self._fd: int | None = None
-        try:
-            fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
-        except FileNotFoundError:  # seen a moment ago: the run writing it finished (or gave up) since
-            raise ApcscoreError(f"{partial} was removed by another apcscore run a moment ago (it finished, or "
-                                "failed before its first row) — rerun: see whether its output is there") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise in_use(partial) from None
-        self._fd = fd
-
-    def release(self) -> None:
-        """Give the lock back (again: nothing)."""
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-    def __del__(self) -> None:
-        self.release()
+def lock_partial(partial: Path) -> int:
+    """Take the exclusive lock on the partial folder: the file descriptor returned holds it until closed
+    (`os.close`, or the process ends)."""
+    try:
+        fd = os.open(partial, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:  # seen a moment ago: the run writing it finished (or gave up) since
+        raise ApcscoreError(f"{partial} was removed by another apcscore run a moment ago (it finished, or "
+                            "failed before its first row) — rerun: see whether its output is there") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise in_use(partial) from None
+    return fd
 
 
 def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys: Iterable[str],

@@ -51,7 +51,8 @@ from typing import Any
 from apcscore.errors import ApcscoreError
 from apcscore.io.json_line import SURROGATE, SURROGATE_ESCAPE, NotUtf8, parse_line, surrogate_problem
 from apcscore.io.openai_batch import INPUT_FORMATS, is_batch_line, to_record
-from apcscore.io.schemas import COMMANDS, InvalidRecord, Record, accepted_kinds, check_record, known_fields
+from apcscore.io.schemas import (COMMANDS, InvalidRecord, Record, accepted_kinds, check_record, known_fields,
+                                unknown_fields)
 from apcscore.io.tabular_input import is_tabular, read_table_records, rename
 
 MAX_LISTED_PROBLEMS = 20
@@ -182,28 +183,26 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
         batch = fmt["chosen"] == "openai-batch"
         if batch:
             converted = to_record(obj, command, max_logprobs=max_logprobs, model_names=model_names)
-            checked = check_record(converted.record if converted.record is not None else {}, command)
-            if converted.record is None:
-                checked.problems = []
-            checked.problems = [*converted.problems, *checked.problems]
-            checked.id = converted.custom_id
-            if converted.line is not None and not checked.problems:
-                checked.fields["openai"] = converted.line.to_dict()
+            record = converted.record
+            _, kind, fields, problems = check_record(record, command) if record is not None else (None, None, {}, [])
+            problems, given_id = [*converted.problems, *problems], converted.custom_id
+            if converted.line is not None and not problems:
+                fields["openai"] = converted.line.to_dict()
         else:
-            checked = check_record(rename(obj, columns), command)
-        for key in checked.unknown:
+            record = rename(obj, columns)
+            given_id, kind, fields, problems = check_record(record, command)
+        for key in unknown_fields(record, command, fields):
             seen = unknown_seen.setdefault(key, [lineno, 0])
             seen[1] += 1
-        rid = checked.id if checked.id is not None else str(lineno)
-        problems = checked.problems
+        rid = given_id if given_id is not None else str(lineno)
         surrogate = surrogate_problem(obj) if escaped_surrogate else None
         if surrogate:
             problems = [*problems, surrogate]
             if SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
         label = "custom_id" if batch else "id"
-        unnamed_row = checked.id is None and bool(problems)  # its stand-in id is given once every real id is known
-        if batch and checked.id is None:  # no custom_id (refused for that): the result line's custom_id is null
+        unnamed_row = given_id is None and bool(problems)  # its stand-in id is given once every real id is known
+        if batch and given_id is None:  # no custom_id (refused for that): the result line's custom_id is null
             no_custom_id.add(len(records) + len(invalid))
         if not unnamed_row and rid in first_line_of_id:
             # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
@@ -224,7 +223,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid,
                                          f"{where}: " + "; ".join(problems)))
         else:
-            records.append(Record(len(records) + len(invalid), lineno, rid, checked.kind, checked.fields))
+            records.append(Record(len(records) + len(invalid), lineno, rid, kind, fields))
 
     def unreadable(lineno: int, message: str) -> None:
         """A line that does not parse: an error row without an id of its own (given at the end); in an OpenAI

@@ -109,29 +109,23 @@ def _messages(v: Any) -> str | None:
 Check = Callable[[Any], "str | None"]
 
 
-@dataclass(frozen=True)
-class _Kind:
-    name: str
-    required: dict[str, Check]  # field -> check, in the order a user would write them
-    signature: frozenset[str]  # fields that say "this record is of this kind"
-    example: str
-
-
-_KINDS = {
-    k.name: k
-    for k in (
-        _Kind("prompt", {"prompt": _string}, frozenset({"prompt"}), '{"prompt": str}'),
-        _Kind("prompt_token_ids", {"prompt_token_ids": _token_ids}, frozenset({"prompt_token_ids"}),
-              '{"prompt_token_ids": [int, ...]}'),
-        _Kind("continuation", {"context": _string, "continuation": _nonempty_string},
-              frozenset({"continuation"}), '{"context": str, "continuation": str}'),
-        _Kind("choices", {"context": _string, "choices": _choices, "answer": _index},
-              frozenset({"choices", "answer"}), '{"context": str, "choices": [str, ...], "answer": int}'),
-        _Kind("messages", {"messages": _messages}, frozenset({"messages"}),
-              '{"messages": [{"role": str, "content": str}, ...]}'),
-        _Kind("text", {"text": _string}, frozenset({"text"}), '{"text": str}'),
-    )
+# every field of a record kind -> (its check, how a kind's example writes it)
+_FIELDS: dict[str, tuple[Check, str]] = {
+    "prompt": (_string, "str"),
+    "prompt_token_ids": (_token_ids, "[int, ...]"),
+    "context": (_string, "str"),
+    "continuation": (_nonempty_string, "str"),
+    "choices": (_choices, "[str, ...]"),
+    "answer": (_index, "int"),
+    "messages": (_messages, '[{"role": str, "content": str}, ...]'),
+    "text": (_string, "str"),
 }
+# record kind -> its fields, in the order a user would write them; each field but "context" (which continuation
+# and choices share) says "this record is of this kind"
+_KINDS = {"prompt": ("prompt",), "prompt_token_ids": ("prompt_token_ids",), "continuation": ("context", "continuation"),
+          "choices": ("context", "choices", "answer"), "messages": ("messages",), "text": ("text",)}
+_SIGNATURES = {kind: frozenset(fields) - {"context"} for kind, fields in _KINDS.items()}
+_EXAMPLES = {kind: "{" + ", ".join(f'"{f}": {_FIELDS[f][1]}' for f in fields) + "}" for kind, fields in _KINDS.items()}
 _COMMAND_KINDS = {
     "score": ("prompt", "prompt_token_ids", "continuation", "choices"),
     "generate": ("prompt", "prompt_token_ids", "messages"),
@@ -144,7 +138,7 @@ _OPTIONAL = {
     "generate": RECORD_FIELDS,
 }
 
-_KIND_FIELDS = {c: frozenset(f for k in kinds for f in _KINDS[k].required) for c, kinds in _COMMAND_KINDS.items()}
+_KIND_FIELDS = {c: frozenset(f for k in kinds for f in _KINDS[k]) for c, kinds in _COMMAND_KINDS.items()}
 # Fields many datasets name what a command reads as its text ("text" in most Hugging Face corpora, "instruction"
 # in Alpaca-style sets): a record that matches no kind but has one gets the --columns hint that reads it.
 _COLUMN_HINTS = {"prompt": ("text", "input", "instruction", "question"), "text": ("prompt", "content", "document")}
@@ -158,7 +152,7 @@ def known_fields(command: str) -> frozenset[str]:
 
 def accepted_kinds(command: str) -> str:
     """The record kinds `command` accepts, as one line for messages and help texts."""
-    kinds = " | ".join(_KINDS[k].example for k in _COMMAND_KINDS[command])
+    kinds = " | ".join(_EXAMPLES[k] for k in _COMMAND_KINDS[command])
     extra = ""
     if _OPTIONAL[command]:
         extra = f", each with optional {', '.join(_OPTIONAL[command])}"
@@ -178,25 +172,12 @@ def _column_hint(obj: dict, command: str) -> str:
     return "" if column is None else f"; to read the {field} from {column!r}, pass --columns {field}={column}"
 
 
-def _nulls(obj: dict) -> set[str]:
-    return {k for k, v in obj.items() if v is None}
-
-
-@dataclass
-class _Checked:
-    id: str | None  # None when the record has no usable id
-    kind: str | None
-    fields: dict
-    problems: list[str]
-    unknown: list[str]
-
-
-def check_record(obj: Any, command: str) -> _Checked:
-    """Validate one parsed JSON value against the record kinds of `command`."""
+def check_record(obj: Any, command: str) -> tuple[str | None, str | None, dict, list[str]]:
+    """Validate one parsed JSON value against the record kinds of `command`: (its id, None when it has no usable
+    one; its kind, None when it matches none; its validated fields, empty unless it is valid; its problems)."""
     if not isinstance(obj, dict):
-        return _Checked(None, None, {}, [
-            f"the record is {_show(obj)}, not a JSON object (write one object per line: {accepted_kinds(command)})"
-        ], [])
+        return None, None, {}, [
+            f"the record is {_show(obj)}, not a JSON object (write one object per line: {accepted_kinds(command)})"]
     problems: list[str] = []
     rid = None
     raw_id = obj.get("id")
@@ -210,9 +191,8 @@ def check_record(obj: Any, command: str) -> _Checked:
     kinds = _COMMAND_KINDS[command]
     optional = _OPTIONAL[command]
     kind_fields = _KIND_FIELDS[command]
-    present = obj.keys() - _nulls(obj) if None in obj.values() else obj.keys()
-    unknown = sorted(obj.keys() - _KNOWN[command])
-    claimed = [k for k in kinds if not _KINDS[k].signature.isdisjoint(present)]
+    present = {k for k, v in obj.items() if v is not None}
+    claimed = [k for k in kinds if not _SIGNATURES[k].isdisjoint(present)]
 
     kind = None
     if not claimed:
@@ -222,24 +202,24 @@ def check_record(obj: Any, command: str) -> _Checked:
         problems.append(f"the record matches no {command} record kind: {have}{_column_hint(obj, command)} "
                         f"(write one of: {accepted_kinds(command)})")
     elif len(claimed) > 1:
-        parts = [f"{k} ({', '.join(repr(f) for f in sorted(_KINDS[k].signature & present))})" for k in claimed]
+        parts = [f"{k} ({', '.join(repr(f) for f in sorted(_SIGNATURES[k] & present))})" for k in claimed]
         problems.append(f"the record has fields of two kinds at once: {' and '.join(parts)} "
                         f"(a record is exactly one of: {accepted_kinds(command)})")
     else:
         kind = claimed[0]
-        spec = _KINDS[kind]
-        foreign = sorted(present & (kind_fields - spec.required.keys()))
+        required, example = _KINDS[kind], _EXAMPLES[kind]
+        foreign = sorted(present & (kind_fields - set(required)))
         if foreign:
             problems.append(f"the record has fields of two kinds at once: it is a {kind} record "
-                            f"({spec.example}) but also has {', '.join(repr(f) for f in foreign)} "
+                            f"({example}) but also has {', '.join(repr(f) for f in foreign)} "
                             f"(remove {'it' if len(foreign) == 1 else 'them'} or split the record)")
-        missing = [f for f in spec.required if f not in present]
+        missing = [f for f in required if f not in present]
         if missing:
             problems.append(f"a {kind} record needs {', '.join(repr(f) for f in missing)} "
-                            f"(write it as {spec.example})")
-        for name, check in spec.required.items():
-            if name in present and (why := check(obj[name])) is not None:
-                problems.append(f"'{name}' {why} (a {kind} record is {spec.example})")
+                            f"(write it as {example})")
+        for name in required:
+            if name in present and (why := _FIELDS[name][0](obj[name])) is not None:
+                problems.append(f"'{name}' {why} (a {kind} record is {example})")
         if (kind == "choices" and "answer" in present and _index(obj["answer"]) is None
                 and _choices(obj.get("choices")) is None and not 0 <= obj["answer"] < len(obj["choices"])):
             problems.append(f"'answer' {obj['answer']} is not an index into the {len(obj['choices'])} "
@@ -250,12 +230,18 @@ def check_record(obj: Any, command: str) -> _Checked:
 
     fields: dict = {}
     if kind is not None and not problems:
-        for name in _KINDS[kind].required:
-            fields[name] = obj[name]
+        fields = {name: obj[name] for name in _KINDS[kind]} | {name: obj[name] for name in optional if name in present}
         if kind == "messages":  # keep only what we read, so ignored keys cannot leak into templates
             fields["messages"] = [{"role": m["role"], "content": m["content"]} for m in obj["messages"]]
-            unknown += sorted({f"messages[].{k}" for m in obj["messages"] for k in m} - _MESSAGE_KEYS)
-        for name in optional:
-            if name in present:
-                fields[name] = obj[name]
-    return _Checked(rid, kind, fields, problems, unknown)
+    return rid, kind, fields, problems
+
+
+def unknown_fields(obj: Any, command: str, fields: dict) -> list[str]:
+    """The fields of the record `obj` that `command` does not read (warned about, then ignored); of a valid
+    messages record (`fields`, check_record's) also its messages' keys other than role and content."""
+    if not isinstance(obj, dict):
+        return []
+    unknown = sorted(obj.keys() - _KNOWN[command])
+    if "messages" in fields:
+        unknown += sorted({f"messages[].{k}" for m in obj["messages"] for k in m} - _MESSAGE_KEYS)
+    return unknown

@@ -39,7 +39,6 @@ import json
 import os
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -47,16 +46,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, PartialLock, check_run_file, in_use,
-                                 is_partial_file, merged_parts)
+from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, check_run_file, in_use, is_partial_file,
+                                 lock_partial, merged_parts)
 from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
                                  read_run_metadata, records_to_table, write_atomic as _write_atomic)
-
-
-@dataclass(frozen=True)
-class _Part:
-    path: Path
-    first: int  # smallest index in the part
 
 
 class ResultsWriter:
@@ -84,6 +77,8 @@ class ResultsWriter:
     OpenAI's error file; always written, empty when no row failed), `<out>` the others.
     """
 
+    _lock: int | None = None  # the partial's lock (io/partial.py), held until it is assembled or removed
+
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
                  resume: bool = False, resume_keys: Iterable[str] = (), row_group_size: int = 256,
                  num_rows: int | None = None, max_buffer_seconds: float = 1.0,
@@ -100,7 +95,7 @@ class ResultsWriter:
         self.max_buffer_seconds = max_buffer_seconds
         self._metadata = json.loads(_dumps(metadata))
         self._part_schema = pa.schema([pa.field(INDEX_COLUMN, pa.int64(), nullable=False), *schema])
-        self._parts: list[_Part] = []
+        self._parts: list[tuple[Path, int]] = []  # (a part file, its smallest index)
         self._buffer: list[tuple[int, dict]] = []
         self._buffer_since = 0.0
         self._flushing = False
@@ -120,18 +115,16 @@ class ResultsWriter:
             raise ApcscoreError(f"{self.out_path} already exists; pass --overwrite to replace it "
                                 "or choose another --out")
         self.notes: list[str] = []  # what a caller should tell the user (a partial discarded on --resume)
-        self._lock: PartialLock | None = None  # the partial's lock, held until it is assembled or removed
         existed = self.partial_path.exists()
         if existed:
             self._check_ours()
-            self._lock = PartialLock(self.partial_path)  # a run still writing it: refused before touching it
         else:
             self.out_path.parent.mkdir(parents=True, exist_ok=True)
             try:
                 self.partial_path.mkdir()
             except FileExistsError:  # another run created it a moment ago
                 raise in_use(self.partial_path) from None
-            self._lock = PartialLock(self.partial_path)
+        self._lock = lock_partial(self.partial_path)  # a run still writing it: refused before touching it
         try:
             self._open_partial(existed, resume, overwrite, resume_keys)
         except BaseException:
@@ -176,9 +169,9 @@ class ResultsWriter:
 
     def previous_rows(self, columns: list[str]) -> Iterator[dict]:
         """The rows a resumed partial already holds (only `columns` of them), in no particular order."""
-        for part in self._parts:
-            names = [c for c in columns if c in self.schema.names]
-            yield from pq.read_table(part.path, columns=names).to_pylist()
+        names = [c for c in columns if c in self.schema.names]
+        for path, _ in self._parts:
+            yield from pq.read_table(path, columns=names).to_pylist()
 
     def abandon(self) -> None:
         """Remove the partial when it holds no finished row (a run that failed before any), so that it does not
@@ -190,8 +183,11 @@ class ResultsWriter:
     def release(self) -> None:
         """Let go of the partial's lock (the run is over, however it ended); its files stay as they are."""
         if self._lock is not None:
-            self._lock.release()
+            os.close(self._lock)
         self._lock = None
+
+    def __del__(self) -> None:  # a writer dropped without closing (as a library user may) gives its lock back
+        self.release()
 
     def before_flush(self, hook: Callable[[], None] | None) -> None:
         """Call `hook()` before each part file is written (the driver keeps the timings so far in run.json)."""
@@ -219,7 +215,7 @@ class ResultsWriter:
             tmp = path.with_name(path.name + ".tmp")
             pq.write_table(table, tmp)
             os.replace(tmp, path)
-            self._parts.append(_Part(path, buffered[0][0]))
+            self._parts.append((path, buffered[0][0]))
         finally:
             self._flushing = False
 
@@ -300,8 +296,7 @@ class ResultsWriter:
 
     def _merged(self, total: int) -> Iterator[pa.Table]:
         """Tables of `row_group_size` consecutive indices, in order, merged from the sorted parts."""
-        return merged_parts([(p.path, p.first) for p in self._parts], self._part_schema, total, self.row_group_size,
-                            self.partial_path)
+        return merged_parts(self._parts, self._part_schema, total, self.row_group_size, self.partial_path)
 
     def _write_run_file(self) -> None:
         run = {"metadata": self._metadata, "schema": self.schema.serialize().to_pybytes().hex()}
@@ -344,5 +339,5 @@ class ResultsWriter:
                 raise ApcscoreError(f"cannot resume {self.partial_path}: rows {sorted(clash)[:10]} appear twice; "
                                     "pass --overwrite to start over")
             self.done_indices.update(indices)
-            self._parts.append(_Part(path, indices[0]))
+            self._parts.append((path, indices[0]))
             self._next_part = max(self._next_part, int(path.stem.split("-")[1]) + 1)

@@ -38,22 +38,3 @@ def reference_columns(num_tokens: int, lps: PromptLogprobs | None) -> dict:
     mean = math.fsum(d.kl.tolist()) / len(d.kl) if len(d.kl) else None
     return {"mean_kl": mean, **columns}
 
-
-class DivergenceSummary:
-    """The end-of-run lines of a run with a reference: mean KL and top-1 agreement over every scored token."""
-
-    def __init__(self) -> None:
-        self.kl: list[float] = []
-        self.agree = 0
-
-    def observe(self, row: dict) -> None:
-        kl = row.get("token_kl")
-        if kl:
-            self.kl += [v for v in kl if v is not None]
-            self.agree += sum(1 for v in row["token_top1_agree"] if v)
-
-    def lines(self) -> list[tuple[str, str]]:
-        if not self.kl:
-            return []
-        return [("mean KL (exact, vs reference)", f"{math.fsum(self.kl) / len(self.kl):.6f}"),
-                ("same top-1 as reference", f"{100 * self.agree / len(self.kl):.2f}%")]

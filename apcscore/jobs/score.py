@@ -24,7 +24,7 @@ import pyarrow as pa
 
 from apcscore.jobs.base import (COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nll_summary, sum_logprobs,
                                 token_columns)
-from apcscore.jobs.reference_columns import NULL_COLUMNS, REFERENCE_FIELDS, DivergenceSummary, reference_columns
+from apcscore.jobs.reference_columns import NULL_COLUMNS, REFERENCE_FIELDS, reference_columns
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, group_by_last_token, mean_stderr,
                                          prefix_token_id, trim_top)
@@ -56,7 +56,8 @@ class ScoreJob(Job):
         self._correct: list[float] = []
         self._correct_norm: list[float] = []
         self.reference = options.reference_model  # score --reference-model: the divergence columns
-        self._divergence = DivergenceSummary()
+        self._kl: list[float] = []  # with a reference: every scored token's KL
+        self._agree = 0  # and how many of them have the reference's top-1
 
     def schema(self) -> pa.Schema:
         return pa.schema(COMMON_FIELDS + [
@@ -129,7 +130,9 @@ class ScoreJob(Job):
     def observe(self, row: dict) -> None:
         if row.get("status") != "ok":
             return
-        self._divergence.observe(row)
+        if row.get("token_kl"):
+            self._kl += [v for v in row["token_kl"] if v is not None]
+            self._agree += sum(1 for v in row["token_top1_agree"] if v)
         if row.get("choice_logprobs") is not None:
             self._correct.append(float(row["correct"]))
             self._correct_norm.append(float(row["correct_norm"]))
@@ -158,7 +161,10 @@ class ScoreJob(Job):
                 n = len(values)
                 spread = f" ± {err:.4f}" if math.isfinite(err) else ""  # no standard error from one question
                 lines.append((label, f"{mean:.4f}{spread} ({n:,} question{'s' if n != 1 else ''})"))
-        return lines + self._divergence.lines()
+        if self._kl:
+            lines += [("mean KL (exact, vs reference)", f"{math.fsum(self._kl) / len(self._kl):.6f}"),
+                      ("same top-1 as reference", f"{100 * self._agree / len(self._kl):.2f}%")]
+        return lines
 
     def metadata(self) -> dict:
         return {"prompt_logprobs": self.k}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -220,13 +222,13 @@ def test_a_partial_another_run_is_writing_is_refused_untouched(tmp_path, write_j
     """Issue 46, item 5: run B, started with --resume (or --overwrite) on the .partial of a run A still going,
     finished first and A then failed ("partial ... is inconsistent"). The partial is locked (flock on the folder)
     while a run writes it; B is refused with one line and touches nothing."""
-    from apcscore.io.partial import PartialLock
+    from apcscore.io.partial import lock_partial
 
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "Hello"}, {"prompt": "there"}])
     out, partial = tmp_path / "o.parquet", tmp_path / "o.parquet.partial"
     partial.mkdir()
     (partial / "run.json").write_text('{"metadata": {}, "schema": ""}')  # what run A wrote (not read: refused first)
-    held = PartialLock(partial)  # run A, still going
+    held = lock_partial(partial)  # run A, still going
     try:
         for flag in ("--resume", "--overwrite"):
             res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), flag, "-q"])
@@ -234,7 +236,7 @@ def test_a_partial_another_run_is_writing_is_refused_untouched(tmp_path, write_j
             assert f"{partial} is in use by another apcscore run that is still going" in one_line(res)
             assert [p.name for p in partial.iterdir()] == ["run.json"] and not out.exists()
     finally:
-        held.release()
+        os.close(held)
     res = runner.invoke(app, ["score", str(data), "--model", tiny, "--out", str(out), "--overwrite", "-q"])
     assert res.exit_code == 0 and out.exists() and not partial.exists(), res.output  # A gone: the lock went with it
 

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from apcscore.cli import app
 from apcscore.errors import ApcscoreError
-from apcscore.io.partial import PartialLock
+from apcscore.io.partial import lock_partial
 
 REPO = Path(__file__).resolve().parents[2]
 runner = CliRunner()
@@ -93,4 +93,4 @@ def test_a_partial_removed_before_it_is_locked_is_a_clear_refusal(tmp_path):
     FileNotFoundError."""
     partial = tmp_path / "o.parquet.partial"
     with pytest.raises(ApcscoreError, match="was removed by another apcscore run a moment ago"):
-        PartialLock(partial)
+        lock_partial(partial)
