@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 FINGERPRINT_FILE = ".apcscore-fingerprint.json"
 # A model directory's files besides the weights that change numbers: the config (rope, eps, soft-caps, window,
-# eos), the generation config, the tokenizer's files and the chat template (models/resolved.py keys by them too)
+# eos), the generation config, the tokenizer's files and the chat template (models/loaded.py keys by them too)
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                "vocab.json", "merges.txt", "tokenizer.model")
@@ -34,29 +34,12 @@ def load_state_dict(
     are stored once: with `tie_word_embeddings`, "lm_head.weight" is usually absent and the decoder must
     reuse "model.embed_tokens.weight".
     """
-    from safetensors import safe_open
-
-    path = Path(path)
-    files = safetensors_files(path)
-    if not files:
-        raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name in state:
-                    raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
-                tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                state[name] = tensor
-    return state
+    return dict(LazyCheckpoint(path, dtype, device))
 
 
 class LazyCheckpoint(Mapping):
-    """A Hugging Face directory's safetensors tensors by name, read when asked (tensor-parallel ranks).
+    """A Hugging Face directory's safetensors tensors by name, read when asked (`load_state_dict` reads them all;
+    tensor-parallel ranks read theirs).
 
     `state[name]` reads a whole tensor (cast to `dtype` if floating); `lazy(name)` is safetensors' slice object
     (`get_shape()`, and indexing that reads only the rows or columns asked), which models.weights.WeightCopier uses
@@ -64,19 +47,16 @@ class LazyCheckpoint(Mapping):
     weights, plus the replicated ones (embedding, norms).
     """
 
-    def __init__(self, path: Path, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
         from safetensors import safe_open
 
         self.path = path = Path(path)
-        files = safetensors_files(path)
-        if not files:
-            raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
         self.dtype = dtype
         self._files: dict[str, Any] = {}  # tensor name -> its open file
-        for file in files:
+        for file in weight_files(path):
             if not file.is_file():
                 raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
-            handle = safe_open(str(file), framework="pt", device="cpu")
+            handle = safe_open(str(file), framework="pt", device=str(device))
             for name in handle.keys():
                 if name in self._files:
                     raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
@@ -161,10 +141,15 @@ def weights_fingerprint(path: Path) -> str:
     every time.
     """
     path = Path(path)
+    return stamped_sha256(weight_files(path), path / FINGERPRINT_FILE)[:16]
+
+
+def weight_files(path: Path) -> list[Path]:
+    """`safetensors_files(path)`, refused when there are none."""
     files = safetensors_files(path)
     if not files:
         raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
-    return stamped_sha256(files, path / FINGERPRINT_FILE)[:16]
+    return files
 
 
 def model_files_digest(path: str | Path) -> dict[str, str]:
