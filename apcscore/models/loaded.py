@@ -1,20 +1,17 @@
 """The model an engine runs, before its weights are read: `load_model(spec)` locates it (models/locate.py), checks
-what it is loaded from, and reads its config, tokenizer and rotary tables, as one `LoadedModel` value that the
-driver, the Ray replicas and the engines take instead of the spec. The engine (engine/loader.py) reads the weights.
+what it is loaded from, and reads its config, tokenizer and rotary tables into one `LoadedModel`, which the driver,
+the Ray replicas and the engines take instead of the spec. The engine (engine/loader.py) reads the weights.
 
-Every refusal comes here, before any weights are read, as one clear error (exit 2) naming the file or folder:
-`$APCSCORE_CACHE`, where set, is a folder apcscore can create and write (`check_cache_env`); every safetensors file
-is complete, and a damaged converted copy in the cache is named with the folder to delete (`check_weight_files`);
-the config and tokenizer are readable and the config is a causal LM a path runs.
+Every refusal comes before any weights are read, as one error (exit 2) naming the file or folder: a set
+`$APCSCORE_CACHE` that apcscore cannot write, a truncated safetensors file (in the cache: the folder to delete), an
+unreadable config or tokenizer, a config no path runs.
 
-The config, tokenizer class and rotary inverse frequencies are what transformers resolves for the directory. Getting
-those answers means importing the model's config module, which with transformers 5 pulls in torch.distributed and
-torch._dynamo: about 2 s per process on a 2-core CPU, longer than loading SmolLM2-135M's weights. So `load_parts`
-asks transformers once and stores its answers as JSON under `<cache>/resolved/`, keyed by the bytes of the
-directory's config and tokenizer files and the transformers version; later loads read them back and import only the
-tokenizer class. The answers are transformers' own (`config.to_dict()`, `type(tokenizer).__name__`,
-`rotary.inv_freq`), so nothing is re-derived here. Rope types whose frequencies depend on the sequence length
-(dynamic, longrope) are not remembered. torch and transformers are imported inside the functions that need them.
+What transformers resolves for a directory (config, tokenizer class, rotary inverse frequencies) costs importing the
+model's config module, which with transformers 5 pulls in torch.distributed and torch._dynamo: about 2 s per process
+on a 2-core CPU. So `load_parts` stores transformers' own answers (`config.to_dict()`, `type(tokenizer).__name__`,
+`rotary.inv_freq`) as JSON under `<cache>/resolved/`, keyed by the bytes of the config and tokenizer files and the
+transformers version; later loads read them back and import only the tokenizer class. Rope types whose frequencies
+depend on the sequence length (dynamic, longrope) are not remembered.
 """
 
 from __future__ import annotations
