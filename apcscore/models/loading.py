@@ -34,12 +34,35 @@ def load_state_dict(
     are stored once: with `tie_word_embeddings`, "lm_head.weight" is usually absent and the decoder must
     reuse "model.embed_tokens.weight".
     """
-    return dict(LazyCheckpoint(path, dtype, device))
+    return {name: _cast(file.get_tensor(name), dtype) for name, file in _open_tensors(Path(path), device).items()}
+
+
+def _open_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """{tensor name: its open safetensors file} over every weight file of the directory `path`; refused when there
+    is none, when the shard index names a missing one, or when two hold the same name."""
+    from safetensors import safe_open
+
+    files = safetensors_files(path)
+    if not files:
+        raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
+    handles: dict[str, Any] = {}
+    for file in files:
+        if not file.is_file():
+            raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
+        handle = safe_open(str(file), framework="pt", device=str(device))
+        for name in handle.keys():
+            if name in handles:
+                raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
+            handles[name] = handle
+    return handles
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 class LazyCheckpoint(Mapping):
-    """A Hugging Face directory's safetensors tensors by name, read when asked (`load_state_dict` reads them all;
-    tensor-parallel ranks read theirs).
+    """A Hugging Face directory's safetensors tensors by name, read when asked (tensor-parallel ranks).
 
     `state[name]` reads a whole tensor (cast to `dtype` if floating); `lazy(name)` is safetensors' slice object
     (`get_shape()`, and indexing that reads only the rows or columns asked), which models.weights.WeightCopier uses
@@ -47,27 +70,16 @@ class LazyCheckpoint(Mapping):
     weights, plus the replicated ones (embedding, norms).
     """
 
-    def __init__(self, path: Path, dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> None:
-        from safetensors import safe_open
-
-        self.path = path = Path(path)
+    def __init__(self, path: Path, dtype: torch.dtype | None = None) -> None:
+        self.path = Path(path)
         self.dtype = dtype
-        self._files: dict[str, Any] = {}  # tensor name -> its open file
-        for file in weight_files(path):
-            if not file.is_file():
-                raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
-            handle = safe_open(str(file), framework="pt", device=str(device))
-            for name in handle.keys():
-                if name in self._files:
-                    raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
-                self._files[name] = handle
+        self._files = _open_tensors(self.path)  # tensor name -> its open file
         self._dropped: set[str] = set()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self:
             raise KeyError(name)
-        tensor = self._files[name].get_tensor(name)
-        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+        return _cast(self._files[name].get_tensor(name), self.dtype)
 
     def lazy(self, name: str) -> Any:
         """The tensor as a safetensors slice (read in parts by indexing; copy_ casts the dtype)."""
@@ -141,15 +153,10 @@ def weights_fingerprint(path: Path) -> str:
     every time.
     """
     path = Path(path)
-    return stamped_sha256(weight_files(path), path / FINGERPRINT_FILE)[:16]
-
-
-def weight_files(path: Path) -> list[Path]:
-    """`safetensors_files(path)`, refused when there are none."""
     files = safetensors_files(path)
     if not files:
         raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
-    return files
+    return stamped_sha256(files, path / FINGERPRINT_FILE)[:16]
 
 
 def model_files_digest(path: str | Path) -> dict[str, str]:
