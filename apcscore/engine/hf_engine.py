@@ -28,7 +28,7 @@ from apcscore.engine.counters import EngineCounters, EngineStats
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
-from apcscore.engine.model_files import LoadedModel, loaded
+from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics

@@ -24,7 +24,7 @@ from apcscore.engine.engine import Engine
 from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.hf_engine import TransformersEngine
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
-from apcscore.engine.model_files import LoadedModel, loaded
+from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, capping_window, context_length
 from apcscore.engine.model_runner import ModelRunner
 from apcscore.engine.reference import (check_reference_config, check_same_vocabulary, pair, resize_pools,
@@ -129,7 +129,7 @@ def native_engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor]
 
     The weights are copied into the model tensor by tensor, from any device and dtype; `state_dict` is left
     as it was unless consume_state=True (then each entry is dropped once copied: for callers that own it).
-    rope: the config's RopeFrequencies if already known (apcscore.models.resolved), else None.
+    rope: the config's RopeFrequencies if already known (apcscore.models.loaded), else None.
     """
     config = config or EngineConfig()
     device = resolve_device(config.device)

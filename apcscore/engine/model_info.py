@@ -3,9 +3,6 @@
 - `ModelInfo`: what the run metadata records about the model;
 - `context_length`: the one context-length rule (`max_model_len`), with the sliding-window cap the native
   decoder needs (`capping_window`).
-
-The device and dtype of a run are in `apcscore.engine.devices`, the stop rule in `apcscore.engine.stopping`, the
-engines' counters in `apcscore.engine.counters` (torch-free).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from apcscore.config import EngineConfig
-from apcscore.engine.model_files import LoadedModel
+from apcscore.models.loaded import LoadedModel
 from apcscore.errors import ApcscoreError
 
 

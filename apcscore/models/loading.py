@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 FINGERPRINT_FILE = ".apcscore-fingerprint.json"
 # A model directory's files besides the weights that change numbers: the config (rope, eps, soft-caps, window,
-# eos), the generation config, the tokenizer's files and the chat template (models/resolved.py keys by them too)
+# eos), the generation config, the tokenizer's files and the chat template (models/loaded.py keys by them too)
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "tokenizer.json",
                "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
                "vocab.json", "merges.txt", "tokenizer.model")
@@ -34,25 +34,31 @@ def load_state_dict(
     are stored once: with `tie_word_embeddings`, "lm_head.weight" is usually absent and the decoder must
     reuse "model.embed_tokens.weight".
     """
+    return {name: _cast(file.get_tensor(name), dtype) for name, file in _open_tensors(Path(path), device).items()}
+
+
+def _open_tensors(path: Path, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """{tensor name: its open safetensors file} over every weight file of the directory `path`; refused when there
+    is none, when the shard index names a missing one, or when two hold the same name."""
     from safetensors import safe_open
 
-    path = Path(path)
     files = safetensors_files(path)
     if not files:
         raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
-    state: dict[str, torch.Tensor] = {}
+    handles: dict[str, Any] = {}
     for file in files:
         if not file.is_file():
             raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name in state:
-                    raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
-                tensor = f.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                state[name] = tensor
-    return state
+        handle = safe_open(str(file), framework="pt", device=str(device))
+        for name in handle.keys():
+            if name in handles:
+                raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
+            handles[name] = handle
+    return handles
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(dtype) if dtype is not None and tensor.is_floating_point() else tensor
 
 
 class LazyCheckpoint(Mapping):
@@ -65,29 +71,15 @@ class LazyCheckpoint(Mapping):
     """
 
     def __init__(self, path: Path, dtype: torch.dtype | None = None) -> None:
-        from safetensors import safe_open
-
-        self.path = path = Path(path)
-        files = safetensors_files(path)
-        if not files:
-            raise ApcscoreError(f"Model directory {path} has no *.safetensors weight files.")
+        self.path = Path(path)
         self.dtype = dtype
-        self._files: dict[str, Any] = {}  # tensor name -> its open file
-        for file in files:
-            if not file.is_file():
-                raise ApcscoreError(f"{path / 'model.safetensors.index.json'} names {file.name}, which is missing.")
-            handle = safe_open(str(file), framework="pt", device="cpu")
-            for name in handle.keys():
-                if name in self._files:
-                    raise ApcscoreError(f"Tensor {name!r} appears in more than one weight file of {path}.")
-                self._files[name] = handle
+        self._files = _open_tensors(self.path)  # tensor name -> its open file
         self._dropped: set[str] = set()
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self:
             raise KeyError(name)
-        tensor = self._files[name].get_tensor(name)
-        return tensor.to(self.dtype) if self.dtype is not None and tensor.is_floating_point() else tensor
+        return _cast(self._files[name].get_tensor(name), self.dtype)
 
     def lazy(self, name: str) -> Any:
         """The tensor as a safetensors slice (read in parts by indexing; copy_ casts the dtype)."""

@@ -14,13 +14,10 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from apcscore.errors import ApcscoreError
 from apcscore.models.gguf_cache import (cache_dir_name, cache_root, convert_gguf, gguf_key, gguf_sha256,
                                         ignored_settings, is_complete)
-
-ModelSource = Literal["alias", "hf-dir", "gguf"]
 
 _GGUF_MAGIC = b"GGUF"
 
@@ -53,14 +50,13 @@ class ModelFiles:
     """Where a model's Hugging Face files are, once resolved.
 
     name: the model as the user gave it (alias or path).
-    path: a Hugging Face model directory: config.json, *.safetensors, tokenizer files.
-    source: "alias" | "hf-dir" | "gguf" (alias and gguf point at the converted cache copy).
+    path: a Hugging Face model directory: config.json, *.safetensors, tokenizer files (for an alias or a .gguf
+    file, its converted copy in the cache).
     warnings: settings the GGUF file states that transformers' reading of it (so the model run) leaves out.
     """
 
     name: str
     path: Path
-    source: ModelSource
     warnings: tuple[str, ...] = ()
 
 
@@ -113,7 +109,7 @@ def safetensors_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def _locate(spec: str) -> tuple[ModelSource, Path]:
+def _locate(spec: str) -> tuple[str, Path]:
     """Classify a model spec cheaply: (source, the .gguf file for alias/gguf or the directory for hf-dir)."""
     if spec in MODEL_ALIASES:
         return "alias", _alias_gguf(spec)
@@ -180,11 +176,11 @@ def resolve_model(spec: str) -> ModelFiles:
     """
     source, path = _locate(spec)
     if source == "hf-dir":
-        return ModelFiles(name=spec, path=path.resolve(), source=source)
+        return ModelFiles(name=spec, path=path.resolve())
     name = spec if source == "alias" else path.stem
     sha256 = gguf_sha256(path)
     dest = cache_root() / "models" / cache_dir_name(name, gguf_key(sha256))
     if not is_complete(dest, sha256):
         convert_gguf(path, dest, sha256)
     warnings = tuple(f"{path.name} states {setting}" for setting in ignored_settings(dest))
-    return ModelFiles(name=spec, path=dest, source=source, warnings=warnings)
+    return ModelFiles(name=spec, path=dest, warnings=warnings)

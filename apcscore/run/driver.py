@@ -32,7 +32,7 @@ from rich.markup import escape
 
 from apcscore.config import EngineConfig
 from apcscore.engine.interface import BatchEngine
-from apcscore.engine.model_files import LoadedModel
+from apcscore.models.loaded import LoadedModel
 from apcscore.engine.provenance import now
 from apcscore.errors import ApcscoreError, count
 from apcscore.io.identity import resume_check
@@ -59,7 +59,7 @@ _HEAVY = {"token_ids", "token_logprobs", "token_ranks", "top_ids", "top_logprobs
 def run_command(command: str, dataset: Path, cli_opts: dict[str, Any], config_path: Path | None,
                 console: Console) -> int:
     """Run `command`; return the exit code."""
-    from apcscore.engine.model_files import load_model
+    from apcscore.models.loaded import load_model
 
     opts, data, out, lines, errors_path = prepare(command, dataset, cli_opts, config_path, console)
     quiet = opts.quiet

@@ -75,7 +75,7 @@ def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: 
     started = time.perf_counter()
     if engine is not None or opts.ray is None:
         return _evaluate(opts, parsed, manager, echo, note, started, shards, engine)
-    from apcscore.engine.model_files import load_model
+    from apcscore.models.loaded import load_model
     from apcscore.run.ray_engine import RayEngine
 
     ray_engine = RayEngine("eval", opts, load_model(opts.model))  # the weights on the replicas

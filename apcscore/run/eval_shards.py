@@ -93,8 +93,8 @@ def prepare_merge(out: Path, paths: list[Path], overwrite: bool) -> tuple[EvalOp
     """`apcscore merge OUT SHARD_DIR...` of eval shards: check them and OUT; return the options of the run that
     writes OUT (the shards', with OUT) and the engine stand-in that answers it from the shards
     (run/eval.merge_eval runs it)."""
+    from apcscore.models.loaded import load_parts
     from apcscore.models.locate import resolve_model
-    from apcscore.models.resolved import resolve_model_parts
 
     if any(out.resolve() == p.resolve() for p in paths):
         raise ApcscoreError(f"OUT {out} is one of the shard folders; choose another OUT")
@@ -104,5 +104,5 @@ def prepare_merge(out: Path, paths: list[Path], overwrite: bool) -> tuple[EvalOp
               "gpus_per_replica": None}
     opts = eval_folder.options_from(values)
     eval_folder.check_out(out, opts)
-    tokenizer = resolve_model_parts(resolve_model(opts.model).path).tokenizer
+    tokenizer = load_parts(resolve_model(opts.model)).tokenizer
     return opts, RecordedEngine(tokenizer, records[0]["config"])

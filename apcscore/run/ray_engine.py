@@ -33,7 +33,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from apcscore.engine.counters import EngineCounters
-from apcscore.engine.model_files import LoadedModel
+from apcscore.models.loaded import LoadedModel
 from apcscore.engine.step import Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.options.commands import ScaleOptions

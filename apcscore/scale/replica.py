@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Iterable, Iterator
 
 from apcscore.engine.loader import load_engine
-from apcscore.engine.model_files import load_model
+from apcscore.models.loaded import load_model
 from apcscore.engine.provenance import describe
 from apcscore.engine.step import Request, RequestOutput
 from apcscore.options.commands import ScaleOptions

@@ -22,8 +22,9 @@ from apcscore.errors import ApcscoreError
 from apcscore.kernels._checks import interpreting
 from apcscore.kernels.cpu_gemm import FixedOrderLinear
 from apcscore.models import ops as ops_module
+from apcscore.models.loaded import load_parts
 from apcscore.models.loading import load_state_dict
-from apcscore.models.resolved import resolve_model_parts
+from apcscore.models.locate import resolve_model
 
 
 class SplitKAboveRows:
@@ -76,7 +77,7 @@ def test_probe_catches_a_row_count_dependent_linear(rows: int) -> None:
 
 def _tiny_parts(tiny_model_dir):
     path = tiny_model_dir("llama")
-    parts = resolve_model_parts(path)
+    parts = load_parts(resolve_model(str(path)))
     return parts, load_state_dict(path, dtype=torch.float32, device="cpu")
 
 

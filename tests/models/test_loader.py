@@ -117,7 +117,7 @@ def test_hf_dir_is_returned_as_is_and_nothing_is_cached(tiny_model_dir, tmp_path
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     d = tiny_model_dir("llama")
     files = resolve_model(str(d))
-    assert files == ModelFiles(name=str(d), path=d.resolve(), source="hf-dir")
+    assert files == ModelFiles(name=str(d), path=d.resolve())
     assert not (tmp_path / "cache").exists()
 
 
@@ -233,7 +233,7 @@ def test_gguf_is_converted_once_into_apcscore_cache(tmp_path, monkeypatch, fake_
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     gguf = _fake_gguf(tmp_path / "My Model.Q8_0.gguf")
     first = resolve_model(str(gguf))
-    assert first.source == "gguf" and first.name == str(gguf)
+    assert first.name == str(gguf)
     assert first.path.parent == tmp_path / "cache" / "models"
     assert first.path.name.startswith("My_Model.Q8_0-")
     assert (first.path / "config.json").is_file() and (first.path / gguf_cache.CACHE_MARKER).is_file()
@@ -382,7 +382,7 @@ def test_racing_conversions_both_get_a_valid_dir(tmp_path, monkeypatch, tiny_mod
 
 
 def test_default_model_resolves_from_the_cache_fast(default_model_files):
-    assert default_model_files.source == "alias" and default_model_files.name == "smollm2-135m"
+    assert default_model_files.name == "smollm2-135m"
     assert default_model_files.path.parent == cache_root() / "models"
     start = time.perf_counter()
     again = resolve_model("smollm2-135m")

@@ -209,7 +209,7 @@ def test_a_long_rope_config_of_another_family_is_refused_natively():
 
 def test_partial_rotary_with_default_rope_matches_transformers(tmp_path, default_tokenizer):
     """Partial rotary without long-rope (Phi-3's own default frequencies over the rotated dimensions), loaded twice:
-    the second load reads the remembered config (apcscore.models.resolved) and must give the same bits."""
+    the second load reads the remembered config (apcscore.models.loaded) and must give the same bits."""
     from transformers import AutoModelForCausalLM, Phi3Config
 
     cfg = Phi3Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

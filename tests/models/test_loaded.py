@@ -1,4 +1,4 @@
-"""The remembered transformers answers (apcscore.models.resolved) equal asking transformers again."""
+"""The remembered transformers answers (apcscore.models.loaded) equal asking transformers again."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch
 
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import load_config, load_tokenizer
-from apcscore.models.resolved import resolve_model_parts
+from apcscore.models.loaded import load_parts
+from apcscore.models.locate import resolve_model
 from apcscore.models.rope import portable_math
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
@@ -45,9 +46,9 @@ def our_tables(config, rope, positions: int) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_remembered_model_equals_what_transformers_resolves(arch, tiny_model_dir, own_cache):
     path = tiny_model_dir(arch)
-    first = resolve_model_parts(path)  # asks transformers, then remembers
+    first = load_parts(resolve_model(str(path)))  # asks transformers, then remembers
     assert len(list((own_cache / "resolved").glob("*.json"))) == 1
-    again = resolve_model_parts(path)  # read back
+    again = load_parts(resolve_model(str(path)))  # read back
     reference_config, reference_tokenizer = load_config(path), load_tokenizer(path)
     assert type(first.config) is type(reference_config)
     assert type(again.config) is not type(reference_config)  # really the remembered copy
@@ -75,16 +76,16 @@ def test_a_remembered_model_equals_what_transformers_resolves(arch, tiny_model_d
 def test_a_changed_config_or_a_damaged_entry_is_resolved_again(tiny_model_dir, tmp_path, own_cache):
     path = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), path)
-    resolve_model_parts(path)
+    load_parts(resolve_model(str(path)))
     config = json.loads((path / "config.json").read_text())
     config["rms_norm_eps"] = 1e-3
     (path / "config.json").write_text(json.dumps(config))
-    assert resolve_model_parts(path).config.rms_norm_eps == 1e-3  # a new key, not the old answer
+    assert load_parts(resolve_model(str(path))).config.rms_norm_eps == 1e-3  # a new key, not the old answer
     entries = sorted((own_cache / "resolved").glob("*.json"))
     assert len(entries) == 2
     for entry in entries:
         entry.write_text("{not json")
-    assert resolve_model_parts(path).config.rms_norm_eps == 1e-3  # resolved again, and remembered again
+    assert load_parts(resolve_model(str(path))).config.rms_norm_eps == 1e-3  # resolved again, and remembered again
     rewritten = [e for e in entries if e.read_text() != "{not json"]
     assert len(rewritten) == 1 and json.loads(rewritten[0].read_text())["config"]["rms_norm_eps"] == 1e-3
 
@@ -93,15 +94,15 @@ def test_a_cache_that_cannot_be_written_still_loads(tiny_model_dir, tmp_path, mo
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("APCSCORE_CACHE", str(blocker))  # <cache>/resolved cannot be created, even by root
-    assert resolve_model_parts(tiny_model_dir("qwen3")).config.head_dim == 32
-    assert resolve_model_parts(tiny_model_dir("qwen3")).config.head_dim == 32
+    assert load_parts(resolve_model(str(tiny_model_dir("qwen3")))).config.head_dim == 32
+    assert load_parts(resolve_model(str(tiny_model_dir("qwen3")))).config.head_dim == 32
 
 
 @pytest.mark.slow
 def test_a_remembered_load_skips_transformers_model_modules(tiny_model_dir, own_cache):
     """The point of remembering: a later process never imports the model's config module or torch._dynamo."""
     path = tiny_model_dir("llama3")
-    resolve_model_parts(path)
+    load_parts(resolve_model(str(path)))
     code = (
         "import sys; from apcscore.engine.loader import load_native_engine; from apcscore.config import EngineConfig;"
         f"e = load_native_engine({str(path)!r}, EngineConfig(device='cpu', num_kv_blocks=8));"
