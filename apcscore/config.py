@@ -229,18 +229,18 @@ Check = Callable[[Any], "str | None"]
 class SamplingOption:
     """How a sampling setting is checked and given (in its field's `metadata["sampling"]`).
 
-    check: the one check of its values (records, options, SamplingParams; None passes where the type allows it);
+    check: the one check of its values (records, options, SamplingParams; None passes where the type allows);
     help: its flag's --help text on generate's Sampling panel (None: no flag); per_record: a generate record
     (JSONL, CSV, OpenAI Batch body) may set it for itself; at_least: its flag's lower bound, for a setting no
     record has (the options layer checks it)."""
 
-    check: Check | None
+    check: Check
     help: str | None = None
     per_record: bool = True
     at_least: int | None = None
 
 
-def sampling(default: Any, check: Check | None, help: str | None = None, *, per_record: bool = True,
+def sampling(default: Any, check: Check, help: str | None = None, *, per_record: bool = True,
              at_least: int | None = None) -> Any:
     """A field of SamplingOptions or SamplingParams: its default and its declaration (`SamplingOption`)."""
     return field(default=default, metadata={"sampling": SamplingOption(check, help, per_record, at_least)})
@@ -295,15 +295,11 @@ class SamplingParams(SamplingOptions):
         """Everything wrong with these values, as messages a user can act on."""
         out = []
         for f in fields(self):
-            declared, value = f.metadata.get("sampling"), getattr(self, f.name)
-            if declared is None or declared.check is None or (value is None and str(f.type).endswith("| None")):
-                continue
-            if (why := declared.check(value)) is not None:
-                out.append(f"{f.name} {why}")
+            value = getattr(self, f.name)
+            if "sampling" in f.metadata and (value is not None or not str(f.type).endswith("| None")):
+                if (why := f.metadata["sampling"].check(value)) is not None:
+                    out.append(f"{f.name} {why}")
         return out
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "stop": list(self.stop), "stop_token_ids": list(self.stop_token_ids)}
 
 
 # The sampling settings a generate record may set for itself, and the check of each: used by generate's options,
