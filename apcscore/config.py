@@ -3,7 +3,9 @@ fields (`block_size must be a power of two`); each field also says how it enters
 read by io/identity.py). No command line here: the flags, help text and --help groups of these settings are the
 options' (options/specs.py), which also put a config error in the flags the user typed.
 
-Below every package, the checks of numbers and sampling values that records, options and SamplingParams share.
+And a request's sampling settings, each declared once (`SamplingOptions`, `SamplingParams`: default, check, help
+text, whether a record may set it), below every package: generate's options, the record checks of io/ and the
+engine's SamplingParams all read the one declaration. The checks of numbers records, options and configs share.
 """
 
 from __future__ import annotations
@@ -220,20 +222,91 @@ def _stop(v: Any) -> str | None:
 
 Check = Callable[[Any], "str | None"]
 
-# The sampling options a generate record may set for itself, and how each is checked: declared once, used by
-# SamplingParams (engine/step.py), by generate's options, by the generate record schema (io/schemas.py),
-# OpenAI Batch bodies (io/openai_batch.py) and CSV cells (io/tabular_input.py). They live here, below every
-# package, so that io needs no engine.
-RECORD_FIELDS: dict[str, Check] = {
-    "max_tokens": _int_at_least_0,
-    "temperature": _number_at_least_0,
-    "top_p": _probability,
-    "top_k": _int_at_least_0,
-    "seed": _any_int,
-    "stop": _stop,
-}
-# and what SamplingParams checks besides
-SAMPLING_CHECKS: dict[str, Check] = {**RECORD_FIELDS, "logprobs": _int_at_least_0}
-# what a CSV cell of a sampling field is read as (io/tabular_input.py), from its check: a number field's type
-RECORD_NUMBERS: dict[str, type] = {name: int if check in (_int_at_least_0, _any_int) else float
-                                   for name, check in RECORD_FIELDS.items() if check is not _stop}
+
+# ---------------------------------------------------------------- sampling: each setting declared once
+
+@dataclass(frozen=True)
+class SamplingOption:
+    """How a sampling setting is checked and given (in its field's `metadata["sampling"]`).
+
+    check: the one check of its values (records, options, SamplingParams; None passes where the type allows);
+    help: its flag's --help text on generate's Sampling panel (None: no flag); per_record: a generate record
+    (JSONL, CSV, OpenAI Batch body) may set it for itself; at_least: its flag's lower bound, for a setting no
+    record has (the options layer checks it)."""
+
+    check: Check
+    help: str | None = None
+    per_record: bool = True
+    at_least: int | None = None
+
+
+def sampling(default: Any, check: Check, help: str | None = None, *, per_record: bool = True,
+             at_least: int | None = None) -> Any:
+    """A field of SamplingOptions or SamplingParams: its default and its declaration (`SamplingOption`)."""
+    return field(default=default, metadata={"sampling": SamplingOption(check, help, per_record, at_least)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingOptions:
+    """The sampling settings a user gives: generate's options (options/commands.py, the defaults of the records
+    that do not set their own) and the first fields of SamplingParams. A field declared here is a whole option:
+    its flag (its default shown unless unset), its config key, its record field of every input format, the same
+    check everywhere, its value in each record's SamplingParams; then only its consumers (engine/sampler.py, and
+    the transformers fallback's generate() arguments in engine/hf_engine.py)."""
+
+    max_tokens: int = sampling(16, _int_at_least_0, "Most tokens to generate.")
+    temperature: float = sampling(0.0, _number_at_least_0, "0 = greedy.")
+    top_p: float = sampling(1.0, _probability, "Nucleus sampling mass.")
+    top_k: int = sampling(0, _int_at_least_0, "Sample among the K most likely (0 = off).")
+    stop: str | list[str] | None = sampling(None, _stop, "Stop string (repeatable); not included in the completion.")
+    logprobs: int | None = sampling(None, _int_at_least_0, "Logprobs of the sampled tokens with top-K alternatives.",
+                                    per_record=False, at_least=0)
+
+
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams(SamplingOptions):
+    """How to sample a completion. `temperature == 0` is greedy; `top_k == 0` and `top_p == 1` are off.
+
+    `seed` makes a sampled completion reproducible whatever else is in the batch. `logprobs` asks for the
+    sampled tokens' logprobs (0 = the token's own logprob and rank, K > 0 adds the top-K). `stop`: a string or
+    several, held as a tuple.
+
+    A temperature below GREEDY_BELOW (1e-5, vLLM's `_SAMPLING_EPS`) is greedy: dividing logits by it can
+    overflow to inf (NaN probabilities), and the distribution is the argmax anyway but for exact ties.
+    """
+
+    seed: int | None = sampling(None, _any_int)  # a record's own; generate's flag is the engine's base --seed
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        problems = self.problems()
+        if problems:
+            raise ApcscoreError("; ".join(problems))
+        if 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+        stop = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        object.__setattr__(self, "stop", stop)
+
+    def problems(self) -> list[str]:
+        """Everything wrong with these values, as messages a user can act on."""
+        out = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if "sampling" in f.metadata and (value is not None or not str(f.type).endswith("| None")):
+                if (why := f.metadata["sampling"].check(value)) is not None:
+                    out.append(f"{f.name} {why}")
+        return out
+
+
+# The sampling settings a generate record may set for itself, and the check of each: used by generate's options,
+# the generate record schema (io/schemas.py), OpenAI Batch bodies (io/openai_batch.py) and CSV cells
+# (io/tabular_input.py), which need no engine.
+_PER_RECORD = [f for f in fields(SamplingParams) if "sampling" in f.metadata and f.metadata["sampling"].per_record]
+RECORD_FIELDS: dict[str, Check] = {f.name: f.metadata["sampling"].check for f in _PER_RECORD}
+# what a CSV cell of a sampling field is read as (io/tabular_input.py): a number field's type
+RECORD_NUMBERS: dict[str, type] = {f.name: {"int": int, "float": float}[kind] for f in _PER_RECORD
+                                   if (kind := str(f.type).removesuffix(" | None")) in ("int", "float")}

@@ -14,8 +14,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, TypeVar
 
-from apcscore.config import EngineConfig
-from apcscore.options.specs import (ENGINE_OPTIONS, GROUPS, NOT_GIVEN, OPTIONS, SAMPLING, SCALE, Spec,
+from apcscore.config import EngineConfig, SamplingOptions
+from apcscore.options.specs import (ENGINE_OPTIONS, GROUPS, NOT_GIVEN, OPTIONS, SCALE, Spec,
                                     base_type, option, option_name, spec_of)
 
 OptionsT = TypeVar("OptionsT", bound="Options")
@@ -114,17 +114,9 @@ class ScoreOptions(RequestOptions):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GenerateOptions(RequestOptions):
-    """`apcscore generate` (the sampling options are the defaults of records that do not set their own)."""
-
-    max_tokens: int = option(16, "Most tokens to generate.", show=True, group=SAMPLING)
-    temperature: float = option(0.0, "0 = greedy.", show=True, group=SAMPLING)
-    top_p: float = option(1.0, "Nucleus sampling mass.", show=True, group=SAMPLING)
-    top_k: int = option(0, "Sample among the K most likely (0 = off).", show=True, group=SAMPLING)
-    stop: str | list[str] | None = option(None, "Stop string (repeatable); not included in the completion.",
-                                          cli_type=list[str], group=SAMPLING)
-    logprobs: int | None = option(None, "Logprobs of the sampled tokens with top-K alternatives.", at_least=0,
-                                  group=SAMPLING)
+class GenerateOptions(RequestOptions, SamplingOptions):
+    """`apcscore generate` (the sampling options, declared by `config.SamplingOptions`, are the defaults of records
+    that do not set their own)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -54,8 +54,14 @@ def option(default: Any, help: str, *flags: str, show: bool | str = False, negat
 
 
 def spec_of(f: Field) -> Spec | None:
-    """The Spec a field of an options class was declared with (None for a field declared without `option`)."""
-    return f.metadata.get("spec")
+    """The Spec a field of an options class was declared with: by `option`, or for a sampling option (declared by
+    `config.SamplingOptions`) by its declaration, in the Sampling panel with its default shown unless unset; None
+    for a field without a command line."""
+    declared = f.metadata.get("sampling")
+    if declared is None or declared.help is None:
+        return f.metadata.get("spec")
+    return Spec(declared.help, show=f.default is not None, at_least=declared.at_least,
+                cli_type=list[str] if "list[str]" in str(f.type) else None, group=SAMPLING)
 
 
 def base_type(annotation: str) -> str:

@@ -4,10 +4,10 @@ files"): on a copy of the package, the declarations alone make an option whole, 
 - An engine setting: its `EngineConfig` field with its identity role (config.py) and its command line
   (`ENGINE_OPTIONS`, options/specs.py) give the flag on every command that runs a model, its --help line in the
   Engine panel, its config-file and model_args key, its place in a run's identity; then only its consumer.
-- A sampling option: its record check (`RECORD_FIELDS`, config.py), its generate option (options/commands.py)
-  and its `SamplingParams` field give the flag in the Sampling panel, the config key, the per-record field of
-  JSONL, CSV and OpenAI Batch lines, the same check everywhere, and the value in each record's SamplingParams;
-  then only its consumers (the sampler, and the transformers fallback's generate() arguments).
+- A sampling option: its declaration (a `SamplingOptions` field, config.py: default, check, help text, whether a
+  record may set it) gives the flag in generate's Sampling panel, the config key, the per-record field of JSONL,
+  CSV and OpenAI Batch lines, the same check everywhere, and the field of SamplingParams, checked by it; then only
+  its consumers (the sampler, and the transformers fallback's generate() arguments).
 """
 
 from __future__ import annotations
@@ -109,18 +109,16 @@ print(json.dumps({
     assert got["library_gemm"] == 8 and not got["invariant"] and got["eval_cache"]
 
 
-def test_a_new_sampling_option_needs_only_its_check_its_flag_and_its_sampling_field(tmp_path: Path) -> None:
+def test_a_new_sampling_option_needs_only_its_declaration(tmp_path: Path) -> None:
     root = _copy_with(tmp_path, {
-        "config.py": ("RECORD_FIELDS: dict[str, Check] = {\n", "    \"min_p\": _number_at_least_0,\n"),
-        "options/commands.py": ("    top_k: int = option(0, \"Sample among the K most likely (0 = off).\", "
-                                "show=True, group=SAMPLING)\n",
-                                "    min_p: float = option(0.0, \"Drop tokens below this share of the top one's "
-                                "probability.\", show=True, group=SAMPLING)\n"),
-        "engine/step.py": ("    top_k: int = 0\n", "    min_p: float = 0.0\n"),
+        "config.py": ("    top_k: int = sampling(0, _int_at_least_0, \"Sample among the K most likely (0 = off).\")\n",
+                      "    min_p: float = sampling(0.0, _number_at_least_0, \"Drop tokens below this share of the top "
+                      "one's probability.\")\n"),
     })
     got = _run(root, _PANELS + """
 import csv
 from pathlib import Path
+from apcscore.engine.step import SamplingParams
 from apcscore.errors import ApcscoreError
 from apcscore.io.reader import load_dataset
 from apcscore.jobs.generate import GenerateJob
@@ -142,13 +140,14 @@ values = {r.id: job.sampling_params(r).min_p
 values["csv_type"] = type(load_dataset("d.csv", "generate").records[0].fields["min_p"]).__name__
 refused = []
 for attempt in (lambda: resolve_options("generate", {"min_p": -1.0}, None),
-                lambda: load_dataset("bad.jsonl", "generate")):
+                lambda: load_dataset("bad.jsonl", "generate"), lambda: SamplingParams(min_p=-2)):
     try:
         attempt()
     except ApcscoreError as exc:
         refused.append(str(exc))
 print(json.dumps({"panel": panel_of("generate", "--min-p"), "values": values, "refused": refused,
-                  "from_file": resolve_options("generate", {}, Path("c.toml")).min_p}))
+                  "from_file": resolve_options("generate", {}, Path("c.toml")).min_p,
+                  "params_default": SamplingParams().min_p}))
 """)
     assert got["panel"] == ["Sampling", "--min-p <float> Drop tokens below this share of the top one's probability. "
                                         "[default: 0]"]
@@ -158,3 +157,4 @@ print(json.dumps({"panel": panel_of("generate", "--min-p"), "values": values, "r
     assert got["values"]["d"] == 0.75 and got["from_file"] == 0.125
     assert "--min-p must be a number >= 0, got -1.0 (the same check as a record's 'min_p')" in got["refused"][0]
     assert "'min_p' must be a number >= 0, got -1" in got["refused"][1]
+    assert got["refused"][2] == "min_p must be a number >= 0, got -2" and got["params_default"] == 0.0
