@@ -58,8 +58,6 @@ class GenerateJob(Job):
     def sampling_params(self, record: Record) -> SamplingParams:
         values = dict(self.defaults)
         values.update({k: record.fields[k] for k in SAMPLING_KEYS if record.fields.get(k) is not None})
-        stop = values.get("stop", ())
-        values["stop"] = (stop,) if isinstance(stop, str) else tuple(stop)
         if values.get("seed") is None:
             values["seed"] = record_seed(self.base_seed, record.index)
         batch_line = record.fields.get("openai")  # an OpenAI Batch request: its body says what logprobs it wants
