@@ -46,21 +46,12 @@ def _escape_help(command: click.Command) -> None:
             param.help = markup_safe(param.help)  # type: ignore[attr-defined]
 
 
-def _plain_help_option(option: click.Option | None) -> click.Option | None:
-    if option is not None:
-        option.metavar = ""  # a flag: no `<bool>` in the help
-    return option
-
-
 class _OptionsTable(Table):
-    """Typer's options table (its `_print_options_panel`), laid out so that no option name is cut at 80 columns.
+    """Typer's options table, laid out so that no option name is cut at 80 columns.
 
-    Typer gives each option a row of six or seven cells (required mark, long names, short names, the `--no-x`
-    names, their short names, type, help) in columns that all may shrink: at 80 columns Rich cut the names
-    (`--min-top1-agreem…`, `--kv-cache-memor…`) and long words of the help (`configs/compare.t…`). Here a row
-    becomes (mark, names, type, help) and the first three columns never wrap or shrink: the names on one line
-    (`--model -m`), a `--no-x` form on a row of its own below, a type's range (`[x>=100]`) at the end of the help.
-    The help column, the only one that narrows, folds a word longer than itself instead of cutting it."""
+    Typer's rows of six or seven cells (mark, long, short, `--no-x` long and short names, type, help) become (mark,
+    names, type, help); only the help column narrows, folding a long word; a `--no-x` form gets a row of its own
+    and a type's range (`[x>=100]`) goes at the end of the help."""
 
     def add_row(self, *cells: Any, **kwargs: Any) -> None:
         if len(cells) < 6:  # not an options row (Typer's commands table sets its own columns)
@@ -97,39 +88,35 @@ def _fitting_help() -> Iterator[None]:
         typer.rich_utils.Table = table
 
 
-class Group(TyperGroup):
-    """Typer's group; its --help shows no `<bool>`; help text is never read as markup."""
+class _PlainHelp:
+    """Help text never read as markup, tables that fit (`_OptionsTable`), and no `<bool>` after --help."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _escape_help(self)
+        _escape_help(self)  # type: ignore[arg-type]
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with _fitting_help():
-            super().format_help(ctx, formatter)
+            super().format_help(ctx, formatter)  # type: ignore[misc]
 
     def get_help_option(self, ctx: click.Context) -> click.Option | None:
-        return _plain_help_option(super().get_help_option(ctx))
+        option = super().get_help_option(ctx)  # type: ignore[misc]
+        if option is not None:
+            option.metavar = ""  # a flag: no `<bool>` in the help
+        return option
 
 
-class Command(TyperCommand):
-    """Typer's command with a plain usage line: `DATASET`, not `{dataset}`; help text is never read as markup."""
+class Group(_PlainHelp, TyperGroup):
+    """Typer's group with `_PlainHelp`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _escape_help(self)
 
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with _fitting_help():
-            super().format_help(ctx, formatter)
+class Command(_PlainHelp, TyperCommand):
+    """Typer's command with a plain usage line: `DATASET`, not `{dataset}`; and `_PlainHelp`."""
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)
         return [p[1:p.index("}")].upper() + p[p.index("}") + 1:] if p.startswith("{") and "}" in p else p
                 for p in pieces]
-
-    def get_help_option(self, ctx: click.Context) -> click.Option | None:
-        return _plain_help_option(super().get_help_option(ctx))
 
 
 app = typer.Typer(help="Batch scoring and evaluation of causal language models (paged KV cache, prefix caching).",
@@ -189,18 +176,28 @@ def _error(exc: ApcscoreError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-# ---- commands -----------------------------------------------------------------------------------
-def _run(command: str, params: dict[str, Any]) -> None:
-    """Run a command from its parameters (those of the command function); ApcscoreError -> clear exit."""
-    from apcscore.run.driver import run_command
-
-    options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
+def _exit_with(run: Callable[[], int]) -> None:
+    """Call `run`; its nonzero exit code, or an ApcscoreError as a clear message, ends the command."""
     try:
-        code = run_command(command, params["dataset"], options, params["config"], console)
+        code = run()
     except ApcscoreError as exc:
         raise _error(exc) from None
     if code:
         raise typer.Exit(code)
+
+
+def _plain(to: Console) -> Callable[[str], None]:
+    """Print a line as it is (no markup, no highlighting, no wrapping of our own) on `to`."""
+    return lambda text: to.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+# ---- commands -----------------------------------------------------------------------------------
+def _run(command: str, params: dict[str, Any]) -> None:
+    """Run a command from its parameters (those of the command function)."""
+    from apcscore.run.driver import run_command
+
+    options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
+    _exit_with(lambda: run_command(command, params["dataset"], options, params["config"], console))
 
 
 @app.command(cls=Command)
@@ -251,13 +248,7 @@ def eval_(**params: Any) -> None:
     """
     from apcscore.run.eval import run_eval
 
-    try:
-        code = run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
-                        note=lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
-    except ApcscoreError as exc:
-        raise _error(exc) from None
-    if code:
-        raise typer.Exit(code)
+    _exit_with(lambda: run_eval(params, _plain(out_console), note=_plain(console)))
 
 
 @app.command("lm-eval", cls=Command, add_help_option=False,
@@ -288,14 +279,7 @@ def merge(
     are joined into the folder one eval would have written (no model weights are loaded)."""
     from apcscore.run.merge import merge as merge_any
 
-    try:
-        code = merge_any(out, shards, overwrite,
-                         lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
-                         lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
-    except ApcscoreError as exc:
-        raise _error(exc) from None
-    if code:
-        raise typer.Exit(code)
+    _exit_with(lambda: merge_any(out, shards, overwrite, _plain(out_console), _plain(console)))
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model
