@@ -35,16 +35,12 @@ def _sides(c: EvalComparison) -> list[Row]:
     return [(k, str(c.base.get(k) or "-"), str(c.new.get(k) or "-")) for k in c.base]
 
 
-def _check_rows(c: EvalComparison) -> list[Row]:
-    return check_rows(c.checks)
-
-
 def render_eval_console(c: EvalComparison, console: Console) -> None:
     """Print the comparison as Rich tables; failing thresholds in red."""
     rich_table(console, "Compared eval runs", ("", "baseline", "candidate"), _sides(c))
     rich_table(console, "Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
                [_metric_row(m) for m in c.metrics])
-    print_checks(console, c.notes, c.checks, _check_rows(c), "Thresholds (per task)")
+    print_checks(console, c.notes, c.checks, check_rows(c.checks), "Thresholds (per task)")
 
 
 def eval_markdown(c: EvalComparison) -> str:
@@ -52,7 +48,7 @@ def eval_markdown(c: EvalComparison) -> str:
     icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
     out = [f"## apcscore compare (eval runs): {icon} {verdict(c.checks)}", ""]
     if c.checks:
-        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
+        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in check_rows(c.checks)]
         out += [md_table(CHECK_HEAD, rows), ""]
     out += ["### Per task and metric", "", md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
     out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]

@@ -1,17 +1,8 @@
-"""`apcscore compare --report-html`: the comparison as one self-contained HTML page, for people to look at.
+"""`apcscore compare --report-html`: the comparison as one self-contained HTML page (docs/compare.md, "Reports").
 
-The page holds the verdict and the thresholds, the metric tables (the rows of the console and Markdown reports),
-plotly charts of the per-token figures (histograms of Δ logprob and KL, baseline against candidate logprob), the
-worst records with each token coloured by its Δ logprob (hover: both logprobs and both top-K lists; a click pins
-them in the side panel), and the multiple-choice flips. plotly.js is inlined, so the file needs no network when
-it is opened (about 5 MB). The page stays under MAX_PAGE_BYTES (10 MB): the worst, flips and excluded tables list
-at most MAX_TABLE_ROWS rows, and the worst records are shown token by token (a token's title with K=20 is ~1.5
-KB) while they fit; the page says what it left out. Every text that comes from the files (ids, tokens, paths,
-messages) is escaped.
-
-Δ logprob here is candidate − baseline of the actual next token: negative where the candidate gives it less
-probability (red), positive where more (blue).
-"""
+plotly.js is inlined (about 5 MB); the page stays under MAX_PAGE_BYTES: tables list at most MAX_TABLE_ROWS rows,
+the worst records are shown token by token while they fit, and the page says what it left out. Every text from
+the files is escaped. Δ logprob is candidate − baseline of the actual next token (negative: red, positive: blue)."""
 
 from __future__ import annotations
 
@@ -181,9 +172,8 @@ def _token_lines(rm: RecordMetrics, j: int, own: str, t: int, b: dict, n: dict, 
 
 
 def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, texts: Texts, scale: float) -> str:
-    """One record's text as spans coloured by Δ logprob, with both logprobs and top-K lists in the title. A span is
-    one token, or the tokens of one character split across several (byte-level BPE: `ě` is two tokens), coloured
-    by its largest |Δ|, its title holding each of its tokens."""
+    """One record's text as spans coloured by Δ logprob, both logprobs and top-K lists in the title; a span is one
+    token, or the tokens of one character split across several (byte-level BPE), coloured by its largest |Δ|."""
     b = c.aligned.base.slice(row, 1).to_pylist()[0]
     n = c.aligned.new.slice(row, 1).to_pylist()[0]
     ids = b["token_ids"] or []
@@ -269,12 +259,8 @@ def _worst_section(c: Comparison, worst: int, texts: Texts, budget: int) -> str:
 
 
 def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list[str] | None = None) -> str:
-    """The comparison as a self-contained HTML page (plotly.js inlined).
-
-    `texts` turns a record's token ids into their texts (`apcscore.io.token_text`: each token's, and spans of
-    whole characters; default: the ids);
-    `notes` are shown beside the comparison's own (e.g. why the tokenizer could not be loaded).
-    """
+    """The comparison as a self-contained HTML page; `texts` turns token ids into their texts (io/token_text.py),
+    `notes` are shown beside the comparison's own."""
     from plotly.offline import get_plotlyjs
 
     verdict_text = verdict(c.checks)

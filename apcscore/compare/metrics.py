@@ -269,22 +269,29 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     return rows
 
 
+def column(t: pa.Table, name: str) -> np.ndarray | None:
+    """A column as float64 (NaN for null); None when the table lacks it."""
+    return pc.cast(t[name], pa.float64()).to_numpy(zero_copy_only=False) if name in t.column_names else None
+
+
+def token_counts(t: pa.Table) -> np.ndarray | None:
+    """Per record: the tokens its sum_logprob covers (num_scored, else from perplexity = exp(-sum_logprob / count);
+    NaN where unknown); None when the table has neither."""
+    if "num_scored" in t.column_names or "perplexity" not in t.column_names:
+        return column(t, "num_scored")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cnt = np.rint(-column(t, "sum_logprob") / np.log(column(t, "perplexity")))
+    return np.where(np.isfinite(cnt), cnt, np.nan)
+
+
 def record_level(m: Metrics, base: pa.Table, new: pa.Table) -> list[str]:
     """Figures from per-record columns: NLL when no per-token logprobs, word/byte perplexity, accuracy."""
     notes = []
-
-    def col(t: pa.Table, name: str, typ=pa.float64()) -> np.ndarray:
-        return pc.cast(t[name], typ).to_numpy(zero_copy_only=False) if name in t.column_names else None
-
-    slp_b, slp_n = col(base, "sum_logprob"), col(new, "sum_logprob")
+    slp_b, slp_n = column(base, "sum_logprob"), column(new, "sum_logprob")
     if slp_b is not None and slp_n is not None:
         nll_b, nll_n = -slp_b, -slp_n
         if m.num_positions == 0:
-            cnt = col(base, "num_scored")
-            if cnt is None and "perplexity" in base.column_names:  # perplexity = exp(-sum_logprob / count)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    cnt = np.rint(nll_b / np.log(col(base, "perplexity")))
-                cnt = np.where(np.isfinite(cnt), cnt, np.nan)
+            cnt = token_counts(base)
             if cnt is not None:
                 ok = ~np.isnan(nll_b) & ~np.isnan(nll_n) & (np.nan_to_num(cnt) > 0)
                 if ok.any():
@@ -295,7 +302,7 @@ def record_level(m: Metrics, base: pa.Table, new: pa.Table) -> list[str]:
                     notes.append("no per-token logprobs in the files: NLL and perplexity come from the per-record "
                                  "sums (no standard error, KL, top-1 agreement or delta p)")
         for unit, attr in (("num_words", "word_ppl"), ("num_bytes", "bits_per_byte")):
-            nb, nn = col(base, unit), col(new, unit)
+            nb, nn = column(base, unit), column(new, unit)
             if nb is None or nn is None:
                 continue
             ok = ~np.isnan(nll_b) & ~np.isnan(nll_n) & (np.nan_to_num(nb) > 0) & (np.nan_to_num(nn) > 0)
