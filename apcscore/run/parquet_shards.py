@@ -1,16 +1,8 @@
 """`apcscore merge OUT SHARD...`: join the files of `--shard I/N` runs into the file one run would have written.
 
-Checks, before anything is written (each refusal is an ApcscoreError, exit 2, naming the files):
-- every file is a finished apcscore shard file (metadata `shard`, the `record_index` column);
-- all are shards of one dataset (content hash, record count, `--columns` mapping), split the same way (count,
-  partitioning, block size, fingerprint of the assignment), under one configuration (the MERGE view of a run's
-  identity, io/identity.py: every field that changes bits, as the settings resolved);
-- no shard is given twice and none is missing; their rows cover the dataset exactly once.
-
-The output: the shards' rows in dataset order without `record_index`, the command's schema, row groups of 256
-rows, and the metadata of the shard 0 run without `shard`, plus `merged` (the shard files, every shard's
-timings) and `timings` summed over the shards (seconds add up machine time, not wall time).
-"""
+Refused before anything is written (exit 2): a file that is not a finished shard file, shards of another dataset,
+split or configuration (io/identity.py's MERGE view), a shard twice or missing. The output is the rows in dataset
+order without `record_index`, with shard 0's metadata without `shard`, plus `merged` and the summed `timings`."""
 
 from __future__ import annotations
 
