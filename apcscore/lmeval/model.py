@@ -159,11 +159,9 @@ class ApcscoreLM(TemplateLM):
     # ---- running requests ---------------------------------------------------------------------------
     def use_store(self, store: Any, mine: Callable[[list[list[int]], list[int]], list[bool]] | None = None,
                   strict: bool = False) -> None:
-        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response into it;
-        with `mine` (an `eval --shard`: which requests of a call, given their prompts and loads, this shard computes:
-        run/eval.py's split), compute only those and answer the others with placeholders (a shard's metrics are not
-        written: its store is what it is for). strict: every response must be in the store (a merge of shards
-        computes nothing)."""
+        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response into it.
+        mine (`eval --shard`: run/eval.shard_split): compute only those requests, placeholders for the others;
+        strict: every response must be in the store (a merge computes nothing)."""
         self.store, self.mine, self.strict = store, mine, strict
 
     def shard_mask(self, prompts: list[list[int]], loads: list[int]) -> list[bool]:
@@ -172,11 +170,9 @@ class ApcscoreLM(TemplateLM):
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
              done: Callable[[int, RequestOutput], None], total: int) -> None:
-        """Run `requests` through the engine, calling `done(i, output)` as each finishes (i: its position). The
-        progress bar counts the call's `total` lm-eval requests: requests[i] stands for sizes[i] of them, and it
-        starts with those answered without the engine. Request ids go on from the last call's: an output that is not
-        one of this call's unanswered requests (another call's, of an engine run left before its end) is an
-        internal error raised before anything is stored."""
+        """Run `requests` through the engine, calling `done(i, output)` as each finishes; requests[i] stands for
+        sizes[i] of the call's `total` lm-eval requests (the progress bar). Request ids go on from the last call's,
+        so an output of another call is caught as an internal error before anything is stored."""
         if not requests:
             return
         base, self._next_request_id = self._next_request_id, self._next_request_id + len(requests)
@@ -227,12 +223,8 @@ class ApcscoreLM(TemplateLM):
                               **kwargs: Any) -> list[tuple[float, bool]]:
         """(loglikelihood, is_greedy) of each (_, context tokens, continuation tokens), in input order.
 
-        Requests whose scored sequences differ only in their last token (one-token answer choices of one
-        context) share one engine request: the others' last tokens are its `last_token_alternatives`, read
-        from the same hidden state, so the context is computed once (HFLM groups them likewise). The values
-        are bitwise those of separate requests (the LM head and logprob rows are batch invariant). Responses
-        in the store are read, not computed; each computed one is put into it as soon as it is finished.
-        """
+        Sequences that differ only in their last token share one engine request (`last_token_alternatives`, bitwise
+        the values of separate requests). Stored responses are read; computed ones are stored as they finish."""
         separate = []
         for _, context, continuation in requests:
             if not context or not continuation:

@@ -15,7 +15,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.identity import short
 from apcscore.io.result_tables import write_atomic
 from apcscore.options.commands import EvalOptions
-from apcscore.lmeval.store import store_files
+from apcscore.lmeval.store import identity_differences, store_files
 
 RUN_FILE = "eval_run.json"
 SHARD_FILE = "shard.json"
@@ -87,12 +87,6 @@ def start(out: Path, record: dict[str, Any], resume: bool) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return False
-
-
-def identity_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """Where two eval identities (lmeval/store.identity) differ, each as `field: OLD vs NEW`."""
-    return [f"{k}: {short(old.get(k), 80)} vs {short(new.get(k), 80)}" for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)]
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

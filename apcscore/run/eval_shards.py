@@ -16,6 +16,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
+from apcscore.lmeval.store import identity_differences
 from apcscore.options.commands import EvalOptions
 from apcscore.run import eval_folder
 
@@ -40,7 +41,7 @@ def read_shards(paths: list[Path]) -> list[dict[str, Any]]:
             raise ApcscoreError(f"{rec['_path']} and {first['_path']} are shards of different runs (they differ in "
                                 f"{', '.join(diffs)})")
         if rec["run"]["identity"] != first["run"]["identity"]:
-            diffs = eval_folder.identity_differences(first["run"]["identity"], rec["run"]["identity"])
+            diffs = identity_differences(first["run"]["identity"], rec["run"]["identity"])
             raise ApcscoreError(f"{rec['_path']} and {first['_path']} ran under different configurations "
                                 f"({'; '.join(diffs)}): their responses cannot make one run; rerun the odd shard "
                                 "with the others' apcscore and settings")

@@ -1,15 +1,9 @@
 """`apcscore show RESULTS.parquet [--id ID] [--position N]`: one record of a result file in the terminal, its
-tokens coloured by their logprob; for a chosen position its rank and top-K (register with
-`app.command("show")(show)`).
+tokens coloured by their logprob; for a chosen position its rank and top-K.
 
-Which tokens: the prompt's (`token_ids`, `token_logprobs`, ...: score, perplexity and generate with
---prompt-logprobs), else a generate run's completion (`completion_token_ids`, `completion_logprobs`, ...: generate
-with --logprobs); `--completion` picks the completion where a file has both. Without `--id` the first record that
-has per-token logprobs is shown. Token texts come from the run's tokenizer (the folder its metadata names, or
-`--tokenizer`); where none loads, tokens are shown as ids. A character whose bytes a byte-level tokenizer split
-across tokens is shown whole, coloured as its least likely token; one such token alone (in a table, a top-K
-alternative) shows its bytes as <0xE8> (apcscore.io.token_text). Heavy imports happen when the command runs.
-"""
+The prompt's tokens, else (or with `--completion`) a generate run's completion; without `--id`, the first record
+with per-token logprobs. Token texts come from the run's tokenizer (or `--tokenizer`), else ids; a character that
+a byte-level tokenizer split is shown whole (io/token_text.py). Heavy imports happen when the command runs."""
 
 from __future__ import annotations
 
