@@ -15,9 +15,9 @@ import numpy as np
 from apcscore.compare.gate import Comparison
 from apcscore.compare.html_assets import CSS, JS
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, LEFT_OUT_HEAD, _FLIP_HEAD, _WORST_HEAD, Row,
-                                     _check_rows, _differ_rows, _extra_tables, _left_out_rows, _metric_rows, _sides,
-                                     _worst_rows, differ_line, verdict)
+from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, EXCLUDED_HEAD, LEFT_OUT_HEAD, _FLIP_HEAD, _WORST_HEAD,
+                                     Row, _differ_rows, _excluded_rows, _extra_tables, _flip_rows, _left_out_rows,
+                                     _metric_rows, _sides, _worst_rows, check_rows, differ_line, verdict)
 from apcscore.io.token_text import Texts, id_texts
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
@@ -269,8 +269,8 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
              f'<p class="muted">baseline {_e(c.base.path)} ({_e(c.base.model or "-")}, {_e(c.base.dtype or "-")}) · '
              f'candidate {_e(c.new.path)} ({_e(c.new.model or "-")}, {_e(c.new.dtype or "-")})</p>']
     if c.checks:
-        parts += ["<h2>Thresholds</h2>", _table(CHECK_HEAD, _check_rows(c), ["pass" if ch.passed else "fail"
-                                                                           for ch in c.checks], "thresholds")]
+        parts += ["<h2>Thresholds</h2>", _table(CHECK_HEAD, check_rows(c.checks), ["pass" if ch.passed else "fail"
+                                                                                 for ch in c.checks], "thresholds")]
     else:
         parts.append('<p class="muted">no thresholds given: nothing was judged</p>')
     same = differ_line(c)
@@ -292,16 +292,14 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
         flips = c.flips[:MAX_TABLE_ROWS]
         classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
                    f.correct_base else "" for f in flips]
-        parts.append(_table(_FLIP_HEAD, [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new),
-                                          str(f.correct_base), str(f.correct_new)) for f in flips], classes, "flips"))
+        parts.append(_table(_FLIP_HEAD, _flip_rows(c)[:MAX_TABLE_ROWS], classes, "flips"))
         parts.append(_left_out(len(c.flips) - len(flips), "flips"))
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
     if c.excluded:
         parts += ["<h2>Excluded records (status 'error')</h2>",
-                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error)
-                                                            for e in c.excluded[:MAX_TABLE_ROWS]]),
+                  _table(EXCLUDED_HEAD, _excluded_rows(c)[:MAX_TABLE_ROWS]),
                   _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
     if c.left_out.count:
         rows = _left_out_rows(c)

@@ -97,16 +97,12 @@ def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...])
         group = next(g for g in range(pf.num_row_groups) if starts[g + 1] > index)
         row = pf.read_row_group(group, columns=wanted).slice(index - starts[group], 1).to_pylist()[0]
         return row, index
-    import numpy as np
-
     for g in range(pf.num_row_groups):
         lps = pf.read_row_group(g, columns=[cols[1]])[cols[1]].combine_chunks()  # [rows] lists of logprobs
         scored = pc.list_parent_indices(lps).to_numpy()[pc.is_valid(pc.list_flatten(lps)).to_numpy(
-            zero_copy_only=False)]  # the row of every scored position (a one-token prompt has none)
-        valid = np.zeros(len(lps), dtype=bool)
-        valid[scored] = True
-        if valid.any():
-            first = int(valid.argmax())
+            zero_copy_only=False)]  # the row of every scored position, ascending (a one-token prompt has none)
+        if len(scored):
+            first = int(scored[0])
             return pf.read_row_group(g, columns=wanted).slice(first, 1).to_pylist()[0], starts[g] + first
     raise ApcscoreError(f"no record of {path} has per-token logprobs ({cols[1]} is null in every row: error rows, or "
                         "continuation / multiple-choice records, which store per-record figures only)")
