@@ -76,13 +76,6 @@ def annotations(cases: list[Case], verdict: str, title: str = SUITES_NAME) -> li
     return lines + [annotation("notice", title, verdict)]
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return a.resolve() == b.resolve()
-
-
 def _append(path: Path, text: str, what: str) -> None:
     """Append `text` to `path`, after a blank line when the file already holds something (Markdown blocks of
     several writers then stay apart)."""
@@ -122,5 +115,5 @@ def github_outputs(cases: list[Case], verdict: str, markdown: Callable[[], str],
         for line in annotations(cases, verdict):
             echo(line)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary and not (report_md is not None and _same_file(Path(summary), report_md)):
+    if summary and not (report_md is not None and is_step_summary(report_md)):
         _append(Path(summary), markdown(), f"GITHUB_STEP_SUMMARY={summary}")

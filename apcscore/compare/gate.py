@@ -27,9 +27,7 @@ from apcscore.compare.reference_kl import BOUND_LABEL, EXACT_LABEL, apply_exact,
 from apcscore.errors import ApcscoreError
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The comparison and its gate
-# ----------------------------------------------------------------------------------------------------------
+# ---- The comparison and its gate ----
 
 
 @dataclass

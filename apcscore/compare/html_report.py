@@ -45,9 +45,7 @@ def _table(head: Row, rows: list[Row], classes: list[str] | None = None, table_i
     return "\n".join(out + ["</table>"])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Charts (plotly); histograms are binned here, so the page holds counts, not every position
-# ----------------------------------------------------------------------------------------------------------
+# ---- Charts (plotly); histograms are binned here, so the page holds counts, not every position ----
 
 
 def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
@@ -129,9 +127,7 @@ def _plot_divs(figs: list[tuple[str, object]]) -> str:
     return '<div class="plots">' + "\n".join(divs) + "</div>"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Worst records, token by token
-# ----------------------------------------------------------------------------------------------------------
+# ---- Worst records, token by token ----
 
 
 def _shown(text: str) -> str:
@@ -253,9 +249,7 @@ def _worst_section(c: Comparison, worst: int, texts: Texts, budget: int) -> str:
     return "\n".join(out + views)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The page
-# ----------------------------------------------------------------------------------------------------------
+# ---- The page ----
 
 
 def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list[str] | None = None) -> str:

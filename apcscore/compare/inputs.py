@@ -324,11 +324,9 @@ def run_properties(f: ResultFile, top_k: int) -> dict[str, str | None]:
 
 
 def file_info(f: ResultFile, top_k: int) -> FileInfo:
-    def s(v: Any) -> str | None:
-        return None if v is None else str(v)
-
-    return FileInfo(str(f.path), s(f.meta.get("command")), s(f.model.get("name")), s(f.meta.get("dtype")),
-                    s(f.meta.get("apcscore_version")), s(f.dataset.get("path")), s(f.dataset.get("sha256")),
+    m, ds = f.meta, f.dataset
+    return FileInfo(str(f.path), _text(m.get("command")), _text(f.model.get("name")), _text(m.get("dtype")),
+                    _text(m.get("apcscore_version")), _text(ds.get("path")), _text(ds.get("sha256")),
                     f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta), run_properties(f, top_k))
 
 

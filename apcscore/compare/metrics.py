@@ -77,9 +77,7 @@ class Flip:
     correct_new: bool | None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Per-position data
-# ----------------------------------------------------------------------------------------------------------
+# ---- Per-position data ----
 
 
 def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dtype: type) -> np.ndarray:
@@ -214,9 +212,7 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
     return Positions(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Positions))), kb, kn
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Per-record data
-# ----------------------------------------------------------------------------------------------------------
+# ---- Per-record data ----
 
 
 def token_summary(m: Metrics, pos: Positions) -> None:

@@ -27,17 +27,11 @@ SCHEMA = pa.schema([
 ])
 
 
-def _json(value: Any) -> str:
+def _json(value: Any, indent: int | None = None) -> str:
+    """JSON of lm-eval's values (numpy values and other objects as lm-eval's own writer shows them)."""
     from lm_eval.utils import handle_non_serializable
 
-    return json.dumps(value, default=handle_non_serializable, ensure_ascii=False)
-
-
-def dumps(value: Any) -> str:
-    """JSON of lm-eval results (numpy values and other objects as lm-eval's own writer shows them)."""
-    from lm_eval.utils import handle_non_serializable
-
-    return json.dumps(value, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    return json.dumps(value, indent=indent, default=handle_non_serializable, ensure_ascii=False)
 
 
 def _plain(value: Any) -> Any:
@@ -101,7 +95,7 @@ def write_outputs(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
     out.mkdir(parents=True, exist_ok=True)
     summary = {k: v for k, v in results.items() if k != "samples"}
     summary["apcscore"] = meta
-    write_atomic(out / "results.json", dumps(summary).encode())
+    write_atomic(out / "results.json", _json(summary, indent=2).encode())
     table = records_to_table(request_rows(results), SCHEMA)
     table = table.replace_schema_metadata({METADATA_KEY: dumps_metadata(meta).encode()})
     sink = pa.BufferOutputStream()

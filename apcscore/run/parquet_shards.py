@@ -66,13 +66,11 @@ def check_shards(paths: list[Path]) -> list[dict]:
                    "others' settings")
             raise ApcscoreError(f"{path} and {first_path} are not shards of one dataset under one configuration "
                                 f"({first_path.name} vs {path.name}: {'; '.join(differ)}); {fix}")
-        split_a = {k: first["shard"].get(k) for k in _SPLIT_KEYS}
-        split_b = {k: meta["shard"].get(k) for k in _SPLIT_KEYS}
-        if split_a != split_b:
-            differ = [k for k in _SPLIT_KEYS if split_a[k] != split_b[k]]
-            raise ApcscoreError(f"{path} and {first_path} split the dataset differently ("
-                                + "; ".join(f"{k}: {split_a[k]} vs {split_b[k]}" for k in differ)
-                                + "); every shard must come from the same --shard I/N split")
+        a, b = first["shard"], meta["shard"]
+        split = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in _SPLIT_KEYS if a.get(k) != b.get(k)]
+        if split:
+            raise ApcscoreError(f"{path} and {first_path} split the dataset differently ({'; '.join(split)}); every "
+                                "shard must come from the same --shard I/N split")
     by_index: dict[int, Path] = {}
     for path, meta in zip(paths, metas):
         i = meta["shard"]["index"]
@@ -119,7 +117,7 @@ def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "shards": [{"file": m["_path"], "index": m["shard"]["index"], "num_rows": m["shard"]["num_rows"],
                     "load": m["shard"]["loads"][m["shard"]["index"]], "timings": m.get("timings")} for m in metas],
-        "partition": {k: metas[0]["shard"][k] for k in ("count", "partition", "block_size", "fingerprint")}}})
+        "partition": {k: metas[0]["shard"][k] for k in _SPLIT_KEYS}}})
     table = table.drop_columns([SHARD_COLUMN])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".merge.tmp")

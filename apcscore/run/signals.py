@@ -25,10 +25,6 @@ class Stop:
     def __init__(self) -> None:
         self.caught: list[int] = []
 
-    @property
-    def requested(self) -> bool:
-        return bool(self.caught)
-
     def check(self, *_: Any) -> None:
         """The tick: raise `Interrupted` if SIGINT or SIGTERM arrived (takes and ignores the engine, so that it
         can be an engine's `on_step`)."""
