@@ -52,11 +52,8 @@ def record_items(job: Any, records: Iterable[Any], invalid: Iterable[Any], block
         if not requests:
             items.append(Item(record.index, (), 1))
             continue
-        load = 0
-        for req in requests:
-            load += len(req.prompt_token_ids)
-            if req.sampling is not None:
-                load += int(req.sampling.max_tokens)
+        load = sum(len(r.prompt_token_ids) + (int(r.sampling.max_tokens) if r.sampling is not None else 0)
+                   for r in requests)
         items.append(Item(record.index, block_digests(requests[0].prompt_token_ids, block_size), max(load, 1)))
     items.extend(Item(r.index, (), 1) for r in invalid)
     items.sort(key=lambda it: it.index)
