@@ -1,20 +1,14 @@
 """The lm-eval model backend "apcscore": lm-eval's requests through apcscore's Engine.
 
-Importing this module registers `ApcscoreLM` as lm-eval model "apcscore". lm-eval imports its built-in
-models (`hf`, `vllm`, ...) only while its model registry is empty, so this module imports `lm_eval.models`
-first: registering into an empty registry would hide `--model hf` afterwards.
+Importing this module registers `ApcscoreLM` as lm-eval model "apcscore", after `import lm_eval.models`: lm-eval
+imports its built-in models only while its registry is empty, so registering first would hide `--model hf`.
 
 Everything that decides numbers is HFLM's (lm-eval's `hf` backend), reused or copied, so the two agree:
-- tokenization: `tok_encode` is HFLM's (the tokenizer's own special tokens unless `add_bos_token` says
-  otherwise, none where the string already starts with BOS); `loglikelihood` is TemplateLM's (the
-  context/continuation split, an empty context becomes `prefix_token_id`: BOS, else EOS);
-- a scored sequence longer than `max_length + 1` tokens loses tokens on the left, as in HFLM;
-- `is_greedy`: every continuation token is the argmax (ties: lowest id, `torch.argmax`'s);
-- `loglikelihood_rolling`: lm-eval's `get_rolling_token_windows` + `make_disjoint_window`, summed per request;
-- `generate_until`: `normalize_gen_kwargs`, `handle_stop_sequences` (EOS text added), the context
-  left-truncated to `max_length - max_gen_toks`, the text cut at the first stop string.
-Results come back in input order (lm-eval zips them with its requests).
-"""
+`tok_encode` (special tokens unless `add_bos_token` says otherwise, none after a BOS text), TemplateLM's
+context/continuation split (an empty context becomes `prefix_token_id`), left truncation to `max_length + 1`
+tokens, `is_greedy` (argmax, ties to the lowest id), the rolling windows of `loglikelihood_rolling`, and
+`generate_until`'s kwargs, stop sequences (EOS text added), context truncation and cut at the first stop string.
+Results come back in input order."""
 
 from __future__ import annotations
 
@@ -48,15 +42,10 @@ GEN_KWARGS = frozenset({"until", "max_gen_toks", "temperature", "top_p", "top_k"
 class ApcscoreLM(TemplateLM):
     """An lm-eval model backed by apcscore's Engine (paged KV cache, prefix caching, batch invariance).
 
-    pretrained: model alias, Hugging Face directory or .gguf file (default: smollm2-135m).
-    max_length: most tokens a scored sequence feeds the model (default: the engine's context length - 1).
-    max_gen_toks: default generation length (256, HFLM's). add_bos_token: as HFLM's.
-    seed: base seed of sampled generations (each request gets one derived from it and its position).
-    engine: an already built Engine (tests, benchmarks, a merge's stand-in); config: the EngineConfig to load one
-    with (apcscore eval); otherwise the remaining keyword arguments are engine settings (EngineConfig field
-    names, `no_*` flags, `exact_reuse`). batch_size is accepted and ignored: the engine batches by its token
-    budget.
-    """
+    pretrained: model alias, Hugging Face directory or .gguf file; max_length: most tokens a scored sequence feeds
+    the model (default: the context length - 1); max_gen_toks, add_bos_token: as HFLM's; seed: the base of each
+    sampled generation's seed. engine: an already built Engine (tests, a merge's stand-in); config: the EngineConfig
+    to load one with (apcscore eval); else the other keyword arguments are engine settings. batch_size is ignored."""
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "ApcscoreLM":
