@@ -46,6 +46,12 @@ def _escape_help(command: click.Command) -> None:
             param.help = markup_safe(param.help)  # type: ignore[attr-defined]
 
 
+def _plain_help_option(option: click.Option | None) -> click.Option | None:
+    if option is not None:
+        option.metavar = ""  # a flag: no `<bool>` in the help
+    return option
+
+
 class _OptionsTable(Table):
     """Typer's options table, laid out so that no option name is cut at 80 columns.
 
@@ -88,35 +94,39 @@ def _fitting_help() -> Iterator[None]:
         typer.rich_utils.Table = table
 
 
-class _PlainHelp:
-    """Help text never read as markup, tables that fit (`_OptionsTable`), and no `<bool>` after --help."""
+class Group(TyperGroup):
+    """Typer's group; its --help shows no `<bool>`; help text is never read as markup."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _escape_help(self)  # type: ignore[arg-type]
+        _escape_help(self)
 
     def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         with _fitting_help():
-            super().format_help(ctx, formatter)  # type: ignore[misc]
+            super().format_help(ctx, formatter)
 
     def get_help_option(self, ctx: click.Context) -> click.Option | None:
-        option = super().get_help_option(ctx)  # type: ignore[misc]
-        if option is not None:
-            option.metavar = ""  # a flag: no `<bool>` in the help
-        return option
+        return _plain_help_option(super().get_help_option(ctx))
 
 
-class Group(_PlainHelp, TyperGroup):
-    """Typer's group with `_PlainHelp`."""
+class Command(TyperCommand):
+    """Typer's command with a plain usage line: `DATASET`, not `{dataset}`; help text is never read as markup."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _escape_help(self)
 
-class Command(_PlainHelp, TyperCommand):
-    """Typer's command with a plain usage line: `DATASET`, not `{dataset}`; and `_PlainHelp`."""
+    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        with _fitting_help():
+            super().format_help(ctx, formatter)
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)
         return [p[1:p.index("}")].upper() + p[p.index("}") + 1:] if p.startswith("{") and "}" in p else p
                 for p in pieces]
+
+    def get_help_option(self, ctx: click.Context) -> click.Option | None:
+        return _plain_help_option(super().get_help_option(ctx))
 
 
 app = typer.Typer(help="Batch scoring and evaluation of causal language models (paged KV cache, prefix caching).",
