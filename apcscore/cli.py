@@ -53,14 +53,11 @@ def _plain_help_option(option: click.Option | None) -> click.Option | None:
 
 
 class _OptionsTable(Table):
-    """Typer's options table (its `_print_options_panel`), laid out so that no option name is cut at 80 columns.
+    """Typer's options table, laid out so that no option name is cut at 80 columns.
 
-    Typer gives each option a row of six or seven cells (required mark, long names, short names, the `--no-x`
-    names, their short names, type, help) in columns that all may shrink: at 80 columns Rich cut the names
-    (`--min-top1-agreem…`, `--kv-cache-memor…`) and long words of the help (`configs/compare.t…`). Here a row
-    becomes (mark, names, type, help) and the first three columns never wrap or shrink: the names on one line
-    (`--model -m`), a `--no-x` form on a row of its own below, a type's range (`[x>=100]`) at the end of the help.
-    The help column, the only one that narrows, folds a word longer than itself instead of cutting it."""
+    Typer's rows of six or seven cells (mark, long, short, `--no-x` long and short names, type, help) become (mark,
+    names, type, help); only the help column narrows, folding a long word; a `--no-x` form gets a row of its own
+    and a type's range (`[x>=100]`) goes at the end of the help."""
 
     def add_row(self, *cells: Any, **kwargs: Any) -> None:
         if len(cells) < 6:  # not an options row (Typer's commands table sets its own columns)
@@ -189,18 +186,28 @@ def _error(exc: ApcscoreError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-# ---- commands -----------------------------------------------------------------------------------
-def _run(command: str, params: dict[str, Any]) -> None:
-    """Run a command from its parameters (those of the command function); ApcscoreError -> clear exit."""
-    from apcscore.run.driver import run_command
-
-    options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
+def _exit_with(run: Callable[[], int]) -> None:
+    """Call `run`; its nonzero exit code, or an ApcscoreError as a clear message, ends the command."""
     try:
-        code = run_command(command, params["dataset"], options, params["config"], console)
+        code = run()
     except ApcscoreError as exc:
         raise _error(exc) from None
     if code:
         raise typer.Exit(code)
+
+
+def _plain(to: Console) -> Callable[[str], None]:
+    """Print a line as it is (no markup, no highlighting, no wrapping of our own) on `to`."""
+    return lambda text: to.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+# ---- commands -----------------------------------------------------------------------------------
+def _run(command: str, params: dict[str, Any]) -> None:
+    """Run a command from its parameters (those of the command function)."""
+    from apcscore.run.driver import run_command
+
+    options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
+    _exit_with(lambda: run_command(command, params["dataset"], options, params["config"], console))
 
 
 @app.command(cls=Command)
@@ -251,13 +258,7 @@ def eval_(**params: Any) -> None:
     """
     from apcscore.run.eval import run_eval
 
-    try:
-        code = run_eval(params, lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
-                        note=lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
-    except ApcscoreError as exc:
-        raise _error(exc) from None
-    if code:
-        raise typer.Exit(code)
+    _exit_with(lambda: run_eval(params, _plain(out_console), note=_plain(console)))
 
 
 @app.command("lm-eval", cls=Command, add_help_option=False,
@@ -288,14 +289,7 @@ def merge(
     are joined into the folder one eval would have written (no model weights are loaded)."""
     from apcscore.run.merge import merge as merge_any
 
-    try:
-        code = merge_any(out, shards, overwrite,
-                         lambda text: out_console.print(text, markup=False, highlight=False, soft_wrap=True),
-                         lambda text: console.print(text, markup=False, highlight=False, soft_wrap=True))
-    except ApcscoreError as exc:
-        raise _error(exc) from None
-    if code:
-        raise typer.Exit(code)
+    _exit_with(lambda: merge_any(out, shards, overwrite, _plain(out_console), _plain(console)))
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model

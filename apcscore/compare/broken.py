@@ -1,6 +1,4 @@
-"""`apcscore compare`: broken numbers. Null means "not scored by design"; NaN or +-inf where a number belongs, or a
-value on one side and null on the other, is broken: counted here by kind, left out of every figure, and a failure of
-the gate by default (docs/compare.md, "Broken numbers")."""
+"""`apcscore compare`: broken numbers (docs/compare.md, "Broken numbers")."""
 
 from __future__ import annotations
 
@@ -13,12 +11,8 @@ import pyarrow.compute as pc
 
 @dataclass
 class Broken:
-    """Numbers the gate cannot compare because one side's is broken (docs/compare.md, "Broken numbers").
-
-    Null means "not scored by design" and is never broken when both sides have it; NaN or +-inf where a number
-    belongs, or a position scored on one side and null on the other, is. Such positions and records are left out
-    of every figure, counted here, and fail the gate by default (`--max-broken 0`).
-    """
+    """Numbers left out of every figure because one side's is broken: NaN or +-inf, or a value on one side and null on
+    the other (null on both is "not scored by design"); they fail the gate by default (`--max-broken 0`)."""
 
     kinds: dict[str, int] = field(default_factory=dict)  # e.g. "candidate token_logprobs NaN" -> positions
     positions: int = 0  # positions with at least one broken number (either side)

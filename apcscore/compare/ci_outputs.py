@@ -1,14 +1,6 @@
-"""Outputs of `apcscore compare` that CI systems read natively.
-
-- JUnit XML (`--report-junit FILE`): one testcase per gate case, a failing case carrying its figures in the
-  failure message. The writer takes generic `Case`s, so other gates (eval tasks) add their own.
-- GitHub Actions: when `GITHUB_ACTIONS=true`, one `::error` workflow command per failed case and a `::notice`
-  with the verdict; when `GITHUB_STEP_SUMMARY` names a file, the Markdown report is appended to it (the job
-  summary), unless `--report-md` already writes that very file.
-- `--report-md PATH` where PATH is the file `$GITHUB_STEP_SUMMARY` names (the recipe `--report-md
-  "$GITHUB_STEP_SUMMARY"`) appends to it, as GitHub expects of a step's summary: what the step wrote before stays.
-  Any other PATH is written whole (`write_markdown`).
-"""
+"""Outputs of `apcscore compare` that CI systems read natively: JUnit XML (`--report-junit`, one testcase per
+generic `Case`), GitHub Actions workflow commands and the job summary, and `--report-md`, appended to when it is
+the file `$GITHUB_STEP_SUMMARY` names (docs/compare.md, "Reports" and "Reading the output in CI")."""
 
 from __future__ import annotations
 
@@ -47,9 +39,8 @@ def checks_to_cases(checks: Iterable[Check]) -> list[Case]:
 
 
 def to_junit(cases: list[Case], suite: str = "thresholds") -> str:
-    """JUnit XML of the cases: <testsuites name="apcscore compare"> holding one <testsuite name=suite>, a
-    <failure> (message = the figures) in each failed case and the figures in <system-out> of each passed one.
-    No case at all gives an empty suite (tests="0")."""
+    """JUnit XML: one <testsuite name=suite> in <testsuites name="apcscore compare">, a <failure> (message = the
+    figures) per failed case, the figures in <system-out> of each passed one; no case gives tests="0"."""
     failures = sum(not c.passed for c in cases)
     counts = {"tests": str(len(cases)), "failures": str(failures), "errors": "0", "skipped": "0", "time": "0"}
     root = ET.Element("testsuites", {"name": SUITES_NAME, **counts})
@@ -85,13 +76,6 @@ def annotations(cases: list[Case], verdict: str, title: str = SUITES_NAME) -> li
     return lines + [annotation("notice", title, verdict)]
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    try:
-        return os.path.samefile(a, b)
-    except OSError:
-        return a.resolve() == b.resolve()
-
-
 def _append(path: Path, text: str, what: str) -> None:
     """Append `text` to `path`, after a blank line when the file already holds something (Markdown blocks of
     several writers then stay apart)."""
@@ -125,12 +109,11 @@ def write_markdown(path: Path, text: str) -> None:
 
 def github_outputs(cases: list[Case], verdict: str, markdown: Callable[[], str], report_md: Path | None,
                    echo: Callable[[str], None] = print) -> None:
-    """GitHub Actions outputs, read from the environment: annotations of `cases` and the verdict when
-    GITHUB_ACTIONS is "true", the Markdown report (`markdown()`) appended to the file GITHUB_STEP_SUMMARY names
-    (skipped when --report-md is that file)."""
+    """GitHub Actions: annotations of `cases` and the verdict when GITHUB_ACTIONS is "true", and `markdown()` appended
+    to GITHUB_STEP_SUMMARY's file unless --report-md is that file."""
     if os.environ.get("GITHUB_ACTIONS") == "true":
         for line in annotations(cases, verdict):
             echo(line)
     summary = os.environ.get("GITHUB_STEP_SUMMARY")
-    if summary and not (report_md is not None and _same_file(Path(summary), report_md)):
+    if summary and not (report_md is not None and is_step_summary(report_md)):
         _append(Path(summary), markdown(), f"GITHUB_STEP_SUMMARY={summary}")

@@ -1,14 +1,7 @@
-"""`apcscore compare BASELINE.parquet CANDIDATE.parquet`: the CI regression gate (register with
-`app.command("compare")(compare)`).
+"""`apcscore compare BASELINE.parquet CANDIDATE.parquet`: the CI regression gate.
 
-Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared).
-By default one record that is ok in the baseline and an error in the candidate fails the gate
-(`--max-new-errors 0`).
-In GitHub Actions (GITHUB_ACTIONS=true) it also prints workflow commands, and it appends the Markdown report to
-$GITHUB_STEP_SUMMARY when that is set (apcscore.compare.ci_outputs).
-The metrics live in the other modules of apcscore.compare and are imported when the command runs, so importing this
-module (and `apcscore --help`) stays fast.
-"""
+Exit codes: 0 every threshold holds, 1 a threshold fails, 2 input or usage error (nothing compared). The metrics
+modules are imported when the command runs, so that `apcscore --help` stays fast."""
 
 from __future__ import annotations
 

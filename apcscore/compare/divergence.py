@@ -1,10 +1,5 @@
-"""`apcscore compare`: llama.cpp's divergence block (`llama-perplexity --kl-divergence`) on the per-position arrays.
-
-The KL summary gives the mean with its standard error, the max, the min and the percentiles llama.cpp prints
-(99.9 down to 0.1); the delta p summary gives the target token's change of probability, p_new - p_base: mean
-with its standard error, RMS, max, min and llama.cpp's percentiles (99.9 down to 0.1). Standard errors treat
-positions as independent, as llama.cpp does (see docs/compare.md).
-"""
+"""`apcscore compare`: llama.cpp's KL and delta p blocks (`llama-perplexity --kl-divergence`) on the per-position
+arrays: mean with its standard error (positions taken as independent), RMS, max, min and percentiles."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from rich.console import Console
 
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
 from apcscore.compare.thresholds import Thresholds
-from apcscore.compare.report import CHECK_HEAD, check_rows, md_table, print_checks, rich_table, verdict
+from apcscore.compare.fit_table import print_table
+from apcscore.compare.report import check_rows, md_table, md_verdict, print_checks, verdict
 from apcscore.errors import ApcscoreError
 
 Row = tuple[str, ...]
@@ -35,25 +36,17 @@ def _sides(c: EvalComparison) -> list[Row]:
     return [(k, str(c.base.get(k) or "-"), str(c.new.get(k) or "-")) for k in c.base]
 
 
-def _check_rows(c: EvalComparison) -> list[Row]:
-    return check_rows(c.checks)
-
-
 def render_eval_console(c: EvalComparison, console: Console) -> None:
     """Print the comparison as Rich tables; failing thresholds in red."""
-    rich_table(console, "Compared eval runs", ("", "baseline", "candidate"), _sides(c))
-    rich_table(console, "Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
-               [_metric_row(m) for m in c.metrics])
-    print_checks(console, c.notes, c.checks, _check_rows(c), "Thresholds (per task)")
+    print_table(console, "Compared eval runs", ("", "baseline", "candidate"), _sides(c))
+    print_table(console, "Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
+                [_metric_row(m) for m in c.metrics])
+    print_checks(console, c.notes, c.checks, check_rows(c.checks), "Thresholds (per task)")
 
 
 def eval_markdown(c: EvalComparison) -> str:
     """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
-    icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
-    out = [f"## apcscore compare (eval runs): {icon} {verdict(c.checks)}", ""]
-    if c.checks:
-        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
-        out += [md_table(CHECK_HEAD, rows), ""]
+    out = md_verdict("apcscore compare (eval runs)", c.checks)
     out += ["### Per task and metric", "", md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
     out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
     out += [f"> note: {n}" for n in c.notes]

@@ -1,20 +1,8 @@
 """`apcscore compare BASE_DIR CAND_DIR`: two `apcscore eval` output folders, per task and metric, paired by document.
 
-An eval folder holds `results.json` (lm-eval's results, our run metadata under `apcscore`) and `requests.parquet`
-(one row per request: task, doc_id, filter, request_index, arguments, response, target, and `metrics`, the doc's
-per-sample metric values as JSON). `read_eval_dir` is the one place that reads them (the folder format is
-lmeval's, see apcscore/lmeval/requests.py; compare imports nothing of lmeval/).
-
-The folders must be runs of the same tasks with the same settings (`check_same_eval`): the same task configs (as
-lm-eval resolved them: few-shot count, templates, metrics...), `--limit`, chat template settings, system
-instruction, `--gen-kwargs`, `--max-length`, seeds, the same documents with the same prompts and targets. The
-model, dtype, device, backend and code may differ: they are what is compared.
-
-Per task and metric: lm-eval's aggregate on each side and its change; paired over the documents: the mean per-doc
-change with its standard error, and for 0/1 metrics the documents that flipped each way. `--max-accuracy-drop`
-is checked per task on every higher-is-better 0/1 metric (acc, acc_norm, exact_match...), `--max-ppl-ratio` on
-every perplexity metric; each task is one JUnit-ready case (`EvalComparison.cases`).
-"""
+`read_eval_dir` is the one place that reads a folder (its format is lmeval/requests.py's; compare imports nothing of
+lmeval/). The runs must have the same tasks, settings, documents, prompts and targets (`check_same_eval`); the
+model, dtype, device, backend and code are what is compared (docs/compare.md, "Comparing eval runs")."""
 
 from __future__ import annotations
 
@@ -30,7 +18,7 @@ import pyarrow.parquet as pq
 
 from apcscore.compare.gate import Check
 from apcscore.compare.thresholds import LIMITS, Thresholds
-from apcscore.compare.stats import bound_label, clopper_pearson, margin_verdict, mcnemar_exact_p
+from apcscore.compare.stats import bound_label, drop_bounds, margin_verdict, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
@@ -266,9 +254,8 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
 
 
 def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
-    """Per task: --max-accuracy-drop on the higher-is-better 0/1 metrics, judged by the exact one-sided bound at
-    1 - alpha of the paired per-document drop (as for result files: stats.mcnemar), and --max-ppl-ratio on
-    perplexity metrics. The exact McNemar test of the flips is reported beside each drop."""
+    """Per task: --max-accuracy-drop on the higher-is-better 0/1 metrics, judged by the exact one-sided bound of the
+    paired per-document drop (the McNemar test beside it), and --max-ppl-ratio on perplexity metrics."""
     given = [f.name for f in fields(t) if f.name in LIMITS and getattr(t, f.name) is not None
              and f.name not in EVAL_THRESHOLDS and t.source(f.name) != "default"]
     if given:
@@ -282,9 +269,7 @@ def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
             what = f"{m.task} {m.metric} drop (base - new)"
             mcnemar_text = (f"McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} lost, {gained} gained "
                             f"of {m.num_docs}")
-            flips = lost + gained
-            q_lower, q_upper = clopper_pearson(lost, flips, t.alpha) if flips else (0.5, 0.5)
-            lower, upper = flips * (2 * q_lower - 1) / m.num_docs, flips * (2 * q_upper - 1) / m.num_docs
+            lower, upper = drop_bounds(lost, gained, m.num_docs, t.alpha)
             point = t.decision == "point"
             ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, None if point else lower,
                                        None if point else upper, t.decision == "strict")

@@ -1,19 +1,7 @@
 """`apcscore compare --exact`: fail on any differing bit between two result files (or two eval folders).
 
-For refactors that must not move a number. The records are matched by id (eval folders: by task, doc_id,
-filter and request_index) and every column both files hold is compared bit for bit, except `IGNORED` (columns
-that describe how a run was scheduled, not what it computed). Floats are compared by their bits: -0.0 differs
-from +0.0, and a NaN equals a NaN of the same bits. A null equals only a null. Run metadata (model, dtype,
-timings, command line) is not a column and is never compared. Columns only one file holds are named in a note.
-
-Top-K lists (`top_ids`, `top_logprobs`, `completion_top_*`) of runs that stored another K (`--prompt-logprobs 20`
-against 5) are compared on their common first min(K) entries, and a note says so: otherwise every record would
-differ for the K alone. The entries are sorted by logprob, so the first min(K) are the smaller run's whole top-K.
-
-The first difference reported is in the first record (baseline order) that differs; within it, the earliest
-token position of the per-token columns (`token_*`, `top_*`), with the token id there, else the first column
-that differs (file order), with the index inside a list (e.g. the choice of `choice_logprobs`).
-"""
+Records matched by id; every column both hold compared bit for bit but `IGNORED`; top-K lists of another K on
+their common first min(K) entries; the first difference reported as docs/compare.md, "--exact", describes."""
 
 from __future__ import annotations
 

@@ -1,20 +1,10 @@
 """Tables of `apcscore compare`'s terminal report laid out to the console's width, so that no number, option name
-or word is cut with an ellipsis: at 80 columns, and in a CI log (output not a terminal, where Rich takes 80).
+or word is cut with an ellipsis (at 80 columns, and in a CI log, where Rich takes 80).
 
-Rich shrinks a table that is too wide by cutting cells (`0.…`, `5.015…`). Here each column's width is chosen
-before Rich sees the table:
-
-- a column is as wide as its widest cell when the table fits so;
-- else the widest columns are narrowed first, each down to its longest *unbreakable* word at most: a number
-  (`-0.000258899`, `[-0.0008214,`, `98.734%`), an option name (`--max-excluded-fraction`), any word of at most
-  `FOLD` characters; longer words (paths, long record ids, hashes) may fold across lines. Text wraps at spaces;
-- when even that does not fit: a table of one row is transposed (a row per column: name, value), and a table of
-  several rows is split into several tables of the columns that fit, each repeating the first column (the record,
-  the metric) so that its rows can still be read.
-
-Cells fold rather than end in `…` (`overflow="fold"`), so nothing is ever cut: at worst a word longer than its
-column continues on the next line.
-"""
+Each column's width is chosen before Rich sees the table: its widest cell when the table fits so; else the widest
+columns narrowed first, each down to its longest unbreakable word (a number, an option name, a word of at most
+`FOLD` characters; longer ones fold); else a one-row table is transposed and a wider one split into tables that
+each repeat the first column. Cells fold (`overflow="fold"`) rather than end in `…`."""
 
 from __future__ import annotations
 

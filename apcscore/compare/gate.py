@@ -1,20 +1,8 @@
 """`apcscore compare`: regression metrics between two result files of the same dataset (no CLI code here).
 
-Two parquet files written by `apcscore score` or `apcscore perplexity` are matched record by record on
-`id`; every figure is computed on the token positions both files scored:
-
-- mean NLL of each side, the perplexity ratio, and the mean of ln(PPL_new / PPL_base) with its standard
-  error (over positions, as llama.cpp's `llama-perplexity --kl-divergence` reports it);
-- KL(base || new) per position, a lower bound computed from the stored top-K (see `apcscore.compare.kl_bound` and
-  docs/compare.md), with its mean, max and percentiles;
-- top-1 agreement, the change of the target token's probability (mean and RMS), max |delta logprob|;
-- for multiple-choice records: accuracy of each side and the records whose prediction flipped.
-
-`compare_files` returns a `Comparison`; `evaluate` turns thresholds (`apcscore.compare.thresholds`) into pass/fail
-`Check`s, each tolerance judged by its one-sided confidence bound (`stats.margin_verdict`), and broken numbers
-(`apcscore.compare.broken`) into a check of their own. Files that cannot be compared raise `ApcscoreError` (exit
-code 2).
-"""
+`compare_files` matches the records by `id` and computes every figure on the positions both files scored
+(docs/compare.md, "Metrics"); `evaluate` turns thresholds into pass/fail `Check`s, each tolerance judged by its
+one-sided confidence bound (`stats.margin_verdict`). Files that cannot be compared raise `ApcscoreError` (exit 2)."""
 
 from __future__ import annotations
 
@@ -39,9 +27,7 @@ from apcscore.compare.reference_kl import BOUND_LABEL, EXACT_LABEL, apply_exact,
 from apcscore.errors import ApcscoreError
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The comparison and its gate
-# ----------------------------------------------------------------------------------------------------------
+# ---- The comparison and its gate ----
 
 
 @dataclass
@@ -114,14 +100,9 @@ _KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
 
 
 def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
-    """Turn thresholds into checks; a threshold the user set whose figure cannot be computed is a usage error
-    (exit 2), a default one is skipped with a note.
-
-    Each tolerance on a figure with a paired bootstrap (PPL ratio, mean KL, top-1 agreement, accuracy) is judged
-    by its one-sided confidence bound at 1 - alpha (`stats.margin_verdict`): by default the gate fails only when
-    the worsening is significantly beyond the tolerance; `decision = "strict"` passes only when it is
-    significantly within; `decision = "point"` compares the estimates alone.
-    """
+    """Turn thresholds into checks, each tolerance with a paired bootstrap judged by its one-sided bound
+    (`stats.margin_verdict`; `decision` "point": the estimates alone). A limit the user set whose figure cannot be
+    computed is a usage error (exit 2), a default one is skipped with a note."""
     m = c.metrics
     checks: list[Check] = []
     strict, point = t.decision == "strict", t.decision == "point"
@@ -216,13 +197,11 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
 
 def compare_files(baseline: Path, candidate: Path | None, thresholds: Thresholds | None = None,
                   samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED, common_records: bool = False) -> Comparison:
-    """Compare two apcscore result files of the same dataset; raise ApcscoreError when they are not comparable.
+    """Compare two result files of the same dataset; raise ApcscoreError when they are not comparable.
 
-    `samples` and `seed` set the paired bootstrap (apcscore.compare.stats), at the level of
-    `thresholds.significance` (0.05 when unset). `common_records` (--common-records): compare the records present
-    and identical in both files, leaving the others out (`Comparison.left_out`), where they would be refused.
-    candidate None: `baseline` is a file of `score --reference-model`, compared with its reference side alone.
-    """
+    `samples`, `seed`: the paired bootstrap (compare/stats.py); `common_records`: --common-records (the others in
+    `Comparison.left_out`); candidate None: `baseline` is a `score --reference-model` file, compared with its
+    reference side."""
     if candidate is None:
         run = load_result_file(baseline, "result")
         base, new = reference_side(run), candidate_alone(run)

@@ -1,17 +1,8 @@
-"""`apcscore compare --report-html`: the comparison as one self-contained HTML page, for people to look at.
+"""`apcscore compare --report-html`: the comparison as one self-contained HTML page (docs/compare.md, "Reports").
 
-The page holds the verdict and the thresholds, the metric tables (the rows of the console and Markdown reports),
-plotly charts of the per-token figures (histograms of Δ logprob and KL, baseline against candidate logprob), the
-worst records with each token coloured by its Δ logprob (hover: both logprobs and both top-K lists; a click pins
-them in the side panel), and the multiple-choice flips. plotly.js is inlined, so the file needs no network when
-it is opened (about 5 MB). The page stays under MAX_PAGE_BYTES (10 MB): the worst, flips and excluded tables list
-at most MAX_TABLE_ROWS rows, and the worst records are shown token by token (a token's title with K=20 is ~1.5
-KB) while they fit; the page says what it left out. Every text that comes from the files (ids, tokens, paths,
-messages) is escaped.
-
-Δ logprob here is candidate − baseline of the actual next token: negative where the candidate gives it less
-probability (red), positive where more (blue).
-"""
+plotly.js is inlined (about 5 MB); the page stays under MAX_PAGE_BYTES: tables list at most MAX_TABLE_ROWS rows,
+the worst records are shown token by token while they fit, and the page says what it left out. Every text from
+the files is escaped. Δ logprob is candidate − baseline of the actual next token (negative: red, positive: blue)."""
 
 from __future__ import annotations
 
@@ -24,9 +15,9 @@ import numpy as np
 from apcscore.compare.gate import Comparison
 from apcscore.compare.html_assets import CSS, JS
 from apcscore.compare.metrics import RecordMetrics
-from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, LEFT_OUT_HEAD, _FLIP_HEAD, _WORST_HEAD, Row,
-                                     _check_rows, _differ_rows, _extra_tables, _left_out_rows, _metric_rows, _sides,
-                                     _worst_rows, differ_line, verdict)
+from apcscore.compare.report import (CHECK_HEAD, DIFFER_HEAD, EXCLUDED_HEAD, LEFT_OUT_HEAD, _FLIP_HEAD, _WORST_HEAD,
+                                     Row, _differ_rows, _excluded_rows, _extra_tables, _flip_rows, _left_out_rows,
+                                     _metric_rows, _sides, _worst_rows, check_rows, differ_line, verdict)
 from apcscore.io.token_text import Texts, id_texts
 
 MAX_SCATTER = 20_000  # points of the logprob scatter: the largest |Δ| and a random sample of the rest
@@ -54,9 +45,7 @@ def _table(head: Row, rows: list[Row], classes: list[str] | None = None, table_i
     return "\n".join(out + ["</table>"])
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Charts (plotly); histograms are binned here, so the page holds counts, not every position
-# ----------------------------------------------------------------------------------------------------------
+# ---- Charts (plotly); histograms are binned here, so the page holds counts, not every position ----
 
 
 def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
@@ -138,9 +127,7 @@ def _plot_divs(figs: list[tuple[str, object]]) -> str:
     return '<div class="plots">' + "\n".join(divs) + "</div>"
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Worst records, token by token
-# ----------------------------------------------------------------------------------------------------------
+# ---- Worst records, token by token ----
 
 
 def _shown(text: str) -> str:
@@ -181,9 +168,8 @@ def _token_lines(rm: RecordMetrics, j: int, own: str, t: int, b: dict, n: dict, 
 
 
 def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, texts: Texts, scale: float) -> str:
-    """One record's text as spans coloured by Δ logprob, with both logprobs and top-K lists in the title. A span is
-    one token, or the tokens of one character split across several (byte-level BPE: `ě` is two tokens), coloured
-    by its largest |Δ|, its title holding each of its tokens."""
+    """One record's text as spans coloured by Δ logprob, both logprobs and top-K lists in the title; a span is one
+    token, or the tokens of one character split across several (byte-level BPE), coloured by its largest |Δ|."""
     b = c.aligned.base.slice(row, 1).to_pylist()[0]
     n = c.aligned.new.slice(row, 1).to_pylist()[0]
     ids = b["token_ids"] or []
@@ -263,18 +249,12 @@ def _worst_section(c: Comparison, worst: int, texts: Texts, budget: int) -> str:
     return "\n".join(out + views)
 
 
-# ----------------------------------------------------------------------------------------------------------
-# The page
-# ----------------------------------------------------------------------------------------------------------
+# ---- The page ----
 
 
 def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list[str] | None = None) -> str:
-    """The comparison as a self-contained HTML page (plotly.js inlined).
-
-    `texts` turns a record's token ids into their texts (`apcscore.io.token_text`: each token's, and spans of
-    whole characters; default: the ids);
-    `notes` are shown beside the comparison's own (e.g. why the tokenizer could not be loaded).
-    """
+    """The comparison as a self-contained HTML page; `texts` turns token ids into their texts (io/token_text.py),
+    `notes` are shown beside the comparison's own."""
     from plotly.offline import get_plotlyjs
 
     verdict_text = verdict(c.checks)
@@ -283,8 +263,8 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
              f'<p class="muted">baseline {_e(c.base.path)} ({_e(c.base.model or "-")}, {_e(c.base.dtype or "-")}) · '
              f'candidate {_e(c.new.path)} ({_e(c.new.model or "-")}, {_e(c.new.dtype or "-")})</p>']
     if c.checks:
-        parts += ["<h2>Thresholds</h2>", _table(CHECK_HEAD, _check_rows(c), ["pass" if ch.passed else "fail"
-                                                                           for ch in c.checks], "thresholds")]
+        parts += ["<h2>Thresholds</h2>", _table(CHECK_HEAD, check_rows(c.checks), ["pass" if ch.passed else "fail"
+                                                                                 for ch in c.checks], "thresholds")]
     else:
         parts.append('<p class="muted">no thresholds given: nothing was judged</p>')
     same = differ_line(c)
@@ -306,16 +286,14 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
         flips = c.flips[:MAX_TABLE_ROWS]
         classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
                    f.correct_base else "" for f in flips]
-        parts.append(_table(_FLIP_HEAD, [(f.id, f.kind, str(f.answer), str(f.pred_base), str(f.pred_new),
-                                          str(f.correct_base), str(f.correct_new)) for f in flips], classes, "flips"))
+        parts.append(_table(_FLIP_HEAD, _flip_rows(c)[:MAX_TABLE_ROWS], classes, "flips"))
         parts.append(_left_out(len(c.flips) - len(flips), "flips"))
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
     if c.excluded:
         parts += ["<h2>Excluded records (status 'error')</h2>",
-                  _table(("record", "failed in", "error"), [(e.id, e.side, e.error)
-                                                            for e in c.excluded[:MAX_TABLE_ROWS]]),
+                  _table(EXCLUDED_HEAD, _excluded_rows(c)[:MAX_TABLE_ROWS]),
                   _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
     if c.left_out.count:
         rows = _left_out_rows(c)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import pyarrow as pa
@@ -87,8 +87,9 @@ def load_result_file(path: Path, role: str) -> ResultFile:
     return ResultFile(path, role, meta, table)
 
 
-def examples(values: list[Any]) -> str:
-    head = ", ".join(repr(v) for v in values[:EXAMPLES])
+def examples(values: list[Any], shown: Callable[[Any], str] = repr) -> str:
+    """The first EXAMPLES values, and how many more."""
+    head = ", ".join(shown(v) for v in values[:EXAMPLES])
     return head + (f" and {len(values) - EXAMPLES} more" if len(values) > EXAMPLES else "")
 
 
@@ -145,9 +146,8 @@ class LeftOut:
         if self.only_candidate:
             parts.append(f"{len(self.only_candidate)} only in the candidate ({examples(self.only_candidate)})")
         if self.edited:
-            shown = ", ".join(f"{rid!r} ({why})" for rid, why in self.edited[:EXAMPLES])
-            more = f" and {len(self.edited) - EXAMPLES} more" if len(self.edited) > EXAMPLES else ""
-            parts.append(f"{len(self.edited)} edited (same id, another input): {shown}{more}")
+            shown = examples(self.edited, lambda e: f"{e[0]!r} ({e[1]})")
+            parts.append(f"{len(self.edited)} edited (same id, another input): {shown}")
         return "; ".join(parts)
 
 
@@ -324,11 +324,9 @@ def run_properties(f: ResultFile, top_k: int) -> dict[str, str | None]:
 
 
 def file_info(f: ResultFile, top_k: int) -> FileInfo:
-    def s(v: Any) -> str | None:
-        return None if v is None else str(v)
-
-    return FileInfo(str(f.path), s(f.meta.get("command")), s(f.model.get("name")), s(f.meta.get("dtype")),
-                    s(f.meta.get("apcscore_version")), s(f.dataset.get("path")), s(f.dataset.get("sha256")),
+    m, ds = f.meta, f.dataset
+    return FileInfo(str(f.path), _text(m.get("command")), _text(f.model.get("name")), _text(m.get("dtype")),
+                    _text(m.get("apcscore_version")), _text(ds.get("path")), _text(ds.get("sha256")),
                     f.vocab_size, top_k, f.table.num_rows, tokenizer_path(f.meta), run_properties(f, top_k))
 
 

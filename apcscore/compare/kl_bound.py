@@ -1,7 +1,5 @@
-"""KL(base || new) per position from two files' top-K logprobs: the smallest KL any pair of full
-distributions consistent with what both files stored could have (a true lower bound; exact when the top-K
-covers the vocabulary). The method and its measured accuracy are in docs/compare.md.
-"""
+"""KL(base || new) per position from two files' top-K logprobs: the smallest KL any pair of full distributions
+consistent with both files could have (docs/compare.md, "The KL estimator")."""
 
 from __future__ import annotations
 
@@ -17,11 +15,8 @@ TAIL_TOL = 1e-5
 
 @dataclass
 class TopKLogprobs:
-    """What one result file knows about the next-token distribution at n positions.
-
-    top_ids / top_logprobs: [n, K] descending top-K, padded with id -1 / logprob -inf (K may be 0).
-    target_ids / target_logprobs: [n], the scored (actual next) token and its logprob.
-    """
+    """What one file knows of the next-token distribution at n positions: top_ids / top_logprobs [n, K] descending,
+    padded with -1 / -inf (K may be 0); target_ids / target_logprobs [n], the scored token and its logprob."""
 
     target_ids: np.ndarray  # [n] int64
     target_logprobs: np.ndarray  # [n] float64
@@ -136,14 +131,9 @@ def _match(ids: np.ndarray, other: np.ndarray) -> np.ndarray:
 
 
 def kl_divergence_topk(base: TopKLogprobs, new: TopKLogprobs, vocab_size: int | None = None) -> np.ndarray:
-    """Per-position KL(base || new) in nats from the stored top-K: the smallest KL any pair of full
-    distributions consistent with both files' top-K, target logprobs and tail masses can have.
-
-    It is a lower bound of the true KL (never a false alarm for a `--max-mean-kld` gate), it is exact when
-    each side's known tokens cover the vocabulary (K >= vocab size), and it is 0 when both sides are equal.
-    Tokens both sides know contribute p ln(p/q) exactly; see `solve_unknown_masses` for the rest and
-    docs/compare.md for the bias. Returns [n] float64.
-    """
+    """Per-position KL(base || new) in nats, [n] float64: a lower bound of the true KL (never a false alarm), exact
+    when each side's known tokens cover the vocabulary, 0 when both sides are equal. Tokens both sides know
+    contribute p ln(p/q) exactly; `solve_unknown_masses` places the rest."""
     ids_p, p, tail_p, cap_p = _known(base, vocab_size)  # [n, Kp+1], [n, Kp+1], [n], [n]
     ids_q, q, tail_q, cap_q = _known(new, vocab_size)  # [n, Kq+1], ...
     # Rounding: float32 logprobs leave ~TAIL_TOL of doubt on a tail mass, so the new tail is taken as at least

@@ -77,9 +77,7 @@ class Flip:
     correct_new: bool | None
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Per-position data
-# ----------------------------------------------------------------------------------------------------------
+# ---- Per-position data ----
 
 
 def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dtype: type) -> np.ndarray:
@@ -214,9 +212,7 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
     return Positions(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Positions))), kb, kn
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Per-record data
-# ----------------------------------------------------------------------------------------------------------
+# ---- Per-record data ----
 
 
 def token_summary(m: Metrics, pos: Positions) -> None:
@@ -269,22 +265,29 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     return rows
 
 
+def column(t: pa.Table, name: str) -> np.ndarray | None:
+    """A column as float64 (NaN for null); None when the table lacks it."""
+    return pc.cast(t[name], pa.float64()).to_numpy(zero_copy_only=False) if name in t.column_names else None
+
+
+def token_counts(t: pa.Table) -> np.ndarray | None:
+    """Per record: the tokens its sum_logprob covers (num_scored, else from perplexity = exp(-sum_logprob / count);
+    NaN where unknown); None when the table has neither."""
+    if "num_scored" in t.column_names or "perplexity" not in t.column_names:
+        return column(t, "num_scored")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cnt = np.rint(-column(t, "sum_logprob") / np.log(column(t, "perplexity")))
+    return np.where(np.isfinite(cnt), cnt, np.nan)
+
+
 def record_level(m: Metrics, base: pa.Table, new: pa.Table) -> list[str]:
     """Figures from per-record columns: NLL when no per-token logprobs, word/byte perplexity, accuracy."""
     notes = []
-
-    def col(t: pa.Table, name: str, typ=pa.float64()) -> np.ndarray:
-        return pc.cast(t[name], typ).to_numpy(zero_copy_only=False) if name in t.column_names else None
-
-    slp_b, slp_n = col(base, "sum_logprob"), col(new, "sum_logprob")
+    slp_b, slp_n = column(base, "sum_logprob"), column(new, "sum_logprob")
     if slp_b is not None and slp_n is not None:
         nll_b, nll_n = -slp_b, -slp_n
         if m.num_positions == 0:
-            cnt = col(base, "num_scored")
-            if cnt is None and "perplexity" in base.column_names:  # perplexity = exp(-sum_logprob / count)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    cnt = np.rint(nll_b / np.log(col(base, "perplexity")))
-                cnt = np.where(np.isfinite(cnt), cnt, np.nan)
+            cnt = token_counts(base)
             if cnt is not None:
                 ok = ~np.isnan(nll_b) & ~np.isnan(nll_n) & (np.nan_to_num(cnt) > 0)
                 if ok.any():
@@ -295,7 +298,7 @@ def record_level(m: Metrics, base: pa.Table, new: pa.Table) -> list[str]:
                     notes.append("no per-token logprobs in the files: NLL and perplexity come from the per-record "
                                  "sums (no standard error, KL, top-1 agreement or delta p)")
         for unit, attr in (("num_words", "word_ppl"), ("num_bytes", "bits_per_byte")):
-            nb, nn = col(base, unit), col(new, unit)
+            nb, nn = column(base, unit), column(new, unit)
             if nb is None or nn is None:
                 continue
             ok = ~np.isnan(nll_b) & ~np.isnan(nll_n) & (np.nan_to_num(nb) > 0) & (np.nan_to_num(nn) > 0)

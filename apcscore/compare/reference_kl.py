@@ -1,13 +1,6 @@
-"""`apcscore compare` on the exact divergence of `score --reference-model` (jobs/reference_columns.py): where the
-candidate file holds `token_kl` and `token_top1_agree` computed against the baseline's model, the KL figures, the
-top-1 agreement and their paired statistics read those exact values instead of the top-K lower bound.
-
-They apply when the candidate's reference is the baseline's model (the run metadata's `job.reference_model`
-fingerprint equals the baseline's `model.fingerprint`), or when one file is compared alone
-(`apcscore compare RUN.parquet`): its baseline is then the reference side it carries (`reference_side`), the
-reference's token logprobs in place of the model's, so the NLL, perplexity ratio and delta p compare the two
-models too. Multiple-choice records carry no reference figures: a file compared alone leaves them out.
-"""
+"""`apcscore compare` on the exact divergence of `score --reference-model`: the candidate's `token_kl` and
+`token_top1_agree` replace the top-K bound when its reference is the baseline's model, or when one file is
+compared alone with the reference side it carries (docs/compare.md, "Exact KL")."""
 
 from __future__ import annotations
 
@@ -45,15 +38,12 @@ def reference_side(f: ResultFile) -> ResultFile:
     lps = t["ref_token_logprobs"]
     sums = [None if v is None else float(np.sum(np.asarray([x for x in v if x is not None], np.float64)))
             for v in lps.to_pylist()]
-    no_ref = pc.and_(pc.equal(t["status"], "ok"), pc.is_null(t["token_kl"])).to_numpy(zero_copy_only=False)
     keep = [c for c in t.column_names if c not in ("top_ids", "top_logprobs", "pred", "pred_norm", "correct",
                                                    "correct_norm", "choice_logprobs", "perplexity")]
-    base = t.select(keep)
+    base = _no_reference_as_errors(t).select(keep)
     base = base.set_column(base.column_names.index("token_logprobs"), "token_logprobs", lps)
     if "sum_logprob" in base.column_names:
         base = base.set_column(base.column_names.index("sum_logprob"), "sum_logprob", pa.array(sums, pa.float64()))
-    status = np.where(no_ref, "error", base["status"].to_numpy(zero_copy_only=False))
-    base = base.set_column(base.column_names.index("status"), "status", pa.array(status.tolist(), pa.string()))
     job = f.meta.get("job") if isinstance(f.meta.get("job"), dict) else {}
     model = job.get("reference_model") if isinstance(job.get("reference_model"), dict) else {}
     meta = {**f.meta, "model": model, "reference_side_of": str(f.path)}
@@ -63,11 +53,14 @@ def reference_side(f: ResultFile) -> ResultFile:
 def candidate_alone(f: ResultFile) -> ResultFile:
     """The candidate side of a file compared alone: the records its reference side keeps (multiple choice as
     errors on both sides, so that they are left out, not counted as new errors)."""
-    t = f.table
+    return ResultFile(f.path, "candidate", f.meta, _no_reference_as_errors(f.table))
+
+
+def _no_reference_as_errors(t: pa.Table) -> pa.Table:
+    """`t` with its ok records that have no reference figures (token_kl null) turned into error rows."""
     no_ref = pc.and_(pc.equal(t["status"], "ok"), pc.is_null(t["token_kl"])).to_numpy(zero_copy_only=False)
     status = np.where(no_ref, "error", t["status"].to_numpy(zero_copy_only=False))
-    t = t.set_column(t.column_names.index("status"), "status", pa.array(status.tolist(), pa.string()))
-    return ResultFile(f.path, "candidate", f.meta, t)
+    return t.set_column(t.column_names.index("status"), "status", pa.array(status.tolist(), pa.string()))
 
 
 def apply_exact(pos: Positions, new: pa.Table) -> None:

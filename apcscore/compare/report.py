@@ -161,10 +161,6 @@ def check_rows(checks: list[Check]) -> list[Row]:
              ch.source, "PASS" if ch.passed else "FAIL") for ch in checks]
 
 
-def _check_rows(c: Comparison) -> list[Row]:
-    return check_rows(c.checks)
-
-
 def console_check_rows(rows: list[Row]) -> list[Row]:
     """The check rows in five columns (CONSOLE_CHECK_HEAD), so that they fit 80: where the limit came from under
     the option, the bound under what is measured."""
@@ -181,8 +177,7 @@ _WORST_HEAD = ("record", "positions", "mean KL", "max KL", "ln PPL ratio", "top-
 _FLIP_HEAD = ("record", "metric", "answer", "pred base", "pred new", "correct base", "correct new")
 CHECK_HEAD = ("threshold", "measures", "value", "limit", "judged by", "limit from", "result")
 CONSOLE_CHECK_HEAD = ("threshold (from)", "measures", "value", "limit", "result")
-
-
+EXCLUDED_HEAD = ("record", "failed in", "error")
 LEFT_OUT_HEAD = ("record", "why")
 
 
@@ -199,18 +194,30 @@ def _flip_rows(c: Comparison) -> list[Row]:
             for f in c.flips]
 
 
+def _excluded_rows(c: Comparison) -> list[Row]:
+    return [(e.id, e.side, e.error) for e in c.excluded]
+
+
+def _record_tables(c: Comparison, worst: int) -> list[tuple[str, Row, list[Row]]]:
+    """(title, head, rows) of the record lists below the figures: the worst, flips, excluded and left out."""
+    out = []
+    if c.records and worst:
+        out.append((f"Worst {min(worst, len(c.records))} records", _WORST_HEAD, _worst_rows(c, worst)))
+    if c.flips:
+        out.append(("Multiple-choice predictions that flipped", _FLIP_HEAD, _flip_rows(c)))
+    if c.excluded:
+        out.append(("Excluded records (status 'error')", EXCLUDED_HEAD, _excluded_rows(c)))
+    if c.left_out.count:
+        out.append(("Records left out (--common-records)", LEFT_OUT_HEAD, _left_out_rows(c)))
+    return out
+
+
 def verdict(checks: list[Check]) -> str:
     """The gate's one-line verdict over its checks (result files and eval folders alike)."""
     if not checks:
         return "no thresholds given"
     failed = sum(not ch.passed for ch in checks)
     return "PASS" if not failed else f"FAIL ({failed} of {len(checks)} thresholds)"
-
-
-def rich_table(console: Console, title: str, head: Row, rows: list[Row], styles: list[str] | None = None) -> None:
-    """Print one table of the console report, laid out to the console's width (fit_table; row styles: e.g. a
-    failed check in red)."""
-    print_table(console, title, head, rows, styles)
 
 
 def print_checks(console: Console, notes: list[str], checks: list[Check], rows: list[Row],
@@ -220,8 +227,8 @@ def print_checks(console: Console, notes: list[str], checks: list[Check], rows: 
     for note in notes:
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if checks:
-        rich_table(console, title, CONSOLE_CHECK_HEAD, console_check_rows(rows),
-                   ["green" if ch.passed else "bold red" for ch in checks])
+        print_table(console, title, CONSOLE_CHECK_HEAD, console_check_rows(rows),
+                    ["green" if ch.passed else "bold red" for ch in checks])
     passed = all(ch.passed for ch in checks)
     style = "green" if passed and checks else "bold red" if not passed else "yellow"
     console.print(f"[{style}]{escape(verdict(checks))}[/]")
@@ -229,28 +236,15 @@ def print_checks(console: Console, notes: list[str], checks: list[Check], rows: 
 
 def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     """Print the comparison as Rich tables; failing thresholds in red."""
-
-    def table(title: str, head: Row, rows: list[Row]) -> None:
-        rich_table(console, title, head, rows)
-
-    table("Compared runs", ("", "baseline", "candidate"), _sides(c))
+    print_table(console, "Compared runs", ("", "baseline", "candidate"), _sides(c))
     if (same := differ_line(c)) is not None:
         console.print(escape(same), highlight=False)
     else:
-        table("Runs differ in", DIFFER_HEAD, _differ_rows(c))
-    table("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
-    for title, head, rows in _extra_tables(c):
-        table(title, head, rows)
-    if c.records and worst:
-        table(f"Worst {min(worst, len(c.records))} records", _WORST_HEAD, _worst_rows(c, worst))
-    if c.flips:
-        table("Multiple-choice predictions that flipped", _FLIP_HEAD, _flip_rows(c))
-    if c.excluded:
-        table("Excluded records (status 'error')", ("record", "failed in", "error"),
-              [(e.id, e.side, e.error) for e in c.excluded])
-    if c.left_out.count:
-        table("Records left out (--common-records)", LEFT_OUT_HEAD, _left_out_rows(c))
-    print_checks(console, c.notes, c.checks, _check_rows(c))
+        print_table(console, "Runs differ in", DIFFER_HEAD, _differ_rows(c))
+    print_table(console, "Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
+    for title, head, rows in _extra_tables(c) + _record_tables(c, worst):
+        print_table(console, title, head, rows)
+    print_checks(console, c.notes, c.checks, check_rows(c.checks))
 
 
 def md_table(head: Row, rows: list[Row]) -> str:
@@ -263,28 +257,24 @@ def md_table(head: Row, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def md_verdict(title: str, checks: list[Check]) -> list[str]:
+    """The head of a Markdown report: the verdict, then the checks' table."""
+    icon = "✅" if checks and all(ch.passed for ch in checks) else "ℹ️" if not checks else "❌"
+    out = [f"## {title}: {icon} {verdict(checks)}", ""]
+    if checks:
+        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in check_rows(checks)]
+        out += [md_table(CHECK_HEAD, rows), ""]
+    return out
+
+
 def to_markdown(c: Comparison, worst: int = 10) -> str:
     """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
-    icon = "✅" if c.passed and c.checks else "❌" if not c.passed else "ℹ️"
-    out = [f"## apcscore compare: {icon} {verdict(c.checks)}", ""]
-    if c.checks:
-        rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in _check_rows(c)]
-        out += [md_table(CHECK_HEAD, rows), ""]
+    out = md_verdict("apcscore compare", c.checks)
     same = differ_line(c)
     out += [f"_{same}_" if same else "### Runs differ in\n\n" + md_table(DIFFER_HEAD, _differ_rows(c)), ""]
     out += ["### Metrics", "", md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
-    for title, head, rows in _extra_tables(c):
+    for title, head, rows in _extra_tables(c) + _record_tables(c, worst):
         out += [f"### {title}", "", md_table(head, rows), ""]
-    if c.records and worst:
-        out += [f"### Worst {min(worst, len(c.records))} records", "",
-                md_table(_WORST_HEAD, _worst_rows(c, worst)), ""]
-    if c.flips:
-        out += ["### Multiple-choice predictions that flipped", "", md_table(_FLIP_HEAD, _flip_rows(c)), ""]
-    if c.excluded:
-        out += ["### Excluded records (status 'error')", "",
-                md_table(("record", "failed in", "error"), [(e.id, e.side, e.error) for e in c.excluded]), ""]
-    if c.left_out.count:
-        out += ["### Records left out (--common-records)", "", md_table(LEFT_OUT_HEAD, _left_out_rows(c)), ""]
     out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
     out += [f"> note: {n}" for n in c.notes]
     return "\n".join(out).rstrip() + "\n"

@@ -1,10 +1,6 @@
-"""Where `apcscore compare` may write its reports: checked before anything is compared.
-
-A report path must not be one of the command's inputs (the two result files, the --config file), two reports
-must not share a path, and an existing file is replaced only when it is an earlier report of compare (or
-empty) or when --overwrite is given: a report never silently replaces data. `--report-md "$GITHUB_STEP_SUMMARY"`
-is appended to, whatever the summary holds (ci_outputs.write_markdown).
-"""
+"""Where `apcscore compare` may write its reports, checked before anything is compared: never over an input or
+another report, and over an existing file only when it is an earlier report of compare (or empty) or with
+--overwrite. `--report-md "$GITHUB_STEP_SUMMARY"` is appended to (ci_outputs.write_markdown)."""
 
 from __future__ import annotations
 
@@ -45,11 +41,8 @@ def _is_report(path: Path) -> bool:
 
 
 def check_report_paths(reports: dict[str, Path | None], inputs: dict[str, Path | None], overwrite: bool) -> None:
-    """Refuse report paths that would replace an input, each other, or a file that is not a report.
-
-    reports maps an option (`--report-md`) to its path, inputs a role (`baseline file`) to its path; None is
-    an option or input not given. Raises ApcscoreError with one line naming the option and what to do.
-    """
+    """Refuse report paths (option -> path) that would replace an input (role -> path), each other, or a file that is
+    not a report; None is an option or input not given."""
     given = [(opt, p) for opt, p in reports.items() if p is not None]
     for i, (opt, path) in enumerate(given):
         for role, src in inputs.items():

@@ -1,20 +1,6 @@
-"""`apcscore compare`: paired statistics on the compared records (numpy and the standard library only).
-
-- Multiple choice: the exact McNemar test on the records whose correctness flipped (`lost`: right in the
-  baseline, wrong in the candidate; `gained`: the reverse). Under "no change" lost ~ Binomial(lost + gained,
-  1/2); the two-sided p is 2 P(X <= min(lost, gained)), at most 1 (scipy.stats.binomtest(lost, n, 0.5)).
-  Reported, never a gate: "the figure moved significantly" alone is not a failure.
-- Per-record figures (candidate - baseline, or a distance between the two): ln(PPL_new / PPL_base), mean KL,
-  top-1 agreement, accuracy and acc_norm deltas, each a ratio of per-record sums: a paired percentile bootstrap
-  over records, seeded, all figures on the same resamples. Resampling whole records keeps the tokens of a record
-  together (they are correlated), which the position-level standard error does not.
-- The minimum detectable effect (MDE) at the sample size: the smallest worsening the test would detect at
-  `alpha` with power 0.8 (docs/compare.md gives the formulas).
-
-The gate's margin tests (`margin_verdict`) read each figure's one-sided bounds at 1 - alpha: non-inferiority
-(fail when the worsening is significantly beyond the tolerance: the optimistic bound is past it) by default,
-equivalence-style strict mode (pass only when the pessimistic bound is within the tolerance) with `strict`.
-"""
+"""`apcscore compare`: paired statistics on the compared records (numpy and the standard library only): McNemar's
+exact test and the exact bounds of an accuracy drop, the paired bootstrap over records, the minimum detectable
+effects and the margin tests; docs/compare.md, "Paired statistics" and "Margins", gives the methods and formulas."""
 
 from __future__ import annotations
 
@@ -26,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from apcscore.compare.metrics import Positions
+from apcscore.compare.metrics import Positions, column, token_counts
 
 POWER = 0.8  # the power the minimum detectable effect is given at
 DEFAULT_ALPHA = 0.05  # the level of the reported tests and intervals when --significance is not given
@@ -97,9 +83,8 @@ def mcnemar_exact_p(lost: int, gained: int) -> float:
 
 
 def mcnemar_mde(n: int, discordant: int, alpha: float, power: float = POWER) -> float | None:
-    """Smallest accuracy drop d (fraction) that McNemar's test detects at two-sided `alpha` with `power`, for n
-    paired records with the observed discordant rate psi = discordant / n (normal approximation, Connor 1987):
-    sqrt(n) d = z_(1-alpha/2) sqrt(psi) + z_power sqrt(psi - d^2), solved for d. None when psi = 0."""
+    """Smallest accuracy drop (fraction) McNemar's test detects at two-sided `alpha` with `power` for n records with
+    `discordant` flips (normal approximation, Connor 1987; docs/compare.md). None when there are no flips."""
     if n <= 0 or discordant <= 0:
         return None
     psi, za, zb = discordant / n, NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
@@ -125,9 +110,8 @@ def binom_cdf(k: int, n: int, p: float) -> float:
 
 
 def clopper_pearson(k: int, n: int, alpha: float) -> tuple[float, float]:
-    """One-sided exact (Clopper-Pearson) bounds at 1 - alpha of a binomial proportion from k successes in n
-    trials: (lower, upper), lower solving P(X >= k; p) = alpha and upper P(X <= k; p) = alpha, by bisection (the
-    two-sided 1 - 2 alpha interval of scipy.stats.binomtest(k, n).proportion_ci(method="exact"))."""
+    """One-sided exact (Clopper-Pearson) bounds (lower, upper) at 1 - alpha of a proportion from k successes in n
+    trials, by bisection (scipy.stats.binomtest(k, n).proportion_ci(method="exact") at 1 - 2 alpha)."""
 
     def solve(j: int, target: float) -> float:  # the p where P(X <= j; p) = target (decreasing in p)
         lo, hi = 0.0, 1.0
@@ -142,24 +126,28 @@ def clopper_pearson(k: int, n: int, alpha: float) -> tuple[float, float]:
 
 
 def mcnemar(kind: str, correct_base: np.ndarray, correct_new: np.ndarray, alpha: float) -> McNemar:
-    """The exact McNemar test of two aligned boolean arrays [n] of one correctness column, and one-sided exact
-    bounds of the accuracy drop: given m = lost + gained flips, lost ~ Binomial(m, q) and the drop is
-    (lost - gained) / n = m (2 q - 1) / n, so the Clopper-Pearson bounds of q bound the drop (the conditional
-    exact method McNemar's test itself uses; the percentile bootstrap is too narrow with few flips)."""
+    """The exact McNemar test of two aligned boolean arrays [n], with the exact one-sided bounds of the accuracy drop
+    (the Clopper-Pearson bounds of lost / (lost + gained): docs/compare.md, "Paired statistics")."""
     lost = int(np.sum(correct_base & ~correct_new))
     gained = int(np.sum(~correct_base & correct_new))
-    n, m = len(correct_base), lost + gained
-    t = McNemar(kind, n, lost, gained, mcnemar_exact_p(lost, gained), mcnemar_mde(n, m, alpha))
+    n = len(correct_base)
+    t = McNemar(kind, n, lost, gained, mcnemar_exact_p(lost, gained), mcnemar_mde(n, lost + gained, alpha))
     if n:
-        q_lower, q_upper = clopper_pearson(lost, m, alpha) if m else (0.5, 0.5)
-        t.drop_lower, t.drop_upper = m * (2 * q_lower - 1) / n, m * (2 * q_upper - 1) / n
+        t.drop_lower, t.drop_upper = drop_bounds(lost, gained, n, alpha)
     return t
 
 
+def drop_bounds(lost: int, gained: int, n: int, alpha: float) -> tuple[float, float]:
+    """One-sided exact bounds at 1 - alpha of the accuracy drop (lost - gained) / n = m (2 q - 1) / n, from the
+    Clopper-Pearson bounds of q = lost / m, m = lost + gained."""
+    m = lost + gained
+    q_lower, q_upper = clopper_pearson(lost, m, alpha) if m else (0.5, 0.5)
+    return m * (2 * q_lower - 1) / n, m * (2 * q_upper - 1) / n
+
+
 def bootstrap_replicates(num: np.ndarray, den: np.ndarray, samples: int, seed: int) -> np.ndarray:
-    """sum(num[i]) / sum(den[i]) over `samples` resamples i of the records, drawn as
-    numpy.random.default_rng(seed).integers(0, n, (samples, n)) (so scipy.stats.bootstrap with the same
-    generator draws the same resamples), in chunks that bound the memory. [samples]"""
+    """sum(num[i]) / sum(den[i]) over `samples` resamples drawn as default_rng(seed).integers(0, n, (samples, n)), the
+    draws of scipy.stats.bootstrap, in chunks that bound the memory. [samples]"""
     n = len(num)
     rng = np.random.default_rng(seed)
     out = np.empty(samples)
@@ -186,14 +174,10 @@ def paired_interval(figure: str, num: np.ndarray, den: np.ndarray, worse_if: str
 
 def margin_verdict(estimate: float, op: str, limit: float, lower: float | None, upper: float | None,
                    strict: bool) -> tuple[bool, float]:
-    """Judge a figure against its tolerance by its one-sided confidence bounds; returns (passed, bound used).
+    """Judge a figure by its one-sided bounds; returns (passed, bound used). `op` "<=": larger is worse.
 
-    `op` "<=" (larger is worse: NLL, KL, a drop) or ">=" (smaller is worse: agreement). Non-inferiority (default):
-    fail only when the optimistic bound (lower for "<=", upper for ">=") is past the limit, i.e. the worsening is
-    significantly beyond the tolerance. Strict: pass only when the pessimistic bound is within the limit, i.e. the
-    worsening is significantly within it. Without bounds (one record, or a figure with no bootstrap) the
-    estimate itself is judged.
-    """
+    Margin mode fails only when the optimistic bound is past the limit; strict mode passes only when the pessimistic
+    bound is within it (docs/compare.md, "Margins"). Without bounds the estimate itself is judged."""
     larger_is_worse = op == "<="
     optimistic, pessimistic = (lower, upper) if larger_is_worse else (upper, lower)
     bound = pessimistic if strict else optimistic
@@ -209,26 +193,18 @@ def bound_label(op: str, strict: bool, alpha: float, bound: float) -> str:
     return f"{side} {100 * (1 - alpha):g}% bound {bound:.6g}"
 
 
-def _column(t: pa.Table, name: str) -> np.ndarray | None:
-    return pc.cast(t[name], pa.float64()).to_numpy(zero_copy_only=False) if name in t.column_names else None
-
-
 def _nll_deltas(base: pa.Table, new: pa.Table, pos: Positions | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per record: the sum over its compared positions of nll_new - nll_base, and their count ([r], [r]), for the
-    records with at least one position; from the per-token logprobs, else from sum_logprob and the token count
-    (num_scored, else -sum_logprob / ln(perplexity)), as the overall figures are computed."""
+    """Per record with a compared position: (sum of nll_new - nll_base, position count), from the per-token logprobs,
+    else from sum_logprob and the token count (`token_counts`), as the overall figures are computed."""
     if pos is not None and len(pos.record):
         r = base.num_rows
         num = np.bincount(pos.record, weights=pos.base_lp - pos.new_lp, minlength=r)
         den = np.bincount(pos.record, minlength=r).astype(np.float64)
     else:
-        slp_b, slp_n = _column(base, "sum_logprob"), _column(new, "sum_logprob")
+        slp_b, slp_n = column(base, "sum_logprob"), column(new, "sum_logprob")
         if slp_b is None or slp_n is None:
             return None
-        den = _column(base, "num_scored")
-        if den is None and "perplexity" in base.column_names:
-            with np.errstate(divide="ignore", invalid="ignore"):
-                den = np.rint(-slp_b / np.log(_column(base, "perplexity")))
+        den = token_counts(base)
         if den is None:
             return None
         num = slp_b - slp_n

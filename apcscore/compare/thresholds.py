@@ -23,10 +23,8 @@ from apcscore.errors import ApcscoreError
 class Thresholds:
     """Pass/fail limits; None = not checked. Fractions, not percent (0.02 = 2 points of accuracy).
 
-    `sources` says where each set limit came from ("default", "config <path>", "option"); a limit not in it is
-    a default. A default limit whose figure the files cannot give is skipped with a note; a limit the user set is
-    then a usage error (exit 2).
-    """
+    `sources` says where each set limit came from ("default", "config <path>", "option"; absent: a default). A default
+    whose figure the files cannot give is skipped with a note; a limit the user set is then a usage error (exit 2)."""
 
     max_ppl_ratio: float | None = None  # PPL_new / PPL_base <= this
     max_mean_kld: float | None = None  # mean KL(base || new) per position, nats, <= this

@@ -1,14 +1,6 @@
-"""`python -m apcscore.lmeval ARGS...`: lm-eval 0.4.13's own command line, with the model "apcscore" registered.
-
-Every lm-eval flag works as with `lm-eval` / `python -m lm_eval` (the arguments go to lm-eval untouched):
-
-    python -m apcscore.lmeval --model apcscore --model_args pretrained=smollm2-135m,dtype=float32 \\
-        --tasks hellaswag --limit 10 --log_samples --output_path results/
-
-`apcscore lm-eval ARGS...` (cli.py) runs the same `main`. Installed with `pip install -e .`, apcscore also
-declares the entry point `lm_eval.models: apcscore = apcscore.lmeval.model:ApcscoreLM` (pyproject.toml), for
-lm-eval releases that load model plugins (lm-eval PR #4013); 0.4.13 does not, hence this module.
-"""
+"""`python -m apcscore.lmeval ARGS...` (and `apcscore lm-eval ARGS...`): lm-eval 0.4.13's own command line, its
+arguments untouched, with the model "apcscore" registered (0.4.13 loads no model plugins, so pyproject.toml's
+`lm_eval.models` entry point alone is not enough)."""
 
 from __future__ import annotations
 

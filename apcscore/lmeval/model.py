@@ -1,20 +1,14 @@
 """The lm-eval model backend "apcscore": lm-eval's requests through apcscore's Engine.
 
-Importing this module registers `ApcscoreLM` as lm-eval model "apcscore". lm-eval imports its built-in
-models (`hf`, `vllm`, ...) only while its model registry is empty, so this module imports `lm_eval.models`
-first: registering into an empty registry would hide `--model hf` afterwards.
+Importing this module registers `ApcscoreLM` as lm-eval model "apcscore", after `import lm_eval.models`: lm-eval
+imports its built-in models only while its registry is empty, so registering first would hide `--model hf`.
 
 Everything that decides numbers is HFLM's (lm-eval's `hf` backend), reused or copied, so the two agree:
-- tokenization: `tok_encode` is HFLM's (the tokenizer's own special tokens unless `add_bos_token` says
-  otherwise, none where the string already starts with BOS); `loglikelihood` is TemplateLM's (the
-  context/continuation split, an empty context becomes `prefix_token_id`: BOS, else EOS);
-- a scored sequence longer than `max_length + 1` tokens loses tokens on the left, as in HFLM;
-- `is_greedy`: every continuation token is the argmax (ties: lowest id, `torch.argmax`'s);
-- `loglikelihood_rolling`: lm-eval's `get_rolling_token_windows` + `make_disjoint_window`, summed per request;
-- `generate_until`: `normalize_gen_kwargs`, `handle_stop_sequences` (EOS text added), the context
-  left-truncated to `max_length - max_gen_toks`, the text cut at the first stop string.
-Results come back in input order (lm-eval zips them with its requests).
-"""
+`tok_encode` (special tokens unless `add_bos_token` says otherwise, none after a BOS text), TemplateLM's
+context/continuation split (an empty context becomes `prefix_token_id`), left truncation to `max_length + 1`
+tokens, `is_greedy` (argmax, ties to the lowest id), the rolling windows of `loglikelihood_rolling`, and
+`generate_until`'s kwargs, stop sequences (EOS text added), context truncation and cut at the first stop string.
+Results come back in input order."""
 
 from __future__ import annotations
 
@@ -48,15 +42,10 @@ GEN_KWARGS = frozenset({"until", "max_gen_toks", "temperature", "top_p", "top_k"
 class ApcscoreLM(TemplateLM):
     """An lm-eval model backed by apcscore's Engine (paged KV cache, prefix caching, batch invariance).
 
-    pretrained: model alias, Hugging Face directory or .gguf file (default: smollm2-135m).
-    max_length: most tokens a scored sequence feeds the model (default: the engine's context length - 1).
-    max_gen_toks: default generation length (256, HFLM's). add_bos_token: as HFLM's.
-    seed: base seed of sampled generations (each request gets one derived from it and its position).
-    engine: an already built Engine (tests, benchmarks, a merge's stand-in); config: the EngineConfig to load one
-    with (apcscore eval); otherwise the remaining keyword arguments are engine settings (EngineConfig field
-    names, `no_*` flags, `exact_reuse`). batch_size is accepted and ignored: the engine batches by its token
-    budget.
-    """
+    pretrained: model alias, Hugging Face directory or .gguf file; max_length: most tokens a scored sequence feeds
+    the model (default: the context length - 1); max_gen_toks, add_bos_token: as HFLM's; seed: the base of each
+    sampled generation's seed. engine: an already built Engine (tests, a merge's stand-in); config: the EngineConfig
+    to load one with (apcscore eval); else the other keyword arguments are engine settings. batch_size is ignored."""
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "ApcscoreLM":
@@ -159,11 +148,9 @@ class ApcscoreLM(TemplateLM):
     # ---- running requests ---------------------------------------------------------------------------
     def use_store(self, store: Any, mine: Callable[[list[list[int]], list[int]], list[bool]] | None = None,
                   strict: bool = False) -> None:
-        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response into it;
-        with `mine` (an `eval --shard`: which requests of a call, given their prompts and loads, this shard computes:
-        run/eval.py's split), compute only those and answer the others with placeholders (a shard's metrics are not
-        written: its store is what it is for). strict: every response must be in the store (a merge of shards
-        computes nothing)."""
+        """Answer from `store` (lmeval/store.ResponseStore) what it holds and put every computed response into it.
+        mine (`eval --shard`: run/eval.shard_split): compute only those requests, placeholders for the others;
+        strict: every response must be in the store (a merge computes nothing)."""
         self.store, self.mine, self.strict = store, mine, strict
 
     def shard_mask(self, prompts: list[list[int]], loads: list[int]) -> list[bool]:
@@ -172,11 +159,9 @@ class ApcscoreLM(TemplateLM):
 
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
              done: Callable[[int, RequestOutput], None], total: int) -> None:
-        """Run `requests` through the engine, calling `done(i, output)` as each finishes (i: its position). The
-        progress bar counts the call's `total` lm-eval requests: requests[i] stands for sizes[i] of them, and it
-        starts with those answered without the engine. Request ids go on from the last call's: an output that is not
-        one of this call's unanswered requests (another call's, of an engine run left before its end) is an
-        internal error raised before anything is stored."""
+        """Run `requests` through the engine, calling `done(i, output)` as each finishes; requests[i] stands for
+        sizes[i] of the call's `total` lm-eval requests (the progress bar). Request ids go on from the last call's,
+        so an output of another call is caught as an internal error before anything is stored."""
         if not requests:
             return
         base, self._next_request_id = self._next_request_id, self._next_request_id + len(requests)
@@ -227,12 +212,8 @@ class ApcscoreLM(TemplateLM):
                               **kwargs: Any) -> list[tuple[float, bool]]:
         """(loglikelihood, is_greedy) of each (_, context tokens, continuation tokens), in input order.
 
-        Requests whose scored sequences differ only in their last token (one-token answer choices of one
-        context) share one engine request: the others' last tokens are its `last_token_alternatives`, read
-        from the same hidden state, so the context is computed once (HFLM groups them likewise). The values
-        are bitwise those of separate requests (the LM head and logprob rows are batch invariant). Responses
-        in the store are read, not computed; each computed one is put into it as soon as it is finished.
-        """
+        Sequences that differ only in their last token share one engine request (`last_token_alternatives`, bitwise
+        the values of separate requests). Stored responses are read; computed ones are stored as they finish."""
         separate = []
         for _, context, continuation in requests:
             if not context or not continuation:

@@ -1,12 +1,6 @@
-"""The outputs of `apcscore eval`: lm-eval's results JSON and a per-request parquet with our run metadata.
-
-`requests.parquet` has one row per lm-eval request: task, doc_id, filter, request_index (its place among the
-doc's requests), request_type (the task's output type), arguments (JSON list: the request's args, e.g.
-[context, continuation]), response (JSON: the raw response, e.g. [loglikelihood, is_greedy]), filtered_response
-(JSON), target (JSON), metrics (JSON object: the doc's per-sample metric values). The schema metadata key
-`apcscore` holds the run metadata (`apcscore.io.result_tables.read_run_metadata` reads it). With --log-samples,
-`samples_<task>.jsonl` are lm-eval's samples files (`write_samples`).
-"""
+"""The outputs of `apcscore eval`: lm-eval's results JSON, and `requests.parquet`, one row per lm-eval request
+(task, doc_id, filter, request_index, request_type and JSON arguments, response, filtered_response, target,
+metrics) with our run metadata under the schema key `apcscore`; with --log-samples, `samples_<task>.jsonl`."""
 
 from __future__ import annotations
 
@@ -33,17 +27,11 @@ SCHEMA = pa.schema([
 ])
 
 
-def _json(value: Any) -> str:
+def _json(value: Any, indent: int | None = None) -> str:
+    """JSON of lm-eval's values (numpy values and other objects as lm-eval's own writer shows them)."""
     from lm_eval.utils import handle_non_serializable
 
-    return json.dumps(value, default=handle_non_serializable, ensure_ascii=False)
-
-
-def dumps(value: Any) -> str:
-    """JSON of lm-eval results (numpy values and other objects as lm-eval's own writer shows them)."""
-    from lm_eval.utils import handle_non_serializable
-
-    return json.dumps(value, indent=2, default=handle_non_serializable, ensure_ascii=False)
+    return json.dumps(value, indent=indent, default=handle_non_serializable, ensure_ascii=False)
 
 
 def _plain(value: Any) -> Any:
@@ -72,9 +60,8 @@ def request_rows(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def sample_line(sample: dict[str, Any]) -> str:
-    """One line of lm-eval's samples file, as its EvaluationTracker writes it (`save_results_samples`):
-    the arguments as {"gen_args_I": {"arg_J": ...}}, resps and filtered_resps as strings, target as a string;
-    `sample` itself is not changed (requests.parquet is made from it too)."""
+    """One line of lm-eval's samples file as its EvaluationTracker writes it (arguments as {"gen_args_I": {"arg_J":
+    ...}}, resps, filtered_resps and target as strings); `sample` itself is not changed."""
     from lm_eval.utils import sanitize_list
 
     line = dict(sample)
@@ -87,9 +74,8 @@ def sample_line(sample: dict[str, Any]) -> str:
 
 
 def write_samples(out: Path, results: dict[str, Any]) -> list[Path]:
-    """`<out>/samples_<task>.jsonl` for each task of the results' `configs` (lm-eval's --log_samples files,
-    without its date in the name: --out is one run's folder), each atomically; samples files of an earlier run
-    in `out` are removed first (pass results without samples to write none). Returns the files written."""
+    """`<out>/samples_<task>.jsonl` for each task of the results' `configs`, each atomically, after removing an
+    earlier run's; the files written."""
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("samples_*.jsonl"):
         old.unlink()
@@ -109,7 +95,7 @@ def write_outputs(out: Path, results: dict[str, Any], meta: dict[str, Any]) -> N
     out.mkdir(parents=True, exist_ok=True)
     summary = {k: v for k, v in results.items() if k != "samples"}
     summary["apcscore"] = meta
-    write_atomic(out / "results.json", dumps(summary).encode())
+    write_atomic(out / "results.json", _json(summary, indent=2).encode())
     table = records_to_table(request_rows(results), SCHEMA)
     table = table.replace_schema_metadata({METADATA_KEY: dumps_metadata(meta).encode()})
     sink = pa.BufferOutputStream()

@@ -15,9 +15,8 @@ from apcscore.lmeval.tasks import fewshot_as_multiturn, lm_eval_limit
 
 
 def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each task's version (its config's `metadata.version`) and the sha256 of its config as lm-eval resolved
-    it (results.json's `configs`: the YAML with includes, overrides such as --num-fewshot and --gen-kwargs,
-    functions as their source), JSON with sorted keys (`default=str`)."""
+    """Each task's version (`metadata.version`) and the sha256 of its config as lm-eval resolved it (results.json's
+    `configs`), as JSON with sorted keys."""
     out = {}
     for task, cfg in results.get("configs", {}).items():
         text = json.dumps(cfg, sort_keys=True, default=str, ensure_ascii=False)
@@ -27,10 +26,8 @@ def task_configs(results: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def config_sections(engine: Any, config: EngineConfig) -> dict[str, Any]:
-    """The run metadata's sections that describe the model and the engine (engine/provenance.describe, as every run
-    records them, plus lm-eval's version): what fixes the bits, so the responses' identity is made of them
-    (lmeval/store.identity). An engine that ran elsewhere brings its own description (`sections`: a Ray engine's
-    replica 0, a merge's shards)."""
+    """The run metadata's sections that fix the bits (engine/provenance.describe, plus lm-eval's version), of which
+    the responses' identity is made; an engine that ran elsewhere (Ray, a merge) brings its own `sections`."""
     sections = getattr(engine, "sections", None) or describe(engine, config)
     return {**sections, "versions": {"lm_eval": package_version("lm_eval"), **sections["versions"]}}
 
@@ -38,10 +35,8 @@ def config_sections(engine: Any, config: EngineConfig) -> dict[str, Any]:
 def run_info(sections: Mapping[str, Any], opts: EvalOptions, names: list[str], results: Mapping[str, Any],
              timing: Mapping[str, Any], max_length: int, responses: Mapping[str, Any],
              ray: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """Our run metadata for the parquet (key `apcscore`) and results.json (key `apcscore`): the sections every
-    run records (run/metadata.py), with the eval's own; `timing`: this process's seconds and engine counters
-    (run/metadata.add_timings: prompt tokens computed, the prefix cache's hits); `responses`: how many were
-    computed and read."""
+    """Our run metadata (key `apcscore`) for the parquet and results.json: every run's sections and the eval's own,
+    `timing` (run/metadata.add_timings) and `responses` (how many computed and read)."""
     return {
         **run_header("eval"),
         "tasks": names, "num_fewshot": opts.num_fewshot, "limit": lm_eval_limit(opts.limit),

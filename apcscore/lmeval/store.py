@@ -1,26 +1,12 @@
 """Finished lm-eval responses on disk, keyed by what decides them: the journal of `eval --resume`, the shards of
-`eval --shard` / `--ray`, and the results cache of `eval --cache DIR`.
+`eval --shard` / `--ray`, and the results cache of `eval --cache DIR` (docs/eval_jobs.md).
 
-A store folder holds one file per engine configuration, `responses-<id>.jsonl`, where <id> is the first 16
-hex digits of the sha256 of the configuration's *identity* (`identity`: the EVAL view of io/identity.py, every
-field that changes a response's numbers and none that does not: the model's weights and files, dtype, device
-type, backends, numerics, apcscore's version and numerics code, the library versions). So a folder can hold the
-responses of many models side by side, and a run reads only the file of its own configuration: never another
-model's, never other numerics (the file's first line repeats the identity, and it is compared whole).
-
-Each further line is `{"k": KEY, "v": VALUE}`, appended and flushed as a response is finished, so an
-interrupted run keeps everything it finished. A line cut by a crash (no newline at the end of the file) is ignored
-when read, and cut off when the file is opened to append (`notes` says so), so the next line does not glue onto
-it. Each append, and that repair, holds an exclusive `flock` on the file, so runs sharing a `--cache` folder on one
-machine neither interleave lines nor cut one another's (over NFS, see docs/eval_jobs.md). KEY is the sha256
-of the engine request the response came from, as tokens (`loglikelihood_key`, `generation_key`): the token ids
-after truncation and, for a generation, every sampling setting, the seed included. Tokens rather than
-lm-eval's strings, so that --max-length, BOS and chat-template choices are in the key by construction.
-
-Values are exact: a loglikelihood is a float64 written by `json` as its shortest round-trip repr, a
-generation its token ids. A response read from a store is therefore bitwise the one computed (on a
-batch-invariant engine, also bitwise what a recompute gives: docs/architecture.md, "The contract").
-"""
+A folder holds one `responses-<id>.jsonl` per configuration (<id>: the sha256 of its `identity`, io/identity.py's
+EVAL view, which the first line repeats and is compared whole). Each further line is `{"k": KEY, "v": VALUE}`,
+appended and flushed under an exclusive `flock`; a line cut by a crash is ignored when read and cut off when the
+file is opened to append. KEY is the sha256 of the engine request as tokens (`loglikelihood_key`,
+`generation_key`); VALUE is exact (a float64's shortest repr, or token ids), so a stored response is bitwise the
+one computed."""
 
 from __future__ import annotations
 
@@ -44,6 +30,12 @@ def identity(meta: Mapping[str, Any]) -> dict[str, Any]:
     return view(meta, EVAL)
 
 
+def identity_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """Where two eval identities differ, each as `field: OLD vs NEW`."""
+    return [f"{k}: {short(old.get(k), 80)} vs {short(new.get(k), 80)}" for k in sorted(old.keys() | new.keys())
+            if old.get(k) != new.get(k)]
+
+
 def identity_id(ident: Mapping[str, Any]) -> str:
     """The 16 hex digits naming a configuration's file."""
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -65,10 +57,8 @@ def generation_key(prompt: list[int], sampling: Any) -> str:
 
 
 class ResponseStore:
-    """The responses of one configuration: read from store folders, appended to one of them (the journal).
-
-    folders: where to read from (a missing folder or file is empty); journals: the folders whose files new
-    responses are appended to (read too; none: nothing written, e.g. a merge). `get`, `put`, `close`."""
+    """The responses of one configuration, read from `folders` and `journals` (a missing file is empty) and appended
+    to the journals (none: nothing written, e.g. a merge)."""
 
     def __init__(self, ident: Mapping[str, Any], folders: Iterable[Path] = (), journals: Iterable[Path] = ()) -> None:
         self.identity = dict(ident)
@@ -113,9 +103,7 @@ class ResponseStore:
         head = _parse(lines[0]) if lines else None
         if not isinstance(head, dict) or head.get("identity") != self.identity:
             found = head.get("identity") if isinstance(head, dict) else None
-            why = "; ".join(f"{k}: {short(found.get(k), 80)} vs {short(self.identity.get(k), 80)}"
-                            for k in sorted(found.keys() | self.identity.keys())
-                            if found.get(k) != self.identity.get(k)) if isinstance(found, dict) \
+            why = "; ".join(identity_differences(found, self.identity)) if isinstance(found, dict) \
                 else "its first line is not a store header"
             raise ApcscoreError(f"{path}: responses of another configuration ({why}); this is not this run's "
                                 "store — remove the file or choose another folder")

@@ -70,11 +70,8 @@ def _is_hub_failure(exc: BaseException) -> bool:
 
 
 def load_tasks(names: list[str], include_path: Path | None) -> Any:
-    """lm-eval's TaskManager, after checking every task name and loading every task's data.
-
-    When --include-path holds every named task, only that folder is indexed first (indexing lm-eval's thousands
-    of built-in YAML files takes seconds of every run); the full index is built when a name is not there or
-    the tasks need something from it (e.g. a group of built-in tasks)."""
+    """lm-eval's TaskManager, after checking every task name and loading every task's data. When --include-path holds
+    every named task, only that folder is indexed (lm-eval's built-in index takes seconds), else the full index."""
     import_lm_eval()
     from lm_eval.tasks import TaskManager
 
@@ -104,9 +101,8 @@ def load_tasks(names: list[str], include_path: Path | None) -> Any:
 
 
 def _data_files_hint(exc: BaseException, include_path: Path | None) -> str:
-    """For a data file that is not found: that lm-eval (datasets) reads a task's `data_files` relative to the
-    working directory, not to the YAML's folder, and the path to write where the file is next to a YAML of
-    --include-path (docs/eval_jobs.md, "Local task data")."""
+    """For a data file not found: lm-eval reads `data_files` relative to the working directory, not the YAML's folder;
+    the path to write when the file is next to a YAML of --include-path (docs/eval_jobs.md, "Local task data")."""
     seen: BaseException | None = exc
     while seen is not None and not isinstance(seen, FileNotFoundError):
         seen = seen.__cause__ or seen.__context__
@@ -143,9 +139,8 @@ _GEN_KWARG_CHECKS = {"max_gen_toks": "max_tokens", "temperature": "temperature",
 
 
 def check_gen_kwargs(text: str) -> dict[str, Any]:
-    """--gen-kwargs as lm-eval parses it (`simple_parse_args_string`: numbers and true/false converted), its
-    keys those the backend reads and its values checked as a generate record's, before the model loads. Its form
-    (KEY=VALUE,...) was checked when the options were resolved (options/resolve.parse_gen_kwargs)."""
+    """--gen-kwargs as lm-eval parses it (`simple_parse_args_string`), its keys those the backend reads and its values
+    checked as a generate record's, before the model loads."""
     from lm_eval.utils import simple_parse_args_string
 
     from apcscore.config import RECORD_FIELDS

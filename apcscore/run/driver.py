@@ -1,21 +1,11 @@
 """One run of score / generate / perplexity: check everything, open an engine, write the rows of the job's
-requests through it, summarise.
+requests through it, summarise (docs/architecture.md).
 
-Order: options (options/commands.py) -> output location (run/preflight.py) -> dataset (io/reader.py) -> the
-model's config and tokenizer, and the records checked against them -> the engine (the weights load) -> rows ->
-final file. So every problem the user can fix is reported before the weights load.
-
-Only the engine differs between runs: one here (engine/loader.load_engine: the native engine, tensor-parallel
-ranks or the transformers fallback) or, with `--ray`, run/ray_engine.RayEngine (the requests run on replicas; this
-process writes the file). The job turns records into requests and outputs into rows (run/runner.write_rows).
-Everything else is written once, here: the writer (`--shard`'s included), resume, SIGINT/SIGTERM, progress,
-`--verify-reuse`, the summary and the exit code (0 done, 1 every record failed or records not run, 130
-interrupted).
-
-A resumed run is one file written by several sessions: its metadata counts them (`sessions`, `resumed`),
-its `timings` add up every session that ended normally or by an interrupt (a killed session's are lost),
-and the summary describes the whole file, rows of earlier sessions included.
-"""
+Order: options -> output location -> dataset -> the model's config and tokenizer, the records checked against
+them -> the engine (the weights load) -> rows -> final file, so every problem the user can fix is reported before
+the weights load. Only the engine differs between runs (local, or `--ray`'s run/ray_engine.RayEngine); the writer,
+resume, signals, progress, `--verify-reuse`, the summary and the exit code are written once, here. A resumed run's
+metadata counts its `sessions`, and its `timings` add up every session that ended normally or by an interrupt."""
 
 from __future__ import annotations
 
@@ -272,9 +262,8 @@ def model_names(spec: str) -> frozenset[str]:
 
 
 def batch_options(opts: RunOptions, data: LoadedDataset) -> RunOptions:
-    """The options of a run of OpenAI Batch request lines: each body says which logprobs it wants, so
-    generate's --logprobs / --prompt-logprobs are refused, and set to the largest a body asks for (the
-    columns exist; each request computes its own)."""
+    """The options of a run of OpenAI Batch request lines: each body says which logprobs it wants, so generate's
+    --logprobs / --prompt-logprobs are refused and set to the largest a body asks for."""
     if not isinstance(opts, GenerateOptions):
         return opts
     for value, flag in ((opts.logprobs, "--logprobs"), (opts.prompt_logprobs, "--prompt-logprobs")):

@@ -1,18 +1,9 @@
 """`apcscore eval` on the run layer: options, the output folder, signals, resume, timings and exit codes here;
-lm-eval's side (the model class, request translation, tasks, results) in lmeval/.
+lm-eval's side (the model class, request translation, tasks, results) in lmeval/ (docs/eval_jobs.md).
 
-Order: the options are resolved (command line > --config FILE > defaults, options/resolve.py) and parsed once
-(`lmeval/tasks.plan`: the task list, --gen-kwargs, --shard), --out is checked (run/eval_folder.py), then the
-tasks are resolved and their data loaded (a task whose data needs the hub fails here, with how to point it at
-local files), then the model loads (`ApcscoreLM`, the one place an eval's engine is loaded), then lm-eval
-runs, its responses read from and appended to the journal in --out (lmeval/store.py: --resume, --cache).
-SIGINT/SIGTERM stop it after the current engine step (run/signals.py, as for the other commands): exit 130.
-
-`<out>/results.json` is lm-eval's results (without the samples); `<out>/requests.parquet` has one row per
-request (lmeval/requests.py); with --log-samples, `<out>/samples_<task>.jsonl` are lm-eval's samples files.
-`--shard I/N` writes `shard.json` instead (run/eval_shards.py: their merge); `--ray` runs the same eval with its
-engine on Ray replicas (run/ray_engine.RayEngine).
-"""
+Order: options resolved and parsed once (`lmeval/tasks.plan`), --out checked (run/eval_folder.py), the tasks and
+their data loaded, the model loaded (`ApcscoreLM`), then lm-eval runs over the journal in --out
+(lmeval/store.py). SIGINT/SIGTERM stop it after the current engine step: exit 130."""
 
 from __future__ import annotations
 
@@ -39,13 +30,9 @@ BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ign
 
 
 def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
-    """Run `apcscore eval` with its command-line values (the parameters of EvalOptions and `config`, the
-    --config FILE; None = not given); return the exit code (0 done, 130 interrupted: the finished responses
-    are kept for --resume). echo: prints a line of the results; note: prints a line about the run (default:
-    echo).
-
-    The options are resolved first (command line > --config FILE > defaults, options/resolve.py), then --out and
-    --gen-kwargs are checked, before the tasks and the model load."""
+    """Run `apcscore eval` with its command-line values (EvalOptions' parameters and `config`; None = not given);
+    the exit code (0 done, 130 interrupted, the finished responses kept for --resume). echo: a line of the results;
+    note: a line about the run (default: echo)."""
     import_lm_eval()
     note = note or echo
     config_path = cli.get("config")
@@ -63,11 +50,9 @@ def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
 
 def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: list[Path] | None = None,
              engine: Any = None) -> int:
-    """One eval process: load the tasks and the model, answer lm-eval's requests from the journal in --out
-    (and --cache) or the engine, and write the results (a --shard run: its shard.json). parsed: `plan(opts)`,
-    made once by the caller. shards: the folders of the shard runs a merge reads every response from (nothing
-    is computed: a missing one is an error), with `engine` their stand-in (run/eval_shards.RecordedEngine: no
-    weights)."""
+    """One eval process: load the tasks and the model, answer lm-eval's requests from the journal (and --cache) or the
+    engine, write the results (a --shard run: shard.json). shards: the folders a merge reads every response from,
+    with `engine` their stand-in (run/eval_shards.RecordedEngine: no weights)."""
     out = Path(opts.out)
     manager = load_tasks(parsed.tasks, opts.include_path)
     if opts.overwrite:
@@ -156,9 +141,8 @@ def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note
 
 
 def shard_split(shard: tuple[int, int] | None, opts: EvalOptions) -> Callable[[list, list], list[bool]] | None:
-    """For `--shard I/N`: which requests of an lm-eval call shard I computes, from their prompts and loads (the
-    prefix-aware split of --shard, scale/partition.py, over every request of the call: each shard, seeing the same
-    requests, computes the same assignment, and requests that share their first KV blocks run in one engine)."""
+    """For `--shard I/N`: which requests of an lm-eval call shard I computes (scale/partition.py's prefix-aware split
+    over every request of the call, the same in each shard)."""
     if shard is None:
         return None
     index, count = shard

@@ -1,16 +1,8 @@
 """The files of an `apcscore eval` output folder, and the rules of --overwrite and --resume over them.
 
-- `eval_run.json`: what the run was asked (the options that decide its requests, `RUN_KEYS`; the
-  configuration's identity; the flat options a merge reruns with), written before the first response;
-- `responses-<id>.jsonl`: the journal (lmeval/store.py), appended to as responses finish;
-- `results.json`, `requests.parquet`, `samples_<task>.jsonl`: the finished run (results.json last: it marks
-  a run done);
-- `shard.json` instead of results.json for a `--shard I/N` run (its responses are what it is for).
-
-An interrupted run leaves eval_run.json and its journal; `--resume` continues it when the options match and
-reads every finished response. Without --resume such a folder is refused, as are finished results without
---overwrite; --overwrite removes every file above first.
-"""
+`eval_run.json` (what the run was asked: `RUN_KEYS`, the identity, the flat options), the journal
+`responses-<id>.jsonl`, then the results (`results.json` last: it marks a run done) or a shard's `shard.json`.
+An unfinished folder needs --resume (with matching options) or --overwrite; finished results need --overwrite."""
 
 from __future__ import annotations
 
@@ -23,7 +15,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io.identity import short
 from apcscore.io.result_tables import write_atomic
 from apcscore.options.commands import EvalOptions
-from apcscore.lmeval.store import store_files
+from apcscore.lmeval.store import identity_differences, store_files
 
 RUN_FILE = "eval_run.json"
 SHARD_FILE = "shard.json"
@@ -95,12 +87,6 @@ def start(out: Path, record: dict[str, Any], resume: bool) -> bool:
     out.mkdir(parents=True, exist_ok=True)
     write_atomic(path, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())
     return False
-
-
-def identity_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
-    """Where two eval identities (lmeval/store.identity) differ, each as `field: OLD vs NEW`."""
-    return [f"{k}: {short(old.get(k), 80)} vs {short(new.get(k), 80)}" for k in sorted(old.keys() | new.keys())
-            if old.get(k) != new.get(k)]
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:

@@ -1,19 +1,9 @@
-"""`eval --shard I/N` joined by `apcscore merge OUT SHARD_DIR...`: lm-eval requests split over processes (array
-jobs), results equal to one process's. (`eval --ray` needs no shards: one lm-eval whose engine runs on Ray
-replicas, run/ray_engine.py.)
+"""`eval --shard I/N` joined by `apcscore merge OUT SHARD_DIR...` (docs/eval_jobs.md).
 
-A shard process builds every task's requests (lm-eval's task building is deterministic), computes only its
-share of each request call (run/eval.shard_split: the prefix-aware split of `--shard`, scale/partition.py,
-so the requests that share their first KV blocks — a task's few-shot prefix, a context's choices — run in one
-engine), appends those responses to its journal (lmeval/store.py) and writes `shard.json` (what it was asked,
-its configuration, its counts). It writes no results: its metrics would be computed over placeholders.
-
-A merge checks the shards (the same run and configuration, every shard 0..N-1 once, each finished), then runs
-lm-eval once more with every response read from the shards' journals and none computed (a missing one is an
-error). It needs no weights: the engine is a stand-in (`RecordedEngine`) that has the tokenizer and the model
-facts the shards recorded. A response is stored exactly, so results.json's metrics and requests.parquet are
-those one process computes, bitwise. The merged folder's journal holds every response (a cache for later).
-"""
+A shard process builds every task's requests, computes only its share of each request call (run/eval.shard_split),
+journals those responses and writes `shard.json`, no results. A merge checks the shards (one run and configuration,
+every shard once, each finished) and runs lm-eval once more with every response read from their journals, on a
+stand-in engine without weights (`RecordedEngine`): the results are one process's, bitwise."""
 
 from __future__ import annotations
 
@@ -26,6 +16,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
+from apcscore.lmeval.store import identity_differences
 from apcscore.options.commands import EvalOptions
 from apcscore.run import eval_folder
 
@@ -50,7 +41,7 @@ def read_shards(paths: list[Path]) -> list[dict[str, Any]]:
             raise ApcscoreError(f"{rec['_path']} and {first['_path']} are shards of different runs (they differ in "
                                 f"{', '.join(diffs)})")
         if rec["run"]["identity"] != first["run"]["identity"]:
-            diffs = eval_folder.identity_differences(first["run"]["identity"], rec["run"]["identity"])
+            diffs = identity_differences(first["run"]["identity"], rec["run"]["identity"])
             raise ApcscoreError(f"{rec['_path']} and {first['_path']} ran under different configurations "
                                 f"({'; '.join(diffs)}): their responses cannot make one run; rerun the odd shard "
                                 "with the others' apcscore and settings")
@@ -90,9 +81,8 @@ class RecordedEngine:
 
 
 def prepare_merge(out: Path, paths: list[Path], overwrite: bool) -> tuple[EvalOptions, RecordedEngine]:
-    """`apcscore merge OUT SHARD_DIR...` of eval shards: check them and OUT; return the options of the run that
-    writes OUT (the shards', with OUT) and the engine stand-in that answers it from the shards
-    (run/eval.merge_eval runs it)."""
+    """`apcscore merge` of eval shards: check them and OUT; return the options of the run that writes OUT (the shards',
+    with OUT) and the engine stand-in that answers it (run/eval.merge_eval runs it)."""
     from apcscore.models.loaded import load_parts
     from apcscore.models.locate import resolve_model
 

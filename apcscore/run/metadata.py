@@ -1,10 +1,5 @@
-"""What a run's file records about itself (the parquet key `apcscore`, io/writer.METADATA_KEY): the run
-metadata of one engine (its provenance sections from engine/provenance.py), the dataset, and the `timings` of
-all the sessions that wrote the file.
-
-A Ray replica describes its engine as a single process would (engine/provenance.describe); the driver adds what
-only it knows (the job, the tokenizer, argv, created, dataset).
-"""
+"""What a run's file records about itself (the parquet key `apcscore`): the run metadata of one engine
+(engine/provenance.py), the dataset, and the `timings` of all the sessions that wrote the file."""
 
 from __future__ import annotations
 

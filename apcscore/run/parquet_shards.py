@@ -1,16 +1,8 @@
 """`apcscore merge OUT SHARD...`: join the files of `--shard I/N` runs into the file one run would have written.
 
-Checks, before anything is written (each refusal is an ApcscoreError, exit 2, naming the files):
-- every file is a finished apcscore shard file (metadata `shard`, the `record_index` column);
-- all are shards of one dataset (content hash, record count, `--columns` mapping), split the same way (count,
-  partitioning, block size, fingerprint of the assignment), under one configuration (the MERGE view of a run's
-  identity, io/identity.py: every field that changes bits, as the settings resolved);
-- no shard is given twice and none is missing; their rows cover the dataset exactly once.
-
-The output: the shards' rows in dataset order without `record_index`, the command's schema, row groups of 256
-rows, and the metadata of the shard 0 run without `shard`, plus `merged` (the shard files, every shard's
-timings) and `timings` summed over the shards (seconds add up machine time, not wall time).
-"""
+Refused before anything is written (exit 2): a file that is not a finished shard file, shards of another dataset,
+split or configuration (io/identity.py's MERGE view), a shard twice or missing. The output is the rows in dataset
+order without `record_index`, with shard 0's metadata without `shard`, plus `merged` and the summed `timings`."""
 
 from __future__ import annotations
 
@@ -74,13 +66,11 @@ def check_shards(paths: list[Path]) -> list[dict]:
                    "others' settings")
             raise ApcscoreError(f"{path} and {first_path} are not shards of one dataset under one configuration "
                                 f"({first_path.name} vs {path.name}: {'; '.join(differ)}); {fix}")
-        split_a = {k: first["shard"].get(k) for k in _SPLIT_KEYS}
-        split_b = {k: meta["shard"].get(k) for k in _SPLIT_KEYS}
-        if split_a != split_b:
-            differ = [k for k in _SPLIT_KEYS if split_a[k] != split_b[k]]
-            raise ApcscoreError(f"{path} and {first_path} split the dataset differently ("
-                                + "; ".join(f"{k}: {split_a[k]} vs {split_b[k]}" for k in differ)
-                                + "); every shard must come from the same --shard I/N split")
+        a, b = first["shard"], meta["shard"]
+        split = [f"{k}: {a.get(k)} vs {b.get(k)}" for k in _SPLIT_KEYS if a.get(k) != b.get(k)]
+        if split:
+            raise ApcscoreError(f"{path} and {first_path} split the dataset differently ({'; '.join(split)}); every "
+                                "shard must come from the same --shard I/N split")
     by_index: dict[int, Path] = {}
     for path, meta in zip(paths, metas):
         i = meta["shard"]["index"]
@@ -127,7 +117,7 @@ def merge_shards(out: Path, paths: list[Path], overwrite: bool = False) -> tuple
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "shards": [{"file": m["_path"], "index": m["shard"]["index"], "num_rows": m["shard"]["num_rows"],
                     "load": m["shard"]["loads"][m["shard"]["index"]], "timings": m.get("timings")} for m in metas],
-        "partition": {k: metas[0]["shard"][k] for k in ("count", "partition", "block_size", "fingerprint")}}})
+        "partition": {k: metas[0]["shard"][k] for k in _SPLIT_KEYS}}})
     table = table.drop_columns([SHARD_COLUMN])
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".merge.tmp")

@@ -1,11 +1,6 @@
-"""Checks that run before the model's weights load: where the output goes, what the model can take.
-
-- `check_output`: the output file is a writable file path (`check_file_path`, which merge's OUT gets too) that is
-  not the dataset, and `--resume` / `--overwrite` say what to do with what is already there.
-- `check_against_model`: with the model's config and tokenizer (read before its weights), records that
-  cannot run (token ids outside the vocabulary, prompts without tokens) are refused like any other invalid
-  record, and top-K requests above the vocabulary are refused.
-"""
+"""Checks that run before the model's weights load: where the output goes (`check_output`, `check_file_path`) and
+what the model can take (`check_against_model`: token ids outside the vocabulary, prompts without tokens, top-K
+above the vocabulary)."""
 
 from __future__ import annotations
 
@@ -46,11 +41,8 @@ def _same_file(a: Path, b: Path) -> bool:
 
 def check_output(out_option: str | None, dataset: Path, command: str, *, overwrite: bool,
                  resume: bool, suffix: str = ".parquet", shard: str | None = None) -> tuple[Path, str | None]:
-    """The output path, and a warning to show (or None); raise ApcscoreError when it cannot be written.
-
-    Refuses: an empty `--out`, `--out -`, the dataset itself, a directory, a path under a file or in a
-    folder that is not writable, an existing file without --overwrite, `--resume` of a finished run.
-    """
+    """The output path, and a warning to show (or None); raise ApcscoreError when it cannot be written (empty, `-`, the
+    dataset, a directory, not writable, existing without --overwrite, `--resume` of a finished run)."""
     if out_option is not None and not out_option.strip():
         raise ApcscoreError("--out is empty — give a file name such as results/out.parquet, or leave --out out for "
                             f"the default {default_out(dataset, command)}")

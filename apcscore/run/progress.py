@@ -1,18 +1,6 @@
-"""Progress of a run (score / generate / perplexity) while its records go through the engine.
-
-- On a terminal: Rich's bar, with the records done, the time elapsed and the time remaining (ETA), tokens/s, the
-  prefix-cache hit rate and the KV blocks in use.
-- In a log (stderr not a terminal: CI, `2> run.log`, `| tee`): a bar cannot be redrawn, so plain lines instead,
-  `score: 120/1,000 records (12%), 0:01:05 elapsed, ETA 0:07:56, 2,345 tok/s, prefix hit 0%, KV 12/3518`. At most
-  one line every `MIN_SECONDS` (10 s), at least one every `MAX_SECONDS` (60 s, also while no record finishes: the
-  run is alive), and in between one whenever another `STEP` (5%) of the records is done; one more at the end
-  when any was printed (a run shorter than 10 s prints none).
-  The ETA is the elapsed time per record done times the records left (records differ in length, so it is rough).
-- `--quiet`: nothing.
-
-`make_progress` picks one; both take `add_task` / `update` / `with` as Rich's `Progress` does, so the driver
-(run/driver.py) is the same for each.
-"""
+"""Progress of a run (score / generate / perplexity): Rich's bar on a terminal; in a log (stderr not a terminal)
+plain lines with the ETA, at most one per `MIN_SECONDS`, at least one per `MAX_SECONDS`, one per `STEP` of the
+records in between, one at the end when any was printed; nothing with `--quiet`. `make_progress` picks one."""
 
 from __future__ import annotations
 

@@ -1,30 +1,10 @@
-"""`--ray`: the Ray engine, an engine/interface.BatchEngine whose requests run on `--replicas` Ray actors
-(run/ray_replicas.ReplicaPool; each a scale/replica.Replica hosting an engine). It is the one Ray adapter: the
-driver (run/driver.py) runs score / generate / perplexity through it as through a local engine, and lm-eval's model
-class (lmeval/model.ApcscoreLM) runs eval's requests through it.
+"""`--ray`: the one Ray engine, an engine/interface.BatchEngine whose requests run on `--replicas` actors
+(run/ray_replicas.ReplicaPool), for score / generate / perplexity and eval alike (docs/scale-out.md).
 
-`run(requests)`:
-- splits the requests prefix-aware over the replicas, here and once (scale/partition.assign_prompts, the split of
-  `--shard`: by the chained digests of their first KV blocks), so that requests that share their first blocks (a
-  task's few-shot prefix, a context's choices) run on one replica and hit its prefix cache. The requests of one
-  record (ids `(record, j)`, as run/runner.py gives them) are one group: one replica, one chunk;
-- sends each replica its groups in order, in chunks of `chunk` groups (64 records; 256 eval requests), at most
-  IN_FLIGHT chunks queued, and yields the outputs as chunks come back.
-A replica's output is bitwise the one process's (the batch-invariance contract: a request's values do not depend on
-what shares its steps), and replicas that differ in what fixes the bits (io/identity.py's RAY view; EVAL for eval)
-are refused before any request runs. So the file, or eval's journal and results, are one process's, and a `--ray`
-run can be resumed without `--ray` and the other way round.
-
-Faults: Ray restarts a dead replica and runs its chunk again (run/ray_replicas.py). A chunk that still fails is an
-output: every request of it, and of its replica's later chunks, comes back aborted (finish_reason "abort",
-run/runner.ABORTED, `error` says why), while the other replicas go on. The driver keeps aborted records out of the
-file (`--resume` runs them); lm-eval's model class ends the eval (exit 1, the journal kept). SIGINT/SIGTERM:
-`on_step` raises between chunks; the chunks in hand are dropped (their replicas are stopped by `close`).
-
-Why plain actors and not Ray Data's `map_batches` with an actor pool: an actor pool hands each block to whichever
-actor is free, so a prefix group would be scattered over replicas unless a whole part were one block, and then
-nothing would come back before a part was finished (no streaming, no resume, a fault reruns a whole part).
-"""
+`run` splits the requests prefix-aware over the replicas (scale/partition.assign_prompts; a record's requests are
+one group), sends each replica its chunks in order, at most IN_FLIGHT queued, and yields the outputs as chunks
+come back. A chunk that fails after Ray's retries comes back as aborted outputs (run/runner.ABORTED), and so do
+its replica's later chunks. Why plain actors and not Ray Data's `map_batches`: docs/scale-out.md."""
 
 from __future__ import annotations
 

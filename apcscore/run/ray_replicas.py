@@ -1,12 +1,9 @@
-"""Ray replicas: `--replicas` actors (scale/replica.Replica), each hosting an engine, fed chunks of engine requests
-by run/ray_engine.RayEngine, the one Ray engine of every command (score, generate, perplexity and eval).
+"""Ray replicas: `--replicas` actors (scale/replica.Replica), each hosting an engine, fed by run/ray_engine.RayEngine.
 
-This module starts the actors (the resources each asks for are checked against the cluster's first: an actor
-that can never be placed would wait forever, without a word), has each describe its engine before any work,
-refuses replicas that differ in what fixes the bits, feeds them, and stops them. Ray restarts a replica whose
-process died (`MAX_RESTARTS`) and runs its unfinished chunk again (`MAX_TASK_RETRIES`). Ray is imported only
-here, and only for `--ray`.
-"""
+Starts the actors (their resources checked against the cluster's first: an actor that can never be placed would
+wait forever), has each describe its engine, refuses replicas that differ in what fixes the bits, feeds and stops
+them. Ray restarts a dead replica (`MAX_RESTARTS`) and reruns its chunk (`MAX_TASK_RETRIES`). Ray is imported here
+only, and only for `--ray`."""
 
 from __future__ import annotations
 
@@ -120,11 +117,10 @@ class ReplicaPool:
 
     def feed(self, method: str, queues: list[list[list[Any]]], tick: Callable[[], None], in_flight: int
              ) -> Iterator[tuple[int, list[Any], Any]]:
-        """Send replica r its chunks `queues[r]` in order, to its actor method `method`, at most `in_flight` queued
-        at a time; yield (replica, chunk, result) as chunks come back. `result` is what the method returned, or the
-        ApcscoreError of a chunk that still failed after Ray's retries (a refusal is raised instead): that
-        replica gets no more chunks, its unsent ones are left in `queues[r]`. tick() is called while waiting (it
-        may raise to stop; the chunks in hand are then dropped)."""
+        """Send replica r its chunks `queues[r]` in order to `method`, at most `in_flight` queued; yield (replica,
+        chunk, result) as they come back. A chunk that still fails after Ray's retries gives its ApcscoreError as
+        the result and its replica no more chunks (the unsent ones stay in `queues[r]`). tick() is called while
+        waiting (it may raise to stop)."""
         pending: dict[Any, tuple[int, list[Any]]] = {}
 
         def submit(r: int) -> None:

@@ -1,12 +1,6 @@
 """Records -> requests -> engine -> rows -> the writer: the one loop of score, generate and perplexity, whatever the
-engine (one in this process, tensor-parallel ranks, the transformers fallback, or Ray replicas: run/ray_engine.py).
-
-Every record yields one row, except a record whose requests the engine aborted (a Ray chunk that failed: its rows
-are kept out of the file, so that `--resume` runs it): records whose requests cannot be built and requests the
-engine refuses become `status = "error"` rows, and so do invalid records (they need no engine). The progress bar,
-SIGINT/SIGTERM (they stop the run after the current engine step: run/signals.py) and the partial file's flushes
-are handled here too.
-"""
+engine. Every record yields one row (invalid records and refused requests as `status = "error"` rows), except
+a record whose requests the engine aborted (kept out of the file, so that `--resume` runs it)."""
 
 from __future__ import annotations
 

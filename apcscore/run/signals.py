@@ -1,12 +1,7 @@
-"""SIGINT and SIGTERM during a run, for every command (score, generate, perplexity and eval): one `Interrupted`
-and one handler. A signal is only noted; the run's tick (`Stop.check`, called between engine steps) raises
-`Interrupted`, so every finished row or response is kept and the run exits 130.
-
-A process forked while the handlers are installed (lm-eval's bootstrap pool forks one worker per CPU for each
-bootstrapped metric) gets the handlers from before the run back before it runs anything else: `Pool.terminate`'s
-SIGTERM then kills a worker by the kernel's default action, whatever it is doing. (A handler that re-raised in
-the child was not enough: a CI run hung at the pool's exit, 650 s, with a worker alive after the terminate.)
-"""
+"""SIGINT and SIGTERM during a run, for every command: one `Interrupted` and one handler. A signal is only noted;
+`Stop.check`, called between engine steps, raises `Interrupted`, so every finished row or response is kept (exit
+130). A process forked meanwhile (lm-eval's bootstrap pool) gets the handlers from before back, so that
+`Pool.terminate`'s SIGTERM kills it (a handler that re-raised in the child left a CI run hanging)."""
 
 from __future__ import annotations
 
@@ -29,10 +24,6 @@ class Stop:
 
     def __init__(self) -> None:
         self.caught: list[int] = []
-
-    @property
-    def requested(self) -> bool:
-        return bool(self.caught)
 
     def check(self, *_: Any) -> None:
         """The tick: raise `Interrupted` if SIGINT or SIGTERM arrived (takes and ignores the engine, so that it

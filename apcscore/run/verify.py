@@ -1,10 +1,5 @@
-"""`--verify-reuse FRACTION`: re-score a seeded sample of the records by full recompute, in the same run and
-engine, and compare every result array of their requests bit for bit with what exact reuse returned.
-
-The sample is a function of `--seed` and each record's position in the dataset (a hash, like generate's
-seeds), so a rerun, `--limit` or `--resume` picks the same records. A mismatch names the record id, the
-request (its index among the record's requests) and the columns that differ.
-"""
+"""`--verify-reuse FRACTION`: re-score a seeded sample of the records (a hash of `--seed` and each record's position)
+by full recompute, in the same run and engine, and compare every result array bit for bit with exact reuse's."""
 
 from __future__ import annotations
 

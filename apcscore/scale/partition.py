@@ -1,26 +1,11 @@
 """Prefix-aware partitioning of a dataset's records into N parts (shards or Ray replicas), deterministically.
 
-Records whose first KV blocks of tokens are equal go to the same part, so one engine computes a shared prefix
-once and the others read it from its prefix cache; the load (prompt tokens plus the tokens a record may
-generate) is otherwise balanced. The same function serves `--shard I/N` (each array task computes the whole
-assignment and keeps its part) and `--ray` (the Ray engine computes it once, over the requests it is given, a
-record's requests one group: run/ray_engine.py).
-
-How:
-1. Each record's key is the chain of its first full blocks: digest_d = BLAKE2b(digest_{d-1} + block d's token
-   ids), d = 1..MAX_DEPTH, over the token ids of its first engine request (what the job would send, with the
-   model's tokenizer and context length). A record shorter than one block, or whose requests cannot be
-   built, or that is invalid, has no full block and is a group of its own.
-2. Records are grouped by digest_1. A group heavier than a fair share (total load / N) is split by its next
-   block (digest_2, ...), up to MAX_DEPTH blocks; a group still too heavy (the same first MAX_DEPTH blocks) is
-   cut into consecutive runs of at most a fair share, in dataset order.
-3. Groups go to parts by longest-processing-time first: heaviest group first (ties: smallest first record
-   index) to the least-loaded part (ties: lowest part number).
-
-Everything depends only on the records' token ids, their loads and N, never on dict or set order or on the
-process, so every array task computes the same assignment. `random` partitioning (a record's part is a hash of
-its index) exists to measure what prefix-awareness buys.
-"""
+Records whose first KV blocks are equal go to the same part, so one engine computes a shared prefix once; the
+load is otherwise balanced. Each record's key is the chain of its first full blocks' digests (BLAKE2b, up to
+MAX_DEPTH); records are grouped by the first digest, a group heavier than a fair share split by the next (then
+cut in dataset order), and the groups placed heaviest first on the least-loaded part. It depends only on token
+ids, loads and N, so every array task computes the same assignment (docs/scale-out.md). `random` partitioning
+exists to measure what prefix-awareness buys."""
 
 from __future__ import annotations
 
@@ -67,11 +52,8 @@ def record_items(job: Any, records: Iterable[Any], invalid: Iterable[Any], block
         if not requests:
             items.append(Item(record.index, (), 1))
             continue
-        load = 0
-        for req in requests:
-            load += len(req.prompt_token_ids)
-            if req.sampling is not None:
-                load += int(req.sampling.max_tokens)
+        load = sum(len(r.prompt_token_ids) + (int(r.sampling.max_tokens) if r.sampling is not None else 0)
+                   for r in requests)
         items.append(Item(record.index, block_digests(requests[0].prompt_token_ids, block_size), max(load, 1)))
     items.extend(Item(r.index, (), 1) for r in invalid)
     items.sort(key=lambda it: it.index)

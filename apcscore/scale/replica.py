@@ -1,10 +1,5 @@
-"""One `--ray` replica: a Ray actor that hosts an engine, and runs chunks of engine requests (run/ray_engine.RayEngine
-sends them; the requests are made and the outputs read in the driver's process, by the command's job or lm-eval's
-model class).
-
-It keeps its engine, and so its prefix cache, from chunk to chunk, and returns its counters with every chunk. This
-module does not import ray: the pool (run/ray_replicas.ReplicaPool) wraps the class with `ray.remote`.
-"""
+"""One `--ray` replica: a Ray actor hosting an engine, which keeps its prefix cache from chunk to chunk and returns
+its counters with each. This module does not import ray (run/ray_replicas.ReplicaPool wraps it)."""
 
 from __future__ import annotations
 

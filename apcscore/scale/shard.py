@@ -1,13 +1,8 @@
-"""`--shard I/N`: run one prefix-aware part of a dataset (a Slurm or Kubernetes array task), no Ray needed.
+"""`--shard I/N`: run one prefix-aware part of a dataset (an array task), no Ray needed.
 
-Every task reads the whole dataset and builds every record's requests (token ids, no model run) to compute the
-same assignment (`scale/partition.py`), then runs only its own records. Records keep their dataset position
-(`Record.index`), so sampling seeds derived from it, and hence every result, are those of a single run.
-
-A shard's file holds its rows in dataset order plus one column, `record_index` (the row's position in the
-whole dataset), and its metadata records under `shard` the index, the count, the partition's fingerprint and
-every part's load; `apcscore merge` (run/parquet_shards.py) checks and joins the shards.
-"""
+Every task builds every record's requests to compute the same assignment (scale/partition.py) and runs its own
+records, which keep their dataset position (and so their seeds). A shard file adds the column `record_index` and
+metadata `shard`; `apcscore merge` (run/parquet_shards.py) joins the shards."""
 
 from __future__ import annotations
 

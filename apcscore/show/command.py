@@ -1,15 +1,9 @@
 """`apcscore show RESULTS.parquet [--id ID] [--position N]`: one record of a result file in the terminal, its
-tokens coloured by their logprob; for a chosen position its rank and top-K (register with
-`app.command("show")(show)`).
+tokens coloured by their logprob; for a chosen position its rank and top-K.
 
-Which tokens: the prompt's (`token_ids`, `token_logprobs`, ...: score, perplexity and generate with
---prompt-logprobs), else a generate run's completion (`completion_token_ids`, `completion_logprobs`, ...: generate
-with --logprobs); `--completion` picks the completion where a file has both. Without `--id` the first record that
-has per-token logprobs is shown. Token texts come from the run's tokenizer (the folder its metadata names, or
-`--tokenizer`); where none loads, tokens are shown as ids. A character whose bytes a byte-level tokenizer split
-across tokens is shown whole, coloured as its least likely token; one such token alone (in a table, a top-K
-alternative) shows its bytes as <0xE8> (apcscore.io.token_text). Heavy imports happen when the command runs.
-"""
+The prompt's tokens, else (or with `--completion`) a generate run's completion; without `--id`, the first record
+with per-token logprobs. Token texts come from the run's tokenizer (or `--tokenizer`), else ids; a character that
+a byte-level tokenizer split is shown whole (io/token_text.py). Heavy imports happen when the command runs."""
 
 from __future__ import annotations
 
@@ -103,16 +97,12 @@ def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...])
         group = next(g for g in range(pf.num_row_groups) if starts[g + 1] > index)
         row = pf.read_row_group(group, columns=wanted).slice(index - starts[group], 1).to_pylist()[0]
         return row, index
-    import numpy as np
-
     for g in range(pf.num_row_groups):
         lps = pf.read_row_group(g, columns=[cols[1]])[cols[1]].combine_chunks()  # [rows] lists of logprobs
         scored = pc.list_parent_indices(lps).to_numpy()[pc.is_valid(pc.list_flatten(lps)).to_numpy(
-            zero_copy_only=False)]  # the row of every scored position (a one-token prompt has none)
-        valid = np.zeros(len(lps), dtype=bool)
-        valid[scored] = True
-        if valid.any():
-            first = int(valid.argmax())
+            zero_copy_only=False)]  # the row of every scored position, ascending (a one-token prompt has none)
+        if len(scored):
+            first = int(scored[0])
             return pf.read_row_group(g, columns=wanted).slice(first, 1).to_pylist()[0], starts[g] + first
     raise ApcscoreError(f"no record of {path} has per-token logprobs ({cols[1]} is null in every row: error rows, or "
                         "continuation / multiple-choice records, which store per-record figures only)")
