@@ -94,8 +94,8 @@ def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note
         note(f"{store.read} finished responses read ({store.name}{' in ' + str(out) if resumed else ''}"
              f"{', ' + str(opts.cache) if caches else ''})")
     try:
-        with stop_on_signals() as stop:
-            lm.on_step = stop.check
+        with stop_on_signals() as check_stop:
+            lm.on_step = check_stop
             results = simple_evaluate(lm, manager, parsed, opts)
     except Interrupted:
         note(f"interrupted: {lm.computed} responses computed in this session, {len(store)} kept in "

@@ -48,7 +48,7 @@ def write_rows(job: Job, engine: BatchEngine, data: LoadedDataset, writer: Any, 
         writer.flush_if_due()  # finished rows reach disk within max_buffer_seconds, even in a long generation
         c = engine.counters()
         progress.update(task, tok_s=c.tokens_per_second, hit=c.hit_rate, kv=f"{c.used_kv_blocks}/{c.num_kv_blocks}")
-        stop.check()
+        check_stop()
 
     def requests() -> Iterator[Request]:
         for record in todo:
@@ -69,7 +69,7 @@ def write_rows(job: Job, engine: BatchEngine, data: LoadedDataset, writer: Any, 
             record, message = unbuilt.pop(0)
             emit(record.index, job.finish_row(job.error_row(record.id, message)))
 
-    with stop_on_signals() as stop:  # held until every finished row is flushed
+    with stop_on_signals() as check_stop:  # held until every finished row is flushed
         try:
             with progress:
                 for rec in invalid:

@@ -41,7 +41,7 @@ def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step(plain
     lock.acquire()
     parent, child = ctx.Pipe()
     before = signal.getsignal(signal.SIGTERM)
-    with stop_on_signals() as stop:
+    with stop_on_signals() as check_stop:
         worker = ctx.Process(target=_report_and_wait, args=(child, lock))
         worker.start()
         try:
@@ -55,8 +55,8 @@ def test_a_forked_worker_dies_of_sigterm_and_the_eval_stops_after_its_step(plain
             if worker.is_alive():
                 worker.kill()
             lock.release()
-        stop.check()  # no signal yet: the run goes on
+        check_stop()  # no signal yet: the run goes on
         os.kill(os.getpid(), signal.SIGTERM)  # the run's own process: stops after the current step
         with pytest.raises(Interrupted):
-            stop.check()
+            check_stop()
     assert signal.getsignal(signal.SIGTERM) == before
