@@ -18,6 +18,7 @@ from torch import nn
 
 from apcscore.errors import ApcscoreError
 from apcscore.kernels import rowmath
+from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
 from apcscore.models.weights import WeightCopier, param_slices
@@ -45,7 +46,6 @@ class NeoXAttention(PagedAttention):
         super().__init__()
         self.num_heads = self.num_kv_heads = cfg.num_attention_heads
         self.head_dim = cfg.hidden_size // self.num_heads
-        self.rotary_dim = int(self.head_dim * rope_parameters(cfg).get("partial_rotary_factor", 1.0))
         self.scale = self.head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", True))
         self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, ops.linear, device)
@@ -79,10 +79,6 @@ class NeoXLayer(nn.Module):
         return self.down(self.act(self.up(self.post_attention_layernorm(x)))) + x
 
 
-def rope_parameters(cfg: Any) -> dict:
-    return dict(getattr(cfg, "rope_parameters", None) or {})
-
-
 class GPTNeoXDecoder(LlamaDecoder):
     """GPT-NeoX over a flattened, paged batch; the engine-facing interface of LlamaDecoder (forward,
     compute_logits, lm_head_weight, materialize, load_hf_weights)."""
@@ -92,9 +88,9 @@ class GPTNeoXDecoder(LlamaDecoder):
         nn.Module.__init__(self)
         cfg = self.config = hf_config
         self.ops = ops
-        if rope_parameters(cfg).get("rope_type", "default") != "default":
-            raise ApcscoreError(f"GPT-NeoX with rope type {rope_parameters(cfg)['rope_type']!r} is not implemented "
-                                f"natively; use --model-backend transformers")
+        if (kind := rope_parameters(cfg).get("rope_type", "default")) != "default":
+            raise ApcscoreError(f"GPT-NeoX with rope type {kind!r} is not implemented natively; use "
+                                "--model-backend transformers")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(NeoXLayer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers))
@@ -103,7 +99,7 @@ class GPTNeoXDecoder(LlamaDecoder):
 
     @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:
-        """cos/sin [P, rotary_dim] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
+        """cos/sin [P, rotary dimensions] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 
         with torch.device("cpu"):

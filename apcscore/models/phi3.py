@@ -27,13 +27,10 @@ from typing import Any, Mapping
 
 import torch
 
+from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, LlamaDecoder
 from apcscore.models.rope import RopeFrequencies, longrope_frequencies, rotary_tables, with_portable_math
-
-
-def _rope_parameters(cfg: Any) -> dict[str, Any]:
-    return dict(getattr(cfg, "rope_parameters", None) or {})
 
 
 class Phi3Decoder(LlamaDecoder):
@@ -42,7 +39,7 @@ class Phi3Decoder(LlamaDecoder):
     def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         super().__init__(hf_config, ops, max_positions, device)
-        rope = _rope_parameters(hf_config)
+        rope = rope_parameters(hf_config)
         self.longrope = rope.get("rope_type", "default") == "longrope"
         self.partial_rotary = float(rope.get("partial_rotary_factor", 1.0)) != 1.0
         if self.longrope:
