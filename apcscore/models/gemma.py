@@ -157,8 +157,7 @@ class GemmaDecoder(LlamaDecoder):
                    copy: Callable[..., None]) -> None:
         """Gemma's layer: attention, GeGLU MLP stored on the layer, four norms (pre/post attention and MLP)."""
         self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
-        copy(layer.gate_up_proj.weight, prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
-        copy(layer.down_proj.weight, prefix + "mlp.down_proj.weight")
+        self.load_mlp(layer, prefix + "mlp.", state, copy)  # (the layer holds the MLP's projections)
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             copy(getattr(layer, norm).weight, prefix + norm + ".weight")

@@ -22,7 +22,7 @@ from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
 from apcscore.models.weights import WeightCopier, param_slices
-from apcscore.models.llama import Device, Linear, LlamaDecoder, PagedAttention
+from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
 
 
 class LayerNorm(nn.Module):
@@ -38,32 +38,11 @@ class LayerNorm(nn.Module):
         return rowmath.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-class NeoXAttention(PagedAttention):
-    """Multi-head attention with partial rotary over the paged KV cache (the attributes the KV pool reads:
-    num_kv_heads, head_dim, ops, k_cache, v_cache)."""
-
-    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
-        super().__init__()
-        self.num_heads = self.num_kv_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        self.scale = self.head_dim ** -0.5
-        bias = bool(getattr(cfg, "attention_bias", True))
-        self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, ops.linear, device)
-        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, ops.linear, device)
-        self._paged(layer_idx, ops)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t, h, d = hidden.shape[0], self.num_heads, self.head_dim
-        q, k, v = (x.reshape(t, h, d) for x in self.qkv_proj(hidden).split(h * d, dim=-1))
-        q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, r]: partial rotary
-        out = self.attend(q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, h * d))
-
-
 class NeoXLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
-        self.self_attn = NeoXAttention(cfg, layer_idx, ops, device)
+        bias = bool(getattr(cfg, "attention_bias", True))  # (fused qkv rows regrouped at load: Llama's layout)
+        self.self_attn = Attention(cfg, layer_idx, ops, False, bias, bias, device)
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.up = Linear(cfg.hidden_size, cfg.intermediate_size, True, ops.linear, device)

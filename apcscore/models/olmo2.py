@@ -77,7 +77,6 @@ class Olmo2Decoder(LlamaDecoder):
                    copy: Callable[..., None]) -> None:
         """OLMo 2's layer: attention with q/k norms, MLP, and norms after attention and MLP (no pre-norms)."""
         self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
-        copy(layer.mlp.gate_up_proj.weight, prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
-        copy(layer.mlp.down_proj.weight, prefix + "mlp.down_proj.weight")
+        self.load_mlp(layer.mlp, prefix + "mlp.", state, copy)
         copy(layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight")
         copy(layer.post_feedforward_layernorm.weight, prefix + "post_feedforward_layernorm.weight")

@@ -250,6 +250,7 @@ def _slice_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None
     attn.qkv_proj = _column(attn.qkv_proj, SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),), 3 * heads * d), device)
     attn.o_proj = _row(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
     attn.num_heads = attn.num_kv_heads = hq
+    attn.q_size = attn.kv_size = hq * d
     inter = layer.up.weight.shape[0]
     part = inter // n
     layer.up = _column(layer.up, SliceSpec(0, ((r * part, part),), inter), device)
