@@ -105,18 +105,9 @@ class GPTNeoXDecoder(LlamaDecoder):
         heads = self.layers[0].self_attn.num_heads  # (a tensor-parallel rank's own heads)
 
         def copy(param: torch.Tensor, name: str, regroup: bool = False) -> None:
-            if id(param) in slices:  # a rank's part (models.tensor_parallel): its heads are contiguous rows here
-                copier(param, name)
-                if regroup:
-                    param.copy_(param.reshape(heads, 3, -1, *param.shape[1:]).transpose(0, 1).reshape(param.shape)
-                                .clone())
-                return
-            src = copier.take(name)
-            if regroup:  # rows per head [q | k | v] -> [all q | all k | all v]
-                src = src.reshape(heads, 3, -1, *src.shape[1:]).transpose(0, 1).reshape(src.shape)
-            if tuple(src.shape) != tuple(param.shape):
-                raise ApcscoreError(f"weight {name} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
-            param.copy_(src)
+            copier(param, name)
+            if regroup:  # rows per head [q | k | v] -> [all q | all k | all v] (a rank's heads: contiguous rows)
+                param.copy_(param.reshape(heads, 3, -1, *param.shape[1:]).transpose(0, 1).reshape(param.shape).clone())
 
         copy(self.embed_tokens.weight, "gpt_neox.embed_in.weight")
         copy(self.norm.weight, "gpt_neox.final_layer_norm.weight")
