@@ -15,8 +15,7 @@ import torch
 
 def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b[..., N, K].T -> fp32 [..., M, N] (the same leading dims; `x.transpose(-1, -2)` as b for
-    a @ x). On the CPU every score and weighted value is summed in the GEMM's fixed order, whatever the rows or
-    keys of the call (apcscore.kernels.cpu_gemm, the linear layers' construction); elsewhere torch.matmul."""
+    a @ x), in the module doc's order."""
     if a.device.type != "cpu" or not fixed_order_available():
         return a @ b.transpose(-1, -2)
     from apcscore.kernels.cpu_gemm import fixed_order_bmm

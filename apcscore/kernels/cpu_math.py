@@ -19,14 +19,6 @@ OP_EXP, OP_TANH, OP_SILU, OP_SIGMOID, OP_GELU_TANH = range(5)  # apc_map_f's op 
 D_EXP, D_LOG, D_SIN, D_COS, D_ERF = range(5)  # apc_map_d's
 
 
-def _lib() -> ctypes.CDLL:
-    return library()
-
-
-def _level() -> int:
-    return forced_simd()
-
-
 PARALLEL_MIN_ELEMENTS = 1 << 16  # below this one thread does the work (a parallel region costs more)
 
 
@@ -50,7 +42,7 @@ def map_float(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
         src = _rows(x)
         out = torch.empty_like(src)
     if src.numel():
-        _lib().apc_map_f(op, src.data_ptr(), out.data_ptr(), src.numel(), _level(), _threads(src.numel()))
+        library().apc_map_f(op, src.data_ptr(), out.data_ptr(), src.numel(), forced_simd(), _threads(src.numel()))
     if out is x:
         return x
     out = out.view(x.shape).to(x.dtype)
@@ -65,8 +57,8 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     sums = torch.empty(rows.shape[0], dtype=torch.float32)
     if rows.numel():
-        _lib().apc_row_sums_f(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], sums.data_ptr(),
-                              _level(), _threads(rows.numel()))
+        library().apc_row_sums_f(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], sums.data_ptr(),
+                              forced_simd(), _threads(rows.numel()))
     else:
         sums.zero_()
     return sums.view(x.shape[:-1])
@@ -78,8 +70,8 @@ def row_sums_double(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
     rows = _rows(x)
     sums = torch.zeros(rows.shape[0], dtype=torch.float64)
     if rows.numel():
-        _lib().apc_row_sums_d(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], 0 if squares else 1,
-                              sums.data_ptr(), _level(), _threads(rows.numel()))
+        library().apc_row_sums_d(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], 0 if squares else 1,
+                              sums.data_ptr(), forced_simd(), _threads(rows.numel()))
     return sums.view(x.shape[:-1])
 
 
@@ -89,8 +81,8 @@ def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     rows = _rows(x)
     lse = torch.empty(rows.shape[0], dtype=torch.float64)
     if rows.numel():
-        _lib().apc_row_logsumexp(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], lse.data_ptr(),
-                                 _level(), _threads(rows.numel()))
+        library().apc_row_logsumexp(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], lse.data_ptr(),
+                                 forced_simd(), _threads(rows.numel()))
     return lse.view(x.shape[:-1])
 
 
@@ -100,7 +92,7 @@ def map_double(fn: int, x: torch.Tensor) -> torch.Tensor:
     src = x.to(device="cpu", dtype=torch.float64).contiguous()
     out = torch.empty_like(src)
     if src.numel():
-        _lib().apc_map_d(fn, src.data_ptr(), out.data_ptr(), src.numel(), _level(), _threads(src.numel()))
+        library().apc_map_d(fn, src.data_ptr(), out.data_ptr(), src.numel(), forced_simd(), _threads(src.numel()))
     return out
 
 
@@ -112,5 +104,5 @@ def scalar(fn: int, value: float) -> float:
     if fn not in (D_EXP, D_LOG, D_SIN, D_COS, D_ERF):
         raise ValueError(f"cpu_math.scalar: function code {fn}, not one of D_EXP .. D_ERF")
     src, out = (ctypes.c_double * 1)(float(value)), (ctypes.c_double * 1)()
-    _lib().apc_map_d(fn, src, out, 1, _level(), 1)
+    library().apc_map_d(fn, src, out, 1, forced_simd(), 1)
     return out[0]

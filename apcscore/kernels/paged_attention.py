@@ -223,10 +223,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError(f"{name}: cu_seqlens_q {tuple(cu_seqlens_q.shape)}, block_tables "
                          f"{tuple(block_tables.shape)} for {num_seqs} sequences; want [B + 1] and [B, *]")
     group = num_heads // num_kv_heads
-    default_m, default_n, default_warps = tile_config(head_dim, group)
-    block_m = block_m if block_m is not None else default_m
-    block_n = block_n if block_n is not None else default_n
-    num_warps = num_warps if num_warps is not None else default_warps
+    block_m, block_n, num_warps = (given if given is not None else default for given, default
+                                   in zip((block_m, block_n, num_warps), tile_config(head_dim, group)))
     if block_m < max(16, group) or block_m & (block_m - 1) or block_n < 16 or block_n & (block_n - 1):
         raise ValueError(f"{name}: block_m ({block_m}) and block_n ({block_n}) must be powers of two >= 16, "
                          f"and block_m >= the query-head group ({group})")

@@ -144,10 +144,8 @@ def shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     num_heads, head_dim = query.shape[1:]
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
-    default_m, default_n, default_warps = tile_config(head_dim, group)
-    block_m = block_m if block_m is not None else default_m
-    block_n = block_n if block_n is not None else default_n
-    num_warps = num_warps if num_warps is not None else default_warps
+    block_m, block_n, num_warps = (given if given is not None else default for given, default
+                                   in zip((block_m, block_n, num_warps), tile_config(head_dim, group)))
     block_q = block_m // group
     if groups.dim() != 2 or groups.shape[1] != 2 + block_q or groups.dtype != torch.int32 \
             or groups.device != query.device:

@@ -49,10 +49,7 @@ def softcap(x: torch.Tensor, cap: float, inplace: bool = False) -> torch.Tensor:
     """tanh(x / cap) * cap (Gemma 2's soft-capping of attention scores and logits), each step rounded."""
     if inplace:
         x.div_(cap)
-        if ours(x):
-            cpu_math.map_float(cpu_math.OP_TANH, x, inplace=True)
-        else:
-            x.tanh_()
+        cpu_math.map_float(cpu_math.OP_TANH, x, inplace=True) if ours(x) else x.tanh_()
         return x.mul_(cap)
     return tanh(x / cap) * cap
 
@@ -140,16 +137,12 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 
 def exp_scalar(value: float) -> float:
     """exp of a Python float, the same bits on every machine where the library is (libm's otherwise)."""
-    if portable():
-        return cpu_math.scalar(cpu_math.D_EXP, value)
-    return math.exp(value)
+    return cpu_math.scalar(cpu_math.D_EXP, value) if portable() else math.exp(value)
 
 
 def log_scalar(value: float) -> float:
     """log of a Python float (see exp_scalar)."""
-    if portable():
-        return cpu_math.scalar(cpu_math.D_LOG, value)
-    return math.log(value)
+    return cpu_math.scalar(cpu_math.D_LOG, value) if portable() else math.log(value)
 
 
 def activation(name: str):

@@ -31,6 +31,11 @@ def _name(hf_config: Any) -> str:
     return ", ".join(archs) or str(getattr(hf_config, "model_type", "unknown"))
 
 
+def rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """A copy of the config's rope_parameters ({} when it has none)."""
+    return dict(getattr(hf_config, "rope_parameters", None) or {})
+
+
 def native_architecture(hf_config: Any) -> str | None:
     """The architecture name of hf_config if our own decoder runs it, else None."""
     archs = list(getattr(hf_config, "architectures", None) or [])
@@ -47,15 +52,15 @@ def native_problem(hf_config: Any) -> str | None:
     """Why our decoder of a native architecture cannot run this particular config exactly, or None."""
     family = SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "")
     if family in LLAMA_FAMILIES:
-        kind = dict(getattr(hf_config, "rope_parameters", None) or {}).get("rope_type", "default")
+        kind = rope_parameters(hf_config).get("rope_type", "default")
         if family == "phi3" and kind not in ("default", "longrope"):
             return f"Phi-3 with rope type {kind!r} is not implemented natively"
         if family != "phi3" and kind == "longrope":  # the length switch lives in apcscore.models.phi3
             return f"{_name(hf_config)} with rope type 'longrope' is not implemented natively (only Phi-3's is)"
-    if SUPPORTED_ARCHITECTURES.get(native_architecture(hf_config) or "") in ("gemma2", "gemma3"):
+    if family in ("gemma2", "gemma3"):
         if getattr(hf_config, "use_bidirectional_attention", False):
             return "Gemma with bidirectional attention is not implemented natively"
-        rope = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rope = rope_parameters(hf_config)
         kinds = [r.get("rope_type", "default") for r in rope.values() if isinstance(r, dict)] or [
             rope.get("rope_type", "default")]  # Gemma 3: one entry per layer type; Gemma 2: one rope
         for kind in kinds:

@@ -19,11 +19,7 @@ _CHUNK = 1 << 22  # bytes read at a time
 
 def file_stamps(files: list[Path]) -> list[list]:
     """[name, size, mtime_ns, inode] of each file, in the given order."""
-    stamps = []
-    for file in files:
-        st = file.stat()
-        stamps.append([file.name, st.st_size, st.st_mtime_ns, st.st_ino])
-    return stamps
+    return [[file.name, (st := file.stat()).st_size, st.st_mtime_ns, st.st_ino] for file in files]
 
 
 def hash_files(files: list[Path]) -> str:

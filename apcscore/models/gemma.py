@@ -29,7 +29,7 @@ from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architec
 from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
-from apcscore.models.llama import Device, Linear, LlamaDecoder, PagedAttention
+from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
 
 SLIDING = "sliding_attention"
 
@@ -46,26 +46,18 @@ class GemmaRMSNorm(nn.Module):
         return rowmath.rms_norm(x, self.weight, self.eps, offset=1.0)
 
 
-class GemmaAttention(PagedAttention):
-    """Attention of one layer: its window (sliding layers), soft-cap (Gemma 2) and q/k norms (Gemma 3); the
-    attributes the KV pool reads (num_kv_heads, head_dim, ops, k_cache, v_cache) as Llama's Attention."""
+class GemmaAttention(Attention):
+    """Llama's attention with its layer's window (sliding layers), soft-cap (Gemma 2), q/k norms (Gemma 3)."""
 
     def __init__(self, cfg: Any, layer_idx: int, gemma3: bool, ops: Ops, device: Device = None) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = bool(getattr(cfg, "attention_bias", False))
+        super().__init__(cfg, layer_idx, ops, False, bias, bias, device)
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.sliding = cfg.layer_types[layer_idx] == SLIDING
         self.window = cfg.sliding_window if self.sliding else None
         self.softcap = None if gemma3 else getattr(cfg, "attn_logit_softcapping", None)  # Gemma 3 ignores it
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, ops.linear, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, ops.linear, device)
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
-        self._paged(layer_idx, ops)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -165,8 +157,7 @@ class GemmaDecoder(LlamaDecoder):
                    copy: Callable[..., None]) -> None:
         """Gemma's layer: attention, GeGLU MLP stored on the layer, four norms (pre/post attention and MLP)."""
         self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
-        copy(layer.gate_up_proj.weight, prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
-        copy(layer.down_proj.weight, prefix + "mlp.down_proj.weight")
+        self.load_mlp(layer, prefix + "mlp.", state, copy)  # (the layer holds the MLP's projections)
         for norm in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
                      "post_feedforward_layernorm"):
             copy(getattr(layer, norm).weight, prefix + norm + ".weight")

@@ -38,9 +38,7 @@ _STALE_TMP_SECONDS = 24 * 3600
 def cache_root() -> Path:
     """The apcscore cache folder: $APCSCORE_CACHE if set, else ~/.cache/apcscore (not created here)."""
     env = os.environ.get("APCSCORE_CACHE")
-    if env:
-        return Path(env).expanduser()
-    return Path.home() / ".cache" / "apcscore"
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "apcscore"
 
 
 def gguf_sha256(path: Path) -> str:
@@ -53,8 +51,7 @@ def gguf_sha256(path: Path) -> str:
 
 def gguf_key(sha256: str) -> str:
     """The cache key of a GGUF file of this content hash (`gguf_sha256`): it changes with every byte of the file
-    and with CACHE_FORMAT. (Before format 3 the key hashed only the size and the first and last 4 MiB, so two
-    files differing in the middle shared a converted copy; those folders are never looked up again.)"""
+    and with CACHE_FORMAT."""
     return hashlib.sha256(f"apcscore-gguf-v{CACHE_FORMAT}:{sha256}".encode()).hexdigest()[:16]
 
 
@@ -62,14 +59,11 @@ def cache_dir_name(name: str, key: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9._-]+', '_', name)}-{key}"
 
 
-def is_complete(path: Path, sha256: str | None = None) -> bool:
-    """Whether `path` holds a finished converted copy (its marker is there); with `sha256`, one converted from
-    the GGUF file of that content hash (as its marker records)."""
-    marker = path / CACHE_MARKER
-    if sha256 is None:
-        return marker.is_file()
+def is_complete(path: Path, sha256: str) -> bool:
+    """Whether `path` holds a finished copy (its marker is there) converted from the GGUF file of content hash
+    `sha256` (as its marker records)."""
     try:
-        return json.loads(marker.read_text()).get("gguf_sha256") == sha256
+        return json.loads((path / CACHE_MARKER).read_text()).get("gguf_sha256") == sha256
     except (OSError, ValueError, AttributeError):
         return False
 

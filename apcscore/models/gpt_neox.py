@@ -18,10 +18,11 @@ from torch import nn
 
 from apcscore.errors import ApcscoreError
 from apcscore.kernels import rowmath
+from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.rope import with_portable_math
 from apcscore.models.weights import WeightCopier, param_slices
-from apcscore.models.llama import Device, Linear, LlamaDecoder, PagedAttention
+from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
 
 
 class LayerNorm(nn.Module):
@@ -37,33 +38,11 @@ class LayerNorm(nn.Module):
         return rowmath.layer_norm(x, self.weight, self.bias, self.eps)
 
 
-class NeoXAttention(PagedAttention):
-    """Multi-head attention with partial rotary over the paged KV cache (the attributes the KV pool reads:
-    num_kv_heads, head_dim, ops, k_cache, v_cache)."""
-
-    def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
-        super().__init__()
-        self.num_heads = self.num_kv_heads = cfg.num_attention_heads
-        self.head_dim = cfg.hidden_size // self.num_heads
-        self.rotary_dim = int(self.head_dim * rope_parameters(cfg).get("partial_rotary_factor", 1.0))
-        self.scale = self.head_dim ** -0.5
-        bias = bool(getattr(cfg, "attention_bias", True))
-        self.qkv_proj = Linear(cfg.hidden_size, 3 * cfg.hidden_size, bias, ops.linear, device)
-        self.o_proj = Linear(cfg.hidden_size, cfg.hidden_size, bias, ops.linear, device)
-        self._paged(layer_idx, ops)
-
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t, h, d = hidden.shape[0], self.num_heads, self.head_dim
-        q, k, v = (x.reshape(t, h, d) for x in self.qkv_proj(hidden).split(h * d, dim=-1))
-        q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, r]: partial rotary
-        out = self.attend(q, k, v)  # [T, H, D]
-        return self.o_proj(out.reshape(t, h * d))
-
-
 class NeoXLayer(nn.Module):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
         super().__init__()
-        self.self_attn = NeoXAttention(cfg, layer_idx, ops, device)
+        bias = bool(getattr(cfg, "attention_bias", True))  # (fused qkv rows regrouped at load: Llama's layout)
+        self.self_attn = Attention(cfg, layer_idx, ops, False, bias, bias, device)
         self.input_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.post_attention_layernorm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
         self.up = Linear(cfg.hidden_size, cfg.intermediate_size, True, ops.linear, device)
@@ -79,10 +58,6 @@ class NeoXLayer(nn.Module):
         return self.down(self.act(self.up(self.post_attention_layernorm(x)))) + x
 
 
-def rope_parameters(cfg: Any) -> dict:
-    return dict(getattr(cfg, "rope_parameters", None) or {})
-
-
 class GPTNeoXDecoder(LlamaDecoder):
     """GPT-NeoX over a flattened, paged batch; the engine-facing interface of LlamaDecoder (forward,
     compute_logits, lm_head_weight, materialize, load_hf_weights)."""
@@ -92,9 +67,9 @@ class GPTNeoXDecoder(LlamaDecoder):
         nn.Module.__init__(self)
         cfg = self.config = hf_config
         self.ops = ops
-        if rope_parameters(cfg).get("rope_type", "default") != "default":
-            raise ApcscoreError(f"GPT-NeoX with rope type {rope_parameters(cfg)['rope_type']!r} is not implemented "
-                                f"natively; use --model-backend transformers")
+        if (kind := rope_parameters(cfg).get("rope_type", "default")) != "default":
+            raise ApcscoreError(f"GPT-NeoX with rope type {kind!r} is not implemented natively; use "
+                                "--model-backend transformers")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
         self.layers = nn.ModuleList(NeoXLayer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers))
@@ -103,7 +78,7 @@ class GPTNeoXDecoder(LlamaDecoder):
 
     @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:
-        """cos/sin [P, rotary_dim] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
+        """cos/sin [P, rotary dimensions] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
 
         with torch.device("cpu"):
@@ -130,18 +105,9 @@ class GPTNeoXDecoder(LlamaDecoder):
         heads = self.layers[0].self_attn.num_heads  # (a tensor-parallel rank's own heads)
 
         def copy(param: torch.Tensor, name: str, regroup: bool = False) -> None:
-            if id(param) in slices:  # a rank's part (models.tensor_parallel): its heads are contiguous rows here
-                copier(param, name)
-                if regroup:
-                    param.copy_(param.reshape(heads, 3, -1, *param.shape[1:]).transpose(0, 1).reshape(param.shape)
-                                .clone())
-                return
-            src = copier.take(name)
-            if regroup:  # rows per head [q | k | v] -> [all q | all k | all v]
-                src = src.reshape(heads, 3, -1, *src.shape[1:]).transpose(0, 1).reshape(src.shape)
-            if tuple(src.shape) != tuple(param.shape):
-                raise ApcscoreError(f"weight {name} has shape {tuple(src.shape)}, expected {tuple(param.shape)}")
-            param.copy_(src)
+            copier(param, name)
+            if regroup:  # rows per head [q | k | v] -> [all q | all k | all v] (a rank's heads: contiguous rows)
+                param.copy_(param.reshape(heads, 3, -1, *param.shape[1:]).transpose(0, 1).reshape(param.shape).clone())
 
         copy(self.embed_tokens.weight, "gpt_neox.embed_in.weight")
         copy(self.norm.weight, "gpt_neox.final_layer_norm.weight")

@@ -15,25 +15,17 @@ import torch
 from torch import nn
 
 from apcscore.models.ops import Ops
-from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder, PagedAttention, RMSNorm
+from apcscore.models.llama import MLP, Attention, Device, LlamaDecoder, RMSNorm
 
 
-class Olmo2Attention(PagedAttention):
-    """Attention with q/k RMSNorm over the full projection; the KV pool's attributes as Llama's Attention."""
+class Olmo2Attention(Attention):
+    """Llama's attention with q/k RMSNorm over the full projection (all heads together)."""
 
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, device: Device = None) -> None:
-        super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim ** -0.5
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias, ops.linear, device)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias, ops.linear, device)
+        super().__init__(cfg, layer_idx, ops, False, bias, bias, device)
         self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, ops.rms_norm, device)
-        self._paged(layer_idx, ops)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = hidden.shape[0]
@@ -85,7 +77,6 @@ class Olmo2Decoder(LlamaDecoder):
                    copy: Callable[..., None]) -> None:
         """OLMo 2's layer: attention with q/k norms, MLP, and norms after attention and MLP (no pre-norms)."""
         self.load_attention(layer.self_attn, prefix + "self_attn.", copy)
-        copy(layer.mlp.gate_up_proj.weight, prefix + "mlp.gate_proj.weight", prefix + "mlp.up_proj.weight")
-        copy(layer.mlp.down_proj.weight, prefix + "mlp.down_proj.weight")
+        self.load_mlp(layer.mlp, prefix + "mlp.", state, copy)
         copy(layer.post_attention_layernorm.weight, prefix + "post_attention_layernorm.weight")
         copy(layer.post_feedforward_layernorm.weight, prefix + "post_feedforward_layernorm.weight")

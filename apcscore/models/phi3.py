@@ -2,8 +2,7 @@
 and partial rotary (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini).
 
 Phi-3 is Llama-shaped: its checkpoint stores q/k/v as one `qkv_proj` ([q | k | v] rows, the order our fused
-projection uses) and gate/up as one `gate_up_proj` ([gate | up]), so loading hands the Llama loader views of
-those rows (no copies).
+projection uses) and gate/up as one `gate_up_proj` ([gate | up]), so each loads as it is.
 
 Long-rope (`rope_type` "longrope"). transformers' Phi-3 rotary embedding computes each forward call with the
 *long* frequencies when the call's largest position + 1 exceeds `original_max_position_embeddings` (call it M),
@@ -23,17 +22,15 @@ rotated, the rest pass through (the Llama attention's partial branch).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
+from torch import nn
 
+from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, LlamaDecoder
 from apcscore.models.rope import RopeFrequencies, longrope_frequencies, rotary_tables, with_portable_math
-
-
-def _rope_parameters(cfg: Any) -> dict[str, Any]:
-    return dict(getattr(cfg, "rope_parameters", None) or {})
 
 
 class Phi3Decoder(LlamaDecoder):
@@ -42,7 +39,7 @@ class Phi3Decoder(LlamaDecoder):
     def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         super().__init__(hf_config, ops, max_positions, device)
-        rope = _rope_parameters(hf_config)
+        rope = rope_parameters(hf_config)
         self.longrope = rope.get("rope_type", "default") == "longrope"
         self.partial_rotary = float(rope.get("partial_rotary_factor", 1.0)) != 1.0
         if self.longrope:
@@ -69,24 +66,14 @@ class Phi3Decoder(LlamaDecoder):
         self.cos_table = cos.to(device=device, dtype=dtype)
         self.sin_table = sin.to(device=device, dtype=dtype)
 
-    @torch.no_grad()
-    def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:
-        """Split qkv_proj and gate_up_proj into the names the Llama loader takes (views), then load."""
-        cfg = self.config  # the full sizes (a tensor-parallel rank's layers hold parts: models.tensor_parallel)
-        d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        q, kv, inter = cfg.num_attention_heads * d, kv_heads * d, cfg.intermediate_size
-        mapped: dict[str, torch.Tensor] = {}
-        for name, tensor in state.items():
-            if name.endswith("self_attn.qkv_proj.weight"):
-                base = name[:-len("qkv_proj.weight")]
-                for part, (lo, hi) in zip("qkv", ((0, q), (q, q + kv), (q + kv, q + 2 * kv))):
-                    mapped[f"{base}{part}_proj.weight"] = tensor[lo:hi]
-            elif name.endswith("mlp.gate_up_proj.weight"):
-                base = name[:-len("gate_up_proj.weight")]
-                mapped[base + "gate_proj.weight"], mapped[base + "up_proj.weight"] = tensor[:inter], tensor[inter:]
-            else:
-                mapped[name] = tensor
-        super().load_hf_weights(mapped, rope, consume=False)
-        if consume:
-            state.clear()  # type: ignore[attr-defined]
+    @staticmethod
+    def load_attention(attn: nn.Module, prefix: str, copy: Callable[..., None]) -> None:
+        """Phi-3's fused qkv_proj: its rows [q | k | v] are our fused projection's."""
+        copy(attn.qkv_proj.weight, prefix + "qkv_proj.weight")
+        copy(attn.o_proj.weight, prefix + "o_proj.weight")
+
+    def load_mlp(self, mlp: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
+                 copy: Callable[..., None]) -> None:
+        """Phi-3's fused gate_up_proj: its rows [gate | up] are our fused projection's."""
+        copy(mlp.gate_up_proj.weight, prefix + "gate_up_proj.weight")
+        copy(mlp.down_proj.weight, prefix + "down_proj.weight")

@@ -187,6 +187,16 @@ def _gather_qk_norms(attn: nn.Module, tp: TensorParallel, kv: int) -> None:
     attn.k_norm = GatheredRMSNorm(attn.k_norm, tp, kv_sources, device)
 
 
+def _column(old: Linear, spec: SliceSpec, device: Any) -> ColumnParallelLinear:
+    """`old` (a Linear of the full model) as this rank's rows `spec` of it."""
+    return ColumnParallelLinear(old.weight.shape[1], spec, old.bias is not None, old.linear_fn, device)
+
+
+def _row(old: Linear, spec: SliceSpec, tp: TensorParallel, device: Any) -> RowParallelLinear:
+    """`old` (a Linear of the full model) as this rank's columns `spec` of it."""
+    return RowParallelLinear(spec, old.weight.shape[0], old.bias is not None, old.linear_fn, tp, device)
+
+
 def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
     heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     n, r = tp.world_size, tp.rank
@@ -196,11 +206,8 @@ def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: An
     full = heads * d + 2 * kv * d
     qkv = SliceSpec(0, ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)),
                     full)
-    old = attn.qkv_proj
-    attn.qkv_proj = ColumnParallelLinear(old.weight.shape[1], qkv, old.bias is not None, old.linear_fn, device)
-    o = attn.o_proj
-    attn.o_proj = RowParallelLinear(SliceSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
-                                    o.bias is not None, o.linear_fn, tp, device)
+    attn.qkv_proj = _column(attn.qkv_proj, qkv, device)
+    attn.o_proj = _row(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
     attn.num_heads, attn.num_kv_heads = hq, hkv  # the forward reshapes to these: [T, hq, D], [T, hkv, D]
     attn.q_size, attn.kv_size = hq * d, hkv * d
 
@@ -208,16 +215,11 @@ def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: An
 def _slice_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
     """The gate/up and down projections of `mlp` (a module with gate_up_proj, down_proj and intermediate: Llama's
     MLP, or a Gemma layer itself)."""
-    inter = mlp.intermediate
-    n, r = tp.world_size, tp.rank
+    inter, n, r = mlp.intermediate, tp.world_size, tp.rank
     part = inter // n
-    gu = mlp.gate_up_proj
-    mlp.gate_up_proj = ColumnParallelLinear(gu.weight.shape[1], SliceSpec(0, ((r * part, part),
-                                                                              (inter + r * part, part)), 2 * inter),
-                                            gu.bias is not None, gu.linear_fn, device)
-    down = mlp.down_proj
-    mlp.down_proj = RowParallelLinear(SliceSpec(1, ((r * part, part),), inter), down.weight.shape[0],
-                                      down.bias is not None, down.linear_fn, tp, device)
+    mlp.gate_up_proj = _column(mlp.gate_up_proj, SliceSpec(0, ((r * part, part), (inter + r * part, part)),
+                                                            2 * inter), device)
+    mlp.down_proj = _row(mlp.down_proj, SliceSpec(1, ((r * part, part),), inter), tp, device)
     mlp.intermediate = part
 
 
@@ -245,20 +247,14 @@ def _slice_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None
     attn, n, r = layer.self_attn, tp.world_size, tp.rank
     heads, d = attn.num_heads, attn.head_dim
     hq = heads // n
-    qkv, o = attn.qkv_proj, attn.o_proj
-    attn.qkv_proj = ColumnParallelLinear(qkv.weight.shape[1], SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),),
-                                                                        3 * heads * d),
-                                         qkv.bias is not None, qkv.linear_fn, device)
-    attn.o_proj = RowParallelLinear(SliceSpec(1, ((r * hq * d, hq * d),), heads * d), o.weight.shape[0],
-                                    o.bias is not None, o.linear_fn, tp, device)
+    attn.qkv_proj = _column(attn.qkv_proj, SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),), 3 * heads * d), device)
+    attn.o_proj = _row(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
     attn.num_heads = attn.num_kv_heads = hq
+    attn.q_size = attn.kv_size = hq * d
     inter = layer.up.weight.shape[0]
     part = inter // n
-    up, down = layer.up, layer.down
-    layer.up = ColumnParallelLinear(up.weight.shape[1], SliceSpec(0, ((r * part, part),), inter),
-                                    up.bias is not None, up.linear_fn, device)
-    layer.down = RowParallelLinear(SliceSpec(1, ((r * part, part),), inter), down.weight.shape[0],
-                                   down.bias is not None, down.linear_fn, tp, device)
+    layer.up = _column(layer.up, SliceSpec(0, ((r * part, part),), inter), device)
+    layer.down = _row(layer.down, SliceSpec(1, ((r * part, part),), inter), tp, device)
 
 
 def slice_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
@@ -285,8 +281,6 @@ def slice_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
     model.vocab_range = (start, end)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, tp, device)
     if model.lm_head is not None:  # a tied head is the (sliced) embedding itself (lm_head_weight)
-        head = model.lm_head
-        model.lm_head = ColumnParallelLinear(head.weight.shape[1], SliceSpec(0, ((start, end - start),), vocab),
-                                             False, head.linear_fn, device)
+        model.lm_head = _column(model.lm_head, SliceSpec(0, ((start, end - start),), vocab), device)
     model.tensor_parallel = tp
     return model

@@ -63,15 +63,11 @@ def check_logprobs(k: int | None, option: str, cap: int) -> None:
                             f"the cap with --max-logprobs {k}")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 # an option's type (its annotation less `| None`) -> (what a value must be, test); None is always allowed
 _TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "bool": ("true or false", lambda v: isinstance(v, bool)),
     "str": ("a string", lambda v: isinstance(v, str)),
-    "int": ("an integer", _is_int),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "float": ("a number", is_number),
     "Path": ("a path (a string)", lambda v: isinstance(v, (str, Path))),
     "str | list[str]": ("a string or a list of strings", lambda v: isinstance(v, str) or (

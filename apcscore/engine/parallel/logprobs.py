@@ -53,25 +53,17 @@ def _chunk(tp: TensorParallel, logits: torch.Tensor, targets: torch.Tensor, k: i
     # ids travel as fp32: exact below 2^24 (checked by the caller); [c, 3 + 2k]
     packed = torch.cat([m[:, None], s[:, None], own[:, None], values.float(), (ids + start).float()], dim=1)
     parts = tp.gather(packed)
-    big_m = parts[0][:, 0]
-    for p in parts[1:]:
-        big_m = torch.maximum(big_m, p[:, 0])
+    big_m = torch.stack([p[:, 0] for p in parts]).amax(dim=0)  # (a max: exact in any order)
     total = parts[0][:, 1] * torch.exp(parts[0][:, 0] - big_m)
     for p in parts[1:]:
         total = total + p[:, 1] * torch.exp(p[:, 0] - big_m)  # rank order
     lse = big_m + torch.log(total)  # [c]
-    target_logit = parts[0][:, 2]
-    for p in parts[1:]:
-        target_logit = torch.maximum(target_logit, p[:, 2])  # exactly one rank holds a valid target's logit
+    target_logit = torch.stack([p[:, 2] for p in parts]).amax(dim=0)  # one rank holds a valid target's logit
     valid = (targets >= 0) & (targets < vocab)
     logprobs = torch.where(valid, target_logit - lse, float("nan"))
     if ranks:
         above = (logits > target_logit[:, None]).sum(dim=1, dtype=torch.int64)  # [c]
-        counts = tp.gather(above)
-        greater = counts[0]
-        for cnt in counts[1:]:
-            greater = greater + cnt
-        rank = torch.where(valid, greater + 1, 0)
+        rank = torch.where(valid, torch.stack(tp.gather(above)).sum(dim=0) + 1, 0)  # integers: exact
     else:
         rank = torch.zeros_like(targets)
     cand_v = torch.cat([p[:, 3:3 + k] for p in parts], dim=1)  # [c, n * k]

@@ -160,7 +160,7 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
             dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
         torch.set_num_threads(threads)  # rank 0 takes its share of the cores too (threads do not change bits)
     if _GROUP is None and not _EXIT_HOOK:
-        atexit.register(_shutdown_at_exit)
+        atexit.register(shutdown_ranks)
         _EXIT_HOOK.append(True)
     _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes, threads_before=threads_before,
                        watch=FailureWatch(processes).start() if backend == "nccl" else None)
@@ -176,10 +176,6 @@ def shutdown_ranks() -> None:
     """Stop this process's ranks, if any (also at exit); a later tensor-parallel engine starts new ones."""
     if _GROUP is not None:
         _GROUP.shutdown()
-
-
-def _shutdown_at_exit() -> None:
-    shutdown_ranks()
 
 
 def join_launched_group(backend: str, rank: int) -> None:
