@@ -42,9 +42,12 @@ RUNS: dict[str, list[str]] = {
     "generate-greedy": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "16", "--logprobs", "3"],
     "generate-sampled": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "16", "--temperature", "0.8",
                          "--top-p", "0.95", "--seed", "1234", "--logprobs", "3"],
-    # one run through every path (scored prefill, decode, sampling), for the many small models of the tests
+    # one run through every path (scored prefill, decode, sampling), for the many small models of the tests; a
+    # pool of 64 blocks, not one sized from free memory (a tiny model's KV block is a few KiB: a million blocks,
+    # seconds to set up per load), holds the 8 prompts of <= 36 + 8 tokens (24 blocks of 16); its size moves no bit
     "generate-scored": ["generate", "{data}/sample_prompts.jsonl", "--max-tokens", "8", "--temperature", "0.8",
-                        "--top-p", "0.95", "--seed", "1234", "--logprobs", "3", "--prompt-logprobs", "5"],
+                        "--top-p", "0.95", "--seed", "1234", "--logprobs", "3", "--prompt-logprobs", "5",
+                        "--num-kv-blocks", "64"],
     # the exact divergence of an int8 copy of the default model from it (INT8: that copy, made by int8_copy)
     "score-reference": ["score", "{data}/sample_prompts.jsonl", "--prompt-logprobs", "5", "--model", "{int8}",
                         "--reference-model", "smollm2-135m"],

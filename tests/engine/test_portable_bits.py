@@ -32,9 +32,13 @@ GOLDEN = ROOT / "tests" / "golden_digests.json"
 SCRIPT = ROOT / "scripts" / "golden_digests.py"
 # (ATEN_CPU_CAPABILITY, APCSCORE_SIMD, OMP_NUM_THREADS) of the subprocess runs: each level of both, both thread counts
 SETTINGS = [("default", "scalar", "1"), ("avx2", "avx2", "2"), ("avx512", "avx512", "1")]
-# the default model's runs per setting: the scalar GEMM (fmaf one element at a time) takes minutes per run, so
-# there only fp32 scoring (~3 min on 2 cores); the vector settings also sample, and run bf16
-DEFAULT_MODEL_RUNS = {"scalar": ["--runs", "score,score-reference", "--dtypes", "float32"],
+# the default model's runs per setting: the scalar GEMM (fmaf one element at a time) is slow, so there only fp32
+# scoring (~80 s on 2 cores); the vector settings also sample, and run bf16. score-reference
+# (~160 s under scalar: two forwards) adds no kernel there: its forwards are score's GEMM and logprob path (other
+# weights for the int8 copy), its KL our double exp and log (compared across SIMD levels and threads in process:
+# test_the_exact_divergence_gives_the_same_bits_...) and torch's elementwise IEEE operations (exact under any ATen
+# level); the golden test runs it.
+DEFAULT_MODEL_RUNS = {"scalar": ["--runs", "score", "--dtypes", "float32"],
                       "avx2": ["--runs", "score,generate-sampled"], "avx512": ["--runs", "score,generate-sampled"]}
 NATIVE_TINY = ["llama", "llama3", "mistral", "qwen2", "qwen3", "neox", "olmo2", "phi3", "phi3_longrope",
                "phi3_partial", "mixtral", "qwen2_moe", "gemma2", "gemma3"]
@@ -93,6 +97,23 @@ def test_every_simd_level_and_thread_count_gives_the_same_bits(name: str, monkey
     first = next(iter(results.values()))
     assert all(torch.equal(first, r) for r in results.values()), [k for k, r in results.items()
                                                                     if not torch.equal(first, r)]
+
+
+def test_the_exact_divergence_gives_the_same_bits_in_every_simd_level_and_thread_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """score --reference-model's KL, reference logprob, delta p and top-1 columns (kernels/divergence_torch) of
+    rows over the default model's vocabulary (so 2 threads split the double exps): one set of bits."""
+    from apcscore.kernels.divergence_torch import row_divergence
+
+    g = torch.Generator().manual_seed(0)
+    logits, ref_logits = (torch.randn(8, 49152, generator=g) * 5 for _ in range(2))
+    logits[3, :100] = ref_logits[3, :100] = -float("inf")  # tokens that both give probability 0
+    targets = torch.randint(0, 49152, (8,), generator=g)
+    results = {setting: [t.contiguous().view(torch.uint8) for t in row_divergence(logits, ref_logits, targets)]
+               for setting in each_setting(monkeypatch)}
+    first = next(iter(results.values()))
+    for setting, got in results.items():
+        assert all(torch.equal(a, b) for a, b in zip(first, got)), setting
 
 
 def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
@@ -257,8 +278,10 @@ def test_perplexity_and_greedy_generation_across_tiles_do_not_depend_on_the_simd
             for name, args in runs.items():
                 for dtype in ("float32", "bfloat16"):
                     out = tmp_path / f"{simd}-{threads}-{name}-{dtype}.parquet"
+                    # 64 KV blocks hold either run (<= 3 windows of 160 tokens, or 206 tokens) and spare each load
+                    # the seconds a pool sized from free memory (a million tiny blocks) takes to set up
                     res = CliRunner().invoke(app, [*args, "--model", model, "--dtype", dtype, "--out", str(out),
-                                                   "--quiet"])
+                                                   "--num-kv-blocks", "64", "--quiet"])
                     assert res.exit_code == 0, res.output
                     digests.setdefault((name, dtype), {})[(simd, threads)] = golden_digest(out)
     finally:

@@ -150,21 +150,26 @@ def reference_windows(hf, seq, windows, dtype: torch.dtype = torch.float32) -> t
     """Number of scored tokens and each one's logprob from transformers, window by window (as lm-eval).
 
     To keep the test fast, windows whose input is a prefix of `seq` read the rows of one forward of `seq`
-    (causal: the same computation), and the others run batched by length (equal lengths: no padding).
+    (causal: the same computation), and the others run once per distinct input (window sets share some),
+    batched by length (equal lengths: no padding).
     """
     with torch.no_grad():
         full = torch.log_softmax(hf(torch.tensor([seq[:-1]])).logits[0].to(dtype), -1)  # [len(seq) - 1, V]
     rows: dict[int, torch.Tensor] = {}
-    by_length: dict[int, list[int]] = {}
+    windows_of: dict[tuple[int, ...], list[int]] = {}  # a distinct input -> the windows that have it
     for i, (inp, _) in enumerate(windows):
         if inp == seq[:len(inp)]:
             rows[i] = full[:len(inp)]
         else:
-            by_length.setdefault(len(inp), []).append(i)
-    for idx in by_length.values():
+            windows_of.setdefault(tuple(inp), []).append(i)
+    by_length: dict[int, list[tuple[int, ...]]] = {}
+    for inp in windows_of:
+        by_length.setdefault(len(inp), []).append(inp)
+    for inputs in by_length.values():
         with torch.no_grad():
-            lp = torch.log_softmax(hf(torch.tensor([windows[i][0] for i in idx])).logits.to(dtype), -1)  # [B, L, V]
-        rows.update(zip(idx, lp))
+            lp = torch.log_softmax(hf(torch.tensor(inputs)).logits.to(dtype), -1)  # [B, L, V]
+        for inp, window_rows in zip(inputs, lp):
+            rows.update((i, window_rows) for i in windows_of[inp])
     logprobs: list[float] = []
     for i, (inp, targets) in enumerate(windows):
         scored = rows[i][len(inp) - len(targets):]  # [len(targets), V]
