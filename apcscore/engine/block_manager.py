@@ -17,7 +17,7 @@ import struct
 from collections import OrderedDict
 from typing import Callable, Protocol, Sequence as Seq
 
-from apcscore.engine.counters import EngineStats
+from apcscore.engine.counters import EngineCounters
 
 
 class BlockSequence(Protocol):
@@ -63,7 +63,7 @@ class BlockManager:
         # Blocks with ref_count 0, least recently freed first. Cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block digest -> block id
-        self.stats = EngineStats()  # the prefix cache's fields; an engine's whole tally (Engine.stats)
+        self.stats = EngineCounters()  # the prefix cache's fields; an engine's whole tally (Engine.stats)
         self._num_registered: dict[int, int] = {}  # id(seq) -> leading blocks already registered
         self.on_evict: Callable[[bytes], None] | None = None  # called with a digest leaving the cache (score store)
 

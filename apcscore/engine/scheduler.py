@@ -11,7 +11,7 @@ prefilled right now by another sequence waits a step instead of computing it twi
 prefix and arrive together still hit. With exact reuse (`--exact-reuse`) scoring sequences read the cache too,
 up to their first scored position (`Sequence.reusable_blocks`), and beyond it the blocks whose score-store
 entries cover them (engine/score_store.py), and wait for pending blocks the same way; without it, the tokens
-they could have read before their first scored position are counted (`EngineStats.reusable_tokens`).
+they could have read before their first scored position are counted (`EngineCounters.reusable_tokens`).
 """
 
 from __future__ import annotations
