@@ -63,7 +63,7 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 def decode_inputs(batch: ScheduledBatch, block_size: int, rope_offset: int = 0) -> StepInputs | None:
     """The inputs of a batch whose every sequence computes one token (build_step_inputs, as the eager
     model runner builds them, unpadded), or None for an empty, prefill or mixed batch."""
-    if not batch.items or any(n != 1 for _, n in batch.items):
+    if not batch or any(n != 1 for _, n in batch):
         return None
     return build_step_inputs(batch, block_size, rope_offset=rope_offset)
 

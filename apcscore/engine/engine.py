@@ -139,8 +139,7 @@ class Engine:
 
     # ---- schedule ------------------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch:
-        batch = self.scheduler.schedule()
-        self.stats.preemptions += batch.num_preempted
+        batch = self.scheduler.schedule()  # (it counts its preemptions into self.stats)
         if not batch:
             raise RuntimeError("scheduler made no progress: this is a bug, please report it")
         return batch
@@ -157,11 +156,11 @@ class Engine:
         if self.store is not None:  # after finish_step: the completed blocks are in the cache now
             for seq, hidden in step.block_hidden:
                 self.store.publish(seq, hidden, self.block_manager.cached, self.block_manager.block_size)
-        for seq, n in batch.items:
+        for seq, n in batch:
             if seq.num_computed_tokens <= seq.prompt_len:
                 self.stats.prompt_tokens += n
         sampled = {id(seq): (tok, tl) for seq, tok, tl in step.sampled}
-        for seq, _ in batch.items:
+        for seq, _ in batch:
             if id(seq) in sampled:
                 tok, tl = sampled[id(seq)]
                 seq.token_ids.append(tok)

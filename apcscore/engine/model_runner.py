@@ -70,7 +70,7 @@ class ModelRunner:
         return self._stage(self._step_inputs(batch))
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        num_rows = padded_rows(sum(n for _, n in batch.items)) if self.device.type == "cpu" else None
+        num_rows = padded_rows(sum(n for _, n in batch)) if self.device.type == "cpu" else None
         return build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
 
     def _stage(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -116,7 +116,7 @@ class ModelRunner:
         bs = self.block_size
         picks: list[tuple[Sequence, int, int]] = []  # seq, block index, row in hidden
         offset = 0
-        for seq, n in batch.items:
+        for seq, n in batch:
             start = seq.num_computed_tokens
             for j in range(start // bs, (start + n) // bs):  # blocks whose last position is in [start, start + n)
                 if seq.scores_prompt and publishes(seq.request, j, bs, seq.prompt_len):
@@ -150,7 +150,7 @@ class ModelRunner:
         alt_spans: list[tuple[Sequence, int, int]] = []  # seq, first row in `rows`, count
         extra: list[torch.Tensor] = []  # stored boundary hidden states, rows hidden.shape[0] + i of the source
         offset = 0
-        for seq, n in batch.items:
+        for seq, n in batch:
             req = seq.request
             start = seq.num_computed_tokens
             if seq.scores_prompt:
@@ -210,7 +210,7 @@ class ModelRunner:
         rows: list[int] = []
         seqs: list[Sequence] = []
         offset = 0
-        for seq, n in batch.items:
+        for seq, n in batch:
             offset += n
             if seq.num_computed_tokens + n == seq.num_tokens and seq.request.max_tokens > len(seq.output_token_ids):
                 rows.append(offset - 1)

@@ -293,19 +293,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
 
-@dataclass
-class ScheduledBatch:
-    """The work of one step: (sequence, number of new tokens to compute) in batch order."""
-
-    items: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+# The work of one step, the scheduler's: (sequence, number of new tokens to compute) in batch order
+ScheduledBatch = list[tuple[Sequence, int]]
 
 
 @dataclass

@@ -23,8 +23,8 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, num_rows: int | No
     """The inputs of `batch` (each item: a sequence and how many of its tokens this step computes, from its
     num_computed_tokens on), padded with empty rows up to num_rows when given. rope_offset: added to the
     positions of sequences that use the long rotary table (`Sequence.rope_long`; LlamaDecoder.long_rope_after)."""
-    seqs = [seq for seq, _ in batch.items]
-    counts = np.array([n for _, n in batch.items], dtype=np.int64)  # [B]
+    seqs = [seq for seq, _ in batch]
+    counts = np.array([n for _, n in batch], dtype=np.int64)  # [B]
     starts = np.array([seq.num_computed_tokens for seq in seqs], dtype=np.int64)  # [B]
     cu = np.zeros(len(seqs) + 1, dtype=np.int32)
     np.cumsum(counts, out=cu[1:])
@@ -34,7 +34,7 @@ def build_step_inputs(batch: ScheduledBatch, block_size: int, num_rows: int | No
         raise ValueError(f"{total} tokens do not fit {rows} rows")
     tables = np.zeros((len(seqs), max(len(seq.block_ids) for seq in seqs)), dtype=np.int32)
     ids: list[int] = []
-    for i, (seq, n) in enumerate(batch.items):
+    for i, (seq, n) in enumerate(batch):
         tables[i, :len(seq.block_ids)] = seq.block_ids
         ids += seq.token_ids[seq.num_computed_tokens:seq.num_computed_tokens + n]
     owner = np.repeat(np.arange(len(seqs)), counts)  # [total]: the sequence of each row

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from apcscore import Request
-from apcscore.engine.step import ScheduledBatch, Sequence
+from apcscore.engine.step import Sequence
 from apcscore.engine.step_inputs import InputStager, build_step_inputs
 
 
@@ -22,7 +22,7 @@ def test_a_chunk_across_blocks_and_a_decode_row_padded() -> None:
     """Block size 4: sequence 0 computes positions 3..8 (three blocks), sequence 1 its position 4 (a new block)."""
     a = sequence(0, list(range(100, 110)), [7, 2, 5], computed=3)
     b = sequence(1, list(range(200, 205)), [9, 4], computed=4)
-    inp = build_step_inputs(ScheduledBatch([(a, 6), (b, 1)]), block_size=4, num_rows=16)
+    inp = build_step_inputs([(a, 6), (b, 1)], block_size=4, num_rows=16)
     assert inp.input_ids.tolist() == [103, 104, 105, 106, 107, 108, 204] + [0] * 9
     assert inp.positions.tolist() == [3, 4, 5, 6, 7, 8, 4] + [0] * 9
     # slot = block * 4 + offset: position 3 in block 7, 4..7 in block 2, 8 in block 5; b's 4 in block 4
@@ -33,9 +33,9 @@ def test_a_chunk_across_blocks_and_a_decode_row_padded() -> None:
     assert (inp.input_ids.dtype, inp.slot_mapping.dtype, inp.cu_seqlens_q.dtype, inp.block_tables.dtype) == (
         np.int64, np.int64, np.int32, np.int32)
     assert not inp.is_decode
-    assert build_step_inputs(ScheduledBatch([(b, 1)]), block_size=4).is_decode
+    assert build_step_inputs([(b, 1)], block_size=4).is_decode
     with pytest.raises(ValueError):
-        build_step_inputs(ScheduledBatch([(a, 6), (b, 1)]), block_size=4, num_rows=5)
+        build_step_inputs([(a, 6), (b, 1)], block_size=4, num_rows=5)
 
 
 def arrays(seed: int) -> list[np.ndarray]:
