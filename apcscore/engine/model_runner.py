@@ -3,7 +3,7 @@
 Logits are computed only for the rows that need them: every scored prompt position (prompt logprobs)
 and the last position of each sequence that samples its next token. With exact reuse's score store, a sequence
 that read stored results also scores its boundary row from the stored hidden state (`Sequence.boundary_hidden`),
-and the final hidden state of each block's last position is captured for the store (`StepOutput.block_hidden`).
+and the final hidden state of each block's last position is captured for the store (`Sequence.block_hidden`).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
-from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, StepOutput, TokenLogprobs
+from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
 from apcscore.engine.step_inputs import InputStager, build_step_inputs
 from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
@@ -90,14 +90,22 @@ class ModelRunner:
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+        """Run one step. What it scored goes onto its sequences (`prompt_logprob_parts`, `alternative_logprobs`,
+        and for the score store `block_hidden`); returns each sampling sequence's token and its logprobs."""
         hidden = self.cuda_graphs.forward(batch) if self.cuda_graphs is not None else None  # [n, H] or None
         if hidden is None:
             hidden = self._forward(batch)  # [T, H]
-        captured = self._block_hidden(batch, hidden) if self.capture_block_hidden else []
+        if self.capture_block_hidden:
+            for seq, block_hidden in self._block_hidden(batch, hidden):
+                seq.block_hidden = block_hidden
         ref_hidden = self.reference._forward(batch) if self.reference is not None else None  # [T, H]; fills its KV
         prompt_lps, alternatives = self._score_prompts(batch, hidden, ref_hidden)
-        return StepOutput(prompt_lps, self._sample(batch, hidden), captured, alternatives)
+        for seq, lps in prompt_lps:
+            seq.prompt_logprob_parts.append(lps)
+        for seq, lps in alternatives:
+            seq.alternative_logprobs = lps
+        return self._sample(batch, hidden)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The step's final hidden states [T, H] (eager); engine/parallel/runner.py broadcasts the inputs first."""
