@@ -21,11 +21,12 @@ from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
-from apcscore.engine.step_inputs import InputStager, build_step_inputs
+from apcscore.engine.step_inputs import build_step_inputs
 from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
 from apcscore.kernels.matmul_torch import padded_rows
 from apcscore.models.llama import LlamaDecoder
 
+_ALIGN = 64  # bytes: every staged array starts 64-byte aligned, as a fresh allocation would (Triton specialises on it)
 
 class ModelRunner:
     cuda_graphs_allowed = True  # (not for the tensor-parallel SliceRunner: collectives are not captured)
@@ -52,7 +53,10 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
         allocate_kv_cache(model, num_kv_blocks, self.block_size, dtype, device)
-        self.stager = InputStager(device)  # step inputs: one non-blocking copy from pinned memory on CUDA
+        # to_device on CUDA: two pinned uint8 buffers used in turn, each with the event of its last copy
+        self._pinned: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event | None] = []
+        self._turn = 0
         # Triton backend: decode sequences sharing prefix blocks run as groups (attention/decode_groups.py);
         # None (the torch backend, or turned off): every step's metadata is built exactly as without groups
         self.decode_group_shape = group_shape(model.layers[0].self_attn)
@@ -60,7 +64,7 @@ class ModelRunner:
         if device.type == "cuda" and config.use_cuda_graphs and self.cuda_graphs_allowed:
             from apcscore.engine.cuda_graphs import DecodeGraphRunner
 
-            self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device)
+            self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device, self.to_device)
 
     # ---- batch preparation ---------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -78,7 +82,7 @@ class ModelRunner:
         shape = self.decode_group_shape
         groups = None if shape is None else step_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables,
                                                                 self.block_size, shape)
-        staged = self.stager.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
+        staged = self.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
                                        inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
         input_ids, positions, slots, cu, seq_lens, tables = staged[:6]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
@@ -87,6 +91,42 @@ class ModelRunner:
         if groups:
             meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape, num_groups=groups[2])
         return input_ids, positions, meta
+
+    def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Host arrays as tensors on the device, in order: zero-copy on the CPU; on CUDA one non-blocking copy out
+        of a persistent pinned buffer (two used in turn, each refilled only once its previous copy has finished), so
+        staging a step neither allocates pinned memory nor waits for the GPU. The tensors are fresh (stream-ordered
+        caching allocations): they stay valid while the caller holds them, whatever later steps stage."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-a.nbytes // _ALIGN) * _ALIGN
+        i = self._pinned_slot(end)
+        host = self._pinned[i]
+        for a, off in zip(arrays, offsets):
+            host[off:off + a.nbytes].numpy().view(a.dtype).reshape(a.shape)[...] = a
+        dev = host[:end].to(self.device, non_blocking=True)  # the one copy of the step
+        event = self._copied[i] = self._copied[i] or torch.cuda.Event()
+        event.record()
+        dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+        return [dev[off:off + a.nbytes].view(dtypes[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+
+    def _pinned_slot(self, nbytes: int) -> int:
+        """A pinned buffer of at least nbytes whose last copy has finished (both buffers grow together)."""
+        if not self._pinned or self._pinned[0].numel() < nbytes:
+            for event in self._copied:
+                if event is not None:
+                    event.synchronize()  # growing (rare): the old buffers may still be read
+            size = max(nbytes, 2 * self._pinned[0].numel() if self._pinned else 1 << 16)
+            self._pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self._copied = [None, None]
+        i, self._turn = self._turn, 1 - self._turn
+        event = self._copied[i]
+        if event is not None and not event.query():  # normally long done: the step between read its results
+            event.synchronize()
+        return i
 
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()

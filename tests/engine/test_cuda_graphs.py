@@ -51,7 +51,7 @@ def attach(engine: Engine, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES) -> De
     runs eagerly), built as ModelRunner builds one on CUDA for the Triton backend."""
     runner = engine.runner
     runner.cuda_graphs = DecodeGraphRunner(runner.model, runner.block_size, engine.config.max_num_seqs, runner.device,
-                                           sizes, capture=runner.device.type == "cuda")
+                                           runner.to_device, sizes, capture=runner.device.type == "cuda")
     return runner.cuda_graphs
 
 
@@ -102,7 +102,7 @@ def test_padding_rows_are_empty_sequences(tiny_model_dir) -> None:
 def test_only_the_triton_backend_is_captured(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir("llama"))
     small = EngineConfig(block_size=4, max_num_seqs=16)
-    assert DecodeGraphRunner.for_model(engine.model, small, torch.device("cpu")) is None
+    assert DecodeGraphRunner.for_model(engine.model, small, torch.device("cpu"), engine.runner.to_device) is None
     assert engine.runner.cuda_graphs is None  # on the CPU the model runner never makes one
 
 
