@@ -95,8 +95,8 @@ def patch_apcscore() -> Callable[[], None]:
     for name in ("attend_decode", "attend_prefill", "attend_prefill_batched", "store_kv"):
         setattr(backend, name, timed(name, getattr(backend, name)))
     runner.ModelRunner.execute = step(
-        runner.ModelRunner.execute, lambda batch: "prefill" if max(n for _, n in batch.items) > 1 else "decode",
-        lambda batch: sum(n for _, n in batch.items))
+        runner.ModelRunner.execute, lambda batch: "prefill" if max(n for _, n in batch) > 1 else "decode",
+        lambda batch: sum(n for _, n in batch))
     return lambda: main()
 
 

@@ -78,10 +78,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     out[cu[-1]:].zero_()  # padding rows: dropped by the caller, zero so that no stale memory flows on
     if cpu_attention.supported(query, k_cache, v_cache, window, softcap):
-        items = meta.plans.get("cpu_attention")
-        if items is None:  # the same in every layer
-            items = meta.plans["cpu_attention"] = cpu_attention.Items.of(cu, lens, meta.block_tables)
-        cpu_attention.attention(query, k_cache, v_cache, items, scale, out)
+        cpu_attention.attention(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables, scale,
+                                out)
         return out
     decode = [i for i in range(len(lens)) if cu[i + 1] - cu[i] == 1]
     if decode:

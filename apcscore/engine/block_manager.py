@@ -6,7 +6,7 @@ The first block's parent is NONE_HASH, or a sequence's own `hash_root` when the 
 (`variant_root`: Phi-3 long-rope sequences rotated with the long frequencies).
 A lookup walks a sequence's chain of block hashes from the start and stops at the first miss; a hit also
 compares the block's stored token ids and parent digest, so even a collision can never hand out wrong KV. Blocks carry
-ref counts. A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
+ref counts (`ref_counts`). A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
 until it is handed out again, at which point its hash is evicted. Partial blocks are never cached.
 """
 
@@ -15,10 +15,9 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence as Seq
 
-from apcscore.engine.counters import EngineStats
+from apcscore.engine.counters import EngineCounters
 
 
 class BlockSequence(Protocol):
@@ -49,15 +48,6 @@ def hash_block(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
     return hashlib.sha256(parent_hash + struct.pack(f"<{len(token_ids)}q", *token_ids)).digest()
 
 
-@dataclass
-class Block:
-    block_id: int
-    ref_count: int = 0
-    block_hash: bytes | None = None  # set once the block is full, computed and registered in the cache
-    parent_hash: bytes = NONE_HASH
-    token_ids: tuple[int, ...] = ()
-
-
 class BlockManager:
     """Hands out KV blocks to sequences and finds cached prefixes."""
 
@@ -67,11 +57,13 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.ref_counts = [0] * num_blocks  # sequences holding each block
+        # per block registered in the prefix cache (full, computed): its (digest, parent digest, token ids); else None
+        self.contents: list[tuple[bytes, bytes, tuple[int, ...]] | None] = [None] * num_blocks
         # Blocks with ref_count 0, least recently freed first. Cached ones among them can still be hit.
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[bytes, int] = {}  # block digest -> block id
-        self.stats = EngineStats()  # the prefix cache's fields; an engine's whole tally (Engine.stats)
+        self.stats = EngineCounters()  # the prefix cache's fields; an engine's whole tally (Engine.stats)
         self._num_registered: dict[int, int] = {}  # id(seq) -> leading blocks already registered
         self.on_evict: Callable[[bytes], None] | None = None  # called with a digest leaving the cache (score store)
 
@@ -114,8 +106,7 @@ class BlockManager:
             block_id = self.cached.get(hashes[i])
             if block_id is None:
                 break
-            block = self.blocks[block_id]
-            if block.parent_hash != parent or block.token_ids != tuple(seq.token_ids[i * bs:(i + 1) * bs]):
+            if self.contents[block_id] != (hashes[i], parent, tuple(seq.token_ids[i * bs:(i + 1) * bs])):
                 break  # hash collision: never hand out KV of other tokens
             hit.append(block_id)
             parent = hashes[i]
@@ -127,7 +118,7 @@ class BlockManager:
     # ---- allocation ----------------------------------------------------------------------------
     def can_allocate(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
         needed = self._num_new_blocks(seq, num_new_tokens, cached_blocks)
-        reclaimed_from_free = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
+        reclaimed_from_free = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
         return needed <= self.num_free_blocks - reclaimed_from_free
 
     def allocate(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
@@ -141,10 +132,9 @@ class BlockManager:
         if cached_blocks:
             assert not seq.block_ids, "cached blocks are taken at admission only"
             for block_id in cached_blocks:
-                block = self.blocks[block_id]
-                if block.ref_count == 0:
+                if self.ref_counts[block_id] == 0:
                     del self.free_queue[block_id]
-                block.ref_count += 1
+                self.ref_counts[block_id] += 1
                 seq.block_ids.append(block_id)
             seq.num_computed_tokens = len(cached_blocks) * self.block_size
             self._num_registered[id(seq)] = len(cached_blocks)
@@ -159,14 +149,13 @@ class BlockManager:
 
     def _pop_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)  # least recently freed
-        block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict: its content is about to be overwritten
-            if self.cached.get(block.block_hash) == block_id:
-                del self.cached[block.block_hash]
-                if self.on_evict is not None:
-                    self.on_evict(block.block_hash)
-            block.block_hash, block.parent_hash, block.token_ids = None, NONE_HASH, ()
-        block.ref_count = 1
+        content = self.contents[block_id]
+        if content is not None:  # evict: its content is about to be overwritten
+            del self.cached[content[0]]
+            if self.on_evict is not None:
+                self.on_evict(content[0])
+            self.contents[block_id] = None
+        self.ref_counts[block_id] = 1
         return block_id
 
     def cache_full_blocks(self, seq: BlockSequence) -> None:
@@ -180,22 +169,20 @@ class BlockManager:
             return
         hashes = self.update_block_hashes(seq)
         for i in range(start, num_full):
-            block = self.blocks[seq.block_ids[i]]
-            if block.block_hash is None and hashes[i] not in self.cached:
-                block.block_hash = hashes[i]
-                block.parent_hash = hashes[i - 1] if i else _root(seq)
-                block.token_ids = tuple(seq.token_ids[i * bs:(i + 1) * bs])
-                self.cached[hashes[i]] = block.block_id
+            block_id = seq.block_ids[i]
+            if self.contents[block_id] is None and hashes[i] not in self.cached:
+                parent = hashes[i - 1] if i else _root(seq)
+                self.contents[block_id] = (hashes[i], parent, tuple(seq.token_ids[i * bs:(i + 1) * bs]))
+                self.cached[hashes[i]] = block_id
             # else: the same content is cached in another block already; this copy stays private
         self._num_registered[id(seq)] = num_full
 
     def free(self, seq: BlockSequence) -> None:
         """Drop seq's references. Its tail blocks are freed first, so they are evicted first."""
         for block_id in reversed(seq.block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
-            if block.ref_count == 0:
+            self.ref_counts[block_id] -= 1
+            assert self.ref_counts[block_id] >= 0, f"block {block_id} freed twice"
+            if self.ref_counts[block_id] == 0:
                 self.free_queue[block_id] = None
         seq.block_ids = []
         seq.num_computed_tokens = 0
@@ -208,15 +195,15 @@ class BlockManager:
         for seq in live_seqs:
             for b in seq.block_ids:
                 refs[b] += 1
-        for block in self.blocks:
-            assert block.ref_count >= 0, f"negative ref count on block {block.block_id}"
-            in_free = block.block_id in self.free_queue
-            assert in_free == (block.ref_count == 0), f"block {block.block_id} free/in-use mismatch"
+        for b, count in enumerate(self.ref_counts):
+            assert count >= 0, f"negative ref count on block {b}"
+            assert (b in self.free_queue) == (count == 0), f"block {b} free/in-use mismatch"
             if live_seqs:
-                assert block.ref_count == refs[block.block_id], f"ref count of block {block.block_id} is off"
+                assert count == refs[b], f"ref count of block {b} is off"
         for h, b in self.cached.items():
-            block = self.blocks[b]
-            assert block.block_hash == h, f"cached hash points at block {b} with another hash"
-            assert len(block.token_ids) == self.block_size
-            assert hash_block(block.parent_hash, block.token_ids) == h
-        assert len(self.free_queue) + sum(b.ref_count > 0 for b in self.blocks) == self.num_blocks
+            digest, parent, tokens = self.contents[b]
+            assert digest == h, f"cached hash points at block {b} with another hash"
+            assert len(tokens) == self.block_size
+            assert hash_block(parent, tokens) == h
+        assert sum(c is not None for c in self.contents) == len(self.cached)
+        assert len(self.free_queue) + sum(c > 0 for c in self.ref_counts) == self.num_blocks

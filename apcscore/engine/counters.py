@@ -1,16 +1,21 @@
-"""The engines' counters: `EngineStats` (what an engine counts as it runs: its own steps and tokens, and its prefix
-cache's hits, which the block manager and scheduler count into the same tally) and `EngineCounters` (the snapshot
-`Engine.counters()` returns: run metadata, progress bar, the sum over Ray replicas). Torch-free."""
+"""`EngineCounters`, an engine's one tally: what it counts as it runs (`Engine.stats`: its steps and tokens, and its
+prefix cache's hits, which the block manager and scheduler count into the same tally), and, with its KV pool's use,
+the snapshot `Engine.counters()` returns (run metadata, progress bar, the sum over Ray replicas). Torch-free."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 
 @dataclass
-class EngineStats:
-    """What an engine counts as it runs; the prefix cache's fields are counted by its block manager and scheduler
-    (engine/block_manager.py), 0 on the transformers fallback."""
+class EngineCounters:
+    """An engine's counters since it was built; `a + b` adds two up field by field (Ray replicas).
+
+    The prefix cache's fields (queried_tokens .. score_store_hits) are counted by the block manager and scheduler
+    (engine/block_manager.py), 0 on the transformers fallback. seconds is the time inside `run` (summed by +, so a
+    sum's tokens_per_second is per engine-second). used_kv_blocks / num_kv_blocks: the KV pool at the snapshot
+    (`of`; 0 / 0 without one).
+    """
 
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens prefilled (cache hits excluded)
@@ -18,7 +23,6 @@ class EngineStats:
     finished: int = 0
     errors: int = 0
     preemptions: int = 0
-    seconds: float = 0.0
     queried_tokens: int = 0  # prompt tokens of requests that read the prefix cache
     hit_tokens: int = 0  # of those, tokens served from the cache
     # prompt tokens of scoring requests (recompute mode) that --exact-reuse could have served from the cache:
@@ -26,40 +30,14 @@ class EngineStats:
     reusable_tokens: int = 0
     # exact reuse: scored prompt positions whose results came from the score store (engine/score_store.py)
     score_store_hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        """The share of the queried prompt tokens that the prefix cache served."""
-        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
-
-
-@dataclass(frozen=True)
-class EngineCounters:
-    """An engine's counters since it was built; `a + b` adds two up field by field (Ray replicas).
-
-    steps .. seconds: EngineStats' (the prefix cache's are 0 on the transformers fallback); seconds is the time
-    inside `run` (summed by +, so a sum's tokens_per_second is per engine-second). used_kv_blocks / num_kv_blocks:
-    the KV pool now (0 / 0 without one).
-    """
-
-    steps: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    finished: int = 0
-    errors: int = 0
-    preemptions: int = 0
-    queried_tokens: int = 0
-    hit_tokens: int = 0
-    reusable_tokens: int = 0
-    score_store_hits: int = 0
     seconds: float = 0.0
     used_kv_blocks: int = 0
     num_kv_blocks: int = 0
 
     @classmethod
-    def of(cls, stats: EngineStats, used_kv_blocks: int = 0, num_kv_blocks: int = 0) -> "EngineCounters":
-        """The snapshot of an engine's stats and its KV pool's use now."""
-        return cls(**asdict(stats), used_kv_blocks=used_kv_blocks, num_kv_blocks=num_kv_blocks)
+    def of(cls, stats: "EngineCounters", used_kv_blocks: int = 0, num_kv_blocks: int = 0) -> "EngineCounters":
+        """A snapshot of an engine's running tally, with its KV pool's use now."""
+        return replace(stats, used_kv_blocks=used_kv_blocks, num_kv_blocks=num_kv_blocks)
 
     def __add__(self, other: "EngineCounters") -> "EngineCounters":
         if not isinstance(other, EngineCounters):
@@ -86,3 +64,6 @@ class EngineCounters:
                 "prefix_cache": {"queried_tokens": self.queried_tokens, "hit_tokens": self.hit_tokens,
                                  "reusable_tokens": self.reusable_tokens,
                                  "score_store_hits": self.score_store_hits}}
+
+
+EngineStats = EngineCounters  # the one tally's former name, which engine/hf_engine.py still imports

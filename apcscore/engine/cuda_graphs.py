@@ -30,6 +30,8 @@ the caller reads the sampled tokens.
 from __future__ import annotations
 
 import bisect
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -37,7 +39,7 @@ from apcscore.attention.decode_groups import DecodeGroups, group_shape, pack_dec
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
 from apcscore.config import EngineConfig
 from apcscore.engine.step import ScheduledBatch, StepInputs
-from apcscore.engine.step_inputs import InputStager, build_step_inputs
+from apcscore.engine.step_inputs import build_step_inputs
 from apcscore.models.llama import LlamaDecoder
 
 DEFAULT_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -63,7 +65,7 @@ def padded_size(n: int, sizes: list[int]) -> int | None:
 def decode_inputs(batch: ScheduledBatch, block_size: int, rope_offset: int = 0) -> StepInputs | None:
     """The inputs of a batch whose every sequence computes one token (build_step_inputs, as the eager
     model runner builds them, unpadded), or None for an empty, prefill or mixed batch."""
-    if not batch.items or any(n != 1 for _, n in batch.items):
+    if not batch or any(n != 1 for _, n in batch):
         return None
     return build_step_inputs(batch, block_size, rope_offset=rope_offset)
 
@@ -95,11 +97,13 @@ class DecodeGraphRunner:
 
     On CUDA with `capture=True`, each size's forward is a captured CUDA graph (one shared memory pool) and a
     step is a replay; otherwise (CPU, tests) the same padded forward runs eagerly. Capture after the KV cache
-    is attached to the model's layers: the graphs hold its addresses.
+    is attached to the model's layers: the graphs hold its addresses. to_device: the model runner's
+    (`ModelRunner.to_device`), which brings a step's host inputs to the device for the static buffers.
     """
 
     def __init__(self, model: LlamaDecoder, block_size: int, max_num_seqs: int, device: torch.device,
-                 sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES, capture: bool = True) -> None:
+                 to_device: Callable[..., list[torch.Tensor]], sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES,
+                 capture: bool = True) -> None:
         self.model = model
         self.block_size = block_size
         self.device = torch.device(device)
@@ -121,17 +125,18 @@ class DecodeGraphRunner:
         self.outputs: dict[int, torch.Tensor] = {}  # [bs, hidden], written by each replay
         self.num_replays = 0
         self.num_eager = 0
-        self.stager = InputStager(self.device)
+        self.to_device = to_device
         if capture:
             self.capture()
 
     @classmethod
-    def for_model(cls, model: LlamaDecoder, config: EngineConfig, device: torch.device) -> "DecodeGraphRunner | None":
+    def for_model(cls, model: LlamaDecoder, config: EngineConfig, device: torch.device,
+                  to_device: Callable[..., list[torch.Tensor]]) -> "DecodeGraphRunner | None":
         """A capturing runner of config's block_size and max_num_seqs (the largest decode batch), or None when the
         model's attention backend cannot be captured (not Triton)."""
         if getattr(model.layers[0].self_attn.attention_backend, "name", None) != "triton":
             return None
-        return cls(model, config.block_size, config.max_num_seqs, device)
+        return cls(model, config.block_size, config.max_num_seqs, device, to_device)
 
     def _meta(self, bs: int, inp: StepInputs | None) -> AttentionMetadata:
         """Metadata of a bs-row step over the static buffers. The Python lists (read by the torch backend
@@ -191,7 +196,7 @@ class DecodeGraphRunner:
             table, grouped = pack_decode_groups(groups, self.max_bs, block_m // group, self.group_table.shape[0])
             arrays += [table, grouped]
             buffers += [self.group_table, self.grouped]
-        for dst, src in zip(buffers, self.stager.to_device(*arrays)):
+        for dst, src in zip(buffers, self.to_device(*arrays)):
             dst.copy_(src)
 
     def forward(self, batch: ScheduledBatch) -> torch.Tensor | None:

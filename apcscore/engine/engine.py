@@ -22,8 +22,8 @@ from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.model_info import ModelInfo
 from apcscore.engine.model_runner import ModelRunner
 from apcscore.engine.scheduler import Scheduler
-from apcscore.engine.step import (PromptLogprobs, Request, RequestOutput, ScheduledBatch, Sequence, StepOutput,
-                                  TokenLogprobs, request_problem)
+from apcscore.engine.step import (PromptLogprobs, Request, RequestOutput, ScheduledBatch, Sequence, TokenLogprobs,
+                                  request_problem)
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import eos_token_ids
@@ -86,8 +86,8 @@ class Engine:
                 if not self.scheduler.has_work:  # (_add leaves work to do unless the requests are exhausted)
                     return
                 batch = self._schedule()
-                step = self.runner.execute(batch)
-                for out in self._postprocess(batch, step):
+                sampled = self.runner.execute(batch)
+                for out in self._postprocess(batch, sampled):
                     yield out
                     self._check_current(token)
                 self.stats.steps += 1
@@ -139,29 +139,26 @@ class Engine:
 
     # ---- schedule ------------------------------------------------------------------------------
     def _schedule(self) -> ScheduledBatch:
-        batch = self.scheduler.schedule()
-        self.stats.preemptions += batch.num_preempted
+        batch = self.scheduler.schedule()  # (it counts its preemptions into self.stats)
         if not batch:
             raise RuntimeError("scheduler made no progress: this is a bug, please report it")
         return batch
 
     # ---- postprocess ---------------------------------------------------------------------------
-    def _postprocess(self, batch: ScheduledBatch, step: StepOutput) -> list[RequestOutput]:
-        """Account a step's results; the outputs of the requests it finished, every one retired before any is seen."""
+    def _postprocess(self, batch: ScheduledBatch,
+                     sampled_tokens: list[tuple[Sequence, int, TokenLogprobs | None]]) -> list[RequestOutput]:
+        """Account a step's results (its scores are on its sequences, its sampled tokens given); the outputs of the
+        requests it finished, every one retired before any is seen."""
         finished: list[RequestOutput] = []
-        for seq, lps in step.prompt_logprobs:
-            seq.prompt_logprob_parts.append(lps)
-        for seq, alternatives in step.alternatives:
-            seq.alternative_logprobs = alternatives
         self.scheduler.finish_step(batch)
-        if self.store is not None:  # after finish_step: the completed blocks are in the cache now
-            for seq, hidden in step.block_hidden:
-                self.store.publish(seq, hidden, self.block_manager.cached, self.block_manager.block_size)
-        for seq, n in batch.items:
+        for seq, n in batch:
+            if seq.block_hidden is not None:  # after finish_step: the completed blocks are in the cache now
+                self.store.publish(seq, seq.block_hidden, self.block_manager.cached, self.block_manager.block_size)
+                seq.block_hidden = None
             if seq.num_computed_tokens <= seq.prompt_len:
                 self.stats.prompt_tokens += n
-        sampled = {id(seq): (tok, tl) for seq, tok, tl in step.sampled}
-        for seq, _ in batch.items:
+        sampled = {id(seq): (tok, tl) for seq, tok, tl in sampled_tokens}
+        for seq, _ in batch:
             if id(seq) in sampled:
                 tok, tl = sampled[id(seq)]
                 seq.token_ids.append(tok)

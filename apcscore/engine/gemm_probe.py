@@ -14,7 +14,6 @@ from __future__ import annotations
 import functools
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,36 +28,23 @@ OFFSET_ROWS = 64
 MAC_BUDGET = 2.5e8  # multiply-adds per weight shape (~5 ms on 2 idle CPU cores); above it N is cut to fit, never K
 
 
-@dataclass
-class ProbeResult:
-    """What the probe checked and found; `reason` says what differed (None when it passed)."""
-
-    passed: bool
-    reason: str | None = None
-    shapes: list[list[int]] = field(default_factory=list)  # [K, N, N probed] per distinct weight shape
-    row_counts: list[int] = field(default_factory=list)
-    offsets: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 def probe_rows(budget: int) -> list[int]:
     """The row counts probed: ROW_COUNTS and the step's token budget."""
     return sorted(set(ROW_COUNTS) | {budget})
 
 
 def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Tensor], budget: int,
-                 dtype: torch.dtype | None = None, seed: int = 0) -> ProbeResult:
-    """Check `linear` (x [M, K], weight [N, K]) -> [M, N] for row-count and row-offset invariance.
+                 dtype: torch.dtype | None = None, seed: int = 0) -> dict[str, Any]:
+    """Check `linear` (x [M, K], weight [N, K]) -> [M, N] for row-count and row-offset invariance; the run
+    metadata's `numerics.probe`: passed, reason (what differed; None when it passed), shapes ([K, N, N probed] per
+    distinct weight shape), row_counts, offsets and seconds.
 
     weights: the model's weight matrices (one per distinct shape is probed); dtype: of the probe inputs
     (default each weight's). Inputs are seeded normal values.
     """
     started = time.perf_counter()
     rows = probe_rows(budget)
-    result = ProbeResult(passed=True, row_counts=rows, offsets=list(OFFSETS))
+    result = {"passed": True, "reason": None, "shapes": [], "row_counts": rows, "offsets": list(OFFSETS)}
     seen: set[tuple] = set()
     generators: dict[torch.device, torch.Generator] = {}  # drawn where the weights are: no host copy
     for weight in weights:
@@ -73,7 +59,7 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
         n_probe = n if total_rows * n * k <= MAC_BUDGET else min(n, fit)
         w = weight[:n_probe]
         run = for_whole_weight(linear, weight)
-        result.shapes.append([k, n, n_probe])
+        result["shapes"].append([k, n, n_probe])
         if weight.device not in generators:
             generators[weight.device] = torch.Generator(device=weight.device).manual_seed(seed)
         x = torch.randn(m_ref, k, generator=generators[weight.device], device=weight.device)
@@ -87,7 +73,7 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
             if not torch.equal(run(x[off:off + OFFSET_ROWS], w), ref[off:off + OFFSET_ROWS]):
                 return _failed(result, started, f"rows give other bits when a call starts {off} rows later "
                                                 f"([{k} -> {n}] weight)")
-    result.seconds = round(time.perf_counter() - started, 4)
+    result["seconds"] = round(time.perf_counter() - started, 4)
     return result
 
 
@@ -100,9 +86,9 @@ def for_whole_weight(linear: Callable[..., torch.Tensor], weight: torch.Tensor) 
     return functools.partial(linear, config=config_for_weight(weight)) if config_for_weight else linear
 
 
-def _failed(result: ProbeResult, started: float, reason: str) -> ProbeResult:
-    result.passed, result.reason = False, reason
-    result.seconds = round(time.perf_counter() - started, 4)
+def _failed(result: dict[str, Any], started: float, reason: str) -> dict[str, Any]:
+    result["passed"], result["reason"] = False, reason
+    result["seconds"] = round(time.perf_counter() - started, 4)
     return result
 
 
@@ -123,16 +109,16 @@ def model_weights(model: torch.nn.Module, lm_head: torch.Tensor | None = None) -
     return out
 
 
-def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> ProbeResult:
+def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> dict[str, Any]:
     """probe_linear over a decoder's weights, then the LM head as compute_logits multiplies it
     (`model.logits_product()`: on CUDA rows in the model dtype and fp32 logits, on the CPU fp32 rows)."""
     weights = model_weights(model)
     result = probe_linear(linear, weights, budget)
-    if result.passed:
+    if result["passed"]:
         head_linear, head, rows_dtype = model.logits_product()
         head_result = probe_linear(head_linear, [head], budget, dtype=rows_dtype, seed=1)
-        head_result.shapes = result.shapes + head_result.shapes
-        head_result.seconds = round(result.seconds + head_result.seconds, 4)
+        head_result["shapes"] = result["shapes"] + head_result["shapes"]
+        head_result["seconds"] = round(result["seconds"] + head_result["seconds"], 4)
         result = head_result
     return result
 
@@ -142,10 +128,9 @@ def probe_numerics(model: Any, ops: Any, config: Any, device: torch.device) -> d
     `numerics`. Where batch invariance was asked for but does not hold: one warning, and --exact-reuse refused."""
     probe, reason = None, None
     if ops.batch_invariant:
-        result = probe_model(model, ops.linear, config.max_batch_tokens)
-        probe = result.to_dict()
-        if not result.passed:
-            reason = (f"the start-up probe found this machine's linear layer not batch-invariant: {result.reason} "
+        probe = probe_model(model, ops.linear, config.max_batch_tokens)
+        if not probe["passed"]:
+            reason = (f"the start-up probe found this machine's linear layer not batch-invariant: {probe['reason']} "
                       f"({linear_construction(ops.linear)})")
             if config.exact_reuse:
                 raise ApcscoreError(f"--exact-reuse needs batch invariance, and {reason}; drop --exact-reuse "

@@ -3,7 +3,7 @@
 Logits are computed only for the rows that need them: every scored prompt position (prompt logprobs)
 and the last position of each sequence that samples its next token. With exact reuse's score store, a sequence
 that read stored results also scores its boundary row from the stored hidden state (`Sequence.boundary_hidden`),
-and the final hidden state of each block's last position is captured for the store (`StepOutput.block_hidden`).
+and the final hidden state of each block's last position is captured for the store (`Sequence.block_hidden`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,14 @@ from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
-from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, StepOutput, TokenLogprobs
+from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
-from apcscore.engine.step_inputs import InputStager, build_step_inputs
+from apcscore.engine.step_inputs import build_step_inputs
 from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
 from apcscore.kernels.matmul_torch import padded_rows
 from apcscore.models.llama import LlamaDecoder
 
+_ALIGN = 64  # bytes: every staged array starts 64-byte aligned, as a fresh allocation would (Triton specialises on it)
 
 class ModelRunner:
     cuda_graphs_allowed = True  # (not for the tensor-parallel SliceRunner: collectives are not captured)
@@ -52,7 +53,10 @@ class ModelRunner:
         if device.type == "cpu":
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
         allocate_kv_cache(model, num_kv_blocks, self.block_size, dtype, device)
-        self.stager = InputStager(device)  # step inputs: one non-blocking copy from pinned memory on CUDA
+        # to_device on CUDA: two pinned uint8 buffers used in turn, each with the event of its last copy
+        self._pinned: list[torch.Tensor] = []
+        self._copied: list[torch.cuda.Event | None] = []
+        self._turn = 0
         # Triton backend: decode sequences sharing prefix blocks run as groups (attention/decode_groups.py);
         # None (the torch backend, or turned off): every step's metadata is built exactly as without groups
         self.decode_group_shape = group_shape(model.layers[0].self_attn)
@@ -60,7 +64,7 @@ class ModelRunner:
         if device.type == "cuda" and config.use_cuda_graphs and self.cuda_graphs_allowed:
             from apcscore.engine.cuda_graphs import DecodeGraphRunner
 
-            self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device)
+            self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device, self.to_device)
 
     # ---- batch preparation ---------------------------------------------------------------------
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -70,7 +74,7 @@ class ModelRunner:
         return self._stage(self._step_inputs(batch))
 
     def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
-        num_rows = padded_rows(sum(n for _, n in batch.items)) if self.device.type == "cpu" else None
+        num_rows = padded_rows(sum(n for _, n in batch)) if self.device.type == "cpu" else None
         return build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
 
     def _stage(self, inp: StepInputs) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -78,7 +82,7 @@ class ModelRunner:
         shape = self.decode_group_shape
         groups = None if shape is None else step_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables,
                                                                 self.block_size, shape)
-        staged = self.stager.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
+        staged = self.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
                                        inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
         input_ids, positions, slots, cu, seq_lens, tables = staged[:6]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
@@ -88,16 +92,60 @@ class ModelRunner:
             meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape, num_groups=groups[2])
         return input_ids, positions, meta
 
+    def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """Host arrays as tensors on the device, in order: zero-copy on the CPU; on CUDA one non-blocking copy out
+        of a persistent pinned buffer (two used in turn, each refilled only once its previous copy has finished), so
+        staging a step neither allocates pinned memory nor waits for the GPU. The tensors are fresh (stream-ordered
+        caching allocations): they stay valid while the caller holds them, whatever later steps stage."""
+        if self.device.type != "cuda":
+            return [torch.from_numpy(np.ascontiguousarray(a)).to(self.device) for a in arrays]
+        offsets, end = [], 0
+        for a in arrays:
+            offsets.append(end)
+            end += -(-a.nbytes // _ALIGN) * _ALIGN
+        i = self._pinned_slot(end)
+        host = self._pinned[i]
+        for a, off in zip(arrays, offsets):
+            host[off:off + a.nbytes].numpy().view(a.dtype).reshape(a.shape)[...] = a
+        dev = host[:end].to(self.device, non_blocking=True)  # the one copy of the step
+        event = self._copied[i] = self._copied[i] or torch.cuda.Event()
+        event.record()
+        dtypes = {np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+        return [dev[off:off + a.nbytes].view(dtypes[a.dtype]).view(a.shape) for a, off in zip(arrays, offsets)]
+
+    def _pinned_slot(self, nbytes: int) -> int:
+        """A pinned buffer of at least nbytes whose last copy has finished (both buffers grow together)."""
+        if not self._pinned or self._pinned[0].numel() < nbytes:
+            for event in self._copied:
+                if event is not None:
+                    event.synchronize()  # growing (rare): the old buffers may still be read
+            size = max(nbytes, 2 * self._pinned[0].numel() if self._pinned else 1 << 16)
+            self._pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+            self._copied = [None, None]
+        i, self._turn = self._turn, 1 - self._turn
+        event = self._copied[i]
+        if event is not None and not event.query():  # normally long done: the step between read its results
+            event.synchronize()
+        return i
+
     # ---- the step ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> StepOutput:
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprobs | None]]:
+        """Run one step. What it scored goes onto its sequences (`prompt_logprob_parts`, `alternative_logprobs`,
+        and for the score store `block_hidden`); returns each sampling sequence's token and its logprobs."""
         hidden = self.cuda_graphs.forward(batch) if self.cuda_graphs is not None else None  # [n, H] or None
         if hidden is None:
             hidden = self._forward(batch)  # [T, H]
-        captured = self._block_hidden(batch, hidden) if self.capture_block_hidden else []
+        if self.capture_block_hidden:
+            for seq, block_hidden in self._block_hidden(batch, hidden):
+                seq.block_hidden = block_hidden
         ref_hidden = self.reference._forward(batch) if self.reference is not None else None  # [T, H]; fills its KV
         prompt_lps, alternatives = self._score_prompts(batch, hidden, ref_hidden)
-        return StepOutput(prompt_lps, self._sample(batch, hidden), captured, alternatives)
+        for seq, lps in prompt_lps:
+            seq.prompt_logprob_parts.append(lps)
+        for seq, lps in alternatives:
+            seq.alternative_logprobs = lps
+        return self._sample(batch, hidden)
 
     def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The step's final hidden states [T, H] (eager); engine/parallel/runner.py broadcasts the inputs first."""
@@ -116,7 +164,7 @@ class ModelRunner:
         bs = self.block_size
         picks: list[tuple[Sequence, int, int]] = []  # seq, block index, row in hidden
         offset = 0
-        for seq, n in batch.items:
+        for seq, n in batch:
             start = seq.num_computed_tokens
             for j in range(start // bs, (start + n) // bs):  # blocks whose last position is in [start, start + n)
                 if seq.scores_prompt and publishes(seq.request, j, bs, seq.prompt_len):
@@ -150,7 +198,7 @@ class ModelRunner:
         alt_spans: list[tuple[Sequence, int, int]] = []  # seq, first row in `rows`, count
         extra: list[torch.Tensor] = []  # stored boundary hidden states, rows hidden.shape[0] + i of the source
         offset = 0
-        for seq, n in batch.items:
+        for seq, n in batch:
             req = seq.request
             start = seq.num_computed_tokens
             if seq.scores_prompt:
@@ -210,7 +258,7 @@ class ModelRunner:
         rows: list[int] = []
         seqs: list[Sequence] = []
         offset = 0
-        for seq, n in batch.items:
+        for seq, n in batch:
             offset += n
             if seq.num_computed_tokens + n == seq.num_tokens and seq.request.max_tokens > len(seq.output_token_ids):
                 rows.append(offset - 1)

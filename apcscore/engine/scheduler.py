@@ -11,7 +11,7 @@ prefilled right now by another sequence waits a step instead of computing it twi
 prefix and arrive together still hit. With exact reuse (`--exact-reuse`) scoring sequences read the cache too,
 up to their first scored position (`Sequence.reusable_blocks`), and beyond it the blocks whose score-store
 entries cover them (engine/score_store.py), and wait for pending blocks the same way; without it, the tokens
-they could have read before their first scored position are counted (`EngineStats.reusable_tokens`).
+they could have read before their first scored position are counted (`EngineCounters.reusable_tokens`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,8 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
+        batch: ScheduledBatch = []
+        preempted = False
         budget = self.max_batch_tokens
         i = 0
         while i < len(self.running) and budget > 0:
@@ -55,17 +56,18 @@ class Scheduler:
             while not self.bm.allocate(seq, n):
                 victim = self.running.pop()
                 self._preempt(victim)
-                batch.num_preempted += 1
+                self.bm.stats.preemptions += 1
+                preempted = True
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break
-            batch.items.append((seq, n))
+            batch.append((seq, n))
             budget -= n
             i += 1
 
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.num_preempted:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting.popleft()
             cached, limit, context = self._cached_prefix(seq)
             reads = limit != 0
@@ -88,7 +90,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._mark_pending(seq)
-            batch.items.append((seq, n))
+            batch.append((seq, n))
             budget -= n
         self.waiting.extendleft(reversed(skipped))
         return batch
@@ -170,7 +172,7 @@ class Scheduler:
     # ---- after the step ------------------------------------------------------------------------
     def finish_step(self, batch: ScheduledBatch) -> None:
         """Account the computed tokens and publish newly full blocks to the prefix cache."""
-        for seq, n in batch.items:
+        for seq, n in batch:
             seq.num_computed_tokens += n
             seq.boundary_hidden = None  # scored by this step's runner
             self.bm.cache_full_blocks(seq)

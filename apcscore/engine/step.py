@@ -1,7 +1,7 @@
 """The data of one engine step, in one place: what a request asks (`SamplingParams`, `Request`), what the engine
 keeps of it while it runs (`Sequence`), what a step runs (`ScheduledBatch`: the scheduler's; `StepInputs`: the model
-runner's flat host arrays) and what it gives back (`StepOutput`; `TokenLogprobs`, `PromptLogprobs` and
-`RequestOutput` for the caller). Torch-free: the package face imports it.
+runner's flat host arrays; what a step scores goes onto its sequences) and what the caller gets back
+(`TokenLogprobs`, `PromptLogprobs` and `RequestOutput`). Torch-free: the package face imports it.
 
 The attention layer's own input, `AttentionMetadata` (apcscore.attention.metadata), lives below the engine (the
 layers of docs/architecture.md); the model runner builds it from `StepInputs`.
@@ -190,6 +190,9 @@ class Sequence:
         # exact reuse, score store: the stored final hidden state [H] of the last row of the last block read at
         # admission (its target is the first prefilled token); scored in the admission step, then dropped
         self.boundary_hidden: Any = None
+        # and the final hidden states [H] of the block-ending positions a step computed (block index -> host tensor),
+        # captured by the model runner for the entries it writes, published after the step, then dropped
+        self.block_hidden: dict[int, Any] | None = None
         # long-rope models (apcscore.models.phi3): whether this sequence is rotated with the long frequencies at
         # every position, which changes its KV, hence its blocks' digests (hash_root: their first parent)
         self.rope_long = False
@@ -243,19 +246,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
 
 
-@dataclass
-class ScheduledBatch:
-    """The work of one step: (sequence, number of new tokens to compute) in batch order."""
-
-    items: list[tuple[Sequence, int]] = field(default_factory=list)
-    num_preempted: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.items)
-
-    def __bool__(self) -> bool:
-        return bool(self.items)
+# The work of one step, the scheduler's: (sequence, number of new tokens to compute) in batch order
+ScheduledBatch = list[tuple[Sequence, int]]
 
 
 @dataclass
@@ -279,15 +271,3 @@ class StepInputs:
         """Every sequence computes exactly one token."""
         return self.num_seqs > 0 and int(self.cu_seqlens_q[-1]) == self.num_seqs
 
-
-@dataclass
-class StepOutput:
-    """What the model runner computed in one step, per sequence of its batch."""
-
-    prompt_logprobs: list[tuple[Sequence, PromptLogprobs]]
-    sampled: list[tuple[Sequence, int, TokenLogprobs | None]]
-    # score store: per sequence, block index -> final hidden state [H] (a host torch tensor) of the block's last
-    # position
-    block_hidden: list[tuple[Sequence, dict[int, Any]]] = field(default_factory=list)
-    # Request.last_token_alternatives scored this step (the step that scored the last prompt token)
-    alternatives: list[tuple[Sequence, TokenLogprobs]] = field(default_factory=list)

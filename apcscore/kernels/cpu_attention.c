@@ -43,8 +43,8 @@ int apc_simd_level(void); /* cpu_gemm.c: 2 = AVX-512F, 1 = AVX2 + FMA, 0 = basel
 
 /* One layer's call: the queries, the paged caches and where each item (a sequence's query chunk) lies. */
 typedef struct {
-    const int64_t *q_starts, *q_lens, *seq_lens; /* [items]: first query row, query count, keys after this step */
-    const int32_t *tables;                       /* [items][s_table] block ids */
+    const int32_t *cu, *seq_lens; /* [items + 1]: first query row of each item, then the end; [items]: keys after */
+    const int32_t *tables;        /* [items][s_table] block ids */
     int64_t s_table;
     const float *q; /* [T][Hq][D] fp32 (strides sq_t, sq_h; D contiguous) */
     int64_t sq_t, sq_h, hq, hkv, d;
@@ -303,12 +303,13 @@ static inline float max_nan(float a, float b) { return a != a || b != b ? __buil
     }                                                                                                             \
     ATTR static void unit_##SFX(const att_args *a, int64_t it, int64_t h, int64_t p0, int64_t p1, float *ws) {    \
         const int64_t D = a->d, G = a->hq / a->hkv, sl = D + 2;                                                   \
-        const int64_t seq_len = a->seq_lens[it], first = seq_len - a->q_lens[it], rows = (p1 - p0) * G;           \
+        const int64_t seq_len = a->seq_lens[it], first = seq_len - (a->cu[it + 1] - a->cu[it]);                   \
+        const int64_t rows = (p1 - p0) * G;                                                                       \
         const int32_t *table = a->tables + it * a->s_table;                                                       \
         float *qs = ws, *states = qs + a->unit_rows * D, *kt = states + a->unit_rows * sl, *vbuf = kt + D * TILE; \
         const float *vrow[TILE];                                                                                  \
         for (int64_t r = 0; r < rows; r++) { /* row r: position p0 + r / G, head g = r % G of the group */        \
-            const float *src = a->q + (a->q_starts[it] + p0 + r / G) * a->sq_t + (h * G + r % G) * a->sq_h;       \
+            const float *src = a->q + (a->cu[it] + p0 + r / G) * a->sq_t + (h * G + r % G) * a->sq_h;             \
             for (int64_t dd = 0; dd < D; dd++) qs[r * D + dd] = src[dd] * a->scale;                               \
             float *st = states + r * sl;                                                                          \
             st[0] = -__builtin_inff();                                                                            \
@@ -332,7 +333,7 @@ static inline float max_nan(float a, float b) { return a != a || b != b ? __buil
         }                                                                                                         \
         for (int64_t r = 0; r < rows; r++) {                                                                      \
             const float *st = states + r * sl;                                                                    \
-            float *dst = a->out + (a->q_starts[it] + p0 + r / G) * a->so_t + (h * G + r % G) * a->so_h;           \
+            float *dst = a->out + (a->cu[it] + p0 + r / G) * a->so_t + (h * G + r % G) * a->so_h;                 \
             for (int64_t dd = 0; dd < D; dd++) dst[dd] = st[2 + dd] / st[1];                                      \
         }                                                                                                         \
     }
@@ -347,31 +348,30 @@ APC_ATTENTION_BODIES(avx512, __attribute__((target("avx512f"))), 3)  /* 32 regis
 static int64_t workspace_floats(int64_t d, int64_t rows) { return rows * d + rows * (d + 2) + 2 * d * TILE + 16; }
 
 /* Attention of every query row of `items` sequences (decode rows and prefill chunks alike) over the keys of its
- * sequence in the paged cache, in the order of the header. Item i's query rows are q_starts[i] ..
- * q_starts[i] + q_lens[i] - 1 of q, at positions seq_lens[i] - q_lens[i] .. seq_lens[i] - 1; its keys are read
+ * sequence in the paged cache, in the order of the header. Item i's query rows are cu[i] .. cu[i + 1] - 1 of q
+ * (cu_seqlens), at positions seq_lens[i] - (cu[i + 1] - cu[i]) .. seq_lens[i] - 1; its keys are read
  * through tables[i] (block ids, s_table apart). Query head hq reads KV head hq / (Hq / Hkv). head_dim d: a multiple
  * of LANES. Writes out's rows of the items. nthreads: OpenMP threads over units of work (item, KV head, up to
  * UNIT_ROWS rows); simd: -1 the best this CPU has, else at most 0 / 1 / 2 (the same bits). Returns 0, or -1 where
  * the workspace could not be allocated (nothing written). */
-int apc_attention(int64_t items, const int64_t *q_starts, const int64_t *q_lens, const int64_t *seq_lens,
-                   const int32_t *tables, int64_t s_table, const float *q, int64_t sq_t, int64_t sq_h, int64_t hq,
+int apc_attention(int64_t items, const int32_t *cu, const int32_t *seq_lens, const int32_t *tables, int64_t s_table, const float *q, int64_t sq_t, int64_t sq_h, int64_t hq,
                    int64_t hkv, int64_t d, float scale, const void *k_cache, const void *v_cache, int c_dtype,
                    int64_t s_block, int64_t s_slot, int64_t s_head, int64_t block_size, float *out, int64_t so_t,
                    int64_t so_h, int nthreads, int simd) {
     int level = apc_simd_level();
     if (simd >= 0 && simd < level) level = simd;
     const int64_t group = hq / hkv, per_unit = UNIT_ROWS / group > 0 ? UNIT_ROWS / group : 1;
-    const att_args a = {q_starts, q_lens, seq_lens, tables, s_table, q, sq_t, sq_h, hq, hkv, d, scale,
+    const att_args a = {cu, seq_lens, tables, s_table, q, sq_t, sq_h, hq, hkv, d, scale,
                         (const char *)k_cache, (const char *)v_cache, c_dtype, s_block, s_slot, s_head, block_size,
                         out, so_t, so_h, per_unit * group};
     /* units: (item, position block, KV head), longest items first would balance better; the order changes no bit */
     int64_t units = 0;
-    for (int64_t i = 0; i < items; i++) units += (q_lens[i] + per_unit - 1) / per_unit * hkv;
+    for (int64_t i = 0; i < items; i++) units += (cu[i + 1] - cu[i] + per_unit - 1) / per_unit * hkv;
     int64_t *unit_item = malloc((size_t)(units > 0 ? units : 1) * 3 * sizeof(int64_t));
     if (!unit_item) return -1;
     int64_t u = 0;
     for (int64_t i = 0; i < items; i++)
-        for (int64_t p0 = 0; p0 < q_lens[i]; p0 += per_unit)
+        for (int64_t p0 = 0; p0 < cu[i + 1] - cu[i]; p0 += per_unit)
             for (int64_t h = 0; h < hkv; h++, u++) {
                 unit_item[3 * u] = i;
                 unit_item[3 * u + 1] = h;
@@ -392,7 +392,7 @@ int apc_attention(int64_t items, const int64_t *q_starts, const int64_t *q_lens,
 #pragma omp for schedule(dynamic, 1)
         for (int64_t k = 0; k < units; k++) {
             const int64_t i = unit_item[3 * k], h = unit_item[3 * k + 1], p0 = unit_item[3 * k + 2];
-            const int64_t p1 = p0 + per_unit < q_lens[i] ? p0 + per_unit : q_lens[i];
+            const int64_t q_len = cu[i + 1] - cu[i], p1 = p0 + per_unit < q_len ? p0 + per_unit : q_len;
 #ifdef APC_X86
             if (level == 2) unit_avx512(&a, i, h, p0, p1, ws);
             else if (level == 1) unit_avx2(&a, i, h, p0, p1, ws);

@@ -58,22 +58,6 @@ def _code(t: torch.Tensor, name: str) -> int:
     return code
 
 
-class PackedWeight:
-    """A weight [N, K] in the kernel's panel layout (its own dtype), and the version of the weight it copies."""
-
-    def __init__(self, weight: torch.Tensor, nthreads: int) -> None:
-        lib = library()
-        self.code = _code(weight, "weight")
-        self.n, self.k = weight.shape
-        self.version = weight._version
-        # held, so that no other tensor can get this memory (and so this entry's key) while the entry lives: a
-        # freed temporary's address would otherwise serve the next temporary of its shape the old packing
-        self.weight = weight
-        self.data = torch.empty(lib.apc_packed_b_bytes(self.n, self.k, self.code), dtype=torch.uint8)
-        lib.apc_pack_b(weight.data_ptr(), self.code, self.n, self.k, weight.stride(0), weight.stride(1),
-                       self.data.data_ptr(), nthreads)
-
-
 class FixedOrderLinear:
     """linear(x [M, K], weight [N, K], bias=None, out=None) -> [M, N] in x's dtype: every element in the fixed
     order (blocked fma chains).
@@ -92,20 +76,28 @@ class FixedOrderLinear:
     def __init__(self, simd: int | None = None) -> None:
         # -1: the best micro-kernel of this CPU; 0 scalar, 1 AVX2, 2 AVX-512 (at most the CPU's); None: APCSCORE_SIMD
         self.simd = forced_simd() if simd is None else simd
-        self._packed: dict[tuple, PackedWeight] = {}
+        # key -> (the weight's version it copies, the weight, its packed bytes); the weight is held so that no other
+        # tensor can get its memory (and so this entry's key) while the entry lives: a freed temporary's address
+        # would otherwise serve the next temporary of its shape the old packing
+        self._packed: dict[tuple, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
     @property
     def construction(self) -> str:
         """How the reduction order is fixed, as the run metadata records it (numerics.linear)."""
         return f"apcscore fixed-order GEMM, order {order_version()} (blocked fma chains)"
 
-    def pack(self, weight: torch.Tensor) -> PackedWeight:
-        """The packed form of `weight` (packed now if new or changed since)."""
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` [N, K] in the kernel's panel layout, in its own dtype, as bytes (packed now if new or changed
+        since)."""
         key = (weight.data_ptr(), tuple(weight.shape), tuple(weight.stride()), weight.dtype)
-        packed = self._packed.get(key)
-        if packed is None or packed.version != weight._version:
-            packed = self._packed[key] = PackedWeight(weight, torch.get_num_threads())
-        return packed
+        entry = self._packed.get(key)
+        if entry is None or entry[0] != weight._version:
+            lib, code, (n, k) = library(), _code(weight, "weight"), weight.shape
+            data = torch.empty(lib.apc_packed_b_bytes(n, k, code), dtype=torch.uint8)
+            lib.apc_pack_b(weight.data_ptr(), code, n, k, weight.stride(0), weight.stride(1), data.data_ptr(),
+                           torch.get_num_threads())
+            entry = self._packed[key] = (weight._version, weight, data)
+        return entry[2]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  out: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,10 +105,10 @@ class FixedOrderLinear:
             raise ValueError(f"fixed-order GEMM: x {tuple(x.shape)} and weight {tuple(weight.shape)} do not "
                              "multiply as x @ weight.T")
         lib = library()
-        code = _code(x, "x")
-        w = self.pack(weight)
+        code, w_code = _code(x, "x"), _code(weight, "weight")
+        packed = self.pack(weight)
         m, k = x.shape
-        n = w.n
+        n = weight.shape[0]
         direct = (out is not None and out.dtype == torch.float32 and out.dim() == 2 and out.shape[0] >= m
                   and out.shape[1] == n and (n <= 1 or out.stride(1) == 1))
         y = out[:m] if direct else torch.empty(m, n, dtype=torch.float32)
@@ -124,7 +116,7 @@ class FixedOrderLinear:
             # small products run on one thread (a parallel region costs more than they do); bits are the same
             threads = torch.get_num_threads() if m * n * k >= PARALLEL_MIN_MACS else 1
             workspace = _workspace("gemm", lib.apc_workspace_bytes(k, threads))
-            lib.apc_gemm(m, n, k, x.data_ptr(), code, x.stride(0), x.stride(1), w.data.data_ptr(), w.code,
+            lib.apc_gemm(m, n, k, x.data_ptr(), code, x.stride(0), x.stride(1), packed.data_ptr(), w_code,
                          y.data_ptr(), y.stride(0), workspace.data_ptr(), threads, self.simd)
         if not direct:
             y = y.to(x.dtype)

@@ -72,7 +72,7 @@ SIGNATURES: dict[str, tuple[list, object]] = {
     "apc_row_sums_d": ([_ptr, _i64, _i64, _i64, _int, _ptr, _int, _int], None),
     "apc_row_logsumexp": ([_ptr, _i64, _i64, _i64, _ptr, _int, _int], None),
     **{name: ([_dbl], _dbl) for name in ("apc_exp_d", "apc_log_d", "apc_sin_d", "apc_cos_d", "apc_erf_d")},
-    "apc_attention": ([_i64, _ptr, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [ctypes.c_float, _ptr, _ptr, _int]
+    "apc_attention": ([_i64, _ptr, _ptr, _ptr, _i64, _ptr] + [_i64] * 5 + [ctypes.c_float, _ptr, _ptr, _int]
                       + [_i64] * 4 + [_ptr, _i64, _i64, _int, _int], _int),
 }
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

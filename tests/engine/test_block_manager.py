@@ -42,7 +42,7 @@ def test_shared_prefix_hits_full_blocks_only():
     b, hit_b = run_prefill(bm, list(range(8)) + [99, 98, 97])
     assert hit_b == 8
     assert b.block_ids[:2] == a.block_ids[:2]  # the same physical blocks, shared
-    assert bm.blocks[a.block_ids[0]].ref_count == 2
+    assert bm.ref_counts[a.block_ids[0]] == 2
     assert bm.stats.queried_tokens == 21 and bm.stats.hit_tokens == 8
     bm.check_invariants([a, b])
 
@@ -107,7 +107,7 @@ def test_free_keeps_content_cached_until_evicted_lru():
     # a sequence of unrelated tokens needing every block evicts all cached hashes
     c, hit = run_prefill(bm, [9, 9, 8, 8, 7, 7, 6])
     assert hit == 0
-    assert all(bm.blocks[i].block_hash is None or bm.cached.get(bm.blocks[i].block_hash) == i for i in range(4))
+    assert all(c is None or bm.cached.get(c[0]) == i for i, c in enumerate(bm.contents))
     assert set(bm.cached.values()) <= set(c.block_ids)
 
 

@@ -40,7 +40,7 @@ def test_random_operations_keep_invariants(num_blocks, block_size, caching, step
             cached = bm.find_cached_prefix(seq) if read else []
             assert len(cached) * block_size < len(seq.token_ids)  # at least one token left to compute
             for i, b in enumerate(cached):  # a hit hands out blocks holding exactly these tokens
-                assert list(bm.blocks[b].token_ids) == seq.token_ids[i * block_size:(i + 1) * block_size]
+                assert list(bm.contents[b][2]) == seq.token_ids[i * block_size:(i + 1) * block_size]
             n = min(chunk, len(seq.token_ids) - len(cached) * block_size)
             free_before = bm.num_free_blocks
             if bm.allocate(seq, n, cached):

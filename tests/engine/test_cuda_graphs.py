@@ -16,7 +16,7 @@ from apcscore.engine.cuda_graphs import (DEFAULT_CAPTURE_SIZES, DecodeGraphRunne
                                          pad_decode_inputs, padded_size)
 from apcscore.engine import Engine
 from apcscore.engine.loader import load_native_engine
-from apcscore.engine.step import ScheduledBatch, Sequence
+from apcscore.engine.step import Sequence
 from apcscore.kernels._checks import interpreting
 
 
@@ -51,7 +51,7 @@ def attach(engine: Engine, sizes: tuple[int, ...] = DEFAULT_CAPTURE_SIZES) -> De
     runs eagerly), built as ModelRunner builds one on CUDA for the Triton backend."""
     runner = engine.runner
     runner.cuda_graphs = DecodeGraphRunner(runner.model, runner.block_size, engine.config.max_num_seqs, runner.device,
-                                           sizes, capture=runner.device.type == "cuda")
+                                           runner.to_device, sizes, capture=runner.device.type == "cuda")
     return runner.cuda_graphs
 
 
@@ -70,7 +70,7 @@ def running_sequences(engine: Engine, lengths: list[int], computed: list[int]) -
 def test_decode_inputs_equal_the_runners_own_preparation(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir("llama"))
     seqs = running_sequences(engine, [5, 9, 17], [4, 8, 16])  # block boundaries: positions 4, 8, 16
-    batch = ScheduledBatch([(s, 1) for s in seqs])
+    batch = [(s, 1) for s in seqs]
     inp = decode_inputs(batch, engine.config.block_size)
     input_ids, positions, meta = engine.runner._prepare(batch)
     n = len(seqs)
@@ -79,15 +79,15 @@ def test_decode_inputs_equal_the_runners_own_preparation(tiny_model_dir) -> None
     assert inp.slot_mapping.tolist() == meta.slot_mapping[:n].tolist()
     assert inp.seq_lens.tolist() == meta.seq_lens.tolist()
     assert np.array_equal(inp.block_tables, meta.block_tables.numpy())
-    mixed = ScheduledBatch([(seqs[0], 1), (seqs[1], 2)])
+    mixed = [(seqs[0], 1), (seqs[1], 2)]
     assert decode_inputs(mixed, 4) is None
-    assert decode_inputs(ScheduledBatch([]), 4) is None
+    assert decode_inputs([], 4) is None
 
 
 def test_padding_rows_are_empty_sequences(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir("llama"))
     seqs = running_sequences(engine, [5, 9, 17], [4, 8, 16])
-    inp = decode_inputs(ScheduledBatch([(s, 1) for s in seqs]), 4)
+    inp = decode_inputs([(s, 1) for s in seqs], 4)
     tokens, lens = pad_decode_inputs(inp, 8)
     assert tokens.shape == (3, 8) and lens.shape == (2, 12)  # rows of 12 int32: 16-byte aligned
     assert tokens[0].tolist() == [*inp.input_ids, 0, 0, 0, 0, 0]
@@ -102,7 +102,7 @@ def test_padding_rows_are_empty_sequences(tiny_model_dir) -> None:
 def test_only_the_triton_backend_is_captured(tiny_model_dir) -> None:
     engine = make_engine(tiny_model_dir("llama"))
     small = EngineConfig(block_size=4, max_num_seqs=16)
-    assert DecodeGraphRunner.for_model(engine.model, small, torch.device("cpu")) is None
+    assert DecodeGraphRunner.for_model(engine.model, small, torch.device("cpu"), engine.runner.to_device) is None
     assert engine.runner.cuda_graphs is None  # on the CPU the model runner never makes one
 
 

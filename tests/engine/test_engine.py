@@ -63,11 +63,11 @@ def test_logits_match_transformers(arch_pair):
         ref = hf(torch.tensor([ids])).logits[0]  # [T, V]
     # full prompt logprobs with K = vocab-wide check through logits: compare the model directly
     from apcscore.attention.metadata import set_attention_metadata
-    from apcscore.engine.step import ScheduledBatch, Sequence
+    from apcscore.engine.step import Sequence
 
     seq = Sequence(Request(0, ids), 0, engine.long_rope_after)  # (long-rope Phi-3: 37 > 32, the long tables)
     assert engine.block_manager.allocate(seq, len(ids))
-    input_ids, positions, meta = engine.runner._prepare(ScheduledBatch([(seq, len(ids))]))
+    input_ids, positions, meta = engine.runner._prepare([(seq, len(ids))])
     with torch.no_grad(), set_attention_metadata(meta):
         ours = engine.model.compute_logits(engine.model(input_ids, positions))[:len(ids)]
     assert (ours - ref).abs().max().item() < 1e-4, arch
@@ -260,7 +260,7 @@ def test_every_step_respects_the_token_budget_and_sequence_cap(llama_dir):
 
     def spy():
         batch = schedule()
-        steps.append((batch.num_tokens, len(batch.items), len(engine.scheduler.running)))
+        steps.append((sum(n for _, n in batch), len(batch), len(engine.scheduler.running)))
         return batch
 
     engine.scheduler.schedule = spy
@@ -274,7 +274,7 @@ def test_every_step_respects_the_token_budget_and_sequence_cap(llama_dir):
     again = make_engine(llama_dir, max_batch_tokens=24, max_num_seqs=3)
     steps2 = []
     schedule2 = again.scheduler.schedule
-    again.scheduler.schedule = lambda: (lambda b: (steps2.append((b.num_tokens, len(b.items),
+    again.scheduler.schedule = lambda: (lambda b: (steps2.append((sum(n for _, n in b), len(b),
                                                                    len(again.scheduler.running))), b)[1])(schedule2())
     list(again.run(Request(i, p, prompt_logprobs=0, sampling=SamplingParams(max_tokens=4, ignore_eos=True))
                    for i, p in enumerate(ps)))

@@ -62,17 +62,17 @@ def test_probe_passes_the_fixed_order_gemm_at_real_shapes() -> None:
     gen = torch.Generator().manual_seed(0)
     weights = [torch.randn(n, k, generator=gen) for k, n in ((576, 960), (1536, 576), (576, 49152))]
     result = probe_linear(FixedOrderLinear(), weights, budget=2048)
-    assert result.passed and result.reason is None
-    assert [s[:2] for s in result.shapes] == [[576, 960], [1536, 576], [576, 49152]]
-    assert all(16 <= s[2] <= s[1] and s[2] % 16 == 0 for s in result.shapes)  # N cut to the time budget, never K
-    assert result.row_counts == [1, 15, 16, 57, 64, 100, 191, 2048]
+    assert result["passed"] and result["reason"] is None
+    assert [s[:2] for s in result["shapes"]] == [[576, 960], [1536, 576], [576, 49152]]
+    assert all(16 <= s[2] <= s[1] and s[2] % 16 == 0 for s in result["shapes"])  # N cut to the time budget, never K
+    assert result["row_counts"] == [1, 15, 16, 57, 64, 100, 191, 2048]
 
 
 @pytest.mark.parametrize("rows", [1, 15, 57, 191])
 def test_probe_catches_a_row_count_dependent_linear(rows: int) -> None:
     weight = torch.randn(96, 128, generator=torch.Generator().manual_seed(1))
     result = probe_linear(SplitKAboveRows(rows), [weight], budget=512)
-    assert not result.passed and "[128 -> 96]" in result.reason
+    assert not result["passed"] and "[128 -> 96]" in result["reason"]
 
 
 def _tiny_parts(tiny_model_dir):
@@ -160,8 +160,8 @@ def test_the_head_is_probed_as_compute_logits_multiplies_it_in_bf16(tiny_model_d
 
     monkeypatch.setattr(model, "logits_product", lambda: (cuda_product, head, torch.bfloat16))
     result = probe_model(model, model.ops.linear, budget=64)
-    assert result.passed, result.reason
-    assert result.shapes[-1][:2] == [parts.config.hidden_size, parts.config.vocab_size]
+    assert result["passed"], result["reason"]
+    assert result["shapes"][-1][:2] == [parts.config.hidden_size, parts.config.vocab_size]
     assert set(calls) == {(torch.bfloat16, torch.bfloat16)}
     hidden = torch.randn(5, parts.config.hidden_size).to(torch.bfloat16)
     logits = model.compute_logits(hidden)  # [5, V]
@@ -184,5 +184,5 @@ def test_a_weight_cut_to_the_time_budget_is_probed_with_its_whole_shapes_configu
     entry = matmul_configs.MatmulConfig(block_m=32, block_n=16, block_k=32, group_m=1, num_warps=4, num_stages=2)
     monkeypatch.setitem(matmul_configs.TABLE, ("cpu", "float32", 256, 32), entry)
     result = gemm_probe.probe_linear(invariant_linear, [weight], budget=64)
-    assert result.passed and result.shapes == [[32, 256, 16]]
+    assert result["passed"] and result["shapes"] == [[32, 256, 16]]
     assert matmul_launches and set(matmul_launches) == {entry}

@@ -25,7 +25,7 @@ from apcscore.attention.metadata import AttentionMetadata, set_attention_metadat
 from apcscore.engine import Engine
 from apcscore.engine.loader import load_native_engine
 from apcscore.engine.cuda_graphs import DecodeGraphRunner, decode_inputs
-from apcscore.engine.step import ScheduledBatch, Sequence
+from apcscore.engine.step import Sequence
 from apcscore.kernels._checks import interpreting
 from portable_models import VOCAB_SIZE, tiny_dir  # noqa: F401  (fixture)
 
@@ -58,7 +58,7 @@ def prefilled(engine: Engine, lengths: list[int]) -> list[Sequence]:
     for i, p in enumerate(prompts(lengths, seed=5)):
         seq = Sequence(Request(i, p), i)
         assert engine.block_manager.allocate(seq, len(p))
-        engine.runner.execute(ScheduledBatch([(seq, len(p) - 1)]))
+        engine.runner.execute([(seq, len(p) - 1)])
         seq.num_computed_tokens = len(p) - 1
         seqs.append(seq)
     return seqs
@@ -71,7 +71,7 @@ def test_graph_replay_is_bitwise_the_eager_padded_forward(tiny_dir, dtype: str) 
     assert isinstance(graphs, DecodeGraphRunner) and sorted(graphs.graphs) == graphs.sizes == [1, 2, 4, 8]
     seqs = prefilled(engine, [5, 17, 33, 70, 9, 129])
     for n in (1, 3, 6):  # padded to 1, 4, 8
-        batch = ScheduledBatch([(s, 1) for s in seqs[:n]])
+        batch = [(s, 1) for s in seqs[:n]]
         inp = decode_inputs(batch, engine.config.block_size)
         eager = graphs.forward_inputs(inp, eager=True).clone()
         replayed = graphs.forward_inputs(inp).clone()
@@ -87,7 +87,7 @@ def test_graph_replay_is_bitwise_the_eager_padded_forward(tiny_dir, dtype: str) 
 def test_replayed_decode_does_no_host_sync(tiny_dir) -> None:
     engine = cuda_engine(tiny_dir("llama"))
     graphs = engine.runner.cuda_graphs
-    batch = ScheduledBatch([(s, 1) for s in prefilled(engine, [7, 20, 41])])
+    batch = [(s, 1) for s in prefilled(engine, [7, 20, 41])]
     graphs.forward(batch)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from apcscore.config import EngineConfig
-from apcscore.engine.counters import EngineCounters, EngineStats
+from apcscore.engine.counters import EngineCounters
 from apcscore.engine.model_info import capping_window, context_length
 from apcscore.errors import ApcscoreError
 
@@ -77,11 +77,11 @@ def test_context_length_needs_a_length() -> None:
 
 
 def test_counters_add_up_field_by_field() -> None:
-    a = EngineCounters.of(EngineStats(steps=3, prompt_tokens=100, generated_tokens=7, finished=2, errors=1,
+    a = EngineCounters.of(EngineCounters(steps=3, prompt_tokens=100, generated_tokens=7, finished=2, errors=1,
                                       preemptions=1, seconds=2.0, queried_tokens=90, hit_tokens=30,
                                       reusable_tokens=12, score_store_hits=5),
                           used_kv_blocks=4, num_kv_blocks=64)
-    b = EngineCounters.of(EngineStats(steps=1, prompt_tokens=20, generated_tokens=3, seconds=0.5))
+    b = EngineCounters.of(EngineCounters(steps=1, prompt_tokens=20, generated_tokens=3, seconds=0.5))
     total = a + b
     assert all(getattr(total, f.name) == getattr(a, f.name) + getattr(b, f.name) for f in fields(total))
     assert total.score_store_hits == 5 and total.num_kv_blocks == 64 and total.steps == 4
@@ -90,12 +90,14 @@ def test_counters_add_up_field_by_field() -> None:
     assert a.hit_rate == 30 / 90 and total.tokens_per_second == 130 / 2.5
     with pytest.raises(TypeError):
         a + 1  # noqa: B018
-    with pytest.raises(AttributeError):
-        a.steps = 0  # type: ignore[misc]  (frozen)
+    tally = EngineCounters(steps=1)
+    snapshot = EngineCounters.of(tally, 1, 2)
+    tally.steps += 1  # the engine counts on; a snapshot is a copy and stays as it was
+    assert snapshot.steps == 1 and (snapshot.used_kv_blocks, snapshot.num_kv_blocks) == (1, 2)
 
 
 def test_counters_give_the_metadata_timings() -> None:
-    c = EngineCounters.of(EngineStats(steps=2, prompt_tokens=10, generated_tokens=4, preemptions=1,
+    c = EngineCounters.of(EngineCounters(steps=2, prompt_tokens=10, generated_tokens=4, preemptions=1,
                                       queried_tokens=8, hit_tokens=4, reusable_tokens=2, score_store_hits=1))
     t = c.to_timings(1.5, 3.0)
     assert list(t) == ["load_seconds", "run_seconds", "prompt_tokens", "generated_tokens", "steps",
