@@ -66,4 +66,3 @@ class EngineCounters:
                                  "score_store_hits": self.score_store_hits}}
 
 
-EngineStats = EngineCounters  # the one tally's former name, which engine/hf_engine.py still imports

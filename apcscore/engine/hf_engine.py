@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from apcscore.config import EngineConfig
-from apcscore.engine.counters import EngineCounters, EngineStats
+from apcscore.engine.counters import EngineCounters
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
@@ -62,7 +62,7 @@ class TransformersEngine:
         self.numerics = describe_numerics(device, False, "the model's own transformers forward",
                                           None, "the transformers fallback path (one request at a time, library GEMM)")
         self.batch_invariant = False
-        self.stats = EngineStats()
+        self.stats = EngineCounters()
         self._arrivals = 0
         self.eos_token_ids = eos_token_ids(self.model.config, self.tokenizer)
 
