@@ -11,12 +11,11 @@ The Python API the CLI itself uses::
 __version__ = "0.1.0"
 
 from apcscore.config import EngineConfig
-from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, SamplingParams, TokenLogprobs
+from apcscore.engine.step import Request, RequestOutput, SamplingParams, TokenLogprobs
 
 __all__ = [
     "Engine",
     "EngineConfig",
-    "PromptLogprobs",
     "Request",
     "RequestOutput",
     "SamplingParams",

@@ -140,7 +140,7 @@ def engine_and_state(name: str, small: bool):
 
 
 def columns(p) -> Any:
-    """A PromptLogprobs (or TokenLogprobs) as one flat float64 vector of every output column, for bitwise
+    """A TokenLogprobs as one flat float64 vector of every output column, for bitwise
     comparison: ids, logprobs, ranks, top ids, top logprobs."""
     import numpy as np
 
@@ -213,7 +213,7 @@ def timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 
 # ---- engine and transformers workloads -----------------------------------------------------------------------
 def engine_score(engine, prompts: list[list[int]], k: int) -> list:
-    """PromptLogprobs of every prompt, in input order."""
+    """The prompt TokenLogprobs of every prompt, in input order."""
     from apcscore.engine.step import Request
 
     outs = {o.request_id: o for o in engine.run(Request(i, p, prompt_logprobs=k) for i, p in enumerate(prompts))}

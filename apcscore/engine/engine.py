@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-import numpy as np
 
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
@@ -22,7 +21,7 @@ from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.model_info import ModelInfo
 from apcscore.engine.model_runner import ModelRunner
 from apcscore.engine.scheduler import Scheduler
-from apcscore.engine.step import (PromptLogprobs, Request, RequestOutput, ScheduledBatch, Sequence, TokenLogprobs,
+from apcscore.engine.step import (Request, RequestOutput, ScheduledBatch, Sequence, TokenLogprobs,
                                   request_problem)
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.models.llama import LlamaDecoder
@@ -195,10 +194,7 @@ class Engine:
         req = seq.request
         prompt_lps = None
         if req.prompt_logprobs is not None:
-            parts = seq.prompt_logprob_parts
-            merged = TokenLogprobs.concat(parts, req.prompt_logprobs)
-            positions = np.concatenate([p.positions for p in parts]) if parts else np.zeros(0, np.int64)
-            prompt_lps = PromptLogprobs(**vars(merged), positions=positions)
+            prompt_lps = TokenLogprobs.concat(seq.prompt_logprob_parts, req.prompt_logprobs)
         text = seq.output_text
         if text is None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if req.max_tokens else ""

@@ -18,6 +18,7 @@ refused on this path. A request's last-token alternatives are more rows of its l
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
@@ -32,7 +33,7 @@ from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.model_info import ModelInfo, context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
-from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, TokenLogprobs, request_problem
+from apcscore.engine.step import Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
 from apcscore.kernels.logprobs_torch import token_logprobs_torch
 from apcscore.models.loading import eos_token_ids
@@ -162,7 +163,7 @@ class TransformersEngine:
             self._generate(request, arrival, out)
         return out
 
-    def _prompt_logprobs(self, request: Request) -> tuple[PromptLogprobs, TokenLogprobs | None]:
+    def _prompt_logprobs(self, request: Request) -> tuple[TokenLogprobs, TokenLogprobs | None]:
         """Row q of the prompt's logits predicts token q + 1: rows score_from - 1 .. n - 2 are scored, and the
         last row again for each of the request's last-token alternatives."""
         ids = request.prompt_token_ids
@@ -179,7 +180,7 @@ class TransformersEngine:
             lps = chunked_token_logprobs(lambda rows: rows, logits, targets, k, self.config.logprobs_chunk_size,
                                          token_logprobs_torch, ranks=request.prompt_logprob_ranks)
         m = max(0, n - first)  # scored prompt rows; the alternatives' rows follow
-        prompt = PromptLogprobs(**vars(lps.rows(0, m)), positions=np.arange(first, first + m, dtype=np.int64))
+        prompt = replace(lps.rows(0, m), positions=np.arange(first, first + m, dtype=np.int64))
         return prompt, (lps.rows(m, len(lps)) if alts else None)
 
     def _generate(self, request: Request, arrival: int, out: RequestOutput) -> None:

@@ -8,6 +8,8 @@ and the final hidden state of each block's last position is captured for the sto
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
@@ -19,7 +21,7 @@ from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
-from apcscore.engine.step import PromptLogprobs, ScheduledBatch, Sequence, StepInputs, TokenLogprobs
+from apcscore.engine.step import ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
 from apcscore.engine.step_inputs import build_step_inputs
 from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
@@ -187,7 +189,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden, out)
 
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor, ref_hidden: torch.Tensor | None = None
-                       ) -> tuple[list[tuple[Sequence, PromptLogprobs]], list[tuple[Sequence, TokenLogprobs]]]:
+                       ) -> tuple[list[tuple[Sequence, TokenLogprobs]], list[tuple[Sequence, TokenLogprobs]]]:
         """Row q of a sequence predicts its token q + 1: score the prompt tokens this chunk can see, and a
         sequence's last-token alternatives once its last prompt token is scored: more rows of the same hidden
         state with other targets (the LM head and the logprob function are row-wise: bitwise the same values
@@ -223,8 +225,8 @@ class ModelRunner:
         k = max(seq.request.prompt_logprobs for seq, *_ in spans)
         lps = self._token_logprobs(hidden, rows, extra, targets, k,
                                    any(seq.request.prompt_logprob_ranks for seq, *_ in spans), ref_hidden)
-        out = [(seq, PromptLogprobs(**vars(lps.rows(first, first + count, seq.request.prompt_logprobs)),
-                                    positions=np.arange(pos0, pos0 + count, dtype=np.int64)))
+        out = [(seq, replace(lps.rows(first, first + count, seq.request.prompt_logprobs),
+                             positions=np.arange(pos0, pos0 + count, dtype=np.int64)))
                for seq, first, count, pos0 in spans]
         alternatives = [(seq, lps.rows(first, first + count, seq.request.prompt_logprobs))
                         for seq, first, count in alt_spans]

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from apcscore.engine.step import PromptLogprobs, Request, Sequence
+from apcscore.engine.step import Request, Sequence, TokenLogprobs
 
 ENTRY_OVERHEAD_BYTES = 1400  # the entry object, four numpy arrays, a torch tensor, the dict slot (measured ~1,350)
 
@@ -156,7 +156,7 @@ class ScoreStore:
         lps, ranks, top_ids, top_lps = (np.concatenate([p[i] for p in parts]) for i in range(4))
         end = num_blocks * block_size
         positions = np.arange(end - len(lps), end, dtype=np.int64)
-        seq.prompt_logprob_parts.append(PromptLogprobs(
+        seq.prompt_logprob_parts.append(TokenLogprobs(
             token_ids=np.asarray(seq.token_ids[end - len(lps):end], dtype=np.int64), token_logprobs=lps,
             ranks=ranks, top_ids=top_ids, top_logprobs=top_lps, positions=positions))
         if end < seq.prompt_len:  # the boundary row end - 1 predicts prompt token `end`: scored in the first step
@@ -181,10 +181,10 @@ class ScoreStore:
             self.put(digest, ScoreEntry(first, lps, ranks, top_ids, top_lps, h, req.prompt_logprob_ranks))
 
 
-def _targets(parts: list[PromptLogprobs], first: int, end: int) -> tuple[np.ndarray, ...] | None:
+def _targets(parts: list[TokenLogprobs], first: int, end: int) -> tuple[np.ndarray, ...] | None:
     """Copies of the results for targets [first, end) from a sequence's parts (in position order), or None if
     some are missing. Walks from the newest part back: the block just completed is at the end."""
-    picked: list[tuple[PromptLogprobs, int, int]] = []
+    picked: list[tuple[TokenLogprobs, int, int]] = []
     need_end = end
     for part in reversed(parts):
         if len(part) == 0:

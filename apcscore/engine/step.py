@@ -1,7 +1,7 @@
 """The data of one engine step, in one place: what a request asks (`SamplingParams`, `Request`), what the engine
 keeps of it while it runs (`Sequence`), what a step runs (`ScheduledBatch`: the scheduler's; `StepInputs`: the model
 runner's flat host arrays; what a step scores goes onto its sequences) and what the caller gets back
-(`TokenLogprobs`, `PromptLogprobs` and `RequestOutput`). Torch-free: the package face imports it.
+(`TokenLogprobs` and `RequestOutput`). Torch-free: the package face imports it.
 
 The attention layer's own input, `AttentionMetadata` (apcscore.attention.metadata), lives below the engine (the
 layers of docs/architecture.md); the model runner builds it from `StepInputs`.
@@ -78,7 +78,8 @@ class TokenLogprobs:
     """Logprobs of a run of tokens (scored prompt positions, or sampled tokens), as numpy arrays.
 
     token_ids[i] is the token whose logprob is token_logprobs[i]; rank 1 = the model's argmax.
-    top_ids / top_logprobs are [n, K] (K may be 0), sorted by logprob, descending.
+    top_ids / top_logprobs are [n, K] (K may be 0), sorted by logprob, descending. Scored prompt positions carry
+    positions[i], the prompt index of row i; sampled tokens carry None.
     """
 
     token_ids: np.ndarray  # [n] int64
@@ -87,18 +88,22 @@ class TokenLogprobs:
     top_ids: np.ndarray  # [n, K] int64
     top_logprobs: np.ndarray  # [n, K] float32
     divergence: Divergence | None = None  # from the reference model, where the engine has one
+    positions: np.ndarray | None = None  # [n] int64: the prompt index of each row (scored prompt positions)
 
     @staticmethod
     def concat(parts: list["TokenLogprobs"], k: int) -> "TokenLogprobs":
         if not parts:
             return TokenLogprobs(
                 np.zeros(0, np.int64), np.zeros(0, np.float32), np.zeros(0, np.int64),
-                np.zeros((0, k), np.int64), np.zeros((0, k), np.float32),
+                np.zeros((0, k), np.int64), np.zeros((0, k), np.float32), positions=np.zeros(0, np.int64),
             )
         divergence = Divergence.concat([p.divergence for p in parts]) \
             if all(p.divergence is not None for p in parts) else None
+        positions = np.concatenate([p.positions for p in parts]) \
+            if all(p.positions is not None for p in parts) else None
         return TokenLogprobs(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                               ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")), divergence)
+                               ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs")), divergence,
+                             positions)
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -107,14 +112,8 @@ class TokenLogprobs:
         """Rows start..stop-1, their top-K columns cut to k when given."""
         return TokenLogprobs(self.token_ids[start:stop], self.token_logprobs[start:stop], self.ranks[start:stop],
                              self.top_ids[start:stop, :k], self.top_logprobs[start:stop, :k],
-                             None if self.divergence is None else self.divergence.rows(start, stop))
-
-
-@dataclass
-class PromptLogprobs(TokenLogprobs):
-    """TokenLogprobs of the scored prompt positions; positions[i] is the prompt index of row i."""
-
-    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+                             None if self.divergence is None else self.divergence.rows(start, stop),
+                             None if self.positions is None else self.positions[start:stop])
 
 
 @dataclass
@@ -123,7 +122,7 @@ class RequestOutput:
 
     request_id: Any
     prompt_token_ids: list[int]
-    prompt_logprobs: PromptLogprobs | None = None
+    prompt_logprobs: TokenLogprobs | None = None
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""
     output_logprobs: TokenLogprobs | None = None
@@ -180,7 +179,7 @@ class Sequence:
         self.block_ids: list[int] = []
         self.block_hashes: list[bytes] = []  # SHA-256 chain digest of each full block of token_ids, computed lazily
         self.num_cached_tokens: int | None = None  # prefix-cache hit at first admission
-        self.prompt_logprob_parts: list[PromptLogprobs] = []
+        self.prompt_logprob_parts: list[TokenLogprobs] = []
         self.alternative_logprobs: TokenLogprobs | None = None  # of request.last_token_alternatives, once scored
         self.output_logprob_parts: list[TokenLogprobs] = []
         self.finish_reason: str | None = None

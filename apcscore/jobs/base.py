@@ -8,7 +8,7 @@ from typing import Any
 import pyarrow as pa
 
 from apcscore.engine import numerics
-from apcscore.engine.step import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.step import TokenLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.options.commands import RunOptions
@@ -134,7 +134,7 @@ class Job:
         return list(self.tokenizer(text).input_ids)
 
 
-def token_columns(token_ids: list[int], lps: PromptLogprobs | None) -> dict:
+def token_columns(token_ids: list[int], lps: TokenLogprobs | None) -> dict:
     """Per-token columns aligned with `token_ids`; null where a position was not scored (always position 0)."""
     n = len(token_ids)
     logprobs: list[float | None] = [None] * n
@@ -160,5 +160,5 @@ def nll_summary(sum_logprob: float, count: int) -> dict:
     return {"sum_logprob": sum_logprob, "mean_nll": mean_nll, "perplexity": numerics.exp(mean_nll)}
 
 
-def sum_logprobs(lps: PromptLogprobs | None) -> float:
+def sum_logprobs(lps: TokenLogprobs | None) -> float:
     return numerics.exact_sum(lps.token_logprobs) if lps is not None else 0.0

@@ -28,7 +28,7 @@ import numpy as np
 import pyarrow as pa
 
 from apcscore.engine import numerics
-from apcscore.engine.step import PromptLogprobs, Request, RequestOutput
+from apcscore.engine.step import TokenLogprobs, Request, RequestOutput
 from apcscore.errors import ApcscoreError
 
 # Per-record columns of continuation and multiple-choice rows; null on rows of other kinds.
@@ -137,7 +137,7 @@ def continuation_score(out: RequestOutput, last_token: int | None = None) -> Con
     return ContinuationScore(numerics.exact_sum(logprobs), len(ids), bool(np.all(top1 == ids)))
 
 
-def trim_top(lps: PromptLogprobs | None, k: int) -> PromptLogprobs | None:
+def trim_top(lps: TokenLogprobs | None, k: int) -> TokenLogprobs | None:
     """`lps` with its top-K columns cut to k (the continuation request asked for at least 1)."""
     if lps is None or lps.top_ids.shape[1] <= k:
         return lps

@@ -33,11 +33,10 @@ import re
 from dataclasses import dataclass, replace
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 
 from apcscore.engine import numerics
-from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.step import Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, token_columns
@@ -151,8 +150,7 @@ class PerplexityJob(Job):
             lps = out.prompt_logprobs
             assert len(lps) == w.num_scored, "the engine scored other positions than the window asked for"
             parts.append(replace(lps, positions=lps.positions + w.start))
-        merged = PromptLogprobs(**vars(TokenLogprobs.concat(parts, self.k or 0)),
-                                positions=np.concatenate([p.positions for p in parts]))
+        merged = TokenLogprobs.concat(parts, self.k or 0)
         total = numerics.exact_sum(merged.token_logprobs)
         n, words, nbytes = len(seq) - 1, count_words(text), len(text.encode("utf-8"))
         row = {"id": record.id, "status": "ok", "error": None, "num_tokens": n, "num_words": words,

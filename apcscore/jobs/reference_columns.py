@@ -11,7 +11,7 @@ import math
 
 import pyarrow as pa
 
-from apcscore.engine.step import PromptLogprobs
+from apcscore.engine.step import TokenLogprobs
 
 REFERENCE_FIELDS = [
     pa.field("mean_kl", pa.float64()),
@@ -23,7 +23,7 @@ REFERENCE_FIELDS = [
 NULL_COLUMNS = {f.name: None for f in REFERENCE_FIELDS}
 
 
-def reference_columns(num_tokens: int, lps: PromptLogprobs | None) -> dict:
+def reference_columns(num_tokens: int, lps: TokenLogprobs | None) -> dict:
     """The reference columns of a record of `num_tokens` tokens from its prompt logprobs' divergence."""
     if lps is None or lps.divergence is None:
         return dict(NULL_COLUMNS)

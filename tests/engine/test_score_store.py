@@ -17,7 +17,7 @@ from apcscore import Engine, EngineConfig, Request, SamplingParams
 from apcscore.engine.loader import load_native_engine
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
-from apcscore.engine.step import PromptLogprobs, Sequence
+from apcscore.engine.step import Sequence, TokenLogprobs
 from tests.engine.test_exact_reuse import assert_tables_equal, cli_run, engine, model  # noqa: F401 (model: a fixture)
 from tests.engine.test_invariance import assert_same, columns, run
 
@@ -222,10 +222,10 @@ def test_eviction_of_a_cached_block_drops_its_entry() -> None:
 
 
 def test_targets_are_taken_only_when_every_one_was_scored() -> None:
-    def part(p0: int, n: int) -> PromptLogprobs:
+    def part(p0: int, n: int) -> TokenLogprobs:
         pos = np.arange(p0, p0 + n)
-        return PromptLogprobs(pos.copy(), pos.astype(np.float32), pos.copy(), pos[:, None].repeat(2, 1),
-                              pos[:, None].astype(np.float32).repeat(2, 1), positions=pos)
+        return TokenLogprobs(pos.copy(), pos.astype(np.float32), pos.copy(), pos[:, None].repeat(2, 1),
+                             pos[:, None].astype(np.float32).repeat(2, 1), positions=pos)
 
     lps, ranks, top, _ = _targets([part(1, 5), part(6, 3), part(9, 20)], 4, 12)
     assert lps.tolist() == list(range(4, 12)) and top.shape == (8, 2)

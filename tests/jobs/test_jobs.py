@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from apcscore.engine.step import PromptLogprobs, Request, RequestOutput, TokenLogprobs
+from apcscore.engine.step import Request, RequestOutput, TokenLogprobs
 from apcscore.errors import ApcscoreError
 from apcscore.io.schemas import Record
 from apcscore.jobs.generate import GenerateJob
@@ -27,9 +27,9 @@ def fake_output(req: Request, logprob: float = -0.5) -> RequestOutput:
     pos = np.arange(req.score_from, len(ids), dtype=np.int64)
     k = req.prompt_logprobs or 0
     top = np.repeat(ids[pos][:, None], k, axis=1)
-    lps = PromptLogprobs(token_ids=ids[pos], token_logprobs=np.full(len(pos), logprob, np.float32),
-                         ranks=np.ones(len(pos), np.int64), top_ids=top,
-                         top_logprobs=np.full(top.shape, logprob, np.float32), positions=pos)
+    lps = TokenLogprobs(token_ids=ids[pos], token_logprobs=np.full(len(pos), logprob, np.float32),
+                        ranks=np.ones(len(pos), np.int64), top_ids=top,
+                        top_logprobs=np.full(top.shape, logprob, np.float32), positions=pos)
     alts = None
     if req.last_token_alternatives:
         a = np.asarray(req.last_token_alternatives, dtype=np.int64)
