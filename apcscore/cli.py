@@ -186,12 +186,18 @@ def _error(exc: ApcscoreError) -> typer.Exit:
     return typer.Exit(exc.exit_code)
 
 
-def _exit_with(run: Callable[[], int]) -> None:
-    """Call `run`; its nonzero exit code, or an ApcscoreError as a clear message, ends the command."""
+@contextmanager
+def _exit_on_errors() -> Iterator[None]:
+    """An ApcscoreError raised in the block ends the command with its message and exit code (a context, not a
+    wrapper: the command's call stays one frame from the command)."""
     try:
-        code = run()
+        yield
     except ApcscoreError as exc:
         raise _error(exc) from None
+
+
+def _exit(code: int) -> None:
+    """End the command with `code` where it is nonzero."""
     if code:
         raise typer.Exit(code)
 
@@ -207,7 +213,8 @@ def _run(command: str, params: dict[str, Any]) -> None:
     from apcscore.run.driver import run_command
 
     options = {k: v for k, v in params.items() if k not in ("dataset", "config")}
-    _exit_with(lambda: run_command(command, params["dataset"], options, params["config"], console))
+    with _exit_on_errors():
+        _exit(run_command(command, params["dataset"], options, params["config"], console))
 
 
 @app.command(cls=Command)
@@ -258,7 +265,8 @@ def eval_(**params: Any) -> None:
     """
     from apcscore.run.eval import run_eval
 
-    _exit_with(lambda: run_eval(params, _plain(out_console), note=_plain(console)))
+    with _exit_on_errors():
+        _exit(run_eval(params, _plain(out_console), note=_plain(console)))
 
 
 @app.command("lm-eval", cls=Command, add_help_option=False,
@@ -289,7 +297,8 @@ def merge(
     are joined into the folder one eval would have written (no model weights are loaded)."""
     from apcscore.run.merge import merge as merge_any
 
-    _exit_with(lambda: merge_any(out, shards, overwrite, _plain(out_console), _plain(console)))
+    with _exit_on_errors():
+        _exit(merge_any(out, shards, overwrite, _plain(out_console), _plain(console)))
 
 
 app.command("compare", cls=Command)(compare)  # lives in its own module; needs no model
