@@ -14,7 +14,6 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Iterator
 
-
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.detokenizer import IncrementalDetokenizer
