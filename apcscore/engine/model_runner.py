@@ -30,6 +30,7 @@ from apcscore.models.llama import LlamaDecoder
 
 _ALIGN = 64  # bytes: every staged array starts 64-byte aligned, as a fresh allocation would (Triton specialises on it)
 
+
 class ModelRunner:
     cuda_graphs_allowed = True  # (not for the tensor-parallel SliceRunner: collectives are not captured)
 
@@ -85,7 +86,7 @@ class ModelRunner:
         groups = None if shape is None else step_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables,
                                                                 self.block_size, shape)
         staged = self.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
-                                       inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
+                                inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
         input_ids, positions, slots, cu, seq_lens, tables = staged[:6]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
                                  cu_seqlens_q_list=inp.cu_seqlens_q.tolist(), seq_lens_list=inp.seq_lens.tolist(),
