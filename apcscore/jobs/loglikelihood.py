@@ -1,21 +1,11 @@
-"""Loglikelihood of a continuation and multiple-choice scoring, the way lm-evaluation-harness does it.
+"""Loglikelihood of a continuation and multiple-choice scoring, the way lm-evaluation-harness does it, for the score
+job's `continuation` and `choices` records: lm-eval's tokenization of a context and continuation (`encode_pair`),
+`is_greedy`, `acc` and `acc_norm` as docs/eval_jobs.md describes them.
 
-Used by the score job for its `continuation` and `choices` record kinds.
-
-Tokenization (lm-eval's `HFLM._encode_pair` / `loglikelihood`): trailing whitespace of the context moves to
-the front of the continuation; `context + continuation` is encoded once (no special tokens added) and split
-at `len(tokens(context))`; the request is `tokens(context) + that tail`, scored from the first continuation
-token. An empty context (also one that was only whitespace) is the prefix token: the tokenizer's BOS, or
-EOS where there is none (lm-eval's `prefix_token_id`), so the first continuation token has a context.
-
-A continuation's loglikelihood is the sum of its tokens' logprobs; `is_greedy` says every one of its tokens
-is the model's argmax as lm-eval defines it (`logits.argmax(-1) == tokens`): with tied top logits only the
-lowest token id is greedy, so a rank of 1 (ties share it) is not enough. The request asks for at least the
-top-1 id, whose ties the engine orders by token id (`apcscore.kernels.logprobs_torch.top_k`). A multiple-choice
-record scores each choice as the continuation of the context, one request per choice, except that choices whose
-tokens differ only in the last one share a request (`group_by_last_token`); `pred` is the
-argmax of the loglikelihoods and `pred_norm` the argmax of the loglikelihoods divided by each choice's length
-in characters (lm-eval's `acc` and `acc_norm`). Ties go to the first choice (`numpy.argmax`).
+`is_greedy` is lm-eval's `logits.argmax(-1) == tokens`: with tied top logits only the lowest token id is greedy
+(a rank of 1, which ties share, is not enough); the request asks for at least the top-1 id, whose ties the engine
+orders by token id (`apcscore.kernels.logprobs_torch.top_k`). Choices whose tokens differ only in the last one
+share a request (`group_by_last_token`). Ties of `pred` go to the first choice (`numpy.argmax`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """`apcscore perplexity`: perplexity of long texts with rolling windows (token, word and byte level).
 
-Semantics
----------
-A record `{"id"?, "text": str}` becomes the sequence `S = [prefix] + tokens(text)` (prefix: the tokenizer's
-BOS, else EOS; the text is encoded without special tokens), so each of the N text tokens `S[1..N]` has a
-context and is scored exactly once. A window that scores the tokens `S[a:b]` feeds the model the `window`
-tokens of S that end just before `S[b]` (fewer at the start of the text), `S[max(0, b-1-window) : b-1]`,
-and keeps the logprobs of its last `b - a` positions. The first window scores `S[1 : min(window, N) + 1]`;
-each next one ends `stride` tokens further (the last one at N + 1).
-
-- `stride == window` (the default) is lm-eval's `loglikelihood_rolling` with `max_length = window`
-  (`get_rolling_token_windows(context_len=1)` + `make_disjoint_window`): disjoint windows.
-- `stride < window` is the strided sliding window of the transformers perplexity guide with
-  `max_length = window + 1` on S (each token after the first window sees at least `window - stride`
-  tokens of context), except that the last window, like every other, feeds a full `window` of context
-  (the guide starts it at the next multiple of the stride and so gives it less).
-
-Each window is one engine request of `S[start:b]` (its `window` context tokens plus the last target, so
-at most `window + 1` tokens: `--window` is at most the model's context length minus one), scored from its
-first new token. Windows of all records are batched together by the engine.
-
-Per record: `num_tokens` = N, `num_words` = `len(re.split(r"\\s+", text))` (lm-eval's word count),
-`num_bytes` = UTF-8 bytes, `sum_logprob`, `perplexity` = exp(-sum/N), `word_perplexity` =
-exp(-sum/words), `byte_perplexity` = exp(-sum/bytes), `bits_per_byte` = -sum/bytes/ln 2. The summary
-aggregates over records as lm-eval does: exp(-sum(ll) / sum(units)) per unit, and bits per byte.
+A record `{"id"?, "text": str}` becomes the sequence `S = [prefix] + tokens(text)` (prefix: BOS, else EOS), so each
+of the N text tokens `S[1..N]` has a context and is scored exactly once. A window that scores `S[a:b]` is one
+engine request of `S[max(0, b-1-window) : b]` (at most `window + 1` tokens), scored from its first new token; the
+first scores `S[1 : min(window, N) + 1]`, each next one ends `stride` tokens further. How this matches lm-eval's
+`loglikelihood_rolling` (stride = window) and the transformers perplexity guide (stride < window), the columns
+and the summary's aggregation: docs/eval_jobs.md, "apcscore perplexity".
 """
 
 from __future__ import annotations
@@ -92,8 +74,7 @@ class PerplexityJob(Job):
     def __init__(self, tokenizer: Any, max_model_len: int, options: PerplexityOptions) -> None:
         super().__init__(tokenizer, max_model_len, options)
         max_len = self.max_model_len
-        window = options.window
-        window = default_window(max_len) if window is None else int(window)
+        window = default_window(max_len) if options.window is None else int(options.window)
         if window < 1:
             raise ApcscoreError(f"--window must be at least 1, not {window}")
         if window + 1 > max_len:
@@ -101,8 +82,7 @@ class PerplexityJob(Job):
                 f"--window {window} is too long for the model: a window feeds {window} tokens of context plus "
                 f"the token it predicts last ({window + 1} in all), and the model's context is {max_len} "
                 f"tokens; use --window {max_len - 1} or less")
-        stride = options.stride
-        stride = window if stride is None else int(stride)
+        stride = window if options.stride is None else int(options.stride)
         if not 1 <= stride <= window:
             raise ApcscoreError(f"--stride must be between 1 and the window ({window}), not {stride} "
                                 "(a stride above the window would leave tokens unscored)")

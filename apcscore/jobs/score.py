@@ -1,17 +1,8 @@
 """`apcscore score`: per-token prompt logprobs, ranks and top-K, and per-record NLL / perplexity; also the
-loglikelihood of a continuation and multiple-choice accuracy (see `apcscore.jobs.loglikelihood`).
+loglikelihood of a continuation and multiple-choice accuracy (`apcscore.jobs.loglikelihood`).
 
-Rows of every record kind share one schema; columns that do not apply to a kind are null:
-
-- prompt / prompt_token_ids: `num_tokens` (prompt), `num_scored` (all but the first), `sum_logprob`,
-  `mean_nll`, `perplexity`, and the per-token columns.
-- continuation: the same columns describe the request `context tokens + continuation tokens`: `num_tokens`
-  is its length, `num_scored`, `sum_logprob`, `mean_nll` and `perplexity` cover the continuation tokens only,
-  and the per-token columns are null before the continuation; plus `continuation_logprob` (= sum_logprob),
-  `continuation_num_tokens` (= num_scored) and `is_greedy`.
-- choices: `num_tokens` / `num_scored` add up every choice's request and scored tokens; `sum_logprob`,
-  `mean_nll`, `perplexity` and the per-token columns are null (one record, several sequences); plus
-  `choice_logprobs`, `choice_logprobs_norm`, `pred`, `pred_norm`, `correct`, `correct_norm`, `answer`.
+Rows of every record kind (prompt, prompt_token_ids, continuation, choices) share one schema, null where a column
+does not apply: docs/eval_jobs.md, "Mixed datasets and the score schema".
 """
 
 from __future__ import annotations
@@ -90,10 +81,7 @@ class ScoreJob(Job):
             merged, owner = group_by_last_token(separate)  # one-token choices of the context share a request
             choices = tuple((o, r.prompt_token_ids[-1]) for o, r in zip(owner, separate))
             return merged, ScorePlan(record, max((d for _, d in fitted), default=0), choices)
-        if record.kind == "prompt_token_ids":
-            ids = list(f["prompt_token_ids"])
-        else:
-            ids = self.encode(f["prompt"])
+        ids = list(f["prompt_token_ids"]) if record.kind == "prompt_token_ids" else self.encode(f["prompt"])
         ids, dropped = self.fit_context(ids)
         return [Request(None, ids, prompt_logprobs=self.record_k(record))], ScorePlan(record, dropped)
 
