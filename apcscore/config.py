@@ -229,7 +229,7 @@ Check = Callable[[Any], "str | None"]
 class SamplingOption:
     """How a sampling setting is checked and given (in its field's `metadata["sampling"]`).
 
-    check: the one check of its values (records, options, SamplingParams; None passes where the type allows);
+    check: the one check of its values (records, options, SamplingParams; None passes where it is the default);
     help: its flag's --help text on generate's Sampling panel (None: no flag); per_record: a generate record
     (JSONL, CSV, OpenAI Batch body) may set it for itself; at_least: its flag's lower bound, for a setting no
     record has (the options layer checks it)."""
@@ -296,7 +296,7 @@ class SamplingParams(SamplingOptions):
         out = []
         for f in fields(self):
             value = getattr(self, f.name)
-            if "sampling" in f.metadata and (value is not None or not str(f.type).endswith("| None")):
+            if "sampling" in f.metadata and (value is not None or f.default is not None):  # None: unset
                 if (why := f.metadata["sampling"].check(value)) is not None:
                     out.append(f"{f.name} {why}")
         return out
