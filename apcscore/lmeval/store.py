@@ -124,7 +124,7 @@ class ResponseStore:
         """The stored value of `key` (KeyError if none), appended to each journal that lacks it (a hit in the
         results cache goes into this run's journal too, so a shard's journal holds every response it gave)."""
         value = self._values[key]
-        self._write({"k": key, "v": value}, key)
+        self._write(key, value)
         return value
 
     def put(self, key: str, value: Any) -> None:
@@ -132,23 +132,22 @@ class ResponseStore:
         if key in self._values:
             return
         self._values[key] = value
-        self._write({"k": key, "v": value}, key)
+        self._write(key, value)
 
     def write_all(self) -> None:
         """Append every response held to the journals (a merge's folder gets the union of its shards')."""
         for key, value in self._values.items():
-            self._write({"k": key, "v": value}, key)
+            self._write(key, value)
 
-    def _write(self, entry: dict, key: str | None = None) -> None:
-        """Append `entry` to each journal (those that do not hold `key` yet, when given)."""
+    def _write(self, key: str, value: Any) -> None:
+        """Append the line of `key` and `value` to each journal that does not hold `key` yet."""
         # one write of a whole line to a file opened for appending, under the file's lock: concurrent writers
         # neither interleave lines nor cut a line another is writing (_open_journal's repair)
-        line = json.dumps(entry, separators=(",", ":")) + "\n"
+        line = json.dumps({"k": key, "v": value}, separators=(",", ":")) + "\n"
         for f, keys in self._files:
-            if key is not None:
-                if key in keys:
-                    continue
-                keys.add(key)
+            if key in keys:
+                continue
+            keys.add(key)
             with _locked(f):
                 f.write(line)
                 f.flush()
