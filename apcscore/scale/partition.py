@@ -1,11 +1,7 @@
-"""Prefix-aware partitioning of a dataset's records into N parts (shards or Ray replicas), deterministically.
-
-Records whose first KV blocks are equal go to the same part, so one engine computes a shared prefix once; the
-load is otherwise balanced. Each record's key is the chain of its first full blocks' digests (BLAKE2b, up to
-MAX_DEPTH); records are grouped by the first digest, a group heavier than a fair share split by the next (then
-cut in dataset order), and the groups placed heaviest first on the least-loaded part. It depends only on token
-ids, loads and N, so every array task computes the same assignment (docs/scale-out.md). `random` partitioning
-exists to measure what prefix-awareness buys."""
+"""Prefix-aware partitioning of a dataset's records into N parts (shards or Ray replicas), deterministically:
+records whose first KV blocks are equal go to one part, so one engine computes a shared prefix once, and the load
+is otherwise balanced (docs/scale-out.md, "Prefix-aware partitioning"). `random` partitioning exists to measure
+what prefix-awareness buys."""
 
 from __future__ import annotations
 

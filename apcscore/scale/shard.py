@@ -6,7 +6,7 @@ metadata `shard`; `apcscore merge` (run/parquet_shards.py) joins the shards."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,59 +20,25 @@ from apcscore.scale.partition import assign, fingerprint, record_items
 SHARD_COLUMN = "record_index"
 
 
-@dataclass(frozen=True)
-class Split:
-    """A dataset's assignment to `count` parts."""
-
-    count: int
-    method: str
-    block_size: int
-    part_of: dict[int, int]  # record index -> part
-    loads: list[int]  # per part
-    records: list[int]  # records per part
-    fingerprint: str
-
-    def indices(self, part: int) -> list[int]:
-        """The dataset positions of part `part`'s records, ascending."""
-        return sorted(i for i, p in self.part_of.items() if p == part)
-
-    def metadata(self) -> dict:
-        return {"count": self.count, "partition": self.method, "block_size": self.block_size,
-                "fingerprint": self.fingerprint, "loads": self.loads, "records": self.records}
-
-
-def split_dataset(job: Any, data: LoadedDataset, count: int, block_size: int, method: str = "prefix") -> Split:
-    """Assign every record of `data` (valid and invalid) to one of `count` parts; `job` builds the requests."""
-    items = record_items(job, data.records, data.invalid, block_size)
+def select_shard(job: Any, data: LoadedDataset, shard: str, block_size: int,
+                 method: str = "prefix") -> tuple[LoadedDataset, dict, list[int]]:
+    """(this shard's records, the `shard` metadata, their dataset positions) for `--shard I/N`: every record of
+    `data` (valid and invalid) is assigned to one of N parts; `job` (the run's own: jobs are pure) builds the
+    requests."""
+    index, count = parse_shard(shard)
+    items = record_items(job, data.records, data.invalid, block_size)  # in dataset order
     parts = assign(items, count, method)
     loads, records = [0] * count, [0] * count
     for it, p in zip(items, parts):
         loads[p] += it.load
         records[p] += 1
-    return Split(count, method, block_size, {it.index: p for it, p in zip(items, parts)}, loads, records,
-                 fingerprint(items, parts))
-
-
-def part_of_dataset(data: LoadedDataset, keep: set[int]) -> LoadedDataset:
-    """`data` with only the records (valid and invalid) at positions `keep`."""
-    return replace(data, records=[r for r in data.records if r.index in keep],
+    indices = [it.index for it, p in zip(items, parts) if p == index]
+    meta = {"index": index, "count": count, "partition": method, "block_size": block_size,
+            "fingerprint": fingerprint(items, parts), "loads": loads, "records": records, "num_rows": len(indices)}
+    keep = set(indices)
+    mine = replace(data, records=[r for r in data.records if r.index in keep],
                    invalid=[r for r in data.invalid if r.index in keep])
-
-
-def select_shard(job: Any, data: LoadedDataset, shard: str, block_size: int,
-                 method: str = "prefix") -> tuple[LoadedDataset, dict, list[int]]:
-    """(this shard's records, the `shard` metadata, their dataset positions) for `--shard I/N`; `job` (the
-    run's own: jobs are pure) builds the requests."""
-    index, count = parse_shard(shard)
-    split = split_dataset(job, data, count, block_size, method)
-    indices = split.indices(index)
-    meta = {"index": index, **split.metadata(), "num_rows": len(indices)}
-    return part_of_dataset(data, set(indices)), meta, indices
-
-
-def shard_schema(schema: pa.Schema) -> pa.Schema:
-    """A shard file's schema: the command's columns plus `record_index`."""
-    return schema.append(pa.field(SHARD_COLUMN, pa.int64(), nullable=False))
+    return mine, meta, indices
 
 
 class ShardWriter:
@@ -83,7 +49,8 @@ class ShardWriter:
                  **kwargs: Any) -> None:
         self._global = list(indices)
         self._local = {g: i for i, g in enumerate(self._global)}
-        self._inner = ResultsWriter(out_path, shard_schema(schema), metadata, num_rows=len(self._global), **kwargs)
+        schema = schema.append(pa.field(SHARD_COLUMN, pa.int64(), nullable=False))
+        self._inner = ResultsWriter(out_path, schema, metadata, num_rows=len(self._global), **kwargs)
 
     @property
     def done_indices(self) -> set[int]:
