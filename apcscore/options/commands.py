@@ -9,7 +9,7 @@ keys of a `--config FILE` (TOML, `settings`) and the engine settings of flat val
 
 from __future__ import annotations
 
-from dataclasses import MISSING, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from functools import cache
 from pathlib import Path
 from typing import Any, ClassVar, Mapping, TypeVar
@@ -192,7 +192,7 @@ class Setting:
 @cache
 def settings(cls: type[Options]) -> dict[str, Setting]:
     """Every option key of `cls`: its own fields, then the engine's fields and off-flags."""
-    found = {f.name: Setting(f.name, str(f.type), NOT_GIVEN if f.default is MISSING else f.default, spec)
+    found = {f.name: Setting(f.name, str(f.type), f.default, spec)
              for f in fields(cls) if (spec := spec_of(f)) is not None}
     for f in fields(EngineConfig):
         spec = ENGINE_OPTIONS.get(f.name)

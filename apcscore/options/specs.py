@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Collection
-from dataclasses import Field, dataclass, field
+from dataclasses import MISSING, Field, dataclass, field
 from typing import Any
 
 from apcscore.config import ConfigError
 
-NOT_GIVEN: Any = ...  # `option(NOT_GIVEN, ...)`: a field without a default (a required CLI option)
+NOT_GIVEN: Any = MISSING  # `option(NOT_GIVEN, ...)`: a field without a default (a required CLI option)
 
 # the --help panels, in their order on a page (Typer's own panel, "Options", first)
 OPTIONS, SAMPLING, ENGINE, SCALE = "Options", "Sampling", "Engine", "Scale-out"
@@ -48,8 +48,6 @@ def option(default: Any, help: str, *flags: str, show: bool | str = False, negat
            **typer: Any) -> Any:
     """A dataclass field of an options class, declared with its default and its `Spec` (in `metadata["spec"]`)."""
     spec = Spec(help, show, flags, negation, at_least, click_min, cli_type, tuple(typer.items()), group)
-    if default is NOT_GIVEN:
-        return field(metadata={"spec": spec})
     return field(default=default, metadata={"spec": spec})
 
 
