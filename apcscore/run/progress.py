@@ -52,20 +52,17 @@ class PlainProgress:
         if since >= MAX_SECONDS or (since >= MIN_SECONDS and stepped):
             self._line(now)
 
-    def line(self, now: float | None = None) -> str:
-        """The progress line as of `now`."""
-        now = self.clock() if now is None else now
+    def _line(self, now: float) -> None:
+        """Print the progress line as of `now`."""
         elapsed = now - self.started
         share = f" ({self.done / self.total:.0%})" if self.total else ""
         left = self.total - self.done
         eta = _clock(elapsed / self.done * left) if self.done and left > 0 else "0:00:00" if not left else "-"
         f = self.fields
-        return (f"{self.description}: {self.done:,}/{self.total:,} records{share}, {_clock(elapsed)} elapsed, "
+        line = (f"{self.description}: {self.done:,}/{self.total:,} records{share}, {_clock(elapsed)} elapsed, "
                 f"ETA {eta}, {f.get('tok_s', 0.0):,.0f} tok/s, prefix hit {f.get('hit', 0.0):.0%}, "
                 f"KV {f.get('kv', '-')}")
-
-    def _line(self, now: float) -> None:
-        self.console.print(escape(self.line(now)), highlight=False, soft_wrap=True)
+        self.console.print(escape(line), highlight=False, soft_wrap=True)
         self.last_time, self.last_done = now, self.done
         self.lines += 1
 
