@@ -71,8 +71,7 @@ def check_output(out_option: str | None, dataset: Path, command: str, *, overwri
     return out, warning
 
 
-def check_out_format(out: Path, what: str = "--out", written: str = "the results are",
-                     suffix: str = ".parquet") -> None:
+def check_out_format(out: Path, what: str, written: str, suffix: str = ".parquet") -> None:
     """Refuse an output `out` (named by `what`) whose suffix names a data format apcscore reads (.csv, .jsonl.gz,
     ...) other than the `suffix` it is written as: read back as a dataset, such a file would not decode."""
     other = _OTHER_FORMATS.get(out.suffix.lower())
