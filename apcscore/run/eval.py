@@ -1,14 +1,12 @@
 """`apcscore eval` on the run layer: options, the output folder, signals, resume, timings and exit codes here;
-lm-eval's side (the model class, request translation, tasks, results) in lmeval/ (docs/eval_jobs.md).
-
-Order: options resolved and parsed once (`lmeval/tasks.plan`), --out checked (run/eval_folder.py), the tasks and
-their data loaded, the model loaded (`ApcscoreLM`), then lm-eval runs over the journal in --out
-(lmeval/store.py). SIGINT/SIGTERM stop it after the current engine step: exit 130."""
+lm-eval's side (the model class, request translation, tasks, results) in lmeval/. The order of its steps:
+docs/architecture.md, "Data flow"; SIGINT/SIGTERM stop it after the current engine step: exit 130."""
 
 from __future__ import annotations
 
 import json
 import time
+from contextlib import closing
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -63,11 +61,8 @@ def evaluate(opts: EvalOptions, parsed: EvalPlan, echo: Any, note: Any, shards: 
     from apcscore.models.loaded import load_model
     from apcscore.run.ray_engine import RayEngine
 
-    ray_engine = RayEngine("eval", opts, load_model(opts.model))  # the weights on the replicas
-    try:
+    with closing(RayEngine("eval", opts, load_model(opts.model))) as ray_engine:  # the weights on the replicas
         return _evaluate(opts, parsed, manager, echo, note, started, None, ray_engine)
-    finally:
-        ray_engine.close()
 
 
 def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note: Any, started: float,

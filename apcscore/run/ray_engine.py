@@ -1,10 +1,7 @@
 """`--ray`: the one Ray engine, an engine/interface.BatchEngine whose requests run on `--replicas` actors
-(run/ray_replicas.ReplicaPool), for score / generate / perplexity and eval alike (docs/scale-out.md).
-
-`run` splits the requests prefix-aware over the replicas (scale/partition.assign_prompts; a record's requests are
-one group), sends each replica its chunks in order, at most IN_FLIGHT queued, and yields the outputs as chunks
-come back. A chunk that fails after Ray's retries comes back as aborted outputs (run/runner.ABORTED), and so do
-its replica's later chunks. Why plain actors and not Ray Data's `map_batches`: docs/scale-out.md."""
+(run/ray_replicas.ReplicaPool), for score / generate / perplexity and eval alike: the requests split prefix-aware
+(a record's requests one group), fed in chunks, a chunk that fails after Ray's retries aborted with its replica's
+later ones (run/runner.ABORTED). How and why (plain actors, not Ray Data): docs/scale-out.md."""
 
 from __future__ import annotations
 
