@@ -60,23 +60,20 @@ def _typed(resolved: str) -> Identity:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Settings of the batch engine; every value is checked on construction (`ConfigError`)."""
+    """Settings of the batch engine; every value is checked on construction (`ConfigError`). What a setting
+    does: its --help text (options/specs.ENGINE_OPTIONS), and where that cannot say it all, a comment here."""
 
     device: str = setting("auto", _typed("device"))  # auto | cpu | cuda | cuda:N (auto = cuda if available)
     dtype: str = setting("auto", _typed("dtype"))  # auto | float32 | bfloat16 | float16 (auto: float32 on CPU)
     block_size: int = setting(16, Identity("the KV blocks that prefix caching and the --shard split count in"))
-    # None = derived from available memory
     num_kv_blocks: int | None = setting(None, Identity(
         "the KV pool's size (auto-sized from free memory): a request's blocks hold the same KV", compared=False))
-    # token budget of one engine step (prefill chunks + decodes)
     max_batch_tokens: int = setting(2048, Identity(_SCHEDULE, unless_invariant=True))
-    max_num_seqs: int = setting(64, Identity(_SCHEDULE, unless_invariant=True))  # sequences running at once
+    max_num_seqs: int = setting(64, Identity(_SCHEDULE, unless_invariant=True))
     enable_prefix_caching: bool = setting(True, Identity(_REUSE, unless_invariant=True))
-    # cap on a request's top-K (prompt logprobs, logprobs)
     max_logprobs: int = setting(MAX_LOGPROBS_DEFAULT, Identity(
         "a record asking for more top-K fails: other rows (an eval request asks for its own k, in its key)",
         result_files_only=True))
-    # rows of the vocabulary projection computed at once
     logprobs_chunk_size: int = setting(1024, Identity(
         "the LM head's row count per call (schedule-like, dropped where the probe passed; the eval cache leaves "
         "it out: it is sized to fit memory)", result_files_only=True, unless_invariant=True))
@@ -84,14 +81,11 @@ class EngineConfig:
     # share of memory for the KV pool when num_kv_blocks is None (None: 0.25 of free host memory, at most
     # 4 GiB, on CPU; on CUDA 0.85 of the card's total, minus the peak of a profile run of the largest step)
     kv_cache_memory_fraction: float | None = setting(None, Identity("as num_kv_blocks", compared=False))
-    # base seed for requests that do not set their own
     seed: int = setting(0, Identity("each record's sampling seed derives from it (an eval request's seed is in "
                                     "its key)", result_files_only=True))
-    # cap on the context length in tokens (None: the model's)
     max_model_len: int | None = setting(None, Identity(
         "which records fit and how they are truncated (an eval request's tokens after truncation are its key)",
         result_files_only=True))
-    # replay captured CUDA graphs for decode steps
     use_cuda_graphs: bool = setting(True, Identity(
         "a graph replays the kernels an eager step runs, with the same arguments", compared=False))
     # a record's results do not depend on what shares its steps (docs/architecture.md); False trades it for speed
