@@ -40,9 +40,10 @@ class Options:
 
     @classmethod
     def from_values(cls: type[OptionsT], values: Mapping[str, Any]) -> OptionsT:
-        """The options of flat values (keys as in a config file; None = not given, so the default)."""
-        own = {f.name: values[f.name] for f in fields(cls)
-               if f.name != "engine" and values.get(f.name) is not None}
+        """The options of flat values (keys as in a config file; None = not given, so the default; a path as a
+        string too)."""
+        own = {f.name: Path(v) if isinstance(v, str) and base_type(str(f.type)) == "Path" else v
+               for f in fields(cls) if f.name != "engine" and (v := values.get(f.name)) is not None}
         return cls(**own, engine=engine_config(values))
 
 

@@ -39,28 +39,24 @@ def resolve_options(command: str, cli: Mapping[str, Any], config_path: Path | No
             raise ApcscoreError(f"{option_name(key)} is required: pass it on the command line, or set {key} in "
                                 "the --config file")
     check_options(command, merged)
-    paths = {k for k, s in settings(cls).items() if base_type(s.type) == "Path"}
     try:
-        opts = cls.from_values({k: Path(v) if k in paths and isinstance(v, str) else v for k, v in merged.items()})
+        opts = cls.from_values(merged)
     except ConfigError as exc:  # EngineConfig's check, in the flags the user typed
         raise ApcscoreError(in_flags(exc, cli_values(cli, cls))) from None
-    for key in ("prompt_logprobs", "logprobs"):
-        check_logprobs(getattr(opts, key, None), option_name(key), opts.engine.max_logprobs)
+    cap = opts.engine.max_logprobs
+    for key in ("prompt_logprobs", "logprobs"):  # a top-K above the cap: say how to raise the cap
+        k = getattr(opts, key, None)
+        if k is not None and k > cap:
+            raise ApcscoreError(f"{option_name(key)} {k} is above the cap max_logprobs = {cap}; ask for at most "
+                                f"{cap}, or raise the cap with --max-logprobs {k}")
     return opts
 
 
-def cli_values(cli: Mapping[str, Any], cls: type[Options] | None = None) -> dict[str, Any]:
+def cli_values(cli: Mapping[str, Any], cls: type[Options]) -> dict[str, Any]:
     """The values given on the command line: None (False for on/off flags, [] for lists) is not given; False
     is given for a flag of `cls` with an off-switch of its own (`bool | None`: `--no-fewshot-as-multiturn`)."""
-    both = {k for k, s in settings(cls).items() if s.type == "bool | None"} if cls is not None else set()
+    both = {k for k, s in settings(cls).items() if s.type == "bool | None"}
     return {k: v for k, v in cli.items() if v is not None and (v is not False or k in both) and v != []}
-
-
-def check_logprobs(k: int | None, option: str, cap: int) -> None:
-    """Refuse a top-K request above the cap `max_logprobs` with a message that says how to raise the cap."""
-    if k is not None and k > cap:
-        raise ApcscoreError(f"{option} {k} is above the cap max_logprobs = {cap}; ask for at most {cap}, or raise "
-                            f"the cap with --max-logprobs {k}")
 
 
 # an option's type (its annotation less `| None`) -> (what a value must be, test); None is always allowed
@@ -190,24 +186,21 @@ def check_eval_options(opts: dict[str, Any]) -> None:
         raise ApcscoreError("--fewshot-as-multiturn makes each few-shot example a chat turn, which needs "
                             "--apply-chat-template — pass it too (or drop --fewshot-as-multiturn)")
     if opts.get("gen_kwargs") is not None:
-        parse_gen_kwargs(opts["gen_kwargs"])
+        check_gen_kwargs_form(opts["gen_kwargs"])
     limit = opts.get("limit")
     if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
         raise ApcscoreError(f"--limit must be a whole number of documents (at least 1) or a fraction of each "
                             f"task's documents between 0 and 1, as in lm-eval, not {shown(limit)}")
 
 
-def parse_gen_kwargs(text: str) -> dict[str, str]:
-    """`--gen-kwargs` `k=v,k2=v2` -> {"k": "v", "k2": "v2"} (values as written; lm-eval converts them)."""
-    pairs = {}
+def check_gen_kwargs_form(text: str) -> None:
+    """Refuse a `--gen-kwargs` that is not `k=v,k2=v2` (lmeval/tasks.check_gen_kwargs parses it as lm-eval does)."""
     for piece in (p for p in text.split(",") if p.strip()):
-        key, sep, value = piece.partition("=")
+        key, sep, _ = piece.partition("=")
         if not sep or not key.strip():
             raise ApcscoreError(f"--gen-kwargs must be KEY=VALUE pairs separated by commas (lm-eval's form, e.g. "
                                 f"temperature=0.7,do_sample=true), not {shown(text)}: {shown(piece)} is not "
                                 "KEY=VALUE")
-        pairs[key.strip()] = value
-    return pairs
 
 
 def check_scale_options(opts: dict[str, Any]) -> None:

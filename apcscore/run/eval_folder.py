@@ -7,7 +7,7 @@ An unfinished folder needs --resume (with matching options) or --overwrite; fini
 from __future__ import annotations
 
 import json
-from dataclasses import fields, replace
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -33,10 +33,8 @@ def flat_options(opts: EvalOptions) -> dict[str, Any]:
 
 
 def options_from(values: Mapping[str, Any]) -> EvalOptions:
-    """`flat_options` read back (paths as Path)."""
-    opts = EvalOptions.from_values(values)
-    paths = {k: Path(values[k]) for k in ("include_path", "cache") if values.get(k) is not None}
-    return replace(opts, **paths)
+    """`flat_options` read back."""
+    return EvalOptions.from_values(values)
 
 
 def run_record(opts: EvalOptions, ident: Mapping[str, Any]) -> dict[str, Any]:
