@@ -137,17 +137,17 @@ console = Console(stderr=True)
 out_console = Console()
 
 
-def _flag(*names: str, help: str) -> Any:
-    """An on/off option; its help shows no `<bool>` type."""
-    return typer.Option(*names, help=help, metavar="")
-
-
 # ---- parameters ---------------------------------------------------------------------------------
 DatasetArg = Annotated[Path, typer.Argument(
     help="Dataset: JSONL (one record per line), parquet, CSV, or a datasets save_to_disk directory.",
     metavar="DATASET", show_default=False)]
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", help="TOML file of option values (see configs/).")]
-OverwriteOpt = Annotated[bool, _flag("--overwrite", help="Replace an existing output file.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace an existing output file.",
+                                            metavar="")]  # a flag: no `<bool>` in the help
+
+
+def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
+    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 def takes(options: type[Options], *first: inspect.Parameter,
@@ -161,19 +161,14 @@ def takes(options: type[Options], *first: inspect.Parameter,
             params.append(extra[p])
             continue
         kind = p.type if p.default is False else Optional[p.type]
-        annotation = Annotated[kind, typer.Option(*p.flags, help=p.help, rich_help_panel=p.panel, **p.typer)]
-        params.append(inspect.Parameter(p.name, inspect.Parameter.KEYWORD_ONLY, default=p.default,
-                                        annotation=annotation))
+        option = typer.Option(*p.flags, help=p.help, rich_help_panel=p.panel, **p.typer)
+        params.append(_param(p.name, Annotated[kind, option], p.default))
 
     def give(fn: Callable[..., None]) -> Callable[..., None]:
         fn.__signature__ = inspect.Signature(params, return_annotation=None)  # type: ignore[attr-defined]
         fn.__annotations__ = {p.name: p.annotation for p in params}
         return fn
     return give
-
-
-def _param(name: str, annotation: Any, default: Any = inspect.Parameter.empty) -> inspect.Parameter:
-    return inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=annotation)
 
 
 DATASET = _param("dataset", DatasetArg)
