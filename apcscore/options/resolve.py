@@ -1,11 +1,7 @@
 """The one converter from a command's parsed arguments to its options: command line > `--config FILE` (TOML) >
-defaults (options/commands.py declares them), merged and checked (`resolve_options`).
-
-Every value is checked here, before the dataset is read and long before a model loads: a config file's value
-of the wrong type, a key of another command, a sampling option out of range (checked by the very checks
-SamplingParams and generate records use, `RECORD_FIELDS`), an engine setting by EngineConfig's own checks. Problems
-are `ApcscoreError`s (exit 2) that name the option as the user gave it: the flag they typed (`specs.in_flags`), or
-the config file and line.
+defaults (options/commands.py declares them), merged and every value checked before the dataset is read
+(`resolve_options`). A problem is an `ApcscoreError` (exit 2) that names the option as the user gave it: the flag
+they typed (`specs.in_flags`), or the config file and line.
 """
 
 from __future__ import annotations
