@@ -93,19 +93,15 @@ class ReplicaPool:
         self.closed = False
         try:
             cpus, gpus = replica_resources(ray, opts)
-        except ApcscoreError:
-            self.close()  # the Ray this call started
-            raise
-        self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
-        remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
-                                             max_task_retries=MAX_TASK_RETRIES)
-        self.load_start = time.perf_counter()
-        self.actors = [remote.remote(opts) for _ in range(int(opts.replicas))]
-        try:
+            self.resources = {"gpus_per_replica": gpus, "cpus_per_replica": cpus}
+            remote = ray.remote(Replica).options(num_cpus=cpus, num_gpus=gpus, max_restarts=MAX_RESTARTS,
+                                                 max_task_retries=MAX_TASK_RETRIES)
+            self.load_start = time.perf_counter()
+            self.actors = [remote.remote(opts) for _ in range(int(opts.replicas))]
             self.descs = [self.get(ref) for ref in [a.describe.remote() for a in self.actors]]
             check_replicas([d["metadata"] for d in self.descs], view, output)
         except BaseException:
-            self.close()
+            self.close()  # the actors started, and the Ray this call started
             raise
         self.setup_seconds = time.perf_counter() - self.load_start
 
