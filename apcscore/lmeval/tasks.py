@@ -32,10 +32,9 @@ class EvalPlan:
     shard: tuple[int, int] | None
 
 
-def plan(opts: EvalOptions, tasks: list[str] | None = None) -> EvalPlan:
-    """The `EvalPlan` of `opts` (every check before the model loads); tasks: `split_tasks(opts.tasks)` when the
-    caller has it."""
-    return EvalPlan(tasks=tasks if tasks is not None else split_tasks(opts.tasks),
+def plan(opts: EvalOptions) -> EvalPlan:
+    """The `EvalPlan` of `opts` (every check before the model loads)."""
+    return EvalPlan(tasks=split_tasks(opts.tasks),
                     gen_kwargs=check_gen_kwargs(opts.gen_kwargs) if opts.gen_kwargs is not None else None,
                     shard=parse_shard(opts.shard) if opts.shard is not None else None)
 

@@ -36,11 +36,11 @@ def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
     config_path = cli.get("config")
     opts: EvalOptions = resolve_options("eval", {k: v for k, v in cli.items() if k != "config"},
                                         Path(config_path) if config_path is not None else None)
-    tasks = split_tasks(opts.tasks)
+    split_tasks(opts.tasks)  # --tasks checked before --out, --gen-kwargs after it, as before
     if opts.out is None:
         opts = replace(opts, out=f"results/eval-{time.strftime('%Y%m%d-%H%M%S')}")
     eval_folder.check_out(Path(opts.out), opts)
-    parsed = plan(opts, tasks)  # --gen-kwargs checked after --out, as before
+    parsed = plan(opts)
     if opts.batch_size is not None:
         note(BATCH_SIZE_NOTE)
     return evaluate(opts, parsed, echo, note)
