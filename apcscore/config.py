@@ -108,11 +108,12 @@ class EngineConfig:
                 raise ConfigError(msg, *names)
 
         for f in fields(self):  # types first, so that the range checks below cannot raise TypeError
-            value, kinds = getattr(self, f.name), _kinds(str(f.type))
-            need((value is None and type(None) in kinds) or
-                 (isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds)),
-                 f"{f.name} must be {_WHAT[kinds]}, not {shown(value)}", f.name)
-            if float in kinds and (why := finite_problem(value)) is not None:
+            value, kind = getattr(self, f.name), str(f.type).removesuffix(" | None")
+            optional = kind != str(f.type)
+            what, test = TYPE_CHECKS[kind]
+            need((value is None and optional) or test(value),
+                 f"{f.name} must be {what}{' or unset' if optional else ''}, not {shown(value)}", f.name)
+            if kind == "float" and (why := finite_problem(value)) is not None:
                 raise ConfigError(f"{f.name} {why}", f.name)
 
         need(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
@@ -153,16 +154,6 @@ class EngineConfig:
         return asdict(self)
 
 
-def _kinds(annotation: str) -> tuple[type, ...]:
-    """The types a field of this annotation takes (a float setting takes an int too)."""
-    kinds = {"str": (str,), "int": (int,), "bool": (bool,), "float": (int, float)}[annotation.removesuffix(" | None")]
-    return (*kinds, type(None)) if annotation.endswith(" | None") else kinds
-
-
-_WHAT = {(str,): "a string", (int,): "an integer", (int, type(None)): "an integer or unset",
-         (bool,): "true or false", (int, float, type(None)): "a number or unset"}
-
-
 # ---------------------------------------------------------------- checks (None = fine, else the problem)
 
 def _is_int(v: Any) -> bool:
@@ -172,6 +163,15 @@ def _is_int(v: Any) -> bool:
 def is_number(v: Any) -> bool:
     """An int or a float, not a bool (finite or not: `finite_problem` says)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# a setting's type (its annotation less `| None`) -> (what a value must be, its test); a float setting takes an int
+TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "bool": ("true or false", lambda v: isinstance(v, bool)),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", _is_int),
+    "float": ("a number", is_number),
+}
 
 
 def finite_problem(v: Any) -> str | None:

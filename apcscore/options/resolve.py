@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from apcscore.config import RECORD_FIELDS, ConfigError, finite_problem, is_number
+from apcscore.config import RECORD_FIELDS, TYPE_CHECKS, ConfigError, finite_problem
 from apcscore.errors import ApcscoreError, shown
 from apcscore.io.openai_batch import INPUT_FORMATS, OUTPUT_FORMATS
 from apcscore.options.commands import COMMANDS, Options, RunOptions, Setting, defaults, settings
@@ -57,10 +57,7 @@ def cli_values(cli: Mapping[str, Any], cls: type[Options]) -> dict[str, Any]:
 
 # an option's type (its annotation less `| None`) -> (what a value must be, test); None is always allowed
 _TYPE_CHECKS: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "bool": ("true or false", lambda v: isinstance(v, bool)),
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
-    "float": ("a number", is_number),
+    **TYPE_CHECKS,  # those of EngineConfig's settings
     "Path": ("a path (a string)", lambda v: isinstance(v, (str, Path))),
     "str | list[str]": ("a string or a list of strings", lambda v: isinstance(v, str) or (
         isinstance(v, list) and all(isinstance(s, str) for s in v))),
