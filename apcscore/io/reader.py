@@ -195,16 +195,15 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             seen = unknown_seen.setdefault(key, [lineno, 0])
             seen[1] += 1
         rid = given_id if given_id is not None else str(lineno)
-        surrogate = surrogate_problem(obj) if escaped_surrogate else None
-        if surrogate:
+        if escaped_surrogate and (surrogate := surrogate_problem(obj)):
             problems = [*problems, surrogate]
             if SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
+        if given_id is None and problems:  # no usable id (openai-batch: no custom_id): as a line that does not parse
+            unreadable(lineno, f"{where}: " + "; ".join(problems))
+            return
         label = "custom_id" if batch else "id"
-        unnamed_row = given_id is None and bool(problems)  # its stand-in id is given once every real id is known
-        if batch and given_id is None:  # no custom_id (refused for that): the result line's custom_id is null
-            no_custom_id.add(len(records) + len(invalid))
-        if not unnamed_row and rid in first_line_of_id:
+        if rid in first_line_of_id:
             # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
             # and merge need them so); an OpenAI result line keeps its request's custom_id, which is how a
             # client matches answers to requests
@@ -214,20 +213,16 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
                         ("" if batch else "; a record without one gets its line number") + ")" +
                         ("" if batch else f"; this error row's {label} is {own!r}")]
             rid = own
-        elif not unnamed_row:
-            first_line_of_id.setdefault(rid, lineno)
-        if unnamed_row:
-            unnamed.append(len(invalid))
-            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, "", f"{where}: " + "; ".join(problems)))
-        elif problems:
-            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid,
-                                         f"{where}: " + "; ".join(problems)))
+        else:
+            first_line_of_id[rid] = lineno
+        if problems:
+            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid, f"{where}: " + "; ".join(problems)))
         else:
             records.append(Record(len(records) + len(invalid), lineno, rid, kind, fields))
 
     def unreadable(lineno: int, message: str) -> None:
-        """A line that does not parse: an error row without an id of its own (given at the end); in an OpenAI
-        batch file, its result line's custom_id is null."""
+        """A line that does not parse, or a record without a usable id: an error row without an id of its own (given
+        at the end); in an OpenAI batch file, its result line's custom_id is null."""
         if fmt["chosen"] == "openai-batch":
             no_custom_id.add(len(records) + len(invalid))
         unnamed.append(len(invalid))
