@@ -12,6 +12,7 @@ a result line writes `NONFINITE_LOGPROB`.
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
 import time
@@ -35,8 +36,6 @@ def created_seconds(created: str | None) -> int:
     """The metadata's `created` (UTC, `%Y-%m-%dT%H:%M:%SZ`) as Unix seconds (now, if it is missing)."""
     if not created:
         return int(time.time())
-    import calendar
-
     return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
 
 

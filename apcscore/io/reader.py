@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,9 @@ def _head(path: Path, n: int) -> bytes:
         return b""
 
 
-def _too_many(lines: list[str], indent: str = "  ") -> str:
-    shown = lines[:MAX_LISTED_PROBLEMS]
-    text = "\n".join(indent + m for m in shown)
-    if len(lines) > MAX_LISTED_PROBLEMS:
-        text += f"\n{indent}... and {len(lines) - MAX_LISTED_PROBLEMS} more"
-    return text
+def _too_many(lines: list[str]) -> str:
+    more = len(lines) - MAX_LISTED_PROBLEMS
+    return "\n".join("  " + m for m in lines[:MAX_LISTED_PROBLEMS]) + (f"\n  ... and {more} more" if more > 0 else "")
 
 
 def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
@@ -217,9 +215,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
 
     if is_tabular(path):
         digest, rows = read_table_records(path, columns)
-        for row_number, obj in rows:
-            if limit is not None and row_number > limit:
-                break
+        for row_number, obj in islice(rows, limit):
             accept(obj, row_number, f"{name}:row {row_number}")
         index, utf8_errors = len(records) + len(invalid), 0
     else:

@@ -154,9 +154,7 @@ def known_fields(command: str) -> frozenset[str]:
 def accepted_kinds(command: str) -> str:
     """The record kinds `command` accepts, as one line for messages and help texts."""
     kinds = " | ".join(_EXAMPLES[k] for k in _COMMAND_KINDS[command])
-    extra = ""
-    if _OPTIONAL[command]:
-        extra = f", each with optional {', '.join(_OPTIONAL[command])}"
+    extra = f", each with optional {', '.join(_OPTIONAL[command])}" if _OPTIONAL[command] else ""
     return f'{kinds} (all with an optional "id"{extra})'
 
 

@@ -105,12 +105,10 @@ def _csv_header(path: Path) -> list[str]:
     """The header's column names; duplicate names are refused (the file and the column)."""
     with path.open(newline="", encoding="utf-8-sig") as f:
         names = next(csv.reader(f), [])
-    seen: set[str] = set()
     for position, column in enumerate(names, start=1):
-        if column in seen:
+        if (first := names.index(column) + 1) != position:
             raise ApcscoreError(f"{path}: the header names column {column!r} twice (column {position} and column "
-                                f"{names.index(column) + 1}); rename one of them, or remove it")
-        seen.add(column)
+                                f"{first}); rename one of them, or remove it")
     return names
 
 

@@ -9,8 +9,7 @@ While a run goes, rows are written to ``<out>.partial/``, a directory of part fi
         part-000000.parquet   a complete small parquet file: up to `row_group_size` rows sorted by `index`
         part-000001.parquet   ...
 
-Those, their temporaries and the final file's are all a run writes there (io/partial.py's `is_partial_file`): a
-partial holding anything else is not ours and is never touched.
+A partial holding anything else (io/partial.py's `is_partial_file`) is not ours and is never touched.
 
 Each part file is written under a temporary name and renamed into place, so at any moment (also after
 ``kill -9``) every ``part-*.parquet`` is complete and readable; a crash loses only the rows still buffered
