@@ -126,7 +126,6 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
     if problems or endpoint is None or not isinstance(body, dict):
         return Converted(cid, None, None, problems)
 
-    record: dict = {}
     own = _OWN[endpoint]
     for key in sorted(body):
         value = body[key]
@@ -151,9 +150,7 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         problems.append(f"the body's model {model!r} is not this run's model ({' / '.join(sorted(model_names))}) — "
                         "run with --model set to it, or pass --ignore-body-model to answer every line with --model")
 
-    for key in _SAMPLING:
-        if body.get(key) is not None:
-            record[key] = body[key]
+    record: dict = {key: body[key] for key in _SAMPLING if body.get(key) is not None}
     if is_int(record.get("top_k")) and record["top_k"] == -1:
         record["top_k"] = 0  # the API's (and vLLM's) "off" is our 0, not --top-k: the body says it is off
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:
