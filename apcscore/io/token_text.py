@@ -95,13 +95,6 @@ def _sentencepiece(token: str) -> bytes:
     return bytes([int(m.group(1), 16)]) if m else token.replace("▁", " ").encode("utf-8")
 
 
-def _decoded(tokenizer: Any, ids: list[int]) -> str:
-    try:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    except TypeError:  # a tokenizer without that keyword
-        return tokenizer.decode(ids, skip_special_tokens=False)
-
-
 def token_bytes(tokenizer: Any, ids: list[int]) -> list[bytes] | None:
     """Each token's bytes, read from the vocabulary (byte-level BPE, or SentencePiece with `<0x..>` byte tokens);
     None when neither mapping gives back the tokenizer's own decode of `ids` (another kind of tokenizer)."""
@@ -114,7 +107,7 @@ def token_bytes(tokenizer: Any, ids: list[int]) -> list[bytes] | None:
     if not all(isinstance(t, str) for t in tokens):
         return None
     added = _added(tokenizer)
-    want = _decoded(tokenizer, list(ids))
+    want = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
     for read in (_byte_level, _sentencepiece):
         out = [added[i].encode("utf-8") if i in added else read(t) for i, t in zip(ids, tokens)]
         if any(b is None for b in out):
