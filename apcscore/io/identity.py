@@ -1,25 +1,13 @@
 """A run's identity: every metadata field that changes its bits (or which rows it holds), why, and who compares it.
 
-One list, `FIELDS`, read by four named views, each a documented subset of it:
-- `RESUME`: what a resumed run must share with its partial (`--resume` of score, generate, perplexity);
-- `MERGE`: what every shard of `apcscore merge` must share (the split itself is merge's own check);
-- `RAY`: what every `--ray` replica must share with replica 0 (they write one file);
-- `EVAL`: the eval responses' identity (lmeval/store.py): it names the results cache's file, and `eval --resume`,
-  `eval --shard` and `eval --ray` compare it. A response's key holds its request's tokens and sampling settings,
-  so what only decides the request (the command, the job, the dataset, the seed, the context cap) is left out.
-
-Measured facts decide, not requested flags: the schedule and the reuse switches drop out where the start-up probe
-found the engine batch-invariant (`numerics.batch_invariant`), the machine's CPU and BLAS count where the GEMM is
-a library one (`numerics.linear`: the pad-16 fallback, `--no-batch-invariant`) or the probe failed, the CPU's
-instruction set where the bits are not portable (`numerics.portable`), and the settings as resolved (`device`,
-`dtype`, ...) stand for what was typed (`engine.device`, ...: "auto" and "cpu" that resolved alike are one run).
-docs/architecture.md, "A run's identity", holds the same rules as a table, and tests/io/test_identity.py reads that
-table.
-
-The `engine` section's fields are classified where EngineConfig declares them (config.py, `Identity`): a new
-engine setting brings its classification with it. A field of the `engine`, `numerics` or `versions` section that
-is neither in `FIELDS` nor in `NOT_BITS` (an engine field declared without an `Identity`, a field a later change
-adds) is compared by every view: a new field is a refusal until someone classifies it.
+One list, `FIELDS`, read by four named views, each a subset of it: `RESUME` (`--resume` of score, generate,
+perplexity), `MERGE` (the shards of `apcscore merge`), `RAY` (every `--ray` replica against replica 0) and `EVAL`
+(the eval responses' identity, lmeval/store.py). Measured facts decide, not requested flags (a field's `when`: the
+start-up probe's verdict, a library GEMM, bits that are not portable), and the settings as resolved, not as typed.
+An `engine` field is classified where EngineConfig declares it (config.py, `Identity`); a field of the `engine`,
+`numerics` or `versions` section in neither `FIELDS` nor `NOT_BITS` is compared by every view: a new field is a
+refusal until someone classifies it. The rules in full: docs/decisions.md, "A run's identity"; the table
+tests/io/test_identity.py reads: docs/architecture.md, "A run's identity".
 """
 
 from __future__ import annotations

@@ -5,18 +5,9 @@ A request line is ``{"custom_id", "method": "POST", "url": "/v1/chat/completions
 parsed line into the record our schemas check (`io/schemas.check_record`: a messages, prompt or
 prompt_token_ids record with generate's sampling overrides) and `BatchLine`, what the result line needs later
 (endpoint, echo, how many logprobs the body asked for, its model). Every body field either maps onto one of
-ours or is refused: a field that would change the result and that we do not implement is never ignored.
-
-- chat (`/v1/chat/completions`): `messages` (string content, or a list of text parts joined with "\\n"), the chat
-  template with the generation prompt as for our messages records; `logprobs` (bool) + `top_logprobs` (int).
-- completions (`/v1/completions`): `prompt` a string, a list of token ids, or a list holding one of those;
-  `logprobs` (int: top-K per sampled token), `echo` (the prompt's text, and with logprobs its per-token
-  logprobs, ahead of the completion). `echo: true` with `max_tokens: 0` is a score request.
-- both: `max_tokens` (chat: also `max_completion_tokens`), `temperature`, `top_p`, `top_k`, `seed`, `stop`,
-  `n` (1 only), vLLM's `prompt_logprobs`; `top_k: -1` is off (our 0) and a `developer` message a system one;
-  harmless: `model` (checked against --model), `user`, `metadata`, `store`, `service_tier`, `stream` false,
-  `stream_options` null; neutral values of the others (e.g. `frequency_penalty: 0`) are accepted, any other
-  value refused.
+ours or is refused: a field that would change the result and that we do not implement is never ignored. Which
+field maps onto what, which are harmless and which are accepted at a neutral value only: the constants below and
+docs/decisions.md, "OpenAI Batch files" and "OpenAI Batch fidelity".
 """
 
 from __future__ import annotations
@@ -26,6 +17,7 @@ from typing import Any
 
 from apcscore.config import RECORD_FIELDS
 from apcscore.errors import shown as _show
+from apcscore.io.schemas import is_int
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
@@ -77,10 +69,6 @@ class Converted:
     problems: list[str]
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _content(v: Any) -> tuple[Any, str | None]:
     """A message's content as a string: a string, or a list of text parts joined with "\\n" as vLLM joins them
     (other parts refused)."""
@@ -101,7 +89,7 @@ def _prompt(v: Any) -> tuple[dict | None, str | None]:
         v = v[0]  # one prompt in a list
     if isinstance(v, str):
         return {"prompt": v}, None
-    if isinstance(v, list) and v and all(_is_int(t) for t in v):
+    if isinstance(v, list) and v and all(is_int(t) for t in v):
         return {"prompt_token_ids": v}, None
     if isinstance(v, list) and len(v) > 1 and all(isinstance(p, (str, list)) for p in v):
         return None, (f"'prompt' holds {len(v)} prompts; apcscore answers one prompt per line — write each prompt "
@@ -138,7 +126,6 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
     if problems or endpoint is None or not isinstance(body, dict):
         return Converted(cid, None, None, problems)
 
-    record: dict = {}
     own = _OWN[endpoint]
     for key in sorted(body):
         value = body[key]
@@ -163,10 +150,8 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         problems.append(f"the body's model {model!r} is not this run's model ({' / '.join(sorted(model_names))}) — "
                         "run with --model set to it, or pass --ignore-body-model to answer every line with --model")
 
-    for key in _SAMPLING:
-        if body.get(key) is not None:
-            record[key] = body[key]
-    if _is_int(record.get("top_k")) and record["top_k"] == -1:
+    record: dict = {key: body[key] for key in _SAMPLING if body.get(key) is not None}
+    if is_int(record.get("top_k")) and record["top_k"] == -1:
         record["top_k"] = 0  # the API's (and vLLM's) "off" is our 0, not --top-k: the body says it is off
     if endpoint == "chat" and body.get("max_completion_tokens") is not None:
         mct = body["max_completion_tokens"]
@@ -205,12 +190,12 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
         lp, top = body.get("logprobs"), body.get("top_logprobs")
         if lp is not None and not isinstance(lp, bool):
             problems.append(f"'logprobs' of a chat request must be true or false, got {_show(lp)}")
-        if top is not None and (not _is_int(top) or top < 0):
+        if top is not None and (not is_int(top) or top < 0):
             problems.append(f"'top_logprobs' must be an integer >= 0, got {_show(top)}")
         elif top is not None and not lp:
             problems.append("'top_logprobs' needs 'logprobs': true — set it too")
         if lp is True:
-            logprobs = top if _is_int(top) else 0
+            logprobs = top if is_int(top) else 0
     else:
         if "prompt" not in body or body["prompt"] is None:
             problems.append("a completions request needs 'prompt' (a string or a list of token ids)")
@@ -223,7 +208,7 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             else:
                 record.update(fields or {})
         lp = body.get("logprobs")
-        if lp is not None and (not _is_int(lp) or lp < 0):
+        if lp is not None and (not is_int(lp) or lp < 0):
             problems.append(f"'logprobs' of a completions request must be an integer >= 0 (top-K), got {_show(lp)}")
         elif lp is not None:
             logprobs = lp
@@ -235,14 +220,14 @@ def to_record(obj: dict, command: str, *, max_logprobs: int, model_names: frozen
             prompt_logprobs = echo_logprobs = logprobs
     plp = body.get("prompt_logprobs")
     if plp is not None:
-        if not _is_int(plp) or plp < 0:
+        if not is_int(plp) or plp < 0:
             problems.append(f"'prompt_logprobs' must be an integer >= 0, got {_show(plp)}")
         else:
             prompt_logprobs = max(plp, prompt_logprobs or 0)
-    vllm_prompt = plp if _is_int(plp) and plp >= 0 else None
+    vllm_prompt = plp if is_int(plp) and plp >= 0 else None
     for name, k in (("logprobs" if endpoint == "completions" else "top_logprobs", logprobs),
                     ("prompt_logprobs", prompt_logprobs)):
-        if _is_int(k) and k > max_logprobs:
+        if is_int(k) and k > max_logprobs:
             problems.append(f"{name!r} {k} is above the cap max_logprobs = {max_logprobs}; ask for at most "
                             f"{max_logprobs}, or raise the cap with --max-logprobs {k}")
 

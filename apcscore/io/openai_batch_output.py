@@ -3,48 +3,27 @@
 One line per input record, in input order: ``{"id", "custom_id", "response": {"status_code": 200,
 "request_id", "body": <chat.completion | text_completion>}, "error": null}``, or for an error row
 ``{"id", "custom_id", "response": null, "error": {"code", "message"}}`` (the Batch API's error shape).
-
-- `id`, `request_id` and the body's `id` are derived from the custom_id (sha256), so a rerun writes the same
-  ids; `created` is the run's start (its metadata's `created`, the first session's for a resumed run);
-  `model` the body's model where it names one, else --model as given.
-- chat: `choices[0].message` = {"role": "assistant", "content": completion, "refusal": null}; `logprobs.content`
-  one entry per generated token: token text, logprob, UTF-8 bytes, `top_logprobs` (top_logprobs entries).
-- completions: `choices[0].text` (with `echo`: the prompt's text first); `logprobs` the legacy object
-  (`tokens`, `token_logprobs`, `top_logprobs` as {token: logprob}, the token itself added as vLLM does,
-  `text_offset` from the start of `text`); with echo the prompt's tokens come first, the first one's logprob
-  and top_logprobs null (nothing predicts it).
-- vLLM's `prompt_logprobs` (`{token id: {logprob, rank, decoded_token}}` per prompt token, the first null) where
-  vLLM writes it: on the choice of a completion, on the response body of a chat completion; built as vLLM builds
-  it, with vLLM's rank convention (`vllm_rank`; both conventions: README.md, "Ranks").
-- `usage`: prompt, completion and total tokens; `prompt_tokens_details.cached_tokens` where the row knows it
-  (generate: prefix-cache hits).
-A token's text is `tokenizer.decode([id])` (a token that is part of a UTF-8 character reads U+FFFD there).
-A logprob that is not finite (-inf, +inf, NaN: strict JSON has no such number) is written as vLLM's stand-in
-`NONFINITE_LOGPROB` (-9999.0); the parquet results keep the value itself.
+The bodies follow the Batch API field for field, and vLLM where it adds to them (a completion's `top_logprobs`
+with the token itself, `text_offset` from the start of `text`, `prompt_logprobs` and their ranks): docs/decisions.md,
+"OpenAI Batch files" (its "Result lines") and "OpenAI Batch fidelity". A token's text is `tokenizer.decode([id])`
+(a token that is part of a UTF-8 character reads U+FFFD there); the parquet results keep a non-finite logprob,
+a result line writes `NONFINITE_LOGPROB`.
 """
 
 from __future__ import annotations
 
+import calendar
 import hashlib
 import json
-import math
 import time
+from itertools import accumulate
 from typing import Any
+
+from apcscore.io.result_tables import jsonable
 
 CODE_INVALID = "invalid_request_error"  # a line refused before the run (what --skip-invalid turned into a row)
 CODE_FAILED = "request_failed"  # a line that could not run (e.g. longer than the model's context)
 NONFINITE_LOGPROB = -9999.0  # what a -inf / +inf / NaN logprob is written as (vLLM's floor for -inf)
-
-
-def finite(value: Any) -> Any:
-    """`value` with every float that is not finite (in lists and dicts too) replaced by `NONFINITE_LOGPROB`."""
-    if isinstance(value, float):
-        return value if math.isfinite(value) else NONFINITE_LOGPROB
-    if isinstance(value, list):
-        return [finite(v) for v in value]
-    if isinstance(value, dict):
-        return {k: finite(v) for k, v in value.items()}
-    return value
 
 
 def _digest(custom_id: str, index: int) -> str:
@@ -57,8 +36,6 @@ def created_seconds(created: str | None) -> int:
     """The metadata's `created` (UTC, `%Y-%m-%dT%H:%M:%SZ`) as Unix seconds (now, if it is missing)."""
     if not created:
         return int(time.time())
-    import calendar
-
     return calendar.timegm(time.strptime(created, "%Y-%m-%dT%H:%M:%SZ"))
 
 
@@ -112,7 +89,7 @@ class LineWriter:
         try:
             return json.dumps(out, ensure_ascii=False, allow_nan=False)
         except ValueError:  # a non-finite logprob: only such lines pay for the walk
-            return json.dumps(finite(out), ensure_ascii=False, allow_nan=False)
+            return json.dumps(jsonable(out, NONFINITE_LOGPROB), ensure_ascii=False, allow_nan=False)
 
     def body(self, row: dict, fields: dict, h: str) -> dict:
         batch = fields["openai"]
@@ -187,10 +164,7 @@ class LineWriter:
                 token_lps.append(lp)
                 tops.append(self._top(tid, lp, row["completion_top_ids"][j][:k],
                                       row["completion_top_logprobs"][j][:k]))
-        offsets, at = [], 0
-        for t in tokens:
-            offsets.append(at)
-            at += len(t)
+        offsets = list(accumulate(map(len, tokens), initial=0))[:-1]  # where each token starts in the text
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
     def vllm_prompt_logprobs(self, row: dict, k: int) -> list[dict | None]:

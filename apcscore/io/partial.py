@@ -2,10 +2,8 @@
 that keeps a second run out of it, the check of its run.json when a run resumes it, and the merge of its part files
 into dataset order.
 
-The lock is an exclusive `flock` on the folder itself, held by the writer from creating or opening the partial
-until it is assembled into `<out>` or removed. The kernel drops it when the process ends in any way (SIGKILL
-included), so a crashed run never leaves a stale lock; a second run that finds it taken is refused before it
-touches anything.
+The lock is an exclusive `flock` on the folder itself, which the kernel drops when the process ends in any way
+(SIGKILL included), so a crashed run never leaves a stale lock (docs/decisions.md, "One run per partial").
 """
 
 from __future__ import annotations

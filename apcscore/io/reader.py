@@ -4,29 +4,17 @@ Every problem is found in one pass and reported as ``FILE:LINE: what is wrong (w
 ``skip_invalid`` any problem raises `ApcscoreError` (exit code 2) and nothing runs; with it, invalid records
 come back in `LoadedDataset.invalid` (they become ``status="error"`` rows) and the rest in `records`.
 
-How the file is read, and why not through Hugging Face ``datasets``
--------------------------------------------------------------------
-The team's plan was to read the data with ``datasets.load_dataset("json", ...)`` and fall back to a
-line-by-line ``json`` pass to locate bad lines. We measured and tested that (datasets 5.2, pyarrow 26) and
-read the file line by line with the standard library's ``json`` instead, for data *and* validation:
+The file is read line by line with the standard library's ``json``, not with Hugging Face ``datasets``: that
+unifies one schema across records, which changes values of *valid* records (an int column with one float becomes
+float64, an int above int64 a float, a missing key null), drops line numbers and fails the whole file on one bad
+line (docs/decisions.md, "Datasets are read with the standard json module"). Measured on 100,000 short records
+(datasets 5.2, 2 cores), it also took longer (1.5-3.2 s to import and load, not validated; here 1.2-1.8 s to read
+and validate) and 2.7 times the memory (238 MB; here 88 MB). On valid files our records must equal what
+``datasets.load_dataset("json", ...)`` reads (tests/io/test_records.py).
 
-- datasets unifies one schema across records, which changes values of *valid* records: a column holding
-  an int in one record and a float in another becomes float64 (``seed`` 12345678901234567 comes back as
-  1.2345678901234568e16, ``prompt_token_ids`` [1, 2, 3] as [1.0, 2.0, 3.0]), an int above int64 silently
-  becomes a float, and missing keys come back as None (missing and null can no longer be told apart).
-- It drops blank lines and line numbers, so every message would need a second pass to name its line
-  anyway; and a bad line fails the whole load (``DatasetGenerationError``), so the line-by-line pass
-  must be a complete reader for ``--skip-invalid`` regardless.
-- Cost for 100,000 short records (6.5 MB, 2-core CPU): datasets takes 1-2 s to import plus 0.5-1.2 s to
-  load them as Python rows (not yet validated), peak RSS 238 MB (an Arrow table *and* the Python rows),
-  and writes a cache unless told not to; this module imports in 0.2 s and reads *and validates* them in
-  1.2-1.8 s, peak RSS 88 MB (34 MB before loading: ~470 bytes per record kept, no transient copy).
-
-So the file is streamed once in binary: each line is hashed (sha256 of the whole file), decoded as
-UTF-8 (an error names the byte offset), parsed with ``json.loads`` (an error names the column) and
-validated; only the validated fields of each record are kept (one copy of the data plus a small
-`Record` per line). datasets stays the reference in the tests: on valid files our records must equal
-what ``datasets.load_dataset("json", ...)`` reads.
+The file is streamed once in binary: each line is hashed (sha256 of the whole file), decoded as UTF-8 (an error
+names the byte offset), parsed with ``json.loads`` (an error names the column) and validated; only the validated
+fields of each record are kept (one copy of the data plus a small `Record` per line).
 
 Conventions where the format leaves room: a field whose value is null counts as absent (files exported
 by pandas or ``datasets.Dataset.to_json`` fill missing keys with null); a UTF-8 byte-order mark is
@@ -34,17 +22,20 @@ skipped; ``NaN``/``Infinity`` (which Python's json accepts) and duplicate keys i
 is a number field that parses to infinity (``1e400``: `apcscore.config.finite_problem`, the record checks');
 an empty ``prompt`` or ``context`` is valid here (the job decides at run time, as for an empty ``text``); a
 string holding a lone ``\\uD800``..``\\uDFFF`` escape (JSON allows it, but it is not text: the tokenizer and
-parquet refuse it) is that record's problem, named by its field. A record whose id another record has is
-refused; with ``--skip-invalid`` its error row gets an id of its own (``ID#lineN``), so the output's ids stay
-unique as compare, show and merge need (an OpenAI result line keeps its request's custom_id). The error row of a
-record without a usable id (or of a line that does not parse) is ``#lineN``, given once every id is read and
-suffixed as above where a record wrote it, so a stand-in never takes a real record's id. ``--columns``
-must map to fields of the command's records, from columns that some record has.
+parquet refuse it) is that record's problem, named by its field. ``--columns`` must map to fields of the
+command's records, from columns that some record has.
+
+Ids (docs/decisions.md, "Ids"): a record whose id another record has is refused, and its error row gets an id of
+its own (``ID#lineN``), so the output's ids stay unique as compare, show and merge need (an OpenAI result line
+keeps its request's custom_id, how a client matches answers to requests). The error row of a record without a
+usable id, or of a line that does not parse, is ``#lineN``, given once every id is read and suffixed (``.2``)
+where a record wrote it, so a stand-in never takes a real record's id.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -102,12 +93,9 @@ def _head(path: Path, n: int) -> bytes:
         return b""
 
 
-def _too_many(lines: list[str], indent: str = "  ") -> str:
-    shown = lines[:MAX_LISTED_PROBLEMS]
-    text = "\n".join(indent + m for m in shown)
-    if len(lines) > MAX_LISTED_PROBLEMS:
-        text += f"\n{indent}... and {len(lines) - MAX_LISTED_PROBLEMS} more"
-    return text
+def _too_many(lines: list[str]) -> str:
+    more = len(lines) - MAX_LISTED_PROBLEMS
+    return "\n".join("  " + m for m in lines[:MAX_LISTED_PROBLEMS]) + (f"\n  ... and {more} more" if more > 0 else "")
 
 
 def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
@@ -195,39 +183,31 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             seen = unknown_seen.setdefault(key, [lineno, 0])
             seen[1] += 1
         rid = given_id if given_id is not None else str(lineno)
-        surrogate = surrogate_problem(obj) if escaped_surrogate else None
-        if surrogate:
+        if escaped_surrogate and (surrogate := surrogate_problem(obj)):
             problems = [*problems, surrogate]
             if SURROGATE.search(rid):  # the id itself: shown as its escape, which parquet can hold
                 rid = rid.encode("utf-8", "backslashreplace").decode("utf-8")
+        if given_id is None and problems:  # no usable id (openai-batch: no custom_id): as a line that does not parse
+            unreadable(lineno, f"{where}: " + "; ".join(problems))
+            return
         label = "custom_id" if batch else "id"
-        unnamed_row = given_id is None and bool(problems)  # its stand-in id is given once every real id is known
-        if batch and given_id is None:  # no custom_id (refused for that): the result line's custom_id is null
-            no_custom_id.add(len(records) + len(invalid))
-        if not unnamed_row and rid in first_line_of_id:
-            # the error row of a record gets an id of its own, so that the output's ids stay unique (compare, show
-            # and merge need them so); an OpenAI result line keeps its request's custom_id, which is how a
-            # client matches answers to requests
+        if rid in first_line_of_id:  # a duplicate: its error row gets an id of its own (an OpenAI line keeps it)
             own = rid if batch else unique_id(f"{rid}#line{lineno}", lineno)
             problems = [*problems, f"duplicate {label} {rid!r}: line {first_line_of_id[rid]} has the same "
                                    f"{label} (give every record a unique {label}" +
                         ("" if batch else "; a record without one gets its line number") + ")" +
                         ("" if batch else f"; this error row's {label} is {own!r}")]
             rid = own
-        elif not unnamed_row:
-            first_line_of_id.setdefault(rid, lineno)
-        if unnamed_row:
-            unnamed.append(len(invalid))
-            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, "", f"{where}: " + "; ".join(problems)))
-        elif problems:
-            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid,
-                                         f"{where}: " + "; ".join(problems)))
+        else:
+            first_line_of_id[rid] = lineno
+        if problems:
+            invalid.append(InvalidRecord(len(records) + len(invalid), lineno, rid, f"{where}: " + "; ".join(problems)))
         else:
             records.append(Record(len(records) + len(invalid), lineno, rid, kind, fields))
 
     def unreadable(lineno: int, message: str) -> None:
-        """A line that does not parse: an error row without an id of its own (given at the end); in an OpenAI
-        batch file, its result line's custom_id is null."""
+        """A line that does not parse, or a record without a usable id: an error row without an id of its own (given
+        at the end); in an OpenAI batch file, its result line's custom_id is null."""
         if fmt["chosen"] == "openai-batch":
             no_custom_id.add(len(records) + len(invalid))
         unnamed.append(len(invalid))
@@ -235,16 +215,12 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
 
     if is_tabular(path):
         digest, rows = read_table_records(path, columns)
-        for row_number, obj in rows:
-            if limit is not None and row_number > limit:
-                break
+        for row_number, obj in islice(rows, limit):
             accept(obj, row_number, f"{name}:row {row_number}")
         index, utf8_errors = len(records) + len(invalid), 0
     else:
         digest, index, utf8_errors = _read_jsonl(path, name, limit, accept, unreadable)
-    # An error row whose record gave no usable id (none, an invalid one, a line that does not parse) is named
-    # `#lineN` (an empty id's `ID#lineN`), suffixed where a record wrote that: a stand-in never takes a real id.
-    for i in unnamed:
+    for i in unnamed:  # the stand-in ids, now that every real id is known
         invalid[i] = replace(invalid[i], id=unique_id(f"#line{invalid[i].line}", invalid[i].line))
     if index == 0:
         raise ApcscoreError(f"{name} has no records (it is empty or holds only blank lines); "

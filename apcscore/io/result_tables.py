@@ -17,14 +17,14 @@ METADATA_KEY = b"apcscore"
 RUN_FILE = "run.json"
 
 
-def jsonable(value: Any) -> Any:
-    """`value` with non-finite floats replaced by None, tuples by lists (what JSON can hold)."""
+def jsonable(value: Any, nonfinite: float | None = None) -> Any:
+    """`value` with non-finite floats replaced by `nonfinite`, tuples by lists (what strict JSON can hold)."""
     if isinstance(value, float):
-        return value if math.isfinite(value) else None
+        return value if math.isfinite(value) else nonfinite
     if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v, nonfinite) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
+        return [jsonable(v, nonfinite) for v in value]
     return value
 
 

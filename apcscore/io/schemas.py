@@ -50,7 +50,8 @@ class InvalidRecord:
 
 # ---------------------------------------------------------------- field checks (None = fine, else problem)
 
-def _is_int(v: Any) -> bool:
+def is_int(v: Any) -> bool:
+    """An int, not a bool."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -70,7 +71,7 @@ def _token_ids(v: Any) -> str | None:
     if not v:
         return "must not be empty (give at least one token id)"
     for i, t in enumerate(v):
-        if not _is_int(t) or t < 0:
+        if not is_int(t) or t < 0:
             return f"must hold integers >= 0, but item {i} is {_show(t)}"
     return None
 
@@ -87,7 +88,7 @@ def _choices(v: Any) -> str | None:
 
 
 def _index(v: Any) -> str | None:
-    return None if _is_int(v) else f"must be an integer index into 'choices', got {_show(v)}"
+    return None if is_int(v) else f"must be an integer index into 'choices', got {_show(v)}"
 
 
 def _messages(v: Any) -> str | None:
@@ -153,9 +154,7 @@ def known_fields(command: str) -> frozenset[str]:
 def accepted_kinds(command: str) -> str:
     """The record kinds `command` accepts, as one line for messages and help texts."""
     kinds = " | ".join(_EXAMPLES[k] for k in _COMMAND_KINDS[command])
-    extra = ""
-    if _OPTIONAL[command]:
-        extra = f", each with optional {', '.join(_OPTIONAL[command])}"
+    extra = f", each with optional {', '.join(_OPTIONAL[command])}" if _OPTIONAL[command] else ""
     return f'{kinds} (all with an optional "id"{extra})'
 
 
@@ -182,7 +181,7 @@ def check_record(obj: Any, command: str) -> tuple[str | None, str | None, dict, 
     rid = None
     raw_id = obj.get("id")
     if raw_id is not None:
-        if _is_int(raw_id) or (isinstance(raw_id, str) and raw_id):
+        if is_int(raw_id) or (isinstance(raw_id, str) and raw_id):
             rid = str(raw_id)
         else:
             problems.append(f"'id' must be a non-empty string or an integer, got {_show(raw_id)} "

@@ -5,13 +5,9 @@ Python values and then go through the same record checks as JSONL lines (`io/rea
 file and the row (`FILE:row N`, rows counted from 1 after any CSV header). As in JSONL, a null cell counts as
 an absent field (tables fill missing values with null).
 
-CSV cells are text: every column is read as a string (an id `007` stays "007", as in JSONL), and only the fields
-the record schema declares as numbers are converted (`answer` and the integer sampling fields such as `max_tokens`
-and `seed` as integers; `temperature`, `top_p` as numbers: CSV_NUMBERS, from config.RECORD_FIELDS); a list field
-(`choices`, `prompt_token_ids`, `stop`, `messages`) can be written as a JSON list in its cell. Only an empty cell
-is null (absent): `NA`, `N/A`, `null` and `NaN` are the strings they read. Duplicate header names are refused
-(JSONL refuses duplicate keys); quoted cells may hold newlines; a cell may be far larger than pyarrow's default
-1 MiB block.
+CSV cells are text (README.md, "Datasets"): every column is read as a string, and only the fields the record
+schema declares as numbers are converted (CSV_NUMBERS); a list field can be written as a JSON list in its cell;
+only an empty cell is null (`NA`, `null` are the strings they read). How a CSV is parsed: `_csv_rows`.
 
 `--columns prompt=text,id=doc_id` gives a record field (left) the column it is read from (right).
 """
@@ -109,12 +105,10 @@ def _csv_header(path: Path) -> list[str]:
     """The header's column names; duplicate names are refused (the file and the column)."""
     with path.open(newline="", encoding="utf-8-sig") as f:
         names = next(csv.reader(f), [])
-    seen: set[str] = set()
     for position, column in enumerate(names, start=1):
-        if column in seen:
+        if (first := names.index(column) + 1) != position:
             raise ApcscoreError(f"{path}: the header names column {column!r} twice (column {position} and column "
-                                f"{names.index(column) + 1}); rename one of them, or remove it")
-        seen.add(column)
+                                f"{first}); rename one of them, or remove it")
     return names
 
 

@@ -5,18 +5,13 @@ A result file stores token ids, not text. Callers load the tokenizer from where 
 (`models.loading.try_load_tokenizer`); io needs it only as an object with `convert_ids_to_tokens` and `decode`.
 When that folder is gone (a file copied to another machine), they show ids (`id_texts`).
 
-**Bytes, not decode() per token.** A byte-level BPE tokenizer (GPT-2's scheme: SmolLM2, Llama 3, Qwen...) splits
-a character of several UTF-8 bytes across tokens: `ě` is `Ä` + `Ľ` (bytes C4 + 9B), a CJK character often three
-tokens. Decoding each token alone gives U+FFFD (`hlavní m��sto`). So each token's *bytes* are read from its
-vocabulary string (`convert_ids_to_tokens`, mapped back through GPT-2's byte-to-unicode table; SentencePiece
-tokenizers with byte fallback: `▁` is a space and `<0xE8>` the byte E8), and consecutive tokens are merged into
-*spans* whose bytes are whole UTF-8 characters. Where the mapping does not reproduce the tokenizer's own decode of
-the record, its tokens are read as before (each decoded after a few tokens of context) and each is its own span.
-
-**A token that is part of a character, alone** (a top-K alternative, or one token of a span in a table): its
-bytes that are whole characters as text and every other byte as `<0xE8>` (SentencePiece's notation for a byte
-token): `Ġå` (bytes 20 E5) reads ` <0xE5>`, `Ľ` (9B) `<0x9B>`. Five alternatives that are five different partial
-pieces show five different texts, not five `�`.
+**Bytes, not decode() per token** (docs/compare.md, `--report-html`, says it for users). A byte-level BPE
+tokenizer splits a character of several UTF-8 bytes across tokens (`ě` is `Ä` + `Ľ`, bytes C4 + 9B), each of which
+decodes alone to U+FFFD (`hlavní m��sto`). So each token's *bytes* are read from its vocabulary string (GPT-2's
+byte-to-unicode table; SentencePiece's `▁` and `<0xE8>` byte tokens), and consecutive tokens are merged into *spans*
+whose bytes are whole UTF-8 characters. Where that mapping does not give back the tokenizer's own decode, tokens are
+decoded one by one (`token_pieces`). A token that is part of a character, alone (a top-K alternative), shows its
+whole characters as text and every other byte as `<0xE8>`: `Ġå` (bytes 20 E5) reads ` <0xE5>`.
 """
 
 from __future__ import annotations
@@ -73,16 +68,9 @@ def byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, read backwards: the character a byte-level BPE vocabulary writes for each byte
     (printable bytes as themselves, the others shifted to U+0100 and up: a space is `Ġ`, a newline `Ċ`) -> the
     byte. The table of transformers' `bytes_to_unicode` (tests/show checks they agree)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return {c: b for b, c in chars.items()}
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in printable]  # in byte order, to U+0100, U+0101, ...
+    return {chr(b): b for b in printable} | {chr(256 + n): b for n, b in enumerate(shifted)}
 
 
 def _added(tokenizer: Any) -> dict[int, str]:
@@ -107,13 +95,6 @@ def _sentencepiece(token: str) -> bytes:
     return bytes([int(m.group(1), 16)]) if m else token.replace("▁", " ").encode("utf-8")
 
 
-def _decoded(tokenizer: Any, ids: list[int]) -> str:
-    try:
-        return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-    except TypeError:  # a tokenizer without that keyword
-        return tokenizer.decode(ids, skip_special_tokens=False)
-
-
 def token_bytes(tokenizer: Any, ids: list[int]) -> list[bytes] | None:
     """Each token's bytes, read from the vocabulary (byte-level BPE, or SentencePiece with `<0x..>` byte tokens);
     None when neither mapping gives back the tokenizer's own decode of `ids` (another kind of tokenizer)."""
@@ -126,7 +107,7 @@ def token_bytes(tokenizer: Any, ids: list[int]) -> list[bytes] | None:
     if not all(isinstance(t, str) for t in tokens):
         return None
     added = _added(tokenizer)
-    want = _decoded(tokenizer, list(ids))
+    want = tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
     for read in (_byte_level, _sentencepiece):
         out = [added[i].encode("utf-8") if i in added else read(t) for i, t in zip(ids, tokens)]
         if any(b is None for b in out):

@@ -9,8 +9,7 @@ While a run goes, rows are written to ``<out>.partial/``, a directory of part fi
         part-000000.parquet   a complete small parquet file: up to `row_group_size` rows sorted by `index`
         part-000001.parquet   ...
 
-Those, their temporaries and the final file's are all a run writes there (io/partial.py's `is_partial_file`): a
-partial holding anything else is not ours and is never touched.
+A partial holding anything else (io/partial.py's `is_partial_file`) is not ours and is never touched.
 
 Each part file is written under a temporary name and renamed into place, so at any moment (also after
 ``kill -9``) every ``part-*.parquet`` is complete and readable; a crash loses only the rows still buffered
@@ -20,16 +19,13 @@ each engine step), so a crash loses at most about a second of finished rows. A s
 ``ParquetWriter`` file would be unreadable without its footer after a crash, so we do not use one.
 Nothing is fsynced: this survives a crash of the process, not of the machine.
 
-`close()` assembles ``<out>`` by a streaming merge of the parts by `index` (each part is sorted; the
-merge keeps in memory only the parts whose index range overlaps the row group being written, so memory
-follows the out-of-order window, not the dataset), writes it under a temporary name inside the partial
-directory (the same file system as ``<out>``), renames it over ``<out>`` with `os.replace` and removes the
-partial. The final file has the run's schema (no `index` column), one row per record in dataset order, row
-groups of `row_group_size` rows, and the run metadata as JSON under the schema metadata key ``apcscore``. Its
-content depends only on the rows and metadata, so a resumed run writes the same file an uninterrupted run would.
-
-Non-finite floats in the metadata (e.g. tokens/s of a zero-second run) are stored as null, so the JSON
-is strict and readable by any JSON parser.
+`close()` assembles ``<out>`` by a streaming merge of the parts by `index` (io/partial.py's `merged_parts`: memory
+follows the out-of-order window, not the dataset), writes it under a temporary name inside the partial directory
+(the same file system as ``<out>``), renames it over ``<out>`` with `os.replace` and removes the partial. The final
+file has the run's schema (no `index` column), one row per record in dataset order, row groups of `row_group_size`
+rows, and the run metadata as strict JSON (a non-finite float, e.g. tokens/s of a zero-second run, as null) under
+the schema metadata key ``apcscore``. Its content depends only on the rows and metadata, so a resumed run writes the
+same file an uninterrupted run would.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from itertools import accumulate
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -83,9 +84,7 @@ def _read_row(pf: Any, path: Path, record_id: str | None, cols: tuple[str, ...])
 
     names = set(pf.schema_arrow.names)
     wanted = ["id", *(c for c in _SUMMARY if c in names), *(c for c in cols if c in names)]
-    starts = [0]
-    for g in range(pf.num_row_groups):
-        starts.append(starts[-1] + pf.metadata.row_group(g).num_rows)
+    starts = list(accumulate((pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)), initial=0))
     if record_id is not None:
         ids = pc.cast(pf.read(columns=["id"])["id"], "string")
         index = pc.index(ids, record_id).as_py()
