@@ -105,10 +105,12 @@ def _csv_header(path: Path) -> list[str]:
     """The header's column names; duplicate names are refused (the file and the column)."""
     with path.open(newline="", encoding="utf-8-sig") as f:
         names = next(csv.reader(f), [])
+    first: dict[str, int] = {}  # column name -> its first position
     for position, column in enumerate(names, start=1):
-        if (first := names.index(column) + 1) != position:
+        if column in first:
             raise ApcscoreError(f"{path}: the header names column {column!r} twice (column {position} and column "
-                                f"{first}); rename one of them, or remove it")
+                                f"{first[column]}); rename one of them, or remove it")
+        first[column] = position
     return names
 
 
