@@ -47,7 +47,7 @@ def main() -> None:
     from apcscore import EngineConfig, Request, load_engine
     from apcscore.models.locate import resolve_model
 
-    path = resolve_model("smollm2-135m").path
+    path = resolve_model("smollm2-135m")[0]
     engine = load_engine("smollm2-135m", EngineConfig(dtype="float32"))
     tok = engine.tokenizer
     all_ids = [(t if isinstance(t, list) else tok(t).input_ids)[:1024] for t in texts(args.texts)]

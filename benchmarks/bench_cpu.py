@@ -152,7 +152,7 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> tuple[list[Scenario
 
     from apcscore.models.locate import resolve_model
 
-    model_path = resolve_model(args.model).path
+    model_path = resolve_model(args.model)[0]
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     stream, corpus = corpus_token_stream(tokenizer)
     py = sys.executable

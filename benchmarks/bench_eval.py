@@ -83,7 +83,7 @@ def load_side(side: str, model: str, device: str, dtype: str, batch_invariant: b
 
     from apcscore.models.locate import resolve_model
 
-    path = resolve_model(model).path
+    path = resolve_model(model)[0]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     hf.bench_tokenizer = load_tokenizer(path)
     return hf
@@ -416,7 +416,7 @@ def build_scenarios(args: argparse.Namespace, work: Path) -> list[Any]:
     from apcscore.models.loading import load_tokenizer
     from apcscore.models.locate import resolve_model
 
-    tok = load_tokenizer(resolve_model(args.model).path)
+    tok = load_tokenizer(resolve_model(args.model)[0])
     py, me = sys.executable, str(Path(__file__).resolve())
     dev = ["--device", args.device, "--dtype", args.dtype]
     wanted = set(args.scenarios.split(","))

@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     from apcscore.models.loading import load_tokenizer
     from apcscore.models.locate import resolve_model
 
-    tok = load_tokenizer(resolve_model("smollm2-135m").path)
+    tok = load_tokenizer(resolve_model("smollm2-135m")[0])
     stream, corpus = corpus_token_stream(tok)
     text = tok.decode(stream[:args.chunks * args.n_ctx + 64])
     (work / "text.txt").write_text(text, encoding="utf-8")

@@ -277,7 +277,7 @@ def main() -> None:
         sys.path.insert(0, str(REPO))
         from apcscore.models.locate import resolve_model
 
-        args.model = str(resolve_model("smollm2-135m").path)
+        args.model = str(resolve_model("smollm2-135m")[0])
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
     report, failed = [], False

@@ -47,7 +47,7 @@ def inputs(work: Path, quick: bool) -> dict[str, tuple[Path, int]]:
     from apcscore.models.loading import load_tokenizer
     from apcscore.models.locate import resolve_model
 
-    tok = load_tokenizer(resolve_model("smollm2-135m").path)
+    tok = load_tokenizer(resolve_model("smollm2-135m")[0])
     stream, _ = corpus_token_stream(tok)
     score = score_records(stream, 8 if quick else 96, 20, 400, SEED)
     gen = shared_prefix_records(stream, 8 if quick else 32, 320, SEED)

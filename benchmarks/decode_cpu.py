@@ -114,7 +114,7 @@ def main() -> None:
 
         from apcscore.models.locate import resolve_model
 
-        tok = AutoTokenizer.from_pretrained(resolve_model(args.model).path)
+        tok = AutoTokenizer.from_pretrained(resolve_model(args.model)[0])
         work = Path(tempfile.mkdtemp(prefix="decode_cpu-"))
         data = work / "gsm8k.jsonl"
         with open(data, "w") as f:

@@ -41,7 +41,7 @@ def make_tiny_model(path: Path) -> Path:
 
     from apcscore.models.locate import resolve_model
 
-    tokenizer = load_tokenizer(resolve_model("smollm2-135m").path)
+    tokenizer = load_tokenizer(resolve_model("smollm2-135m")[0])
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)

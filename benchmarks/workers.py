@@ -86,7 +86,7 @@ def transformers_load(model: str) -> Any:
 
     from apcscore.models.locate import resolve_model
 
-    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model).path, dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(model)[0], dtype=torch.float32)
     return hf.eval()
 
 

@@ -224,7 +224,7 @@ def main() -> None:
     data.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
     if args.dataset_out:
         shutil.copy2(data, args.dataset_out)
-    base_model = resolve_model("smollm2-135m").path
+    base_model = resolve_model("smollm2-135m")[0]
     base_out = work / f"base-k{args.top_k}.parquet"
     if not base_out.exists():
         secs = score(base_model, data, base_out, args.top_k, [], {})

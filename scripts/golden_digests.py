@@ -117,7 +117,7 @@ def int8_copy(tmp: Path) -> Path:
         spec = importlib.util.spec_from_file_location("compare_evidence", ROOT / "scripts" / "compare_evidence.py")
         evidence = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(evidence)
-        evidence.write_folder(evidence.resolve_model("smollm2-135m").path, dest, evidence._quantize(8, None))
+        evidence.write_folder(evidence.resolve_model("smollm2-135m")[0], dest, evidence._quantize(8, None))
     return dest
 
 

@@ -62,7 +62,7 @@ def main() -> None:
     ev = evidence()
     work = args.work or Path(tempfile.mkdtemp(prefix="apcscore-reference-table-"))
     work.mkdir(parents=True, exist_ok=True)
-    base_model = ev.resolve_model("smollm2-135m").path
+    base_model = ev.resolve_model("smollm2-135m")[0]
     base = work / "base.parquet"
     if not base.exists():
         ev.score(base_model, args.data, base, 20, [], {})

@@ -2,7 +2,7 @@
 
 Model fixtures (all session scoped, built once per test run):
 
-- `default_model_files`: `ModelFiles` of the default model "smollm2-135m" (SmolLM2-135M-Instruct). Its GGUF
+- `default_model_dir`: the Hugging Face folder of the default model "smollm2-135m" (SmolLM2-135M-Instruct). Its GGUF
   is converted once *per machine* into the persistent cache ($APCSCORE_CACHE, default ~/.cache/apcscore):
   ~25 s the first time, milliseconds afterwards.
 - `default_tokenizer`: its tokenizer (bos <|im_start|> id 1, eos <|im_end|> id 2, no BOS added on encode).
@@ -196,28 +196,29 @@ def build_tiny_model(arch: str, out_dir: Path, tokenizer, overrides: dict[str, A
 
 
 @pytest.fixture(scope="session")
-def default_model_files():
-    """ModelFiles of "smollm2-135m", converted into the persistent cache on first use."""
+def default_model_dir():
+    """The folder of "smollm2-135m", converted into the persistent cache on first use."""
     from apcscore.models.locate import resolve_model
 
-    return resolve_model(DEFAULT_MODEL)
+    path, _ = resolve_model(DEFAULT_MODEL)
+    return path
 
 
 @pytest.fixture(scope="session")
-def default_tokenizer(default_model_files):
+def default_tokenizer(default_model_dir):
     """The default model's tokenizer, loaded from its cached Hugging Face copy."""
     from apcscore.models.loading import load_tokenizer
 
-    return load_tokenizer(default_model_files.path)
+    return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_model_files):
+def hf_default_model(default_model_dir):
     """transformers' AutoModelForCausalLM of the default model: fp32, eval mode, on the CPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(default_model_files.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32)
     return model.eval()
 
 

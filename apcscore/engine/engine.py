@@ -12,18 +12,18 @@ bad values) become an output with `error` set; they never stop the run.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.detokenizer import IncrementalDetokenizer
-from apcscore.engine.model_info import ModelInfo
 from apcscore.engine.model_runner import ModelRunner
 from apcscore.engine.scheduler import Scheduler
 from apcscore.engine.step import (Request, RequestOutput, ScheduledBatch, Sequence, TokenLogprobs,
                                   request_problem)
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.models.llama import LlamaDecoder
+from apcscore.models.loaded import LoadedModel
 from apcscore.models.loading import eos_token_ids
 from apcscore.models.ops import Ops
 
@@ -35,13 +35,13 @@ class Engine:
 
     model_backend = "native"
 
-    def __init__(self, model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo, ops: Ops,
-                 numerics: dict, scheduler: Scheduler, runner: ModelRunner) -> None:
-        """numerics: the start-up probe's run metadata section (engine/gemm_probe.probe_numerics); runner: the
-        model runner (under tensor parallelism rank 0's SliceRunner), with the KV pool of the scheduler's block
-        manager."""
+    def __init__(self, model: LlamaDecoder, config: EngineConfig, info: LoadedModel, ops: Ops, numerics: dict,
+                 scheduler: Scheduler, runner: ModelRunner) -> None:
+        """info: the model it runs, its facts filled in (engine/loader.native_engine); numerics: the start-up
+        probe's run metadata section (engine/gemm_probe.probe_numerics); runner: the model runner (under tensor
+        parallelism rank 0's SliceRunner), with the KV pool of the scheduler's block manager."""
         self.model = model
-        self.tokenizer = tokenizer
+        self.tokenizer = info.tokenizer
         self.config = config
         self.info = info
         self.ops = ops
@@ -53,7 +53,7 @@ class Engine:
         self.store = scheduler.store  # exact reuse's score store, or None
         self.runner = runner
         self.device, self.dtype = runner.device, runner.dtype
-        self.eos_token_ids = eos_token_ids(model.config, tokenizer)
+        self.eos_token_ids = eos_token_ids(model.config, self.tokenizer)
         self.long_rope_after = model.long_rope_after  # long-rope: longer sequences use the long frequencies
         self.stats = self.block_manager.stats  # one tally: the engine's counts and its prefix cache's
         self._arrivals = 0

@@ -30,7 +30,7 @@ from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
 from apcscore.models.loaded import LoadedModel, loaded
-from apcscore.engine.model_info import ModelInfo, context_length
+from apcscore.engine.context import context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
 from apcscore.engine.step import Request, RequestOutput, TokenLogprobs, request_problem
@@ -48,14 +48,15 @@ class TransformersEngine:
     model_backend = "transformers"
     attention_backend = "transformers"  # what the run metadata's attention_backend records
 
-    def __init__(self, model: Any, tokenizer: Any, config: EngineConfig, info: ModelInfo,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, model: Any, config: EngineConfig, info: LoadedModel, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        """info: the model it runs, its facts filled in (`_build`)."""
         if config.exact_reuse:
             raise ApcscoreError(f"--exact-reuse needs our native decoder (a paged KV cache to reuse); "
                                 f"{info.architecture} runs on the transformers fallback, which recomputes every "
                                 f"prompt: drop --exact-reuse")
         self.model = model
-        self.tokenizer = tokenizer
+        self.tokenizer = info.tokenizer
         self.config = config
         self.info = info
         self.device = device
@@ -80,17 +81,15 @@ class TransformersEngine:
         device = resolve_device(config.device)
         dtype = resolve_dtype(config.dtype, device)
         model = loaded(model)
-        files = model.files
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
-        hf_model = AutoModelForCausalLM.from_pretrained(str(files.path), dtype=dtype, local_files_only=True)
-        return cls._build(hf_model, model.tokenizer, config, device, dtype, files.name, str(files.path),
-                          weights_fingerprint(files.path))
+        hf_model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype, local_files_only=True)
+        return cls._build(hf_model, replace(model, fingerprint=weights_fingerprint(model.path)), config, device,
+                          dtype)
 
     @classmethod
     def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                   config: EngineConfig | None = None, name: str = "custom", path: str = "",
-                   fingerprint: str = "", rope: Any = None, consume_state: bool = False) -> "TransformersEngine":
-        """Build from a transformers config and state dict (tests, random weights); rope is ignored."""
+                   config: EngineConfig | None = None) -> "TransformersEngine":
+        """Build from a transformers config and state dict (tests, random weights)."""
         from transformers import AutoModelForCausalLM
 
         config = config or EngineConfig()
@@ -104,18 +103,17 @@ class TransformersEngine:
             raise ApcscoreError(f"the weights do not fit the {type(model).__name__}: missing "
                                 f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
         model.tie_weights()
-        return cls._build(model, tokenizer, config, device, dtype, name, path, fingerprint)
+        return cls._build(model, LoadedModel("custom", None, hf_config, tokenizer, rope=None), config, device, dtype)
 
     @classmethod
-    def _build(cls, model: Any, tokenizer: Any, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-               name: str, path: str, fingerprint: str) -> "TransformersEngine":
+    def _build(cls, model: Any, info: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype
+               ) -> "TransformersEngine":
         model = model.to(device).eval()
         hf_config = model.config
         archs = list(getattr(hf_config, "architectures", None) or [type(model).__name__])
-        info = ModelInfo(name=name, path=path, architecture=archs[0], vocab_size=int(hf_config.vocab_size),
-                         max_model_len=context_length(hf_config, config), fingerprint=fingerprint,
-                         num_parameters=sum(p.numel() for p in model.parameters()))
-        return cls(model, tokenizer, config, info, device, dtype)
+        info = replace(info, architecture=archs[0], max_model_len=context_length(hf_config, config),
+                       num_parameters=sum(p.numel() for p in model.parameters()))
+        return cls(model, config, info, device, dtype)
 
     def counters(self) -> EngineCounters:
         """This engine's counters since it was built (no prefix cache, no KV pool: those are 0)."""

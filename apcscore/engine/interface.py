@@ -13,8 +13,8 @@ import torch
 
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
-from apcscore.engine.model_info import ModelInfo
 from apcscore.engine.step import Request, RequestOutput
+from apcscore.models.loaded import LoadedModel
 
 
 @runtime_checkable
@@ -25,7 +25,7 @@ class BatchEngine(Protocol):
     attention_backend: str  # "torch" | "triton" | "transformers"
     tokenizer: Any  # a transformers tokenizer
     config: EngineConfig
-    info: ModelInfo  # the model's facts and the context length
+    info: LoadedModel  # the model it runs, its facts filled in: architecture, fingerprint, context length, ...
     device: torch.device
     dtype: torch.dtype
     numerics: dict  # the run metadata's numerics section (batch invariance, GEMM, portable bits)

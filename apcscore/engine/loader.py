@@ -25,7 +25,7 @@ from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.hf_engine import TransformersEngine
 from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
 from apcscore.models.loaded import LoadedModel, loaded
-from apcscore.engine.model_info import ModelInfo, capping_window, context_length
+from apcscore.engine.context import capping_window, context_length
 from apcscore.engine.model_runner import ModelRunner
 from apcscore.engine.reference import (check_reference_config, check_same_vocabulary, pair, resize_pools,
                                       shared_num_kv_blocks)
@@ -64,18 +64,14 @@ def load_engine(model: LoadedModel | str, config: EngineConfig | None = None,
 
 
 def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                      config: EngineConfig | None = None, name: str = "custom", path: str = "",
-                      fingerprint: str = "", rope: Any = None, consume_state: bool = False) -> AnyEngine:
+                      config: EngineConfig | None = None) -> AnyEngine:
     """Build the engine that runs hf_config from a Hugging Face config and state dict (tests, benchmarks,
-    random weights); the arguments are `native_engine_from_parts`' (the transformers fallback ignores rope and
-    consume_state)."""
+    random weights): the native `Engine` or the transformers fallback, as --model-backend says."""
     config = config or EngineConfig()
     if choose_model_backend(hf_config, config.model_backend) == "transformers":
         check_single_device(hf_config, config)
-        return TransformersEngine.from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,
-                                             fingerprint=fingerprint)
-    return native_engine_from_parts(hf_config, state_dict, tokenizer, config, name=name, path=path,
-                                    fingerprint=fingerprint, rope=rope, consume_state=consume_state)
+        return TransformersEngine.from_parts(hf_config, state_dict, tokenizer, config)
+    return native_engine_from_parts(hf_config, state_dict, tokenizer, config)
 
 
 def check_single_device(hf_config: Any, config: EngineConfig) -> None:
@@ -110,28 +106,30 @@ def load_native_engine(model: LoadedModel | str, config: EngineConfig | None = N
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     model = loaded(model)
-    files = model.files
     check_architecture(model.config)  # before the weights are read
     if config.tensor_parallel_size > 1:  # each rank reads only its slices of the weights
         check_parallel(model.config, config, device)
-        state: Any = LazyCheckpoint(files.path, dtype)
+        state: Any = LazyCheckpoint(model.path, dtype)
     else:
-        state = load_state_dict(files.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
-    return native_engine_from_parts(model.config, state, model.tokenizer, config, name=files.name,
-                                    path=str(files.path), fingerprint=weights_fingerprint(files.path),
-                                    rope=model.rope, consume_state=True)
+        state = load_state_dict(model.path, dtype=dtype, device="cpu")  # copied to the device tensor by tensor
+    model = dataclasses.replace(model, fingerprint=weights_fingerprint(model.path))
+    return native_engine(model, state, config, consume_state=True)
 
 
 def native_engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                             config: EngineConfig | None = None, name: str = "custom", path: str = "",
-                             fingerprint: str = "", rope: Any = None, consume_state: bool = False) -> Engine:
-    """The native engine from a Hugging Face config and state dict (tests, benchmarks, random weights).
+                             config: EngineConfig | None = None) -> Engine:
+    """The native engine from a Hugging Face config and state dict (tests, benchmarks, random weights), whatever
+    --model-backend says; `state_dict` is left as it was."""
+    return native_engine(LoadedModel("custom", None, hf_config, tokenizer, rope=None), state_dict, config)
 
-    The weights are copied into the model tensor by tensor, from any device and dtype; `state_dict` is left
-    as it was unless consume_state=True (then each entry is dropped once copied: for callers that own it).
-    rope: the config's RopeFrequencies if already known (apcscore.models.loaded), else None.
-    """
+
+def native_engine(model: LoadedModel, state_dict: dict[str, torch.Tensor], config: EngineConfig | None = None,
+                  consume_state: bool = False) -> Engine:
+    """The native engine around `model` with the weights `state_dict`, copied into the decoder tensor by tensor,
+    from any device and dtype; `state_dict` is left as it was unless consume_state=True (then each entry is
+    dropped once copied: for callers that own it). Its `info` is `model` with the rest filled in."""
     config = config or EngineConfig()
+    hf_config, rope = model.config, model.rope
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     arch = check_architecture(hf_config)
@@ -142,19 +140,18 @@ def native_engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor]
     parallel = None
     if config.tensor_parallel_size > 1:
         parallel = start_slices(hf_config, state_dict, rope, max_len, config, dtype, device)
-        model, ops, device = parallel.rank_slice.model, parallel.rank_slice.ops, parallel.rank_slice.device
+        decoder, ops, device = parallel.rank_slice.model, parallel.rank_slice.ops, parallel.rank_slice.device
     else:
-        model = build_decoder(hf_config, ops, max_len, device, dtype, state_dict, rope, consume_state)
+        decoder = build_decoder(hf_config, ops, max_len, device, dtype, state_dict, rope, consume_state)
     try:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the KV pool is sized from free memory: return what loading cached
         # the parameter count of the whole model (a rank holds a part: count a copy built on "meta", free)
-        whole = model if parallel is None else decoder_class(hf_config)(hf_config, ops, device="meta")
-        info = ModelInfo(name=name, path=path, architecture=arch, vocab_size=hf_config.vocab_size,
-                         max_model_len=max_len, fingerprint=fingerprint,
-                         num_parameters=sum(p.numel() for p in whole.parameters()),
-                         sliding_window=capping_window(hf_config, config, window_cap))
-        return assemble(model, tokenizer, config, info, device, dtype, ops, parallel)
+        whole = decoder if parallel is None else decoder_class(hf_config)(hf_config, ops, device="meta")
+        info = dataclasses.replace(model, architecture=arch, max_model_len=max_len,
+                                   num_parameters=sum(p.numel() for p in whole.parameters()),
+                                   sliding_window=capping_window(hf_config, config, window_cap))
+        return assemble(decoder, config, info, device, dtype, ops, parallel)
     except BaseException:
         if parallel is not None:  # (e.g. the KV pool check refused): the engine never owns the workers' slices
             parallel.drop()
@@ -191,7 +188,7 @@ def start_slices(hf_config: Any, state: Any, rope: Any, max_len: int, config: En
     return ParallelContext(rank_slice, group, key)
 
 
-def assemble(model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: ModelInfo, device: torch.device,
+def assemble(model: LlamaDecoder, config: EngineConfig, info: LoadedModel, device: torch.device,
              dtype: torch.dtype, ops: Ops, parallel: Any = None) -> Engine:
     """The engine around a built model: the start-up probe, then the KV pool (with exact reuse's score store),
     the scheduler and the model runner. parallel: rank 0's ParallelContext under tensor parallelism, else None."""
@@ -216,13 +213,13 @@ def assemble(model: LlamaDecoder, tokenizer: Any, config: EngineConfig, info: Mo
                              capture_block_hidden=store is not None)
     else:  # the workers build theirs too, with the same pool size (engine/parallel/runner.py)
         runner = parallel.make_runner(num_blocks, capture_block_hidden=store is not None)
-    engine = Engine(model, tokenizer, config, info, ops, numerics, scheduler, runner)
+    engine = Engine(model, config, info, ops, numerics, scheduler, runner)
     if parallel is not None:
         parallel.group.register(engine, parallel.key)  # the workers drop its slices once it is collected
     return engine
 
 
-def largest_step_profile(model: LlamaDecoder, config: EngineConfig, info: ModelInfo, device: torch.device,
+def largest_step_profile(model: LlamaDecoder, config: EngineConfig, info: LoadedModel, device: torch.device,
                          dtype: torch.dtype, ops: Ops, parallel: Any = None) -> Callable[[], int] | None:
     """On CUDA, the profile the KV pool is sized after (kv_cache.profile_peak_memory: the pool takes what the
     largest step leaves; under tensor parallelism every rank runs it, and the largest peak counts); else None."""

@@ -70,8 +70,9 @@ def model_section(engine: BatchEngine) -> dict:
     from apcscore.models.loading import model_files_digest
 
     info = engine.info
-    return {"name": info.name, "path": info.path, "architecture": info.architecture,
-            "fingerprint": info.fingerprint, "files": model_files_digest(info.path), "vocab_size": info.vocab_size,
+    path = str(info.path or "")  # "" for an engine built from parts
+    return {"name": info.name, "path": path, "architecture": info.architecture,
+            "fingerprint": info.fingerprint, "files": model_files_digest(path), "vocab_size": info.vocab_size,
             "max_model_len": info.max_model_len, "num_parameters": info.num_parameters,
             "context_capped_by_sliding_window": info.sliding_window}
 

@@ -27,7 +27,7 @@ from apcscore.errors import ApcscoreError
 
 def check_same_vocabulary(model: LoadedModel, reference: LoadedModel) -> None:
     """Refuse a reference whose token ids mean other tokens than the model's, with the reason."""
-    name, ref_name = model.files.name, reference.files.name
+    name, ref_name = model.name, reference.name
     sizes = int(model.config.vocab_size), int(reference.config.vocab_size)
     if sizes[0] != sizes[1]:
         raise ApcscoreError(f"--reference-model {ref_name} has a vocabulary of {sizes[1]:,} entries and the model "
@@ -54,7 +54,7 @@ def check_reference_config(config: EngineConfig, model: LoadedModel, reference: 
                             "results): drop --exact-reuse")
     for which, m in (("the model", model), ("--reference-model", reference)):
         if choose_model_backend(m.config, config.model_backend) != "native":
-            raise ApcscoreError(f"{which} {m.files.name} runs through the transformers fallback; the exact "
+            raise ApcscoreError(f"{which} {m.name} runs through the transformers fallback; the exact "
                                 "divergence needs the native engine for both models")
 
 

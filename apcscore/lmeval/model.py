@@ -323,5 +323,6 @@ class ApcscoreLM(TemplateLM):
     def get_model_info(self) -> dict[str, Any]:
         """What lm-eval records about the model in its results."""
         info = self.engine.info
-        return {"model_name": info.name, "model_path": info.path, "model_num_parameters": info.num_parameters,
-                "model_dtype": str(self.engine.dtype), "model_fingerprint": info.fingerprint}
+        return {"model_name": info.name, "model_path": str(info.path or ""),
+                "model_num_parameters": info.num_parameters, "model_dtype": str(self.engine.dtype),
+                "model_fingerprint": info.fingerprint}

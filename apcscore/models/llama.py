@@ -216,7 +216,7 @@ class LlamaDecoder(nn.Module):
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin for every position, exactly transformers' values.
 
-        rope: a RopeFrequencies (inverse frequencies and scale transformers computed for this config), or None
+        rope: the inverse frequencies and scale transformers computed for this config (models/rope.Rope), or None
         to ask transformers' rotary embedding now. The tables are then built with its own arithmetic.
         """
         positions = torch.arange(self.max_positions)

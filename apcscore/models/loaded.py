@@ -29,10 +29,10 @@ from typing import TYPE_CHECKING, Any
 from apcscore.errors import ApcscoreError
 from apcscore.models.gguf_cache import cache_root
 from apcscore.models.loading import MODEL_FILES, load_config, load_tokenizer
-from apcscore.models.locate import ModelFiles, resolve_model, safetensors_files
+from apcscore.models.locate import resolve_model, safetensors_files
 
 if TYPE_CHECKING:
-    from apcscore.models.rope import RopeFrequencies
+    from apcscore.models.rope import Rope
 
 FORMAT = 1  # bump when what is remembered changes
 _CACHE_HINT = ("point it to a folder apcscore can write (it keeps converted models and compiled kernels there), or "
@@ -43,15 +43,35 @@ _CACHE_HINT = ("point it to a folder apcscore can write (it keeps converted mode
 class LoadedModel:
     """A model located and checked, its config and tokenizer read, its weights not yet (the engine reads them).
 
-    files: where its Hugging Face files are, and what the GGUF reading left out (`models.locate.ModelFiles`).
+    name: the model as the user gave it (alias, folder or .gguf; "custom" for an engine built from parts).
+    path: its Hugging Face folder: config.json, *.safetensors, tokenizer files (for an alias or a .gguf file, its
+    converted copy in the cache; None for an engine built from parts).
     config: a transformers config, or a namespace with the same attributes (the remembered `config.to_dict()`).
     rope: the Llama-family rotary frequencies; None lets the model's own rotary module compute its tables.
+    warnings: settings the GGUF file states that transformers' reading of it (so the model run) leaves out.
+
+    The engine that runs it keeps a copy as its `info` with the rest filled in (engine/loader.py,
+    engine/hf_engine.py), what the run metadata's `model` records: the architecture that runs, the weights'
+    fingerprint and parameter count, the context length (engine/context.py) and the sliding window where it capped
+    that length (the window itself is not implemented: inside it, full causal attention is the same thing).
     """
 
-    files: ModelFiles
+    name: str
+    path: Path | None
     config: Any
     tokenizer: Any
-    rope: RopeFrequencies | None
+    rope: Rope | None
+    warnings: tuple[str, ...] = ()
+    architecture: str = ""
+    fingerprint: str = ""
+    num_parameters: int = 0
+    max_model_len: int = 0
+    sliding_window: int | None = None
+
+    @property
+    def vocab_size(self) -> int:
+        """The config's vocabulary size: the rows of the model's logits."""
+        return int(self.config.vocab_size)
 
 
 def load_model(spec: str) -> LoadedModel:
@@ -60,10 +80,10 @@ def load_model(spec: str) -> LoadedModel:
     before any weights are read; a refusal of the config or tokenizer is bad input (exit 2, its message on one
     line)."""
     check_cache_env()
-    files = resolve_model(spec)
-    check_weight_files(files.path)
+    path, warnings = resolve_model(spec)
+    check_weight_files(path)
     try:
-        return load_parts(files)
+        return load_parts(spec, path, warnings)
     except ApcscoreError as e:
         raise ApcscoreError(" ".join(str(e).split()), exit_code=2) from None
 
@@ -134,27 +154,28 @@ def check_weight_files(model_dir: Path) -> None:
 
 
 # ---- config, tokenizer and rope, remembered ------------------------------------------------------------------
-def load_parts(files: ModelFiles) -> LoadedModel:
-    """The config, tokenizer and rotary frequencies of the directory `files.path`, remembered (see the module doc);
-    no checks of `load_model`'s but the config's (a causal LM some path runs)."""
+def load_parts(name: str, path: Path, warnings: tuple[str, ...] = ()) -> LoadedModel:
+    """The model `name` of the Hugging Face folder `path` (`resolve_model`'s answer): its config, tokenizer and
+    rotary frequencies, remembered (see the module doc); no checks of `load_model`'s but the config's (a causal LM
+    some path runs)."""
     from apcscore.models.architecture import (LLAMA_FAMILIES, SUPPORTED_ARCHITECTURES, choose_model_backend,
                                               native_architecture)
     from apcscore.models.rope import rope_frequencies
 
     try:
-        entry = cache_root() / "resolved" / f"{_key(files.path)}.json"
+        entry = cache_root() / "resolved" / f"{_key(path)}.json"
     except OSError:
         entry = None
     if entry is not None and entry.is_file():
-        remembered = _read(entry, files)
+        remembered = _read(entry, name, path, warnings)
         if remembered is not None:
             return remembered
-    config = load_config(files.path)
+    config = load_config(path)
     choose_model_backend(config)  # a clear error for what no path runs (not a causal LM)
     # the Llama-family rotary tables (other families build their own from transformers' module)
     family = SUPPORTED_ARCHITECTURES.get(native_architecture(config) or "")
     rope = rope_frequencies(config) if family in LLAMA_FAMILIES else None
-    model = LoadedModel(files, config, load_tokenizer(files.path), rope)
+    model = LoadedModel(name, path, config, load_tokenizer(path), rope, warnings)
     if entry is not None:
         _write(entry, model)
     return model
@@ -173,18 +194,16 @@ def _key(path: Path) -> str:
     return h.hexdigest()[:24]
 
 
-def _read(entry: Path, files: ModelFiles) -> LoadedModel | None:
+def _read(entry: Path, name: str, path: Path, warnings: tuple[str, ...]) -> LoadedModel | None:
     try:
         data = json.loads(entry.read_text())
         import torch
         import transformers
 
-        from apcscore.models.rope import RopeFrequencies
-
         tokenizer_class = getattr(transformers, data["tokenizer_class"])
-        tokenizer = tokenizer_class.from_pretrained(str(files.path), local_files_only=True)
-        rope = RopeFrequencies(torch.tensor(data["inv_freq"], dtype=torch.float32), float(data["attention_scaling"]))
-        return LoadedModel(files, SimpleNamespace(**data["config"]), tokenizer, rope)
+        tokenizer = tokenizer_class.from_pretrained(str(path), local_files_only=True)
+        rope = torch.tensor(data["inv_freq"], dtype=torch.float32), float(data["attention_scaling"])
+        return LoadedModel(name, path, SimpleNamespace(**data["config"]), tokenizer, rope, warnings)
     except Exception:  # a damaged or foreign entry: resolve again
         return None
 
@@ -192,8 +211,9 @@ def _read(entry: Path, files: ModelFiles) -> LoadedModel | None:
 def _write(entry: Path, model: LoadedModel) -> None:
     if model.rope is None:
         return
+    inv_freq, attention_scaling = model.rope
     data = {"config": model.config.to_dict(), "tokenizer_class": type(model.tokenizer).__name__,
-            "inv_freq": model.rope.inv_freq.tolist(), "attention_scaling": model.rope.attention_scaling}
+            "inv_freq": inv_freq.tolist(), "attention_scaling": attention_scaling}
     try:
         text = json.dumps(data, sort_keys=True)
     except TypeError:  # a config value JSON cannot hold: do not remember this one

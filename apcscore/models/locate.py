@@ -45,21 +45,6 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
 DEFAULT_MODEL = "smollm2-135m"
 
 
-@dataclass(frozen=True)
-class ModelFiles:
-    """Where a model's Hugging Face files are, once resolved.
-
-    name: the model as the user gave it (alias or path).
-    path: a Hugging Face model directory: config.json, *.safetensors, tokenizer files (for an alias or a .gguf
-    file, its converted copy in the cache).
-    warnings: settings the GGUF file states that transformers' reading of it (so the model run) leaves out.
-    """
-
-    name: str
-    path: Path
-    warnings: tuple[str, ...] = ()
-
-
 def _valid_values() -> str:
     aliases = ", ".join(f"{name!r} ({alias.description})" for name, alias in MODEL_ALIASES.items())
     return (
@@ -167,8 +152,9 @@ def check_model_spec(spec: str) -> None:
     _locate(spec)
 
 
-def resolve_model(spec: str) -> ModelFiles:
-    """Turn a model spec into a Hugging Face directory, converting (and caching) a GGUF file on first use.
+def resolve_model(spec: str) -> tuple[Path, tuple[str, ...]]:
+    """Turn a model spec into a Hugging Face directory, converting (and caching) a GGUF file on first use; with it,
+    the settings the GGUF file states that transformers' reading of it (so the model run) leaves out.
 
     Alias or .gguf: the dequantized fp32 copy lives in cache_root()/models/<name>-<key>, where key is derived
     from the sha256 of the whole GGUF file; the first call hashes and converts (seconds: docs/benchmarks.md),
@@ -176,11 +162,11 @@ def resolve_model(spec: str) -> ModelFiles:
     """
     source, path = _locate(spec)
     if source == "hf-dir":
-        return ModelFiles(name=spec, path=path.resolve())
+        return path.resolve(), ()
     name = spec if source == "alias" else path.stem
     sha256 = gguf_sha256(path)
     dest = cache_root() / "models" / cache_dir_name(name, gguf_key(sha256))
     if not is_complete(dest, sha256):
         convert_gguf(path, dest, sha256)
     warnings = tuple(f"{path.name} states {setting}" for setting in ignored_settings(dest))
-    return ModelFiles(name=spec, path=dest, warnings=warnings)
+    return dest, warnings

@@ -30,7 +30,7 @@ from torch import nn
 from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, LlamaDecoder
-from apcscore.models.rope import RopeFrequencies, longrope_frequencies, rotary_tables, with_portable_math
+from apcscore.models.rope import longrope_frequencies, rotary_tables, with_portable_math
 
 
 class Phi3Decoder(LlamaDecoder):
@@ -61,7 +61,7 @@ class Phi3Decoder(LlamaDecoder):
             from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
             inv_freq, scaling = Phi3RotaryEmbedding.compute_default_rope_parameters(self.config)
-            cos, sin = rotary_tables(RopeFrequencies(inv_freq.float(), float(scaling)), self.max_positions)
+            cos, sin = rotary_tables((inv_freq.float(), float(scaling)), self.max_positions)
         dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
         self.cos_table = cos.to(device=device, dtype=dtype)
         self.sin_table = sin.to(device=device, dtype=dtype)

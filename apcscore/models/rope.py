@@ -14,19 +14,15 @@ import contextlib
 import functools
 import math
 import types
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 
-@dataclass(frozen=True)
-class RopeFrequencies:
-    """Rotary inverse frequencies [head_dim / 2] (fp32) and the cos/sin scale, as transformers computes them."""
-
-    inv_freq: torch.Tensor
-    attention_scaling: float
+# Rotary inverse frequencies [head_dim / 2] (fp32) and the cos/sin scale: the pair transformers' rope init functions
+# (`ROPE_INIT_FUNCTIONS[rope_type]`) return, as (inv_freq, attention_factor).
+Rope = tuple[torch.Tensor, float]
 
 
 class _PortableMathMode(TorchFunctionMode):
@@ -117,7 +113,7 @@ def with_portable_math(fn: Callable) -> Callable:
 
 
 @with_portable_math
-def rope_frequencies(config: Any) -> RopeFrequencies | None:
+def rope_frequencies(config: Any) -> Rope | None:
     """transformers' rotary frequencies for config; None for rope types that change with sequence length."""
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if "dynamic" in rope_type or rope_type == "longrope":
@@ -126,11 +122,11 @@ def rope_frequencies(config: Any) -> RopeFrequencies | None:
 
     with torch.device("cpu"):
         rotary = LlamaRotaryEmbedding(config)
-    return RopeFrequencies(rotary.inv_freq.float().clone(), float(rotary.attention_scaling))
+    return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
 
 
 @with_portable_math
-def longrope_frequencies(config: Any) -> tuple[RopeFrequencies, RopeFrequencies]:
+def longrope_frequencies(config: Any) -> tuple[Rope, Rope]:
     """Long-rope (Phi-3): the (short, long) frequencies transformers' rotary embedding switches between.
 
     transformers computes both with its own `ROPE_INIT_FUNCTIONS["longrope"]`: short as the module's initial
@@ -145,15 +141,15 @@ def longrope_frequencies(config: Any) -> tuple[RopeFrequencies, RopeFrequencies]
     with torch.device("cpu"):
         short, scaling = init(config)
         long, _ = init(config, None, seq_len=original_max + 1)
-    return (RopeFrequencies(short.float().clone(), float(scaling)),
-            RopeFrequencies(long.float().clone(), float(scaling)))
+    return (short.float().clone(), float(scaling)), (long.float().clone(), float(scaling))
 
 
 @with_portable_math
-def rotary_tables(rope: RopeFrequencies, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(rope: Rope, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [num_positions, 2 * len(inv_freq)] fp32 for positions 0 .. num_positions - 1, with the arithmetic of
     transformers' rotary embedding forward (LlamaRotaryEmbedding, Phi3RotaryEmbedding)."""
+    inv_freq, attention_scaling = rope
     positions = torch.arange(num_positions)
-    freqs = positions[:, None].float() * rope.inv_freq.float()  # [P, D / 2]
+    freqs = positions[:, None].float() * inv_freq.float()  # [P, D / 2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    return emb.cos() * rope.attention_scaling, emb.sin() * rope.attention_scaling
+    return emb.cos() * attention_scaling, emb.sin() * attention_scaling

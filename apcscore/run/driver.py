@@ -166,7 +166,7 @@ def engine_warnings(engine: BatchEngine, cfg: EngineConfig, model: LoadedModel) 
     from apcscore.engine.hf_engine import NO_CACHE_WARNING
 
     native = engine.model_backend == "native"
-    found = [(w, True) for w in model.files.warnings]  # GGUF reading left out
+    found = [(w, True) for w in model.warnings]  # GGUF reading left out
     if not native:
         found.append((NO_CACHE_WARNING, True))
     if cfg.batch_invariant and not engine.batch_invariant and native:

@@ -94,5 +94,5 @@ def prepare_merge(out: Path, paths: list[Path], overwrite: bool) -> tuple[EvalOp
               "gpus_per_replica": None}
     opts = eval_folder.options_from(values)
     eval_folder.check_out(out, opts)
-    tokenizer = load_parts(resolve_model(opts.model)).tokenizer
+    tokenizer = load_parts(opts.model, *resolve_model(opts.model)).tokenizer
     return opts, RecordedEngine(tokenizer, records[0]["config"])

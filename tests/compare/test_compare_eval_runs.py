@@ -29,7 +29,7 @@ TASK_DIR = Path(__file__).resolve().parents[1] / "lmeval_tasks"
 
 
 @pytest.fixture(scope="module")
-def eval_runs(in_repo, tmp_path_factory, default_model_files) -> dict[str, Path]:
+def eval_runs(in_repo, tmp_path_factory, default_model_dir) -> dict[str, Path]:
     from apcscore.cli import app
 
     out = tmp_path_factory.mktemp("evals")

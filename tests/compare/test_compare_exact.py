@@ -102,7 +102,7 @@ def test_compare_tables_names_the_first_difference_and_ignores_scheduling_column
 
 
 @pytest.fixture(scope="module")
-def score_runs(tmp_path_factory, default_model_files) -> dict[str, Path]:
+def score_runs(tmp_path_factory, default_model_dir) -> dict[str, Path]:
     """sample_prompts.jsonl scored by the CLI: float32 twice (separate runs), bfloat16 once; top-5 stored."""
     from apcscore.cli import app
 

@@ -382,7 +382,7 @@ def test_default_gate_on_the_default_model(tmp_path, write_jsonl) -> None:
     ev = _evidence()
     records = ev.build_dataset()
     data = write_jsonl(tmp_path / "ev.jsonl", records[::5][:30])
-    base_model = resolve_model("smollm2-135m").path
+    base_model = resolve_model("smollm2-135m")[0]
     out = {}
     for name in ("baseline", "bf16_weights", "mlp_zeroed", "noise_5pct"):
         model = base_model

@@ -77,7 +77,7 @@ def test_probe_catches_a_row_count_dependent_linear(rows: int) -> None:
 
 def _tiny_parts(tiny_model_dir):
     path = tiny_model_dir("llama")
-    parts = load_parts(resolve_model(str(path)))
+    parts = load_parts(str(path), *resolve_model(str(path)))
     return parts, load_state_dict(path, dtype=torch.float32, device="cpu")
 
 

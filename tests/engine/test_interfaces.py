@@ -25,7 +25,7 @@ CFG = dict(device="cpu", dtype="float32", num_kv_blocks=64, block_size=4)
 def test_load_model_is_one_checked_value(tiny):
     model = load_model(tiny)
     assert isinstance(model, LoadedModel)
-    assert model.files.path.is_dir() and int(model.config.vocab_size) == len(model.tokenizer)
+    assert model.name == tiny and model.path.is_dir() and model.vocab_size == len(model.tokenizer)
 
 
 def test_load_model_refuses_before_any_weights_are_read(tmp_path):

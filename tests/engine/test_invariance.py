@@ -193,7 +193,7 @@ DEFAULT_BUDGETS = (1, 7, 16, 57, 64, 100, 191, 1000)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_default_model_scores_are_batch_invariant(default_model_files, dtype: str) -> None:
+def test_default_model_scores_are_batch_invariant(default_model_dir, dtype: str) -> None:
     """The issue's failure: budgets 57, 64, 100 and 191 changed the default model's bits."""
     matrix = Matrix("smollm2-135m", dtype)
     lengths = [1, 9, 16, 33, 70, 130, 260]  # (the tight pool preempts)
@@ -203,7 +203,7 @@ def test_default_model_scores_are_batch_invariant(default_model_files, dtype: st
 
 
 @pytest.mark.slow
-def test_default_model_generation_is_batch_invariant(default_model_files) -> None:
+def test_default_model_generation_is_batch_invariant(default_model_dir) -> None:
     """Greedy and seeded requests in the same batches (each mode must keep its bits next to the other)."""
     matrix = Matrix("smollm2-135m", "float32")
     prompts = make_prompts([3, 20, 48, 90, 260, 33], 49152, seed=4, shared=32)  # 260: the tight pool preempts

@@ -1,4 +1,4 @@
-"""What both engines share (apcscore/engine/model_info.py, counters.py): the one context-length rule gives
+"""What both engines share (apcscore/engine/context.py, counters.py): the one context-length rule gives
 each engine the value its own formula gave before (issue 25, item 2); EngineCounters add up field by field."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
-from apcscore.engine.model_info import capping_window, context_length
+from apcscore.engine.context import capping_window, context_length
 from apcscore.errors import ApcscoreError
 
 

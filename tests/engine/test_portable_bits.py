@@ -291,7 +291,7 @@ def test_perplexity_and_greedy_generation_across_tiles_do_not_depend_on_the_simd
 
 
 @pytest.mark.slow
-def test_the_default_models_logprobs_are_as_close_to_float64_as_transformers_fp32(default_model_files) -> None:
+def test_the_default_models_logprobs_are_as_close_to_float64_as_transformers_fp32(default_model_dir) -> None:
     """Issue 39's bar: on the sample prompts, the max and the mean |Δ logprob| of apcscore fp32 against transformers'
     float64 forward of the same weights (eager attention) are no larger than transformers' fp32 ones
     (docs/benchmarks.md, "Portable bits": 1.19e-5 / 1.52e-6 against 1.91e-5 / 7.66e-6 when measured)."""
@@ -309,7 +309,7 @@ def test_the_default_models_logprobs_are_as_close_to_float64_as_transformers_fp3
                       for i in range(len(all_ids))])
     ref = {}
     for dtype in (torch.float64, torch.float32):
-        model = AutoModelForCausalLM.from_pretrained(default_model_files.path, dtype=dtype,
+        model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=dtype,
                                                      attn_implementation="eager").eval()
         with torch.no_grad():
             lps = [torch.log_softmax(model(torch.tensor([ids])).logits[0, :-1], -1).gather(

@@ -231,7 +231,7 @@ def ours_of(lines: list[dict]) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, default_model_files):
+def runs(tmp_path_factory, default_model_dir):
     tmp = tmp_path_factory.mktemp("openai_batch")
     batch = tmp / "batch.jsonl"
     batch.write_text("".join(json.dumps(x) + "\n" for x in batch_lines()), encoding="utf-8")

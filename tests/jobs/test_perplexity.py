@@ -212,7 +212,7 @@ def long_text(tokenizer, num_tokens: int = 1000) -> str:
 
 @pytest.mark.slow
 def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model, default_tokenizer,
-                                                       default_model_files):
+                                                       default_model_dir):
     """Each token's logprob within 2e-4 of transformers' fp32 forward; each window set's sum within 1e-3 per 1,000
     tokens of the exact one (transformers' float64 forward of the same weights). The sum is not compared with
     transformers' fp32: its fp32 log-softmax is biased, 0.0078 over these 1,000 tokens against float64, while
@@ -238,7 +238,7 @@ def test_perplexity_equals_transformers_rolling_windows(engine, hf_default_model
                    else guide_windows(tokens, prefix, window, stride) for window, stride, _ in cases.values()]
     flat = [w for ws in all_windows for w in ws]
     _, remaining = reference_windows(hf_default_model, [prefix] + tokens, flat)
-    exact_model = AutoModelForCausalLM.from_pretrained(default_model_files.path, dtype=torch.float64,
+    exact_model = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float64,
                                                        attn_implementation="eager").eval()
     _, exact_remaining = reference_windows(exact_model, [prefix] + tokens, flat, torch.float64)
     for (name, (window, stride, num_windows)), row, ref_windows in zip(cases.items(), rows, all_windows):

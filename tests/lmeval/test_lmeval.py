@@ -38,15 +38,15 @@ MAX_LENGTH = 64
 
 
 @pytest.fixture(scope="module")
-def engine(default_model_files):
+def engine(default_model_dir):
     from apcscore.config import EngineConfig
     from apcscore.engine.loader import load_native_engine
 
-    return load_native_engine(str(default_model_files.path), EngineConfig(device="cpu", dtype="float32"))
+    return load_native_engine(str(default_model_dir), EngineConfig(device="cpu", dtype="float32"))
 
 
 @pytest.fixture(scope="module")
-def both(in_repo, default_model_files, engine):
+def both(in_repo, default_model_dir, engine):
     """lm-eval results of the four tasks with `hf` (batch size 8) and with `apcscore`."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -57,7 +57,7 @@ def both(in_repo, default_model_files, engine):
     ours = lm_eval.simple_evaluate(model=ApcscoreLM(engine=engine, max_length=MAX_LENGTH, progress=False),
                                    tasks=TASKS, task_manager=manager, log_samples=True)
     hf = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={default_model_files.path},dtype=float32,device=cpu,"
+        model="hf", model_args=f"pretrained={default_model_dir},dtype=float32,device=cpu,"
                                f"max_length={MAX_LENGTH}",
         batch_size=8, tasks=TASKS, task_manager=manager, log_samples=True)
     return ours, hf
@@ -225,7 +225,7 @@ def test_a_data_file_next_to_its_yaml_gets_the_path_to_write(tmp_path, monkeypat
         load_tasks(["apc_rel_data"], Path("tasks"))
 
 
-def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_model_files):
+def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_model_dir):
     from typer.testing import CliRunner
 
     from apcscore.cli import app
@@ -234,7 +234,7 @@ def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_mod
     out = tmp_path / "ev"
     result = CliRunner().invoke(app, ["eval", "--tasks", "apc_ll,apc_mc", "--include-path", str(TASK_DIR),
                                       "--limit", "2", "--num-fewshot", "1", "--dtype", "float32",
-                                      "--model", str(default_model_files.path), "--out", str(out)])
+                                      "--model", str(default_model_dir), "--out", str(out)])
     assert result.exit_code == 0, result.output
     assert "acc_norm" in result.output and "apc_mc" in result.output  # lm-eval's table
     results = json.loads((out / "results.json").read_text())
@@ -260,7 +260,7 @@ def test_eval_command_writes_results_and_requests(in_repo, tmp_path, default_mod
 
 
 @pytest.fixture(scope="module")
-def both_chat(in_repo, default_model_files, engine):
+def both_chat(in_repo, default_model_dir, engine):
     """lm-eval results with `apply_chat_template=True` (the model's own template), 4 documents per task."""
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -272,7 +272,7 @@ def both_chat(in_repo, default_model_files, engine):
                   apply_chat_template=True)
     ours = lm_eval.simple_evaluate(model=ApcscoreLM(engine=engine, max_length=MAX_LENGTH, progress=False), **common)
     hf = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={default_model_files.path},dtype=float32,device=cpu,"
+        model="hf", model_args=f"pretrained={default_model_dir},dtype=float32,device=cpu,"
                                f"max_length={MAX_LENGTH}", batch_size=8, **common)
     return ours, hf
 
@@ -354,7 +354,7 @@ def test_gen_kwargs_are_lm_eval_s_and_checked_before_loading():
     assert fewshot_as_multiturn(SimpleNamespace(apply_chat_template=False, fewshot_as_multiturn=None)) is False
 
 
-def test_eval_options_reach_lm_eval(in_repo, tmp_path, default_model_files, monkeypatch):
+def test_eval_options_reach_lm_eval(in_repo, tmp_path, default_model_dir, monkeypatch):
     """A --config file and the command line through the CLI: --model-backend picks the engine, the prompt
     options reach simple_evaluate, --log-samples writes lm-eval's samples files, --batch-size only notes."""
     import copy
@@ -386,7 +386,7 @@ def test_eval_options_reach_lm_eval(in_repo, tmp_path, default_model_files, monk
     monkeypatch.setattr(loader, "load_engine", load)
     cfg = tmp_path / "eval.toml"
     cfg.write_text(f'tasks = "apc_gen,apc_mc"\ninclude_path = "{TASK_DIR}"\nlimit = 2\nnum_fewshot = 1\n'
-                   f'dtype = "float32"\nmodel = "{default_model_files.path}"\nlog_samples = true\n'
+                   f'dtype = "float32"\nmodel = "{default_model_dir}"\nlog_samples = true\n'
                    'gen_kwargs = "max_gen_toks=4"\n')
     out = tmp_path / "ev"
     result = CliRunner().invoke(app, ["eval", "--config", str(cfg), "--model-backend", "native", "--out", str(out),

@@ -59,8 +59,8 @@ def lm_eval_run(entry: list[str], task: str, out: Path, model: str) -> dict:
 
 
 @pytest.mark.slow
-def test_python_m_apcscore_lmeval_runs_lm_eval_with_apcscore(tmp_path, default_model_files) -> None:
-    res = lm_eval_run(["apcscore.lmeval"], "apc_mc", tmp_path / "out", str(default_model_files.path))
+def test_python_m_apcscore_lmeval_runs_lm_eval_with_apcscore(tmp_path, default_model_dir) -> None:
+    res = lm_eval_run(["apcscore.lmeval"], "apc_mc", tmp_path / "out", str(default_model_dir))
     metrics = res["results"]["apc_mc"]
     assert {"acc,none", "acc_norm,none"} <= set(metrics)
     assert res["config"]["model"] == "apcscore"
@@ -68,8 +68,8 @@ def test_python_m_apcscore_lmeval_runs_lm_eval_with_apcscore(tmp_path, default_m
 
 
 @pytest.mark.slow
-def test_apcscore_lm_eval_command_passes_arguments_through(tmp_path, default_model_files) -> None:
-    res = lm_eval_run(["apcscore", "lm-eval"], "apc_gen", tmp_path / "out", str(default_model_files.path))
+def test_apcscore_lm_eval_command_passes_arguments_through(tmp_path, default_model_dir) -> None:
+    res = lm_eval_run(["apcscore", "lm-eval"], "apc_gen", tmp_path / "out", str(default_model_dir))
     assert "exact_match,none" in res["results"]["apc_gen"]
     assert res["config"]["model"] == "apcscore"
 

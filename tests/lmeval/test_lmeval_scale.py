@@ -55,8 +55,8 @@ def journal_entries(folder: Path) -> int:
 
 
 @pytest.fixture(scope="module")
-def model(default_model_files) -> str:
-    return str(default_model_files.path)
+def model(default_model_dir) -> str:
+    return str(default_model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -79,12 +79,12 @@ def reference(gguf: Path):
 def assert_scores_match(gguf: Path, hf, hf_tokenizer, native: str | None, dropped: list[str] = ()) -> None:
     """Our engine on the GGUF: the `native` decoder (None: the transformers fallback), transformers' token ids,
     prompt logprobs and top-3 within TOL of transformers; a warning for each `dropped` setting, no other."""
-    files = resolve_model(str(gguf))
-    assert (files.path / CACHE_MARKER).is_file()  # the converted copy
-    assert len(files.warnings) == len(dropped)
-    for warning, setting in zip(files.warnings, dropped):
+    path, warnings = resolve_model(str(gguf))
+    assert (path / CACHE_MARKER).is_file()  # the converted copy
+    assert len(warnings) == len(dropped)
+    for warning, setting in zip(warnings, dropped):
         assert warning.startswith(f"{gguf.name} states {setting}")
-    config = load_config(files.path)
+    config = load_config(path)
     assert native_architecture(config) == native
     assert choose_model_backend(config) == ("native" if native else "transformers")
     engine = load_engine(str(gguf), EngineConfig(device="cpu", dtype="float32", num_kv_blocks=128,

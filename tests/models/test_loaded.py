@@ -12,7 +12,7 @@ import torch
 
 from apcscore.models.llama import LlamaDecoder
 from apcscore.models.loading import load_config, load_tokenizer
-from apcscore.models.loaded import load_parts
+from apcscore.models.loaded import LoadedModel, load_parts
 from apcscore.models.locate import resolve_model
 from apcscore.models.rope import portable_math
 
@@ -25,6 +25,11 @@ def own_cache(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("APCSCORE_CACHE", str(cache))
     return cache
+
+
+def parts(path) -> LoadedModel:
+    """`load_parts` of a model folder, as `load_model` calls it."""
+    return load_parts(str(path), *resolve_model(str(path)))
 
 
 def transformers_tables(config, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,9 +51,9 @@ def our_tables(config, rope, positions: int) -> tuple[torch.Tensor, torch.Tensor
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_remembered_model_equals_what_transformers_resolves(arch, tiny_model_dir, own_cache):
     path = tiny_model_dir(arch)
-    first = load_parts(resolve_model(str(path)))  # asks transformers, then remembers
+    first = parts(path)  # asks transformers, then remembers
     assert len(list((own_cache / "resolved").glob("*.json"))) == 1
-    again = load_parts(resolve_model(str(path)))  # read back
+    again = parts(path)  # read back
     reference_config, reference_tokenizer = load_config(path), load_tokenizer(path)
     assert type(first.config) is type(reference_config)
     assert type(again.config) is not type(reference_config)  # really the remembered copy
@@ -76,16 +81,16 @@ def test_a_remembered_model_equals_what_transformers_resolves(arch, tiny_model_d
 def test_a_changed_config_or_a_damaged_entry_is_resolved_again(tiny_model_dir, tmp_path, own_cache):
     path = tmp_path / "model"
     shutil.copytree(tiny_model_dir("llama"), path)
-    load_parts(resolve_model(str(path)))
+    parts(path)
     config = json.loads((path / "config.json").read_text())
     config["rms_norm_eps"] = 1e-3
     (path / "config.json").write_text(json.dumps(config))
-    assert load_parts(resolve_model(str(path))).config.rms_norm_eps == 1e-3  # a new key, not the old answer
+    assert parts(path).config.rms_norm_eps == 1e-3  # a new key, not the old answer
     entries = sorted((own_cache / "resolved").glob("*.json"))
     assert len(entries) == 2
     for entry in entries:
         entry.write_text("{not json")
-    assert load_parts(resolve_model(str(path))).config.rms_norm_eps == 1e-3  # resolved again, and remembered again
+    assert parts(path).config.rms_norm_eps == 1e-3  # resolved again, and remembered again
     rewritten = [e for e in entries if e.read_text() != "{not json"]
     assert len(rewritten) == 1 and json.loads(rewritten[0].read_text())["config"]["rms_norm_eps"] == 1e-3
 
@@ -94,15 +99,15 @@ def test_a_cache_that_cannot_be_written_still_loads(tiny_model_dir, tmp_path, mo
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("APCSCORE_CACHE", str(blocker))  # <cache>/resolved cannot be created, even by root
-    assert load_parts(resolve_model(str(tiny_model_dir("qwen3")))).config.head_dim == 32
-    assert load_parts(resolve_model(str(tiny_model_dir("qwen3")))).config.head_dim == 32
+    assert parts(tiny_model_dir("qwen3")).config.head_dim == 32
+    assert parts(tiny_model_dir("qwen3")).config.head_dim == 32
 
 
 @pytest.mark.slow
 def test_a_remembered_load_skips_transformers_model_modules(tiny_model_dir, own_cache):
     """The point of remembering: a later process never imports the model's config module or torch._dynamo."""
     path = tiny_model_dir("llama3")
-    load_parts(resolve_model(str(path)))
+    parts(path)
     code = (
         "import sys; from apcscore.engine.loader import load_native_engine; from apcscore.config import EngineConfig;"
         f"e = load_native_engine({str(path)!r}, EngineConfig(device='cpu', num_kv_blocks=8));"

@@ -19,7 +19,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.models import gguf_cache, loading, locate
 from apcscore.models.gguf_cache import cache_root
 from apcscore.models.loading import load_config, load_state_dict, load_tokenizer, weights_fingerprint
-from apcscore.models.locate import MODEL_ALIASES, ModelFiles, check_model_spec, resolve_model
+from apcscore.models.locate import MODEL_ALIASES, check_model_spec, resolve_model
 
 PROMPT = "The capital of France is Paris. The capital of Italy is"
 
@@ -116,8 +116,7 @@ def test_valid_specs_pass(tiny_model_dir):
 def test_hf_dir_is_returned_as_is_and_nothing_is_cached(tiny_model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     d = tiny_model_dir("llama")
-    files = resolve_model(str(d))
-    assert files == ModelFiles(name=str(d), path=d.resolve())
+    assert resolve_model(str(d)) == (d.resolve(), ())
     assert not (tmp_path / "cache").exists()
 
 
@@ -232,22 +231,21 @@ def test_cache_root_default_and_env(tmp_path, monkeypatch):
 def test_gguf_is_converted_once_into_apcscore_cache(tmp_path, monkeypatch, fake_convert):
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     gguf = _fake_gguf(tmp_path / "My Model.Q8_0.gguf")
-    first = resolve_model(str(gguf))
-    assert first.name == str(gguf)
-    assert first.path.parent == tmp_path / "cache" / "models"
-    assert first.path.name.startswith("My_Model.Q8_0-")
-    assert (first.path / "config.json").is_file() and (first.path / gguf_cache.CACHE_MARKER).is_file()
+    first, _ = resolve_model(str(gguf))
+    assert first.parent == tmp_path / "cache" / "models"
+    assert first.name.startswith("My_Model.Q8_0-")
+    assert (first / "config.json").is_file() and (first / gguf_cache.CACHE_MARKER).is_file()
     umask = os.umask(0o22)
     os.umask(umask)
-    assert (first.path / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shared caches stay readable
-    assert resolve_model(str(gguf)) == first
+    assert (first / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask  # shared caches stay readable
+    assert resolve_model(str(gguf))[0] == first
     assert fake_convert == [gguf]  # the second call used the cache
-    assert not list(first.path.parent.glob(".tmp-*"))
+    assert not list(first.parent.glob(".tmp-*"))
 
     # Other content (same name): another cache entry.
     _fake_gguf(gguf, b"other weights")
-    second = resolve_model(str(gguf))
-    assert second.path != first.path and len(fake_convert) == 2
+    second, _ = resolve_model(str(gguf))
+    assert second != first and len(fake_convert) == 2
 
 
 def _gguf_differing_in_the_middle(path: Path, middle: bytes) -> Path:
@@ -274,10 +272,10 @@ def test_ggufs_differing_only_in_the_middle_get_their_own_copies(tmp_path, monke
     a = _gguf_differing_in_the_middle(tmp_path / "a" / "model.gguf", b"a")
     b = _gguf_differing_in_the_middle(tmp_path / "b" / "model.gguf", b"b")
     assert _sample_key(a) == _sample_key(b)  # what made them share one copy
-    first, second = resolve_model(str(a)), resolve_model(str(b))
-    assert first.path != second.path and fake_convert == [a, b]
-    for gguf, files in ((a, first), (b, second)):
-        marker = json.loads((files.path / gguf_cache.CACHE_MARKER).read_text())
+    (first, _), (second, _) = resolve_model(str(a)), resolve_model(str(b))
+    assert first != second and fake_convert == [a, b]
+    for gguf, folder in ((a, first), (b, second)):
+        marker = json.loads((folder / gguf_cache.CACHE_MARKER).read_text())
         assert marker["gguf_sha256"] == hashlib.sha256(gguf.read_bytes()).hexdigest()
         assert marker["format"] == gguf_cache.CACHE_FORMAT
 
@@ -291,12 +289,12 @@ def test_a_copy_of_another_file_is_never_reused(tmp_path, monkeypatch, fake_conv
     old = tmp_path / "cache" / "models" / gguf_cache.cache_dir_name("model", _sample_key(a))
     shutil.copytree(tiny_model_dir("llama"), old)  # as a's conversion under the old key left it
     (old / gguf_cache.CACHE_MARKER).write_text(json.dumps({"format": 2, "gguf": str(a), "key": _sample_key(a)}))
-    got = resolve_model(str(b))
-    assert got.path != old and fake_convert == [b]
+    got, _ = resolve_model(str(b))
+    assert got != old and fake_convert == [b]
 
-    marker = got.path / gguf_cache.CACHE_MARKER
+    marker = got / gguf_cache.CACHE_MARKER
     marker.write_text(json.dumps({**json.loads(marker.read_text()), "gguf_sha256": "0" * 64}))
-    assert resolve_model(str(b)).path == got.path and fake_convert == [b, b]
+    assert resolve_model(str(b))[0] == got and fake_convert == [b, b]
     assert json.loads(marker.read_text())["gguf_sha256"] == hashlib.sha256(b.read_bytes()).hexdigest()
 
 
@@ -321,7 +319,7 @@ def test_the_gguf_is_hashed_once_and_again_when_it_changes(tmp_path, monkeypatch
     os.utime(gguf, ns=(mtime + 10**9, mtime + 10**9))  # a new mtime even where the clock is coarse
     assert (gguf.stat().st_ino, gguf.stat().st_size) == (inode, size)
     second = resolve_model(str(gguf))
-    assert len(hashed) == 2 and second.path != first.path and len(fake_convert) == 2
+    assert len(hashed) == 2 and second[0] != first[0] and len(fake_convert) == 2
     assert resolve_model(str(gguf)) == second and len(hashed) == 2
 
 
@@ -342,10 +340,10 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
 def test_incomplete_cache_dir_is_rebuilt(tmp_path, monkeypatch, fake_convert):
     monkeypatch.setenv("APCSCORE_CACHE", str(tmp_path / "cache"))
     gguf = _fake_gguf(tmp_path / "m.gguf")
-    dest = resolve_model(str(gguf)).path
+    dest, _ = resolve_model(str(gguf))
     (dest / gguf_cache.CACHE_MARKER).unlink()  # e.g. a copy someone made by hand, or an older layout
     (dest / "model.safetensors").unlink()
-    assert resolve_model(str(gguf)).path == dest
+    assert resolve_model(str(gguf))[0] == dest
     assert (dest / "model.safetensors").is_file() and len(fake_convert) == 2
 
 
@@ -359,7 +357,7 @@ def test_racing_conversions_both_get_a_valid_dir(tmp_path, monkeypatch, tiny_mod
         shutil.copytree(tiny_model_dir("llama"), out_dir, dirs_exist_ok=True)
 
     monkeypatch.setattr(gguf_cache, "_write_hf_copy", convert)
-    results: list[ModelFiles | BaseException] = []
+    results: list[tuple[Path, tuple[str, ...]] | BaseException] = []
 
     def run() -> None:
         try:
@@ -372,33 +370,33 @@ def test_racing_conversions_both_get_a_valid_dir(tmp_path, monkeypatch, tiny_mod
         t.start()
     for t in threads:
         t.join()
-    assert all(isinstance(r, ModelFiles) for r in results), results
+    assert all(isinstance(r, tuple) for r in results), results
     assert results[0] == results[1]
-    assert load_state_dict(results[0].path).keys() == load_state_dict(tiny_model_dir("llama")).keys()
-    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [results[0].path.name]
+    folder, _ = results[0]
+    assert load_state_dict(folder).keys() == load_state_dict(tiny_model_dir("llama")).keys()
+    assert [p.name for p in (tmp_path / "cache" / "models").iterdir()] == [folder.name]
 
 
 # ------------------------------------------------------------------ the real default model (cached)
 
 
-def test_default_model_resolves_from_the_cache_fast(default_model_files):
-    assert default_model_files.name == "smollm2-135m"
-    assert default_model_files.path.parent == cache_root() / "models"
+def test_default_model_resolves_from_the_cache_fast(default_model_dir):
+    assert default_model_dir.parent == cache_root() / "models"
     start = time.perf_counter()
-    again = resolve_model("smollm2-135m")
+    again, _ = resolve_model("smollm2-135m")
     elapsed = time.perf_counter() - start
-    assert again == default_model_files
+    assert again == default_model_dir
     assert elapsed < 2.0, f"cached resolve took {elapsed:.2f} s"
 
 
-def test_cached_copy_is_a_clean_fp32_llama(default_model_files):
-    raw = json.loads((default_model_files.path / "config.json").read_text())
+def test_cached_copy_is_a_clean_fp32_llama(default_model_dir):
+    raw = json.loads((default_model_dir / "config.json").read_text())
     assert "quantization_config" not in raw
     assert raw["architectures"] == ["LlamaForCausalLM"] and raw["model_type"] == "llama"
-    config = load_config(default_model_files.path)
+    config = load_config(default_model_dir)
     assert type(config).__name__ == "LlamaConfig"
     assert (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads) == (576, 30, 3)
-    state = load_state_dict(default_model_files.path)
+    state = load_state_dict(default_model_dir)
     assert {t.dtype for t in state.values()} == {torch.float32}
     assert state["model.embed_tokens.weight"].shape == (49152, 576)
 

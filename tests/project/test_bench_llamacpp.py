@@ -94,7 +94,7 @@ def test_llama_cpp_tokenizes_like_apcscore() -> None:
     from apcscore.models.loading import load_tokenizer
     from apcscore.models.locate import resolve_model
 
-    tok = load_tokenizer(resolve_model("smollm2-135m").path)
+    tok = load_tokenizer(resolve_model("smollm2-135m")[0])
     stream, _ = bench_llamacpp.corpus_token_stream(tok)
     text = tok.decode(stream[:3000])
     llm = llama_cpp.Llama(model_path=str(bench_llamacpp.gguf_file()), vocab_only=True, verbose=False)

@@ -132,7 +132,7 @@ def test_a_tokenizer_whose_vocabulary_is_not_bytes_decodes_per_token() -> None:
 
 
 @pytest.fixture(scope="module")
-def split_record(default_tokenizer, default_model_files, tmp_path_factory):
+def split_record(default_tokenizer, default_model_dir, tmp_path_factory):
     """A score file of one record, TEXT, tokenized by the default tokenizer, with made-up logprobs: every token
     -1.5, except the second byte of `ě` (-7.25); the top-5 at that position are five partial pieces."""
     ids = default_tokenizer.encode(TEXT)
@@ -144,8 +144,8 @@ def split_record(default_tokenizer, default_model_files, tmp_path_factory):
     top_ids = [None] + [partial[:5]] * (len(ids) - 1)
     top_lps = [None] + [[-0.5, -1.0, -1.5, -2.0, -2.5]] * (len(ids) - 1)
     meta = {"apcscore_version": "0.1.0", "command": "score", "dtype": "float32",
-            "model": {"name": "smollm2-135m", "path": str(default_model_files.path), "vocab_size": 49152},
-            "tokenizer": {"name_or_path": str(default_model_files.path)},
+            "model": {"name": "smollm2-135m", "path": str(default_model_dir), "vocab_size": 49152},
+            "tokenizer": {"name_or_path": str(default_model_dir)},
             "dataset": {"path": "d.jsonl", "sha256": "ab" * 32}}
     schema = pa.schema([("id", pa.string()), ("status", pa.string()), ("error", pa.string()),
                         ("num_tokens", pa.int64()), ("num_scored", pa.int64()), ("sum_logprob", pa.float64()),

@@ -1,36 +1,16 @@
-"""What both engines (the native `Engine` and the transformers fallback) share about the model they run.
-
-- `ModelInfo`: what the run metadata records about the model;
-- `context_length`: the one context-length rule (`max_model_len`), with the sliding-window cap the native
-  decoder needs (`capping_window`).
+"""The context length both engines (the native `Engine` and the transformers fallback) run a model with: the one
+context-length rule (`context_length`, an engine's `info.max_model_len`), with the sliding-window cap the native
+decoder needs (`capping_window`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 
 
-@dataclass
-class ModelInfo:
-    """What the run metadata records about the model."""
-
-    name: str
-    path: str
-    architecture: str
-    vocab_size: int
-    max_model_len: int
-    fingerprint: str
-    num_parameters: int
-    # the model's sliding attention window where it capped max_model_len (the window itself is not
-    # implemented: inside it, full causal attention is the same thing), else None
-    sliding_window: int | None = None
-
-
-# ---- context length ---------------------------------------------------------------------------------
 def _positions(hf_config: Any) -> int | None:
     """The model's own context length: max_position_embeddings, or n_positions (GPT-2 style configs)."""
     return getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
@@ -46,7 +26,7 @@ def unmasked_window(hf_config: Any) -> int | None:
 
 
 def context_length(hf_config: Any, config: EngineConfig, window_cap: bool = False) -> int:
-    """The engine's context length (`ModelInfo.max_model_len`): the least of the model's positions
+    """The engine's context length (its `info.max_model_len`): the least of the model's positions
     (max_position_embeddings, else n_positions), --max-model-len when set, and, with window_cap, the sliding
     window of `unmasked_window`.
 
@@ -65,6 +45,6 @@ def context_length(hf_config: Any, config: EngineConfig, window_cap: bool = Fals
 
 def capping_window(hf_config: Any, config: EngineConfig, window_cap: bool = True) -> int | None:
     """The sliding window where it (and not --max-model-len) capped `context_length(..., window_cap)`, else
-    None (what `ModelInfo.sliding_window` and the metadata's context_capped_by_sliding_window record)."""
+    None (what an engine's `info.sliding_window` and the metadata's context_capped_by_sliding_window record)."""
     window = unmasked_window(hf_config) if window_cap else None
     return window if window and (not config.max_model_len or config.max_model_len > window) else None
