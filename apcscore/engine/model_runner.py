@@ -88,13 +88,13 @@ class ModelRunner:
         groups = None if shape is None else step_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables,
                                                                 self.block_size, shape)
         staged = self.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
-                                inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
+                                inp.seq_lens, inp.block_tables, *(groups or ()))
         input_ids, positions, slots, cu, seq_lens, tables = staged[:6]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
                                  cu_seqlens_q_list=inp.cu_seqlens_q.tolist(), seq_lens_list=inp.seq_lens.tolist(),
                                  block_size=self.block_size)
         if groups:
-            meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape, num_groups=groups[2])
+            meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape)
         return input_ids, positions, meta
 
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:

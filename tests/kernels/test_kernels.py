@@ -22,7 +22,9 @@ import torch
 from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
-from apcscore.kernels import rms_norm, token_logprobs, token_logprobs_torch
+from apcscore.kernels.logprobs import token_logprobs
+from apcscore.kernels.logprobs_torch import token_logprobs_torch
+from apcscore.kernels.rmsnorm import rms_norm
 from triton_device import DEVICE, HAS_CUDA, INTERPRET, TRITON_MARKS  # noqa: E402
 from apcscore.kernels.paged_attention import paged_attention
 from apcscore.kernels.store_kv import store_kv
