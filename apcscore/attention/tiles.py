@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from apcscore.attention.products import PagedCache, fixed_order_available, products
+from apcscore.attention.products import PagedCache, fixed_order, products
 from apcscore.kernels import rowmath
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
@@ -23,7 +23,7 @@ QUERY_ROW_TILE = 16
 def query_row_tile(device: torch.device) -> int:
     """The multiple the query rows of an attention product are padded to on `device`: 1 where the products are
     the fixed-order CPU kernel (a decode step's 3 rows per KV head stay 3, not 16), else QUERY_ROW_TILE."""
-    return 1 if device.type == "cpu" and fixed_order_available() else QUERY_ROW_TILE
+    return 1 if fixed_order(device) else QUERY_ROW_TILE
 
 
 def heads_major(cache: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
-from apcscore.attention.products import PagedCache, fixed_order_available
+from apcscore.attention.products import PagedCache, fixed_order
 from apcscore.attention.tiles import KV_TILE, gather, head_rows, query_row_tile, tiled_softmax
 
 @dataclass
@@ -25,9 +25,7 @@ class DecodePlan:
     seq_lens_t: torch.Tensor | None = None  # [B] int32
 
 
-def paged_decode(device: torch.device) -> bool:
-    """Whether decode reads the cache in place (PagedCache): on the CPU, where the fixed-order kernel builds."""
-    return device.type == "cpu" and fixed_order_available()
+paged_decode = fixed_order  # decode reads the cache in place (PagedCache) where the products are the CPU kernel
 
 
 def decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, window: int | None) -> DecodePlan:

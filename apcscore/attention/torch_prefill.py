@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
-from apcscore.attention.products import fixed_order_available, products
+from apcscore.attention.products import fixed_order, products
 from apcscore.attention.tiles import (KV_TILE, gather, head_rows, pad_slots, query_row_tile, sequence_slots,
                                       tiled_softmax)
 from apcscore.kernels import rowmath
@@ -49,7 +49,7 @@ def batched_prefill_groups(meta: AttentionMetadata, group: int, device: torch.de
         return meta.plans[key]
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
     prefill = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
-    if device.type != "cpu" or not fixed_order_available():  # torch.matmul may round a row by its call's shape
+    if not fixed_order(device):  # torch.matmul may round a row by its call's shape
         meta.plans[key] = ([], prefill)
         return meta.plans[key]
     alone = [i for i in prefill if cu[i + 1] - cu[i] > MAX_BATCHED_QUERIES]

@@ -137,9 +137,7 @@ def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor, simd: int | None = None) -
         raise ValueError(f"fixed-order bmm: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply as a @ b.T")
     lib = library()
     lead = a.shape[:-2]
-    a4, b4 = a.reshape(1, 1, *a.shape[-2:]) if not lead else a, b.reshape(1, 1, *b.shape[-2:]) if not lead else b
-    if len(lead) == 1:
-        a4, b4 = a.unsqueeze(0), b.unsqueeze(0)
+    a4, b4 = (x[(None,) * (4 - x.dim())] for x in (a, b))  # two leading dims: size 1 where absent
     (b0, b1, m, k), n = a4.shape, b4.shape[-2]
     c = torch.empty(b0, b1, m, n, dtype=torch.float32)
     if c.numel():

@@ -55,12 +55,10 @@ def map_float(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
 def row_sums(x: torch.Tensor) -> torch.Tensor:
     """The sums of x's last dimension, fp32 [...]: LANES interleaved fp32 partial sums and a fixed tree."""
     rows = _rows(x)
-    sums = torch.empty(rows.shape[0], dtype=torch.float32)
+    sums = torch.zeros(rows.shape[0], dtype=torch.float32)
     if rows.numel():
         library().apc_row_sums_f(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], sums.data_ptr(),
                               forced_simd(), _threads(rows.numel()))
-    else:
-        sums.zero_()
     return sums.view(x.shape[:-1])
 
 

@@ -1,10 +1,6 @@
-"""Per-token logprobs over the vocabulary: a fused Triton kernel (its exact torch reference: logprobs_torch).
-
-For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
-(1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
-and the top-k token ids with their logprobs, sorted by descending logit, equal logits by ascending token id
-(logprobs_torch.top_k). A target outside [0, V) gives logprob NaN and rank 0 in both implementations (no device
-sync is spent on checking it).
+"""Per-token logprobs over the vocabulary: a fused Triton kernel with the results of its torch reference off the
+CPU, logprobs_torch.token_logprobs_torch (that module's doc: the logprob under an fp32 log_softmax, the rank, the
+order of the top-k; a target outside [0, V) gives logprob NaN and rank 0).
 """
 
 from __future__ import annotations
