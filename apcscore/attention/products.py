@@ -18,8 +18,7 @@ from apcscore.kernels.cpu_library import available
 
 
 def fixed_order(device: torch.device) -> bool:
-    """Whether the attention products on `device` are the fixed-order CPU kernel: on the CPU, where it builds (else
-    torch.matmul, and the engine's probe says so)."""
+    """Whether the attention products on `device` are the fixed-order kernel: on the CPU, where it builds."""
     return device.type == "cpu" and available()
 
 
