@@ -34,12 +34,6 @@ class DecodeGroups:
     block_m: int  # the tile config the groups were planned for: a layer with another one ignores them
     block_n: int
     group: int  # query heads per KV head
-    num_groups: int  # groups with members (rows of table past it are empty); -1: not known on the host
-                     # (CUDA-graph buffers, whose contents change between replays)
-
-    @property
-    def block_q(self) -> int:
-        return self.block_m // self.group
 
 
 def plan_decode_groups(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
@@ -123,14 +117,9 @@ def group_shape(attention: Any) -> GroupShape | None:
 
 
 def step_decode_groups(cu_seqlens_q: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray, block_size: int,
-                       shape: GroupShape, num_rows: int | None = None, num_seqs: int | None = None
-                       ) -> tuple[np.ndarray, np.ndarray, int] | None:
-    """Host images of a step's DecodeGroups (table, grouped) and its group count, or None when no decode
-    sequences group. num_rows / num_seqs pad table and grouped (CUDA-graph buffers: then never None)."""
+                       shape: GroupShape) -> tuple[np.ndarray, np.ndarray] | None:
+    """Host images of a step's DecodeGroups (table, grouped), or None when no decode sequences group."""
     block_m, block_n, group = shape
     block_q = block_m // group
     groups = plan_decode_groups(cu_seqlens_q, seq_lens, block_tables, block_size, block_n, block_q)
-    if not groups and num_rows is None:
-        return None
-    table, grouped = pack_decode_groups(groups, len(seq_lens) if num_seqs is None else num_seqs, block_q, num_rows)
-    return table, grouped, len(groups)
+    return pack_decode_groups(groups, len(seq_lens), block_q) if groups else None

@@ -51,10 +51,6 @@ class AttentionMetadata:
                    cu_seqlens_q=torch.tensor(cu), seq_lens=torch.tensor(lens),
                    cu_seqlens_q_list=cu, seq_lens_list=lens, block_size=block_size)
 
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens_list)
-
 
 _current: AttentionMetadata | None = None
 

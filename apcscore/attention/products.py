@@ -13,24 +13,24 @@ from dataclasses import dataclass
 
 import torch
 
+from apcscore.kernels.cpu_gemm import fixed_order_bmm, paged_bmm
+from apcscore.kernels.cpu_library import available
+
+
+def fixed_order(device: torch.device) -> bool:
+    """Whether the attention products on `device` are the fixed-order kernel: on the CPU, where it builds."""
+    return device.type == "cpu" and available()
+
+
 def products(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [..., M, K] @ b[..., N, K].T -> fp32 [..., M, N] (the same leading dims; `x.transpose(-1, -2)` as b for
     a @ x), in the module doc's order."""
-    if a.device.type != "cpu" or not fixed_order_available():
+    if not fixed_order(a.device):
         return a @ b.transpose(-1, -2)
-    from apcscore.kernels.cpu_gemm import fixed_order_bmm
-
     lead, m, n = a.shape[:-2], a.shape[-2], b.shape[-2]
     if len(lead) > 2:  # the kernel takes two batch dims: merge the first ones (a view where strides allow)
         a, b = a.reshape(-1, *a.shape[-3:]), b.reshape(-1, *b.shape[-3:])
     return fixed_order_bmm(a, b).view(*lead, m, n)
-
-
-def fixed_order_available() -> bool:
-    """Whether the fixed-order CPU kernel builds here (else torch.matmul, and the engine's probe says so)."""
-    from apcscore.kernels.cpu_library import available
-
-    return available()
 
 
 @dataclass
@@ -46,16 +46,12 @@ class PagedCache:
 
     def scores(self, q: torch.Tensor, num_keys: int) -> torch.Tensor:
         """q [Hkv, B, M, D] (or [Hkv, M, D] for one sequence) @ keys[first, first + num_keys).T -> [..., M, L]."""
-        from apcscore.kernels.cpu_gemm import paged_bmm
-
         one = q.dim() == 3
         out = paged_bmm(q.unsqueeze(1) if one else q, self.cache, self.tables, self.seq_lens, self.first, num_keys)
         return out.squeeze(1) if one else out
 
     def weighted(self, p: torch.Tensor) -> torch.Tensor:
         """p [Hkv, B, T, M, tile] (or [Hkv, T, M, tile]) @ the values of tile t -> [..., T, M, D]."""
-        from apcscore.kernels.cpu_gemm import paged_bmm
-
         one = p.dim() == 4
         out = paged_bmm(p.unsqueeze(1) if one else p, self.cache, self.tables, self.seq_lens, self.first)
         return out.squeeze(1) if one else out

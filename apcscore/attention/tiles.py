@@ -10,20 +10,18 @@ from __future__ import annotations
 
 import torch
 
-from apcscore.attention.products import PagedCache, fixed_order_available, products
+from apcscore.attention.products import PagedCache, fixed_order, products
 from apcscore.kernels import rowmath
 
 KV_TILE = 64  # keys per tile; the last tile is padded to full size, so every reduction has one shape
-# Query rows of every attention product come in multiples of this where the products are torch.matmul (CUDA,
-# or no C compiler), where a GEMM may round a row by the shape of its call. With the fixed-order CPU kernel
-# (products) the row count cannot change a row's bits, and the rows are not padded (query_row_tile)
-QUERY_ROW_TILE = 16
+QUERY_ROW_TILE = 16  # query rows come in multiples of this for torch.matmul, which may round a row by its call's shape
 
 
 def query_row_tile(device: torch.device) -> int:
     """The multiple the query rows of an attention product are padded to on `device`: 1 where the products are
-    the fixed-order CPU kernel (a decode step's 3 rows per KV head stay 3, not 16), else QUERY_ROW_TILE."""
-    return 1 if device.type == "cpu" and fixed_order_available() else QUERY_ROW_TILE
+    the fixed-order CPU kernel, whose row count cannot change a row's bits (a decode step's 3 rows per KV head
+    stay 3, not 16), else QUERY_ROW_TILE."""
+    return 1 if fixed_order(device) else QUERY_ROW_TILE
 
 
 def heads_major(cache: torch.Tensor) -> torch.Tensor:

@@ -66,9 +66,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     Decode rows (one query per sequence) of all sequences are computed together in one batched call; short
     prefill chunks in batches of similar size, long ones on their own (torch_prefill.py). Either way a
     query's keys are reduced in the same fixed tiles.
-    window: a query at position p sees only keys > p - window (sliding-window layers; transformers' rule): the
-    others are masked to -inf inside the same fixed tiles, and a row's running max stays -inf (its state
-    exactly the initial one) until its first visible tile, so the bits do not depend on the batch either.
+    window: a query at position p sees only keys > p - window (sliding-window layers; transformers' rule), the
+    others masked inside the same fixed tiles (a wholly masked tile changes no row's state: tiles.tiled_softmax).
     softcap: scores become tanh(scores / softcap) * softcap before masking (Gemma 2's attention soft-capping).
     On the CPU, where apcscore.kernels.cpu_attention supports the call, every row is computed in one call of that
     kernel instead: the same operations in the same order per row, so the same bits, without the per-tile torch ops.

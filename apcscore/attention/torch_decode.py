@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
-from apcscore.attention.products import PagedCache, fixed_order_available
+from apcscore.attention.products import PagedCache, fixed_order
 from apcscore.attention.tiles import KV_TILE, gather, head_rows, query_row_tile, tiled_softmax
 
 @dataclass
@@ -25,9 +25,7 @@ class DecodePlan:
     seq_lens_t: torch.Tensor | None = None  # [B] int32
 
 
-def paged_decode(device: torch.device) -> bool:
-    """Whether decode reads the cache in place (PagedCache): on the CPU, where the fixed-order kernel builds."""
-    return device.type == "cpu" and fixed_order_available()
+paged_decode = fixed_order  # decode reads the cache in place (PagedCache) where the products are the CPU kernel
 
 
 def decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, window: int | None) -> DecodePlan:
@@ -94,8 +92,7 @@ def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         if paged:  # sequence 0's table: the shared blocks are the same in every table
             k, v = (PagedCache(c, plan.tables[:1], plan.seq_lens_t[:1], 0) for c in (k_cache, v_cache))
         else:
-            k = gather(k_cache, plan.shared_rows, plan.tail_start)  # [Hkv, Ls, D]
-            v = gather(v_cache, plan.shared_rows, plan.tail_start)
+            k, v = (gather(c, plan.shared_rows, plan.tail_start) for c in (k_cache, v_cache))  # [Hkv, Ls, D]
         # only the real rows of every sequence: [Hkv, B*G, D] (a multiple of row_tile rows)
         q_all = q.reshape(num_kv_heads, num_seqs * group, head_dim)
         real = q_all.shape[1]
@@ -114,8 +111,7 @@ def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if paged:
         k, v = (PagedCache(c, plan.tables, plan.seq_lens_t, plan.tail_start) for c in (k_cache, v_cache))
     else:
-        k = gather(k_cache, plan.tail_rows, *plan.past_end.shape)
-        v = gather(v_cache, plan.tail_rows, *plan.past_end.shape)
+        k, v = (gather(c, plan.tail_rows, *plan.past_end.shape) for c in (k_cache, v_cache))
     m, s_, acc = tiled_softmax(q, k, v, plan.past_end[None, :, None, :], plan.tail_start, max(plan.seq_lens), state,
                                 softcap, bool(window))
     res = (acc / s_[..., None])[:, :, :group]  # [Hkv, B, G, D]

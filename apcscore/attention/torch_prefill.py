@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata
-from apcscore.attention.products import fixed_order_available, products
+from apcscore.attention.products import fixed_order, products
 from apcscore.attention.tiles import (KV_TILE, gather, head_rows, pad_slots, query_row_tile, sequence_slots,
                                       tiled_softmax)
 from apcscore.kernels import rowmath
@@ -49,7 +49,7 @@ def batched_prefill_groups(meta: AttentionMetadata, group: int, device: torch.de
         return meta.plans[key]
     cu, lens = meta.cu_seqlens_q_list, meta.seq_lens_list
     prefill = [i for i in range(len(lens)) if cu[i + 1] - cu[i] > 1]
-    if device.type != "cpu" or not fixed_order_available():  # torch.matmul may round a row by its call's shape
+    if not fixed_order(device):  # torch.matmul may round a row by its call's shape
         meta.plans[key] = ([], prefill)
         return meta.plans[key]
     alone = [i for i in prefill if cu[i + 1] - cu[i] > MAX_BATCHED_QUERIES]
@@ -127,8 +127,7 @@ def attend_prefill_batched(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
             masked |= k_pos[None, None, :] <= plan.q_pos[:, :, None] - window
         masked = plan.masks[window] = masked[None]
     q = query[plan.token, plan.head].float() * scale  # [Hkv, B, R, D]
-    k = gather(k_cache, plan.kv_rows, len(seqs), plan.num_keys)  # [Hkv, B, L, D]
-    v = gather(v_cache, plan.kv_rows, len(seqs), plan.num_keys)
+    k, v = (gather(c, plan.kv_rows, len(seqs), plan.num_keys) for c in (k_cache, v_cache))  # [Hkv, B, L, D]
     _, s, acc = tiled_softmax(q, k, v, masked, 0, plan.num_keys, None, softcap, bool(window))
     o = acc / s[..., None]  # [Hkv, B, R, D]
     out[plan.token[plan.real], plan.head[plan.real]] = o[plan.real].to(out.dtype)
@@ -154,8 +153,7 @@ def attend_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     if rows is None:
         slots = pad_slots(sequence_slots(meta.block_tables[i], seq_len, k_cache.shape[1]), padded)
         rows = meta.plans[("prefill", i)] = head_rows(slots, k_cache)
-    k = gather(k_cache, rows, padded)  # [Hkv, padded, D]
-    v = gather(v_cache, rows, padded)
+    k, v = (gather(c, rows, padded) for c in (k_cache, v_cache))  # [Hkv, padded, D]
     # position-major rows: row j * G + g is query position j of the group's head g
     q = query[start:end].view(q_len, hkv, group, head_dim).permute(1, 0, 2, 3).reshape(
         hkv, q_len * group, head_dim).float()

@@ -145,7 +145,7 @@ class DecodeGraphRunner:
         seq_lens = (inp.seq_lens.tolist() if inp is not None else []) + [0] * (bs - n)
         groups = None
         if self.group_shape is not None and bs >= 2:  # the buffers' contents say which groups there are
-            groups = DecodeGroups(self.group_table[:bs // 2], self.grouped[:bs], *self.group_shape, num_groups=-1)
+            groups = DecodeGroups(self.group_table[:bs // 2], self.grouped[:bs], *self.group_shape)
         return AttentionMetadata(
             slot_mapping=self.tokens[2, :bs], block_tables=self.block_tables[:bs],
             cu_seqlens_q=self.lens[0, :bs + 1], seq_lens=self.lens[1, :bs],

@@ -5,7 +5,7 @@ heap), so each engine step's activations (a [2048, 3072] fp32 MLP intermediate i
 pages: the kernel faults in and zeroes every 4 KiB page again (what that costs: docs/benchmarks.md,
 "Numbers that used to live in docstrings"). Requests up to 32 MiB (glibc's ceiling for this setting on
 64-bit) are served from the heap instead, and up to 1 GiB of free heap is kept. Larger buffers (the
-logprob chunks) are reused by `apcscore.kernels.logprobs_torch.Scratch`.
+logprob chunks) are reused (apcscore/kernels/buffers.py).
 
 This changes the whole process's malloc, once. It is done for CPU engines only; elsewhere (not glibc: macOS,
 musl) it does nothing.

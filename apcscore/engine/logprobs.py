@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from apcscore.engine.step import TokenLogprobs
-from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
+from apcscore.kernels.logprobs_torch import token_logprobs_torch
 
 LogprobFn = Callable[..., tuple[torch.Tensor, ...]]  # (logits [N, V], targets [N], k, ranks=bool) -> 4 tensors
 
@@ -23,22 +23,16 @@ LogprobFn = Callable[..., tuple[torch.Tensor, ...]]  # (logits [N, V], targets [
 def chunked_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
                            targets: torch.Tensor, k: int, chunk_size: int,
                            fn: LogprobFn = token_logprobs_torch, ranks: bool = True,
-                           scratch: Scratch | None = None,
                            beside: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None) -> TokenLogprobs:
     """Project `hidden` [N, H] to the vocabulary chunk by chunk and score `targets` [N] (ranks: see fn).
 
-    scratch (torch fn only): compute_logits(h, out) writes into it and fn reuses it; see Scratch.
     beside: called after each chunk with (its first row, its logits [chunk, V], its targets [chunk]), while
     the logits are alive (the reference model's divergence, engine/reference.py).
     """
     parts: list[tuple[torch.Tensor, ...]] = []
     for start in range(0, hidden.shape[0], chunk_size):
-        if scratch is None:
-            logits = compute_logits(hidden[start:start + chunk_size])  # [chunk, V]
-            parts.append(fn(logits, targets[start:start + chunk_size], k, ranks=ranks))
-        else:
-            logits = compute_logits(hidden[start:start + chunk_size], scratch)
-            parts.append(fn(logits, targets[start:start + chunk_size], k, ranks=ranks, scratch=scratch))
+        logits = compute_logits(hidden[start:start + chunk_size])  # [chunk, V]
+        parts.append(fn(logits, targets[start:start + chunk_size], k, ranks=ranks))
         if beside is not None:
             beside(start, logits, targets[start:start + chunk_size])
     if not parts:

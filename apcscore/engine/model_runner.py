@@ -9,6 +9,7 @@ and the final hidden state of each block's last position is captured for the sto
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import numpy as np
 import torch
@@ -24,7 +25,8 @@ from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.step import ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
 from apcscore.engine.step_inputs import build_step_inputs
-from apcscore.kernels.logprobs_torch import Scratch, token_logprobs_torch
+from apcscore.kernels.buffers import reused_buffer
+from apcscore.kernels.logprobs_torch import token_logprobs_torch
 from apcscore.kernels.matmul_torch import padded_rows
 from apcscore.models.llama import LlamaDecoder
 
@@ -52,7 +54,7 @@ class ModelRunner:
         self.reference: ModelRunner | None = None  # the reference model's runner, same pool size (engine/reference.py)
         self.rope_offset = model.long_rope_after or 0  # long-rope sequences' table rows (step_inputs)
         # big logprob temporaries are reused on the CPU (the torch fn); CUDA's caching allocator reuses them anyway
-        self.scratch = Scratch() if device.type == "cpu" and logprob_fn is token_logprobs_torch else None
+        self.reuses_buffers = device.type == "cpu" and logprob_fn is token_logprobs_torch
         if device.type == "cpu":
             keep_freed_memory()  # activations reuse freed heap memory, no page faults per step
         allocate_kv_cache(model, num_kv_blocks, self.block_size, dtype, device)
@@ -86,13 +88,13 @@ class ModelRunner:
         groups = None if shape is None else step_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables,
                                                                 self.block_size, shape)
         staged = self.to_device(inp.input_ids, inp.positions, inp.slot_mapping, inp.cu_seqlens_q,
-                                inp.seq_lens, inp.block_tables, *(groups[:2] if groups else ()))
+                                inp.seq_lens, inp.block_tables, *(groups or ()))
         input_ids, positions, slots, cu, seq_lens, tables = staged[:6]
         meta = AttentionMetadata(slot_mapping=slots, block_tables=tables, cu_seqlens_q=cu, seq_lens=seq_lens,
                                  cu_seqlens_q_list=inp.cu_seqlens_q.tolist(), seq_lens_list=inp.seq_lens.tolist(),
                                  block_size=self.block_size)
         if groups:
-            meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape, num_groups=groups[2])
+            meta.decode_groups = DecodeGroups(staged[6], staged[7], *shape)
         return input_ids, positions, meta
 
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
@@ -181,12 +183,13 @@ class ModelRunner:
             out.setdefault(id(seq), (seq, {}))[1][j] = rows[i].clone()
         return list(out.values())
 
-    def _logits(self, hidden: torch.Tensor, scratch: Scratch | None = None) -> torch.Tensor:
-        """[N, H] -> fp32 logits [N, V], batch-invariant (see LlamaDecoder.compute_logits); into scratch if given."""
+    def _logits(self, hidden: torch.Tensor, buffer: str | None = None) -> torch.Tensor:
+        """[N, H] -> fp32 logits [N, V], batch-invariant (see LlamaDecoder.compute_logits); in this thread's reused
+        buffer for the use `buffer` (kernels/buffers.py) if given and this runner reuses buffers."""
         out = None
-        if scratch is not None:
+        if buffer is not None and self.reuses_buffers:
             vocab = self.model.lm_head_weight.shape[0]
-            out = scratch.get("logits", (padded_rows(hidden.shape[0]), vocab), torch.float32, hidden.device)
+            out = reused_buffer(buffer, (padded_rows(hidden.shape[0]), vocab), torch.float32)
         return self.model.compute_logits(hidden, out)
 
     def _score_prompts(self, batch: ScheduledBatch, hidden: torch.Tensor, ref_hidden: torch.Tensor | None = None
@@ -242,11 +245,13 @@ class ModelRunner:
             hidden = torch.cat([hidden, torch.stack(extra).to(device=hidden.device, dtype=hidden.dtype)])
         dev = hidden.device
         index = torch.tensor(rows, device=dev)
+        # the model's and the reference's logits chunks are alive together: two buffers
         paired = None if ref_hidden is None or self.reference is None else \
-            PairedRows(self.reference._logits, self.reference.scratch, ref_hidden[index])
-        lps = chunked_token_logprobs(self._logits, hidden[index], torch.tensor(targets, dtype=torch.int64, device=dev),
-                                     k, self.logprobs_chunk_size, self.logprob_fn, ranks=ranks, scratch=self.scratch,
-                                     beside=paired)
+            PairedRows(partial(self.reference._logits, buffer="reference logits"), ref_hidden[index])
+        fn = partial(self.logprob_fn, reuse_buffers=True) if self.reuses_buffers else self.logprob_fn
+        lps = chunked_token_logprobs(partial(self._logits, buffer="logits"), hidden[index],
+                                     torch.tensor(targets, dtype=torch.int64, device=dev), k, self.logprobs_chunk_size,
+                                     fn, ranks=ranks, beside=paired)
         if paired is not None:
             lps.divergence = paired.result()
         return lps

@@ -10,22 +10,20 @@ import torch
 
 from apcscore.engine.step import Divergence
 from apcscore.kernels.divergence_torch import row_divergence
-from apcscore.kernels.logprobs_torch import Scratch
 
 
 class PairedRows:
     """The `beside` of chunked_token_logprobs: the reference's logits of each chunk's rows and their divergence."""
 
-    def __init__(self, compute_logits: Callable[..., torch.Tensor], scratch: Scratch | None,
-                 hidden: torch.Tensor) -> None:
-        """compute_logits(h [n, H], scratch) -> the reference's fp32 logits [n, V]; hidden: the reference's final
-        hidden states [N, H] of the same rows, in the same order, as the model's."""
-        self.compute_logits, self.scratch, self.hidden = compute_logits, scratch, hidden
+    def __init__(self, compute_logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor) -> None:
+        """compute_logits(h [n, H]) -> the reference's fp32 logits [n, V]; hidden: the reference's final hidden
+        states [N, H] of the same rows, in the same order, as the model's."""
+        self.compute_logits, self.hidden = compute_logits, hidden
         self.parts: list[tuple[torch.Tensor, ...]] = []
 
     def __call__(self, start: int, logits: torch.Tensor, targets: torch.Tensor) -> None:
         n = targets.shape[0]
-        ref_logits = self.compute_logits(self.hidden[start:start + n], self.scratch)  # [n, V] fp32
+        ref_logits = self.compute_logits(self.hidden[start:start + n])  # [n, V] fp32
         self.parts.append(row_divergence(logits[:n], ref_logits[:n], targets))
 
     def result(self) -> Divergence:

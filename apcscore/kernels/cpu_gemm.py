@@ -13,8 +13,7 @@ The C files (this GEMM and cpu_math.c, the portable row ops) are compiled once p
 (`$CC`, else `cc` / `gcc`; Triton needs one too) into one library in the kernel cache and loaded with ctypes
 after torch, so its OpenMP calls run on torch's own OpenMP runtime (apcscore.kernels.cpu_library: where, under
 which name, and when a cached file is not trusted). `CpuGemmUnavailable` says why when it cannot be built. The
-workspaces the kernels write are per thread: two engines in two threads never share one (ctypes releases the
-GIL during a call). `APCSCORE_SIMD` (scalar, avx2, avx512) caps the
+workspaces the kernels write are per thread (kernels/buffers.py). `APCSCORE_SIMD` (scalar, avx2, avx512) caps the
 instruction set of every kernel in it, so that tests compare them on one machine (the bits are the same).
 
 Weights are packed once per weight into the kernel's panel layout (kept in their own dtype: fp32, bf16 or
@@ -24,10 +23,9 @@ afterwards (round to nearest even, element by element); a bias is added afterwar
 
 from __future__ import annotations
 
-import threading
-
 import torch
 
+from apcscore.kernels.buffers import reused_buffer
 from apcscore.kernels.cpu_library import forced_simd, library
 
 PARALLEL_MIN_MACS = 1 << 20  # multiply-adds below which one thread computes the whole product
@@ -115,7 +113,7 @@ class FixedOrderLinear:
         if m:
             # small products run on one thread (a parallel region costs more than they do); bits are the same
             threads = torch.get_num_threads() if m * n * k >= PARALLEL_MIN_MACS else 1
-            workspace = _workspace("gemm", lib.apc_workspace_bytes(k, threads))
+            workspace = reused_buffer("gemm", (lib.apc_workspace_bytes(k, threads),))
             lib.apc_gemm(m, n, k, x.data_ptr(), code, x.stride(0), x.stride(1), packed.data_ptr(), w_code,
                          y.data_ptr(), y.stride(0), workspace.data_ptr(), threads, self.simd)
         if not direct:
@@ -124,18 +122,6 @@ class FixedOrderLinear:
                 out[:m].copy_(y)
                 y = out[:m]
         return y if bias is None else y + bias
-
-
-_workspaces = threading.local()  # this thread's scratch buffers, by use: never shared between threads
-
-
-def _workspace(use: str, size: int) -> torch.Tensor:
-    """This thread's scratch buffer for `use`, at least `size` bytes (grown, never shared with another thread)."""
-    buf = getattr(_workspaces, use, None)
-    if buf is None or buf.numel() < size:
-        buf = torch.empty(size, dtype=torch.uint8)
-        setattr(_workspaces, use, buf)
-    return buf
 
 
 def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor, simd: int | None = None) -> torch.Tensor:
@@ -151,14 +137,12 @@ def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor, simd: int | None = None) -
         raise ValueError(f"fixed-order bmm: a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply as a @ b.T")
     lib = library()
     lead = a.shape[:-2]
-    a4, b4 = a.reshape(1, 1, *a.shape[-2:]) if not lead else a, b.reshape(1, 1, *b.shape[-2:]) if not lead else b
-    if len(lead) == 1:
-        a4, b4 = a.unsqueeze(0), b.unsqueeze(0)
+    a4, b4 = (x[(None,) * (4 - x.dim())] for x in (a, b))  # two leading dims: size 1 where absent
     (b0, b1, m, k), n = a4.shape, b4.shape[-2]
     c = torch.empty(b0, b1, m, n, dtype=torch.float32)
     if c.numel():
         threads = torch.get_num_threads()
-        workspace = _workspace("bmm", lib.apc_bmm_workspace_bytes(n, k, _code(b, "b"), threads))
+        workspace = reused_buffer("bmm", (lib.apc_bmm_workspace_bytes(n, k, _code(b, "b"), threads),))
         lib.apc_bmm(b0, b1, m, n, k, a4.data_ptr(), _code(a, "a"), *a4.stride(), b4.data_ptr(), _code(b, "b"),
                     *b4.stride(), c.data_ptr(), *c.stride()[:3], workspace.data_ptr(), threads, simd)
     return c.view(*lead, m, n)
@@ -193,7 +177,7 @@ def paged_bmm(a: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_le
     if c.numel():
         threads = torch.get_num_threads()
         code = _code(cache, "cache")
-        workspace = _workspace("bmm", lib.apc_bmm_paged_workspace_bytes(n, k, code, threads))
+        workspace = reused_buffer("bmm", (lib.apc_bmm_paged_workspace_bytes(n, k, code, threads),))
         lib.apc_bmm_paged(heads, seqs, tiles, m, n, k, a5.data_ptr(), _code(a, "a"), *a5.stride(), cache.data_ptr(),
                           code, *cache.stride()[:3], tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(),
                           cache.shape[1], first, int(values), c.data_ptr(), *c.stride()[:4], workspace.data_ptr(),

@@ -52,38 +52,31 @@ def map_float(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     return out
 
 
+def _per_row(entry: str, x: torch.Tensor, dtype: torch.dtype, *flags: int) -> torch.Tensor:
+    """One `dtype` value per row of x's last dimension [...], by the library's `entry` (0 for rows of no entries)."""
+    rows = _rows(x)
+    out = torch.zeros(rows.shape[0], dtype=dtype)
+    if rows.numel():
+        getattr(library(), entry)(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], *flags,
+                                  out.data_ptr(), forced_simd(), _threads(rows.numel()))
+    return out.view(x.shape[:-1])
+
+
 def row_sums(x: torch.Tensor) -> torch.Tensor:
     """The sums of x's last dimension, fp32 [...]: LANES interleaved fp32 partial sums and a fixed tree."""
-    rows = _rows(x)
-    sums = torch.empty(rows.shape[0], dtype=torch.float32)
-    if rows.numel():
-        library().apc_row_sums_f(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], sums.data_ptr(),
-                              forced_simd(), _threads(rows.numel()))
-    else:
-        sums.zero_()
-    return sums.view(x.shape[:-1])
+    return _per_row("apc_row_sums_f", x, torch.float32)
 
 
 def row_sums_double(x: torch.Tensor, squares: bool = False) -> torch.Tensor:
     """The sums of x's last dimension (of its squares with `squares`), fp64 [...], in double lanes and a fixed
     tree: every square and conversion is exact, so the only roundings are the sums'."""
-    rows = _rows(x)
-    sums = torch.zeros(rows.shape[0], dtype=torch.float64)
-    if rows.numel():
-        library().apc_row_sums_d(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], 0 if squares else 1,
-                              sums.data_ptr(), forced_simd(), _threads(rows.numel()))
-    return sums.view(x.shape[:-1])
+    return _per_row("apc_row_sums_d", x, torch.float64, 0 if squares else 1)
 
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """log(sum(exp(row))) of each row of x [..., N], fp64 [...]: the max, float exps of x - max summed in double
     lanes and a fixed tree, and our double log. All -inf rows give -inf, rows with a NaN give NaN."""
-    rows = _rows(x)
-    lse = torch.empty(rows.shape[0], dtype=torch.float64)
-    if rows.numel():
-        library().apc_row_logsumexp(rows.data_ptr(), rows.shape[0], rows.shape[1], rows.shape[1], lse.data_ptr(),
-                                 forced_simd(), _threads(rows.numel()))
-    return lse.view(x.shape[:-1])
+    return _per_row("apc_row_logsumexp", x, torch.float64)
 
 
 def map_double(fn: int, x: torch.Tensor) -> torch.Tensor:

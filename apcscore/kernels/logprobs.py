@@ -1,10 +1,6 @@
-"""Per-token logprobs over the vocabulary: a fused Triton kernel (its exact torch reference: logprobs_torch).
-
-For each row of logits and its target token: the target's logprob under an fp32 log_softmax, its rank
-(1 + the number of vocabulary entries with a strictly greater logit, so 1 = argmax and ties share a rank),
-and the top-k token ids with their logprobs, sorted by descending logit, equal logits by ascending token id
-(logprobs_torch.top_k). A target outside [0, V) gives logprob NaN and rank 0 in both implementations (no device
-sync is spent on checking it).
+"""Per-token logprobs over the vocabulary: a fused Triton kernel with the results of its torch reference off the
+CPU, logprobs_torch.token_logprobs_torch (that module's doc: the logprob under an fp32 log_softmax, the rank, the
+order of the top-k; a target outside [0, V) gives logprob NaN and rank 0).
 """
 
 from __future__ import annotations
@@ -24,8 +20,7 @@ NUM_WARPS = 8
 # so which one ran for a batch (k is the largest any of its requests asks for) does not reach a record's bits.
 # The kernel is compiled once for every k (K_PAD is always this, k is a runtime argument it is not specialised
 # on): the log-sum-exp, logprob and rank of a row come from one binary whatever its batch asks for.
-# On the H200 (docs/benchmarks.md, runs 3 and 4): torch.topk took 0.10 s of the 1B shape's 0.55 s of scoring at
-# k=5 beside this kernel's 0.009 s; with the top-k kept here the kernel takes 0.032 s and scoring 0.43 s.
+# torch.topk took more of a score than attention did (docs/benchmarks.md, runs 3 and 4).
 FUSED_TOP_K_MAX = 64
 INT32_MAX = 2 ** 31 - 1
 _NO_ID = tl.constexpr(INT32_MAX)  # in the kernel: "no entry", above every token id and empty slot

@@ -15,31 +15,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import numpy as np
 import torch
 
 from apcscore.kernels import rowmath
-
-
-class Scratch:
-    """Reusable flat buffers for the [rows, vocab] temporaries of the logprob path on the CPU.
-
-    A fresh tensor of more than 32 MiB comes from its own mmap, so the kernel faults in and zeroes every 4 KiB
-    page of it each time: a [1024, 49152] fp32 chunk is 50,000 page faults. Reusing buffers gives the same
-    bits, faster (measured: docs/benchmarks.md). The buffers stay allocated for the engine's life (a few
-    [chunk, vocab] fp32 buffers).
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """An uninitialised `shape` view of buffer `name` (grown when too small)."""
-        size = int(np.prod(shape))
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.device != device or buf.numel() < size:
-            buf = self._buffers[name] = torch.empty(size, dtype=dtype, device=device)
-        return buf[:size].view(shape)
+from apcscore.kernels.buffers import reused_buffer
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,24 +56,25 @@ def _logprobs_portable(logits: torch.Tensor) -> Callable[[torch.Tensor], torch.T
     return lambda ids: (logits.gather(1, ids).double() - lse).float()
 
 
-def _logprobs_torch(logits: torch.Tensor, scratch: Scratch | None) -> Callable[[torch.Tensor], torch.Tensor]:
-    """ids [N, j] -> their logprobs under torch's fp32 log_softmax (materialised [N, V]; into scratch if given)."""
-    if scratch is None:
+def _logprobs_torch(logits: torch.Tensor, reuse_buffers: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """ids [N, j] -> their logprobs under torch's fp32 log_softmax (materialised [N, V], in a reused buffer or not)."""
+    if not reuse_buffers:
         log_probs = torch.log_softmax(logits, dim=-1, dtype=torch.float32)  # [N, V]
     else:
-        log_probs = torch._log_softmax(logits.float(), -1, False,
-                                       out=scratch.get("log_probs", logits.shape, torch.float32, logits.device))
+        out = reused_buffer("log_softmax", logits.shape, torch.float32, logits.device)
+        log_probs = torch._log_softmax(logits.float(), -1, False, out=out)
     return lambda ids: log_probs.gather(1, ids)
 
 
 def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = True,
-                         scratch: Scratch | None = None) -> tuple[torch.Tensor, ...]:
+                         reuse_buffers: bool = False) -> tuple[torch.Tensor, ...]:
     """logits [N, V] (any float dtype), targets [N] int64 -> logprobs [N] f32, ranks [N] i64, top ids [N, k] i64,
     top logprobs [N, k] f32. The reference the fused Triton kernel is tested against.
 
     Materialises [N, V] fp32 logprobs, so the caller passes row chunks. Ranks compare the input logits; a
     target outside [0, V) gets logprob NaN and rank 0 (checking would cost a device sync). ranks=False skips
-    counting them (all 0). scratch: reuse its buffers for the [N, V] temporaries (same bits).
+    counting them (all 0). reuse_buffers: the [N, V] temporaries live in this thread's reused buffers
+    (kernels/buffers.py; the same bits).
     """
     if logits.ndim != 2 or targets.shape != (logits.shape[0],):
         raise ValueError(f"token_logprobs_torch: logits must be [N, V] and targets [N], got "
@@ -105,10 +85,10 @@ def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ra
     vocab = logits.shape[1]
     valid = (targets >= 0) & (targets < vocab)  # [N]
     safe = torch.where(valid, targets, 0)[:, None]  # [N, 1]
-    logprobs_at = _logprobs_portable(logits) if rowmath.ours(logits) else _logprobs_torch(logits, scratch)
+    logprobs_at = _logprobs_portable(logits) if rowmath.ours(logits) else _logprobs_torch(logits, reuse_buffers)
     logprobs = torch.where(valid, logprobs_at(safe).squeeze(1), float("nan"))
     if ranks:
-        if scratch is None:
+        if not reuse_buffers:
             greater = (logits > logits.gather(1, safe)).sum(dim=1, dtype=torch.int32).long()  # [N]
         else:
             # 0/1 as fp32 into a reused buffer, summed in fp32: exact (counts < 2^24). Summing the bool
@@ -117,7 +97,7 @@ def token_logprobs_torch(logits: torch.Tensor, targets: torch.Tensor, k: int, ra
             if logits.shape[1] >= 2 ** 24:
                 raise ValueError("token_logprobs_torch: fp32 rank counts need a vocabulary below 2^24")
             above = torch.gt(logits, logits.gather(1, safe),
-                             out=scratch.get("above", logits.shape, torch.float32, logits.device))  # [N, V]
+                             out=reused_buffer("rank_count", logits.shape, torch.float32, logits.device))  # [N, V]
             greater = above.sum(dim=1).long()  # [N]
         rank = torch.where(valid, greater + 1, 0)
     else:

@@ -203,10 +203,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             raise ValueError(f"{name}: {arg} has dtype {t.dtype} but query has {query.dtype}; they must match")
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"{name}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
-    check_shape(name, "block_tables", block_tables, 2)
-    check_shape(name, "cu_seqlens_q", cu_seqlens_q, 1)
-    check_shape(name, "seq_lens", seq_lens, 1)
-    for arg, t in (("block_tables", block_tables), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+    for arg, t, ndim in (("block_tables", block_tables, 2), ("cu_seqlens_q", cu_seqlens_q, 1),
+                         ("seq_lens", seq_lens, 1)):
+        check_shape(name, arg, t, ndim)
         check_dtype(name, arg, t, INDEX_DTYPES)
     if block_tables.shape[1] > 1 and block_tables.stride(1) != 1:
         raise ValueError(f"{name}: block_tables rows must be contiguous, got strides {block_tables.stride()}")

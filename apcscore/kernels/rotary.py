@@ -1,12 +1,11 @@
 """Triton kernel: rotary position embedding of q and k in one launch, bitwise transformers' arithmetic.
 
 The torch form (kernels/rotary_torch.rotary_torch: `x * cos + rotate_half(x) * sin`) is about ten launches per
-layer (products, negation, concatenation, sum, for q and k) over tensors of the batch's size: ~0.036 s of the 1B
-shape's 0.49 s of scoring kernels in run 3 on the H200, against 0.006 s for this kernel in run 4
-(docs/benchmarks.md). This kernel reads q and k where they lie (strided views of the fused qkv projection) and
-writes them rotated and contiguous. It rounds as torch does: each product to the inputs' dtype, then their sum
-(with fp-contraction off, so that in fp32 a product and the sum are not fused into one fma), so it gives torch's
-bits, on any batch, row by row.
+layer (products, negation, concatenation, sum, for q and k) over tensors of the batch's size (their time against
+this kernel's: docs/benchmarks.md, runs 3 and 4). This kernel reads q and k where they lie (strided views of the
+fused qkv projection) and writes them rotated and contiguous. It rounds as torch does: each product to the
+inputs' dtype, then their sum (with fp-contraction off, so that in fp32 a product and the sum are not fused into
+one fma), so it gives torch's bits, on any batch, row by row.
 """
 
 from __future__ import annotations

@@ -19,9 +19,8 @@ from apcscore.kernels import cpu_math
 from apcscore.kernels.cpu_library import available
 
 
-@functools.lru_cache(maxsize=1)
 def portable() -> bool:
-    """Whether the portable CPU math is available here (the C library builds and loads; asked once)."""
+    """Whether the portable CPU math is available here (the C library builds and loads; cpu_library.available)."""
     return available()
 
 

@@ -298,21 +298,25 @@ def test_decode_with_a_shared_cached_prefix_equals_decode_alone(llama_dir):
 
 
 def test_reused_logprob_buffers_give_the_same_bits():
-    """The CPU logprob path reuses [rows, vocab] buffers (kernels.logprobs_torch.Scratch); results must not change,
+    """The CPU logprob path reuses [rows, vocab] buffers (kernels/buffers.py); results must not change,
     and a chunk's results must not alias the buffers the next chunk overwrites."""
+    from functools import partial
+
     from apcscore.engine.logprobs import chunked_token_logprobs
-    from apcscore.kernels.logprobs_torch import Scratch
+    from apcscore.kernels.buffers import reused_buffer
+    from apcscore.kernels.logprobs_torch import token_logprobs_torch
 
     g = torch.Generator().manual_seed(0)
     hidden, weight = torch.randn(300, 32, generator=g), torch.randn(1000, 32, generator=g)
     targets = torch.randint(0, 1000, (300,), generator=g)
 
-    def logits(h, scratch=None):
-        out = None if scratch is None else scratch.get("logits", (h.shape[0], 1000), torch.float32, h.device)
+    def logits(h, buffer=None):
+        out = None if buffer is None else reused_buffer(buffer, (h.shape[0], 1000), torch.float32)
         return torch.nn.functional.linear(h, weight) if out is None else torch.mm(h, weight.t(), out=out)
 
     plain = chunked_token_logprobs(logits, hidden, targets, 5, 64)
-    reused = chunked_token_logprobs(logits, hidden, targets, 5, 64, scratch=Scratch())
+    reused = chunked_token_logprobs(partial(logits, buffer="logits"), hidden, targets, 5, 64,
+                                    partial(token_logprobs_torch, reuse_buffers=True))
     for field in ("token_logprobs", "ranks", "top_ids", "top_logprobs"):
         assert np.array_equal(getattr(plain, field), getattr(reused, field)), field
 

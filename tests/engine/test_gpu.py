@@ -199,7 +199,8 @@ def test_paged_attention_bf16_on_a_llama_1b_layout() -> None:
 
 
 def test_fused_logprobs_bf16_on_a_llama_vocabulary() -> None:
-    from apcscore.kernels import token_logprobs, token_logprobs_torch
+    from apcscore.kernels.logprobs import token_logprobs
+    from apcscore.kernels.logprobs_torch import token_logprobs_torch
 
     g = torch.Generator(device=DEVICE).manual_seed(0)
     logits = (3 * torch.randn(64, 128256, generator=g, device=DEVICE)).to(torch.bfloat16)

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from apcscore.kernels import cpu_gemm, cpu_math
+from apcscore.kernels.buffers import reused_buffer
 from apcscore.kernels import cpu_library as cpu_build
 from apcscore.kernels.cpu_library import CpuGemmUnavailable
 
@@ -298,7 +299,7 @@ def test_workspaces_are_per_thread() -> None:
     both_hold = threading.Barrier(2)  # a finished thread's buffer is freed: its address may be reused after
 
     def grab(name: str) -> None:
-        seen[name] = cpu_gemm._workspace("gemm", 1 << 20).data_ptr()
+        seen[name] = reused_buffer("gemm", (1 << 20,)).data_ptr()
         both_hold.wait(timeout=30)
 
     threads = [threading.Thread(target=grab, args=(f"t{i}",)) for i in range(2)]

@@ -22,9 +22,10 @@ import torch
 from apcscore.attention.metadata import AttentionMetadata
 from apcscore.attention.torch_backend import TorchAttentionBackend
 from apcscore.attention.torch_backend import store_kv as store_kv_torch
-from apcscore.kernels import rms_norm, token_logprobs, token_logprobs_torch
+from apcscore.kernels.logprobs import token_logprobs
+from apcscore.kernels.logprobs_torch import token_logprobs_torch
+from apcscore.kernels.rmsnorm import rms_norm
 from triton_device import DEVICE, HAS_CUDA, INTERPRET, TRITON_MARKS  # noqa: E402
-from apcscore.kernels.logprobs_torch import Scratch
 from apcscore.kernels.paged_attention import paged_attention
 from apcscore.kernels.store_kv import store_kv
 
@@ -418,7 +419,7 @@ def test_fused_top_k_is_bitwise_the_torch_topk_path(dtype: torch.dtype) -> None:
 
 def with_scratch(logits, targets, k):
     """token_logprobs_torch on the CPU path that reuses buffers (ranks counted in an fp32 buffer)."""
-    return token_logprobs_torch(logits, targets, k, scratch=Scratch())
+    return token_logprobs_torch(logits, targets, k, reuse_buffers=True)
 
 
 def test_token_logprob_ranks_with_ties() -> None:
@@ -575,4 +576,4 @@ def test_buffered_rank_counts_refuse_a_vocabulary_fp32_cannot_count() -> None:
     """Counts summed in fp32 are exact only below 2^24 entries: a bigger vocabulary is refused, not miscounted."""
     logits = torch.zeros(1, 2 ** 24)
     with pytest.raises(ValueError, match="2\\^24"):
-        token_logprobs_torch(logits, torch.tensor([0]), 0, scratch=Scratch())
+        token_logprobs_torch(logits, torch.tensor([0]), 0, reuse_buffers=True)
