@@ -27,14 +27,10 @@ class Case:
     classname: str = "apcscore.compare"
 
 
-def _num(v: float) -> str:
-    return f"{v:.6g}"
-
-
 def checks_to_cases(checks: Iterable[Check]) -> list[Case]:
     """One case per threshold check of `apcscore compare`, named by option and figure."""
     return [Case(f"{ch.option}: {ch.metric}", ch.passed,
-                 f"{ch.metric} = {_num(ch.value)}, limit {ch.op} {_num(ch.threshold)} ({ch.source}"
+                 f"{ch.metric} = {ch.value:.6g}, limit {ch.op} {ch.threshold:.6g} ({ch.source}"
                  f"{'; ' + ch.bound if ch.bound else ''}): {'PASS' if ch.passed else 'FAIL'}") for ch in checks]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +16,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from apcscore.compare.gate import Check
+from apcscore.compare.gate import Check, json_ready
 from apcscore.compare.thresholds import LIMITS, Thresholds
-from apcscore.compare.stats import bound_label, drop_bounds, margin_verdict, mcnemar_exact_p
+from apcscore.compare.stats import drop_bounds, judge, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
@@ -202,16 +202,12 @@ class EvalComparison:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        def clean(v: Any) -> Any:
-            return None if isinstance(v, float) and not math.isfinite(v) else v
-
-        return {"kind": "eval", "passed": self.passed, "baseline": self.base, "candidate": self.new,
-                "tasks": self.tasks,
-                "metrics": [{**{f.name: clean(getattr(m, f.name)) for f in fields(m)}, "delta": clean(m.delta)}
-                            for m in self.metrics],
-                "checks": [{**c.__dict__, "task": t} for c, t in zip(self.checks, self.check_tasks)],
-                "cases": [{"name": n, "passed": p, "message": msg} for n, p, msg in self.cases()],
-                "notes": self.notes}
+        """Every figure as JSON-ready data (NaN and infinities become null)."""
+        return json_ready({"kind": "eval", "passed": self.passed, "baseline": self.base, "candidate": self.new,
+                           "tasks": self.tasks, "metrics": [{**asdict(m), "delta": m.delta} for m in self.metrics],
+                           "checks": [{**asdict(c), "task": t} for c, t in zip(self.checks, self.check_tasks)],
+                           "cases": [{"name": n, "passed": p, "message": msg} for n, p, msg in self.cases()],
+                           "notes": self.notes})
 
 
 def _fmt(v: float | None, sign: bool = False) -> str:
@@ -269,12 +265,9 @@ def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
             what = f"{m.task} {m.metric} drop (base - new)"
             mcnemar_text = (f"McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} lost, {gained} gained "
                             f"of {m.num_docs}")
-            lower, upper = drop_bounds(lost, gained, m.num_docs, t.alpha)
-            point = t.decision == "point"
-            ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, None if point else lower,
-                                       None if point else upper, t.decision == "strict")
-            text = mcnemar_text if point else \
-                f"{bound_label('<=', t.decision == 'strict', t.alpha, bound)} ({mcnemar_text})"
+            ok, label = judge(drop, "<=", t.max_accuracy_drop, drop_bounds(lost, gained, m.num_docs, t.alpha),
+                              t.decision, t.alpha)
+            text = mcnemar_text if label is None else f"{label} ({mcnemar_text})"
             c.checks.append(Check("--max-accuracy-drop", what, drop, "<=", t.max_accuracy_drop, ok,
                                   t.source("max_accuracy_drop"), text))
             c.check_tasks.append(m.task)

@@ -1,8 +1,5 @@
-"""`apcscore compare --report-html`: the comparison as one self-contained HTML page (docs/compare.md, "Reports").
-
-plotly.js is inlined (about 5 MB); the page stays under MAX_PAGE_BYTES: tables list at most MAX_TABLE_ROWS rows,
-the worst records are shown token by token while they fit, and the page says what it left out. Every text from
-the files is escaped. Δ logprob is candidate − baseline of the actual next token (negative: red, positive: blue)."""
+"""`apcscore compare --report-html`: the comparison as one self-contained HTML page, plotly.js inlined, under
+MAX_PAGE_BYTES (docs/compare.md, "Reports" says what it holds and leaves out). Every text from the files is escaped."""
 
 from __future__ import annotations
 
@@ -160,10 +157,9 @@ def _token_lines(rm: RecordMetrics, j: int, own: str, t: int, b: dict, n: dict, 
     lines = [head, f"baseline logprob {bl:.4f}, candidate {nl:.4f}, Δ {deltas[j]:+.4f}"]
     if not math.isnan(kl[j]):
         lines.append(f"KL(base ‖ new) {kl[j]:.4g}")
-    lines.append(_top_lines("baseline", (b.get("top_ids") or [None] * length)[j],
-                            (b.get("top_logprobs") or [None] * length)[j], t, alt))
-    lines.append(_top_lines("candidate", (n.get("top_ids") or [None] * length)[j],
-                            (n.get("top_logprobs") or [None] * length)[j], t, alt))
+    for label, side in (("baseline", b), ("candidate", n)):
+        lines.append(_top_lines(label, (side.get("top_ids") or [None] * length)[j],
+                                (side.get("top_logprobs") or [None] * length)[j], t, alt))
     return lines
 
 
