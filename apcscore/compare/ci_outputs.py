@@ -76,16 +76,8 @@ def _append(path: Path, text: str, what: str) -> None:
     """Append `text` to `path`, after a blank line when the file already holds something (Markdown blocks of
     several writers then stay apart)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 2))
-            tail = f.read()
-    except FileNotFoundError:
-        tail = b""
-    except OSError as e:
-        raise ApcscoreError(f"cannot append the summary to {what}: {e}") from None
-    sep = "" if not tail or tail.endswith(b"\n\n") else "\n" if tail.endswith(b"\n") else "\n\n"
-    try:
+        tail = path.read_bytes()[-2:] if path.is_file() else b""  # a step summary is small (GitHub: 1 MiB at most)
+        sep = "" if not tail or tail.endswith(b"\n\n") else "\n" if tail.endswith(b"\n") else "\n\n"
         with open(path, "a", encoding="utf-8") as f:
             f.write(sep + text)
     except OSError as e:

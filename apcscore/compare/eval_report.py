@@ -10,7 +10,7 @@ from rich.console import Console
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
 from apcscore.compare.thresholds import Thresholds
 from apcscore.compare.fit_table import print_table
-from apcscore.compare.report import check_rows, md_table, md_verdict, print_checks, verdict
+from apcscore.compare.report import check_rows, md_report, print_checks, verdict
 from apcscore.errors import ApcscoreError
 
 Row = tuple[str, ...]
@@ -46,11 +46,9 @@ def render_eval_console(c: EvalComparison, console: Console) -> None:
 
 def eval_markdown(c: EvalComparison) -> str:
     """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
-    out = md_verdict("apcscore compare (eval runs)", c.checks)
-    out += ["### Per task and metric", "", md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
-    out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
-    out += [f"> note: {n}" for n in c.notes]
-    return "\n".join(out).rstrip() + "\n"
+    return md_report("apcscore compare (eval runs)", c.checks, "",
+                     [("Per task and metric", _METRIC_HEAD, [_metric_row(m) for m in c.metrics]),
+                      ("Compared runs", ("", "baseline", "candidate"), _sides(c))], c.notes)
 
 
 def eval_json(c: EvalComparison) -> str:

@@ -79,10 +79,7 @@ def read_eval_dir(path: Path, role: str) -> EvalRun:
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}."))
-    return {k.rstrip("."): v for k, v in out.items()}
+    return {k.rstrip("."): v for key, value in d.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -93,13 +90,11 @@ def _short(v: Any, n: int = 60) -> str:
 def _docs(run: EvalRun) -> dict[tuple[str, str, int], dict[str, Any]]:
     """(task, filter, doc_id) -> {"metrics": {...}, "arguments": [per request], "target": ...}."""
     out: dict[tuple[str, str, int], dict[str, Any]] = {}
-    cols = {c: run.requests[c].to_pylist() for c in ("task", "filter", "doc_id", "request_index", "arguments",
-                                                       "target", "metrics")}
-    for i in range(run.requests.num_rows):
-        key = (cols["task"][i], cols["filter"][i] or "none", int(cols["doc_id"][i]))
-        doc = out.setdefault(key, {"metrics": json.loads(cols["metrics"][i]), "arguments": {},
-                                   "target": cols["target"][i]})
-        doc["arguments"][cols["request_index"][i]] = cols["arguments"][i]
+    for r in run.requests.select(["task", "filter", "doc_id", "request_index", "arguments", "target",
+                                  "metrics"]).to_pylist():
+        doc = out.setdefault((r["task"], r["filter"] or "none", int(r["doc_id"])),
+                             {"metrics": json.loads(r["metrics"]), "arguments": {}, "target": r["target"]})
+        doc["arguments"][r["request_index"]] = r["arguments"]
     return out
 
 

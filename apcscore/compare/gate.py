@@ -216,10 +216,8 @@ def compare_files(baseline: Path, candidate: Path | None, thresholds: Thresholds
         apply_exact(pos, nt)
     inferred = False
     if vocab is None and tokens:
-        ids_max = [pc.max(pc.list_flatten(t["token_ids"])).as_py() for t in (bt, nt) if len(t)]
-        if topk:
-            ids_max += [pc.max(pc.list_flatten(pc.list_flatten(t["top_ids"]))).as_py() for t in (bt, nt) if len(t)]
-        ids_max = [v for v in ids_max if v is not None]
+        ids = [t["token_ids"] for t in (bt, nt)] + ([pc.list_flatten(t["top_ids"]) for t in (bt, nt)] if topk else [])
+        ids_max = [v for col in ids if (v := pc.max(pc.list_flatten(col)).as_py()) is not None]
         if ids_max:
             vocab, inferred = max(ids_max) + 1, True
             notes.append(f"vocab size not in the metadata (model.vocab_size): at least {vocab} (largest token id + 1); "

@@ -287,14 +287,12 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
-    if c.excluded:
-        parts += ["<h2>Excluded records (status 'error')</h2>",
-                  _table(EXCLUDED_HEAD, _excluded_rows(c)[:MAX_TABLE_ROWS]),
-                  _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
-    if c.left_out.count:
-        rows = _left_out_rows(c)
-        parts += ["<h2>Records left out (--common-records)</h2>", _table(LEFT_OUT_HEAD, rows[:MAX_TABLE_ROWS]),
-                  _left_out(len(rows) - MAX_TABLE_ROWS, "records left out")]
+    for title, head, rows, what in (
+            ("Excluded records (status 'error')", EXCLUDED_HEAD, _excluded_rows(c), "excluded records"),
+            ("Records left out (--common-records)", LEFT_OUT_HEAD, _left_out_rows(c), "records left out")):
+        if rows:
+            parts += [f"<h2>{title}</h2>", _table(head, rows[:MAX_TABLE_ROWS]),
+                      _left_out(len(rows) - MAX_TABLE_ROWS, what)]
     parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")

@@ -233,19 +233,18 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
         sel = slice(None) if where is None else where
         return np.bincount(pos.record[sel], weights=w[sel] if w is not None else None, minlength=r)
 
-    def seg_max(v: np.ndarray, where: np.ndarray) -> np.ndarray:
+    def seg_max(v: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
         out = np.full(r, -np.inf)
         np.maximum.at(out, pos.record[where], v[where])
         return out
 
-    every = np.ones(len(pos.record), bool)
     n = total(None)
     d = pos.base_lp - pos.new_lp
     has_kl = ~np.isnan(pos.kld)
     n_kl, sum_kl, max_kl = total(None, has_kl), total(np.nan_to_num(pos.kld), has_kl), seg_max(pos.kld, has_kl)
     has_t = pos.top1 >= 0
     n_t, sum_t = total(None, has_t), total(pos.top1.astype(float), has_t)
-    max_d = seg_max(np.abs(d), every)
+    max_d = seg_max(np.abs(d), slice(None))
     s_b, s_n, s_d = total(-pos.base_lp), total(-pos.new_lp), total(d)
     rows = [RecordMetrics(ids[i], int(n[i]), s_b[i] / n[i], s_n[i] / n[i], s_d[i] / n[i],
                           sum_kl[i] / n_kl[i] if n_kl[i] else None, max_kl[i] if n_kl[i] else None,
