@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from apcscore.compare.metrics import top_k
 from apcscore.errors import ApcscoreError
 
 # how a run was scheduled, not what it computed: the prefix cache's hits depend on batching, and a shard's
@@ -85,7 +86,7 @@ def _same(x: Any, y: Any) -> bool:
     return type(x) is type(y) and x == y
 
 
-def first_index(x: Any, y: Any) -> int | None:
+def _first_index(x: Any, y: Any) -> int | None:
     """The first index where two lists differ (the shorter length when one is a prefix); None for scalars."""
     if not (isinstance(x, list) and isinstance(y, list)):
         return None
@@ -151,12 +152,6 @@ def compare_tables(base: pa.Table, new: pa.Table, key: str = "id") -> ExactDiff:
     return ExactDiff(base.num_rows, names, differing, int(any_row.sum()), first, one_side, notes)
 
 
-def top_k(col: pa.ChunkedArray | pa.Array) -> int:
-    """The largest K of a column of per-position top-K lists (list<list<...>>), read without materializing the
-    lists; 0 when it holds none."""
-    return int(pc.max(pc.list_value_length(pc.list_flatten(col))).as_py() or 0)
-
-
 def _first_k(col: pa.ChunkedArray | pa.Array, k: int) -> pa.Array:
     """Each position's top-K list cut to its first k entries (nulls stay null, at both levels)."""
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
@@ -188,7 +183,7 @@ def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str],
     """Where row i (aligned) first differs: the earliest token position of a per-token column, else the first
     differing column."""
     values = [(c, base[c][i].as_py(), new[c][i].as_py()) for c in columns]
-    found = [(c, first_index(x, y), x, y) for c, x, y in values]
+    found = [(c, _first_index(x, y), x, y) for c, x, y in values]
     per_token = [f for f in found if f[0].startswith(PER_TOKEN) and f[1] is not None]
     c, j, x, y = min(per_token, key=lambda f: f[1]) if per_token else found[0]
     token = None

@@ -180,12 +180,8 @@ def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, texts: Texts, sca
         start = min(max(0, centre - MAX_TOKENS // 2), len(ids) - MAX_TOKENS)
         stop = start + MAX_TOKENS
     tt = texts(ids[start:stop])
-    alt: dict[int, str] = {}
-    for side in (b, n):
-        for top in (side.get("top_ids") or [])[start:stop]:
-            for t in top or []:
-                if t not in alt:
-                    alt[t] = texts([t]).pieces[0]  # alone: a partial character shows its bytes (<0xE8>)
+    top_ids = {t for side in (b, n) for top in (side.get("top_ids") or [])[start:stop] for t in top or []}
+    alt = {t: texts([t]).pieces[0] for t in top_ids}  # alone: a partial character shows its bytes (<0xE8>)
     spans = []
     for s0, s1, text in tt.spans:
         js = range(start + s0, start + s1)

@@ -12,7 +12,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from apcscore.compare.broken import Broken, broken_positions
-from apcscore.compare.exact import top_k
 from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, share_se
 from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk
 from apcscore.errors import ApcscoreError
@@ -98,6 +97,12 @@ def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dty
     out = np.full((int(lengths.sum()), dense.shape[1]), pad, dtype=dtype)  # [positions, K]
     out[np.repeat(t[column].is_valid().to_numpy(zero_copy_only=False), lengths)] = dense  # (position_data checked)
     return out
+
+
+def top_k(col: pa.ChunkedArray | pa.Array) -> int:
+    """The largest K of a column of per-position top-K lists (list<list<...>>), read without materializing the
+    lists; 0 when it holds none."""
+    return int(pc.max(pc.list_value_length(pc.list_flatten(col))).as_py() or 0)
 
 
 def _logprobs(t: pa.Table, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
