@@ -7,7 +7,6 @@ model, dtype, device, backend and code are what is compared (docs/compare.md, "C
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from apcscore.compare.divergence import mean_se
 from apcscore.compare.gate import Check, json_ready
 from apcscore.compare.thresholds import LIMITS, Thresholds
 from apcscore.compare.stats import drop_bounds, judge, mcnemar_exact_p
@@ -235,7 +235,7 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
                 xb, xn = np.array(pairs, dtype=np.float64).T
                 d = xn - xb
                 m.num_docs, m.mean_doc_delta = len(d), float(d.mean())
-                m.doc_delta_se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
+                m.doc_delta_se = mean_se(d)
                 m.binary = bool(np.isin(xb, (0.0, 1.0)).all() and np.isin(xn, (0.0, 1.0)).all())
                 if m.binary:
                     m.flips_to_wrong = int(((xb == 1) & (xn == 0)).sum())

@@ -298,9 +298,8 @@ def _text(v: Any) -> str | None:
 
 
 def run_properties(f: ResultFile, top_k: int) -> dict[str, str | None]:
-    """The properties of a run that can move its numbers, in the order the "runs differ in" block lists them:
-    apcscore's version, the numerics code's fingerprint (per part), the model and its weights' fingerprint, dtype,
-    device, backends, the numerics settings, the dataset's hash and the top-K stored (None: not recorded)."""
+    """The properties of a run that can move its numbers, in the order the "runs differ in" block lists them
+    (docs/compare.md, "What differs between the runs"); None: not recorded."""
     m = f.meta
     code = m.get("code") if isinstance(m.get("code"), dict) else {}
     numerics = m.get("numerics") if isinstance(m.get("numerics"), dict) else {}

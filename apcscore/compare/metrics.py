@@ -12,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from apcscore.compare.broken import Broken, broken_positions
-from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, share_se
+from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, mean_se, share_se
 from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk
 from apcscore.errors import ApcscoreError
 
@@ -212,18 +212,16 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
 
 def token_summary(m: Metrics, pos: Positions) -> None:
     d = pos.base_lp - pos.new_lp  # [m] nll_new - nll_base
-    n = len(d)
-    m.num_positions = n
+    m.num_positions = len(d)
     m.mean_nll_base, m.mean_nll_new = float(-pos.base_lp.mean()), float(-pos.new_lp.mean())
     m.ppl_base, m.ppl_new = math.exp(m.mean_nll_base), math.exp(m.mean_nll_new)
     m.mean_ln_ppl_ratio = float(d.mean())
     m.ppl_ratio = math.exp(m.mean_ln_ppl_ratio)
-    m.mean_ln_ppl_ratio_se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else None
-    dp = np.exp(pos.new_lp) - np.exp(pos.base_lp)  # [m]
-    m.mean_delta_p, m.rms_delta_p = float(dp.mean()), float(np.sqrt((dp * dp).mean()))
+    m.mean_ln_ppl_ratio_se = mean_se(d)
+    m.delta_p = delta_p_summary(np.exp(pos.new_lp) - np.exp(pos.base_lp))  # [m] positions: never None here
+    m.mean_delta_p, m.rms_delta_p = m.delta_p.mean, m.delta_p.rms
     m.max_abs_logprob_diff = float(np.abs(d).max())
     known = pos.top1 >= 0
-    m.delta_p = delta_p_summary(dp)
     if known.any():
         m.top1_agreement = float(pos.top1[known].mean())
         m.top1_agreement_se = share_se(m.top1_agreement, int(known.sum()))

@@ -10,17 +10,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from apcscore.compare.fit_table import print_table
+from apcscore.compare.fit_table import Row, print_table
 from apcscore.compare.gate import Check, Comparison
 from apcscore.compare.inputs import run_differences
 from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
 
-Row = tuple[str, ...]
 
-
-def _num(v: float | None, digits: int = 6) -> str:
-    return "-" if v is None else f"{v:.{digits}g}"
+def _num(v: float | None, digits: int = 6, sign: bool = False) -> str:
+    return "-" if v is None else f"{v:{'+' if sign else ''}.{digits}g}"
 
 
 def _pct(v: float | None, digits: int = 3) -> str:
@@ -50,8 +48,7 @@ _NOT_RECORDED = "(not recorded)"
 
 
 def _differ_rows(c: Comparison) -> list[Row]:
-    """The run properties that differ between the two files (apcscore version, code, weights, dtype, device,
-    numerics, top-K, dataset), one row each."""
+    """The run properties that differ between the two files (`inputs.run_differences`), one row each."""
     return [(d.property, d.baseline or _NOT_RECORDED, d.candidate or _NOT_RECORDED)
             for d in run_differences(c.base, c.new)]
 
