@@ -27,14 +27,10 @@ class Case:
     classname: str = "apcscore.compare"
 
 
-def _num(v: float) -> str:
-    return f"{v:.6g}"
-
-
 def checks_to_cases(checks: Iterable[Check]) -> list[Case]:
     """One case per threshold check of `apcscore compare`, named by option and figure."""
     return [Case(f"{ch.option}: {ch.metric}", ch.passed,
-                 f"{ch.metric} = {_num(ch.value)}, limit {ch.op} {_num(ch.threshold)} ({ch.source}"
+                 f"{ch.metric} = {ch.value:.6g}, limit {ch.op} {ch.threshold:.6g} ({ch.source}"
                  f"{'; ' + ch.bound if ch.bound else ''}): {'PASS' if ch.passed else 'FAIL'}") for ch in checks]
 
 
@@ -80,16 +76,8 @@ def _append(path: Path, text: str, what: str) -> None:
     """Append `text` to `path`, after a blank line when the file already holds something (Markdown blocks of
     several writers then stay apart)."""
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 2))
-            tail = f.read()
-    except FileNotFoundError:
-        tail = b""
-    except OSError as e:
-        raise ApcscoreError(f"cannot append the summary to {what}: {e}") from None
-    sep = "" if not tail or tail.endswith(b"\n\n") else "\n" if tail.endswith(b"\n") else "\n\n"
-    try:
+        tail = path.read_bytes()[-2:] if path.is_file() else b""  # a step summary is small (GitHub: 1 MiB at most)
+        sep = "" if not tail or tail.endswith(b"\n\n") else "\n" if tail.endswith(b"\n") else "\n\n"
         with open(path, "a", encoding="utf-8") as f:
             f.write(sep + text)
     except OSError as e:

@@ -13,7 +13,7 @@ KLD_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 50.0, 10.0, 5.0, 1.0, 0.1)
 DELTA_P_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 75.0, 50.0, 25.0, 10.0, 5.0, 1.0, 0.1)
 
 
-def _se(x: np.ndarray) -> float | None:
+def mean_se(x: np.ndarray) -> float | None:
     """Standard error of the mean of x (positions taken as independent); None below two values."""
     return float(x.std(ddof=1) / math.sqrt(len(x))) if len(x) > 1 else None
 
@@ -55,7 +55,7 @@ def kld_summary(kl: np.ndarray) -> KldSummary | None:
     if not len(kl):
         return None
     return KldSummary(len(kl), float(kl.mean()), float(kl.max()), _percentiles(kl, KLD_PERCENTILES),
-                      float(kl.min()), _se(kl))
+                      float(kl.min()), mean_se(kl))
 
 
 def delta_p_summary(dp: np.ndarray) -> DeltaPSummary | None:
@@ -63,9 +63,9 @@ def delta_p_summary(dp: np.ndarray) -> DeltaPSummary | None:
     if not len(dp):
         return None
     rms = float(np.sqrt((dp * dp).mean()))
-    sq_se = _se(dp * dp)
+    sq_se = mean_se(dp * dp)
     rms_se = sq_se / (2 * rms) if sq_se is not None and rms > 0 else (0.0 if sq_se is not None else None)
-    return DeltaPSummary(len(dp), float(dp.mean()), _se(dp), rms, rms_se, float(dp.max()), float(dp.min()),
+    return DeltaPSummary(len(dp), float(dp.mean()), mean_se(dp), rms, rms_se, float(dp.max()), float(dp.min()),
                          _percentiles(dp, DELTA_P_PERCENTILES))
 
 

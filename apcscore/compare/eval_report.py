@@ -9,26 +9,21 @@ from rich.console import Console
 
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
 from apcscore.compare.thresholds import Thresholds
-from apcscore.compare.fit_table import print_table
-from apcscore.compare.report import check_rows, md_table, md_verdict, print_checks, verdict
+from apcscore.compare.fit_table import Row, print_table
+from apcscore.compare.report import _num, check_rows, md_report, print_checks, verdict
 from apcscore.errors import ApcscoreError
 
-Row = tuple[str, ...]
 _METRIC_HEAD = ("task", "metric", "baseline", "candidate", "change", "docs", "per-doc change +/- SE", "flips -/+")
 
 
-def _n(v: float | None, sign: bool = False) -> str:
-    return "-" if v is None else f"{v:+.4g}" if sign else f"{v:.4g}"
-
-
 def _with_se(v: float | None, se: float | None) -> str:
-    return "-" if v is None else _n(v, True) + (f" +/- {se:.2g}" if se is not None else "")
+    return "-" if v is None else _num(v, 4, sign=True) + (f" +/- {se:.2g}" if se is not None else "")
 
 
 def _metric_row(m: MetricDelta) -> Row:
     name = m.metric if m.filter == "none" else f"{m.metric} ({m.filter})"
     return (m.task, name, _with_se(m.base, m.base_stderr).lstrip("+"), _with_se(m.new, m.new_stderr).lstrip("+"),
-            _n(m.delta, True), str(m.num_docs), _with_se(m.mean_doc_delta, m.doc_delta_se),
+            _num(m.delta, 4, sign=True), str(m.num_docs), _with_se(m.mean_doc_delta, m.doc_delta_se),
             f"{m.flips_to_wrong} / {m.flips_to_right}" if m.binary else "-")
 
 
@@ -46,11 +41,9 @@ def render_eval_console(c: EvalComparison, console: Console) -> None:
 
 def eval_markdown(c: EvalComparison) -> str:
     """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
-    out = md_verdict("apcscore compare (eval runs)", c.checks)
-    out += ["### Per task and metric", "", md_table(_METRIC_HEAD, [_metric_row(m) for m in c.metrics]), ""]
-    out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
-    out += [f"> note: {n}" for n in c.notes]
-    return "\n".join(out).rstrip() + "\n"
+    return md_report("apcscore compare (eval runs)", c.checks, "",
+                     [("Per task and metric", _METRIC_HEAD, [_metric_row(m) for m in c.metrics]),
+                      ("Compared runs", ("", "baseline", "candidate"), _sides(c))], c.notes)
 
 
 def eval_json(c: EvalComparison) -> str:

@@ -7,8 +7,7 @@ model, dtype, device, backend and code are what is compared (docs/compare.md, "C
 from __future__ import annotations
 
 import json
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from apcscore.compare.gate import Check
+from apcscore.compare.divergence import mean_se
+from apcscore.compare.gate import Check, json_ready
 from apcscore.compare.thresholds import LIMITS, Thresholds
-from apcscore.compare.stats import bound_label, drop_bounds, margin_verdict, mcnemar_exact_p
+from apcscore.compare.stats import drop_bounds, judge, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
 
 # run settings (results.json's `apcscore` section) that change what an eval measures
@@ -79,10 +79,7 @@ def read_eval_dir(path: Path, role: str) -> EvalRun:
 def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
     if not isinstance(d, dict):
         return {prefix: d}
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}."))
-    return {k.rstrip("."): v for k, v in out.items()}
+    return {k.rstrip("."): v for key, value in d.items() for k, v in _flat(value, f"{prefix}{key}.").items()}
 
 
 def _short(v: Any, n: int = 60) -> str:
@@ -93,13 +90,11 @@ def _short(v: Any, n: int = 60) -> str:
 def _docs(run: EvalRun) -> dict[tuple[str, str, int], dict[str, Any]]:
     """(task, filter, doc_id) -> {"metrics": {...}, "arguments": [per request], "target": ...}."""
     out: dict[tuple[str, str, int], dict[str, Any]] = {}
-    cols = {c: run.requests[c].to_pylist() for c in ("task", "filter", "doc_id", "request_index", "arguments",
-                                                       "target", "metrics")}
-    for i in range(run.requests.num_rows):
-        key = (cols["task"][i], cols["filter"][i] or "none", int(cols["doc_id"][i]))
-        doc = out.setdefault(key, {"metrics": json.loads(cols["metrics"][i]), "arguments": {},
-                                   "target": cols["target"][i]})
-        doc["arguments"][cols["request_index"][i]] = cols["arguments"][i]
+    for r in run.requests.select(["task", "filter", "doc_id", "request_index", "arguments", "target",
+                                  "metrics"]).to_pylist():
+        doc = out.setdefault((r["task"], r["filter"] or "none", int(r["doc_id"])),
+                             {"metrics": json.loads(r["metrics"]), "arguments": {}, "target": r["target"]})
+        doc["arguments"][r["request_index"]] = r["arguments"]
     return out
 
 
@@ -202,16 +197,12 @@ class EvalComparison:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        def clean(v: Any) -> Any:
-            return None if isinstance(v, float) and not math.isfinite(v) else v
-
-        return {"kind": "eval", "passed": self.passed, "baseline": self.base, "candidate": self.new,
-                "tasks": self.tasks,
-                "metrics": [{**{f.name: clean(getattr(m, f.name)) for f in fields(m)}, "delta": clean(m.delta)}
-                            for m in self.metrics],
-                "checks": [{**c.__dict__, "task": t} for c, t in zip(self.checks, self.check_tasks)],
-                "cases": [{"name": n, "passed": p, "message": msg} for n, p, msg in self.cases()],
-                "notes": self.notes}
+        """Every figure as JSON-ready data (NaN and infinities become null)."""
+        return json_ready({"kind": "eval", "passed": self.passed, "baseline": self.base, "candidate": self.new,
+                           "tasks": self.tasks, "metrics": [{**asdict(m), "delta": m.delta} for m in self.metrics],
+                           "checks": [{**asdict(c), "task": t} for c, t in zip(self.checks, self.check_tasks)],
+                           "cases": [{"name": n, "passed": p, "message": msg} for n, p, msg in self.cases()],
+                           "notes": self.notes})
 
 
 def _fmt(v: float | None, sign: bool = False) -> str:
@@ -244,7 +235,7 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
                 xb, xn = np.array(pairs, dtype=np.float64).T
                 d = xn - xb
                 m.num_docs, m.mean_doc_delta = len(d), float(d.mean())
-                m.doc_delta_se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
+                m.doc_delta_se = mean_se(d)
                 m.binary = bool(np.isin(xb, (0.0, 1.0)).all() and np.isin(xn, (0.0, 1.0)).all())
                 if m.binary:
                     m.flips_to_wrong = int(((xb == 1) & (xn == 0)).sum())
@@ -269,12 +260,9 @@ def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
             what = f"{m.task} {m.metric} drop (base - new)"
             mcnemar_text = (f"McNemar p {mcnemar_exact_p(lost, gained):.3g}: {lost} lost, {gained} gained "
                             f"of {m.num_docs}")
-            lower, upper = drop_bounds(lost, gained, m.num_docs, t.alpha)
-            point = t.decision == "point"
-            ok, bound = margin_verdict(drop, "<=", t.max_accuracy_drop, None if point else lower,
-                                       None if point else upper, t.decision == "strict")
-            text = mcnemar_text if point else \
-                f"{bound_label('<=', t.decision == 'strict', t.alpha, bound)} ({mcnemar_text})"
+            ok, label = judge(drop, "<=", t.max_accuracy_drop, drop_bounds(lost, gained, m.num_docs, t.alpha),
+                              t.decision, t.alpha)
+            text = mcnemar_text if label is None else f"{label} ({mcnemar_text})"
             c.checks.append(Check("--max-accuracy-drop", what, drop, "<=", t.max_accuracy_drop, ok,
                                   t.source("max_accuracy_drop"), text))
             c.check_tasks.append(m.task)

@@ -13,6 +13,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from apcscore.compare.metrics import top_k
 from apcscore.errors import ApcscoreError
 
 # how a run was scheduled, not what it computed: the prefix cache's hits depend on batching, and a shard's
@@ -111,15 +112,10 @@ def _leaf_differs(b: pa.Array, n: pa.Array) -> np.ndarray:
 
 def differs(b: pa.Array, n: pa.Array) -> np.ndarray:
     """[len] mask of rows whose values differ in any bit, for scalar and (nested) list arrays of equal length."""
-    if isinstance(b, pa.ChunkedArray):
-        b = b.combine_chunks()
-    if isinstance(n, pa.ChunkedArray):
-        n = n.combine_chunks()
-    is_list = pa.types.is_list(b.type) or pa.types.is_large_list(b.type)
-    if not is_list or not (pa.types.is_list(n.type) or pa.types.is_large_list(n.type)):
-        if is_list or pa.types.is_list(n.type) or pa.types.is_large_list(n.type):
-            return np.ones(len(b), dtype=bool)  # a list against a scalar
-        return _leaf_differs(b, n)
+    b, n = (x.combine_chunks() if isinstance(x, pa.ChunkedArray) else x for x in (b, n))
+    is_list = [pa.types.is_list(x.type) or pa.types.is_large_list(x.type) for x in (b, n)]
+    if not all(is_list):  # a list against a scalar differs everywhere
+        return np.ones(len(b), dtype=bool) if any(is_list) else _leaf_differs(b, n)
     lb = pc.fill_null(pc.list_value_length(b), -1).to_numpy(zero_copy_only=False)
     ln = pc.fill_null(pc.list_value_length(n), -1).to_numpy(zero_copy_only=False)
     out = lb != ln
@@ -147,22 +143,13 @@ def compare_tables(base: pa.Table, new: pa.Table, key: str = "id") -> ExactDiff:
     base, new, notes = common_top_k(base, new, names)
     one_side = sorted(set(base.column_names) ^ set(new.column_names))
     masks = {c: differs(base[c], new[c]) for c in names}
-    any_row = np.zeros(base.num_rows, dtype=bool)
-    for m in masks.values():
-        any_row |= m
+    any_row = np.any([np.zeros(base.num_rows, dtype=bool), *masks.values()], axis=0)  # [rows]
     differing = {c: int(m.sum()) for c, m in masks.items() if m.any()}
     first = None
     if any_row.any():
         i = int(np.flatnonzero(any_row)[0])
         first = _first_difference(base, new, i, [c for c in names if masks[c][i]], key)
     return ExactDiff(base.num_rows, names, differing, int(any_row.sum()), first, one_side, notes)
-
-
-def _top_k(col: pa.ChunkedArray | pa.Array) -> int:
-    """The largest K of a column of per-position top-K lists (list<list<...>>); 0 when it holds none."""
-    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
-    inner = arr.flatten()
-    return int(pc.max(pc.list_value_length(inner)).as_py() or 0) if len(inner) else 0
 
 
 def _first_k(col: pa.ChunkedArray | pa.Array, k: int) -> pa.Array:
@@ -181,7 +168,7 @@ def common_top_k(base: pa.Table, new: pa.Table, names: list[str]) -> tuple[pa.Ta
         if "top_" not in c or not all(pa.types.is_list(t[c].type) and pa.types.is_list(t[c].type.value_type)
                                       for t in (base, new)):
             continue
-        kb, kn = _top_k(base[c]), _top_k(new[c])
+        kb, kn = top_k(base[c]), top_k(new[c])
         if kb != kn:
             k = min(kb, kn)
             base = base.set_column(base.column_names.index(c), c, _first_k(base[c], k))
@@ -195,11 +182,8 @@ def common_top_k(base: pa.Table, new: pa.Table, names: list[str]) -> tuple[pa.Ta
 def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str], key: str) -> FirstDifference:
     """Where row i (aligned) first differs: the earliest token position of a per-token column, else the first
     differing column."""
-    found = []
-    for c in columns:
-        x, y = base[c][i].as_py(), new[c][i].as_py()
-        j = _first_index(x, y)
-        found.append((c, j, x, y))
+    values = [(c, base[c][i].as_py(), new[c][i].as_py()) for c in columns]
+    found = [(c, _first_index(x, y), x, y) for c, x, y in values]
     per_token = [f for f in found if f[0].startswith(PER_TOKEN) and f[1] is not None]
     c, j, x, y = min(per_token, key=lambda f: f[1]) if per_token else found[0]
     token = None

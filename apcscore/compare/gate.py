@@ -2,7 +2,7 @@
 
 `compare_files` matches the records by `id` and computes every figure on the positions both files scored
 (docs/compare.md, "Metrics"); `evaluate` turns thresholds into pass/fail `Check`s, each tolerance judged by its
-one-sided confidence bound (`stats.margin_verdict`). Files that cannot be compared raise `ApcscoreError` (exit 2)."""
+one-sided confidence bound (`stats.judge`). Files that cannot be compared raise `ApcscoreError` (exit 2)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from apcscore.compare.inputs import (COMMON_RECORDS, Excluded, FileInfo, LeftOut
 from apcscore.compare.broken import Broken, broken_records
 from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, flips, position_data, record_level,
                                       record_rows, token_summary)
-from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, bound_label, margin_verdict, \
-    paired_stats
+from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, judge, paired_stats
 from apcscore.compare.thresholds import DEFAULT_GATE, EXACT_MEAN_KLD, Thresholds
 from apcscore.compare.reference_kl import BOUND_LABEL, EXACT_LABEL, apply_exact, candidate_alone, exact_applies, \
     reference_side
@@ -81,19 +80,20 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure as JSON-ready data (NaN and infinities become null)."""
-
-        def clean(v: Any) -> Any:
-            if isinstance(v, float):
-                return v if math.isfinite(v) else None
-            if isinstance(v, dict):
-                return {k: clean(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [clean(x) for x in v]
-            return v
-
         data = asdict(replace(self, aligned=None))
         del data["aligned"]
-        return clean({"passed": self.passed, **data})
+        return json_ready({"passed": self.passed, **data})
+
+
+def json_ready(v: Any) -> Any:
+    """`v` with every float NaN or infinity, in nested dicts and lists too, as None (JSON has neither)."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, dict):
+        return {k: json_ready(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [json_ready(x) for x in v]
+    return v
 
 
 _KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
@@ -101,20 +101,11 @@ _KLD_HINT = "re-run score with --prompt-logprobs K (K >= 1) for both files"
 
 def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
     """Turn thresholds into checks, each tolerance with a paired bootstrap judged by its one-sided bound
-    (`stats.margin_verdict`; `decision` "point": the estimates alone). A limit the user set whose figure cannot be
+    (`stats.judge`; `decision` "point": the estimates alone). A limit the user set whose figure cannot be
     computed is a usage error (exit 2), a default one is skipped with a note."""
     m = c.metrics
     checks: list[Check] = []
-    strict, point = t.decision == "strict", t.decision == "point"
     intervals = {iv.figure: iv for iv in (c.stats.intervals if c.stats is not None else [])}
-
-    def need(name: str, value: float | None, option: str, why: str) -> float | None:
-        if value is None:
-            if t.source(name) == "default":
-                c.notes.append(f"default {option} not applied: {why}")
-                return None
-            raise ApcscoreError(f"{option} cannot be checked: {why}")
-        return value
 
     def bounds(figure: str, transform=None) -> tuple[float, float] | None:
         """(lower, upper) one-sided bounds of a bootstrap figure, mapped through `transform` (e.g. exp)."""
@@ -124,17 +115,18 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         f = transform or (lambda x: x)
         return tuple(sorted((f(iv.lower), f(iv.upper))))
 
-    def add(name: str, metric: str, value: float, op: str, limit: float,
-            bound_pair: tuple[float, float] | None = None) -> None:
-        """One check of `value op limit`, judged by the (lower, upper) confidence bounds when given."""
+    def add(name: str, metric: str, value: float | None, op: str, limit: float,
+            bound_pair: tuple[float, float] | None = None, why: str = "") -> None:
+        """One check of `value op limit`, judged by the (lower, upper) bounds when given; None: not computable."""
         option = "--" + name.replace("_", "-")
-        if bound_pair is None or point:
-            ok = value <= limit if op == "<=" else value >= limit
-            checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name)))
+        if value is None:
+            if t.source(name) != "default":
+                raise ApcscoreError(f"{option} cannot be checked: {why}")
+            c.notes.append(f"default {option} not applied: {why}")
             return
-        ok, bound = margin_verdict(value, op, limit, *bound_pair, strict)
+        ok, label = judge(value, op, limit, bound_pair, t.decision, t.alpha)
         checks.append(Check(option, metric, value, op, limit, bool(ok) and math.isfinite(value), t.source(name),
-                            bound_label(op, strict, t.alpha, bound)))
+                            label))
 
     if t.max_new_errors is not None:
         new_errors = sum(e.side == "candidate" for e in c.excluded)
@@ -154,40 +146,32 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
         raise ApcscoreError(f"no record is ok in both files ({len(c.excluded)} of {c.num_records} failed on one side "
                             "or both): there is nothing to compare — look at the 'error' column of the files")
     if t.max_ppl_ratio is not None:
-        v = need("max_ppl_ratio", m.ppl_ratio, "--max-ppl-ratio", "the files have no token_logprobs and no "
-                 "per-record sum_logprob with a token count")
-        if v is not None:
-            add("max_ppl_ratio", "PPL ratio (new / base)", v, "<=", t.max_ppl_ratio, bounds("ln PPL ratio", math.exp))
+        add("max_ppl_ratio", "PPL ratio (new / base)", m.ppl_ratio, "<=", t.max_ppl_ratio,
+            bounds("ln PPL ratio", math.exp), "the files have no token_logprobs and no per-record sum_logprob with "
+            "a token count")
     if t.max_mean_kld is not None:
-        v = need("max_mean_kld", m.kld.mean if m.kld else None, "--max-mean-kld", f"it needs top_logprobs in both "
-                 f"files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
-        if v is not None:
-            exact = c.kl_label == EXACT_LABEL  # (the top-K bound's name is unchanged)
-            default = t.source("max_mean_kld") == "default" and t.max_mean_kld == DEFAULT_GATE["max_mean_kld"]
-            limit = EXACT_MEAN_KLD if exact and default else t.max_mean_kld
-            add("max_mean_kld", f"mean KL(base || new){', exact' if exact else ''}", v, "<=", limit,
-                bounds("mean KL"))
+        exact = c.kl_label == EXACT_LABEL  # (the top-K bound's name is unchanged)
+        default = t.source("max_mean_kld") == "default" and t.max_mean_kld == DEFAULT_GATE["max_mean_kld"]
+        add("max_mean_kld", f"mean KL(base || new){', exact' if exact else ''}", m.kld.mean if m.kld else None,
+            "<=", EXACT_MEAN_KLD if exact and default else t.max_mean_kld, bounds("mean KL"),
+            f"it needs top_logprobs in both files (baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); "
+            f"{_KLD_HINT}")
     if t.min_top1_agreement is not None:
-        v = need("min_top1_agreement", m.top1_agreement, "--min-top1-agreement", f"it needs top_ids in both files "
-                 f"(baseline K = {c.base.top_k}, candidate K = {c.new.top_k}); {_KLD_HINT}")
-        if v is not None:
-            add("min_top1_agreement", "top-1 agreement", v, ">=", t.min_top1_agreement, bounds("top-1 agreement"))
+        add("min_top1_agreement", "top-1 agreement", m.top1_agreement, ">=", t.min_top1_agreement,
+            bounds("top-1 agreement"), f"it needs top_ids in both files (baseline K = {c.base.top_k}, candidate "
+            f"K = {c.new.top_k}); {_KLD_HINT}")
     if t.max_abs_logprob_diff is not None:
-        v = need("max_abs_logprob_diff", m.max_abs_logprob_diff, "--max-abs-logprob-diff", "it needs "
-                 "token_logprobs in both files; score with `apcscore score` (per-token logprobs are written for "
-                 "prompt records)")
-        if v is not None:
-            add("max_abs_logprob_diff", "max |delta logprob|", v, "<=", t.max_abs_logprob_diff)
-    if t.max_accuracy_drop is not None:
-        base_acc = need("max_accuracy_drop", m.accuracy_base, "--max-accuracy-drop", "the files have no "
-                        "multiple-choice records (columns pred and correct) scored in both")
-        if base_acc is not None:  # exact bounds of the drop from McNemar's flips (stats.mcnemar)
-            tests = {mc.kind: (mc.drop_lower, mc.drop_upper) for mc in (c.stats.mcnemar if c.stats else [])}
-            add("max_accuracy_drop", "accuracy drop (base - new)", base_acc - m.accuracy_new, "<=",
-                t.max_accuracy_drop, tests.get("acc"))
-            if m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
-                add("max_accuracy_drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
-                    "<=", t.max_accuracy_drop, tests.get("acc_norm"))
+        add("max_abs_logprob_diff", "max |delta logprob|", m.max_abs_logprob_diff, "<=", t.max_abs_logprob_diff,
+            why="it needs token_logprobs in both files; score with `apcscore score` (per-token logprobs are "
+            "written for prompt records)")
+    if t.max_accuracy_drop is not None:  # judged by the exact bounds of the drop from McNemar's flips (stats.mcnemar)
+        tests = {mc.kind: (mc.drop_lower, mc.drop_upper) for mc in (c.stats.mcnemar if c.stats else [])}
+        drop = None if m.accuracy_base is None else m.accuracy_base - m.accuracy_new
+        add("max_accuracy_drop", "accuracy drop (base - new)", drop, "<=", t.max_accuracy_drop, tests.get("acc"),
+            "the files have no multiple-choice records (columns pred and correct) scored in both")
+        if drop is not None and m.accuracy_norm_base is not None and m.accuracy_norm_new is not None:
+            add("max_accuracy_drop", "acc_norm drop (base - new)", m.accuracy_norm_base - m.accuracy_norm_new,
+                "<=", t.max_accuracy_drop, tests.get("acc_norm"))
     if c.kl_label == BOUND_LABEL and c.base.top_k and c.new.top_k and min(c.base.top_k, c.new.top_k) < 5 \
             and t.max_mean_kld is not None:
         c.notes.append(f"the KL bound is loose at K = {min(c.base.top_k, c.new.top_k)} (the default limit was chosen "
@@ -232,10 +216,8 @@ def compare_files(baseline: Path, candidate: Path | None, thresholds: Thresholds
         apply_exact(pos, nt)
     inferred = False
     if vocab is None and tokens:
-        ids_max = [pc.max(pc.list_flatten(t["token_ids"])).as_py() for t in (bt, nt) if len(t)]
-        if topk:
-            ids_max += [pc.max(pc.list_flatten(pc.list_flatten(t["top_ids"]))).as_py() for t in (bt, nt) if len(t)]
-        ids_max = [v for v in ids_max if v is not None]
+        ids = [t["token_ids"] for t in (bt, nt)] + ([pc.list_flatten(t["top_ids"]) for t in (bt, nt)] if topk else [])
+        ids_max = [v for col in ids if (v := pc.max(pc.list_flatten(col)).as_py()) is not None]
         if ids_max:
             vocab, inferred = max(ids_max) + 1, True
             notes.append(f"vocab size not in the metadata (model.vocab_size): at least {vocab} (largest token id + 1); "

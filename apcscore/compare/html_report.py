@@ -1,8 +1,5 @@
-"""`apcscore compare --report-html`: the comparison as one self-contained HTML page (docs/compare.md, "Reports").
-
-plotly.js is inlined (about 5 MB); the page stays under MAX_PAGE_BYTES: tables list at most MAX_TABLE_ROWS rows,
-the worst records are shown token by token while they fit, and the page says what it left out. Every text from
-the files is escaped. Δ logprob is candidate − baseline of the actual next token (negative: red, positive: blue)."""
+"""`apcscore compare --report-html`: the comparison as one self-contained HTML page, plotly.js inlined, under
+MAX_PAGE_BYTES (docs/compare.md, "Reports" says what it holds and leaves out). Every text from the files is escaped."""
 
 from __future__ import annotations
 
@@ -160,10 +157,9 @@ def _token_lines(rm: RecordMetrics, j: int, own: str, t: int, b: dict, n: dict, 
     lines = [head, f"baseline logprob {bl:.4f}, candidate {nl:.4f}, Δ {deltas[j]:+.4f}"]
     if not math.isnan(kl[j]):
         lines.append(f"KL(base ‖ new) {kl[j]:.4g}")
-    lines.append(_top_lines("baseline", (b.get("top_ids") or [None] * length)[j],
-                            (b.get("top_logprobs") or [None] * length)[j], t, alt))
-    lines.append(_top_lines("candidate", (n.get("top_ids") or [None] * length)[j],
-                            (n.get("top_logprobs") or [None] * length)[j], t, alt))
+    for label, side in (("baseline", b), ("candidate", n)):
+        lines.append(_top_lines(label, (side.get("top_ids") or [None] * length)[j],
+                                (side.get("top_logprobs") or [None] * length)[j], t, alt))
     return lines
 
 
@@ -184,12 +180,8 @@ def _record_tokens(c: Comparison, row: int, rm: RecordMetrics, texts: Texts, sca
         start = min(max(0, centre - MAX_TOKENS // 2), len(ids) - MAX_TOKENS)
         stop = start + MAX_TOKENS
     tt = texts(ids[start:stop])
-    alt: dict[int, str] = {}
-    for side in (b, n):
-        for top in (side.get("top_ids") or [])[start:stop]:
-            for t in top or []:
-                if t not in alt:
-                    alt[t] = texts([t]).pieces[0]  # alone: a partial character shows its bytes (<0xE8>)
+    top_ids = {t for side in (b, n) for top in (side.get("top_ids") or [])[start:stop] for t in top or []}
+    alt = {t: texts([t]).pieces[0] for t in top_ids}  # alone: a partial character shows its bytes (<0xE8>)
     spans = []
     for s0, s1, text in tt.spans:
         js = range(start + s0, start + s1)
@@ -291,14 +283,12 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
-    if c.excluded:
-        parts += ["<h2>Excluded records (status 'error')</h2>",
-                  _table(EXCLUDED_HEAD, _excluded_rows(c)[:MAX_TABLE_ROWS]),
-                  _left_out(len(c.excluded) - MAX_TABLE_ROWS, "excluded records")]
-    if c.left_out.count:
-        rows = _left_out_rows(c)
-        parts += ["<h2>Records left out (--common-records)</h2>", _table(LEFT_OUT_HEAD, rows[:MAX_TABLE_ROWS]),
-                  _left_out(len(rows) - MAX_TABLE_ROWS, "records left out")]
+    for title, head, rows, what in (
+            ("Excluded records (status 'error')", EXCLUDED_HEAD, _excluded_rows(c), "excluded records"),
+            ("Records left out (--common-records)", LEFT_OUT_HEAD, _left_out_rows(c), "records left out")):
+        if rows:
+            parts += [f"<h2>{title}</h2>", _table(head, rows[:MAX_TABLE_ROWS]),
+                      _left_out(len(rows) - MAX_TABLE_ROWS, what)]
     parts += ["<h2>Compared runs</h2>", _table(("", "baseline", "candidate"), _sides(c))]
     aside = ('<aside><h3>Pinned token</h3><pre id="pin-text" class="muted">click a token of a record to pin its '
              "logprobs and top-K here</pre></aside>")

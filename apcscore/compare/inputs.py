@@ -209,13 +209,11 @@ def match_records(base: ResultFile, new: ResultFile, common: bool = False) -> tu
     order = pos.filter(keep).to_numpy(zero_copy_only=False).astype(np.int64)
     nt = new.table if np.array_equal(order, np.arange(new.table.num_rows)) else new.table.take(order)
     left.edited = _edited(bt, nt)
-    if left.edited:
-        edited = pc.is_in(bt["id"], value_set=pa.array([rid for rid, _ in left.edited]))
-        same = pc.invert(edited)
     hb, hn = base.dataset.get("sha256"), new.dataset.get("sha256")
     other_dataset = bool(hb and hn and hb != hn)
     if common:
         if left.edited:
+            same = pc.invert(pc.is_in(bt["id"], value_set=pa.array([rid for rid, _ in left.edited])))
             bt, nt = bt.filter(same), nt.filter(same)
         if not bt.num_rows:
             raise ApcscoreError(f"{COMMON_RECORDS}: no record is present and identical in both files "
@@ -300,9 +298,8 @@ def _text(v: Any) -> str | None:
 
 
 def run_properties(f: ResultFile, top_k: int) -> dict[str, str | None]:
-    """The properties of a run that can move its numbers, in the order the "runs differ in" block lists them:
-    apcscore's version, the numerics code's fingerprint (per part), the model and its weights' fingerprint, dtype,
-    device, backends, the numerics settings, the dataset's hash and the top-K stored (None: not recorded)."""
+    """The properties of a run that can move its numbers, in the order the "runs differ in" block lists them
+    (docs/compare.md, "What differs between the runs"); None: not recorded."""
     m = f.meta
     code = m.get("code") if isinstance(m.get("code"), dict) else {}
     numerics = m.get("numerics") if isinstance(m.get("numerics"), dict) else {}

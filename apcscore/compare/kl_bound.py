@@ -69,15 +69,12 @@ def _bisect(fn, m: int, lo: float = -60.0, hi: float = 60.0, steps: int = 64) ->
 def solve_unknown_masses(
     a: np.ndarray, cap_q: np.ndarray, b: np.ndarray, cap_p: np.ndarray, tail_p: np.ndarray, tail_q: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Choose the unknown masses that make KL(p || q) smallest (a convex problem, solved by its KKT conditions).
+    """Choose the unknown masses that make KL(p || q) smallest, by the KKT conditions docs/compare.md, "The KL
+    estimator", derives (A, B and the bucket R there).
 
     a [m, ka]: base probabilities of tokens base knows and new does not (0 = no token); their new
-    probabilities x are unknown, each in [0, cap_q]. b [m, kb]: new probabilities of tokens new knows and base
-    does not; their base probabilities y are unknown, each in [0, cap_p]. The rest of the vocabulary is one
-    bucket with masses PR = tail_p - sum(y), QR = tail_q - sum(x), both >= 0.
-    At the optimum one ratio r = PR / QR gives x = min(cap_q, a / r) and y = min(cap_p, r b); when no r keeps
-    both bucket masses >= 0, the bucket is empty and x, y fill the tails on their own.
-    Returns x [m, ka], y [m, kb], PR [m], QR [m].
+    probabilities x are unknown, each in [0, cap_q]. b [m, kb]: the same for new, y each in [0, cap_p].
+    Returns x [m, ka], y [m, kb] and the bucket's masses PR = tail_p - sum(y), QR = tail_q - sum(x) [m].
     """
     m = len(tail_p)
 

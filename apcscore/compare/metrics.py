@@ -4,6 +4,7 @@ record (NLL, word and byte perplexity, multiple-choice accuracy and flips), on a
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -11,7 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from apcscore.compare.broken import Broken, broken_positions
-from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, share_se
+from apcscore.compare.divergence import DeltaPSummary, KldSummary, delta_p_summary, kld_summary, mean_se, share_se
 from apcscore.compare.kl_bound import TopKLogprobs, kl_divergence_topk
 from apcscore.errors import ApcscoreError
 
@@ -86,12 +87,6 @@ def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dty
     A null outer list (no top-K for that record) gives all-padding rows; a null inner list (an unscored
     position) gives a padding row.
     """
-    outer_len = pc.fill_null(pc.list_value_length(t[column]), -1).to_numpy()  # [rows]
-    bad = np.flatnonzero((outer_len >= 0) & (outer_len != lengths))
-    if len(bad):
-        r = int(bad[0])
-        raise ApcscoreError(f"record {t['id'][r].as_py()!r}: {column} has {outer_len[r]} positions but token_ids "
-                            f"has {lengths[r]}: not apcscore output")
     inner = pc.list_flatten(t[column])  # one list per position of the records that have this column
     inner_len = pc.fill_null(pc.list_value_length(inner), 0).to_numpy()  # [p]
     values = pc.list_flatten(inner).to_numpy(zero_copy_only=False)  # [sum(inner_len)]
@@ -100,15 +95,14 @@ def _padded(t: pa.Table, column: str, lengths: np.ndarray, pad: float | int, dty
     col = np.arange(len(values)) - np.repeat(np.cumsum(inner_len) - inner_len, inner_len)
     dense[row, col] = values
     out = np.full((int(lengths.sum()), dense.shape[1]), pad, dtype=dtype)  # [positions, K]
-    out[np.repeat(outer_len >= 0, lengths)] = dense
+    out[np.repeat(t[column].is_valid().to_numpy(zero_copy_only=False), lengths)] = dense  # (position_data checked)
     return out
 
 
-def _top_k(t: pa.Table) -> int:
-    """The longest top-K list of a table (0 without a top_ids column), read without materializing the lists."""
-    if "top_ids" not in t.column_names:
-        return 0
-    return int(pc.max(pc.list_value_length(pc.list_flatten(t["top_ids"]))).as_py() or 0)
+def top_k(col: pa.ChunkedArray | pa.Array) -> int:
+    """The largest K of a column of per-position top-K lists (list<list<...>>), read without materializing the
+    lists; 0 when it holds none."""
+    return int(pc.max(pc.list_value_length(pc.list_flatten(col))).as_py() or 0)
 
 
 def _logprobs(t: pa.Table, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -155,16 +149,17 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
     bad_records = np.zeros(base.num_rows, bool)
     lengths = pc.fill_null(pc.list_value_length(base["token_ids"]), 0).to_numpy()  # [rows]
     for t, role in ((base, "baseline"), (new, "candidate")):
-        lp_len = pc.fill_null(pc.list_value_length(t["token_logprobs"]), -1).to_numpy()
-        bad = np.flatnonzero((lp_len >= 0) & (lp_len != lengths))
-        if len(bad):
-            raise ApcscoreError(f"{role} record {t['id'][int(bad[0])].as_py()!r}: token_logprobs has "
-                                f"{lp_len[bad[0]]} entries but token_ids has {lengths[bad[0]]}: not apcscore output")
+        for column in ("token_logprobs", "top_ids", "top_logprobs") if topk else ("token_logprobs",):
+            n = pc.fill_null(pc.list_value_length(t[column]), -1).to_numpy()  # [rows], -1: null (none stored)
+            bad = np.flatnonzero((n >= 0) & (n != lengths))
+            if len(bad):
+                raise ApcscoreError(f"{role} record {t['id'][int(bad[0])].as_py()!r}: {column} has {n[bad[0]]} "
+                                    f"entries but token_ids has {lengths[bad[0]]}: not apcscore output")
     parts: list[Positions] = []
     kb = kn = 0
     ends = np.cumsum(lengths)
-    chunk = max(1, min(_CHUNK_POSITIONS, _CHUNK_ENTRIES // max(_top_k(base), _top_k(new), 1))) if topk else \
-        _CHUNK_POSITIONS
+    k = max(top_k(base["top_ids"]), top_k(new["top_ids"]), 1) if topk else 1
+    chunk = max(1, min(_CHUNK_POSITIONS, _CHUNK_ENTRIES // k))
     start = 0
     while start < len(base):
         stop = max(start + 1, int(np.searchsorted(ends, ends[start] - lengths[start] + chunk, "right")))
@@ -217,18 +212,16 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
 
 def token_summary(m: Metrics, pos: Positions) -> None:
     d = pos.base_lp - pos.new_lp  # [m] nll_new - nll_base
-    n = len(d)
-    m.num_positions = n
+    m.num_positions = len(d)
     m.mean_nll_base, m.mean_nll_new = float(-pos.base_lp.mean()), float(-pos.new_lp.mean())
     m.ppl_base, m.ppl_new = math.exp(m.mean_nll_base), math.exp(m.mean_nll_new)
     m.mean_ln_ppl_ratio = float(d.mean())
     m.ppl_ratio = math.exp(m.mean_ln_ppl_ratio)
-    m.mean_ln_ppl_ratio_se = float(d.std(ddof=1) / math.sqrt(n)) if n > 1 else None
-    dp = np.exp(pos.new_lp) - np.exp(pos.base_lp)  # [m]
-    m.mean_delta_p, m.rms_delta_p = float(dp.mean()), float(np.sqrt((dp * dp).mean()))
+    m.mean_ln_ppl_ratio_se = mean_se(d)
+    m.delta_p = delta_p_summary(np.exp(pos.new_lp) - np.exp(pos.base_lp))  # [m] positions: never None here
+    m.mean_delta_p, m.rms_delta_p = m.delta_p.mean, m.delta_p.rms
     m.max_abs_logprob_diff = float(np.abs(d).max())
     known = pos.top1 >= 0
-    m.delta_p = delta_p_summary(dp)
     if known.any():
         m.top1_agreement = float(pos.top1[known].mean())
         m.top1_agreement_se = share_se(m.top1_agreement, int(known.sum()))
@@ -243,19 +236,18 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
         sel = slice(None) if where is None else where
         return np.bincount(pos.record[sel], weights=w[sel] if w is not None else None, minlength=r)
 
-    def seg_max(v: np.ndarray, where: np.ndarray) -> np.ndarray:
+    def seg_max(v: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
         out = np.full(r, -np.inf)
         np.maximum.at(out, pos.record[where], v[where])
         return out
 
-    every = np.ones(len(pos.record), bool)
     n = total(None)
     d = pos.base_lp - pos.new_lp
     has_kl = ~np.isnan(pos.kld)
     n_kl, sum_kl, max_kl = total(None, has_kl), total(np.nan_to_num(pos.kld), has_kl), seg_max(pos.kld, has_kl)
     has_t = pos.top1 >= 0
     n_t, sum_t = total(None, has_t), total(pos.top1.astype(float), has_t)
-    max_d = seg_max(np.abs(d), every)
+    max_d = seg_max(np.abs(d), slice(None))
     s_b, s_n, s_d = total(-pos.base_lp), total(-pos.new_lp), total(d)
     rows = [RecordMetrics(ids[i], int(n[i]), s_b[i] / n[i], s_n[i] / n[i], s_d[i] / n[i],
                           sum_kl[i] / n_kl[i] if n_kl[i] else None, max_kl[i] if n_kl[i] else None,
@@ -308,16 +300,25 @@ def record_level(m: Metrics, base: pa.Table, new: pa.Table) -> list[str]:
                 per_unit = nll[ok].sum() / cnt[ok].sum()
                 value = math.exp(per_unit) if attr == "word_ppl" else per_unit / math.log(2)
                 setattr(m, f"{attr}_{side}", value)
-    for pred, correct, attr in (("pred", "correct", "accuracy"), ("pred_norm", "correct_norm", "accuracy_norm")):
+    for kind, cb, cn in choice_correct(base, new):
+        m.num_choice_records = max(m.num_choice_records, len(cb))
+        attr = "accuracy" if kind == "acc" else "accuracy_norm"
+        setattr(m, f"{attr}_base", float(cb.mean()))
+        setattr(m, f"{attr}_new", float(cn.mean()))
+    return notes
+
+
+def choice_correct(base: pa.Table, new: pa.Table) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+    """Per correctness column both tables hold ("acc": correct, "acc_norm": correct_norm) with a record predicted on
+    both sides: the kind, and whether each such record is right in the baseline and in the candidate ([n] bool)."""
+    for pred, correct, kind in (("pred", "correct", "acc"), ("pred_norm", "correct_norm", "acc_norm")):
         if not all(c in t.column_names for t in (base, new) for c in (pred, correct)):
             continue
         mc = pc.and_(base[pred].is_valid(), new[pred].is_valid()).to_numpy(zero_copy_only=False)
         if mc.any():
-            m.num_choice_records = max(m.num_choice_records, int(mc.sum()))
-            for side, t in (("base", base), ("new", new)):
-                c = pc.fill_null(t[correct], False).to_numpy(zero_copy_only=False)[mc]
-                setattr(m, f"{attr}_{side}", float(c.mean()))
-    return notes
+            cb, cn = (pc.fill_null(t[correct], False).to_numpy(zero_copy_only=False)[mc].astype(bool)
+                      for t in (base, new))
+            yield kind, cb, cn
 
 
 def flips(base: pa.Table, new: pa.Table) -> list[Flip]:

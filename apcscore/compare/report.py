@@ -10,18 +10,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.markup import escape
 
-from apcscore.compare.fit_table import print_table
+from apcscore.compare.fit_table import Row, print_table
 from apcscore.compare.gate import Check, Comparison
 from apcscore.compare.inputs import run_differences
-from apcscore.compare.metrics import DeltaPSummary, KldSummary
 from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
 
-Row = tuple[str, ...]
 
-
-def _num(v: float | None, digits: int = 6) -> str:
-    return "-" if v is None else f"{v:.{digits}g}"
+def _num(v: float | None, digits: int = 6, sign: bool = False) -> str:
+    return "-" if v is None else f"{v:{'+' if sign else ''}.{digits}g}"
 
 
 def _pct(v: float | None, digits: int = 3) -> str:
@@ -51,8 +48,7 @@ _NOT_RECORDED = "(not recorded)"
 
 
 def _differ_rows(c: Comparison) -> list[Row]:
-    """The run properties that differ between the two files (apcscore version, code, weights, dtype, device,
-    numerics, top-K, dataset), one row each."""
+    """The run properties that differ between the two files (`inputs.run_differences`), one row each."""
     return [(d.property, d.baseline or _NOT_RECORDED, d.candidate or _NOT_RECORDED)
             for d in run_differences(c.base, c.new)]
 
@@ -75,14 +71,11 @@ def _metric_rows(c: Comparison) -> list[Row]:
         ("perplexity", _num(m.ppl_base), _num(m.ppl_new), f"ratio {_num(m.ppl_ratio)}"),
     ]
     if m.mean_ln_ppl_ratio is not None:
-        se = f" +/- {_num(m.mean_ln_ppl_ratio_se, 3)}" if m.mean_ln_ppl_ratio_se is not None else ""
-        rows.append(("mean ln(PPL_new / PPL_base)", "", "", f"{m.mean_ln_ppl_ratio:+.6g}{se}"))
-    if m.word_ppl_base is not None:
-        rows.append(("word perplexity", _num(m.word_ppl_base), _num(m.word_ppl_new),
-                     _diff(m.word_ppl_base, m.word_ppl_new)))
-    if m.bits_per_byte_base is not None:
-        rows.append(("bits per byte", _num(m.bits_per_byte_base), _num(m.bits_per_byte_new),
-                     _diff(m.bits_per_byte_base, m.bits_per_byte_new)))
+        rows.append(("mean ln(PPL_new / PPL_base)", "", "", f"{m.mean_ln_ppl_ratio:+.6g}{_pm(m.mean_ln_ppl_ratio_se)}"))
+    for name, base, new in (("word perplexity", m.word_ppl_base, m.word_ppl_new),
+                            ("bits per byte", m.bits_per_byte_base, m.bits_per_byte_new)):
+        if base is not None:
+            rows.append((name, _num(base), _num(new), _diff(base, new)))
     dp = m.delta_p
     rows += [
         ("same top p (top-1 agreement)", "", "", _pct(m.top1_agreement) + _pm(m.top1_agreement_se, True)),
@@ -90,31 +83,17 @@ def _metric_rows(c: Comparison) -> list[Row]:
         ("RMS delta p (target)", "", "", _pct(m.rms_delta_p, 4) + _pm(dp.rms_se if dp else None, True)),
         ("max |delta logprob|", "", "", _num(m.max_abs_logprob_diff)),
     ]
-    if m.accuracy_base is not None:
-        rows.append((f"accuracy ({m.num_choice_records} choice records)", _pct(m.accuracy_base, 2),
-                     _pct(m.accuracy_new, 2), f"{len([f for f in c.flips if f.kind == 'acc'])} flipped"))
-    if m.accuracy_norm_base is not None:
-        rows.append(("acc_norm", _pct(m.accuracy_norm_base, 2), _pct(m.accuracy_norm_new, 2),
-                     f"{len([f for f in c.flips if f.kind == 'acc_norm'])} flipped"))
+    for name, kind, base, new in (
+            (f"accuracy ({m.num_choice_records} choice records)", "acc", m.accuracy_base, m.accuracy_new),
+            ("acc_norm", "acc_norm", m.accuracy_norm_base, m.accuracy_norm_new)):
+        if base is not None:
+            rows.append((name, _pct(base, 2), _pct(new, 2), f"{sum(f.kind == kind for f in c.flips)} flipped"))
     return rows
 
 
 def _pm(se: float | None, pct: bool = False) -> str:
     """" +/- SE" (in percent when pct), or nothing without one."""
     return "" if se is None else f" +/- {_pct(se, 4) if pct else _num(se, 3)}"
-
-
-def _kld_row(k: KldSummary) -> tuple[Row, Row]:
-    """llama.cpp's KL block: mean, its SE, max, percentiles 99.9 down to 0.1, min."""
-    head = ("positions", "mean", "+/- SE", "max", *(f"{p}%" for p in k.percentiles), "min")
-    return head, (str(k.num_positions), _num(k.mean), _num(k.mean_se, 3), _num(k.max),
-                  *(_num(v) for v in k.percentiles.values()), _num(k.min))
-
-
-def _delta_p_row(d: DeltaPSummary) -> tuple[Row, Row]:
-    """llama.cpp's delta p block, in percent: max, percentiles 99.9 down to 0.1, min."""
-    head = ("max", *(f"{p}%" for p in d.percentiles), "min")
-    return head, (_pct(d.max, 4), *(_pct(v, 4) for v in d.percentiles.values()), _pct(d.min, 4))
 
 
 def _stats_tables(s: PairedStats) -> list[tuple[str, Row, list[Row]]]:
@@ -143,14 +122,18 @@ def _stats_tables(s: PairedStats) -> list[tuple[str, Row, list[Row]]]:
 
 
 def _extra_tables(c: Comparison) -> list[tuple[str, Row, list[Row]]]:
-    """(title, head, rows) of the tables below the metrics: KL block, delta p block, paired statistics."""
+    """(title, head, rows) of the tables below the metrics: llama.cpp's KL block (mean, its SE, max, percentiles
+    99.9 down to 0.1, min), its delta p block (in percent: max, percentiles, min), the paired statistics."""
     out = []
-    if c.metrics.kld is not None:
-        head, row = _kld_row(c.metrics.kld)
-        out.append((f"KL(base || new) per position, nats ({c.kl_label})", head, [row]))
-    if c.metrics.delta_p is not None:
-        head, row = _delta_p_row(c.metrics.delta_p)
-        out.append(("Delta p of the target token per position (candidate - baseline)", head, [row]))
+    if (k := c.metrics.kld) is not None:
+        out.append((f"KL(base || new) per position, nats ({c.kl_label})",
+                    ("positions", "mean", "+/- SE", "max", *(f"{p}%" for p in k.percentiles), "min"),
+                    [(str(k.num_positions), _num(k.mean), _num(k.mean_se, 3), _num(k.max),
+                      *(_num(v) for v in k.percentiles.values()), _num(k.min))]))
+    if (d := c.metrics.delta_p) is not None:
+        out.append(("Delta p of the target token per position (candidate - baseline)",
+                    ("max", *(f"{p}%" for p in d.percentiles), "min"),
+                    [(_pct(d.max, 4), *(_pct(v, 4) for v in d.percentiles.values()), _pct(d.min, 4))]))
     return out + (_stats_tables(c.stats) if c.stats is not None else [])
 
 
@@ -257,27 +240,28 @@ def md_table(head: Row, rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def md_verdict(title: str, checks: list[Check]) -> list[str]:
-    """The head of a Markdown report: the verdict, then the checks' table."""
+def md_report(title: str, checks: list[Check], lead: str, tables: list[tuple[str, Row, list[Row]]],
+              notes: list[str]) -> str:
+    """A Markdown report, result files and eval folders alike: the verdict and the checks' table, `lead` (a line,
+    or nothing), the (title, head, rows) tables and the notes."""
     icon = "✅" if checks and all(ch.passed for ch in checks) else "ℹ️" if not checks else "❌"
     out = [f"## {title}: {icon} {verdict(checks)}", ""]
     if checks:
         rows = [(*r[:-1], ("✅ " if r[-1] == "PASS" else "❌ ") + r[-1]) for r in check_rows(checks)]
         out += [md_table(CHECK_HEAD, rows), ""]
-    return out
+    out += [lead, ""] if lead else []
+    for name, head, rows in tables:
+        out += [f"### {name}", "", md_table(head, rows), ""]
+    return "\n".join(out + [f"> note: {n}" for n in notes]).rstrip() + "\n"
 
 
 def to_markdown(c: Comparison, worst: int = 10) -> str:
     """The comparison as GitHub-flavoured Markdown (e.g. for $GITHUB_STEP_SUMMARY)."""
-    out = md_verdict("apcscore compare", c.checks)
     same = differ_line(c)
-    out += [f"_{same}_" if same else "### Runs differ in\n\n" + md_table(DIFFER_HEAD, _differ_rows(c)), ""]
-    out += ["### Metrics", "", md_table(("metric", "baseline", "candidate", "change"), _metric_rows(c)), ""]
-    for title, head, rows in _extra_tables(c) + _record_tables(c, worst):
-        out += [f"### {title}", "", md_table(head, rows), ""]
-    out += ["### Compared runs", "", md_table(("", "baseline", "candidate"), _sides(c)), ""]
-    out += [f"> note: {n}" for n in c.notes]
-    return "\n".join(out).rstrip() + "\n"
+    tables = [] if same else [("Runs differ in", DIFFER_HEAD, _differ_rows(c))]
+    tables += [("Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c)), *_extra_tables(c),
+               *_record_tables(c, worst), ("Compared runs", ("", "baseline", "candidate"), _sides(c))]
+    return md_report("apcscore compare", c.checks, f"_{same}_" if same else "", tables, c.notes)
 
 
 def to_json(c: Comparison) -> str:

@@ -10,9 +10,8 @@ from statistics import NormalDist
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from apcscore.compare.metrics import Positions, column, token_counts
+from apcscore.compare.metrics import Positions, choice_correct, column, token_counts
 
 POWER = 0.8  # the power the minimum detectable effect is given at
 DEFAULT_ALPHA = 0.05  # the level of the reported tests and intervals when --significance is not given
@@ -186,28 +185,27 @@ def margin_verdict(estimate: float, op: str, limit: float, lower: float | None, 
     return (bound <= limit if larger_is_worse else bound >= limit), bound
 
 
-def bound_label(op: str, strict: bool, alpha: float, bound: float) -> str:
-    """How a check names the bound `margin_verdict` judged: "lower 95% bound 1.0012" (the optimistic bound in margin
-    mode, the pessimistic one in strict mode; lower is optimistic for "<=", upper for ">=")."""
+def judge(estimate: float, op: str, limit: float, bounds: tuple[float, float] | None, decision: str | None,
+          alpha: float) -> tuple[bool, str | None]:
+    """Whether `estimate op limit` holds, judged by the (lower, upper) one-sided bounds at 1 - alpha
+    (`margin_verdict`), and the bound judged, e.g. "lower 95% bound 1.0012"; without bounds or with `decision`
+    "point", the estimate itself (label None)."""
+    if bounds is None or decision == "point":
+        return margin_verdict(estimate, op, limit, None, None, False)[0], None
+    strict = decision == "strict"
+    passed, bound = margin_verdict(estimate, op, limit, *bounds, strict)
+    # the optimistic bound in margin mode, the pessimistic one in strict mode (lower is optimistic for "<=")
     side = ("upper" if strict else "lower") if op == "<=" else ("lower" if strict else "upper")
-    return f"{side} {100 * (1 - alpha):g}% bound {bound:.6g}"
+    return passed, f"{side} {100 * (1 - alpha):g}% bound {bound:.6g}"
 
 
-def _nll_deltas(base: pa.Table, new: pa.Table, pos: Positions | None) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per record with a compared position: (sum of nll_new - nll_base, position count), from the per-token logprobs,
-    else from sum_logprob and the token count (`token_counts`), as the overall figures are computed."""
-    if pos is not None and len(pos.record):
-        r = base.num_rows
-        num = np.bincount(pos.record, weights=pos.base_lp - pos.new_lp, minlength=r)
-        den = np.bincount(pos.record, minlength=r).astype(np.float64)
-    else:
-        slp_b, slp_n = column(base, "sum_logprob"), column(new, "sum_logprob")
-        if slp_b is None or slp_n is None:
-            return None
-        den = token_counts(base)
-        if den is None:
-            return None
-        num = slp_b - slp_n
+def _sum_deltas(base: pa.Table, new: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per record, without per-token logprobs: (sum of nll_new - nll_base, token count) from sum_logprob and
+    `token_counts`, as the overall figures are computed; None when the files lack them."""
+    slp_b, slp_n, den = column(base, "sum_logprob"), column(new, "sum_logprob"), token_counts(base)
+    if slp_b is None or slp_n is None or den is None:
+        return None
+    num = slp_b - slp_n
     ok = np.isfinite(num) & np.isfinite(den) & (den > 0)
     return num[ok], den[ok]
 
@@ -216,34 +214,26 @@ def paired_stats(base: pa.Table, new: pa.Table, pos: Positions | None, alpha: fl
                  samples: int = DEFAULT_SAMPLES, seed: int = DEFAULT_SEED) -> PairedStats:
     """McNemar tests and bootstrap intervals of aligned tables (row i of each = the same record, all ok)."""
     s = PairedStats(alpha, 1 - alpha, samples, seed)
-    nll = _nll_deltas(base, new, pos)
-    if nll is not None:
-        iv = paired_interval("ln PPL ratio", *nll, "positive", alpha, samples, seed)
-        s.intervals += [iv] if iv is not None else []
+    figures = []  # (figure, per-record num [n], den [n], worse_if)
     if pos is not None and len(pos.record):
-        r = base.num_rows
-        for figure, values, known, worse_if in (("mean KL", pos.kld, ~np.isnan(pos.kld), "positive"),
+        every = np.ones(len(pos.record), bool)
+        for figure, values, known, worse_if in (("ln PPL ratio", pos.base_lp - pos.new_lp, every, "positive"),
+                                                ("mean KL", pos.kld, ~np.isnan(pos.kld), "positive"),
                                                 ("top-1 agreement", pos.top1, pos.top1 >= 0, "negative")):
-            den = np.bincount(pos.record[known], minlength=r).astype(np.float64)  # [r] positions with the figure
-            num = np.bincount(pos.record[known], weights=values[known].astype(np.float64), minlength=r)  # [r]
-            has = den > 0
-            iv = paired_interval(figure, num[has], den[has], worse_if, alpha, samples, seed) if has.any() else None
-            s.intervals += [iv] if iv is not None else []
-    for pred, correct, kind in (("pred", "correct", "acc"), ("pred_norm", "correct_norm", "acc_norm")):
-        if not all(c in t.column_names for t in (base, new) for c in (pred, correct)):
-            continue
-        mc = pc.and_(base[pred].is_valid(), new[pred].is_valid()).to_numpy(zero_copy_only=False)
-        if not mc.any():
-            continue
-        cb, cn = (pc.fill_null(t[correct], False).to_numpy(zero_copy_only=False)[mc].astype(bool)
-                  for t in (base, new))
+            den = np.bincount(pos.record[known], minlength=base.num_rows).astype(np.float64)  # positions with it
+            num = np.bincount(pos.record[known], weights=values[known].astype(np.float64), minlength=base.num_rows)
+            figures.append((figure, num[den > 0], den[den > 0], worse_if))
+    elif (sums := _sum_deltas(base, new)) is not None:
+        figures.append(("ln PPL ratio", *sums, "positive"))
+    for kind, cb, cn in choice_correct(base, new):
         t = mcnemar(kind, cb, cn, alpha)
         s.mcnemar.append(t)
         if t.mde is None or t.mde > (t.lost + t.gained) / t.num_records:
             s.notes.append(f"{kind}: with {t.lost + t.gained} flip(s) between right and wrong in {t.num_records} "
                            f"records, no accuracy drop can be detected at alpha {alpha:g} with power {POWER:g} "
                            "(minimum detectable drop above the discordant rate): the sample is too small to decide")
-        iv = paired_interval("accuracy" if kind == "acc" else kind, cn.astype(np.float64) - cb, np.ones(len(cb)),
-                             "negative", alpha, samples, seed)
-        s.intervals += [iv] if iv is not None else []
+        figures.append(("accuracy" if kind == "acc" else kind, cn.astype(np.float64) - cb, np.ones(len(cb)),
+                        "negative"))
+    intervals = (paired_interval(f, num, den, worse_if, alpha, samples, seed) for f, num, den, worse_if in figures)
+    s.intervals = [iv for iv in intervals if iv is not None]  # None: fewer than two records
     return s
