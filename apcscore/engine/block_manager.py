@@ -1,13 +1,11 @@
 """KV cache manager: a pool of fixed-size blocks with automatic prefix caching. Torch-free.
 
-Prefix caching hashes each *full* block as SHA-256(parent digest, block token ids): a cryptographic chain
-(vLLM moved there after CVE-2025-25183), since with --exact-reuse a false hit would silently change scores.
-The first block's parent is NONE_HASH, or a sequence's own `hash_root` when the same tokens give other KV for it
-(`variant_root`: Phi-3 long-rope sequences rotated with the long frequencies).
-A lookup walks a sequence's chain of block hashes from the start and stops at the first miss; a hit also
-compares the block's stored token ids and parent digest, so even a collision can never hand out wrong KV. Blocks carry
-ref counts (`ref_counts`). A freed block keeps its hash and content, and sits in an LRU free queue: it can still be hit
-until it is handed out again, at which point its hash is evicted. Partial blocks are never cached.
+Prefix caching hashes each *full* block as a SHA-256 chain (parent digest, block token ids; vLLM's since
+CVE-2025-25183: with --exact-reuse a false hit would silently change scores), and a hit also compares the block's
+stored token ids and parent digest (docs/decisions.md, "Block hashes"; other roots: `variant_root`). A lookup walks a
+sequence's chain from the start and stops at the first miss. Blocks carry ref counts (`ref_counts`). A freed block
+keeps its hash and content, and sits in an LRU free queue: it can still be hit until it is handed out again, at
+which point its hash is evicted. Partial blocks are never cached.
 """
 
 from __future__ import annotations
@@ -116,18 +114,14 @@ class BlockManager:
         return hit
 
     # ---- allocation ----------------------------------------------------------------------------
-    def can_allocate(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
-        needed = self._num_new_blocks(seq, num_new_tokens, cached_blocks)
-        reclaimed_from_free = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
-        return needed <= self.num_free_blocks - reclaimed_from_free
-
     def allocate(self, seq: BlockSequence, num_new_tokens: int, cached_blocks: Seq[int] = ()) -> bool:
         """Give seq the blocks to hold `num_new_tokens` more tokens, after taking `cached_blocks`.
 
         `cached_blocks` (from find_cached_prefix) are only passed for a sequence with no blocks yet; their
         tokens count as computed. All or nothing: returns False and changes nothing when blocks run out.
         """
-        if not self.can_allocate(seq, num_new_tokens, cached_blocks):
+        reclaimed_from_free = sum(1 for b in cached_blocks if self.ref_counts[b] == 0)
+        if self._num_new_blocks(seq, num_new_tokens, cached_blocks) > self.num_free_blocks - reclaimed_from_free:
             return False
         if cached_blocks:
             assert not seq.block_ids, "cached blocks are taken at admission only"

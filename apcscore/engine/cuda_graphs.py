@@ -1,20 +1,17 @@
-"""CUDA graphs for decode steps: the model forward is captured once per batch size and replayed.
-
-A decode-only batch (every sequence computes exactly one token) of n sequences is padded up to the next
-captured size bs >= n; batches larger than the largest size, prefill and mixed batches run eagerly.
-Inputs live in static device buffers that every graph reads:
+"""CUDA graphs for decode steps (docs/gpu.md, "CUDA graphs for decode"): the model forward is captured once per
+batch size and replayed. A decode-only batch of n sequences is padded up to the next captured size bs >= n; larger
+batches, prefill and mixed batches run eagerly. Inputs live in static device buffers that every graph reads:
 
     tokens        [3, max_bs] int64: input_ids, positions, slot_mapping
     lens          [2, lens_stride(max_bs)] int32: cu_seqlens_q (row 0, max_bs + 1 used), seq_lens (row 1)
     block_tables  [max_bs, max_blocks_per_seq] int32
 
-Padding follows the AttentionMetadata contract ("rows past cu_seqlens_q[-1] are padding"): a padding row
-has slot -1 (nothing stored), and its padding sequence is empty (q_len 0, seq_len 0), so the Triton kernels
-skip it without reading the cache and its attention output is zero; the rows are dropped afterwards. Every
-device-side length comes from these buffers: the Triton paged attention computes its grid from tensor
-shapes only (bs tokens, bs sequences) and reads cu_seqlens_q / seq_lens on the device, so one capture
-serves every step of that size. The torch backend reads Python lists (cu_seqlens_q_list, seq_lens_list)
-and syncs in store_kv, so it is never captured; the same padded path runs it eagerly (CPU tests).
+A padding row has slot -1 (nothing stored) and its padding sequence is empty (q_len 0, seq_len 0: the
+AttentionMetadata contract), so the Triton kernels skip it without reading the cache. Every device-side length comes
+from these buffers: the Triton paged attention computes its grid from tensor shapes only (bs tokens, bs sequences)
+and reads cu_seqlens_q / seq_lens on the device, so one capture serves every step of that size. The torch backend
+reads Python lists (cu_seqlens_q_list, seq_lens_list) and syncs in store_kv, so it is never captured; the same
+padded path runs it eagerly (CPU tests).
 
 Decode groups (Triton backend: sequences sharing prefix blocks, attention/decode_groups.py) live in two more
 static buffers, sized to the captured batch: `group_table` [max_bs // 2, 2 + block_q] (a graph of bs rows reads
@@ -23,8 +20,8 @@ return at once) and `grouped` [max_bs] (today's kernel skips a grouped sequence)
 changes only buffer contents, never the captured launches; `group_decodes = False` writes empty groups.
 
 Step inputs are built like an eager step's (apcscore.engine.step_inputs) and travel host -> device in one
-non-blocking copy from a persistent pinned buffer: a replayed step has no host-device synchronisation until
-the caller reads the sampled tokens.
+non-blocking copy from pinned memory: a replayed step has no host-device synchronisation until the caller reads
+the sampled tokens.
 """
 
 from __future__ import annotations
@@ -159,17 +156,12 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture one graph per size, largest first, all in one memory pool (only one replays at a time)."""
+        """Capture one graph per size, largest first, all in one memory pool (only one replays at a time). Run by
+        the constructor, while the buffers hold padding only."""
         pool = None
-        self.tokens.zero_()
-        self.tokens[2] = -1
-        self.lens.zero_()
-        if self.group_shape is not None:
-            self.group_table.zero_()
-            self.grouped.zero_()
         torch.cuda.synchronize(self.device)
         for bs in reversed(self.sizes):
-            meta = self._meta(bs, None)  # buffers hold padding only: nothing is stored or read
+            meta = self._meta(bs, None)  # (padding only: nothing is stored or read)
             side = torch.cuda.Stream(self.device)  # warm-up (Triton compiles, cuBLAS picks) off the capture
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):

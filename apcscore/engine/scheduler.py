@@ -5,13 +5,11 @@ waiting ones while the budget, the sequence cap and the KV pool allow. When bloc
 recently admitted running sequence is preempted: its blocks are freed and it is prefilled again later.
 Deterministic: the same inputs and config give the same schedule.
 
-Prefix caching (docs/architecture.md, "The prefix-caching rule"): only sequences without prompt logprobs
-read the cache; every sequence writes its full blocks. A reading sequence whose next uncached block is being
-prefilled right now by another sequence waits a step instead of computing it twice, so prompts that share a
-prefix and arrive together still hit. With exact reuse (`--exact-reuse`) scoring sequences read the cache too,
-up to their first scored position (`Sequence.reusable_blocks`), and beyond it the blocks whose score-store
-entries cover them (engine/score_store.py), and wait for pending blocks the same way; without it, the tokens
-they could have read before their first scored position are counted (`EngineCounters.reusable_tokens`).
+Prefix caching (docs/architecture.md, "The prefix-caching rule"; docs/decisions.md, "Exact reuse"): only
+sequences without prompt logprobs read the cache, and with `--exact-reuse` scoring ones too (`_cached_prefix`);
+every sequence writes its full blocks. A reading sequence whose next uncached block is being prefilled right now by
+another sequence waits a step instead of computing it twice, so prompts that share a prefix and arrive together
+still hit.
 """
 
 from __future__ import annotations
@@ -161,13 +159,10 @@ class Scheduler:
         position is recomputed with the long frequencies, as transformers' generate() does. Like a preemption:
         its blocks are freed and it is prefilled again (first in line), under its long-rope digests, for its KV
         only: its prompt logprobs were computed over the prompt alone, short, and stay."""
-        self._unmark_pending(seq)
-        self.bm.free(seq)
         self.running.remove(seq)
         seq.kv_only = True
-        seq.reset_for_recompute()
-        seq.use_long_rope()
-        self.waiting.appendleft(seq)
+        self._preempt(seq)
+        seq.use_long_rope()  # (after _preempt: its pending marks are under the short digests)
 
     # ---- after the step ------------------------------------------------------------------------
     def finish_step(self, batch: ScheduledBatch) -> None:

@@ -1,22 +1,16 @@
 """The score store of exact reuse: cached prompt logprobs per KV block, so a request that scores every position
-can read a shared prefix too (issue 13, item 3). Torch-free: hidden states are held as opaque tensors.
+can read a shared prefix too (issue 13, item 3; the design and its tests: docs/decisions.md, "Exact reuse").
 
 An entry is keyed by a full KV block's chain digest and holds, for every position whose *target* lies in that
-block (targets j*bs .. (j+1)*bs - 1 of block j; target 0 is never scored), what the prompt-logprob computation
-returned: the target's logprob, its rank, and the top-K ids and logprobs; plus the final hidden state (the LM
-head's input) of the block's last position, whose target is the next block's first token. A target in block j
-is predicted by a row in block j - 1 or j, and the chain digest of block j fixes every token those rows see, so
-an entry is a function of its key. Batch invariance makes the stored values bitwise what a fresh prefill of any
-request with that prefix computes.
+block (targets j*bs .. (j+1)*bs - 1 of block j; target 0 is never scored), the target's logprob, rank and top-K,
+plus the final hidden state (the LM head's input) of the block's last position, whose target is the next block's
+first token. The chain digest of block j fixes every token the rows predicting those targets see, so an entry is a
+function of its key; batch invariance makes it bitwise what a fresh prefill computes. A reader computes the boundary
+row (the last read block's last row) from the stored hidden state through the LM head and prefills the rest.
 
-A reader takes its cached blocks' KV and their entries' values, and computes the one boundary position (the last
-read block's last row) from the stored hidden state through the LM head; it prefills only the rest.
-
-Lifetime: an entry is published only while its digest is cached in the block manager, and is dropped when that
-block is evicted (`BlockManager.on_evict`). Entries are immutable (read-only arrays); a better entry (larger K,
-or ranks where there were none) replaces an old one as a new object, never by writing into it. An entry is
-served only when its K and its ranks cover the request's. Memory: `store_bytes_per_block` per KV block at most,
-counted in the pool sizing (engine/kv_cache.py).
+An entry lives while its digest is cached in the block manager (`BlockManager.on_evict` drops it); entries are
+immutable (a better one replaces an old one as a new object) and served only when their K and ranks cover the
+request's. Memory: `store_bytes_per_block` per KV block at most, counted in the pool sizing (engine/kv_cache.py).
 """
 
 from __future__ import annotations

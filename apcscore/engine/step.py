@@ -10,7 +10,7 @@ layers of docs/architecture.md); the model runner builds it from `StepInputs`.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -65,12 +65,10 @@ class Divergence:
 
     @staticmethod
     def concat(parts: list["Divergence"]) -> "Divergence":
-        return Divergence(*(np.concatenate([getattr(p, f) for p in parts]) for f in
-                            ("ref_logprobs", "kl", "delta_p", "top1_agree")))
+        return Divergence(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Divergence)))
 
     def rows(self, start: int, stop: int) -> "Divergence":
-        return Divergence(self.ref_logprobs[start:stop], self.kl[start:stop], self.delta_p[start:stop],
-                          self.top1_agree[start:stop])
+        return Divergence(*(getattr(self, f.name)[start:stop] for f in fields(self)))
 
 
 @dataclass

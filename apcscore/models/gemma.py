@@ -101,17 +101,13 @@ class GemmaDecoder(LlamaDecoder):
     def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         nn.Module.__init__(self)
-        cfg = self.config = hf_config
-        self.ops = ops
+        cfg = hf_config
         self.gemma3 = SUPPORTED_ARCHITECTURES[check_architecture(cfg)] == "gemma3"
         layers = [GemmaLayer(cfg, i, self.gemma3, ops, device) for i in range(cfg.num_hidden_layers)]
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
-        self.layers = nn.ModuleList(layers)
-        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.init_head(cfg, ops, device, max_positions, tie_default=True)
+        self.init_modules(cfg, ops, layers, GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device), device,
+                          max_positions, tie_default=True)
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)
-        for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_head made the global ones)
+        for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_modules made the global ones)
             self.register_buffer(name, torch.empty(0), persistent=False)
 
     @with_portable_math

@@ -65,16 +65,13 @@ class GPTNeoXDecoder(LlamaDecoder):
     def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         nn.Module.__init__(self)
-        cfg = self.config = hf_config
-        self.ops = ops
+        cfg = hf_config
         if (kind := rope_parameters(cfg).get("rope_type", "default")) != "default":
             raise ApcscoreError(f"GPT-NeoX with rope type {kind!r} is not implemented natively; use "
                                 "--model-backend transformers")
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
-        self.layers = nn.ModuleList(NeoXLayer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers))
-        self.norm = LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device)
-        self.init_head(cfg, ops, device, max_positions)
+        layers = [NeoXLayer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers)]
+        self.init_modules(cfg, ops, layers, LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device), device,
+                          max_positions)
 
     @with_portable_math
     def build_rotary_tables(self, rope: Any = None) -> None:

@@ -162,22 +162,15 @@ class LlamaDecoder(nn.Module):
         """ops: linear layers, attention and RMSNorm (apcscore.models.ops.select_ops). device
         "meta" builds it without memory (then `materialize` and `load_hf_weights`)."""
         super().__init__()
-        self.ops = ops
-        arch = check_architecture(hf_config)
-        family = SUPPORTED_ARCHITECTURES[arch]
         cfg = hf_config
-        self.config = cfg
+        family = SUPPORTED_ARCHITECTURES[check_architecture(cfg)]
         qk_norm = family == "qwen3"
         attention_bias = bool(getattr(cfg, "attention_bias", False))
         qkv_bias = family == "qwen2" or attention_bias or bool(getattr(cfg, "qkv_bias", False))  # (Qwen2-MoE)
         o_bias = attention_bias and family != "qwen2"  # Qwen2: bias on q/k/v only
-        # _weight skips the random init (on "meta" it would import torch._dynamo: ~1 s)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, i, ops, qk_norm, qkv_bias, o_bias, device) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
-        self.init_head(cfg, ops, device, max_positions)
+        layers = [DecoderLayer(cfg, i, ops, qk_norm, qkv_bias, o_bias, device) for i in range(cfg.num_hidden_layers)]
+        self.init_modules(cfg, ops, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device), device,
+                          max_positions)
 
     def materialize(self, device: Device, dtype: torch.dtype) -> "LlamaDecoder":
         """Give a model built on "meta" uninitialised parameters of `dtype` on `device` (pages untouched until
@@ -200,10 +193,17 @@ class LlamaDecoder(nn.Module):
             return self.embed_tokens.weight  # (a sliced embedding holds this rank's rows already)
         return self.embed_tokens.weight[self.vocab_range[0]:self.vocab_range[1]]
 
-    def init_head(self, cfg: Any, ops: Ops, device: Device, max_positions: int | None,
-                  tie_default: bool = False) -> None:
-        """What every decoder sets up after its layers: the LM head (None when tied to the embedding), the slot
-        for its fp32 copy (CPU, half-precision models), the context length and the empty rotary tables."""
+    def init_modules(self, cfg: Any, ops: Ops, layers: list[nn.Module], norm: nn.Module, device: Device,
+                     max_positions: int | None, tie_default: bool = False) -> None:
+        """What every decoder's constructor sets up around its `layers` and final `norm`: config, ops, the
+        embedding, the LM head (None when tied to the embedding), the slot for its fp32 copy (CPU, half-precision
+        models), the context length and the empty rotary tables."""
+        self.config, self.ops = cfg, ops
+        # _weight skips the random init (on "meta" it would import torch._dynamo: ~1 s)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", tie_default))
         self.lm_head = (None if self.tie_word_embeddings
                         else Linear(cfg.hidden_size, cfg.vocab_size, False, ops.linear, device))

@@ -57,13 +57,10 @@ class Olmo2Decoder(LlamaDecoder):
     def __init__(self, hf_config: Any, ops: Ops, max_positions: int | None = None,
                  device: Device = None) -> None:
         nn.Module.__init__(self)
-        cfg = self.config = hf_config
-        self.ops = ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
-                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size, device=device))
-        self.layers = nn.ModuleList(Olmo2Layer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device)
-        self.init_head(cfg, ops, device, max_positions)
+        cfg = hf_config
+        layers = [Olmo2Layer(cfg, i, ops, device) for i in range(cfg.num_hidden_layers)]
+        self.init_modules(cfg, ops, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device), device,
+                          max_positions)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T] -> final hidden states [T, hidden]."""

@@ -5,14 +5,10 @@ engine, and CUDA as a reference); "triton" runs the Triton kernels of apcscore.k
 under TRITON_INTERPRET=1 in tests). A backend's modules are imported only when it is selected, so choosing "torch"
 on a CPU never imports Triton.
 
-Linear layers (every projection and the LM head) are batch-invariant by default: a row's bits do not depend
-on how many rows share the GEMM. On the CPU that is our fixed-order GEMM (apcscore.kernels.cpu_gemm: every
-element summed in one fixed order over k, by construction); where it cannot be built (no C compiler) torch's GEMM on
-rows padded to a multiple of 16 (apcscore.kernels.matmul_torch), which holds on some CPUs only, so the engine's
-start-up probe (apcscore.engine.gemm_probe) decides and the run metadata says. On CUDA the
-fixed-configuration Triton matmul (apcscore.kernels.matmul), whichever attention backend runs.
-batch_invariant=False (`--no-batch-invariant`) takes the library GEMM. Each linear says how it fixes its order
-(its `construction`, which the run metadata records) and whether that order is the same on every CPU (`portable`).
+Linear layers (every projection and the LM head) are batch-invariant by default; which GEMM runs where, and why:
+docs/architecture.md, "The batch-invariance contract", item 1 (`select_linear`). Each linear says how it fixes its
+order (its `construction`, which the run metadata records) and whether that order is the same on every CPU
+(`portable`).
 """
 
 from __future__ import annotations
@@ -55,7 +51,9 @@ class Ops:
 
 
 def select_linear(device_type: str, batch_invariant: bool) -> Callable[..., Any]:
-    """The linear layer of a device: see the module doc."""
+    """The linear layer of a device: our fixed-order GEMM on the CPU (torch's GEMM on rows padded to 16 where it
+    cannot be built: the engine's start-up probe decides), the Triton matmul on CUDA, the library GEMM without
+    batch invariance."""
     from apcscore.kernels.matmul_torch import invariant_linear_torch, plain_linear
 
     if not batch_invariant:

@@ -1,19 +1,13 @@
 """Tensor-parallel layers: one rank's slice of a decoder, and the cross-rank sums in a fixed order.
 
-Megatron's split (as vLLM's): column-parallel qkv and gate/up (each rank computes its attention heads and its
-part of the MLP's intermediate), row-parallel o and down (each rank multiplies its columns; the partial results
-are summed across ranks), a vocabulary-parallel LM head (each rank holds a contiguous range of the vocabulary's
-rows; apcscore.engine.parallel.logprobs combines logprobs without gathering [tokens, vocab]) and a vocabulary-parallel
-input embedding (a tied head is its rows). Norms are replicated: after each sum every rank holds the full hidden
-state, bitwise the same on all of them.
+Megatron's split, as vLLM's: column-parallel qkv and gate/up, row-parallel o and down, a vocabulary-parallel LM head
+(apcscore.engine.parallel.logprobs combines logprobs without gathering [tokens, vocab]) and input embedding (a tied
+head is its rows); norms are replicated, so after each sum every rank holds the same full hidden state.
 
-**The sum is not an all-reduce.** A ring or tree all-reduce adds the ranks' partials in an order that depends on
-the algorithm and chunking the library picks (NCCL chooses ring or tree, and its chunks, by message size and
-topology), so the bits of a row could depend on how many tokens share the step. `gather_sum` all-gathers the
-partials and adds them in rank order, ((p0 + p1) + p2) + ..., one correctly rounded addition per element: a row's
-bits are then a function of its own partials, which the batch-invariant GEMM makes functions of the row alone. So
-the batch-invariance contract holds within a degree; against degree 1 the split of each o/down sum along K rounds
-differently (docs/architecture.md, "Tensor parallelism").
+**The sum is not an all-reduce**, whose order of additions the library picks by message size: `gather_sum`
+all-gathers the partials and adds them in rank order, so a row's bits are a function of its own partials and the
+batch-invariance contract holds within a degree (why, and what each family splits: docs/decisions.md, "Tensor
+parallelism").
 
 `slice_decoder` turns a decoder built on "meta" into rank r's slice before its weights are read; the checkpoint
 slices each rank reads are the parameters' `SliceSpec`s (models/weights.py).
@@ -85,36 +79,32 @@ def vocab_range(vocab: int, rank: int, world_size: int) -> tuple[int, int]:
     return min(vocab, rank * per), min(vocab, (rank + 1) * per)
 
 
-def tensor_parallel_problem(hf_config: Any, decoder: type, world_size: int) -> str | None:
-    """Why `decoder` cannot run hf_config split over `world_size` ranks, or None."""
+def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> None:
+    """Refuse (ApcscoreError) to run hf_config with `decoder` split over `world_size` ranks where it cannot be,
+    before any weights are read."""
     if world_size == 1:
-        return None
+        return
     n = world_size
     if decoder.__name__ not in SLICEABLE:
-        return (f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), Phi-3, "
-                f"Gemma 2/3, OLMo 2, GPT-NeoX, Mixtral and Qwen2-MoE, not for {decoder.__name__}; run it with "
-                "--tensor-parallel 1")
+        raise ApcscoreError(f"--tensor-parallel is implemented for the Llama family (Llama, Mistral, Qwen2, Qwen3), "
+                            f"Phi-3, Gemma 2/3, OLMo 2, GPT-NeoX, Mixtral and Qwen2-MoE, not for {decoder.__name__}; "
+                            "run it with --tensor-parallel 1")
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % n:
-        return f"--tensor-parallel {n} does not divide the model's {heads} attention heads; choose a divisor of {heads}"
+        raise ApcscoreError(f"--tensor-parallel {n} does not divide the model's {heads} attention heads; choose a "
+                            f"divisor of {heads}")
     if kv % n and n % kv:
-        return (f"--tensor-parallel {n} and the model's {kv} KV heads: one must divide the other (each rank holds "
-                f"whole KV heads, replicated when there are fewer than ranks)")
+        raise ApcscoreError(f"--tensor-parallel {n} and the model's {kv} KV heads: one must divide the other (each "
+                            f"rank holds whole KV heads, replicated when there are fewer than ranks)")
     for key in ("intermediate_size", "moe_intermediate_size", "shared_expert_intermediate_size"):
         size = getattr(hf_config, key, None) or 0
         if size % n:
-            return f"--tensor-parallel {n} does not divide the model's {key} {size}; choose a divisor of it"
+            raise ApcscoreError(f"--tensor-parallel {n} does not divide the model's {key} {size}; choose a divisor "
+                                "of it")
     if vocab_range(hf_config.vocab_size, n - 1, n)[0] >= hf_config.vocab_size:
-        return f"--tensor-parallel {n} leaves a rank no rows of the model's {hf_config.vocab_size}-entry vocabulary"
-    return None
-
-
-def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> None:
-    """Refuse (ApcscoreError) what tensor_parallel_problem finds, before any weights are read."""
-    problem = tensor_parallel_problem(hf_config, decoder, world_size)
-    if problem:
-        raise ApcscoreError(problem)
+        raise ApcscoreError(f"--tensor-parallel {n} leaves a rank no rows of the model's {hf_config.vocab_size}-entry "
+                            "vocabulary")
 
 
 class ColumnParallelLinear(Linear):
@@ -197,15 +187,17 @@ def _row(old: Linear, spec: SliceSpec, tp: TensorParallel, device: Any) -> RowPa
     return RowParallelLinear(spec, old.weight.shape[0], old.bias is not None, old.linear_fn, tp, device)
 
 
-def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any) -> None:
+def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any, neox: bool = False) -> None:
+    """This rank's heads of `attn`: qkv rows, o columns. neox: GPT-NeoX's checkpoint holds [q | k | v] per head, so
+    a rank's heads are one contiguous block of qkv rows (models.gpt_neox regroups them after reading)."""
     heads, kv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     n, r = tp.world_size, tp.rank
     hq = heads // n
-    hkv = max(1, kv // n)
+    hkv = hq if neox else max(1, kv // n)
     k0 = r * hkv if kv >= n else (r * hq) // (heads // kv)  # the KV head(s) this rank's query heads read
     full = heads * d + 2 * kv * d
-    qkv = SliceSpec(0, ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)),
-                    full)
+    qkv = SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),) if neox else
+                    ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)), full)
     attn.qkv_proj = _column(attn.qkv_proj, qkv, device)
     attn.o_proj = _row(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
     attn.num_heads, attn.num_kv_heads = hq, hkv  # the forward reshapes to these: [T, hq, D], [T, hkv, D]
@@ -242,15 +234,9 @@ def _slice_experts(moe: nn.Module, tp: TensorParallel) -> None:
 
 
 def _slice_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None:
-    """GPT-NeoX: its checkpoint's query_key_value holds [q | k | v] per head, so a rank's heads are one contiguous
-    block of rows (models.gpt_neox regroups them after reading); the MLP is up / down with biases."""
-    attn, n, r = layer.self_attn, tp.world_size, tp.rank
-    heads, d = attn.num_heads, attn.head_dim
-    hq = heads // n
-    attn.qkv_proj = _column(attn.qkv_proj, SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),), 3 * heads * d), device)
-    attn.o_proj = _row(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
-    attn.num_heads = attn.num_kv_heads = hq
-    attn.q_size = attn.kv_size = hq * d
+    """GPT-NeoX: its attention's contiguous heads (_slice_attention), and the MLP up / down with biases."""
+    _slice_attention(layer.self_attn, tp, device, neox=True)
+    n, r = tp.world_size, tp.rank
     inter = layer.up.weight.shape[0]
     part = inter // n
     layer.up = _column(layer.up, SliceSpec(0, ((r * part, part),), inter), device)

@@ -1,15 +1,10 @@
-"""How a failure on one tensor-parallel rank reaches rank 0 (issue 42 item 9).
+"""How a failure on one tensor-parallel rank reaches rank 0 (issue 42 item 9; docs/decisions.md, "Tensor
+parallelism", signals and faults).
 
-A worker whose operation raises (out of memory, a bug) leaves `rank R failed: Type: message` in the group's store
-(`report_failure`) and ends. Rank 0 is then in a collective that rank will never join:
-
-- gloo notices at once (the peer's socket closes) and the collective raises;
-- NCCL does not: its kernels wait for the peer until the collective timeout (30 minutes). So on NCCL rank 0 runs
-  a `FailureWatch`, a daemon thread that polls the store and the spawned workers and, when a worker failed or
-  ended, aborts the process group, which makes the collective in progress raise.
-
-Either way the error rank 0 reports (`RanksFailed`) names the worker's own failure (`failure_note`), not the
-transport's "connection reset".
+A failing worker leaves `rank R failed: Type: message` in the group's store (`report_failure`) and ends; rank 0's
+error (`RanksFailed`) names it (`failure_note`), not the transport's "connection reset". gloo's collective raises as
+soon as the peer's socket closes; NCCL's would wait for the peer until the collective timeout (30 minutes), so on
+NCCL rank 0 runs a `FailureWatch` that aborts the process group when a worker failed or ended.
 """
 
 from __future__ import annotations

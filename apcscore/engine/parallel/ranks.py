@@ -1,22 +1,12 @@
 """The ranks of a tensor-parallel engine (`EngineConfig.tensor_parallel_size` N > 1) on torch.distributed.
 
-Rank 0 is the process that builds the `Engine`: its scheduler, block manager and score store run there only,
-as vLLM's driver worker. The other ranks hold their slice of the model (models/tensor_parallel.py) and a KV
-cache of their heads, and do what rank 0 tells them: rank 0 broadcasts each call (`RankGroup.call`: an
-operation and its arguments, e.g. a step's host inputs, engine/step.StepInputs), then every rank runs
-it, meeting in the same collectives (the layers' gathers, the logprobs' gathers) in the same order; only rank 0
-keeps outputs (engine/parallel/runner.py).
-
-How the ranks start:
-- by apcscore (the default): rank 0 spawns N - 1 processes with torch.multiprocessing (spawn), gloo on the
-  CPU, NCCL on CUDA (rank r on cuda:r), the rendezvous in a temporary file (engine/parallel/spawn.py: the workers ignore
-  SIGINT and SIGTERM, which rank 0 handles for the group, and exit when rank 0 is gone);
-- by torchrun (RANK, WORLD_SIZE, MASTER_ADDR set): every rank runs the same command; rank 0 goes on, the others
-  become workers when they reach the engine (`serve_if_worker`) and exit when rank 0 is done.
-
-One process drives one group, started on first use and kept for later engines (each engine's slices are keyed on
-the workers, dropped when rank 0's engine is collected), so tests and a driver that builds several engines pay the
-start once.
+Rank 0 is the process that builds the `Engine`: its scheduler, block manager and score store run there only. It
+broadcasts each call (`RankGroup.call`: an operation and its arguments, e.g. a step's StepInputs) to the other
+ranks, which hold their slice of the model and a KV cache of their heads and run the same call in step
+(engine/parallel/runner.py); only rank 0 keeps outputs. Rank 0 spawns the others (engine/parallel/spawn.py), or
+torchrun starts every rank and the others become workers at the engine (`serve_if_worker`). One process keeps its
+group for later engines (each engine's slices are keyed on the workers). The design: docs/decisions.md, "Tensor
+parallelism".
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """How apcscore starts the ranks of a tensor-parallel group itself (without torchrun): spawned workers, their
-signals and their lifetime.
+signals and their lifetime (the reasons: docs/decisions.md, "Tensor parallelism", signals and faults).
 
-- **Signals.** Ctrl-C sends SIGINT to the terminal's whole process group, and `kill -TERM -PGID` SIGTERM to a
-  group, so they reach the spawned workers too. Rank 0 alone decides what a stop means: it finishes the current
-  step (run/driver.py), keeps the finished rows and then tells the workers to exit. So the workers ignore both
-  signals from the first line they run; a worker killed mid-step would turn a graceful stop (exit 130) into
-  "a rank ended" (exit 1).
-- **Lifetime.** A worker whose rank 0 is gone (SIGKILL, or a signal before rank 0 set its handlers) cannot be
-  told to exit: it notices that its parent changed within a second and exits by itself (`watch_parent`), rather
-  than waiting in a collective until the timeout.
-- **Loopback.** The ranks apcscore spawns are all on this machine, so gloo talks over the loopback interface
-  (`on_loopback`), not the one the host name resolves to (reachable from the network, or missing on a machine
-  whose name does not resolve); a GLOO_SOCKET_IFNAME the user set wins.
+- **Signals.** The workers ignore SIGINT and SIGTERM from their first line: rank 0 alone decides what a stop means
+  (it finishes the step, keeps the finished rows, then tells them to exit).
+- **Lifetime.** A worker whose rank 0 is gone exits by itself within a second (`watch_parent`).
+- **Loopback.** Spawned ranks are all local, so gloo talks over the loopback interface (`on_loopback`); a
+  GLOO_SOCKET_IFNAME the user set wins.
 """
 
 from __future__ import annotations
