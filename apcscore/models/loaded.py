@@ -1,10 +1,5 @@
-"""The model an engine runs, before its weights are read: `load_model(spec)` locates it (models/locate.py), checks
-what it is loaded from, and reads its config, tokenizer and rotary tables into one `LoadedModel`, which the driver,
-the Ray replicas and the engines take instead of the spec. The engine (engine/loader.py) reads the weights.
-
-Every refusal comes before any weights are read, as one error (exit 2) naming the file or folder: a set
-`$APCSCORE_CACHE` that apcscore cannot write, a truncated safetensors file (in the cache: the folder to delete), an
-unreadable config or tokenizer, a config no path runs.
+"""The model an engine runs, before its weights are read: `load_model(spec)` and `LoadedModel` (docs/architecture.md,
+the `models/loaded.py` row). The engine (engine/loader.py) reads the weights.
 
 What transformers resolves for a directory (config, tokenizer class, rotary inverse frequencies) costs importing the
 model's config module, which with transformers 5 pulls in torch.distributed and torch._dynamo: about 2 s per process
