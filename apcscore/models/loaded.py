@@ -22,6 +22,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.content_hash import write_cache_file
 from apcscore.models.gguf_cache import cache_root
 from apcscore.models.loading import MODEL_FILES, load_config, load_tokenizer
 from apcscore.models.locate import resolve_model, safetensors_files
@@ -213,10 +214,4 @@ def _write(entry: Path, model: LoadedModel) -> None:
         text = json.dumps(data, sort_keys=True)
     except TypeError:  # a config value JSON cannot hold: do not remember this one
         return
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, entry)
-    except OSError:  # a read-only cache: resolve every time
-        pass
+    write_cache_file(entry, text + "\n")  # a read-only cache: resolve every time

@@ -44,22 +44,20 @@ class Phi3Decoder(LlamaDecoder):
     def build_rotary_tables(self, rope: Any = None) -> None:
         """Default rope, full rotary: the Llama tables. Long-rope: [M + P, R] (short rows for positions < M, then
         long rows for positions < P); partial rotary: [P, R] with Phi-3's own default frequencies (R dimensions)."""
-        if not self.longrope and not self.partial_rotary:
-            super().build_rotary_tables(rope)
-            return
         if self.longrope:
             short, long = longrope_frequencies(self.config)
             cos_s, sin_s = rotary_tables(short, self.long_rope_after)
             cos_l, sin_l = rotary_tables(long, self.max_positions)
-            cos, sin = torch.cat([cos_s, cos_l]), torch.cat([sin_s, sin_l])
-        else:
+            dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+            self.cos_table = torch.cat([cos_s, cos_l]).to(device=device, dtype=dtype)
+            self.sin_table = torch.cat([sin_s, sin_l]).to(device=device, dtype=dtype)
+            return
+        if self.partial_rotary:  # the Llama tables of Phi-3's own default frequencies (R dimensions)
             from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
             inv_freq, scaling = Phi3RotaryEmbedding.compute_default_rope_parameters(self.config)
-            cos, sin = rotary_tables((inv_freq.float(), float(scaling)), self.max_positions)
-        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
-        self.cos_table = cos.to(device=device, dtype=dtype)
-        self.sin_table = sin.to(device=device, dtype=dtype)
+            rope = inv_freq.float(), float(scaling)
+        super().build_rotary_tables(rope)
 
     @staticmethod
     def load_attention(attn: nn.Module, prefix: str, copy: Callable[..., None]) -> None:
