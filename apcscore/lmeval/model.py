@@ -12,6 +12,7 @@ Results come back in input order."""
 
 from __future__ import annotations
 
+import itertools
 import lm_eval.models  # noqa: F401  (fills the registry with the built-ins before ours is added)
 from typing import Any, Callable
 
@@ -254,11 +255,8 @@ class ApcscoreLM(TemplateLM):
                 max_seq_len=self.max_length, context_len=1)]
             windows.extend((None, ctx, pred) for ctx, pred in pairs)
             counts.append(len(pairs))
-        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm) if windows else []
-        totals, at = [], 0
-        for n in counts:
-            totals.append(float(sum(s for s, _ in scores[at:at + n])))
-            at += n
+        scores = iter(self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm) if windows else [])
+        totals = [float(sum(s for s, _ in itertools.islice(scores, n))) for n in counts]  # each text's windows
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", req.args, total)
         return totals

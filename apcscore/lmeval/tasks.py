@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from apcscore.errors import ApcscoreError
 from apcscore.options.commands import EvalOptions
@@ -58,14 +58,16 @@ _HUB_MARKERS = ("hub", "huggingface", "offline", "not cached", "couldn't reach",
                 "repositorynotfound", "localentrynotfound")
 
 
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """exc, then what it was raised from or while handling, and so on."""
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def _is_hub_failure(exc: BaseException) -> bool:
-    seen: BaseException | None = exc
-    while seen is not None:
-        text = f"{type(seen).__name__} {seen}".lower()
-        if isinstance(seen, ConnectionError) or any(m in text for m in _HUB_MARKERS):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
+    return any(isinstance(e, ConnectionError) or any(m in f"{type(e).__name__} {e}".lower() for m in _HUB_MARKERS)
+               for e in _chain(exc))
 
 
 def load_tasks(names: list[str], include_path: Path | None) -> Any:
@@ -102,9 +104,7 @@ def load_tasks(names: list[str], include_path: Path | None) -> Any:
 def _data_files_hint(exc: BaseException, include_path: Path | None) -> str:
     """For a data file not found: lm-eval reads `data_files` relative to the working directory, not the YAML's folder;
     the path to write when the file is next to a YAML of --include-path (docs/eval_jobs.md, "Local task data")."""
-    seen: BaseException | None = exc
-    while seen is not None and not isinstance(seen, FileNotFoundError):
-        seen = seen.__cause__ or seen.__context__
+    seen = next((e for e in _chain(exc) if isinstance(e, FileNotFoundError)), None)
     match = re.search(r"Unable to find '([^']+)'", str(seen)) if seen is not None else None
     if match is None:
         return ""

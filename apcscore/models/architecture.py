@@ -72,16 +72,12 @@ def native_problem(hf_config: Any) -> str | None:
 def check_architecture(hf_config: Any) -> str:
     """The native architecture name of hf_config, or a clear error (the native decoder cannot run it)."""
     arch = native_architecture(hf_config)
-    problem = native_problem(hf_config) if arch is not None else None
+    problem = native_problem(hf_config) if arch is not None else (
+        f"unsupported architecture {_name(hf_config)} for the native decoder; native: "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     if problem:
         raise ApcscoreError(f"{problem} — use --model-backend transformers (or auto) to run it through "
                             f"transformers, without the prefix cache")
-    if arch is None:
-        raise ApcscoreError(
-            f"unsupported architecture {_name(hf_config)} for the native decoder; native: "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)} — use --model-backend transformers (or auto) to run it "
-            f"through transformers, without the prefix cache"
-        )
     return arch
 
 

@@ -45,11 +45,17 @@ def stamped_sha256(files: list[Path], stamp_file: Path) -> str:
     digest = hash_files(files)
     if file_stamps(files) != stamps:  # changed while it was read: give the value, keep no stamp for it
         return digest
+    write_cache_file(stamp_file, json.dumps({"sha256": digest, "files": stamps}) + "\n")
+    return digest
+
+
+def write_cache_file(path: Path, text: str) -> None:
+    """Write `path` whole (this process's temporary file renamed over it), best effort: where the cache cannot be
+    written (OSError), nothing is."""
     try:
-        stamp_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = stamp_file.with_name(f"{stamp_file.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"sha256": digest, "files": stamps}) + "\n")
-        os.replace(tmp, stamp_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     except OSError:
         pass
-    return digest

@@ -47,10 +47,7 @@ def _metadata(gguf: Path) -> tuple[dict[str, Any], tuple[str, ...]]:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(gguf))
-        metadata = {}
-        for name, field in reader.fields.items():
-            if len(field.data) == 1:
-                metadata[name] = field.contents()
+        metadata = {name: field.contents() for name, field in reader.fields.items() if len(field.data) == 1}
         return metadata, tuple(t.name for t in reader.tensors)
     return read_gguf_metadata(str(gguf))
 

@@ -90,10 +90,8 @@ class Attention(PagedAttention):
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) * D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = (x.reshape(num_tokens, -1, self.head_dim)  # [T, Hq or Hkv, D]
+                   for x in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
@@ -312,12 +310,8 @@ class LlamaDecoder(nn.Module):
     @staticmethod
     def load_attention(attn: nn.Module, prefix: str, copy: Callable[..., None]) -> None:
         """q/k/v fused into qkv_proj, o_proj, optional biases and q/k norms (`prefix` "model.layers.N.self_attn.")."""
-        copy(attn.qkv_proj.weight, *(prefix + f"{x}_proj.weight" for x in "qkv"))
-        if attn.qkv_proj.bias is not None:
-            copy(attn.qkv_proj.bias, *(prefix + f"{x}_proj.bias" for x in "qkv"))
-        copy(attn.o_proj.weight, prefix + "o_proj.weight")
-        if attn.o_proj.bias is not None:
-            copy(attn.o_proj.bias, prefix + "o_proj.bias")
+        load_linear(copy, attn.qkv_proj, *(prefix + f"{x}_proj" for x in "qkv"))
+        load_linear(copy, attn.o_proj, prefix + "o_proj")
         if getattr(attn, "q_norm", None) is not None:
             copy(attn.q_norm.weight, prefix + "q_norm.weight")
             copy(attn.k_norm.weight, prefix + "k_norm.weight")
@@ -326,9 +320,13 @@ class LlamaDecoder(nn.Module):
                  copy: Callable[..., None]) -> None:
         """Load one layer's MLP (`prefix` "model.layers.N.mlp."); copy(param, *names) fills fused rows in order.
         Sparse-MoE decoders override it (apcscore.models.moe)."""
-        copy(mlp.gate_up_proj.weight, prefix + "gate_proj.weight", prefix + "up_proj.weight")
-        if mlp.gate_up_proj.bias is not None:
-            copy(mlp.gate_up_proj.bias, prefix + "gate_proj.bias", prefix + "up_proj.bias")
-        copy(mlp.down_proj.weight, prefix + "down_proj.weight")
-        if mlp.down_proj.bias is not None:
-            copy(mlp.down_proj.bias, prefix + "down_proj.bias")
+        load_linear(copy, mlp.gate_up_proj, prefix + "gate_proj", prefix + "up_proj")
+        load_linear(copy, mlp.down_proj, prefix + "down_proj")
+
+
+def load_linear(copy: Callable[..., None], linear: Linear, *names: str) -> None:
+    """A Linear's weight from the checkpoint's `<name>.weight` tensors (several: fused rows, in order), and its bias,
+    if it has one, from their `<name>.bias`."""
+    copy(linear.weight, *(name + ".weight" for name in names))
+    if linear.bias is not None:
+        copy(linear.bias, *(name + ".bias" for name in names))

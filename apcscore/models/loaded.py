@@ -1,10 +1,5 @@
-"""The model an engine runs, before its weights are read: `load_model(spec)` locates it (models/locate.py), checks
-what it is loaded from, and reads its config, tokenizer and rotary tables into one `LoadedModel`, which the driver,
-the Ray replicas and the engines take instead of the spec. The engine (engine/loader.py) reads the weights.
-
-Every refusal comes before any weights are read, as one error (exit 2) naming the file or folder: a set
-`$APCSCORE_CACHE` that apcscore cannot write, a truncated safetensors file (in the cache: the folder to delete), an
-unreadable config or tokenizer, a config no path runs.
+"""The model an engine runs, before its weights are read: `load_model(spec)` and `LoadedModel` (docs/architecture.md,
+the `models/loaded.py` row). The engine (engine/loader.py) reads the weights.
 
 What transformers resolves for a directory (config, tokenizer class, rotary inverse frequencies) costs importing the
 model's config module, which with transformers 5 pulls in torch.distributed and torch._dynamo: about 2 s per process
@@ -27,6 +22,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from apcscore.errors import ApcscoreError
+from apcscore.models.content_hash import write_cache_file
 from apcscore.models.gguf_cache import cache_root
 from apcscore.models.loading import MODEL_FILES, load_config, load_tokenizer
 from apcscore.models.locate import resolve_model, safetensors_files
@@ -218,10 +214,4 @@ def _write(entry: Path, model: LoadedModel) -> None:
         text = json.dumps(data, sort_keys=True)
     except TypeError:  # a config value JSON cannot hold: do not remember this one
         return
-    try:
-        entry.parent.mkdir(parents=True, exist_ok=True)
-        tmp = entry.with_name(f"{entry.name}.{os.getpid()}.tmp")
-        tmp.write_text(text + "\n")
-        os.replace(tmp, entry)
-    except OSError:  # a read-only cache: resolve every time
-        pass
+    write_cache_file(entry, text + "\n")  # a read-only cache: resolve every time

@@ -34,12 +34,6 @@ from apcscore.models.ops import Ops
 from apcscore.models.llama import MLP, Device, Linear, LlamaDecoder
 
 
-def _dense_mlp(cfg: Any, size: int, ops: Ops, device: Device) -> MLP:
-    """A SiLU gate/up/down MLP of intermediate size `size` (Llama's MLP)."""
-    return MLP(SimpleNamespace(hidden_size=cfg.hidden_size, intermediate_size=size,
-                               hidden_act=getattr(cfg, "hidden_act", "silu")), ops.linear, device, ops.silu_mul)
-
-
 class SparseMoe(nn.Module):
     """Top-k routed experts (and Qwen2-MoE's gated shared expert) over a flat batch of tokens [T, H]."""
 
@@ -57,8 +51,9 @@ class SparseMoe(nn.Module):
         self.gate = Linear(h, e, False, ops.linear, device)  # the router
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h, device=device), requires_grad=False)  # [gate|up]
         self.down_proj = nn.Parameter(torch.empty(e, h, i, device=device), requires_grad=False)
-        self.shared_expert = (_dense_mlp(cfg, cfg.shared_expert_intermediate_size, ops, device)
-                              if qwen else None)
+        self.shared_expert = (MLP(SimpleNamespace(hidden_size=h, intermediate_size=cfg.shared_expert_intermediate_size,
+                                                  hidden_act=cfg.hidden_act), ops.linear, device, ops.silu_mul)
+                              if qwen else None)  # a dense SiLU MLP (Llama's)
         self.shared_expert_gate = Linear(h, 1, False, ops.linear, device) if qwen else None
         # tensor parallelism (models.tensor_parallel): this rank's part of every expert's intermediate, and the
         # ranks whose partial outputs are summed; None: the whole layer here

@@ -4,17 +4,12 @@ and partial rotary (Phi-3-mini-128k, Phi-3.5-mini, Phi-4-mini).
 Phi-3 is Llama-shaped: its checkpoint stores q/k/v as one `qkv_proj` ([q | k | v] rows, the order our fused
 projection uses) and gate/up as one `gate_up_proj` ([gate | up]), so each loads as it is.
 
-Long-rope (`rope_type` "longrope"). transformers' Phi-3 rotary embedding computes each forward call with the
-*long* frequencies when the call's largest position + 1 exceeds `original_max_position_embeddings` (call it M),
-else with the *short* ones, for every position of the call; and Phi3ForCausalLM's generate() drops its KV cache
-and recomputes the whole sequence the first time the sequence grows past M tokens. So in transformers every
-token's logits are those of one full forward over the sequence so far: a sequence of at most M tokens is
-rotated short everywhere, a longer one long everywhere. The engine follows exactly that rule per sequence
-(`Sequence.rope_long`): a prompt longer than M is prefilled long; a shorter one that generates past M tokens
-is re-prefilled long, prompt and output, when it crosses (`Scheduler.switch_to_long_rope`), and the two
-variants' KV blocks never share a prefix-cache digest (`Sequence.hash_root`). The decoder keeps both tables in
-one: rows [0, M) short, rows [M, M + max_positions) long; a long sequence's positions arrive offset by M
-(`long_rope_after`, apcscore.engine.step_inputs). The cos/sin scale (attention_factor) is the same for both.
+Long-rope (`rope_type` "longrope"): a sequence of at most M = `original_max_position_embeddings` tokens is
+rotated with the short frequencies everywhere, a longer one with the long ones everywhere, as transformers'
+forward and generate() compute it (the rule and how the engine keeps it: docs/decisions.md, "Long-rope"). The
+decoder keeps both tables in one: rows [0, M) short, rows [M, M + max_positions) long; a long sequence's positions
+arrive offset by M (`long_rope_after`, apcscore.engine.step_inputs). The cos/sin scale (attention_factor) is the
+same for both.
 
 Partial rotary (`partial_rotary_factor` < 1): the first R = head_dim x factor dimensions of each head are
 rotated, the rest pass through (the Llama attention's partial branch).
@@ -49,22 +44,20 @@ class Phi3Decoder(LlamaDecoder):
     def build_rotary_tables(self, rope: Any = None) -> None:
         """Default rope, full rotary: the Llama tables. Long-rope: [M + P, R] (short rows for positions < M, then
         long rows for positions < P); partial rotary: [P, R] with Phi-3's own default frequencies (R dimensions)."""
-        if not self.longrope and not self.partial_rotary:
-            super().build_rotary_tables(rope)
-            return
         if self.longrope:
             short, long = longrope_frequencies(self.config)
             cos_s, sin_s = rotary_tables(short, self.long_rope_after)
             cos_l, sin_l = rotary_tables(long, self.max_positions)
-            cos, sin = torch.cat([cos_s, cos_l]), torch.cat([sin_s, sin_l])
-        else:
+            dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+            self.cos_table = torch.cat([cos_s, cos_l]).to(device=device, dtype=dtype)
+            self.sin_table = torch.cat([sin_s, sin_l]).to(device=device, dtype=dtype)
+            return
+        if self.partial_rotary:  # the Llama tables of Phi-3's own default frequencies (R dimensions)
             from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
 
             inv_freq, scaling = Phi3RotaryEmbedding.compute_default_rope_parameters(self.config)
-            cos, sin = rotary_tables((inv_freq.float(), float(scaling)), self.max_positions)
-        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
-        self.cos_table = cos.to(device=device, dtype=dtype)
-        self.sin_table = sin.to(device=device, dtype=dtype)
+            rope = inv_freq.float(), float(scaling)
+        super().build_rotary_tables(rope)
 
     @staticmethod
     def load_attention(attn: nn.Module, prefix: str, copy: Callable[..., None]) -> None:

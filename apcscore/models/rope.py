@@ -11,7 +11,6 @@ are at least as accurate as transformers' fp32 ones (within 1 ulp of them; docs/
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import types
 from typing import Any, Callable, Iterator
@@ -102,14 +101,8 @@ def portable_math() -> Iterator[None]:
 
 
 def with_portable_math(fn: Callable) -> Callable:
-    """Decorator: fn runs inside portable_math()."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with portable_math():
-            return fn(*args, **kwargs)
-
-    return wrapper
+    """Decorator: fn runs inside portable_math() (a contextmanager's object decorates: contextlib.ContextDecorator)."""
+    return portable_math()(fn)
 
 
 @with_portable_math

@@ -1,11 +1,7 @@
-"""One run of score / generate / perplexity: check everything, open an engine, write the rows of the job's
-requests through it, summarise (docs/architecture.md).
-
-Order: options -> output location -> dataset -> the model's config and tokenizer, the records checked against
-them -> the engine (the weights load) -> rows -> final file, so every problem the user can fix is reported before
-the weights load. Only the engine differs between runs (local, or `--ray`'s run/ray_engine.RayEngine); the writer,
-resume, signals, progress, `--verify-reuse`, the summary and the exit code are written once, here. A resumed run's
-metadata counts its `sessions`, and its `timings` add up every session that ended normally or by an interrupt."""
+"""One run of score / generate / perplexity: everything checked before the weights load, then an engine (local, or
+`--ray`'s run/ray_engine.RayEngine), the job's rows through it and the summary (the order and who owns what:
+docs/architecture.md, "A run"). A resumed run's metadata counts its `sessions`, and its `timings` add up every
+session that ended normally or by an interrupt."""
 
 from __future__ import annotations
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 
-from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.errors import ApcscoreError
 from apcscore.lmeval.store import identity_differences
@@ -71,7 +70,6 @@ class RecordedEngine:
         self.info = SimpleNamespace(name=model["name"], path=model["path"], num_parameters=model["num_parameters"],
                                     fingerprint=model["fingerprint"], max_model_len=model["max_model_len"])
         self.dtype = getattr(torch, config["dtype"])  # what get_model_info shows: as the engine's
-        self.config = EngineConfig()
 
     def run(self, requests: Any, on_step: Any = None) -> Any:
         raise RuntimeError("a merge computes nothing: every response comes from the shards")

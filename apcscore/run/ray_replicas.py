@@ -1,9 +1,6 @@
-"""Ray replicas: `--replicas` actors (scale/replica.Replica), each hosting an engine, fed by run/ray_engine.RayEngine.
-
-Starts the actors (their resources checked against the cluster's first: an actor that can never be placed would
-wait forever), has each describe its engine, refuses replicas that differ in what fixes the bits, feeds and stops
-them. Ray restarts a dead replica (`MAX_RESTARTS`) and reruns its chunk (`MAX_TASK_RETRIES`). Ray is imported here
-only, and only for `--ray`."""
+"""Ray replicas: `--replicas` actors (scale/replica.Replica), each hosting an engine, fed by run/ray_engine.RayEngine:
+started, described, refused when they differ in what fixes the bits, fed and stopped (faults: docs/scale-out.md).
+Ray is imported here only, and only for `--ray`."""
 
 from __future__ import annotations
 
@@ -47,11 +44,11 @@ def connect(ray: Any, address: str) -> bool:
 def replica_resources(ray: Any, opts: ScaleOptions) -> tuple[float, float]:
     """(CPUs, GPUs) of one replica: --cpus-per-replica (default 1) and --gpus-per-replica (default 1 on a
     cluster with GPUs unless --device cpu, else 0)."""
+    have = ray.cluster_resources()
     gpus = opts.gpus_per_replica
     if gpus is None:
-        gpus = 1 if ray.cluster_resources().get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
+        gpus = 1 if have.get("GPU", 0) > 0 and opts.engine.device != "cpu" else 0
     cpus = opts.cpus_per_replica if opts.cpus_per_replica is not None else 1
-    have = ray.cluster_resources()
     for name, key, need in (("GPU", "gpus", gpus), ("CPU", "cpus", cpus)):
         if need > have.get(name, 0):  # the actor would wait for them forever, without a word
             shown = ", ".join(f"{k} {v:g}" for k, v in sorted(have.items()) if k in ("CPU", "GPU")) or "none"

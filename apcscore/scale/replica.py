@@ -23,8 +23,6 @@ class Replica:
         self.engine = load_engine(load_model(opts.model), opts.engine)  # this process's engine
         self.load_seconds = time.perf_counter() - started
         self.run_seconds = 0.0
-        self.requests = 0  # engine requests run since this process started
-        self.started = time.time()
 
     def describe(self) -> dict:
         """This replica's engine as a single process's metadata describes it, its model facts and its process."""
@@ -43,12 +41,10 @@ class Replica:
         started = time.perf_counter()
         outputs = list(run(requests))
         self.run_seconds += time.perf_counter() - started
-        self.requests += len(outputs)
         return outputs, self.stats()
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this replica since it (re)started: requests, load and run seconds, and the engine's counters
-        (an EngineCounters, which the Ray engine adds up)."""
-        return {"pid": os.getpid(), "requests": self.requests, "started": self.started,
-                "load_seconds": self.load_seconds, "run_seconds": self.run_seconds,
+        """Counters of this replica since it (re)started: its process, load and run seconds, and the engine's counters
+        (an EngineCounters, which the Ray engine adds up): run/ray_replicas.replica_run records them."""
+        return {"pid": os.getpid(), "load_seconds": self.load_seconds, "run_seconds": self.run_seconds,
                 "counters": self.engine.counters()}
