@@ -19,6 +19,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -169,14 +170,55 @@ def setting_env(setting: tuple[str, str, str]) -> dict[str, str]:
     return {**os.environ, "ATEN_CPU_CAPABILITY": capability, "APCSCORE_SIMD": simd, "OMP_NUM_THREADS": threads}
 
 
-def run_digests(setting: tuple[str, str, str], extra: list[str], tmp_path: Path) -> dict:
-    capability, simd, threads = setting
-    env = setting_env(setting)
-    out = tmp_path / f"{capability}-{simd}-{threads}.json"
-    res = subprocess.run([sys.executable, str(SCRIPT), "--write", str(out), *extra], env=env, capture_output=True,
-                         text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-3000:]
-    return json.loads(out.read_text())
+class DigestRuns:
+    """The subprocess runs of scripts/golden_digests.py (a setting, its arguments) this module's selected tests
+    read, queued in test order and run side by side, as many at once as this machine has CPUs: a run forced to 1
+    thread (the scalar setting's, ~80 s for the default model) would otherwise leave the second of CI's 2 cores
+    idle while its test waits. A run's bits do not depend on what else runs (its setting is forced)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.queued: dict[tuple, list[str]] = {}  # (setting, arguments) -> its command line
+        self.started: dict[tuple, tuple[subprocess.Popen, Path]] = {}
+        self.at_once = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+    def queue(self, setting: tuple[str, str, str], extra: list[str]) -> None:
+        self.queued.setdefault((setting, tuple(extra)), extra)
+
+    def _start(self, key: tuple) -> None:
+        setting, extra = key[0], self.queued.pop(key)
+        out = self.folder / f"{len(self.started)}-{'-'.join(setting)}.json"
+        with out.with_suffix(".stderr").open("w") as stderr:  # a file, not a pipe: nothing waits for a reader
+            proc = subprocess.Popen([sys.executable, str(SCRIPT), "--write", str(out), *extra],
+                                    env=setting_env(setting), stdout=subprocess.DEVNULL, stderr=stderr)
+        self.started[key] = proc, out
+
+    def fill(self) -> None:
+        """Start queued runs while fewer than `at_once` run."""
+        running = sum(proc.poll() is None for proc, _ in self.started.values())
+        for key in list(self.queued)[:max(0, self.at_once - running)]:
+            self._start(key)
+
+    def result(self, setting: tuple[str, str, str], extra: list[str]) -> dict:
+        """The run's digests, once it has ended; queued runs start as running ones end meanwhile."""
+        key = (setting, tuple(extra))
+        if key not in self.started:
+            self.queue(setting, extra)
+            self._start(key)
+        proc, out = self.started[key]
+        deadline = time.monotonic() + 1800
+        while proc.poll() is None:
+            self.fill()
+            assert time.monotonic() < deadline, f"{setting} {extra}: over 1800 s"
+            time.sleep(0.2)
+        assert proc.returncode == 0, out.with_suffix(".stderr").read_text()[-3000:]
+        return json.loads(out.read_text())
+
+    def close(self) -> None:
+        for proc, _ in self.started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def supported(settings: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
@@ -204,11 +246,46 @@ def test_the_forced_settings_take_effect(setting: tuple[str, str, str]) -> None:
     assert res.stdout.split() == [CAPABILITY_SEEN[capability], *KERNEL_SEEN[simd], threads], (setting, res.stdout)
 
 
+def as_it_is() -> tuple[str, str, str]:
+    """The setting of the golden run: this machine as it is (nothing forced but the thread count it has)."""
+    return "", "", str(torch.get_num_threads())
+
+
+def tiny_families_runs(tiny_model_dir) -> list[str]:
+    """The golden_digests arguments of the tiny families' runs."""
+    return [*(arg for arch in NATIVE_TINY for arg in ("--model", str(tiny_model_dir(arch)))), "--runs",
+            "generate-scored"]
+
+
+@pytest.fixture(scope="module")
+def digest_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[DigestRuns]:
+    """The module's DigestRuns: every run its selected tests read, queued in their order, the first ones started
+    (while the tiny models are built, where their test is selected)."""
+    runs = DigestRuns(tmp_path_factory.mktemp("digests"))
+    names = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module:
+            continue
+        names.append(item.originalname)
+        if item.originalname == "test_default_model_gives_the_golden_digests":
+            runs.queue(as_it_is(), [])
+        elif item.originalname == "test_default_model_bits_do_not_depend_on_the_instruction_set":
+            setting = item.callspec.params["setting"]
+            runs.queue(setting, DEFAULT_MODEL_RUNS[setting[1]])
+    runs.fill()
+    if "test_tiny_families_bits_do_not_depend_on_the_instruction_set" in names:
+        for setting in supported(SETTINGS):
+            runs.queue(setting, tiny_families_runs(request.getfixturevalue("tiny_model_dir")))
+        runs.fill()
+    yield runs
+    runs.close()
+
+
 @pytest.mark.slow
-def test_default_model_gives_the_golden_digests(tmp_path: Path) -> None:
+def test_default_model_gives_the_golden_digests(digest_runs: DigestRuns) -> None:
     """Score, multiple choice, perplexity, greedy and seeded-sampled generation of the default model, fp32 and bf16,
     on this machine as it is: the committed digests."""
-    got = run_digests(("", "", str(torch.get_num_threads())), [], tmp_path)
+    got = digest_runs.result(as_it_is(), [])
     want = json.loads(GOLDEN.read_text())
     assert got == want, f"differing: {[k for k in want if got.get(k) != want[k]]}"
 
@@ -216,20 +293,19 @@ def test_default_model_gives_the_golden_digests(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("setting", supported(SETTINGS), ids="-".join)
 def test_default_model_bits_do_not_depend_on_the_instruction_set(setting: tuple[str, str, str],
-                                                                 tmp_path: Path) -> None:
+                                                                 digest_runs: DigestRuns) -> None:
     """Scoring and seeded sampling of the default model under forced instruction sets and thread counts: the
     golden digests (DEFAULT_MODEL_RUNS says which runs each setting makes)."""
-    got = run_digests(setting, DEFAULT_MODEL_RUNS[setting[1]], tmp_path)
+    got = digest_runs.result(setting, DEFAULT_MODEL_RUNS[setting[1]])
     want = json.loads(GOLDEN.read_text())
     assert got == {k: want[k] for k in got}, f"differing: {[k for k in got if got[k] != want[k]]}"
 
 
 @pytest.mark.slow
-def test_tiny_families_bits_do_not_depend_on_the_instruction_set(tiny_model_dir, tmp_path: Path) -> None:
+def test_tiny_families_bits_do_not_depend_on_the_instruction_set(tiny_model_dir, digest_runs: DigestRuns) -> None:
     """Every native tiny family: seeded sampling with the prompts' top-5 logprobs (the scored prefill, decode and the
     sampler in one run), fp32 and bf16, gives one set of digests under every setting."""
-    models = [arg for arch in NATIVE_TINY for arg in ("--model", str(tiny_model_dir(arch)))]
-    runs = {setting: run_digests(setting, [*models, "--runs", "generate-scored"], tmp_path)
+    runs = {setting: digest_runs.result(setting, tiny_families_runs(tiny_model_dir))
             for setting in supported(SETTINGS)}
     first = next(iter(runs.values()))
     for setting, digests in runs.items():
