@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -40,10 +41,8 @@ class AttentionMetadata:
                       block_size: int) -> "AttentionMetadata":
         """Metadata for calling an attention backend directly (benchmarks, tests): items are (q_len, seq_len)
         per sequence, tables their block ids. No slots: the new K/V are taken as already stored."""
-        cu, lens = [0], []
-        for q_len, seq_len in items:
-            cu.append(cu[-1] + q_len)
-            lens.append(seq_len)
+        cu = [0, *itertools.accumulate(q_len for q_len, _ in items)]
+        lens = [seq_len for _, seq_len in items]
         block_tables = torch.zeros(len(items), max(map(len, tables)), dtype=torch.int32)
         for i, table in enumerate(tables):
             block_tables[i, :len(table)] = torch.tensor(table)

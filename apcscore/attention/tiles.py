@@ -24,11 +24,6 @@ def query_row_tile(device: torch.device) -> int:
     return 1 if fixed_order(device) else QUERY_ROW_TILE
 
 
-def heads_major(cache: torch.Tensor) -> torch.Tensor:
-    """[num_blocks, block_size, Hkv, D] cache -> [Hkv * num_slots, D] (a view for this backend's own pools)."""
-    return cache.permute(2, 0, 1, 3).reshape(-1, cache.shape[3])
-
-
 def pad_slots(slots: torch.Tensor, length: int) -> torch.Tensor:
     """`slots` [L] padded to `length` with the sequence's own first slot.
 
@@ -40,15 +35,17 @@ def pad_slots(slots: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def head_rows(slots: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rows of `heads_major(cache)` for `slots` (any shape S): [Hkv * prod(S)] int64, head-major."""
+    """Rows of the cache seen heads-major (see gather) for `slots` (any shape S): [Hkv * prod(S)] int64."""
     num_slots = cache.shape[0] * cache.shape[1]
     heads = torch.arange(cache.shape[2], device=slots.device)[:, None] * num_slots
     return (heads + slots.reshape(1, -1)).flatten()
 
 
 def gather(cache: torch.Tensor, rows: torch.Tensor, *shape: int) -> torch.Tensor:
-    """[Hkv, *shape, D] in fp32: the cache entries at `rows` (from head_rows)."""
-    return heads_major(cache).index_select(0, rows).view(cache.shape[2], *shape, cache.shape[3]).float()
+    """[Hkv, *shape, D] in fp32: the cache entries at `rows` (from head_rows) of the cache [num_blocks, block_size,
+    Hkv, D] seen heads-major, [Hkv * num_slots, D] (a view for this backend's own pools)."""
+    heads_major = cache.permute(2, 0, 1, 3).reshape(-1, cache.shape[3])
+    return heads_major.index_select(0, rows).view(cache.shape[2], *shape, cache.shape[3]).float()
 
 
 def sequence_slots(table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:

@@ -43,16 +43,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     slot_mapping: [T] (-1 rows are skipped).
     """
     num_tokens = slot_mapping.shape[0]
-    k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [num_blocks * block_size, Hkv, D]
-    v_flat = v_cache.view(-1, *v_cache.shape[2:])
-    valid = slot_mapping[:num_tokens] >= 0
-    if bool(valid.all()):
-        k_flat.index_copy_(0, slot_mapping, key[:num_tokens].to(k_cache.dtype))
-        v_flat.index_copy_(0, slot_mapping, value[:num_tokens].to(v_cache.dtype))
-    else:
-        slots = slot_mapping[valid]
-        k_flat.index_copy_(0, slots, key[:num_tokens][valid].to(k_cache.dtype))
-        v_flat.index_copy_(0, slots, value[:num_tokens][valid].to(v_cache.dtype))
+    key, value = key[:num_tokens], value[:num_tokens]
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        slot_mapping, key, value = slot_mapping[valid], key[valid], value[valid]
+    for new, cache in ((key, k_cache), (value, v_cache)):  # the cache as [num_blocks * block_size, Hkv, D]
+        cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, new.to(cache.dtype))
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

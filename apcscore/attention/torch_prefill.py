@@ -25,9 +25,7 @@ from apcscore.attention.tiles import (KV_TILE, gather, head_rows, pad_slots, que
 from apcscore.kernels import rowmath
 
 # Chunks of at most this many queries (one key tile's worth) are batched; longer ones take the per-chunk path,
-# whose causal skipping saves more than batching does there (benchmarks/attention_cpu.py, per 30 layers: 64
-# chunks of 30 queries 0.55x the per-chunk time, 32 questions of 20 after a 600-token prefix 0.78x; with 256,
-# 20 chunks of 110 took 1.3x and a scoring step of 20..400 1.9x).
+# whose causal skipping saves more than batching does there (docs/benchmarks.md, "Short prefill chunks batched").
 MAX_BATCHED_QUERIES = 64
 # A batch of chunks is closed when its padded area (rows x keys, summed over chunks) would exceed this many
 # times the chunks' own area, or its score tensor these many elements per KV head: ~3 MB for 3 KV heads, about

@@ -6,8 +6,6 @@ torch ops run the rest (`supported`).
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from apcscore.kernels.cpu_library import available, forced_simd, library
@@ -36,13 +34,11 @@ def attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_heads, head_dim = query.shape[1], query.shape[2]
     q = query if query.dtype == torch.float32 and query.stride(-1) == 1 else query.float().contiguous()
     dst = out if out.dtype == torch.float32 and out.stride(-1) == 1 else torch.empty(out.shape, dtype=torch.float32)
-    ptr = ctypes.c_void_p
     status = library().apc_attention(
-        len(lens), ptr(cu.data_ptr()), ptr(lens.data_ptr()), ptr(tables.data_ptr()), tables.stride(0),
-        ptr(q.data_ptr()), q.stride(0), q.stride(1), num_heads, k_cache.shape[2], head_dim, scale,
-        ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()), DTYPE_CODES[k_cache.dtype], k_cache.stride(0),
-        k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], ptr(dst.data_ptr()), dst.stride(0), dst.stride(1),
-        torch.get_num_threads(), forced_simd())
+        len(lens), cu.data_ptr(), lens.data_ptr(), tables.data_ptr(), tables.stride(0), q.data_ptr(), q.stride(0),
+        q.stride(1), num_heads, k_cache.shape[2], head_dim, scale, k_cache.data_ptr(), v_cache.data_ptr(),
+        DTYPE_CODES[k_cache.dtype], *k_cache.stride()[:3], k_cache.shape[1], dst.data_ptr(), dst.stride(0),
+        dst.stride(1), torch.get_num_threads(), forced_simd())
     if status != 0:
         raise MemoryError("the fixed-order CPU attention could not allocate its workspace")
     if dst is not out:  # the sequences' rows are the first ones, one after another (cu_seqlens)

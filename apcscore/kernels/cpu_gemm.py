@@ -9,12 +9,10 @@ the row of x, the row of w and K alone, on any x86 or other CPU, and why blocks:
 so the guarantee is our code's, not an observation of one machine; `apcscore.engine.gemm_probe` checks it
 when an engine starts.
 
-The C files (this GEMM and cpu_math.c, the portable row ops) are compiled once per machine with the C compiler
-(`$CC`, else `cc` / `gcc`; Triton needs one too) into one library in the kernel cache and loaded with ctypes
-after torch, so its OpenMP calls run on torch's own OpenMP runtime (apcscore.kernels.cpu_library: where, under
-which name, and when a cached file is not trusted). `CpuGemmUnavailable` says why when it cannot be built. The
-workspaces the kernels write are per thread (kernels/buffers.py). `APCSCORE_SIMD` (scalar, avx2, avx512) caps the
-instruction set of every kernel in it, so that tests compare them on one machine (the bits are the same).
+The C files are compiled on first use into one library, loaded with ctypes after torch, so that its OpenMP calls
+run on torch's own OpenMP runtime (apcscore.kernels.cpu_library). The workspaces the kernels write are per thread
+(kernels/buffers.py). `APCSCORE_SIMD` (scalar, avx2, avx512) caps the instruction set of every kernel in it, so
+that tests compare them on one machine (the bits are the same).
 
 Weights are packed once per weight into the kernel's panel layout (kept in their own dtype: fp32, bf16 or
 fp16; re-packed when the weight changes in place), activations per call. Outputs are fp32, cast to x's dtype
@@ -105,8 +103,7 @@ class FixedOrderLinear:
         lib = library()
         code, w_code = _code(x, "x"), _code(weight, "weight")
         packed = self.pack(weight)
-        m, k = x.shape
-        n = weight.shape[0]
+        (m, k), n = x.shape, weight.shape[0]
         direct = (out is not None and out.dtype == torch.float32 and out.dim() == 2 and out.shape[0] >= m
                   and out.shape[1] == n and (n <= 1 or out.stride(1) == 1))
         y = out[:m] if direct else torch.empty(m, n, dtype=torch.float32)
@@ -119,8 +116,7 @@ class FixedOrderLinear:
         if not direct:
             y = y.to(x.dtype)
             if out is not None:
-                out[:m].copy_(y)
-                y = out[:m]
+                y = out[:m].copy_(y)
         return y if bias is None else y + bias
 
 
@@ -146,7 +142,6 @@ def fixed_order_bmm(a: torch.Tensor, b: torch.Tensor, simd: int | None = None) -
         lib.apc_bmm(b0, b1, m, n, k, a4.data_ptr(), _code(a, "a"), *a4.stride(), b4.data_ptr(), _code(b, "b"),
                     *b4.stride(), c.data_ptr(), *c.stride()[:3], workspace.data_ptr(), threads, simd)
     return c.view(*lead, m, n)
-
 
 
 def paged_bmm(a: torch.Tensor, cache: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, first: int,

@@ -1,28 +1,18 @@
 """The CPU kernel library: cpu_gemm.c, cpu_math.c and cpu_attention.c compiled into one shared object, kept in the
-kernel cache (safely), loaded with ctypes (`library()`, every entry point's signature in SIGNATURES).
+kernel cache `$APCSCORE_CACHE/kernels` (default ~/.cache/apcscore/kernels), loaded with ctypes (`library()`, every
+entry point's signature in SIGNATURES). The rules and their reasons: docs/decisions.md, "The CPU kernel library";
+the warnings: docs/errors.md rows 104b-104d. In short:
 
-- The cache is `$APCSCORE_CACHE/kernels` (default ~/.cache/apcscore/kernels); a library is named by a hash of the
-  sources, the compiler's `--version`, the flags, the machine's architecture and its C library, so a shared home
-  seen from an amd64 and an arm64 machine (or two libcs) keeps one library for each.
-- Trust. A library is code that runs in our process when it is loaded (its constructors first), and its name is
-  predictable, so nothing is loaded from the cache that someone else could have put there. The cache root and its
-  kernels folder (opened without following a link) must belong to this user or root, and no one else may write
-  them unless they have the sticky bit (`folder_problem`); otherwise the cache is not used at all. The library is
-  opened with O_NOFOLLOW (a symbolic link is refused, not followed) and its descriptor checked (`file_problem`: a
-  regular file of this user or root that neither group nor others can write, with no second name: a hard link to a
-  root-owned library under our name would otherwise pass); then it is loaded through that descriptor
-  (/proc/self/fd/N), so the file checked is the file loaded, whatever is renamed meanwhile.
-- Sharing (our decision): a library another user (not root) built is never loaded (it would run their code), so a
-  cache is shared only read-only: root builds into it, every user loads that root-owned file (mode 0755).
-- Building. A library is built in a private temporary folder (mode 0700) made inside the cache folder, loaded from
-  there (the copy we built, checked as above), then renamed into the cache (atomic: one folder, one file system) with
-  mode 0755; the temporary folder is removed. Where the cache is refused or cannot be written (read-only), or holds a
-  file under our name that is refused or cannot be loaded (damaged, another machine's, without the entry points),
-  the process builds a private copy in a temporary folder of the system's instead (removed once loaded), with one
-  warning that names the cache and says why and what to do. A private copy rather than torch's ops (our decision):
-  the fixed-order kernels' bits are the run's contract, and a refused cache costs only the build (~10 s).
+- The name hashes the sources, the compiler's `--version`, the flags, the machine's architecture and its C library.
+- Trust: nothing is loaded from the cache that someone else could have put there. The cache folders must pass
+  `folder_problem` (else the cache is not used at all); the library is opened with O_NOFOLLOW, its descriptor
+  checked (`file_problem`) and loaded through that descriptor (/proc/self/fd/N), so the file checked is the file
+  loaded. A library another user (not root) built is never loaded: a cache is shared read-only, root-built (0755).
 - A sticky folder others can write (as /tmp) is used: they cannot rename or remove our files, and what they add
   under our name fails the file checks (fs.protected_hardlinks, on by default, covers a hard link's later unlink).
+- Building: in a private folder (0700) inside the cache folder, loaded from there, then renamed into the cache
+  (atomic). Where the cache or our file in it is refused or cannot be used, a private copy is built in a temporary
+  folder of the system's (removed once loaded), with one warning that says why and what to do.
 - Every other way of not getting a loaded library with all its entry points (no compiler, a failed compile, a build
   that cannot be loaded) is `CpuGemmUnavailable`, never another exception: `available()` is then False and the
   callers run torch's ops (models.ops.select_linear warns).
@@ -102,11 +92,6 @@ def cache_root() -> Path:
     """$APCSCORE_CACHE, default ~/.cache/apcscore (gguf_cache.cache_root's twin: kernels import no other module)."""
     root = os.environ.get("APCSCORE_CACHE")
     return Path(root).expanduser() if root else Path.home() / ".cache" / "apcscore"
-
-
-def kernel_cache_dir() -> Path:
-    """Where compiled kernels are kept: $APCSCORE_CACHE/kernels, default ~/.cache/apcscore/kernels."""
-    return cache_root() / "kernels"
 
 
 def compiler() -> list[str]:
@@ -245,7 +230,7 @@ def _open_kernels(root: Path) -> int:
 def _from_cache(cc: list[str], name: str) -> ctypes.CDLL:
     """The library from the cache, built into it where absent (see the module doc). _NotUsed where the cache or the
     file under our name is not used."""
-    folder = kernel_cache_dir()
+    folder = cache_root() / "kernels"
     todo = f"remove {folder / name} (the next run builds it there), or set APCSCORE_CACHE to a folder of your own"
     folder_fd = _open_cache()
     try:
@@ -313,8 +298,8 @@ def library() -> ctypes.CDLL:
             try:
                 lib = _from_cache(cc, name)
             except _NotUsed as e:
-                warnings.warn(f"the CPU kernel cache {kernel_cache_dir()} {e.why}; building a private copy for this "
-                              f"process — {e.todo}", stacklevel=2)
+                warnings.warn(f"the CPU kernel cache {cache_root() / 'kernels'} {e.why}; building a private copy for "
+                              f"this process — {e.todo}", stacklevel=2)
                 lib = _private(cc, name)
         except OSError as e:  # no temporary folder, an unreadable source, ...
             raise CpuGemmUnavailable(f"cannot build or load the compiled CPU kernels: {e}") from None

@@ -46,10 +46,7 @@ def map_float(op: int, x: torch.Tensor, inplace: bool = False) -> torch.Tensor:
     if out is x:
         return x
     out = out.view(x.shape).to(x.dtype)
-    if inplace:
-        x.copy_(out)
-        return x
-    return out
+    return x.copy_(out) if inplace else out
 
 
 def _per_row(entry: str, x: torch.Tensor, dtype: torch.dtype, *flags: int) -> torch.Tensor:

@@ -47,8 +47,7 @@ def _map(fn: int, x: torch.Tensor) -> torch.Tensor:
 
 def _shifted_exp(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits [n, V] fp32 -> x = logit - row max [n, V] f64 (exact), e = exp(x) [n, V] f64, S = tree_sum(e) [n]:
-    every double, so log S, and with it each logprob x - log S, is good to ~1e-16 (the fp32 exps of the logprob
-    path's log-sum-exp leave ~1e-7 in it, which would move a small KL by as much)."""
+    every double, so log S, and with it each logprob x - log S, is good to ~1e-16 (why: the module doc)."""
     x = logits.double() - logits.amax(dim=-1, keepdim=True).double()
     e = _map(cpu_math.D_EXP, x)
     return x, e, tree_sum(e)

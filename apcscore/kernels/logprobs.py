@@ -85,19 +85,6 @@ def _token_logprobs_kernel(logits_ptr, targets_ptr, lse_ptr, logprobs_ptr, ranks
         tl.store(top_lp_ptr + row * k + j, v - lse)  # as top_k's logits.float() - lse: the same fp32 op
 
 
-def _check_args(name: str, logits: torch.Tensor, targets: torch.Tensor, k: int) -> None:
-    check_shape(name, "logits", logits, 2)
-    check_dtype(name, "logits", logits, FLOAT_DTYPES)
-    if logits.shape[1] == 0:
-        raise ValueError(f"{name}: logits have an empty vocabulary dimension, shape {tuple(logits.shape)}")
-    check_shape(name, "targets", targets, 1)
-    check_dtype(name, "targets", targets, (torch.int64,))
-    if targets.shape[0] != logits.shape[0]:
-        raise ValueError(f"{name}: {targets.shape[0]} targets for {logits.shape[0]} rows of logits")
-    if not isinstance(k, int) or not 0 <= k <= logits.shape[1]:
-        raise ValueError(f"{name}: k must be an int in [0, vocab size {logits.shape[1]}], got {k!r}")
-
-
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: bool = True, *,
                    block_v: int = BLOCK_V, fused_top_k_max: int = FUSED_TOP_K_MAX
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -114,7 +101,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: b
     """
     name = "token_logprobs"
     check_tensors(name, logits=logits, targets=targets)
-    _check_args(name, logits, targets, k)
+    check_shape(name, "logits", logits, 2)
+    check_dtype(name, "logits", logits, FLOAT_DTYPES)
+    if logits.shape[1] == 0:
+        raise ValueError(f"{name}: logits have an empty vocabulary dimension, shape {tuple(logits.shape)}")
+    check_shape(name, "targets", targets, 1)
+    check_dtype(name, "targets", targets, (torch.int64,))
+    if targets.shape[0] != logits.shape[0]:
+        raise ValueError(f"{name}: {targets.shape[0]} targets for {logits.shape[0]} rows of logits")
+    if not isinstance(k, int) or not 0 <= k <= logits.shape[1]:
+        raise ValueError(f"{name}: k must be an int in [0, vocab size {logits.shape[1]}], got {k!r}")
     check_last_dim_contiguous(name, "logits", logits)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"{name}: block_v must be a power of two >= 16, got {block_v}")

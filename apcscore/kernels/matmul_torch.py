@@ -35,12 +35,8 @@ def invariant_linear_torch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     rows = padded_rows(m)
     if rows != m:
         x = F.pad(x, (0, 0, 0, rows - m))
-    y = F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=out)
-    if rows != m:
-        y = y[:m]
-    if bias is not None:
-        y = y + bias
-    return y
+    y = (F.linear(x, weight) if out is None else torch.mm(x, weight.t(), out=out))[:m]
+    return y if bias is None else y + bias
 
 
 # how the reduction order is fixed, as the run metadata records it (numerics.linear; models/ops.linear_construction)

@@ -160,8 +160,7 @@ def shared_prefix_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     _shared_prefix_decode_kernel[(groups.shape[0], num_kv_heads)](
         out, query, k_cache, v_cache, block_tables, cu_seqlens_q, seq_lens, groups,
         scale * LOG2E, query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
-        v_cache.stride(2), block_tables.stride(0), (softcap or 1.0) * LOG2E,
+        *k_cache.stride()[:3], *v_cache.stride()[:3], block_tables.stride(0), (softcap or 1.0) * LOG2E,
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n,
         IEEE_DOT=query.dtype == torch.float32, SOFTCAP=softcap is not None, num_warps=num_warps,

@@ -16,12 +16,8 @@ import math
 import torch
 
 from apcscore.kernels import cpu_math
-from apcscore.kernels.cpu_library import available
-
-
-def portable() -> bool:
-    """Whether the portable CPU math is available here (the C library builds and loads; cpu_library.available)."""
-    return available()
+# portable(): whether the portable CPU math is available here (the C library builds and loads)
+from apcscore.kernels.cpu_library import available as portable
 
 
 def ours(x: torch.Tensor) -> bool:
@@ -78,9 +74,7 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
 
 def row_sum(x: torch.Tensor) -> torch.Tensor:
     """Sums over the last dimension, fp32 (a fixed order on the CPU: interleaved lanes, a fixed tree)."""
-    if ours(x):
-        return cpu_math.row_sums(x)
-    return x.float().sum(-1)
+    return cpu_math.row_sums(x) if ours(x) else x.float().sum(-1)
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
@@ -94,9 +88,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 
 def row_logsumexp(x: torch.Tensor) -> torch.Tensor:
     """log(sum(exp(x))) over the last dimension, fp64 on the CPU (double sums and log), fp32 elsewhere."""
-    if ours(x):
-        return cpu_math.row_logsumexp(x)
-    return torch.logsumexp(x.float(), dim=-1)
+    return cpu_math.row_logsumexp(x) if ours(x) else torch.logsumexp(x.float(), dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
@@ -148,14 +140,10 @@ def activation(name: str):
     """The MLP activation called `name` in a transformers config (ACT2FN's names), with the portable functions on
     the CPU: silu / swish, gelu (erf), gelu_pytorch_tanh, relu. Other names take transformers' own (ACT2FN),
     whose bits follow the CPU."""
-    if name in ("silu", "swish"):
-        return silu
-    if name == "gelu":
-        return gelu
-    if name == "gelu_pytorch_tanh":
-        return functools.partial(gelu, approximate="tanh")
-    if name == "relu":
-        return torch.relu
+    portable_fns = {"silu": silu, "swish": silu, "gelu": gelu,
+                    "gelu_pytorch_tanh": functools.partial(gelu, approximate="tanh"), "relu": torch.relu}
+    if name in portable_fns:
+        return portable_fns[name]
     from transformers.activations import ACT2FN
 
     return ACT2FN[name]
