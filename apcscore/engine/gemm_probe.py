@@ -3,7 +3,7 @@
 The construction is what makes batch invariance hold (apcscore.kernels.cpu_gemm on the CPU, the fixed-config
 Triton matmul on CUDA); the probe checks it where the engine runs, at the model's own weights (real K; the
 real N where the time budget allows, else the weight's first output rows, a multiple of 16) and at the row
-counts the scheduler produces: 1, 15, 16, 57, 64, 100, 191 and the step budget. Each row of a call of M rows
+counts the scheduler produces (ROW_COUNTS) and the step budget. Each row of a call of M rows
 must equal, bit for bit, the same row inside the largest call; and the rows of a call that starts at another
 row offset must equal theirs too. A failure (a library GEMM that changes its path with M, as MKL does on some
 Intel CPUs) turns the run's batch invariance off with the reason (docs/architecture.md, "The contract").
@@ -28,11 +28,6 @@ OFFSET_ROWS = 64
 MAC_BUDGET = 2.5e8  # multiply-adds per weight shape (~5 ms on 2 idle CPU cores); above it N is cut to fit, never K
 
 
-def probe_rows(budget: int) -> list[int]:
-    """The row counts probed: ROW_COUNTS and the step's token budget."""
-    return sorted(set(ROW_COUNTS) | {budget})
-
-
 def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Tensor], budget: int,
                  dtype: torch.dtype | None = None, seed: int = 0) -> dict[str, Any]:
     """Check `linear` (x [M, K], weight [N, K]) -> [M, N] for row-count and row-offset invariance; the run
@@ -43,7 +38,7 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
     (default each weight's). Inputs are seeded normal values.
     """
     started = time.perf_counter()
-    rows = probe_rows(budget)
+    rows = sorted(set(ROW_COUNTS) | {budget})  # and the step's token budget
     result = {"passed": True, "reason": None, "shapes": [], "row_counts": rows, "offsets": list(OFFSETS)}
     seen: set[tuple] = set()
     generators: dict[torch.device, torch.Generator] = {}  # drawn where the weights are: no host copy

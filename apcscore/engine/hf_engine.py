@@ -27,7 +27,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.detokenizer import IncrementalDetokenizer
-from apcscore.engine.logprobs import chunked_token_logprobs
+from apcscore.engine.logprobs import chunked_token_logprobs, to_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
 from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.context import context_length
@@ -206,15 +206,12 @@ class TransformersEngine:
         raw = raw[:len(tokens)]
         self.stats.generated_tokens += len(tokens)
         out.output_token_ids, out.output_text, out.finish_reason = tokens, text, reason
-        if p.logprobs is not None:
-            if tokens:
-                lp = token_logprobs_torch(torch.stack(raw).float(), torch.tensor(tokens, device=self.device),
-                                          p.logprobs)
-                out.output_logprobs = TokenLogprobs(np.asarray(tokens, np.int64), lp[0].cpu().numpy(),
-                                                    lp[1].cpu().numpy().astype(np.int64),
-                                                    lp[2].cpu().numpy().astype(np.int64), lp[3].cpu().numpy())
-            else:
-                out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
+        if p.logprobs is not None and tokens:
+            targets = torch.tensor(tokens, device=self.device)
+            out.output_logprobs = to_token_logprobs(targets, *token_logprobs_torch(torch.stack(raw).float(), targets,
+                                                                                   p.logprobs))
+        elif p.logprobs is not None:
+            out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
 
     def _finish(self, prompt: list[int], tokens: list[int], request: Request) -> tuple[str, list[int], str]:
         """The finish reason, tokens and text of the completion, cut where the native engine would stop."""

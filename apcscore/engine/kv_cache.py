@@ -34,23 +34,26 @@ def cuda_pool_bytes(total: int, fraction: float, peak_allocated: int, non_torch:
 def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device: torch.device,
                           fraction: float | None, profile: Callable[[], int] | None = None,
                           host_bytes_per_block: int = 0) -> int:
-    """KV pool size: on CPU a share of free host memory (default 0.25, at most 4 GiB); on CUDA `fraction`
-    (default 0.85) of the card's total memory minus the peak of `profile()` (which runs the largest step and
-    returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch.
-    host_bytes_per_block: host memory that lives and dies with each block (exact reuse's score store); on the
-    CPU it is paid from the same share (on CUDA it is host memory, outside the card's budget)."""
+    """KV pool size: `pool_budget` over the bytes per block. host_bytes_per_block: host memory that lives and dies
+    with each block (exact reuse's score store); on the CPU it is paid from the same share (on CUDA it is host
+    memory, outside the card's budget)."""
     per_block = kv_bytes_per_block(hf_config, block_size, dtype)
     if device.type == "cpu":
         per_block += host_bytes_per_block
+    return max(16, int(pool_budget(device, fraction, profile) // per_block))
+
+
+def pool_budget(device: torch.device, fraction: float | None, profile: Callable[[], int] | None = None) -> float:
+    """The bytes a KV pool may take: on CPU a share of free host memory (default 0.25, at most 4 GiB); on CUDA
+    `fraction` (default 0.85) of the card's total memory minus the peak of `profile()` (which runs the largest step
+    and returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch."""
     if device.type == "cuda":
         peak = profile() if profile is not None else torch.cuda.memory_allocated(device)
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-        budget = cuda_pool_bytes(total, fraction or 0.85, peak, non_torch)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(free * (fraction or 0.25), 4 * 2**30)
-    return max(16, int(budget // per_block))
+        return cuda_pool_bytes(total, fraction or 0.85, peak, non_torch)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(free * (fraction or 0.25), 4 * 2**30)
 
 
 BLOCK_HOST_BYTES = 256  # the block manager's Python objects per KV block (measured ~200 bytes)

@@ -1,13 +1,6 @@
-"""Which engine runs a model, and how it is built: the native `Engine` (engine/engine.py: paged KV cache, prefix
-caching, batch invariance) or the transformers fallback `TransformersEngine` (engine/hf_engine.py), as
---model-backend says (auto: native when our decoder implements the architecture;
-models/architecture.choose_model_backend). Both engines have the same interface (engine/interface.BatchEngine);
-this module is the only place that knows both.
-
-The native engine's construction lives here, so that engine/engine.py only runs: the decoder (or, under
---tensor-parallel N, every rank's slice of it), the start-up probe of the linear construction, the KV pool sized
-from memory (on CUDA after a profile of the largest step) with exact reuse's score store paid from the same
-budget, then the block manager, scheduler and model runner, each handed the `EngineConfig` it reads.
+"""Which engine runs a model, and how it is built: the native `Engine` (engine/engine.py) or the transformers fallback
+`TransformersEngine` (engine/hf_engine.py), as --model-backend says (models/architecture.choose_model_backend); the
+only module that knows both. What it builds for the native engine, in order: docs/architecture.md's module table.
 """
 
 from __future__ import annotations

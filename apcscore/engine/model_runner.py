@@ -19,7 +19,7 @@ from apcscore.attention.metadata import AttentionMetadata, set_attention_metadat
 from apcscore.config import EngineConfig
 from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
-from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
+from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs, to_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.step import ScheduledBatch, Sequence, StepInputs, TokenLogprobs
@@ -72,13 +72,9 @@ class ModelRunner:
             self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device, self.to_device)
 
     # ---- batch preparation ---------------------------------------------------------------------
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids [T], positions [T] and the attention metadata of a step, on the device."""
+    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
         # (apcscore.kernels.matmul_torch), with no per-layer padding copy
-        return self._stage(self._step_inputs(batch))
-
-    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         num_rows = padded_rows(sum(n for _, n in batch)) if self.device.type == "cpu" else None
         return build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
 
@@ -286,17 +282,7 @@ class ModelRunner:
         want = [p.logprobs for p in params]
         lps = None
         if any(w is not None for w in want):
-            k = max(w or 0 for w in want)
-            lps = self.logprob_fn(logits, sampled, k)
-            lps = [t.cpu().numpy() for t in lps]
+            lps = to_token_logprobs(sampled, *self.logprob_fn(logits, sampled, max(w or 0 for w in want)))
         tokens = sampled.tolist()  # the step's one read of the sampled tokens
-        out = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
-            tl = None
-            if want[i] is not None:
-                kk = want[i]
-                tl = TokenLogprobs(np.array([tok], np.int64), lps[0][i:i + 1].astype(np.float32),
-                                   lps[1][i:i + 1].astype(np.int64), lps[2][i:i + 1, :kk].astype(np.int64),
-                                   lps[3][i:i + 1, :kk].astype(np.float32))
-            out.append((seq, tok, tl))
-        return out
+        return [(seq, tok, None if want[i] is None else lps.rows(i, i + 1, want[i]))
+                for i, (seq, tok) in enumerate(zip(seqs, tokens))]

@@ -21,21 +21,18 @@ import torch
 @lru_cache(maxsize=1)
 def cpu_description() -> dict[str, str]:
     """{"vendor": "GenuineIntel" | "AuthenticAMD" | ..., "model": the CPU's name} from /proc/cpuinfo."""
-    vendor, model = "", ""
+    fields: dict[str, str] = {}  # the first value of each key (the first CPU's)
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "model name" and not model:
-                    model = value.strip()
-                if vendor and model:
+                fields.setdefault(key.strip(), value.strip())
+                if "vendor_id" in fields and "model name" in fields:
                     break
     except OSError:
         pass
-    return {"vendor": vendor or platform.machine(), "model": model or platform.processor()}
+    return {"vendor": fields.get("vendor_id") or platform.machine(),
+            "model": fields.get("model name") or platform.processor()}
 
 
 @lru_cache(maxsize=1)
