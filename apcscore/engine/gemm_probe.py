@@ -1,12 +1,6 @@
-"""The start-up probe: does this machine's linear layer give a row the same bits whatever shares its call?
-
-The construction is what makes batch invariance hold (apcscore.kernels.cpu_gemm on the CPU, the fixed-config
-Triton matmul on CUDA); the probe checks it where the engine runs, at the model's own weights (real K; the
-real N where the time budget allows, else the weight's first output rows, a multiple of 16) and at the row
-counts the scheduler produces (ROW_COUNTS) and the step budget. Each row of a call of M rows
-must equal, bit for bit, the same row inside the largest call; and the rows of a call that starts at another
-row offset must equal theirs too. A failure (a library GEMM that changes its path with M, as MKL does on some
-Intel CPUs) turns the run's batch invariance off with the reason (docs/architecture.md, "The contract").
+"""The start-up probe: does this machine's linear layer give a row the same bits whatever shares its call? Each row
+of a call of M rows must equal, bit for bit, the same row inside the largest call, and at other row offsets. What it
+probes and what a failure does: docs/decisions.md, "The batch-invariance contract" (**The start-up probe**).
 """
 
 from __future__ import annotations
@@ -87,21 +81,14 @@ def _failed(result: dict[str, Any], started: float, reason: str) -> dict[str, An
     return result
 
 
-def model_weights(model: torch.nn.Module, lm_head: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The weight matrices a model's linear layers multiply by: every `Linear`'s, each expert's of a 3-D MoE
-    parameter, and the LM head as compute_logits uses it (`lm_head`)."""
+def model_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weight matrices a model's linear layers multiply by: every `Linear`'s, and each expert's of a 3-D MoE
+    parameter (stacked experts [E, N, K]); probe_model adds the LM head."""
     from apcscore.models.llama import Linear
 
-    out: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, Linear):
-            out.append(module.weight)
-    for name, param in model.named_parameters():
-        if param.dim() == 3 and name.endswith("_proj"):  # stacked experts [E, N, K]
-            out.append(param[0])
-    if lm_head is not None:
-        out.append(lm_head)
-    return out
+    linears = [module.weight for module in model.modules() if isinstance(module, Linear)]
+    experts = [param[0] for name, param in model.named_parameters() if param.dim() == 3 and name.endswith("_proj")]
+    return linears + experts
 
 
 def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> dict[str, Any]:

@@ -1,18 +1,13 @@
 """The transformers fallback (`--model-backend transformers`): any causal LM that transformers runs, through
-its own forward and `generate()`, with the same requests in and the same outputs out as `Engine`.
-
-What it does not have: the paged KV cache, the prefix cache, chunked prefill, continuous batching and the
-batch-invariance contract. Every request runs alone, in arrival order, with a full recompute of its prompt:
-- prompt logprobs (score, perplexity, loglikelihood, `generate --prompt-logprobs`): one forward over the
-  whole prompt, fp32 logits, the same logprob/rank/top-K function as the native CPU path
-  (`apcscore.kernels.logprobs_torch.token_logprobs_torch`: ranks = 1 + strictly greater logits, ties in the
-  top-K by token id);
+its own forward and `generate()`, with the same requests in and the same outputs out as `Engine`; without the
+paged KV cache, the prefix cache, chunked prefill, continuous batching and the batch-invariance contract (so
+`--exact-reuse` is refused). Every request runs alone, in arrival order, with a full recompute of its prompt:
+- prompt logprobs: one forward over the whole prompt, fp32 logits, the native CPU path's logprob function
+  (`apcscore.kernels.logprobs_torch.token_logprobs_torch`); last-token alternatives are more rows of the last one;
 - generation: `model.generate()` with the request's temperature, top-k, top-p, max_tokens and stop tokens;
   a sampled request's RNG is seeded like the native path's (its own seed, or the engine seed and its arrival);
   stop strings cut the completion where the native engine would (the same incremental detokenizer), and
   `--logprobs` scores each generated token under the raw logits `generate()` returns.
-Requests run one at a time, so outputs come in arrival order. `--exact-reuse` relies on the KV cache and is
-refused on this path. A request's last-token alternatives are more rows of its last logits row.
 """
 
 from __future__ import annotations
@@ -110,8 +105,8 @@ class TransformersEngine:
                ) -> "TransformersEngine":
         model = model.to(device).eval()
         hf_config = model.config
-        archs = list(getattr(hf_config, "architectures", None) or [type(model).__name__])
-        info = replace(info, architecture=archs[0], max_model_len=context_length(hf_config, config),
+        architecture = (getattr(hf_config, "architectures", None) or [type(model).__name__])[0]
+        info = replace(info, architecture=architecture, max_model_len=context_length(hf_config, config),
                        num_parameters=sum(p.numel() for p in model.parameters()))
         return cls(model, config, info, device, dtype)
 

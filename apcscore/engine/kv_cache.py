@@ -4,6 +4,7 @@ layer, attached to the model's attention layers."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
@@ -13,8 +14,11 @@ from typing import Any, Callable
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.models.llama import LlamaDecoder
+from apcscore.models.loaded import LoadedModel
+from apcscore.models.ops import Ops
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -104,9 +108,7 @@ def run_largest_step(model: LlamaDecoder, max_batch_tokens: int, max_model_len: 
         tables[i, :b] = torch.arange(first, first + b, dtype=torch.int32)
         slots.append(torch.arange(n) + first * block_size)
         first += b
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = [0, *itertools.accumulate(lengths)]
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
@@ -139,6 +141,20 @@ def profile_peak_memory(model: LlamaDecoder, **step: Any) -> int:
     pool = blocks * kv_bytes_per_block(model.config, step["block_size"], step["dtype"])
     torch.cuda.empty_cache()
     return max(before, peak - pool)
+
+
+def largest_step_profile(model: LlamaDecoder, config: EngineConfig, info: LoadedModel, device: torch.device,
+                         dtype: torch.dtype, ops: Ops, parallel: Any = None) -> Callable[[], int] | None:
+    """On CUDA, the profile the KV pool is sized after (`profile_peak_memory`: the pool takes what the
+    largest step leaves; under tensor parallelism every rank runs it, and the largest peak counts); else None."""
+    if device.type != "cuda":
+        return None
+    step = dict(max_batch_tokens=config.max_batch_tokens, max_model_len=info.max_model_len,
+                block_size=config.block_size, dtype=dtype, device=device, logits_rows=config.logprobs_chunk_size,
+                logprob_fn=ops.token_logprobs, k=min(config.max_logprobs, info.vocab_size))
+    if parallel is not None:  # every rank runs the step (its collectives)
+        return lambda: parallel.profile(step)
+    return lambda: profile_peak_memory(model, **step)
 
 
 def step_lengths(max_batch_tokens: int, max_model_len: int) -> list[int]:

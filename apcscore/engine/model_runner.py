@@ -48,7 +48,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_kv_blocks = num_kv_blocks
         self.logprobs_chunk_size = config.logprobs_chunk_size
-        self.base_seed = config.seed
         self.logprob_fn = logprob_fn
         self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
         self.reference: ModelRunner | None = None  # the reference model's runner, same pool size (engine/reference.py)
@@ -275,7 +274,7 @@ class ModelRunner:
         gens = []
         for seq, p in zip(seqs, params):
             if p.temperature > 0 and seq.generator is None:
-                seed = p.seed if p.seed is not None else hash((self.base_seed, seq.arrival))
+                seed = p.seed if p.seed is not None else hash((self.config.seed, seq.arrival))
                 seq.generator = make_generator(seed, dev)
             gens.append(seq.generator)
         sampled = sample_rows(logits, params, gens)  # [S] on the device

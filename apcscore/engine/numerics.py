@@ -46,14 +46,6 @@ def blas_description() -> dict[str, Any]:
                                                "ATEN_CPU_CAPABILITY") if k in os.environ}}
 
 
-def device_capability(device: torch.device) -> str | None:
-    """The GPU's compute capability ("sm_90") for CUDA devices, else None."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
-
-
 # The version of the portable CPU math (kernels/cpu_math.c, kernels/rowmath.py, the rope tables' functions, the
 # sampler's draw): raise it with any change to them that moves a bit (and update the golden digests).
 PORTABLE_MATH = "apcscore portable math v1"
@@ -72,13 +64,15 @@ def describe_numerics(device: torch.device, batch_invariant: bool, linear: str, 
     """The `numerics` metadata of an engine (see the module doc). portable: the run's bits are the same on every
     CPU (asked by the caller: the fixed-order GEMM ran, and the portable math)."""
     hardware: dict[str, Any] = {"cpu": cpu_description()}
+    capability = None  # the GPU's compute capability ("sm_90")
     if device.type == "cuda":
         hardware["gpu"] = torch.cuda.get_device_name(device)
+        capability = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
     return {"batch_invariant": batch_invariant, "reason": reason, "linear": linear, "probe": probe,
             "portable": portable, "math": PORTABLE_MATH if portable else "torch's ops (follow the CPU's ISA)",
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "simd": cpu_simd() if device.type == "cpu" else None,
-            "device_capability": device_capability(device), "hardware": hardware, "blas": blas_description()}
+            "device_capability": capability, "hardware": hardware, "blas": blas_description()}
 
 
 def exp(value: float) -> float:

@@ -1,16 +1,7 @@
 """A reference model in the same run (`score --reference-model A`): the exact divergence of the model from it at
-every scored position, computed from both models' logits chunks as they are produced.
-
-The reference is a second decoder with its own KV pool of the same number of blocks, run on the same scheduled
-batches: one scheduler and block manager, the same block tables, so a block of the prefix cache holds both models'
-KV of the same tokens. Each step runs both forwards; where the logprob step projects a chunk of scored rows
-(engine/logprobs.chunked_token_logprobs), the reference's logits of the same rows are computed beside the model's
-and reduced per row (kernels/divergence_torch.row_divergence). Peak memory: both models' weights and KV pools plus
-O(chunk x vocab); nothing of the full distributions is kept.
-
-Both models must read the same token ids: their vocabularies (size and the tokenizer's token -> id map) must be
-equal. Refused with a reference: the transformers fallback, tensor parallelism and exact reuse (the score store
-holds one model's results); CUDA graphs are turned off (both pools are sized after both models are loaded).
+every scored position, from both models' logits chunks as they are produced: a second decoder and KV pool on the
+same block tables (one scheduler), both forwards each step (docs/compare.md, "Exact KL", says what is computed,
+what is checked and what is refused). Here: the checks, the pairing and the shared pool size.
 """
 
 from __future__ import annotations
@@ -91,8 +82,7 @@ def resize_pools(engine: Any, ref_engine: Any, num_blocks: int) -> None:
 def shared_num_kv_blocks(engine: Any, ref_engine: Any) -> int:
     """The blocks both pools get: the budget one engine's pool would get (kv_cache.pool_budget, with both models
     loaded and the larger of their largest steps' peaks), over both models' bytes per block."""
-    from apcscore.engine.kv_cache import kv_bytes_per_block, pool_budget
-    from apcscore.engine.loader import largest_step_profile
+    from apcscore.engine.kv_cache import kv_bytes_per_block, largest_step_profile, pool_budget
 
     cfg, device, dtype = engine.config, engine.device, engine.dtype
     engines = (engine, ref_engine)
