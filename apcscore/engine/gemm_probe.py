@@ -94,8 +94,7 @@ def model_weights(model: torch.nn.Module) -> list[torch.Tensor]:
 def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> dict[str, Any]:
     """probe_linear over a decoder's weights, then the LM head as compute_logits multiplies it
     (`model.logits_product()`: on CUDA rows in the model dtype and fp32 logits, on the CPU fp32 rows)."""
-    weights = model_weights(model)
-    result = probe_linear(linear, weights, budget)
+    result = probe_linear(linear, model_weights(model), budget)
     if result["passed"]:
         head_linear, head, rows_dtype = model.logits_product()
         head_result = probe_linear(head_linear, [head], budget, dtype=rows_dtype, seed=1)

@@ -45,15 +45,18 @@ class TransformersEngine:
 
     def __init__(self, model: Any, config: EngineConfig, info: LoadedModel, device: torch.device,
                  dtype: torch.dtype) -> None:
-        """info: the model it runs, its facts filled in (`_build`)."""
+        """model: a transformers causal LM (moved to `device` here); info: the model it runs, its facts filled in
+        here."""
+        architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
         if config.exact_reuse:
             raise ApcscoreError(f"--exact-reuse needs our native decoder (a paged KV cache to reuse); "
-                                f"{info.architecture} runs on the transformers fallback, which recomputes every "
+                                f"{architecture} runs on the transformers fallback, which recomputes every "
                                 f"prompt: drop --exact-reuse")
-        self.model = model
+        self.model = model.to(device).eval()
         self.tokenizer = info.tokenizer
         self.config = config
-        self.info = info
+        self.info = replace(info, architecture=architecture, max_model_len=context_length(model.config, config),
+                            num_parameters=sum(p.numel() for p in model.parameters()))
         self.device = device
         self.dtype = dtype
         self.numerics = describe_numerics(device, False, "the model's own transformers forward",
@@ -78,8 +81,7 @@ class TransformersEngine:
         model = loaded(model)
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
         hf_model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype, local_files_only=True)
-        return cls._build(hf_model, replace(model, fingerprint=weights_fingerprint(model.path)), config, device,
-                          dtype)
+        return cls(hf_model, config, replace(model, fingerprint=weights_fingerprint(model.path)), device, dtype)
 
     @classmethod
     def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
@@ -98,17 +100,7 @@ class TransformersEngine:
             raise ApcscoreError(f"the weights do not fit the {type(model).__name__}: missing "
                                 f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
         model.tie_weights()
-        return cls._build(model, LoadedModel("custom", None, hf_config, tokenizer, rope=None), config, device, dtype)
-
-    @classmethod
-    def _build(cls, model: Any, info: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype
-               ) -> "TransformersEngine":
-        model = model.to(device).eval()
-        hf_config = model.config
-        architecture = (getattr(hf_config, "architectures", None) or [type(model).__name__])[0]
-        info = replace(info, architecture=architecture, max_model_len=context_length(hf_config, config),
-                       num_parameters=sum(p.numel() for p in model.parameters()))
-        return cls(model, config, info, device, dtype)
+        return cls(model, config, LoadedModel("custom", None, hf_config, tokenizer, rope=None), device, dtype)
 
     def counters(self) -> EngineCounters:
         """This engine's counters since it was built (no prefix cache, no KV pool: those are 0)."""

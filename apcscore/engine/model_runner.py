@@ -268,16 +268,13 @@ class ModelRunner:
                 seqs.append(seq)
         if not rows:
             return []
-        dev = hidden.device
         logits = self._rows_logits(hidden, rows)  # [S, V]
         params = [seq.request.sampling for seq in seqs]
-        gens = []
         for seq, p in zip(seqs, params):
             if p.temperature > 0 and seq.generator is None:
                 seed = p.seed if p.seed is not None else hash((self.config.seed, seq.arrival))
-                seq.generator = make_generator(seed, dev)
-            gens.append(seq.generator)
-        sampled = sample_rows(logits, params, gens)  # [S] on the device
+                seq.generator = make_generator(seed, hidden.device)
+        sampled = sample_rows(logits, params, [seq.generator for seq in seqs])  # [S] on the device
         want = [p.logprobs for p in params]
         lps = None
         if any(w is not None for w in want):

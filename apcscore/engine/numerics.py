@@ -1,11 +1,7 @@
 """What a run's bits depend on besides its inputs: the batch-invariance verdict, the linear construction, the
-start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`.
-
-Which of them resume, merge, Ray replicas and the eval cache compare, and when, is io/identity.py's: the verdict,
-the construction (`linear`, with the GEMM's order version), `portable`, `math` and `device_capability` always;
-`cpu_capability` where the bits are not portable; `hardware` and `blas` where the GEMM is a library one (the
-pad-16 fallback, `--no-batch-invariant`) or the probe failed; never `torch_threads`, `simd` (our kernels' copies
-give the same bits), or the probe's details.
+start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`. Which of them
+resume, merge, Ray replicas and the eval cache compare, and when: io/identity.py (docs/decisions.md, "A run's
+identity (issue 40): the rules in full").
 """
 
 from __future__ import annotations
