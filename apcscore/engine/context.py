@@ -33,7 +33,6 @@ def context_length(hf_config: Any, config: EngineConfig, window_cap: bool = Fals
     window_cap: for an attention that does not implement the model's sliding window (the native decoder, but
     Gemma's): inside the window full causal attention is the same thing, so the context is capped there and
     longer prompts are refused. The transformers fallback masks the window itself (window_cap=False).
-    A clear error when neither the model nor --max-model-len gives a length.
     """
     positions = _positions(hf_config)
     if not positions and not config.max_model_len:

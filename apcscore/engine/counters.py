@@ -1,6 +1,5 @@
-"""`EngineCounters`, an engine's one tally: what it counts as it runs (`Engine.stats`: its steps and tokens, and its
-prefix cache's hits, which the block manager and scheduler count into the same tally), and, with its KV pool's use,
-the snapshot `Engine.counters()` returns (run metadata, progress bar, the sum over Ray replicas). Torch-free."""
+"""`EngineCounters`, an engine's one tally (`Engine.stats`) and the snapshot `Engine.counters()` returns (run
+metadata, progress bar, the sum over Ray replicas). Torch-free."""
 
 from __future__ import annotations
 

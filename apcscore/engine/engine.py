@@ -1,12 +1,6 @@
-"""The batch engine: requests in, outputs out. Each step reads add -> schedule -> execute -> postprocess: requests
-join the scheduler's queue (engine/scheduler.py), it picks a batch under the token budget with the block manager,
-the model runner runs it (engine/model_runner.py), and the engine accounts the results and retires the finished
-requests. engine/loader.py builds it (the model, the KV pool, the parts, each handed the EngineConfig).
-
-`Engine.run` pulls requests lazily from any iterable (so a huge dataset never sits in memory as
-sequences), keeps a bounded look-ahead of waiting requests, and yields a RequestOutput for each request
-as soon as it finishes (completion order). Problems of one request (too long, too big for the KV pool,
-bad values) become an output with `error` set; they never stop the run.
+"""The batch engine, which only runs (engine/loader.py builds it): requests in, one output per request out, in
+completion order; each step reads add -> schedule -> execute -> postprocess (docs/architecture.md, "The engine step").
+A request's own problem (too long, too big for the KV pool, bad values) is an output with `error` set.
 """
 
 from __future__ import annotations
@@ -83,7 +77,9 @@ class Engine:
                     self._check_current(token)
                 if not self.scheduler.has_work:  # (_add leaves work to do unless the requests are exhausted)
                     return
-                batch = self._schedule()
+                batch = self.scheduler.schedule()  # (it counts its preemptions into self.stats)
+                if not batch:
+                    raise RuntimeError("scheduler made no progress: this is a bug, please report it")
                 sampled = self.runner.execute(batch)
                 for out in self._postprocess(batch, sampled):
                     yield out
@@ -134,13 +130,6 @@ class Engine:
             return (f"the request needs {need} KV blocks, more than the whole pool of "
                     f"{self.block_manager.num_blocks}; raise --num-kv-blocks or shorten the request")
         return None
-
-    # ---- schedule ------------------------------------------------------------------------------
-    def _schedule(self) -> ScheduledBatch:
-        batch = self.scheduler.schedule()  # (it counts its preemptions into self.stats)
-        if not batch:
-            raise RuntimeError("scheduler made no progress: this is a bug, please report it")
-        return batch
 
     # ---- postprocess ---------------------------------------------------------------------------
     def _postprocess(self, batch: ScheduledBatch,

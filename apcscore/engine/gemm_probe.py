@@ -1,12 +1,6 @@
-"""The start-up probe: does this machine's linear layer give a row the same bits whatever shares its call?
-
-The construction is what makes batch invariance hold (apcscore.kernels.cpu_gemm on the CPU, the fixed-config
-Triton matmul on CUDA); the probe checks it where the engine runs, at the model's own weights (real K; the
-real N where the time budget allows, else the weight's first output rows, a multiple of 16) and at the row
-counts the scheduler produces: 1, 15, 16, 57, 64, 100, 191 and the step budget. Each row of a call of M rows
-must equal, bit for bit, the same row inside the largest call; and the rows of a call that starts at another
-row offset must equal theirs too. A failure (a library GEMM that changes its path with M, as MKL does on some
-Intel CPUs) turns the run's batch invariance off with the reason (docs/architecture.md, "The contract").
+"""The start-up probe: does this machine's linear layer give a row the same bits whatever shares its call? Each row
+of a call of M rows must equal, bit for bit, the same row inside the largest call, and at other row offsets. What it
+probes and what a failure does: docs/decisions.md, "The batch-invariance contract" (**The start-up probe**).
 """
 
 from __future__ import annotations
@@ -28,11 +22,6 @@ OFFSET_ROWS = 64
 MAC_BUDGET = 2.5e8  # multiply-adds per weight shape (~5 ms on 2 idle CPU cores); above it N is cut to fit, never K
 
 
-def probe_rows(budget: int) -> list[int]:
-    """The row counts probed: ROW_COUNTS and the step's token budget."""
-    return sorted(set(ROW_COUNTS) | {budget})
-
-
 def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Tensor], budget: int,
                  dtype: torch.dtype | None = None, seed: int = 0) -> dict[str, Any]:
     """Check `linear` (x [M, K], weight [N, K]) -> [M, N] for row-count and row-offset invariance; the run
@@ -43,7 +32,7 @@ def probe_linear(linear: Callable[..., torch.Tensor], weights: Iterable[torch.Te
     (default each weight's). Inputs are seeded normal values.
     """
     started = time.perf_counter()
-    rows = probe_rows(budget)
+    rows = sorted(set(ROW_COUNTS) | {budget})  # and the step's token budget
     result = {"passed": True, "reason": None, "shapes": [], "row_counts": rows, "offsets": list(OFFSETS)}
     seen: set[tuple] = set()
     generators: dict[torch.device, torch.Generator] = {}  # drawn where the weights are: no host copy
@@ -92,28 +81,20 @@ def _failed(result: dict[str, Any], started: float, reason: str) -> dict[str, An
     return result
 
 
-def model_weights(model: torch.nn.Module, lm_head: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The weight matrices a model's linear layers multiply by: every `Linear`'s, each expert's of a 3-D MoE
-    parameter, and the LM head as compute_logits uses it (`lm_head`)."""
+def model_weights(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weight matrices a model's linear layers multiply by: every `Linear`'s, and each expert's of a 3-D MoE
+    parameter (stacked experts [E, N, K]); probe_model adds the LM head."""
     from apcscore.models.llama import Linear
 
-    out: list[torch.Tensor] = []
-    for module in model.modules():
-        if isinstance(module, Linear):
-            out.append(module.weight)
-    for name, param in model.named_parameters():
-        if param.dim() == 3 and name.endswith("_proj"):  # stacked experts [E, N, K]
-            out.append(param[0])
-    if lm_head is not None:
-        out.append(lm_head)
-    return out
+    linears = [module.weight for module in model.modules() if isinstance(module, Linear)]
+    experts = [param[0] for name, param in model.named_parameters() if param.dim() == 3 and name.endswith("_proj")]
+    return linears + experts
 
 
 def probe_model(model: Any, linear: Callable[..., torch.Tensor], budget: int) -> dict[str, Any]:
     """probe_linear over a decoder's weights, then the LM head as compute_logits multiplies it
     (`model.logits_product()`: on CUDA rows in the model dtype and fp32 logits, on the CPU fp32 rows)."""
-    weights = model_weights(model)
-    result = probe_linear(linear, weights, budget)
+    result = probe_linear(linear, model_weights(model), budget)
     if result["passed"]:
         head_linear, head, rows_dtype = model.logits_product()
         head_result = probe_linear(head_linear, [head], budget, dtype=rows_dtype, seed=1)

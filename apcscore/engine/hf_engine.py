@@ -1,18 +1,13 @@
 """The transformers fallback (`--model-backend transformers`): any causal LM that transformers runs, through
-its own forward and `generate()`, with the same requests in and the same outputs out as `Engine`.
-
-What it does not have: the paged KV cache, the prefix cache, chunked prefill, continuous batching and the
-batch-invariance contract. Every request runs alone, in arrival order, with a full recompute of its prompt:
-- prompt logprobs (score, perplexity, loglikelihood, `generate --prompt-logprobs`): one forward over the
-  whole prompt, fp32 logits, the same logprob/rank/top-K function as the native CPU path
-  (`apcscore.kernels.logprobs_torch.token_logprobs_torch`: ranks = 1 + strictly greater logits, ties in the
-  top-K by token id);
+its own forward and `generate()`, with the same requests in and the same outputs out as `Engine`; without the
+paged KV cache, the prefix cache, chunked prefill, continuous batching and the batch-invariance contract (so
+`--exact-reuse` is refused). Every request runs alone, in arrival order, with a full recompute of its prompt:
+- prompt logprobs: one forward over the whole prompt, fp32 logits, the native CPU path's logprob function
+  (`apcscore.kernels.logprobs_torch.token_logprobs_torch`); last-token alternatives are more rows of the last one;
 - generation: `model.generate()` with the request's temperature, top-k, top-p, max_tokens and stop tokens;
   a sampled request's RNG is seeded like the native path's (its own seed, or the engine seed and its arrival);
   stop strings cut the completion where the native engine would (the same incremental detokenizer), and
   `--logprobs` scores each generated token under the raw logits `generate()` returns.
-Requests run one at a time, so outputs come in arrival order. `--exact-reuse` relies on the KV cache and is
-refused on this path. A request's last-token alternatives are more rows of its last logits row.
 """
 
 from __future__ import annotations
@@ -27,7 +22,7 @@ import torch
 from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.detokenizer import IncrementalDetokenizer
-from apcscore.engine.logprobs import chunked_token_logprobs
+from apcscore.engine.logprobs import chunked_token_logprobs, to_token_logprobs
 from apcscore.engine.devices import resolve_device, resolve_dtype
 from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.context import context_length
@@ -50,15 +45,18 @@ class TransformersEngine:
 
     def __init__(self, model: Any, config: EngineConfig, info: LoadedModel, device: torch.device,
                  dtype: torch.dtype) -> None:
-        """info: the model it runs, its facts filled in (`_build`)."""
+        """model: a transformers causal LM (moved to `device` here); info: the model it runs, its facts filled in
+        here."""
+        architecture = (getattr(model.config, "architectures", None) or [type(model).__name__])[0]
         if config.exact_reuse:
             raise ApcscoreError(f"--exact-reuse needs our native decoder (a paged KV cache to reuse); "
-                                f"{info.architecture} runs on the transformers fallback, which recomputes every "
+                                f"{architecture} runs on the transformers fallback, which recomputes every "
                                 f"prompt: drop --exact-reuse")
-        self.model = model
+        self.model = model.to(device).eval()
         self.tokenizer = info.tokenizer
         self.config = config
-        self.info = info
+        self.info = replace(info, architecture=architecture, max_model_len=context_length(model.config, config),
+                            num_parameters=sum(p.numel() for p in model.parameters()))
         self.device = device
         self.dtype = dtype
         self.numerics = describe_numerics(device, False, "the model's own transformers forward",
@@ -83,8 +81,7 @@ class TransformersEngine:
         model = loaded(model)
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
         hf_model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype, local_files_only=True)
-        return cls._build(hf_model, replace(model, fingerprint=weights_fingerprint(model.path)), config, device,
-                          dtype)
+        return cls(hf_model, config, replace(model, fingerprint=weights_fingerprint(model.path)), device, dtype)
 
     @classmethod
     def from_parts(cls, hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
@@ -103,17 +100,7 @@ class TransformersEngine:
             raise ApcscoreError(f"the weights do not fit the {type(model).__name__}: missing "
                                 f"{sorted(set(missing) - tied)[:5]}, unexpected {sorted(unexpected)[:5]}")
         model.tie_weights()
-        return cls._build(model, LoadedModel("custom", None, hf_config, tokenizer, rope=None), config, device, dtype)
-
-    @classmethod
-    def _build(cls, model: Any, info: LoadedModel, config: EngineConfig, device: torch.device, dtype: torch.dtype
-               ) -> "TransformersEngine":
-        model = model.to(device).eval()
-        hf_config = model.config
-        archs = list(getattr(hf_config, "architectures", None) or [type(model).__name__])
-        info = replace(info, architecture=archs[0], max_model_len=context_length(hf_config, config),
-                       num_parameters=sum(p.numel() for p in model.parameters()))
-        return cls(model, config, info, device, dtype)
+        return cls(model, config, LoadedModel("custom", None, hf_config, tokenizer, rope=None), device, dtype)
 
     def counters(self) -> EngineCounters:
         """This engine's counters since it was built (no prefix cache, no KV pool: those are 0)."""
@@ -206,15 +193,12 @@ class TransformersEngine:
         raw = raw[:len(tokens)]
         self.stats.generated_tokens += len(tokens)
         out.output_token_ids, out.output_text, out.finish_reason = tokens, text, reason
-        if p.logprobs is not None:
-            if tokens:
-                lp = token_logprobs_torch(torch.stack(raw).float(), torch.tensor(tokens, device=self.device),
-                                          p.logprobs)
-                out.output_logprobs = TokenLogprobs(np.asarray(tokens, np.int64), lp[0].cpu().numpy(),
-                                                    lp[1].cpu().numpy().astype(np.int64),
-                                                    lp[2].cpu().numpy().astype(np.int64), lp[3].cpu().numpy())
-            else:
-                out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
+        if p.logprobs is not None and tokens:
+            targets = torch.tensor(tokens, device=self.device)
+            out.output_logprobs = to_token_logprobs(targets, *token_logprobs_torch(torch.stack(raw).float(), targets,
+                                                                                   p.logprobs))
+        elif p.logprobs is not None:
+            out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
 
     def _finish(self, prompt: list[int], tokens: list[int], request: Request) -> tuple[str, list[int], str]:
         """The finish reason, tokens and text of the completion, cut where the native engine would stop."""

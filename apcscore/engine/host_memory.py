@@ -14,6 +14,7 @@ musl) it does nothing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
@@ -21,21 +22,15 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 2**20  # the largest value glibc accepts on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 2**30
 
-_applied: bool | None = None
-
-
+@functools.lru_cache(maxsize=1)
 def keep_freed_memory() -> bool:
     """Apply the settings above (once per process); True when glibc took them."""
-    global _applied
-    if _applied is None:
-        _applied = False
-        if sys.platform.startswith("linux"):
-            try:
-                mallopt = ctypes.CDLL(None).mallopt
-            except (OSError, AttributeError):
-                return False
-            mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-            # mallopt returns 1 on success; musl's stub returns 0
-            _applied = bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD,
-                                                                                         TRIM_THRESHOLD))
-    return _applied
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # mallopt returns 1 on success; musl's stub returns 0
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))

@@ -4,6 +4,7 @@ layer, attached to the model's attention layers."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import os
@@ -13,8 +14,11 @@ from typing import Any, Callable
 import torch
 
 from apcscore.attention.metadata import AttentionMetadata, set_attention_metadata
+from apcscore.config import EngineConfig
 from apcscore.errors import ApcscoreError
 from apcscore.models.llama import LlamaDecoder
+from apcscore.models.loaded import LoadedModel
+from apcscore.models.ops import Ops
 
 
 def kv_bytes_per_block(hf_config, block_size: int, dtype: torch.dtype) -> int:
@@ -34,23 +38,26 @@ def cuda_pool_bytes(total: int, fraction: float, peak_allocated: int, non_torch:
 def default_num_kv_blocks(hf_config, block_size: int, dtype: torch.dtype, device: torch.device,
                           fraction: float | None, profile: Callable[[], int] | None = None,
                           host_bytes_per_block: int = 0) -> int:
-    """KV pool size: on CPU a share of free host memory (default 0.25, at most 4 GiB); on CUDA `fraction`
-    (default 0.85) of the card's total memory minus the peak of `profile()` (which runs the largest step and
-    returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch.
-    host_bytes_per_block: host memory that lives and dies with each block (exact reuse's score store); on the
-    CPU it is paid from the same share (on CUDA it is host memory, outside the card's budget)."""
+    """KV pool size: `pool_budget` over the bytes per block. host_bytes_per_block: host memory that lives and dies
+    with each block (exact reuse's score store); on the CPU it is paid from the same share (on CUDA it is host
+    memory, outside the card's budget)."""
     per_block = kv_bytes_per_block(hf_config, block_size, dtype)
     if device.type == "cpu":
         per_block += host_bytes_per_block
+    return max(16, int(pool_budget(device, fraction, profile) // per_block))
+
+
+def pool_budget(device: torch.device, fraction: float | None, profile: Callable[[], int] | None = None) -> float:
+    """The bytes a KV pool may take: on CPU a share of free host memory (default 0.25, at most 4 GiB); on CUDA
+    `fraction` (default 0.85) of the card's total memory minus the peak of `profile()` (which runs the largest step
+    and returns torch's peak allocated bytes; without it, the memory allocated now) and memory outside torch."""
     if device.type == "cuda":
         peak = profile() if profile is not None else torch.cuda.memory_allocated(device)
         free, total = torch.cuda.mem_get_info(device)
         non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-        budget = cuda_pool_bytes(total, fraction or 0.85, peak, non_torch)
-    else:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(free * (fraction or 0.25), 4 * 2**30)
-    return max(16, int(budget // per_block))
+        return cuda_pool_bytes(total, fraction or 0.85, peak, non_torch)
+    free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return min(free * (fraction or 0.25), 4 * 2**30)
 
 
 BLOCK_HOST_BYTES = 256  # the block manager's Python objects per KV block (measured ~200 bytes)
@@ -101,9 +108,7 @@ def run_largest_step(model: LlamaDecoder, max_batch_tokens: int, max_model_len: 
         tables[i, :b] = torch.arange(first, first + b, dtype=torch.int32)
         slots.append(torch.arange(n) + first * block_size)
         first += b
-    cu = [0]
-    for n in lengths:
-        cu.append(cu[-1] + n)
+    cu = [0, *itertools.accumulate(lengths)]
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slots).to(device), block_tables=tables.to(device),
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
@@ -136,6 +141,20 @@ def profile_peak_memory(model: LlamaDecoder, **step: Any) -> int:
     pool = blocks * kv_bytes_per_block(model.config, step["block_size"], step["dtype"])
     torch.cuda.empty_cache()
     return max(before, peak - pool)
+
+
+def largest_step_profile(model: LlamaDecoder, config: EngineConfig, info: LoadedModel, device: torch.device,
+                         dtype: torch.dtype, ops: Ops, parallel: Any = None) -> Callable[[], int] | None:
+    """On CUDA, the profile the KV pool is sized after (`profile_peak_memory`: the pool takes what the
+    largest step leaves; under tensor parallelism every rank runs it, and the largest peak counts); else None."""
+    if device.type != "cuda":
+        return None
+    step = dict(max_batch_tokens=config.max_batch_tokens, max_model_len=info.max_model_len,
+                block_size=config.block_size, dtype=dtype, device=device, logits_rows=config.logprobs_chunk_size,
+                logprob_fn=ops.token_logprobs, k=min(config.max_logprobs, info.vocab_size))
+    if parallel is not None:  # every rank runs the step (its collectives)
+        return lambda: parallel.profile(step)
+    return lambda: profile_peak_memory(model, **step)
 
 
 def step_lengths(max_batch_tokens: int, max_model_len: int) -> list[int]:

@@ -1,19 +1,12 @@
-"""Which engine runs a model, and how it is built: the native `Engine` (engine/engine.py: paged KV cache, prefix
-caching, batch invariance) or the transformers fallback `TransformersEngine` (engine/hf_engine.py), as
---model-backend says (auto: native when our decoder implements the architecture;
-models/architecture.choose_model_backend). Both engines have the same interface (engine/interface.BatchEngine);
-this module is the only place that knows both.
-
-The native engine's construction lives here, so that engine/engine.py only runs: the decoder (or, under
---tensor-parallel N, every rank's slice of it), the start-up probe of the linear construction, the KV pool sized
-from memory (on CUDA after a profile of the largest step) with exact reuse's score store paid from the same
-budget, then the block manager, scheduler and model runner, each handed the `EngineConfig` it reads.
+"""Which engine runs a model, and how it is built: the native `Engine` (engine/engine.py) or the transformers fallback
+`TransformersEngine` (engine/hf_engine.py), as --model-backend says (models/architecture.choose_model_backend); the
+only module that knows both. What it builds for the native engine, in order: docs/architecture.md's module table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Union
+from typing import Any
 
 import torch
 
@@ -23,7 +16,7 @@ from apcscore.engine.devices import check_backend_device, resolve_device, resolv
 from apcscore.engine.engine import Engine
 from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.hf_engine import TransformersEngine
-from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, profile_peak_memory
+from apcscore.engine.kv_cache import check_kv_pool, default_num_kv_blocks, largest_step_profile
 from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.context import capping_window, context_length
 from apcscore.engine.model_runner import ModelRunner
@@ -39,11 +32,8 @@ from apcscore.models.loading import LazyCheckpoint, load_state_dict, weights_fin
 from apcscore.models.ops import Ops, select_ops
 from apcscore.models.tensor_parallel import check_tensor_parallel
 
-AnyEngine = Union[Engine, TransformersEngine]
-
-
 def load_engine(model: LoadedModel | str, config: EngineConfig | None = None,
-                reference: LoadedModel | str | None = None) -> AnyEngine:
+                reference: LoadedModel | str | None = None) -> Engine | TransformersEngine:
     """Build the engine that runs `model` (a `load_model` value, or a spec for it: alias, Hugging Face folder or
     .gguf path): the native `Engine` or the transformers fallback, as --model-backend says.
 
@@ -64,7 +54,7 @@ def load_engine(model: LoadedModel | str, config: EngineConfig | None = None,
 
 
 def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                      config: EngineConfig | None = None) -> AnyEngine:
+                      config: EngineConfig | None = None) -> Engine | TransformersEngine:
     """Build the engine that runs hf_config from a Hugging Face config and state dict (tests, benchmarks,
     random weights): the native `Engine` or the transformers fallback, as --model-backend says."""
     config = config or EngineConfig()
@@ -217,17 +207,3 @@ def assemble(model: LlamaDecoder, config: EngineConfig, info: LoadedModel, devic
     if parallel is not None:
         parallel.group.register(engine, parallel.key)  # the workers drop its slices once it is collected
     return engine
-
-
-def largest_step_profile(model: LlamaDecoder, config: EngineConfig, info: LoadedModel, device: torch.device,
-                         dtype: torch.dtype, ops: Ops, parallel: Any = None) -> Callable[[], int] | None:
-    """On CUDA, the profile the KV pool is sized after (kv_cache.profile_peak_memory: the pool takes what the
-    largest step leaves; under tensor parallelism every rank runs it, and the largest peak counts); else None."""
-    if device.type != "cuda":
-        return None
-    step = dict(max_batch_tokens=config.max_batch_tokens, max_model_len=info.max_model_len,
-                block_size=config.block_size, dtype=dtype, device=device, logits_rows=config.logprobs_chunk_size,
-                logprob_fn=ops.token_logprobs, k=min(config.max_logprobs, info.vocab_size))
-    if parallel is not None:  # every rank runs the step (its collectives)
-        return lambda: parallel.profile(step)
-    return lambda: profile_peak_memory(model, **step)

@@ -37,7 +37,12 @@ def chunked_token_logprobs(compute_logits: Callable[[torch.Tensor], torch.Tensor
             beside(start, logits, targets[start:start + chunk_size])
     if not parts:
         return TokenLogprobs.concat([], k)
-    lp, ranks, top_ids, top_lp = (torch.cat([p[i] for p in parts]) for i in range(4))
+    return to_token_logprobs(targets, *(torch.cat([p[i] for p in parts]) for i in range(4)))
+
+
+def to_token_logprobs(targets: torch.Tensor, lp: torch.Tensor, ranks: torch.Tensor, top_ids: torch.Tensor,
+                      top_lp: torch.Tensor) -> TokenLogprobs:
+    """A logprob function's four outputs for `targets` [N] as host TokenLogprobs (int64 ids and ranks, fp32)."""
     return TokenLogprobs(
         token_ids=targets.cpu().numpy().astype(np.int64),
         token_logprobs=lp.float().cpu().numpy(),

@@ -19,7 +19,7 @@ from apcscore.attention.metadata import AttentionMetadata, set_attention_metadat
 from apcscore.config import EngineConfig
 from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
-from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs
+from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs, to_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
 from apcscore.engine.sampler import make_generator, sample_rows
 from apcscore.engine.step import ScheduledBatch, Sequence, StepInputs, TokenLogprobs
@@ -48,7 +48,6 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_kv_blocks = num_kv_blocks
         self.logprobs_chunk_size = config.logprobs_chunk_size
-        self.base_seed = config.seed
         self.logprob_fn = logprob_fn
         self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
         self.reference: ModelRunner | None = None  # the reference model's runner, same pool size (engine/reference.py)
@@ -72,13 +71,9 @@ class ModelRunner:
             self.cuda_graphs = DecodeGraphRunner.for_model(model, config, device, self.to_device)
 
     # ---- batch preparation ---------------------------------------------------------------------
-    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """input_ids [T], positions [T] and the attention metadata of a step, on the device."""
+    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         # CPU: every GEMM of the step then runs on a multiple of 16 rows, the batch-invariant shape
         # (apcscore.kernels.matmul_torch), with no per-layer padding copy
-        return self._stage(self._step_inputs(batch))
-
-    def _step_inputs(self, batch: ScheduledBatch) -> StepInputs:
         num_rows = padded_rows(sum(n for _, n in batch)) if self.device.type == "cpu" else None
         return build_step_inputs(batch, self.block_size, num_rows, self.rope_offset)
 
@@ -273,30 +268,17 @@ class ModelRunner:
                 seqs.append(seq)
         if not rows:
             return []
-        dev = hidden.device
         logits = self._rows_logits(hidden, rows)  # [S, V]
         params = [seq.request.sampling for seq in seqs]
-        gens = []
         for seq, p in zip(seqs, params):
             if p.temperature > 0 and seq.generator is None:
-                seed = p.seed if p.seed is not None else hash((self.base_seed, seq.arrival))
-                seq.generator = make_generator(seed, dev)
-            gens.append(seq.generator)
-        sampled = sample_rows(logits, params, gens)  # [S] on the device
+                seed = p.seed if p.seed is not None else hash((self.config.seed, seq.arrival))
+                seq.generator = make_generator(seed, hidden.device)
+        sampled = sample_rows(logits, params, [seq.generator for seq in seqs])  # [S] on the device
         want = [p.logprobs for p in params]
         lps = None
         if any(w is not None for w in want):
-            k = max(w or 0 for w in want)
-            lps = self.logprob_fn(logits, sampled, k)
-            lps = [t.cpu().numpy() for t in lps]
+            lps = to_token_logprobs(sampled, *self.logprob_fn(logits, sampled, max(w or 0 for w in want)))
         tokens = sampled.tolist()  # the step's one read of the sampled tokens
-        out = []
-        for i, (seq, tok) in enumerate(zip(seqs, tokens)):
-            tl = None
-            if want[i] is not None:
-                kk = want[i]
-                tl = TokenLogprobs(np.array([tok], np.int64), lps[0][i:i + 1].astype(np.float32),
-                                   lps[1][i:i + 1].astype(np.int64), lps[2][i:i + 1, :kk].astype(np.int64),
-                                   lps[3][i:i + 1, :kk].astype(np.float32))
-            out.append((seq, tok, tl))
-        return out
+        return [(seq, tok, None if want[i] is None else lps.rows(i, i + 1, want[i]))
+                for i, (seq, tok) in enumerate(zip(seqs, tokens))]

@@ -1,11 +1,7 @@
 """What a run's bits depend on besides its inputs: the batch-invariance verdict, the linear construction, the
-start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`.
-
-Which of them resume, merge, Ray replicas and the eval cache compare, and when, is io/identity.py's: the verdict,
-the construction (`linear`, with the GEMM's order version), `portable`, `math` and `device_capability` always;
-`cpu_capability` where the bits are not portable; `hardware` and `blas` where the GEMM is a library one (the
-pad-16 fallback, `--no-batch-invariant`) or the probe failed; never `torch_threads`, `simd` (our kernels' copies
-give the same bits), or the probe's details.
+start-up probe, the CPU/GPU and the BLAS settings, as the run metadata records them under `numerics`. Which of them
+resume, merge, Ray replicas and the eval cache compare, and when: io/identity.py (docs/decisions.md, "A run's
+identity (issue 40): the rules in full").
 """
 
 from __future__ import annotations
@@ -21,21 +17,18 @@ import torch
 @lru_cache(maxsize=1)
 def cpu_description() -> dict[str, str]:
     """{"vendor": "GenuineIntel" | "AuthenticAMD" | ..., "model": the CPU's name} from /proc/cpuinfo."""
-    vendor, model = "", ""
+    fields: dict[str, str] = {}  # the first value of each key (the first CPU's)
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 key, _, value = line.partition(":")
-                key = key.strip()
-                if key == "vendor_id" and not vendor:
-                    vendor = value.strip()
-                elif key == "model name" and not model:
-                    model = value.strip()
-                if vendor and model:
+                fields.setdefault(key.strip(), value.strip())
+                if "vendor_id" in fields and "model name" in fields:
                     break
     except OSError:
         pass
-    return {"vendor": vendor or platform.machine(), "model": model or platform.processor()}
+    return {"vendor": fields.get("vendor_id") or platform.machine(),
+            "model": fields.get("model name") or platform.processor()}
 
 
 @lru_cache(maxsize=1)
@@ -47,14 +40,6 @@ def blas_description() -> dict[str, Any]:
     return {"library": f"mkl {mkl.group(1)}" if mkl else (blas.group(1) if blas else "unknown"),
             "env": {k: os.environ[k] for k in ("MKL_CBWR", "MKL_NUM_THREADS", "OMP_NUM_THREADS",
                                                "ATEN_CPU_CAPABILITY") if k in os.environ}}
-
-
-def device_capability(device: torch.device) -> str | None:
-    """The GPU's compute capability ("sm_90") for CUDA devices, else None."""
-    if device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}"
 
 
 # The version of the portable CPU math (kernels/cpu_math.c, kernels/rowmath.py, the rope tables' functions, the
@@ -75,13 +60,15 @@ def describe_numerics(device: torch.device, batch_invariant: bool, linear: str, 
     """The `numerics` metadata of an engine (see the module doc). portable: the run's bits are the same on every
     CPU (asked by the caller: the fixed-order GEMM ran, and the portable math)."""
     hardware: dict[str, Any] = {"cpu": cpu_description()}
+    capability = None  # the GPU's compute capability ("sm_90")
     if device.type == "cuda":
         hardware["gpu"] = torch.cuda.get_device_name(device)
+        capability = "sm_{}{}".format(*torch.cuda.get_device_capability(device))
     return {"batch_invariant": batch_invariant, "reason": reason, "linear": linear, "probe": probe,
             "portable": portable, "math": PORTABLE_MATH if portable else "torch's ops (follow the CPU's ISA)",
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "simd": cpu_simd() if device.type == "cpu" else None,
-            "device_capability": device_capability(device), "hardware": hardware, "blas": blas_description()}
+            "device_capability": capability, "hardware": hardware, "blas": blas_description()}
 
 
 def exp(value: float) -> float:

@@ -79,27 +79,19 @@ def model_section(engine: BatchEngine) -> dict:
 
 def describe(engine: BatchEngine, cfg: Any) -> dict:
     """What fixes an engine's bits, as a run's metadata records it (every command's, and each `--ray` replica's
-    of itself): apcscore's version and code, the model, the engine's place and settings, numerics, versions."""
-    return {"apcscore_version": apcscore_version(), "code": code_fingerprint(), "model": model_section(engine),
-            **engine_sections(engine, cfg), "numerics": engine.numerics,
-            "versions": versions(triton=package_version("triton"))}
-
-
-def engine_sections(engine: BatchEngine, cfg: Any) -> dict:
-    """Where and how the engine ran: dtype, device, attention backend, native or transformers, its settings."""
-    return {"dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
-            "attention_backend": engine.attention_backend,
-            "model_backend": engine.model_backend,  # native | transformers: the path that ran
-            "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks}}
-
-
-def versions(**extra: str | None) -> dict:
-    """The library versions the bits depend on: torch, transformers, tokenizers, and `extra` (triton, lm_eval)."""
+    of itself): apcscore's version and code, the model, where and how the engine ran (dtype, device, attention
+    backend, native or transformers, its settings), numerics, and the library versions the bits depend on."""
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": package_version("tokenizers"), **extra}
+    return {"apcscore_version": apcscore_version(), "code": code_fingerprint(), "model": model_section(engine),
+            "dtype": str(engine.dtype).removeprefix("torch."), "device": str(engine.device),
+            "attention_backend": engine.attention_backend,
+            "model_backend": engine.model_backend,  # native | transformers: the path that ran
+            "engine": {**cfg.to_dict(), "num_kv_blocks": engine.counters().num_kv_blocks},
+            "numerics": engine.numerics,
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "tokenizers": package_version("tokenizers"), "triton": package_version("triton")}}
 
 
 def package_version(name: str) -> str | None:

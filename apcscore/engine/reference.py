@@ -1,24 +1,13 @@
 """A reference model in the same run (`score --reference-model A`): the exact divergence of the model from it at
-every scored position, computed from both models' logits chunks as they are produced.
-
-The reference is a second decoder with its own KV pool of the same number of blocks, run on the same scheduled
-batches: one scheduler and block manager, the same block tables, so a block of the prefix cache holds both models'
-KV of the same tokens. Each step runs both forwards; where the logprob step projects a chunk of scored rows
-(engine/logprobs.chunked_token_logprobs), the reference's logits of the same rows are computed beside the model's
-and reduced per row (kernels/divergence_torch.row_divergence). Peak memory: both models' weights and KV pools plus
-O(chunk x vocab); nothing of the full distributions is kept.
-
-Both models must read the same token ids: their vocabularies (size and the tokenizer's token -> id map) must be
-equal. Refused with a reference: the transformers fallback, tensor parallelism and exact reuse (the score store
-holds one model's results); CUDA graphs are turned off (both pools are sized after both models are loaded).
+every scored position, from both models' logits chunks as they are produced: a second decoder and KV pool on the
+same block tables (one scheduler), both forwards each step (docs/compare.md, "Exact KL", says what is computed,
+what is checked and what is refused). Here: the checks, the pairing and the shared pool size.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-import torch
 
 from apcscore.config import EngineConfig
 from apcscore.models.loaded import LoadedModel
@@ -91,24 +80,13 @@ def resize_pools(engine: Any, ref_engine: Any, num_blocks: int) -> None:
 
 
 def shared_num_kv_blocks(engine: Any, ref_engine: Any) -> int:
-    """The blocks both pools get: the budget one engine's pool would get (kv_cache.default_num_kv_blocks' rule,
-    with both models loaded), over both models' bytes per block."""
-    from apcscore.engine.kv_cache import cuda_pool_bytes, kv_bytes_per_block, profile_peak_memory
+    """The blocks both pools get: the budget one engine's pool would get (kv_cache.pool_budget, with both models
+    loaded and the larger of their largest steps' peaks), over both models' bytes per block."""
+    from apcscore.engine.kv_cache import kv_bytes_per_block, largest_step_profile, pool_budget
 
     cfg, device, dtype = engine.config, engine.device, engine.dtype
-    per_block = sum(kv_bytes_per_block(e.model.config, cfg.block_size, dtype) for e in (engine, ref_engine))
-    if device.type == "cuda":
-        peak = max(profile_peak_memory(e.model, max_batch_tokens=cfg.max_batch_tokens,
-                                       max_model_len=e.info.max_model_len, block_size=cfg.block_size, dtype=dtype,
-                                       device=device, logits_rows=cfg.logprobs_chunk_size,
-                                       logprob_fn=e.ops.token_logprobs, k=min(cfg.max_logprobs, e.info.vocab_size))
-                   for e in (engine, ref_engine))
-        free, total = torch.cuda.mem_get_info(device)
-        non_torch = max(0, total - free - torch.cuda.memory_reserved(device))
-        budget = cuda_pool_bytes(total, cfg.kv_cache_memory_fraction or 0.85, peak, non_torch)
-    else:
-        import os
-
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = min(free * (cfg.kv_cache_memory_fraction or 0.25), 4 * 2**30)
-    return max(16, int(budget // per_block))
+    engines = (engine, ref_engine)
+    per_block = sum(kv_bytes_per_block(e.model.config, cfg.block_size, dtype) for e in engines)
+    profiles = [largest_step_profile(e.model, cfg, e.info, device, dtype, e.ops) for e in engines]
+    larger_peak = None if None in profiles else lambda: max(profile() for profile in profiles)  # (None: not CUDA)
+    return max(16, int(pool_budget(device, cfg.kv_cache_memory_fraction, larger_peak) // per_block))

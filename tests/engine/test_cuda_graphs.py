@@ -72,7 +72,7 @@ def test_decode_inputs_equal_the_runners_own_preparation(tiny_model_dir) -> None
     seqs = running_sequences(engine, [5, 9, 17], [4, 8, 16])  # block boundaries: positions 4, 8, 16
     batch = [(s, 1) for s in seqs]
     inp = decode_inputs(batch, engine.config.block_size)
-    input_ids, positions, meta = engine.runner._prepare(batch)
+    input_ids, positions, meta = engine.runner._stage(engine.runner._step_inputs(batch))
     n = len(seqs)
     assert inp.input_ids.tolist() == input_ids[:n].tolist()
     assert inp.positions.tolist() == positions[:n].tolist()

@@ -67,7 +67,7 @@ def test_logits_match_transformers(arch_pair):
 
     seq = Sequence(Request(0, ids), 0, engine.long_rope_after)  # (long-rope Phi-3: 37 > 32, the long tables)
     assert engine.block_manager.allocate(seq, len(ids))
-    input_ids, positions, meta = engine.runner._prepare([(seq, len(ids))])
+    input_ids, positions, meta = engine.runner._stage(engine.runner._step_inputs([(seq, len(ids))]))
     with torch.no_grad(), set_attention_metadata(meta):
         ours = engine.model.compute_logits(engine.model(input_ids, positions))[:len(ids)]
     assert (ours - ref).abs().max().item() < 1e-4, arch

@@ -77,7 +77,7 @@ def test_graph_replay_is_bitwise_the_eager_padded_forward(tiny_dir, dtype: str) 
         replayed = graphs.forward_inputs(inp).clone()
         assert torch.equal(eager, replayed), n
         if dtype == "float32":  # the unpadded eager step: other GEMM shapes, so only close
-            input_ids, positions, meta = engine.runner._prepare(batch)
+            input_ids, positions, meta = engine.runner._stage(engine.runner._step_inputs(batch))
             with torch.inference_mode(), set_attention_metadata(meta):
                 ref = engine.model(input_ids, positions)[:n]
             torch.testing.assert_close(replayed, ref, atol=1e-4, rtol=1e-4)
