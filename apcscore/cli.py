@@ -37,19 +37,26 @@ def markup_safe(text: str | None) -> str | None:
     return None if text is None else _UNESCAPED_BRACKET.sub(r"\\[", text)
 
 
-def _escape_help(command: click.Command) -> None:
-    """Escape the command's own help and every parameter's (arguments and options)."""
-    command.help = markup_safe(command.help)
-    command.short_help = markup_safe(command.short_help)
-    for param in command.params:
-        if getattr(param, "help", None):
-            param.help = markup_safe(param.help)  # type: ignore[attr-defined]
+def _escaping_help(init: Callable[..., None]) -> Callable[..., None]:
+    """A command's `init`, then escape its own help and every parameter's (arguments and options)."""
+    def escaped(command: click.Command, *args: Any, **kwargs: Any) -> None:
+        init(command, *args, **kwargs)
+        command.help = markup_safe(command.help)
+        command.short_help = markup_safe(command.short_help)
+        for param in command.params:
+            if getattr(param, "help", None):
+                param.help = markup_safe(param.help)  # type: ignore[attr-defined]
+    return escaped
 
 
-def _plain_help_option(option: click.Option | None) -> click.Option | None:
-    if option is not None:
-        option.metavar = ""  # a flag: no `<bool>` in the help
-    return option
+def _plain_help_option(get: Callable[..., click.Option | None]) -> Callable[..., click.Option | None]:
+    """A command's `get_help_option`, its --help shown with no `<bool>` (a flag)."""
+    def plain(command: click.Command, ctx: click.Context) -> click.Option | None:
+        option = get(command, ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+    return plain
 
 
 class _OptionsTable(Table):
@@ -80,53 +87,40 @@ class _OptionsTable(Table):
             super().add_row("", Text.assemble(no_long, " " if str(no_short) else "", no_short), "", "", **kwargs)
 
 
-@contextmanager
-def _fitting_help() -> Iterator[None]:
-    """While a --help page renders, Typer's tables are `_OptionsTable`s (typer.rich_utils looks `Table` up when it
-    draws a panel)."""
-    import typer.rich_utils
+def _fitting_help(format_help: Callable[..., None]) -> Callable[..., None]:
+    """A command's `format_help`, Typer's tables being `_OptionsTable`s while it renders (typer.rich_utils looks
+    `Table` up when it draws a panel)."""
+    def fitted(command: click.Command, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        import typer.rich_utils
 
-    table = typer.rich_utils.Table
-    typer.rich_utils.Table = _OptionsTable
-    try:
-        yield
-    finally:
-        typer.rich_utils.Table = table
+        table = typer.rich_utils.Table
+        typer.rich_utils.Table = _OptionsTable
+        try:
+            format_help(command, ctx, formatter)
+        finally:
+            typer.rich_utils.Table = table
+    return fitted
 
 
 class Group(TyperGroup):
     """Typer's group; its --help shows no `<bool>`; help text is never read as markup."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _escape_help(self)
-
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with _fitting_help():
-            super().format_help(ctx, formatter)
-
-    def get_help_option(self, ctx: click.Context) -> click.Option | None:
-        return _plain_help_option(super().get_help_option(ctx))
+    __init__ = _escaping_help(TyperGroup.__init__)
+    format_help = _fitting_help(TyperGroup.format_help)
+    get_help_option = _plain_help_option(TyperGroup.get_help_option)
 
 
 class Command(TyperCommand):
     """Typer's command with a plain usage line: `DATASET`, not `{dataset}`; help text is never read as markup."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _escape_help(self)
-
-    def format_help(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        with _fitting_help():
-            super().format_help(ctx, formatter)
+    __init__ = _escaping_help(TyperCommand.__init__)
+    format_help = _fitting_help(TyperCommand.format_help)
+    get_help_option = _plain_help_option(TyperCommand.get_help_option)
 
     def collect_usage_pieces(self, ctx: click.Context) -> list[str]:
         pieces = super().collect_usage_pieces(ctx)
         return [p[1:p.index("}")].upper() + p[p.index("}") + 1:] if p.startswith("{") and "}" in p else p
                 for p in pieces]
-
-    def get_help_option(self, ctx: click.Context) -> click.Option | None:
-        return _plain_help_option(super().get_help_option(ctx))
 
 
 app = typer.Typer(help="Batch scoring and evaluation of causal language models (paged KV cache, prefix caching).",

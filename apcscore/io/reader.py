@@ -93,9 +93,11 @@ def _head(path: Path, n: int) -> bytes:
         return b""
 
 
-def _too_many(lines: list[str]) -> str:
+def listed_problems(lines: list[str], indent: str = "  ") -> str:
+    """The first MAX_LISTED_PROBLEMS lines, each indented, then "... and N more" for the rest."""
     more = len(lines) - MAX_LISTED_PROBLEMS
-    return "\n".join("  " + m for m in lines[:MAX_LISTED_PROBLEMS]) + (f"\n  ... and {more} more" if more > 0 else "")
+    listed = [indent + m for m in lines[:MAX_LISTED_PROBLEMS]]
+    return "\n".join(listed + ([f"{indent}... and {more} more"] if more > 0 else []))
 
 
 def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
@@ -242,7 +244,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
     if invalid and not skip_invalid:
         raise ApcscoreError(
             f"{name}: {len(invalid)} of {index} records are invalid; nothing was run:\n"
-            + _too_many([r.message for r in invalid])
+            + listed_problems([r.message for r in invalid])
             + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest."
         )
     return LoadedDataset(path, digest, records, invalid, warnings, fmt["chosen"] or "apcscore",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import pyarrow as pa
@@ -38,7 +39,6 @@ class ScoreJob(Job):
     def __init__(self, tokenizer: Any, max_model_len: int, options: ScoreOptions) -> None:
         super().__init__(tokenizer, max_model_len, options)
         self.k = int(options.prompt_logprobs or 0)
-        self._prefix_id: int | None = None
         self._sum_logprob = 0.0
         self._scored = 0
         self._cont_logprob = 0.0
@@ -59,11 +59,9 @@ class ScoreJob(Job):
             pa.field("perplexity", pa.float64()),
         ] + LOGLIKELIHOOD_FIELDS + TOKEN_FIELDS + (REFERENCE_FIELDS if self.reference else []))
 
-    @property
+    @cached_property
     def prefix_id(self) -> int:
-        if self._prefix_id is None:
-            self._prefix_id = prefix_token_id(self.tokenizer)
-        return self._prefix_id
+        return prefix_token_id(self.tokenizer)
 
     def requests(self, record: Record) -> tuple[list[Request], ScorePlan]:
         f = record.fields

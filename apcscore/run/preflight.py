@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from apcscore.errors import ApcscoreError, shown
-from apcscore.io.reader import MAX_LISTED_PROBLEMS, LoadedDataset
+from apcscore.io.reader import LoadedDataset, listed_problems
 from apcscore.io.schemas import InvalidRecord
 from apcscore.options.commands import GenerateOptions, RunOptions
 
@@ -150,10 +150,8 @@ def check_against_model(command: str, opts: RunOptions, data: LoadedDataset, voc
         return data
     invalid = [InvalidRecord(r.index, r.line, r.id, bad[r.index]) for r in data.records if r.index in bad]
     if not opts.skip_invalid:
-        listed = "\n".join("  " + r.message for r in invalid[:MAX_LISTED_PROBLEMS])
-        more = len(invalid) - MAX_LISTED_PROBLEMS
         raise ApcscoreError(f"{name}: {len(invalid)} of {data.num_records} records cannot run on this model; "
-                            f"nothing was run:\n{listed}" + (f"\n  ... and {more} more" if more > 0 else "")
+                            "nothing was run:\n" + listed_problems([r.message for r in invalid])
                             + "\nFix these lines, or pass --skip-invalid to write them as error rows and run the rest.")
     return replace(data, records=[r for r in data.records if r.index not in bad],
                    invalid=sorted([*data.invalid, *invalid], key=lambda r: r.index))

@@ -11,6 +11,7 @@ import numpy as np
 
 from apcscore.engine.interface import BatchEngine
 from apcscore.engine.step import Request, RequestOutput
+from apcscore.io.reader import listed_problems
 
 # RequestOutput arrays compared, by the name a mismatch reports
 _PROMPT = ("token_ids", "token_logprobs", "ranks", "top_ids", "top_logprobs", "positions")
@@ -87,6 +88,5 @@ def describe(report: dict) -> str:
     if not report["mismatches"]:
         return (f"{report['records']:,} records ({report['requests']:,} requests) re-scored by full recompute: "
                 f"bitwise equal")
-    lines = [f"{m['id']} (request {m['request']}): {', '.join(m['columns'])}" for m in report["mismatches"][:20]]
-    more = len(report["mismatches"]) - 20
-    return "\n".join(lines + ([f"... and {more} more"] if more > 0 else []))
+    return listed_problems([f"{m['id']} (request {m['request']}): {', '.join(m['columns'])}"
+                            for m in report["mismatches"]], indent="")
