@@ -196,37 +196,3 @@ def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str],
 
 def _at(v: list, j: int) -> Any:
     return v[j] if j < len(v) else "(no element: the list ends here)"
-
-
-def exact_files(baseline: Any, candidate: Any, common_records: bool = False) -> ExactDiff:
-    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them); with
-    `common_records`, on the records present and identical in both (inputs.match_records)."""
-    import pyarrow.parquet as pq
-
-    from apcscore.compare.inputs import load_result_file, match_records
-
-    files, tables = [], []
-    for path, role in ((baseline, "baseline"), (candidate, "candidate")):
-        f = load_result_file(path, role)  # refuses what is not apcscore output, missing or duplicate ids
-        try:
-            t = pq.read_table(f.path)
-        except (pa.ArrowException, OSError) as e:
-            raise ApcscoreError(f"{role} file {f.path} is damaged: its data cannot be read ({e})") from None
-        files.append(f)
-        tables.append(t.set_column(t.column_names.index("id"), "id", f.table["id"]))
-    if common_records:
-        kept = match_records(*files, common=True)[0]["id"]
-        tables = [t.filter(pc.is_in(t["id"], value_set=kept)) for t in tables]
-    return compare_tables(*tables)
-
-
-def add_exact(checks: list, notes: list[str], diff: ExactDiff) -> None:
-    """The --exact verdict as one more threshold (records with a differing bit <= 0) and a note saying where."""
-    from apcscore.compare.gate import Check
-
-    checks.append(Check("--exact", "records with a differing bit", float(diff.num_differing_records), "<=", 0.0,
-                        diff.passed))
-    notes.append(diff.summary())
-    notes.extend(diff.notes)
-    if diff.only_one_side:
-        notes.append(f"--exact: not compared, in one file only: {', '.join(diff.only_one_side)}")

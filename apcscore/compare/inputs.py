@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from apcscore.compare.exact import differs
 from apcscore.errors import ApcscoreError, a
 from apcscore.io.token_text import tokenizer_path
 from apcscore.io.result_tables import open_result_file
@@ -163,22 +164,7 @@ def _edited(base: pa.Table, new: pa.Table) -> list[tuple[str, str]]:
         b, n = base[c].combine_chunks(), new[c].combine_chunks()
         if c == "choice_logprobs":  # the output per choice; its length is the number of choices
             b, n, c = pc.list_value_length(b), pc.list_value_length(n), "number of choices"
-        if pa.types.is_list(b.type):
-            lb = pc.fill_null(pc.list_value_length(b), -1).to_numpy(zero_copy_only=False)
-            ln = pc.fill_null(pc.list_value_length(n), -1).to_numpy(zero_copy_only=False)
-            bad = lb != ln
-            same = np.flatnonzero(ok & ~bad & (lb > 0))
-            if len(same):
-                take = pa.array(same)
-                vb = pc.list_flatten(b.take(take)).to_numpy(zero_copy_only=False)
-                vn = pc.list_flatten(n.take(take)).to_numpy(zero_copy_only=False)
-                rows = np.repeat(same, lb[same])[vb != vn]
-                bad[np.unique(rows)] = True
-        else:
-            eq = pc.fill_null(pc.equal(b, n), False).to_numpy(zero_copy_only=False)
-            both_null = (b.is_null().to_numpy(zero_copy_only=False) & n.is_null().to_numpy(zero_copy_only=False))
-            bad = ~(eq | both_null)
-        for i in np.flatnonzero(ok & bad):
+        for i in np.flatnonzero(ok & differs(b, n)):  # integers (int64 in every result file): bits are values
             if int(i) in why:
                 continue
             x, y = b[int(i)].as_py(), n[int(i)].as_py()
