@@ -86,7 +86,7 @@ def _same(x: Any, y: Any) -> bool:
     return type(x) is type(y) and x == y
 
 
-def _first_index(x: Any, y: Any) -> int | None:
+def first_index(x: Any, y: Any) -> int | None:
     """The first index where two lists differ (the shorter length when one is a prefix); None for scalars."""
     if not (isinstance(x, list) and isinstance(y, list)):
         return None
@@ -183,7 +183,7 @@ def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str],
     """Where row i (aligned) first differs: the earliest token position of a per-token column, else the first
     differing column."""
     values = [(c, base[c][i].as_py(), new[c][i].as_py()) for c in columns]
-    found = [(c, _first_index(x, y), x, y) for c, x, y in values]
+    found = [(c, first_index(x, y), x, y) for c, x, y in values]
     per_token = [f for f in found if f[0].startswith(PER_TOKEN) and f[1] is not None]
     c, j, x, y = min(per_token, key=lambda f: f[1]) if per_token else found[0]
     token = None
