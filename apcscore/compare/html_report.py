@@ -276,8 +276,8 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
         flips = c.flips[:MAX_TABLE_ROWS]
         classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
                    f.correct_base else "" for f in flips]
-        parts.append(_table(_FLIP_HEAD, _flip_rows(c)[:MAX_TABLE_ROWS], classes, "flips"))
-        parts.append(_left_out(len(c.flips) - len(flips), "flips"))
+        parts += [_table(_FLIP_HEAD, _flip_rows(c)[:MAX_TABLE_ROWS], classes, "flips"),
+                  _left_out(len(c.flips) - len(flips), "flips")]
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')
