@@ -125,7 +125,7 @@ def compare(
         exact_diff = None
         try:
             if exact:
-                from apcscore.compare.exact import add_exact, exact_files
+                from apcscore.compare.gate import add_exact, exact_files
 
                 exact_diff = exact_files(baseline, candidate, common_records)
             result = compare_files(baseline, candidate, thresholds, bootstrap_samples, seed, common_records)

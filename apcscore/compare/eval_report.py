@@ -58,7 +58,7 @@ def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, ex
     GitHub outputs; returns whether the gate passed."""
     from apcscore.compare.ci_outputs import Case, github_outputs, to_junit, write_markdown
     from apcscore.compare.eval_runs import compare_eval_dirs, exact_eval
-    from apcscore.compare.exact import add_exact
+    from apcscore.compare.gate import add_exact
     from apcscore.compare.report import write_report
 
     if report_html is not None:

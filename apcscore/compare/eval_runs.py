@@ -16,7 +16,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.compare.divergence import mean_se
+from apcscore.compare.exact import ExactDiff, compare_tables
 from apcscore.compare.gate import Check, json_ready
+from apcscore.compare.report import _num
 from apcscore.compare.thresholds import LIMITS, Thresholds
 from apcscore.compare.stats import drop_bounds, judge, mcnemar_exact_p
 from apcscore.errors import ApcscoreError
@@ -185,7 +187,7 @@ class EvalComparison:
         out = []
         for task in self.tasks:
             checks = [c for c, t in zip(self.checks, self.check_tasks) if t == task]
-            figures = [f"{m.metric},{m.filter} {_fmt(m.base)} -> {_fmt(m.new)} ({_fmt(m.delta, sign=True)})"
+            figures = [f"{m.metric},{m.filter} {_num(m.base)} -> {_num(m.new)} ({_num(m.delta, sign=True)})"
                        for m in self.metrics if m.task == task]
             failed = [f"{c.option}: {c.metric} = {c.value:.6g}, limit {c.op} {c.threshold:g}"
                       for c in checks if not c.passed]
@@ -203,10 +205,6 @@ class EvalComparison:
                            "checks": [{**asdict(c), "task": t} for c, t in zip(self.checks, self.check_tasks)],
                            "cases": [{"name": n, "passed": p, "message": msg} for n, p, msg in self.cases()],
                            "notes": self.notes})
-
-
-def _fmt(v: float | None, sign: bool = False) -> str:
-    return "-" if v is None else f"{v:+.6g}" if sign else f"{v:.6g}"
 
 
 def _number(v: Any) -> float | None:
@@ -296,10 +294,8 @@ def compare_eval_dirs(baseline: Path, candidate: Path, thresholds: Thresholds | 
     return c
 
 
-def exact_eval(baseline: Path, candidate: Path) -> Any:
+def exact_eval(baseline: Path, candidate: Path) -> ExactDiff:
     """`--exact` on eval folders: every column of requests.parquet, rows keyed by task/doc_id/filter/request."""
-    from apcscore.compare.exact import compare_tables
-
     tables = []
     for path, role in ((baseline, "baseline"), (candidate, "candidate")):
         t = read_eval_dir(path, role).requests

@@ -86,7 +86,7 @@ def _same(x: Any, y: Any) -> bool:
     return type(x) is type(y) and x == y
 
 
-def _first_index(x: Any, y: Any) -> int | None:
+def first_index(x: Any, y: Any) -> int | None:
     """The first index where two lists differ (the shorter length when one is a prefix); None for scalars."""
     if not (isinstance(x, list) and isinstance(y, list)):
         return None
@@ -183,7 +183,7 @@ def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str],
     """Where row i (aligned) first differs: the earliest token position of a per-token column, else the first
     differing column."""
     values = [(c, base[c][i].as_py(), new[c][i].as_py()) for c in columns]
-    found = [(c, _first_index(x, y), x, y) for c, x, y in values]
+    found = [(c, first_index(x, y), x, y) for c, x, y in values]
     per_token = [f for f in found if f[0].startswith(PER_TOKEN) and f[1] is not None]
     c, j, x, y = min(per_token, key=lambda f: f[1]) if per_token else found[0]
     token = None
@@ -196,37 +196,3 @@ def _first_difference(base: pa.Table, new: pa.Table, i: int, columns: list[str],
 
 def _at(v: list, j: int) -> Any:
     return v[j] if j < len(v) else "(no element: the list ends here)"
-
-
-def exact_files(baseline: Any, candidate: Any, common_records: bool = False) -> ExactDiff:
-    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them); with
-    `common_records`, on the records present and identical in both (inputs.match_records)."""
-    import pyarrow.parquet as pq
-
-    from apcscore.compare.inputs import load_result_file, match_records
-
-    files, tables = [], []
-    for path, role in ((baseline, "baseline"), (candidate, "candidate")):
-        f = load_result_file(path, role)  # refuses what is not apcscore output, missing or duplicate ids
-        try:
-            t = pq.read_table(f.path)
-        except (pa.ArrowException, OSError) as e:
-            raise ApcscoreError(f"{role} file {f.path} is damaged: its data cannot be read ({e})") from None
-        files.append(f)
-        tables.append(t.set_column(t.column_names.index("id"), "id", f.table["id"]))
-    if common_records:
-        kept = match_records(*files, common=True)[0]["id"]
-        tables = [t.filter(pc.is_in(t["id"], value_set=kept)) for t in tables]
-    return compare_tables(*tables)
-
-
-def add_exact(checks: list, notes: list[str], diff: ExactDiff) -> None:
-    """The --exact verdict as one more threshold (records with a differing bit <= 0) and a note saying where."""
-    from apcscore.compare.gate import Check
-
-    checks.append(Check("--exact", "records with a differing bit", float(diff.num_differing_records), "<=", 0.0,
-                        diff.passed))
-    notes.append(diff.summary())
-    notes.extend(diff.notes)
-    if diff.only_one_side:
-        notes.append(f"--exact: not compared, in one file only: {', '.join(diff.only_one_side)}")

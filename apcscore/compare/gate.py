@@ -13,10 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from apcscore.compare.inputs import (COMMON_RECORDS, Excluded, FileInfo, LeftOut, check_same_run_kind, file_info,
                                      load_result_file, match_records, split_excluded)
 from apcscore.compare.broken import Broken, broken_records
+from apcscore.compare.exact import ExactDiff, compare_tables
 from apcscore.compare.metrics import (Flip, Metrics, Positions, RecordMetrics, flips, position_data, record_level,
                                       record_rows, token_summary)
 from apcscore.compare.stats import DEFAULT_SAMPLES, DEFAULT_SEED, PairedStats, judge, paired_stats
@@ -251,3 +253,31 @@ def compare_files(baseline: Path, candidate: Path | None, thresholds: Thresholds
         c.notes += c.stats.notes
     c.checks = evaluate(c, thresholds)
     return c
+
+
+def exact_files(baseline: Any, candidate: Any, common_records: bool = False) -> ExactDiff:
+    """`--exact` on two result files of `apcscore score` / `perplexity` (checked as compare checks them); with
+    `common_records`, on the records present and identical in both (inputs.match_records)."""
+    files, tables = [], []
+    for path, role in ((baseline, "baseline"), (candidate, "candidate")):
+        f = load_result_file(path, role)  # refuses what is not apcscore output, missing or duplicate ids
+        try:
+            t = pq.read_table(f.path)
+        except (pa.ArrowException, OSError) as e:
+            raise ApcscoreError(f"{role} file {f.path} is damaged: its data cannot be read ({e})") from None
+        files.append(f)
+        tables.append(t.set_column(t.column_names.index("id"), "id", f.table["id"]))
+    if common_records:
+        kept = match_records(*files, common=True)[0]["id"]
+        tables = [t.filter(pc.is_in(t["id"], value_set=kept)) for t in tables]
+    return compare_tables(*tables)
+
+
+def add_exact(checks: list, notes: list[str], diff: ExactDiff) -> None:
+    """The --exact verdict as one more threshold (records with a differing bit <= 0) and a note saying where."""
+    checks.append(Check("--exact", "records with a differing bit", float(diff.num_differing_records), "<=", 0.0,
+                        diff.passed))
+    notes.append(diff.summary())
+    notes.extend(diff.notes)
+    if diff.only_one_side:
+        notes.append(f"--exact: not compared, in one file only: {', '.join(diff.only_one_side)}")

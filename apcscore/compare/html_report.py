@@ -65,22 +65,20 @@ def _scatter(c: Comparison):
     import plotly.graph_objects as go
 
     pos = c.aligned.positions
-    finite = np.flatnonzero(np.isfinite(pos.base_lp) & np.isfinite(pos.new_lp))  # a -inf logprob has no place
-    m = len(finite)
-    keep = finite
-    off = len(pos.record) - m
+    keep = np.flatnonzero(np.isfinite(pos.base_lp) & np.isfinite(pos.new_lp))  # a -inf logprob has no place
+    m = len(keep)
+    if not m:
+        return None
     title = f"Target-token logprob, {m:,} positions"
     if m > MAX_SCATTER:  # the largest changes, and a fixed random sample of the rest
-        order = finite[np.argsort(-np.abs(pos.new_lp - pos.base_lp)[finite], kind="stable")]
+        order = keep[np.argsort(-np.abs(pos.new_lp - pos.base_lp)[keep], kind="stable")]
         top, rest = order[:MAX_SCATTER // 10], order[MAX_SCATTER // 10:]
         sample = np.random.default_rng(0).choice(rest, MAX_SCATTER - len(top), replace=False)
         keep = np.sort(np.concatenate([top, sample]))
         title = (f"Target-token logprob, {MAX_SCATTER:,} of {m:,} positions "
                  f"(the {len(top):,} largest |Δ| and a random sample)")
-    if off:
+    if off := len(pos.record) - m:
         title += f"; {off:,} with a logprob not finite, not drawn"
-    if not m:
-        return None
     ids = c.aligned.base["id"].to_pylist()
     x, y = pos.base_lp[keep], pos.new_lp[keep]
     custom = [[_e(ids[r]), int(p)] for r, p in zip(pos.record[keep], pos.position[keep])]
@@ -278,8 +276,8 @@ def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list
         flips = c.flips[:MAX_TABLE_ROWS]
         classes = ["worse" if f.correct_base and not f.correct_new else "better" if f.correct_new and not
                    f.correct_base else "" for f in flips]
-        parts.append(_table(_FLIP_HEAD, _flip_rows(c)[:MAX_TABLE_ROWS], classes, "flips"))
-        parts.append(_left_out(len(c.flips) - len(flips), "flips"))
+        parts += [_table(_FLIP_HEAD, _flip_rows(c)[:MAX_TABLE_ROWS], classes, "flips"),
+                  _left_out(len(c.flips) - len(flips), "flips")]
     else:
         none = "no prediction flipped" if c.metrics.num_choice_records else "no multiple-choice records"
         parts.append(f'<p class="muted">{none}</p>')

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from apcscore.compare.exact import differs, first_index
 from apcscore.errors import ApcscoreError, a
 from apcscore.io.token_text import tokenizer_path
 from apcscore.io.result_tables import open_result_file
@@ -156,39 +157,20 @@ def _edited(base: pa.Table, new: pa.Table) -> list[tuple[str, str]]:
     A record that failed on either side is not judged here: it is excluded, or a new error, as any other."""
     ok = (pc.equal(base["status"], "ok").to_numpy(zero_copy_only=False)
           & pc.equal(new["status"], "ok").to_numpy(zero_copy_only=False))
-    why: dict[int, str] = {}
+    why: dict[int, str] = {}  # row -> the first thing that differs in it
     for c in IDENTITY:
         if c not in base.column_names or c not in new.column_names:
             continue
         b, n = base[c].combine_chunks(), new[c].combine_chunks()
         if c == "choice_logprobs":  # the output per choice; its length is the number of choices
             b, n, c = pc.list_value_length(b), pc.list_value_length(n), "number of choices"
-        if pa.types.is_list(b.type):
-            lb = pc.fill_null(pc.list_value_length(b), -1).to_numpy(zero_copy_only=False)
-            ln = pc.fill_null(pc.list_value_length(n), -1).to_numpy(zero_copy_only=False)
-            bad = lb != ln
-            same = np.flatnonzero(ok & ~bad & (lb > 0))
-            if len(same):
-                take = pa.array(same)
-                vb = pc.list_flatten(b.take(take)).to_numpy(zero_copy_only=False)
-                vn = pc.list_flatten(n.take(take)).to_numpy(zero_copy_only=False)
-                rows = np.repeat(same, lb[same])[vb != vn]
-                bad[np.unique(rows)] = True
-        else:
-            eq = pc.fill_null(pc.equal(b, n), False).to_numpy(zero_copy_only=False)
-            both_null = (b.is_null().to_numpy(zero_copy_only=False) & n.is_null().to_numpy(zero_copy_only=False))
-            bad = ~(eq | both_null)
-        for i in np.flatnonzero(ok & bad):
-            if int(i) in why:
-                continue
-            x, y = b[int(i)].as_py(), n[int(i)].as_py()
-            if isinstance(x, list) and isinstance(y, list):
-                j = next((k for k, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
-                why[int(i)] = (f"{c} differ from position {j}" if len(x) == len(y) else
-                               f"{c}: {len(x)} in the baseline, {len(y)} in the candidate, first difference at "
-                               f"position {j}")
-            else:
-                why[int(i)] = f"{c} {x} in the baseline, {y} in the candidate"
+        for i in np.flatnonzero(ok & differs(b, n)).tolist():  # integers (int64 in every result file): bits are values
+            x, y = b[i].as_py(), n[i].as_py()
+            j = first_index(x, y)
+            why.setdefault(i, f"{c} {x} in the baseline, {y} in the candidate" if j is None else
+                           f"{c} differ from position {j}" if len(x) == len(y) else
+                           f"{c}: {len(x)} in the baseline, {len(y)} in the candidate, first difference at "
+                           f"position {j}")
     ids = base["id"]
     return [(str(ids[i].as_py()), why[i]) for i in sorted(why)]
 

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import torch
 from test_compare import TinyLM, make_records, one_line, run_cli, score_rows, write_results
 
-from apcscore.compare.exact import exact_files
+from apcscore.compare.gate import exact_files
 from apcscore.compare.gate import compare_files
 
 
