@@ -26,13 +26,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Engine pulls in torch and transformers; import it lazily so `apcscore --help` stays fast.
-    if name == "Engine":
-        from apcscore.engine.engine import Engine
+    # Engine pulls in torch and transformers: apcscore.engine imports it lazily, so `apcscore --help` stays fast.
+    import apcscore.engine
 
-        return Engine
-    if name == "load_engine":
-        from apcscore.engine.loader import load_engine
-
-        return load_engine
-    raise AttributeError(name)
+    if name in apcscore.engine.__all__:
+        return getattr(apcscore.engine, name)
+    raise AttributeError(f"module 'apcscore' has no attribute {name!r}")
