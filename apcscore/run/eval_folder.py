@@ -32,11 +32,6 @@ def flat_options(opts: EvalOptions) -> dict[str, Any]:
     return json.loads(json.dumps(values, default=str))
 
 
-def options_from(values: Mapping[str, Any]) -> EvalOptions:
-    """`flat_options` read back."""
-    return EvalOptions.from_values(values)
-
-
 def run_record(opts: EvalOptions, ident: Mapping[str, Any]) -> dict[str, Any]:
     """eval_run.json's content."""
     values = flat_options(opts)

@@ -90,7 +90,7 @@ def prepare_merge(out: Path, paths: list[Path], overwrite: bool) -> tuple[EvalOp
     values = {**records[0]["run"]["options"], "out": str(out), "shard": None, "overwrite": overwrite,
               "resume": not overwrite, "cache": None, "ray": None, "replicas": 1, "cpus_per_replica": None,
               "gpus_per_replica": None}
-    opts = eval_folder.options_from(values)
+    opts = EvalOptions.from_values(values)
     eval_folder.check_out(out, opts)
     tokenizer = load_parts(opts.model, *resolve_model(opts.model)).tokenizer
     return opts, RecordedEngine(tokenizer, records[0]["config"])
