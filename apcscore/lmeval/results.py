@@ -1,5 +1,5 @@
 """What an eval records beside lm-eval's results: each task's version and config hash, the sections of the run
-metadata that describe the model and the engine (the eval identity is made of them, lmeval/store.identity), and
+metadata that describe the model and the engine (the eval identity is made of them, io/identity.py's EVAL view), and
 the run metadata of results.json and requests.parquet."""
 
 from __future__ import annotations

@@ -19,15 +19,9 @@ from pathlib import Path
 from typing import IO, Any, Iterable, Iterator, Mapping
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.identity import EVAL, short, view
+from apcscore.io.identity import short
 
 PREFIX = "responses-"
-
-
-def identity(meta: Mapping[str, Any]) -> dict[str, Any]:
-    """The identity of a configuration from a run's metadata (lmeval/results.config_sections): io/identity's EVAL
-    view."""
-    return view(meta, EVAL)
 
 
 def identity_differences(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from apcscore.errors import ApcscoreError
+from apcscore.io.identity import EVAL, view
 from apcscore.io.result_tables import write_atomic
 from apcscore.run.metadata import add_timings
 from apcscore.options.commands import EvalOptions
 from apcscore.options.resolve import resolve_options
 from apcscore.lmeval.results import config_sections, run_info, tables
-from apcscore.lmeval.store import ResponseStore, identity
+from apcscore.lmeval.store import ResponseStore
 from apcscore.lmeval.tasks import EvalPlan, import_lm_eval, load_tasks, plan, simple_evaluate, split_tasks
 from apcscore.run import eval_folder
 from apcscore.run.eval_shards import prepare_merge
@@ -27,12 +28,11 @@ from apcscore.scale.partition import assign_prompts
 BATCH_SIZE_NOTE = "note: the engine batches by token budget; --batch-size is ignored"
 
 
-def run_eval(cli: Mapping[str, Any], echo: Any, note: Any = None) -> int:
+def run_eval(cli: Mapping[str, Any], echo: Callable[[str], None], note: Callable[[str], None]) -> int:
     """Run `apcscore eval` with its command-line values (EvalOptions' parameters and `config`; None = not given);
     the exit code (0 done, 130 interrupted, the finished responses kept for --resume). echo: a line of the results;
-    note: a line about the run (default: echo)."""
+    note: a line about the run."""
     import_lm_eval()
-    note = note or echo
     config_path = cli.get("config")
     opts: EvalOptions = resolve_options("eval", {k: v for k, v in cli.items() if k != "config"},
                                         Path(config_path) if config_path is not None else None)
@@ -76,7 +76,7 @@ def _evaluate(opts: EvalOptions, parsed: EvalPlan, manager: Any, echo: Any, note
                     progress=not opts.quiet, engine=engine, config=opts.engine)
     load_seconds = time.perf_counter() - started
     sections = config_sections(lm.engine, opts.engine)
-    ident = identity(sections)
+    ident = view(sections, EVAL)  # the responses' identity (their store's name)
     resumed = eval_folder.start(out, eval_folder.run_record(opts, ident), opts.resume)
     caches = [opts.cache] if opts.cache is not None else []
     store = ResponseStore(ident, folders=[*(shards or []), *caches], journals=[out, *caches])

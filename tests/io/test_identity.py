@@ -19,7 +19,6 @@ from apcscore.errors import ApcscoreError
 from apcscore.io import identity
 from apcscore.io.result_tables import METADATA_KEY
 from apcscore.io.writer import ResultsWriter
-from apcscore.lmeval.store import identity as eval_identity
 from apcscore.run.parquet_shards import check_shards
 from apcscore.run.ray_replicas import check_replicas
 
@@ -205,7 +204,8 @@ def ray_refused(a: dict, b: dict) -> bool:
 
 
 def eval_refused(a: dict, b: dict) -> bool:
-    return eval_identity(a) != eval_identity(b)  # another identity: another store file, never read
+    # another identity: another store file, never read
+    return identity.view(a, identity.EVAL) != identity.view(b, identity.EVAL)
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r['field']}({r['case']})" if r["case"] else r["field"] for r in ROWS])

@@ -13,8 +13,14 @@ from apcscore.errors import ApcscoreError
 from apcscore.engine.provenance import apcscore_version, code_fingerprint
 from apcscore.run import eval_folder as outdir
 from apcscore.run.eval_shards import read_shards
-from apcscore.lmeval.store import ResponseStore, identity
+from apcscore.io.identity import EVAL, view
+from apcscore.lmeval.store import ResponseStore
 from tests.io.test_identity import base
+
+
+def identity(meta: dict) -> dict:
+    """The eval identity of a run's metadata (run/eval.py's)."""
+    return view(meta, EVAL)
 
 
 def sections(**numerics) -> dict:

@@ -9,8 +9,8 @@ import json
 import threading
 import time
 
-from apcscore.lmeval.store import ResponseStore, identity
-from tests.lmeval.test_lmeval_identity import sections
+from apcscore.lmeval.store import ResponseStore
+from tests.lmeval.test_lmeval_identity import identity, sections
 
 
 def entries(path) -> list[dict]:
