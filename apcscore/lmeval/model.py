@@ -73,8 +73,8 @@ class ApcscoreLM(TemplateLM):
         limit = engine.info.max_model_len - 1  # the engine holds the last (only predicted) token too
         if max_length is not None and not 1 <= int(max_length) <= limit:
             raise ApcscoreError(f"max_length must be between 1 and {limit} for this model, not {max_length}")
-        self._max_length = int(max_length) if max_length is not None else limit
-        self._max_gen_toks = int(max_gen_toks)
+        self.max_length = int(max_length) if max_length is not None else limit
+        self.max_gen_toks = int(max_gen_toks)
         self.add_bos_token = add_bos_token
         self.seed = int(seed)
         self.progress = progress
@@ -97,14 +97,6 @@ class ApcscoreLM(TemplateLM):
         """BOS, else EOS (HFLM's): the context of an empty context and of the first rolling window."""
         bos = self.tokenizer.bos_token_id
         return bos if bos is not None else self.tokenizer.eos_token_id
-
-    @property
-    def max_length(self) -> int:
-        return self._max_length
-
-    @property
-    def max_gen_toks(self) -> int:
-        return self._max_gen_toks
 
     @property
     def tokenizer_name(self) -> str:
@@ -154,10 +146,6 @@ class ApcscoreLM(TemplateLM):
         strict: every response must be in the store (a merge computes nothing)."""
         self.store, self.mine, self.strict = store, mine, strict
 
-    def shard_mask(self, prompts: list[list[int]], loads: list[int]) -> list[bool]:
-        """Which requests this process computes (all without a shard)."""
-        return [True] * len(prompts) if self.mine is None else self.mine(prompts, loads)
-
     def _run(self, requests: list[Request], desc: str, disable_tqdm: bool, sizes: list[int],
              done: Callable[[int, RequestOutput], None], total: int) -> None:
         """Run `requests` through the engine, calling `done(i, output)` as each finishes; requests[i] stands for
@@ -189,9 +177,11 @@ class ApcscoreLM(TemplateLM):
                                "bug")
         self.computed += sum(sizes)
 
-    def _lookup(self, keys: list[str], mask: list[bool], placeholder: Any) -> tuple[list[Any], list[int]]:
-        """Each key's stored value, or `placeholder` where this shard does not compute it; and the positions
-        left to compute."""
+    def _lookup(self, keys: list[str], prompts: list[list[int]], loads: list[int], placeholder: Any
+                ) -> tuple[list[Any], list[int]]:
+        """Each key's stored value, or `placeholder` where this shard does not compute it (`mine` of the prompts and
+        their loads; all are computed without a shard); and the positions left to compute."""
+        mask = [True] * len(keys) if self.mine is None else self.mine(prompts, loads)
         values: list[Any] = [None] * len(keys)
         todo = []
         for i, key in enumerate(keys):
@@ -227,8 +217,8 @@ class ApcscoreLM(TemplateLM):
                                     prompt_logprob_ranks=False))
         keys = [loglikelihood_key(r.prompt_token_ids, r.score_from) for r in separate]
         # the last token left out of the split: a context's one-token choices stay in one shard, one request
-        mask = self.shard_mask([r.prompt_token_ids[:-1] for r in separate], [len(r.prompt_token_ids) for r in separate])
-        values, todo = self._lookup(keys, mask, [0.0, False])
+        values, todo = self._lookup(keys, [r.prompt_token_ids[:-1] for r in separate],
+                                    [len(r.prompt_token_ids) for r in separate], [0.0, False])
         merged, owner = group_by_last_token([separate[i] for i in todo])
         members: list[list[int]] = [[] for _ in merged]
         for j, o in enumerate(owner):
@@ -299,9 +289,8 @@ class ApcscoreLM(TemplateLM):
             stops.append(until)
         self._generation_index += len(requests)
         keys = [generation_key(r.prompt_token_ids, r.sampling) for r in engine_requests]
-        mask = self.shard_mask([r.prompt_token_ids for r in engine_requests],
-                               [len(r.prompt_token_ids) + r.sampling.max_tokens for r in engine_requests])
-        tokens, todo = self._lookup(keys, mask, [])
+        tokens, todo = self._lookup(keys, [r.prompt_token_ids for r in engine_requests],
+                                    [len(r.prompt_token_ids) + r.sampling.max_tokens for r in engine_requests], [])
         run = [engine_requests[i] for i in todo]
 
         def done(j: int, out: RequestOutput) -> None:
