@@ -17,8 +17,6 @@ from typing import Any
 
 from apcscore.errors import ApcscoreError, shown
 
-MAX_LOGPROBS_DEFAULT = 20
-
 
 class ConfigError(ApcscoreError):
     """An EngineConfig value no run can use. `names`: the settings the message names (as field names, a switch's
@@ -71,7 +69,7 @@ class EngineConfig:
     max_batch_tokens: int = setting(2048, Identity(_SCHEDULE, unless_invariant=True))
     max_num_seqs: int = setting(64, Identity(_SCHEDULE, unless_invariant=True))
     enable_prefix_caching: bool = setting(True, Identity(_REUSE, unless_invariant=True))
-    max_logprobs: int = setting(MAX_LOGPROBS_DEFAULT, Identity(
+    max_logprobs: int = setting(20, Identity(
         "a record asking for more top-K fails: other rows (an eval request asks for its own k, in its key)",
         result_files_only=True))
     logprobs_chunk_size: int = setting(1024, Identity(
