@@ -239,9 +239,7 @@ def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
 def output_format(opts: RunOptions) -> str:
     """parquet or openai-batch: --output-format, else openai-batch for an --out ending in .jsonl."""
     chosen = opts.output_format if isinstance(opts, RequestOptions) else None
-    if chosen is not None:
-        return chosen
-    return "openai-batch" if opts.out is not None and opts.out.lower().endswith(".jsonl") else "parquet"
+    return chosen or ("openai-batch" if opts.out is not None and opts.out.lower().endswith(".jsonl") else "parquet")
 
 
 def model_names(spec: str) -> frozenset[str]:
@@ -284,10 +282,8 @@ def start_session(writer: Any, created: str, console: Console) -> tuple[int, dic
 
 
 def observe_previous(job: Any, writer: Any) -> tuple[int, int]:
-    """Show the job the rows of earlier sessions (for the summary); return (rows, error rows)."""
+    """Show the job the rows of earlier sessions (none in a fresh run; for the summary); return (rows, error rows)."""
     rows = errors = 0
-    if writer.previous_metadata is None:
-        return rows, errors
     for row in writer.previous_rows([c for c in writer.schema.names if c not in _HEAVY]):
         job.observe(row)
         rows += 1
