@@ -169,20 +169,15 @@ DATASET = _param("dataset", DatasetArg)
 CONFIG = _param("config", ConfigOpt, None)
 
 
-def _error(exc: ApcscoreError) -> typer.Exit:
-    """Print a user-facing error (its text escaped: it may quote data, paths or exceptions) and exit with its code."""
-    console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-    return typer.Exit(exc.exit_code)
-
-
 @contextmanager
 def _exit_on_errors() -> Iterator[None]:
-    """An ApcscoreError raised in the block ends the command with its message and exit code (a context, not a
-    wrapper: the command's call stays one frame from the command)."""
+    """An ApcscoreError raised in the block ends the command with its message (escaped: it may quote data, paths or
+    exceptions) and exit code (a context, not a wrapper: the command's call stays one frame from the command)."""
     try:
         yield
     except ApcscoreError as exc:
-        raise _error(exc) from None
+        console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(exc.exit_code) from None
 
 
 def _exit(code: int) -> None:
@@ -255,7 +250,7 @@ def eval_(**params: Any) -> None:
     from apcscore.run.eval import run_eval
 
     with _exit_on_errors():
-        _exit(run_eval(params, _plain(out_console), note=_plain(console)))
+        _exit(run_eval(params, _plain(out_console), _plain(console)))
 
 
 @app.command("lm-eval", cls=Command, add_help_option=False,
@@ -266,8 +261,9 @@ def lm_eval_(ctx: typer.Context) -> None:
     --help` is lm-eval's help). The same as `python -m apcscore.lmeval`. Needs the `lmeval` extra."""
     import importlib.util
 
-    if importlib.util.find_spec("lm_eval") is None:
-        raise _error(ApcscoreError("apcscore lm-eval needs lm-eval: pip install 'apcscore[lmeval]'"))
+    with _exit_on_errors():
+        if importlib.util.find_spec("lm_eval") is None:
+            raise ApcscoreError("apcscore lm-eval needs lm-eval: pip install 'apcscore[lmeval]'")
     from apcscore.lmeval.__main__ import main as lm_eval_main
 
     lm_eval_main(list(ctx.args))
