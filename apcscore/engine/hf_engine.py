@@ -191,12 +191,10 @@ class TransformersEngine:
         raw = raw[:len(tokens)]
         self.stats.generated_tokens += len(tokens)
         out.output_token_ids, out.output_text, out.finish_reason = tokens, text, reason
-        if p.logprobs is not None and tokens:
+        if p.logprobs is not None:  # (tokens is never empty: generate() gives at least one, _finish keeps it)
             targets = torch.tensor(tokens, device=self.device)
             out.output_logprobs = to_token_logprobs(targets, *token_logprobs_torch(torch.stack(raw).float(), targets,
                                                                                    p.logprobs))
-        elif p.logprobs is not None:
-            out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
 
     def _finish(self, prompt: list[int], tokens: list[int], request: Request) -> tuple[str, list[int], str]:
         """The finish reason, tokens and text of the completion, cut where the native engine would stop."""
