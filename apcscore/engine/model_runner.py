@@ -21,7 +21,7 @@ from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs, to_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
-from apcscore.engine.sampler import make_generator, sample_rows, sampling_seed
+from apcscore.engine.sampler import sample_rows, sampling_seed
 from apcscore.engine.step import ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
 from apcscore.engine.step_inputs import build_step_inputs
@@ -271,7 +271,8 @@ class ModelRunner:
         params = [seq.request.sampling for seq in seqs]
         for seq, p in zip(seqs, params):
             if p.temperature > 0 and seq.generator is None:
-                seq.generator = make_generator(sampling_seed(p, self.config.seed, seq.arrival), hidden.device)
+                seed = sampling_seed(p, self.config.seed, seq.arrival)
+                seq.generator = torch.Generator(device=hidden.device).manual_seed(seed)
         sampled = sample_rows(logits, params, [seq.generator for seq in seqs])  # [S] on the device
         want = [p.logprobs for p in params]
         lps = None

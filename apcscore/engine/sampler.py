@@ -27,10 +27,6 @@ def sampling_seed(params: SamplingParams, engine_seed: int, arrival: int) -> int
     return seed & 0xFFFF_FFFF_FFFF_FFFF
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    return torch.Generator(device=device).manual_seed(seed)
-
-
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
                 ) -> torch.Tensor:
     """logits [B, V] (fp32) -> one token id per row, [B] int64 on the logits' device.
