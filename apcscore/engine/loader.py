@@ -48,17 +48,13 @@ def load_engine(model: LoadedModel | str, config: EngineConfig | None = None,
     if reference is not None:
         return load_paired_engine(model, reference, config)
     if choose_model_backend(model.config, config.model_backend) == "transformers":
-        check_single_device(model.config, config)
+        if config.tensor_parallel_size > 1:  # (the transformers fallback runs on one device)
+            name = getattr(model.config, "model_type", None) or "this architecture"
+            raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and "
+                                f"{name} runs through the transformers fallback (one device); run it with "
+                                "--tensor-parallel 1")
         return TransformersEngine.from_model(model, config)
     return load_native_engine(model, config)
-
-
-def check_single_device(hf_config: Any, config: EngineConfig) -> None:
-    """Refuse --tensor-parallel N > 1 for a model the transformers fallback runs (it runs on one device)."""
-    if config.tensor_parallel_size > 1:
-        name = getattr(hf_config, "model_type", None) or "this architecture"
-        raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and {name} "
-                            "runs through the transformers fallback (one device); run it with --tensor-parallel 1")
 
 
 def load_paired_engine(model: LoadedModel | str, reference: LoadedModel | str, config: EngineConfig) -> Engine:
