@@ -30,9 +30,9 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
-    def update(self, token_ids: list[int], start: int = 0) -> str:
+    def update(self, token_ids: list[int], start: int = 0) -> None:
         """Extend the text to all of `token_ids[start:]` (the completion; the same list as at the last call,
-        grown at its end); returns the new text."""
+        grown at its end)."""
         first = start + self._prefix
         context = self._decode(token_ids[first:start + self._read])
         window = self._decode(token_ids[first:])
@@ -49,7 +49,6 @@ class IncrementalDetokenizer:
             added = new[self._pending:]
             self._prefix, self._read, self._pending = self._read, len(token_ids) - start, 0
         self.text += added
-        return added
 
 
 def find_stop(text: str, stops: list[str], searched: int) -> int | None:

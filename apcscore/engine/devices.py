@@ -12,6 +12,14 @@ from apcscore.errors import ApcscoreError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def device_and_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    """The torch device of --device and dtype of --dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
+    device = resolve_device(config.device)
+    if config.dtype == "auto":
+        return device, torch.bfloat16 if device.type == "cuda" else torch.float32
+    return device, DTYPES[config.dtype]
+
+
 def resolve_device(device: str) -> torch.device:
     """The torch device of --device (auto: CUDA when available, else the CPU); an error for CUDA without
     one."""
@@ -29,10 +37,3 @@ def check_backend_device(config: EngineConfig) -> None:
             and os.environ.get("TRITON_INTERPRET") != "1":
         raise ApcscoreError("--attention-backend triton needs a CUDA GPU, and this run is on the CPU — use "
                             "--attention-backend torch (or auto, which picks torch on a CPU)")
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """The torch dtype of --dtype (auto: bfloat16 on CUDA, float32 on the CPU)."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]

@@ -186,7 +186,7 @@ class Engine:
         text = seq.output_text
         if text is None:
             text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if req.max_tokens else ""
-        out_lps = TokenLogprobs.concat(seq.output_logprob_parts, req.sampling.logprobs or 0) \
+        out_lps = TokenLogprobs.concat(seq.output_logprob_parts, req.sampling.logprobs) \
             if req.sampling is not None and req.sampling.logprobs is not None else None
         return RequestOutput(
             request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids), prompt_logprobs=prompt_lps,

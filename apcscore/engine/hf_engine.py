@@ -23,11 +23,12 @@ from apcscore.config import EngineConfig
 from apcscore.engine.counters import EngineCounters
 from apcscore.engine.detokenizer import IncrementalDetokenizer
 from apcscore.engine.logprobs import chunked_token_logprobs, to_token_logprobs
-from apcscore.engine.devices import resolve_device, resolve_dtype
+from apcscore.engine.devices import device_and_dtype
 from apcscore.models.loaded import LoadedModel, loaded
 from apcscore.engine.context import context_length
 from apcscore.engine.stopping import stop_string_cut, stop_tokens
 from apcscore.engine.numerics import describe_numerics
+from apcscore.engine.sampler import sampling_seed
 from apcscore.engine.step import Request, RequestOutput, TokenLogprobs, request_problem
 from apcscore.errors import ApcscoreError
 from apcscore.kernels.logprobs_torch import token_logprobs_torch
@@ -76,8 +77,7 @@ class TransformersEngine:
         from apcscore.models.loading import weights_fingerprint
 
         config = config or EngineConfig()
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        device, dtype = device_and_dtype(config)
         model = loaded(model)
         hf_logging.disable_progress_bar()  # no "Loading weights" bar in the middle of the CLI's output
         hf_model = AutoModelForCausalLM.from_pretrained(str(model.path), dtype=dtype, local_files_only=True)
@@ -90,8 +90,7 @@ class TransformersEngine:
         from transformers import AutoModelForCausalLM
 
         config = config or EngineConfig()
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device)
+        device, dtype = device_and_dtype(config)
         model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
         missing, unexpected = model.load_state_dict(state_dict, strict=False)
         tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(
@@ -183,9 +182,8 @@ class TransformersEngine:
         else:
             kwargs.update(temperature=None, top_k=None, top_p=None)
         x = torch.tensor([ids], dtype=torch.int64, device=self.device)
-        seed = p.seed if p.seed is not None else hash((self.config.seed, arrival))
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
-            torch.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+            torch.manual_seed(sampling_seed(p, self.config.seed, arrival))
             result = self.model.generate(input_ids=x, attention_mask=torch.ones_like(x), **kwargs)
         tokens = result.sequences[0, len(ids):].tolist()
         raw = [step[0] for step in result.logits]  # [V] each, the model's logits before any processing
@@ -193,12 +191,10 @@ class TransformersEngine:
         raw = raw[:len(tokens)]
         self.stats.generated_tokens += len(tokens)
         out.output_token_ids, out.output_text, out.finish_reason = tokens, text, reason
-        if p.logprobs is not None and tokens:
+        if p.logprobs is not None:  # (tokens is never empty: generate() gives at least one, _finish keeps it)
             targets = torch.tensor(tokens, device=self.device)
             out.output_logprobs = to_token_logprobs(targets, *token_logprobs_torch(torch.stack(raw).float(), targets,
                                                                                    p.logprobs))
-        elif p.logprobs is not None:
-            out.output_logprobs = TokenLogprobs.concat([], p.logprobs)
 
     def _finish(self, prompt: list[int], tokens: list[int], request: Request) -> tuple[str, list[int], str]:
         """The finish reason, tokens and text of the completion, cut where the native engine would stop."""

@@ -12,7 +12,7 @@ import torch
 
 from apcscore.config import EngineConfig
 from apcscore.engine.block_manager import BlockManager
-from apcscore.engine.devices import check_backend_device, resolve_device, resolve_dtype
+from apcscore.engine.devices import check_backend_device, device_and_dtype
 from apcscore.engine.engine import Engine
 from apcscore.engine.gemm_probe import probe_numerics
 from apcscore.engine.hf_engine import TransformersEngine
@@ -43,33 +43,18 @@ def load_engine(model: LoadedModel | str, config: EngineConfig | None = None,
     """
     config = config or EngineConfig()
     check_backend_device(config)
-    resolve_dtype(config.dtype, resolve_device(config.device))
+    device_and_dtype(config)
     model = loaded(model)
     if reference is not None:
         return load_paired_engine(model, reference, config)
     if choose_model_backend(model.config, config.model_backend) == "transformers":
-        check_single_device(model.config, config)
+        if config.tensor_parallel_size > 1:  # (the transformers fallback runs on one device)
+            name = getattr(model.config, "model_type", None) or "this architecture"
+            raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and "
+                                f"{name} runs through the transformers fallback (one device); run it with "
+                                "--tensor-parallel 1")
         return TransformersEngine.from_model(model, config)
     return load_native_engine(model, config)
-
-
-def engine_from_parts(hf_config: Any, state_dict: dict[str, torch.Tensor], tokenizer: Any,
-                      config: EngineConfig | None = None) -> Engine | TransformersEngine:
-    """Build the engine that runs hf_config from a Hugging Face config and state dict (tests, benchmarks,
-    random weights): the native `Engine` or the transformers fallback, as --model-backend says."""
-    config = config or EngineConfig()
-    if choose_model_backend(hf_config, config.model_backend) == "transformers":
-        check_single_device(hf_config, config)
-        return TransformersEngine.from_parts(hf_config, state_dict, tokenizer, config)
-    return native_engine_from_parts(hf_config, state_dict, tokenizer, config)
-
-
-def check_single_device(hf_config: Any, config: EngineConfig) -> None:
-    """Refuse --tensor-parallel N > 1 for a model the transformers fallback runs (it runs on one device)."""
-    if config.tensor_parallel_size > 1:
-        name = getattr(hf_config, "model_type", None) or "this architecture"
-        raise ApcscoreError(f"--tensor-parallel {config.tensor_parallel_size} needs the native engine, and {name} "
-                            "runs through the transformers fallback (one device); run it with --tensor-parallel 1")
 
 
 def load_paired_engine(model: LoadedModel | str, reference: LoadedModel | str, config: EngineConfig) -> Engine:
@@ -93,8 +78,7 @@ def load_native_engine(model: LoadedModel | str, config: EngineConfig | None = N
     """The native engine around `model` (a `load_model` value, or a spec for it), whatever --model-backend says,
     its weights read: the whole state dict, or under tensor parallelism each rank's slices only."""
     config = config or EngineConfig()
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    device, dtype = device_and_dtype(config)
     model = loaded(model)
     check_architecture(model.config)  # before the weights are read
     if config.tensor_parallel_size > 1:  # each rank reads only its slices of the weights
@@ -120,8 +104,7 @@ def native_engine(model: LoadedModel, state_dict: dict[str, torch.Tensor], confi
     dropped once copied: for callers that own it). Its `info` is `model` with the rest filled in."""
     config = config or EngineConfig()
     hf_config, rope = model.config, model.rope
-    device = resolve_device(config.device)
-    dtype = resolve_dtype(config.dtype, device)
+    device, dtype = device_and_dtype(config)
     arch = check_architecture(hf_config)
     check_backend_device(config)
     ops = select_ops(config.attention_backend, device.type, config.batch_invariant)

@@ -21,7 +21,7 @@ from apcscore.engine.host_memory import keep_freed_memory
 from apcscore.engine.kv_cache import allocate_kv_cache
 from apcscore.engine.logprobs import LogprobFn, chunked_token_logprobs, to_token_logprobs
 from apcscore.engine.paired_rows import PairedRows
-from apcscore.engine.sampler import make_generator, sample_rows
+from apcscore.engine.sampler import sample_rows, sampling_seed
 from apcscore.engine.step import ScheduledBatch, Sequence, StepInputs, TokenLogprobs
 from apcscore.engine.score_store import publishes
 from apcscore.engine.step_inputs import build_step_inputs
@@ -46,7 +46,6 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
-        self.num_kv_blocks = num_kv_blocks
         self.logprobs_chunk_size = config.logprobs_chunk_size
         self.logprob_fn = logprob_fn
         self.capture_block_hidden = capture_block_hidden  # exact reuse: feed the score store
@@ -272,8 +271,8 @@ class ModelRunner:
         params = [seq.request.sampling for seq in seqs]
         for seq, p in zip(seqs, params):
             if p.temperature > 0 and seq.generator is None:
-                seed = p.seed if p.seed is not None else hash((self.config.seed, seq.arrival))
-                seq.generator = make_generator(seed, hidden.device)
+                seed = sampling_seed(p, self.config.seed, seq.arrival)
+                seq.generator = torch.Generator(device=hidden.device).manual_seed(seed)
         sampled = sample_rows(logits, params, [seq.generator for seq in seqs])  # [S] on the device
         want = [p.logprobs for p in params]
         lps = None

@@ -73,7 +73,6 @@ def resize_pools(engine: Any, ref_engine: Any, num_blocks: int) -> None:
         check_kv_pool(e.model.config, num_blocks, cfg.block_size, e.dtype, e.device)
     for e in (engine, ref_engine):
         allocate_kv_cache(e.model, num_blocks, cfg.block_size, e.dtype, e.device)
-        e.runner.num_kv_blocks = num_blocks
     engine.scheduler = Scheduler(BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching), cfg)
     engine.block_manager = engine.scheduler.bm
     engine.stats = engine.block_manager.stats  # (the engine's one tally is its block manager's)

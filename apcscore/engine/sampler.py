@@ -20,10 +20,11 @@ from apcscore.kernels import rowmath
 from apcscore.engine.step import SamplingParams
 
 
-def make_generator(seed: int, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
-    return gen
+def sampling_seed(params: SamplingParams, engine_seed: int, arrival: int) -> int:
+    """The seed of a sampled request's RNG in both engines: its own `seed`, else one from the engine seed and its
+    arrival number; as an unsigned 64-bit int (what torch's manual_seed takes)."""
+    seed = params.seed if params.seed is not None else hash((engine_seed, arrival))
+    return seed & 0xFFFF_FFFF_FFFF_FFFF
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]

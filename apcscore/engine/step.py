@@ -263,8 +263,3 @@ class StepInputs:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
-    @property
-    def is_decode(self) -> bool:
-        """Every sequence computes exactly one token."""
-        return self.num_seqs > 0 and int(self.cu_seqlens_q[-1]) == self.num_seqs
-

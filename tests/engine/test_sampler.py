@@ -11,7 +11,7 @@ import itertools
 import pytest
 import torch
 
-from apcscore.engine.sampler import make_generator, sample_rows
+from apcscore.engine.sampler import sample_rows
 from apcscore.engine.step import SamplingParams
 from apcscore.kernels import rowmath
 
@@ -49,7 +49,7 @@ PARAMS = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.8), Samp
 
 
 def generators(seed: int) -> list:
-    return [make_generator(seed + i, torch.device("cpu")) if p.temperature > 0 else None
+    return [torch.Generator().manual_seed(seed + i) if p.temperature > 0 else None
             for i, p in enumerate(PARAMS)]
 
 
@@ -92,7 +92,7 @@ def test_cpu_sampler_draws_by_the_probabilities() -> None:
     nucleus only (tokens sorted by probability 0.64, 0.24, 0.09, ...: top_p 0.8 keeps two)."""
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -2.0]])
     probs = torch.softmax(logits[0].double(), -1)
-    gen = make_generator(7, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(7)
     counts = torch.zeros(5)
     for _ in range(4000):
         counts[sample_rows(logits, [SamplingParams(temperature=1.0)], [gen])[0]] += 1
@@ -133,7 +133,7 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(top_p: float) -> None:
     logits = 3 * torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0, top_p=top_p), SamplingParams(temperature=0.5, top_k=7, top_p=top_p),
               SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=0.0)]
-    gens = [make_generator(i, torch.device("cpu")) for i in range(4)]
+    gens = [torch.Generator().manual_seed(i) for i in range(4)]
     got = sample_rows(logits, params, gens).tolist()
     greedy = logits.argmax(-1).tolist()
     assert got[:2] == greedy[:2] and got[3] == greedy[3]

@@ -33,8 +33,9 @@ def test_a_chunk_across_blocks_and_a_decode_row_padded() -> None:
     assert inp.block_tables.tolist() == [[7, 2, 5], [9, 4, 0]]
     assert (inp.input_ids.dtype, inp.slot_mapping.dtype, inp.cu_seqlens_q.dtype, inp.block_tables.dtype) == (
         np.int64, np.int64, np.int32, np.int32)
-    assert not inp.is_decode
-    assert build_step_inputs([(b, 1)], block_size=4).is_decode
+    assert int(inp.cu_seqlens_q[-1]) != inp.num_seqs  # not a decode step: a sequence computes more than one token
+    decode = build_step_inputs([(b, 1)], block_size=4)
+    assert int(decode.cu_seqlens_q[-1]) == decode.num_seqs  # a decode step: one token per sequence
     with pytest.raises(ValueError):
         build_step_inputs([(a, 6), (b, 1)], block_size=4, num_rows=5)
 

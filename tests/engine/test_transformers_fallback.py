@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from apcscore import EngineConfig, Request, SamplingParams
 from apcscore.cli import app
 from apcscore.engine.hf_engine import NO_CACHE_WARNING, TransformersEngine
-from apcscore.engine.loader import engine_from_parts, load_engine
+from apcscore.engine.loader import load_engine
 
 TOL = 1e-4  # fp32 CPU logprobs
 PROMPTS = [{"id": "a", "prompt": "The quick brown fox jumps over the lazy dog."},
@@ -236,7 +236,7 @@ def test_eos_stops_generation_unless_ignored_and_stop_token_ids_stop():
                          eos_token_id=eos, architectures=["GPT2LMHeadModel"])
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg).eval()
-        return engine_from_parts(cfg, model.state_dict(), _IdsTokenizer(eos), EngineConfig(device="cpu"))
+        return TransformersEngine.from_parts(cfg, model.state_dict(), _IdsTokenizer(eos), EngineConfig(device="cpu"))
 
     def gen(e, **params):
         return next(iter(e.run([Request("r", [5, 6, 7, 8, 9], SamplingParams(max_tokens=6, **params))])))
