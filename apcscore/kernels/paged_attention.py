@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_last_dim_contiguous,
-                                      check_shape, check_tensors)
+from apcscore.kernels._checks import INDEX_DTYPES, check_dtype, check_float_input, check_shape, check_tensors
 
 # (block_m, block_n, num_warps) by head_dim. They depend on the model only, never on the batch, because the
 # reduction order, and so the bits of the result, depend on them. block_m: rows of a query tile, block_m //
@@ -213,9 +212,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     name = "paged_attention"
     check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                   cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
-    check_shape(name, "query", query, 3)
-    check_dtype(name, "query", query, FLOAT_DTYPES)
-    check_last_dim_contiguous(name, "query", query)
+    check_float_input(name, "query", query, 3)
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_shape(name, arg, t, 4)
         if not t.is_contiguous():
