@@ -17,9 +17,9 @@ class DecodePlan:
     rows: list[int]  # the query row of each decoding sequence
     seq_lens: list[int]
     tail_start: int  # keys [0, tail_start) are the tiles every sequence shares (the same blocks)
-    shared_rows: torch.Tensor | None  # head_rows of those keys, or None when there are none (or paged)
-    tail_rows: torch.Tensor | None  # head_rows of each sequence's keys [tail_start, padded) (see pad_slots)
     past_end: torch.Tensor  # [B, L'] True past a sequence's end: the mask of its single query
+    shared_rows: torch.Tensor | None = None  # head_rows of the shared keys (None: none); both None when paged
+    tail_rows: torch.Tensor | None = None  # head_rows of each sequence's keys [tail_start, padded) (see pad_slots)
     # paged (CPU, fixed-order kernel): the products read the cache through these instead of gathered rows
     tables: torch.Tensor | None = None  # [B, max_blocks] int32, contiguous
     seq_lens_t: torch.Tensor | None = None  # [B] int32
@@ -52,15 +52,13 @@ def decode_plan(meta: AttentionMetadata, seqs: list[int], cache: torch.Tensor, w
     # the query's mask: past its end, and (the query sits at ends - 1) keys <= ends - 1 - window outside its window
     mask = past_end | (k_pos[None, :] <= ends - 1 - window) if window else past_end
     if paged_decode(device):
-        return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first, shared_rows=None,
-                          tail_rows=None, past_end=mask,
+        return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first, past_end=mask,
                           tables=meta.block_tables[seqs].to(torch.int32).contiguous(),
                           seq_lens_t=torch.tensor(seq_lens, dtype=torch.int32))
     slots = (tables[:, :, None] * block_size + torch.arange(block_size, device=device)).flatten(1)  # [B, padded]
-    tail_rows = head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache)
-    return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first,
-                       shared_rows=head_rows(slots[0, :first], cache) if shared_tiles else None,
-                       tail_rows=tail_rows, past_end=mask)
+    return DecodePlan(rows=[cu[i] for i in seqs], seq_lens=seq_lens, tail_start=first, past_end=mask,
+                      shared_rows=head_rows(slots[0, :first], cache) if shared_tiles else None,
+                      tail_rows=head_rows(torch.where(past_end, slots[:, :1], slots[:, first:padded_len]), cache))
 
 
 def attend_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

@@ -12,8 +12,8 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def check_tensors(kernel: str, **tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device, and that device usable by Triton; returns the device."""
+def check_tensors(kernel: str, **tensors: torch.Tensor) -> None:
+    """All tensors on one device, and that device usable by Triton."""
     devices = {name: t.device for name, t in tensors.items()}
     first = next(iter(devices.values()))
     if any(d != first for d in devices.values()):
@@ -22,7 +22,6 @@ def check_tensors(kernel: str, **tensors: torch.Tensor) -> torch.device:
     if first.type != "cuda" and not interpreting():
         raise ValueError(f"{kernel}: Triton kernels need CUDA tensors, got {first}; "
                          "on a CPU set TRITON_INTERPRET=1 (tests only) or use the torch implementation")
-    return first
 
 
 def check_shape(kernel: str, name: str, t: torch.Tensor, ndim: int) -> None:
@@ -35,7 +34,10 @@ def check_dtype(kernel: str, name: str, t: torch.Tensor, allowed: tuple[torch.dt
         raise ValueError(f"{kernel}: {name} must have dtype in {allowed}, got {t.dtype}")
 
 
-def check_last_dim_contiguous(kernel: str, name: str, t: torch.Tensor) -> None:
+def check_float_input(kernel: str, name: str, t: torch.Tensor, ndim: int) -> None:
+    """t has ndim dimensions, a dtype of FLOAT_DTYPES and a contiguous last dimension."""
+    check_shape(kernel, name, t, ndim)
+    check_dtype(kernel, name, t, FLOAT_DTYPES)
     if t.shape[-1] > 1 and t.stride(-1) != 1:
         raise ValueError(f"{kernel}: the last dimension of {name} must be contiguous (stride 1), "
                          f"got strides {t.stride()}; pass {name}.contiguous()")

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from apcscore.kernels.cpu_gemm import DTYPE_CODES
 from apcscore.kernels.cpu_library import available, forced_simd, library
 
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_vec.h's DT_*
 LANES = 16  # head_dim must be a multiple of this (the kernel's vector width over head_dim)
 
 

@@ -27,7 +27,7 @@ from apcscore.kernels.buffers import reused_buffer
 from apcscore.kernels.cpu_library import forced_simd, library
 
 PARALLEL_MIN_MACS = 1 << 20  # multiply-adds below which one thread computes the whole product
-DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # cpu_vec.h's DT_*
 
 SIMD_NAMES = {2: "avx512-fma", 1: "avx2-fma", 0: "scalar-fma"}
 

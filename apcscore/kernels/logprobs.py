@@ -9,8 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
-                                      check_tensors)
+from apcscore.kernels._checks import check_dtype, check_float_input, check_shape, check_tensors
 from apcscore.kernels.logprobs_torch import top_k
 
 BLOCK_V = 4096  # vocabulary entries per chunk of the kernel's loop (untuned)
@@ -101,8 +100,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: b
     """
     name = "token_logprobs"
     check_tensors(name, logits=logits, targets=targets)
-    check_shape(name, "logits", logits, 2)
-    check_dtype(name, "logits", logits, FLOAT_DTYPES)
+    check_float_input(name, "logits", logits, 2)
     if logits.shape[1] == 0:
         raise ValueError(f"{name}: logits have an empty vocabulary dimension, shape {tuple(logits.shape)}")
     check_shape(name, "targets", targets, 1)
@@ -111,7 +109,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int, ranks: b
         raise ValueError(f"{name}: {targets.shape[0]} targets for {logits.shape[0]} rows of logits")
     if not isinstance(k, int) or not 0 <= k <= logits.shape[1]:
         raise ValueError(f"{name}: k must be an int in [0, vocab size {logits.shape[1]}], got {k!r}")
-    check_last_dim_contiguous(name, "logits", logits)
     if block_v < 16 or block_v & (block_v - 1):
         raise ValueError(f"{name}: block_v must be a power of two >= 16, got {block_v}")
     num_rows, vocab = logits.shape

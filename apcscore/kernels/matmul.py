@@ -14,26 +14,29 @@ of every logprob path). fp32 inputs use IEEE fp32 products (no TF32).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
-                                      check_tensors)
+from apcscore.kernels._checks import check_float_input, check_tensors
 from apcscore.kernels.matmul_configs import MatmulConfig, config_for
 
-_CAPABILITY: dict[int, str] = {}  # CUDA device index -> "sm90"
+_properties_of_index = functools.cache(torch.cuda.get_device_properties)
+
+
+def _cuda_properties(device: torch.device) -> torch._C._CudaDeviceProperties:
+    """A CUDA device's properties, read once per device (every linear call asks for them)."""
+    return _properties_of_index(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def capability_of(device: torch.device) -> str:
     """matmul_configs' capability key of a device: "sm<major><minor>" on CUDA, "cpu" (the interpreter)."""
     if device.type != "cuda":
         return device.type
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _CAPABILITY:
-        major, minor = torch.cuda.get_device_capability(index)
-        _CAPABILITY[index] = f"sm{major}{minor}"
-    return _CAPABILITY[index]
+    properties = _cuda_properties(device)
+    return f"sm{properties.major}{properties.minor}"
 
 
 def weight_config(weight: torch.Tensor) -> MatmulConfig:
@@ -106,17 +109,7 @@ def _linear_tma_persistent_kernel(x_desc, w_desc, y_desc, M, N, K, IEEE: tl.cons
         y_desc.store([row, col], acc.to(y_desc.dtype))
 
 
-_NUM_SMS: dict[int, int] = {}  # CUDA device index -> multiprocessors
 INTERPRETER_PROGRAMS = 3  # the persistent kernel's program count under the interpreter: several tiles each
-
-
-def _num_programs(device: torch.device) -> int:
-    if device.type != "cuda":
-        return INTERPRETER_PROGRAMS
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _NUM_SMS:
-        _NUM_SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _NUM_SMS[index]
 
 
 def _launch_tma_persistent(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, cfg: MatmulConfig) -> None:
@@ -135,7 +128,8 @@ def _launch_tma_persistent(x: torch.Tensor, weight: torch.Tensor, out: torch.Ten
     x_desc = TensorDescriptor(x, [m, k], [strides["x"], 1], [cfg.block_m, cfg.block_k])
     w_desc = TensorDescriptor(weight, [n, k], [strides["weight"], 1], [cfg.block_n, cfg.block_k])
     y_desc = TensorDescriptor(out, [m, n], [strides["out"], 1], [cfg.block_m, cfg.block_n])
-    programs = _num_programs(x.device)
+    programs = (_cuda_properties(x.device).multi_processor_count if x.device.type == "cuda"
+                else INTERPRETER_PROGRAMS)  # one per SM
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _linear_tma_persistent_kernel[(min(programs, tiles),)](
         x_desc, w_desc, y_desc, m, n, k, IEEE=x.dtype == torch.float32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -155,11 +149,8 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """
     name = "invariant_linear"
     check_tensors(name, x=x, weight=weight)
-    check_shape(name, "x", x, 2)
-    check_shape(name, "weight", weight, 2)
     for arg, t in (("x", x), ("weight", weight)):
-        check_dtype(name, arg, t, FLOAT_DTYPES)
-        check_last_dim_contiguous(name, arg, t)
+        check_float_input(name, arg, t, 2)
     if x.dtype != weight.dtype:
         raise ValueError(f"{name}: x is {x.dtype} but weight is {weight.dtype}; cast one first")
     (m, k), (n, k_w) = x.shape, weight.shape

@@ -62,9 +62,5 @@ def library_logits(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | No
     accumulator (torch.mm's out_dtype, CUDA only: pytorch/pytorch#150812), as the Triton matmul does on the
     invariant path, so `--no-batch-invariant` changes the GEMM and not the logits' precision. `out` (fp32,
     rows >= M) receives them when given."""
-    target = None if out is None else out[:x.shape[0]]
-    if weight.dtype == torch.float32:
-        return torch.mm(x, weight.t()) if target is None else torch.mm(x, weight.t(), out=target)
-    if target is None:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
-    return torch.mm(x, weight.t(), out_dtype=torch.float32, out=target)
+    out_dtype = {} if weight.dtype == torch.float32 else {"out_dtype": torch.float32}
+    return torch.mm(x, weight.t(), **out_dtype, out=None if out is None else out[:x.shape[0]])

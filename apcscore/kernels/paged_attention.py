@@ -28,8 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_last_dim_contiguous,
-                                      check_shape, check_tensors)
+from apcscore.kernels._checks import INDEX_DTYPES, check_dtype, check_float_input, check_shape, check_tensors
 
 # (block_m, block_n, num_warps) by head_dim. They depend on the model only, never on the batch, because the
 # reduction order, and so the bits of the result, depend on them. block_m: rows of a query tile, block_m //
@@ -69,6 +68,51 @@ def _soft_cap(s, softcap_log2):
     e = tl.exp2(tl.abs(s) * (-2.0 * 1.4426950408889634 / softcap_log2))  # exp(-2 |s / c|) in (0, 1]
     t = (1.0 - e) / (1.0 + e)  # tanh |s / c|
     return tl.where(s < 0, -t, t) * softcap_log2
+
+
+@triton.jit
+def _tile_scores(q, k_cache_ptr, table_ptr, n, n_ok, kv_head, d, d_ok, scale_log2, softcap_log2, stride_kb, stride_ks,
+                 stride_kh, BLOCK_SIZE: tl.constexpr, IEEE_DOT: tl.constexpr, SOFTCAP: tl.constexpr):
+    """The base-2 scores [BLOCK_M, BLOCK_N] of queries q against the keys at positions n ([BLOCK_N]; n_ok: inside
+    the sequence, whose block table row is at table_ptr), soft-capped with SOFTCAP, and where those keys lie
+    (block, offset: _tile_update reads the values there)."""
+    block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
+    offset = n % BLOCK_SIZE
+    k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
+    k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
+                other=0.0)  # [BLOCK_D, BLOCK_N]
+    if IEEE_DOT:
+        s = tl.dot(q, k, input_precision="ieee")
+    else:
+        s = tl.dot(q, k)
+    s = s * scale_log2  # [BLOCK_M, BLOCK_N] fp32
+    if SOFTCAP:
+        s = _soft_cap(s, softcap_log2)
+    return s, block, offset
+
+
+@triton.jit
+def _tile_update(s, m_i, l_i, acc, v_cache_ptr, block, offset, n_ok, kv_head, d, d_ok, stride_vb, stride_vs,
+                 stride_vh, IEEE_DOT: tl.constexpr, WINDOW: tl.constexpr):
+    """The online softmax's step over one key tile, from its masked scores s (_tile_scores', -inf where a row does
+    not see a key): the rows' new running max, running sum of exp2 and accumulator [BLOCK_M, BLOCK_D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if WINDOW:  # -inf until a row's first visible key: subtract 0 then (p = 0, alpha = 0, no NaN)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    l_new = l_i * alpha + tl.sum(p, 1)
+    v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
+                other=0.0)  # [BLOCK_N, BLOCK_D]
+    if IEEE_DOT:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_new, acc * alpha[:, None] + pv
 
 
 # Triton compiles a variant per integer argument's value class (== 1, divisible by 16, other) unless told not
@@ -127,40 +171,16 @@ def _paged_attention_kernel(
     for start_n in range(kv_start, kv_end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
         n_ok = n < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh  # [BLOCK_N]
-        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None],
-                    other=0.0)  # [BLOCK_D, BLOCK_N]
-        if IEEE_DOT:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2  # [BLOCK_M, BLOCK_N] fp32
-        if SOFTCAP:
-            s = _soft_cap(s, softcap_log2)
+        s, block, offset = _tile_scores(q, k_cache_ptr, block_tables_ptr + seq * stride_bt, n, n_ok, kv_head, d, d_ok,
+                                        scale_log2, softcap_log2, stride_kb, stride_ks, stride_kh, BLOCK_SIZE, IEEE_DOT,
+                                        SOFTCAP)
         causal = (n[None, :] <= q_pos[:, None]) & n_ok[None, :]
         if WINDOW:
             causal = causal & (n[None, :] > q_pos[:, None] - window)
         s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # causal only: finite (key 0 is in every row's first tile)
-        if WINDOW:  # -inf until a row's first visible key: subtract 0 then (p = 0, alpha = 0, no NaN)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            p = tl.exp2(s - m_sub[:, None])
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                    other=0.0)  # [BLOCK_N, BLOCK_D]
-        if IEEE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        # causal only, the running max is finite (key 0 is in every row's first tile)
+        m_i, l_i, acc = _tile_update(s, m_i, l_i, acc, v_cache_ptr, block, offset, n_ok, kv_head, d, d_ok, stride_vb,
+                                     stride_vs, stride_vh, IEEE_DOT, WINDOW)
     acc = acc / l_i[:, None]
     o_row = (q_start + tok).to(tl.int64) * stride_ot + head * stride_oh
     tl.store(out_ptr + o_row[:, None] + d[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -192,9 +212,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     name = "paged_attention"
     check_tensors(name, query=query, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
                   cu_seqlens_q=cu_seqlens_q, seq_lens=seq_lens)
-    check_shape(name, "query", query, 3)
-    check_dtype(name, "query", query, FLOAT_DTYPES)
-    check_last_dim_contiguous(name, "query", query)
+    check_float_input(name, "query", query, 3)
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_shape(name, arg, t, 4)
         if not t.is_contiguous():

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels.paged_attention import LOG2E, _soft_cap, tile_config
+from apcscore.kernels.paged_attention import LOG2E, _tile_scores, _tile_update, tile_config
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -59,32 +59,14 @@ def _shared_prefix_decode_kernel(
     for start_n in range(0, shared_end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
         n_ok = n < shared_end
-        block = tl.load(block_tables_ptr + first_seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-        offset = n % BLOCK_SIZE
-        k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh
-        k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-        if IEEE_DOT:
-            s = tl.dot(q, k, input_precision="ieee")
-        else:
-            s = tl.dot(q, k)
-        s = s * scale_log2
-        if SOFTCAP:
-            s = _soft_cap(s, softcap_log2)
+        s, block, offset = _tile_scores(q, k_cache_ptr, block_tables_ptr + first_seq * stride_bt, n, n_ok, kv_head, d,
+                                        d_ok, scale_log2, softcap_log2, stride_kb, stride_ks, stride_kh, BLOCK_SIZE,
+                                        IEEE_DOT, SOFTCAP)
         # all true here, but kept: as in paged_attention, the select keeps the compiler from contracting the scale
         # multiply into the exponent's subtraction (an FMA there would round differently from today's kernel)
         s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
-        v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE_DOT:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        m_i, l_i, acc = _tile_update(s, m_i, l_i, acc, v_cache_ptr, block, offset, n_ok, kv_head, d, d_ok, stride_vb,
+                                     stride_vs, stride_vh, IEEE_DOT, False)
     # Each member's own tiles, updating only its rows (the other rows' values are computed and dropped).
     for j in range(0, num_members):
         seq_j = tl.load(group_row + 2 + j)
@@ -94,31 +76,15 @@ def _shared_prefix_decode_kernel(
         for start_n in range(shared_end, kv_end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
             n_ok = n < kv_end
-            block = tl.load(block_tables_ptr + seq_j * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0).to(tl.int64)
-            offset = n % BLOCK_SIZE
-            k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh
-            k = tl.load(k_cache_ptr + k_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            if IEEE_DOT:
-                s = tl.dot(q, k, input_precision="ieee")
-            else:
-                s = tl.dot(q, k)
-            s = s * scale_log2
-            if SOFTCAP:
-                s = _soft_cap(s, softcap_log2)
+            s, block, offset = _tile_scores(q, k_cache_ptr, block_tables_ptr + seq_j * stride_bt, n, n_ok, kv_head,
+                                            d, d_ok, scale_log2, softcap_log2, stride_kb, stride_ks, stride_kh,
+                                            BLOCK_SIZE, IEEE_DOT, SOFTCAP)
             causal = (n <= q_pos) & n_ok
             s = tl.where(causal[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row saw the shared tiles (>= 1) first
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_new = l_i * alpha + tl.sum(p, 1)
-            v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
-            v = tl.load(v_cache_ptr + v_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :],
-                        other=0.0)
-            if IEEE_DOT:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
+            # every row saw the shared tiles (>= 1) first: its running max is finite
+            m_new, l_new, acc_new = _tile_update(s, m_i, l_i, acc, v_cache_ptr, block, offset, n_ok, kv_head, d,
+                                                 d_ok, stride_vb, stride_vs, stride_vh, IEEE_DOT, False)
+            acc = tl.where(active[:, None], acc_new, acc)
             l_i = tl.where(active, l_new, l_i)
             m_i = tl.where(active, m_new, m_i)
     acc = acc / l_i[:, None]

@@ -12,8 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
-                                      check_tensors)
+from apcscore.kernels._checks import check_float_input, check_tensors
 
 MAX_HIDDEN = 65536  # one row lives in one program
 
@@ -48,11 +47,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     name = "rms_norm"
     tensors = {"x": x, "weight": weight} | ({"residual": residual} if residual is not None else {})
     check_tensors(name, **tensors)
-    check_shape(name, "x", x, 2)
-    check_shape(name, "weight", weight, 1)
     for arg, t in tensors.items():
-        check_dtype(name, arg, t, FLOAT_DTYPES)
-        check_last_dim_contiguous(name, arg, t)
+        check_float_input(name, arg, t, 1 if arg == "weight" else 2)
     num_rows, hidden = x.shape
     if weight.shape[0] != hidden:
         raise ValueError(f"{name}: weight has {weight.shape[0]} entries for rows of {hidden}")

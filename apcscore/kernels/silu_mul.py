@@ -33,8 +33,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, check_dtype, check_last_dim_contiguous, check_shape,
-                                      check_tensors, interpreting)
+from apcscore.kernels._checks import check_float_input, check_tensors, interpreting
 from apcscore.kernels.rotary import _rounded
 
 BLOCK = 1024  # columns per program: 8 per thread at 4 warps (16-byte loads of bf16)
@@ -104,9 +103,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     name = "silu_mul"
     check_tensors(name, gate=gate, up=up)
     for arg, t in (("gate", gate), ("up", up)):
-        check_shape(name, arg, t, 2)
-        check_dtype(name, arg, t, FLOAT_DTYPES)
-        check_last_dim_contiguous(name, arg, t)
+        check_float_input(name, arg, t, 2)
     if up.shape != gate.shape or up.dtype != gate.dtype:
         raise ValueError(f"{name}: gate {tuple(gate.shape)} {gate.dtype} and up {tuple(up.shape)} {up.dtype} "
                          "must have one shape and one dtype")

@@ -6,8 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
-from apcscore.kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_last_dim_contiguous,
-                                      check_shape, check_tensors)
+from apcscore.kernels._checks import (FLOAT_DTYPES, INDEX_DTYPES, check_dtype, check_float_input, check_shape,
+                                      check_tensors)
 
 
 @triton.jit
@@ -44,9 +44,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     name = "store_kv"
     check_tensors(name, key=key, value=value, k_cache=k_cache, v_cache=v_cache, slot_mapping=slot_mapping)
     for arg, t in (("key", key), ("value", value)):
-        check_shape(name, arg, t, 3)
-        check_dtype(name, arg, t, FLOAT_DTYPES)
-        check_last_dim_contiguous(name, arg, t)
+        check_float_input(name, arg, t, 3)
     for arg, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         check_shape(name, arg, t, 4)
         check_dtype(name, arg, t, FLOAT_DTYPES)
