@@ -229,11 +229,10 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     """Per-record figures, worst first (by mean KL when known, else by |ln PPL ratio|)."""
     r = len(ids)
 
-    def total(w: np.ndarray, where: np.ndarray | None = None) -> np.ndarray:
-        sel = slice(None) if where is None else where
-        return np.bincount(pos.record[sel], weights=w[sel] if w is not None else None, minlength=r)
+    def total(w: np.ndarray | None, where: np.ndarray | slice = slice(None)) -> np.ndarray:
+        return np.bincount(pos.record[where], weights=None if w is None else w[where], minlength=r)
 
-    def seg_max(v: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
+    def seg_max(v: np.ndarray, where: np.ndarray | slice = slice(None)) -> np.ndarray:
         out = np.full(r, -np.inf)
         np.maximum.at(out, pos.record[where], v[where])
         return out
@@ -244,7 +243,7 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     n_kl, sum_kl, max_kl = total(None, has_kl), total(np.nan_to_num(pos.kld), has_kl), seg_max(pos.kld, has_kl)
     has_t = pos.top1 >= 0
     n_t, sum_t = total(None, has_t), total(pos.top1.astype(float), has_t)
-    max_d = seg_max(np.abs(d), slice(None))
+    max_d = seg_max(np.abs(d))
     s_b, s_n, s_d = total(-pos.base_lp), total(-pos.new_lp), total(d)
     rows = [RecordMetrics(ids[i], int(n[i]), s_b[i] / n[i], s_n[i] / n[i], s_d[i] / n[i],
                           sum_kl[i] / n_kl[i] if n_kl[i] else None, max_kl[i] if n_kl[i] else None,
