@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from apcscore.compare.divergence import mean_se
 from apcscore.compare.exact import ExactDiff, compare_tables
 from apcscore.compare.gate import Check, json_ready
+from apcscore.compare.inputs import examples
 from apcscore.compare.report import _num
 from apcscore.compare.thresholds import LIMITS, Thresholds
 from apcscore.compare.stats import drop_bounds, judge, mcnemar_exact_p
@@ -118,12 +119,10 @@ def check_same_eval(base: EvalRun, new: EvalRun) -> list[str]:
         raise ApcscoreError("the eval runs were run with different settings, so their scores differ whatever the "
                             f"models do (baseline vs candidate): {'; '.join(diffs)}. Run both with the same options")
     db, dn = _docs(base), _docs(new)
-    only_b, only_n = sorted(db.keys() - dn.keys()), sorted(dn.keys() - db.keys())
+    only_b, only_n = ([f"{t} doc {d}" for t, _, d in sorted(x.keys() - y.keys())] for x, y in ((db, dn), (dn, db)))
     if only_b or only_n:
-        def show(keys: list) -> str:
-            return ", ".join(f"{t} doc {d}" for t, _, d in keys[:5]) + (" ..." if len(keys) > 5 else "")
         raise ApcscoreError(f"the eval runs scored different documents: {len(only_b)} only in the baseline "
-                            f"({show(only_b)}), {len(only_n)} only in the candidate ({show(only_n)})")
+                            f"({examples(only_b, str)}), {len(only_n)} only in the candidate ({examples(only_n, str)})")
     chat = bool(base.meta.get("apply_chat_template"))
     notes = []
     for key in sorted(db):
