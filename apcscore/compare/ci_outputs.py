@@ -66,10 +66,10 @@ def annotation(kind: str, title: str, message: str) -> str:
     return f"::{kind} title={_escape_property(title)}::{_escape_data(message)}"
 
 
-def annotations(cases: list[Case], verdict: str, title: str = SUITES_NAME) -> list[str]:
+def annotations(cases: list[Case], verdict: str) -> list[str]:
     """`::error` per failed case and one `::notice` with the verdict."""
-    lines = [annotation("error", f"{title}: {c.name}", c.message) for c in cases if not c.passed]
-    return lines + [annotation("notice", title, verdict)]
+    lines = [annotation("error", f"{SUITES_NAME}: {c.name}", c.message) for c in cases if not c.passed]
+    return lines + [annotation("notice", SUITES_NAME, verdict)]
 
 
 def _append(path: Path, text: str, what: str) -> None:

@@ -10,7 +10,7 @@ from rich.console import Console
 from apcscore.compare.eval_runs import EvalComparison, MetricDelta
 from apcscore.compare.thresholds import Thresholds
 from apcscore.compare.fit_table import Row, print_table
-from apcscore.compare.report import _num, check_rows, md_report, print_checks, verdict
+from apcscore.compare.report import _num, md_report, print_checks, verdict
 from apcscore.errors import ApcscoreError
 
 _METRIC_HEAD = ("task", "metric", "baseline", "candidate", "change", "docs", "per-doc change +/- SE", "flips -/+")
@@ -36,7 +36,7 @@ def render_eval_console(c: EvalComparison, console: Console) -> None:
     print_table(console, "Compared eval runs", ("", "baseline", "candidate"), _sides(c))
     print_table(console, "Per task and metric (flips: documents right -> wrong / wrong -> right)", _METRIC_HEAD,
                 [_metric_row(m) for m in c.metrics])
-    print_checks(console, c.notes, c.checks, check_rows(c.checks), "Thresholds (per task)")
+    print_checks(console, c.notes, c.checks, "Thresholds (per task)")
 
 
 def eval_markdown(c: EvalComparison) -> str:
@@ -44,11 +44,6 @@ def eval_markdown(c: EvalComparison) -> str:
     return md_report("apcscore compare (eval runs)", c.checks, "",
                      [("Per task and metric", _METRIC_HEAD, [_metric_row(m) for m in c.metrics]),
                       ("Compared runs", ("", "baseline", "candidate"), _sides(c))], c.notes)
-
-
-def eval_json(c: EvalComparison) -> str:
-    """Every figure as JSON (NaN becomes null)."""
-    return json.dumps(c.to_dict(), indent=2, allow_nan=False)
 
 
 def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, exact: bool, report_md: Path | None,
@@ -77,7 +72,7 @@ def run_eval_compare(baseline: Path, candidate: Path, thresholds: Thresholds, ex
     if report_md is not None:
         write_markdown(report_md, eval_markdown(result))
     if report_json is not None:
-        write_report(report_json, eval_json(result))
+        write_report(report_json, json.dumps(result.to_dict(), indent=2, allow_nan=False))
     cases = [Case(name, passed, message, classname="apcscore.compare.eval") for name, passed, message in result.cases()]
     if report_junit is not None:
         write_report(report_junit, to_junit(cases, "eval tasks"))

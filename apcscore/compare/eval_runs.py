@@ -7,7 +7,7 @@ model, dtype, device, backend and code are what is compared (docs/compare.md, "C
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 from apcscore.compare.divergence import mean_se
 from apcscore.compare.exact import ExactDiff, compare_tables
 from apcscore.compare.gate import Check, json_ready
+from apcscore.compare.inputs import examples
 from apcscore.compare.report import _num
 from apcscore.compare.thresholds import LIMITS, Thresholds
 from apcscore.compare.stats import drop_bounds, judge, mcnemar_exact_p
@@ -37,7 +38,6 @@ class EvalRun:
     """One `apcscore eval` folder as compare reads it."""
 
     path: Path
-    role: str
     meta: dict[str, Any]  # our run metadata (results.json's `apcscore`)
     results: dict[str, dict[str, Any]]  # task -> {"metric,filter": value}
     configs: dict[str, dict[str, Any]]  # task -> lm-eval's resolved task config
@@ -74,7 +74,7 @@ def read_eval_dir(path: Path, role: str) -> EvalRun:
     if need - set(table.column_names):
         raise ApcscoreError(f"{req_path}: no column {', '.join(sorted(need - set(table.column_names)))}: not "
                             "written by apcscore eval")
-    return EvalRun(path, role, meta, res["results"], res.get("configs") or {}, res.get("higher_is_better") or {},
+    return EvalRun(path, meta, res["results"], res.get("configs") or {}, res.get("higher_is_better") or {},
                    res.get("config") or {}, table)
 
 
@@ -119,12 +119,10 @@ def check_same_eval(base: EvalRun, new: EvalRun) -> list[str]:
         raise ApcscoreError("the eval runs were run with different settings, so their scores differ whatever the "
                             f"models do (baseline vs candidate): {'; '.join(diffs)}. Run both with the same options")
     db, dn = _docs(base), _docs(new)
-    only_b, only_n = sorted(db.keys() - dn.keys()), sorted(dn.keys() - db.keys())
+    only_b, only_n = ([f"{t} doc {d}" for t, _, d in sorted(x.keys() - y.keys())] for x, y in ((db, dn), (dn, db)))
     if only_b or only_n:
-        def show(keys: list) -> str:
-            return ", ".join(f"{t} doc {d}" for t, _, d in keys[:5]) + (" ..." if len(keys) > 5 else "")
         raise ApcscoreError(f"the eval runs scored different documents: {len(only_b)} only in the baseline "
-                            f"({show(only_b)}), {len(only_n)} only in the candidate ({show(only_n)})")
+                            f"({examples(only_b, str)}), {len(only_n)} only in the candidate ({examples(only_n, str)})")
     chat = bool(base.meta.get("apply_chat_template"))
     notes = []
     for key in sorted(db):
@@ -183,7 +181,8 @@ class EvalComparison:
         return all(c.passed for c in self.checks)
 
     def cases(self) -> list[tuple[str, bool, str]]:
-        """One (case name, passed, message) per task, for a JUnit writer: the task's checks and figures."""
+        """One (case name, passed, message) per task, for a JUnit writer: the task's checks and figures; then one per
+        check of the whole run (--exact)."""
         out = []
         for task in self.tasks:
             checks = [c for c, t in zip(self.checks, self.check_tasks) if t == task]
@@ -192,11 +191,8 @@ class EvalComparison:
             failed = [f"{c.option}: {c.metric} = {c.value:.6g}, limit {c.op} {c.threshold:g}"
                       for c in checks if not c.passed]
             out.append((task, not failed, "; ".join(failed + figures)))
-        for c, t in zip(self.checks, self.check_tasks):  # checks of the whole run (--exact)
-            if t not in self.tasks:
-                message = f"{c.metric} = {c.value:.6g}, limit {c.op} {c.threshold:g}"
-                out.append((c.option.lstrip("-"), c.passed, message))
-        return out
+        return out + [(c.option.lstrip("-"), c.passed, f"{c.metric} = {c.value:.6g}, limit {c.op} {c.threshold:g}")
+                      for c, t in zip(self.checks, self.check_tasks) if t not in self.tasks]
 
     def to_dict(self) -> dict[str, Any]:
         """Every figure as JSON-ready data (NaN and infinities become null)."""
@@ -245,8 +241,8 @@ def metric_deltas(base: EvalRun, new: EvalRun) -> list[MetricDelta]:
 def evaluate_eval(c: EvalComparison, t: Thresholds) -> None:
     """Per task: --max-accuracy-drop on the higher-is-better 0/1 metrics, judged by the exact one-sided bound of the
     paired per-document drop (the McNemar test beside it), and --max-ppl-ratio on perplexity metrics."""
-    given = [f.name for f in fields(t) if f.name in LIMITS and getattr(t, f.name) is not None
-             and f.name not in EVAL_THRESHOLDS and t.source(f.name) != "default"]
+    given = [name for name in LIMITS if getattr(t, name) is not None and name not in EVAL_THRESHOLDS
+             and t.source(name) != "default"]
     if given:
         raise ApcscoreError(f"{', '.join('--' + g.replace('_', '-') for g in given)} cannot be checked on eval runs "
                             "(they hold no per-token logprobs); eval runs take --max-accuracy-drop, "

@@ -81,21 +81,22 @@ def print_table(console: Console, title: str, head: Row, rows: Sequence[Row],
         _print(console, title, _table(head, rows, styles, fit))
         return
     if len(rows) == 1 and len(head) > 2:  # transposed: one row per column
-        pairs = [(h, v) for h, v in zip(head, rows[0])]
+        pairs = list(zip(head, rows[0]))
         print_table(console, title, ("", "value"), pairs, [styles[0]] * len(pairs) if styles else None)
         return
     if len(head) < 3:  # nothing to split: Rich's own layout (a console narrower than two words)
         _print(console, title, _table(head, rows, styles, None))
         return
-    first, rest, part = 0, list(range(1, len(head))), 0
+
+    def pick(cols: list[int]) -> tuple[Row, list[Row]]:
+        return tuple(head[i] for i in cols), [tuple(r[i] for i in cols) for r in rows]
+
+    rest, part = list(range(1, len(head))), 0
     while rest:  # the first column, then as many of the others as fit
-        take = [rest.pop(0)]
-        while rest and widths(tuple(head[i] for i in [first, *take, rest[0]]),
-                              [tuple(r[i] for i in [first, *take, rest[0]]) for r in rows], avail) is not None:
-            take.append(rest.pop(0))
-        cols = [first, *take]
-        sub_head = tuple(head[i] for i in cols)
-        sub_rows = [tuple(r[i] for i in cols) for r in rows]
+        cols = [0, rest.pop(0)]
+        while rest and widths(*pick([*cols, rest[0]]), avail) is not None:
+            cols.append(rest.pop(0))
+        sub_head, sub_rows = pick(cols)
         part += 1
         _print(console, title if part == 1 else f"{title} (continued)",
                _table(sub_head, sub_rows, styles, widths(sub_head, sub_rows, avail)))

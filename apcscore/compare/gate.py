@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -109,13 +109,10 @@ def evaluate(c: Comparison, t: Thresholds) -> list[Check]:
     checks: list[Check] = []
     intervals = {iv.figure: iv for iv in (c.stats.intervals if c.stats is not None else [])}
 
-    def bounds(figure: str, transform=None) -> tuple[float, float] | None:
-        """(lower, upper) one-sided bounds of a bootstrap figure, mapped through `transform` (e.g. exp)."""
+    def bounds(figure: str, increasing: Callable[[float], float] = float) -> tuple[float, float] | None:
+        """(lower, upper) one-sided bounds of a bootstrap figure, mapped through an increasing function (e.g. exp)."""
         iv = intervals.get(figure)
-        if iv is None:
-            return None
-        f = transform or (lambda x: x)
-        return tuple(sorted((f(iv.lower), f(iv.upper))))
+        return None if iv is None else (increasing(iv.lower), increasing(iv.upper))
 
     def add(name: str, metric: str, value: float | None, op: str, limit: float,
             bound_pair: tuple[float, float] | None = None, why: str = "") -> None:
@@ -277,7 +274,6 @@ def add_exact(checks: list, notes: list[str], diff: ExactDiff) -> None:
     """The --exact verdict as one more threshold (records with a differing bit <= 0) and a note saying where."""
     checks.append(Check("--exact", "records with a differing bit", float(diff.num_differing_records), "<=", 0.0,
                         diff.passed))
-    notes.append(diff.summary())
-    notes.extend(diff.notes)
+    notes += [diff.summary(), *diff.notes]
     if diff.only_one_side:
         notes.append(f"--exact: not compared, in one file only: {', '.join(diff.only_one_side)}")

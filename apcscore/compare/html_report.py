@@ -8,6 +8,8 @@ import json
 import math
 
 import numpy as np
+import plotly.graph_objects as go
+from plotly.offline import get_plotlyjs
 
 from apcscore.compare.gate import Comparison
 from apcscore.compare.html_assets import CSS, JS
@@ -23,6 +25,7 @@ BINS = 60
 MAX_PAGE_BYTES = 10_000_000  # the page's bound (plotly.js is ~4.8 MB of it); token views fill what is left
 MAX_TABLE_ROWS = 500  # rows of the worst, flips and excluded tables
 _RED, _BLUE = (220, 38, 38), (37, 99, 235)
+
 
 def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
@@ -45,11 +48,9 @@ def _table(head: Row, rows: list[Row], classes: list[str] | None = None, table_i
 # ---- Charts (plotly); histograms are binned here, so the page holds counts, not every position ----
 
 
-def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
+def _histogram(values: np.ndarray, title: str, xlabel: str, color: str) -> go.Figure:
     """Counts of the finite values in BINS bins; the others (±inf, NaN: a -inf logprob on one side) are counted in
     the title, since no bin holds them."""
-    import plotly.graph_objects as go
-
     finite = np.isfinite(values)
     if not finite.all():
         title += f" ({int((~finite).sum()):,} not finite, not drawn)"
@@ -61,9 +62,7 @@ def _histogram(values: np.ndarray, title: str, xlabel: str, color: str):
     return fig
 
 
-def _scatter(c: Comparison):
-    import plotly.graph_objects as go
-
+def _scatter(c: Comparison) -> go.Figure | None:
     pos = c.aligned.positions
     keep = np.flatnonzero(np.isfinite(pos.base_lp) & np.isfinite(pos.new_lp))  # a -inf logprob has no place
     m = len(keep)
@@ -94,7 +93,7 @@ def _scatter(c: Comparison):
     return fig
 
 
-def _figures(c: Comparison) -> list[tuple[str, object]]:
+def _figures(c: Comparison) -> list[tuple[str, go.Figure]]:
     """(div id, plotly figure) of every chart the data allows."""
     pos = c.aligned.positions if c.aligned is not None else None
     if pos is None or not len(pos.record):
@@ -110,7 +109,7 @@ def _figures(c: Comparison) -> list[tuple[str, object]]:
     return figs
 
 
-def _plot_divs(figs: list[tuple[str, object]]) -> str:
+def _plot_divs(figs: list[tuple[str, go.Figure]]) -> str:
     divs = []
     for div_id, fig in figs:
         # the title below plotly's tool bar (top right), which would cover its end
@@ -245,8 +244,6 @@ def _worst_section(c: Comparison, worst: int, texts: Texts, budget: int) -> str:
 def to_html(c: Comparison, worst: int = 10, texts: Texts = id_texts, notes: list[str] | None = None) -> str:
     """The comparison as a self-contained HTML page; `texts` turns token ids into their texts (io/token_text.py),
     `notes` are shown beside the comparison's own."""
-    from plotly.offline import get_plotlyjs
-
     verdict_text = verdict(c.checks)
     cls = "none" if not c.checks else "pass" if c.passed else "fail"
     parts = [f'<h1>apcscore compare: <span class="verdict {cls}" id="verdict">{_e(verdict_text)}</span></h1>',

@@ -12,7 +12,6 @@ import numpy as np
 TAIL_TOL = 1e-5
 
 
-
 @dataclass
 class TopKLogprobs:
     """What one file knows of the next-token distribution at n positions: top_ids / top_logprobs [n, K] descending,

@@ -138,14 +138,13 @@ class Positions:
     top1: np.ndarray  # [m] int8: 1 same argmax, 0 different, -1 unknown (no top-K)
 
 
-def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None, broken: Broken | None = None
+def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | None, broken: Broken
                   ) -> tuple[Positions, int, int]:
     """Per-position data of aligned tables (row i of each = the same record), processed in chunks.
 
     Returns the positions both sides scored with finite numbers, and the top-K sizes seen on each side (0 when
     none). Positions with a broken number are left out and counted in `broken` (with the first records).
     """
-    broken = broken if broken is not None else Broken()
     bad_records = np.zeros(base.num_rows, bool)
     lengths = pc.fill_null(pc.list_value_length(base["token_ids"]), 0).to_numpy()  # [rows]
     for t, role in ((base, "baseline"), (new, "candidate")):
@@ -155,7 +154,8 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
             if len(bad):
                 raise ApcscoreError(f"{role} record {t['id'][int(bad[0])].as_py()!r}: {column} has {n[bad[0]]} "
                                     f"entries but token_ids has {lengths[bad[0]]}: not apcscore output")
-    parts: list[Positions] = []
+    z = np.zeros(0)
+    parts = [Positions(np.zeros(0, np.int64), np.zeros(0, np.int64), z, z, z, np.zeros(0, np.int8))]  # none: empty
     kb = kn = 0
     ends = np.cumsum(lengths)
     k = max(top_k(base["top_ids"]), top_k(new["top_ids"]), 1) if topk else 1
@@ -201,9 +201,6 @@ def position_data(base: pa.Table, new: pa.Table, topk: bool, vocab_size: int | N
         start = stop
     broken.records += int(bad_records.sum())
     broken.examples += [base["id"][int(i)].as_py() for i in np.flatnonzero(bad_records)[:5 - len(broken.examples)]]
-    if not parts:
-        z = np.zeros(0)
-        return Positions(np.zeros(0, np.int64), np.zeros(0, np.int64), z, z, z, np.zeros(0, np.int8)), kb, kn
     return Positions(*(np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(Positions))), kb, kn
 
 
@@ -232,11 +229,10 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     """Per-record figures, worst first (by mean KL when known, else by |ln PPL ratio|)."""
     r = len(ids)
 
-    def total(w: np.ndarray, where: np.ndarray | None = None) -> np.ndarray:
-        sel = slice(None) if where is None else where
-        return np.bincount(pos.record[sel], weights=w[sel] if w is not None else None, minlength=r)
+    def total(w: np.ndarray | None, where: np.ndarray | slice = slice(None)) -> np.ndarray:
+        return np.bincount(pos.record[where], weights=None if w is None else w[where], minlength=r)
 
-    def seg_max(v: np.ndarray, where: np.ndarray | slice) -> np.ndarray:
+    def seg_max(v: np.ndarray, where: np.ndarray | slice = slice(None)) -> np.ndarray:
         out = np.full(r, -np.inf)
         np.maximum.at(out, pos.record[where], v[where])
         return out
@@ -247,7 +243,7 @@ def record_rows(ids: list[str], pos: Positions) -> list[RecordMetrics]:
     n_kl, sum_kl, max_kl = total(None, has_kl), total(np.nan_to_num(pos.kld), has_kl), seg_max(pos.kld, has_kl)
     has_t = pos.top1 >= 0
     n_t, sum_t = total(None, has_t), total(pos.top1.astype(float), has_t)
-    max_d = seg_max(np.abs(d), slice(None))
+    max_d = seg_max(np.abs(d))
     s_b, s_n, s_d = total(-pos.base_lp), total(-pos.new_lp), total(d)
     rows = [RecordMetrics(ids[i], int(n[i]), s_b[i] / n[i], s_n[i] / n[i], s_d[i] / n[i],
                           sum_kl[i] / n_kl[i] if n_kl[i] else None, max_kl[i] if n_kl[i] else None,

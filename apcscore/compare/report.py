@@ -12,7 +12,7 @@ from rich.markup import escape
 
 from apcscore.compare.fit_table import Row, print_table
 from apcscore.compare.gate import Check, Comparison
-from apcscore.compare.inputs import run_differences
+from apcscore.compare.inputs import FileInfo, run_differences
 from apcscore.compare.stats import PairedStats
 from apcscore.errors import ApcscoreError
 
@@ -31,16 +31,11 @@ def _diff(a: float | None, b: float | None) -> str:
 
 def _sides(c: Comparison) -> list[Row]:
     """Who was compared: one row per property, baseline and candidate."""
-    b, n = c.base, c.new
-    return [
-        ("file", b.path, n.path),
-        ("command", b.command or "-", n.command or "-"),
-        ("model", b.model or "-", n.model or "-"),
-        ("dtype", b.dtype or "-", n.dtype or "-"),
-        ("top-K stored", str(b.top_k), str(n.top_k)),
-        ("dataset", f"{b.dataset or '-'} ({(b.dataset_sha256 or '-')[:12]})",
-         f"{n.dataset or '-'} ({(n.dataset_sha256 or '-')[:12]})"),
-    ]
+    def side(f: FileInfo) -> Row:
+        return (f.path, f.command or "-", f.model or "-", f.dtype or "-", str(f.top_k),
+                f"{f.dataset or '-'} ({(f.dataset_sha256 or '-')[:12]})")
+
+    return list(zip(("file", "command", "model", "dtype", "top-K stored", "dataset"), side(c.base), side(c.new)))
 
 
 DIFFER_HEAD = ("property", "baseline", "candidate")
@@ -144,13 +139,6 @@ def check_rows(checks: list[Check]) -> list[Row]:
              ch.source, "PASS" if ch.passed else "FAIL") for ch in checks]
 
 
-def console_check_rows(rows: list[Row]) -> list[Row]:
-    """The check rows in five columns (CONSOLE_CHECK_HEAD), so that they fit 80: where the limit came from under
-    the option, the bound under what is measured."""
-    return [(f"{opt}\n({source})", metric if bound == "the value" else f"{metric}\n{bound}", value, limit, result)
-            for opt, metric, value, limit, bound, source, result in rows]
-
-
 def _worst_rows(c: Comparison, worst: int) -> list[Row]:
     return [(r.id, str(r.num_positions), _num(r.mean_kld), _num(r.max_kld), f"{r.ln_ppl_ratio:+.4g}",
              _pct(r.top1_agreement, 1), _num(r.max_abs_logprob_diff, 4)) for r in c.records[:worst]]
@@ -203,15 +191,16 @@ def verdict(checks: list[Check]) -> str:
     return "PASS" if not failed else f"FAIL ({failed} of {len(checks)} thresholds)"
 
 
-def print_checks(console: Console, notes: list[str], checks: list[Check], rows: list[Row],
-                 title: str = "Thresholds") -> None:
-    """The end of a console report, result files and eval folders alike: the notes, the checks' table (`rows`: one
-    per check, as `check_rows` gives them) and the verdict."""
+def print_checks(console: Console, notes: list[str], checks: list[Check], title: str = "Thresholds") -> None:
+    """The end of a console report, result files and eval folders alike: the notes, the checks' table and the verdict.
+    The table has five columns (CONSOLE_CHECK_HEAD), so that it fits 80: where the limit came from under the option,
+    the bound under what is measured."""
     for note in notes:
         console.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
     if checks:
-        print_table(console, title, CONSOLE_CHECK_HEAD, console_check_rows(rows),
-                    ["green" if ch.passed else "bold red" for ch in checks])
+        rows = [(f"{opt}\n({source})", metric if bound == "the value" else f"{metric}\n{bound}", value, limit, result)
+                for opt, metric, value, limit, bound, source, result in check_rows(checks)]
+        print_table(console, title, CONSOLE_CHECK_HEAD, rows, ["green" if ch.passed else "bold red" for ch in checks])
     passed = all(ch.passed for ch in checks)
     style = "green" if passed and checks else "bold red" if not passed else "yellow"
     console.print(f"[{style}]{escape(verdict(checks))}[/]")
@@ -227,7 +216,7 @@ def render_console(c: Comparison, console: Console, worst: int = 10) -> None:
     print_table(console, "Metrics", ("metric", "baseline", "candidate", "change"), _metric_rows(c))
     for title, head, rows in _extra_tables(c) + _record_tables(c, worst):
         print_table(console, title, head, rows)
-    print_checks(console, c.notes, c.checks, check_rows(c.checks))
+    print_checks(console, c.notes, c.checks)
 
 
 def md_table(head: Row, rows: list[Row]) -> str:

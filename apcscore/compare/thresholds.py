@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import re
 import sys
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 if sys.version_info >= (3, 11):
@@ -69,9 +69,8 @@ class Thresholds:
 
     def given(self, source: str) -> "Thresholds":
         """These thresholds with every limit they set attributed to `source` ("option", "config <path>")."""
-        return replace(self, sources={f.name: source for f in fields(self) if f.name in LIMITS + SETTINGS
-                                      and getattr(self, f.name) is not None and f.name not in self.sources}
-                       | self.sources)
+        return replace(self, sources={name: source for name in LIMITS + SETTINGS if getattr(self, name) is not None
+                                      and name not in self.sources} | self.sources)
 
     def source(self, name: str) -> str:
         """Where the limit `name` came from: "default" unless a config file or an option set it."""
@@ -79,10 +78,8 @@ class Thresholds:
 
     def override(self, other: "Thresholds") -> "Thresholds":
         """These thresholds with every value `other` sets (not None) taking precedence, with its source."""
-        values = {f.name: getattr(other, f.name) if getattr(other, f.name) is not None else getattr(self, f.name)
-                  for f in fields(self) if f.name != "sources"}
-        sources = {**self.sources, **{k: v for k, v in other.sources.items() if getattr(other, k) is not None}}
-        return Thresholds(**values, sources=sources)
+        given = {name: v for name in LIMITS + SETTINGS if (v := getattr(other, name)) is not None}
+        return replace(self, **given, sources=self.sources | {k: v for k, v in other.sources.items() if k in given})
 
     @property
     def alpha(self) -> float:
@@ -123,7 +120,7 @@ def load_thresholds(path: Path) -> Thresholds:
         raise ApcscoreError(f"cannot read config file {path}: {e}") from None
     except tomllib.TOMLDecodeError as e:
         raise ApcscoreError(f"{path}: not valid TOML: {e}") from None
-    known = {f.name for f in fields(Thresholds)}
+    known = LIMITS + SETTINGS
     extra = set(data) - {"thresholds"}
     if extra:
         raise ApcscoreError(f"{path}: unknown table or key {sorted(extra)}; put the limits under [thresholds]")
@@ -133,9 +130,9 @@ def load_thresholds(path: Path) -> Thresholds:
     values: dict[str, float | str] = {}
     for key, value in table.items():
         where = f"{path}:{_key_line(text, key)}"
-        if key not in known or key == "sources":
+        if key not in known:
             raise ApcscoreError(f"{where}: unknown threshold {key!r} in [thresholds]; known: "
-                                f"{', '.join(sorted(known - {'sources'}))}")
+                                f"{', '.join(sorted(known))}")
         if key == "decision":
             if value not in DECISIONS:
                 raise ApcscoreError(f"{where}: [thresholds] decision must be one of {', '.join(DECISIONS)}, not "
