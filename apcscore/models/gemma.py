@@ -28,7 +28,7 @@ from torch import nn
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
-from apcscore.models.rope import with_portable_math
+from apcscore.models.rope import portable_math
 from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
 
 SLIDING = "sliding_attention"
@@ -110,7 +110,7 @@ class GemmaDecoder(LlamaDecoder):
         for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_modules made the global ones)
             self.register_buffer(name, torch.empty(0), persistent=False)
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, D] from transformers' own Gemma rotary module (Gemma 3: one table per layer type)."""
         positions = torch.arange(self.max_positions)[None, :]

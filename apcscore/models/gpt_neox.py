@@ -20,7 +20,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.kernels import rowmath
 from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
-from apcscore.models.rope import with_portable_math
+from apcscore.models.rope import portable_math
 from apcscore.models.weights import WeightCopier, param_slices
 from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
 
@@ -73,7 +73,7 @@ class GPTNeoXDecoder(LlamaDecoder):
         self.init_modules(cfg, ops, layers, LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device), device,
                           max_positions)
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, rotary dimensions] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding

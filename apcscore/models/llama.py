@@ -19,7 +19,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.ops import Ops
 from apcscore.kernels.silu_mul_torch import silu_mul_torch
-from apcscore.models.rope import rope_frequencies, rotary_tables, with_portable_math
+from apcscore.models.rope import portable_math, rope_frequencies, rotary_tables
 from apcscore.models.weights import WeightCopier, param_slices
 
 RmsNormFn = Callable[..., Any]
@@ -210,7 +210,7 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin for every position, exactly transformers' values.
 
