@@ -51,26 +51,14 @@ class RMSNorm(nn.Module):
         return self.norm_fn(x, self.weight, self.eps, residual)
 
 
-class PagedAttention(nn.Module):
-    """What every attention module shares: the attributes the KV pool and the model runner set and read
-    (layer_idx, k_cache, v_cache; num_kv_heads and head_dim are the subclass's), the rotary and the backend."""
+class Attention(nn.Module):
+    """Multi-head attention over the paged KV cache, with the attributes the KV pool and the model runner set and
+    read (layer_idx, k_cache, v_cache, num_kv_heads, head_dim). Families change how q and k are normed
+    (`norm_qk`), the scale, and Gemma's `window` and `softcap` (see the attention backends' forward)."""
 
-    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
-    def _paged(self, layer_idx: int, ops: Ops) -> None:
-        self.layer_idx = layer_idx
-        self.attention_backend = ops.attention
-        self.rotary = ops.rotary
-        self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
-        self.v_cache = torch.empty(0)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **extra: Any) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] (written into the cache) -> [T, Hq, D], over the step's metadata."""
-        return self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
-                                              get_attention_metadata(), self.scale, **extra)
-
-
-class Attention(PagedAttention):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  device: Device = None) -> None:
         super().__init__()
@@ -85,7 +73,11 @@ class Attention(PagedAttention):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, linear, device)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
-        self._paged(layer_idx, ops)
+        self.layer_idx = layer_idx
+        self.attention_backend = ops.attention
+        self.rotary = ops.rotary
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
+        self.v_cache = torch.empty(0)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -93,11 +85,16 @@ class Attention(PagedAttention):
         q, k, v = (x.reshape(num_tokens, -1, self.head_dim)  # [T, Hq or Hkv, D]
                    for x in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+            q, k = self.norm_qk(q, k)
         q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, R]: R = D, or fewer (partial rotary: Phi-4-mini)
-        out = self.attend(q, k, v)  # [T, Hq, D]
+        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,  # [T, Hq, D]
+                                             get_attention_metadata(), self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] RMS-normed per head (Qwen3)."""
+        return (self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
+                self.k_norm(k.reshape(-1, self.head_dim)).view_as(k))
 
 
 class MLP(nn.Module):
