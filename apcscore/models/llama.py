@@ -321,6 +321,16 @@ class LlamaDecoder(nn.Module):
         load_linear(copy, mlp.down_proj, prefix + "down_proj")
 
 
+def own_residual_forward(decoder: LlamaDecoder, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The forward of a decoder whose layers add their own residuals, layer(hidden, cos, sin) -> hidden (OLMo 2,
+    GPT-NeoX): input_ids, positions [T] -> final hidden states [T, hidden]."""
+    hidden = decoder.embed_tokens(input_ids)
+    cos, sin = decoder.cos_table[positions], decoder.sin_table[positions]
+    for layer in decoder.layers:
+        hidden = layer(hidden, cos, sin)
+    return decoder.norm(hidden)
+
+
 def load_linear(copy: Callable[..., None], linear: Linear, *names: str) -> None:
     """A Linear's weight from the checkpoint's `<name>.weight` tensors (several: fused rows, in order), and its bias,
     if it has one, from their `<name>.bias`."""

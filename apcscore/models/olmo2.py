@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from apcscore.models.ops import Ops
-from apcscore.models.llama import MLP, Attention, Device, LlamaDecoder, RMSNorm
+from apcscore.models.llama import MLP, Attention, Device, LlamaDecoder, RMSNorm, own_residual_forward
 
 
 class Olmo2Attention(Attention):
@@ -58,13 +58,7 @@ class Olmo2Decoder(LlamaDecoder):
         self.init_modules(cfg, ops, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device), device,
                           max_positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.cos_table[positions], self.sin_table[positions]
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+    forward = own_residual_forward
 
     def load_layer(self, layer: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
                    copy: Callable[..., None]) -> None:
