@@ -22,7 +22,6 @@ from apcscore.kernels.silu_mul_torch import silu_mul_torch
 from apcscore.models.rope import portable_math, rope_frequencies, rotary_tables
 from apcscore.models.weights import WeightCopier, param_slices
 
-RmsNormFn = Callable[..., Any]
 Device = torch.device | str | None
 
 
@@ -41,7 +40,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, norm_fn: RmsNormFn, device: Device = None) -> None:
+    def __init__(self, size: int, eps: float, norm_fn: Callable[..., Any], device: Device = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
