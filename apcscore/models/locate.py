@@ -42,7 +42,6 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 once and cached)",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
 
 
 def _valid_values() -> str:
