@@ -28,7 +28,7 @@ from torch import nn
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.kernels import rowmath
 from apcscore.models.ops import Ops
-from apcscore.models.rope import with_portable_math
+from apcscore.models.rope import portable_math
 from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
 
 SLIDING = "sliding_attention"
@@ -54,23 +54,13 @@ class GemmaAttention(Attention):
         super().__init__(cfg, layer_idx, ops, False, bias, bias, device)
         self.scale = cfg.query_pre_attn_scalar ** -0.5
         self.sliding = cfg.layer_types[layer_idx] == SLIDING
-        self.window = cfg.sliding_window if self.sliding else None
-        self.softcap = None if gemma3 else getattr(cfg, "attn_logit_softcapping", None)  # Gemma 3 ignores it
+        self.window = (cfg.sliding_window or None) if self.sliding else None
+        self.softcap = None if gemma3 else (getattr(cfg, "attn_logit_softcapping", None) or None)  # Gemma 3: none
         self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
         self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps, device) if gemma3 else None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, D]
-        extra = {name: value for name, value in (("window", self.window), ("softcap", self.softcap)) if value}
-        out = self.attend(q, k, v, **extra)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.q_size))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)  # per head, on q [T, Hq, D] and k [T, Hkv, D]
 
 
 class GemmaLayer(nn.Module):
@@ -110,7 +100,7 @@ class GemmaDecoder(LlamaDecoder):
         for name in ("cos_local", "sin_local"):  # the sliding layers' tables (init_modules made the global ones)
             self.register_buffer(name, torch.empty(0), persistent=False)
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, D] from transformers' own Gemma rotary module (Gemma 3: one table per layer type)."""
         positions = torch.arange(self.max_positions)[None, :]

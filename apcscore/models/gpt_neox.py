@@ -20,9 +20,9 @@ from apcscore.errors import ApcscoreError
 from apcscore.kernels import rowmath
 from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
-from apcscore.models.rope import with_portable_math
+from apcscore.models.rope import portable_math
 from apcscore.models.weights import WeightCopier, param_slices
-from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder
+from apcscore.models.llama import Attention, Device, Linear, LlamaDecoder, own_residual_forward
 
 
 class LayerNorm(nn.Module):
@@ -73,7 +73,7 @@ class GPTNeoXDecoder(LlamaDecoder):
         self.init_modules(cfg, ops, layers, LayerNorm(cfg.hidden_size, cfg.layer_norm_eps, device), device,
                           max_positions)
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin [P, rotary dimensions] from transformers' own GPTNeoXRotaryEmbedding (rope is ignored)."""
         from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding
@@ -85,13 +85,7 @@ class GPTNeoXDecoder(LlamaDecoder):
         self.cos_table = cos[0].to(device=device, dtype=dtype)
         self.sin_table = sin[0].to(device=device, dtype=dtype)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.cos_table[positions], self.sin_table[positions]
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+    forward = own_residual_forward
 
     @torch.no_grad()
     def load_hf_weights(self, state: Mapping[str, torch.Tensor], rope: Any = None, consume: bool = False) -> None:

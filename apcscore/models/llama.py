@@ -19,10 +19,9 @@ from apcscore.errors import ApcscoreError
 from apcscore.models.architecture import SUPPORTED_ARCHITECTURES, check_architecture
 from apcscore.models.ops import Ops
 from apcscore.kernels.silu_mul_torch import silu_mul_torch
-from apcscore.models.rope import rope_frequencies, rotary_tables, with_portable_math
+from apcscore.models.rope import portable_math, rope_frequencies, rotary_tables
 from apcscore.models.weights import WeightCopier, param_slices
 
-RmsNormFn = Callable[..., Any]
 Device = torch.device | str | None
 
 
@@ -41,7 +40,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float, norm_fn: RmsNormFn, device: Device = None) -> None:
+    def __init__(self, size: int, eps: float, norm_fn: Callable[..., Any], device: Device = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size, device=device))
         self.eps = eps
@@ -51,26 +50,14 @@ class RMSNorm(nn.Module):
         return self.norm_fn(x, self.weight, self.eps, residual)
 
 
-class PagedAttention(nn.Module):
-    """What every attention module shares: the attributes the KV pool and the model runner set and read
-    (layer_idx, k_cache, v_cache; num_kv_heads and head_dim are the subclass's), the rotary and the backend."""
+class Attention(nn.Module):
+    """Multi-head attention over the paged KV cache, with the attributes the KV pool and the model runner set and
+    read (layer_idx, k_cache, v_cache, num_kv_heads, head_dim). Families change how q and k are normed
+    (`norm_qk`), the scale, and Gemma's `window` and `softcap` (see the attention backends' forward)."""
 
-    scale: float
+    window: int | None = None
+    softcap: float | None = None
 
-    def _paged(self, layer_idx: int, ops: Ops) -> None:
-        self.layer_idx = layer_idx
-        self.attention_backend = ops.attention
-        self.rotary = ops.rotary
-        self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
-        self.v_cache = torch.empty(0)
-
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **extra: Any) -> torch.Tensor:
-        """q [T, Hq, D], k and v [T, Hkv, D] (written into the cache) -> [T, Hq, D], over the step's metadata."""
-        return self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,
-                                              get_attention_metadata(), self.scale, **extra)
-
-
-class Attention(PagedAttention):
     def __init__(self, cfg: Any, layer_idx: int, ops: Ops, qk_norm: bool, qkv_bias: bool, o_bias: bool,
                  device: Device = None) -> None:
         super().__init__()
@@ -85,7 +72,11 @@ class Attention(PagedAttention):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, o_bias, linear, device)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, norm_fn, device) if qk_norm else None
-        self._paged(layer_idx, ops)
+        self.layer_idx = layer_idx
+        self.attention_backend = ops.attention
+        self.rotary = ops.rotary
+        self.k_cache = torch.empty(0)  # [num_blocks, block_size, Hkv, D], set by the model runner
+        self.v_cache = torch.empty(0)
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         num_tokens = hidden.shape[0]
@@ -93,11 +84,16 @@ class Attention(PagedAttention):
         q, k, v = (x.reshape(num_tokens, -1, self.head_dim)  # [T, Hq or Hkv, D]
                    for x in qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1))
         if self.q_norm is not None:
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view_as(q)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view_as(k)
+            q, k = self.norm_qk(q, k)
         q, k = self.rotary(q, k, cos, sin)  # cos, sin [T, R]: R = D, or fewer (partial rotary: Phi-4-mini)
-        out = self.attend(q, k, v)  # [T, Hq, D]
+        out = self.attention_backend.forward(q, k, v.contiguous(), self.k_cache, self.v_cache,  # [T, Hq, D]
+                                             get_attention_metadata(), self.scale, self.window, self.softcap)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D] RMS-normed per head (Qwen3)."""
+        return (self.q_norm(q.reshape(-1, self.head_dim)).view_as(q),
+                self.k_norm(k.reshape(-1, self.head_dim)).view_as(k))
 
 
 class MLP(nn.Module):
@@ -210,7 +206,7 @@ class LlamaDecoder(nn.Module):
         self.register_buffer("cos_table", torch.empty(0), persistent=False)
         self.register_buffer("sin_table", torch.empty(0), persistent=False)
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """cos/sin for every position, exactly transformers' values.
 
@@ -322,6 +318,16 @@ class LlamaDecoder(nn.Module):
         Sparse-MoE decoders override it (apcscore.models.moe)."""
         load_linear(copy, mlp.gate_up_proj, prefix + "gate_proj", prefix + "up_proj")
         load_linear(copy, mlp.down_proj, prefix + "down_proj")
+
+
+def own_residual_forward(decoder: LlamaDecoder, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The forward of a decoder whose layers add their own residuals, layer(hidden, cos, sin) -> hidden (OLMo 2,
+    GPT-NeoX): input_ids, positions [T] -> final hidden states [T, hidden]."""
+    hidden = decoder.embed_tokens(input_ids)
+    cos, sin = decoder.cos_table[positions], decoder.sin_table[positions]
+    for layer in decoder.layers:
+        hidden = layer(hidden, cos, sin)
+    return decoder.norm(hidden)
 
 
 def load_linear(copy: Callable[..., None], linear: Linear, *names: str) -> None:

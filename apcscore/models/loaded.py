@@ -95,10 +95,7 @@ def check_cache_env() -> None:
     env = os.environ.get("APCSCORE_CACHE")
     if not env:
         return
-    root = Path(env).expanduser()
-    if root.exists() and not root.is_dir():
-        raise ApcscoreError(f"APCSCORE_CACHE={env} is a file, not a folder — {_CACHE_HINT}")
-    folder = root
+    folder = Path(env).expanduser()
     while not folder.exists():
         folder = folder.parent
     if not folder.is_dir():

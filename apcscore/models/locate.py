@@ -42,19 +42,13 @@ MODEL_ALIASES: dict[str, ModelAlias] = {
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32 once and cached)",
     ),
 }
-DEFAULT_MODEL = "smollm2-135m"
-
-
-def _valid_values() -> str:
-    aliases = ", ".join(f"{name!r} ({alias.description})" for name, alias in MODEL_ALIASES.items())
-    return (
-        f"A model is one of: a known alias: {aliases}; a Hugging Face model directory "
-        "(config.json, *.safetensors and tokenizer files); or a .gguf file."
-    )
 
 
 def _error(message: str) -> ApcscoreError:
-    return ApcscoreError(f"{message}\n{_valid_values()}")
+    """The refusal `message`, followed by what a model spec can be."""
+    aliases = ", ".join(f"{name!r} ({alias.description})" for name, alias in MODEL_ALIASES.items())
+    return ApcscoreError(f"{message}\nA model is one of: a known alias: {aliases}; a Hugging Face model directory "
+                         "(config.json, *.safetensors and tokenizer files); or a .gguf file.")
 
 
 def _alias_gguf(name: str) -> Path:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from apcscore.models.ops import Ops
-from apcscore.models.llama import MLP, Attention, Device, LlamaDecoder, RMSNorm
+from apcscore.models.llama import MLP, Attention, Device, LlamaDecoder, RMSNorm, own_residual_forward
 
 
 class Olmo2Attention(Attention):
@@ -27,15 +27,11 @@ class Olmo2Attention(Attention):
         self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps, ops.rms_norm, device)
         self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps, ops.rms_norm, device)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        t = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.contiguous()).reshape(t, self.num_heads, self.head_dim)
-        k = self.k_norm(k.contiguous()).reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(q, k, cos, sin)
-        out = self.attend(q, k, v)
-        return self.o_proj(out.reshape(t, self.q_size))
+    def norm_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D] and k [T, Hkv, D], each normed over its whole projection [T, H * D]."""
+        t = q.shape[0]
+        return (self.q_norm(q.reshape(t, -1).contiguous()).view_as(q),
+                self.k_norm(k.reshape(t, -1).contiguous()).view_as(k))
 
 
 class Olmo2Layer(nn.Module):
@@ -62,13 +58,7 @@ class Olmo2Decoder(LlamaDecoder):
         self.init_modules(cfg, ops, layers, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm, device), device,
                           max_positions)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T] -> final hidden states [T, hidden]."""
-        hidden = self.embed_tokens(input_ids)
-        cos, sin = self.cos_table[positions], self.sin_table[positions]
-        for layer in self.layers:
-            hidden = layer(hidden, cos, sin)
-        return self.norm(hidden)
+    forward = own_residual_forward
 
     def load_layer(self, layer: nn.Module, prefix: str, state: Mapping[str, torch.Tensor],
                    copy: Callable[..., None]) -> None:

@@ -25,7 +25,7 @@ from torch import nn
 from apcscore.models.architecture import rope_parameters
 from apcscore.models.ops import Ops
 from apcscore.models.llama import Device, LlamaDecoder
-from apcscore.models.rope import longrope_frequencies, rotary_tables, with_portable_math
+from apcscore.models.rope import longrope_frequencies, portable_math, rotary_tables
 
 
 class Phi3Decoder(LlamaDecoder):
@@ -40,7 +40,7 @@ class Phi3Decoder(LlamaDecoder):
         if self.longrope:
             self.long_rope_after = int(rope["original_max_position_embeddings"])
 
-    @with_portable_math
+    @portable_math()
     def build_rotary_tables(self, rope: Any = None) -> None:
         """Default rope, full rotary: the Llama tables. Long-rope: [M + P, R] (short rows for positions < M, then
         long rows for positions < P); partial rotary: [P, R] with Phi-3's own default frequencies (R dimensions)."""

@@ -82,8 +82,9 @@ def _math_module() -> types.SimpleNamespace:
 
 @contextlib.contextmanager
 def portable_math() -> Iterator[None]:
-    """Inside: transformers' rope code computes with portable pow/exp/log/cos/sin (see the module doc). A no-op
-    where the C library cannot be built (the run metadata then says the bits are not portable)."""
+    """Inside (or in a function decorated `@portable_math()`): transformers' rope code computes with portable
+    pow/exp/log/cos/sin (see the module doc). A no-op where the C library cannot be built (the run metadata then
+    says the bits are not portable)."""
     from apcscore.kernels.rowmath import portable
 
     if not portable():
@@ -100,12 +101,7 @@ def portable_math() -> Iterator[None]:
         rope_utils.math = saved
 
 
-def with_portable_math(fn: Callable) -> Callable:
-    """Decorator: fn runs inside portable_math() (a contextmanager's object decorates: contextlib.ContextDecorator)."""
-    return portable_math()(fn)
-
-
-@with_portable_math
+@portable_math()
 def rope_frequencies(config: Any) -> Rope | None:
     """transformers' rotary frequencies for config; None for rope types that change with sequence length."""
     rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
@@ -118,7 +114,7 @@ def rope_frequencies(config: Any) -> Rope | None:
     return rotary.inv_freq.float().clone(), float(rotary.attention_scaling)
 
 
-@with_portable_math
+@portable_math()
 def longrope_frequencies(config: Any) -> tuple[Rope, Rope]:
     """Long-rope (Phi-3): the (short, long) frequencies transformers' rotary embedding switches between.
 
@@ -137,7 +133,7 @@ def longrope_frequencies(config: Any) -> tuple[Rope, Rope]:
     return (short.float().clone(), float(scaling)), (long.float().clone(), float(scaling))
 
 
-@with_portable_math
+@portable_math()
 def rotary_tables(rope: Rope, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [num_positions, 2 * len(inv_freq)] fp32 for positions 0 .. num_positions - 1, with the arithmetic of
     transformers' rotary embedding forward (LlamaRotaryEmbedding, Phi3RotaryEmbedding)."""

