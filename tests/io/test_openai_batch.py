@@ -184,7 +184,7 @@ def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write
     first.flush()  # an interrupt: the finished row is on disk, <out> does not exist
     first.release()  # that run ended: its lock on the partial went with it
     assert not out.exists() and first.partial_path.is_dir()
-    second = ResultsWriter(out, schema, {"m": 1}, num_rows=3, resume=True, resume_keys=["m"])
+    second = ResultsWriter(out, schema, {"m": 1}, num_rows=3, resume=True)
     assert second.done_indices == {2}
     for i in (1, 0):
         second.add(i, row(i))
