@@ -34,7 +34,7 @@ where a record wrote it, so a stand-in never takes a real record's id.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -177,7 +177,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             _, kind, fields, problems = check_record(record, command) if record is not None else (None, None, {}, [])
             problems, given_id = [*converted.problems, *problems], converted.custom_id
             if converted.line is not None and not problems:
-                fields["openai"] = converted.line.to_dict()
+                fields["openai"] = asdict(converted.line)
         else:
             record = rename(obj, columns)
             given_id, kind, fields, problems = check_record(record, command)

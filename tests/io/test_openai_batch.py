@@ -8,6 +8,7 @@ records, field by field; the bodies are parsed with the `openai` package's respo
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pyarrow.parquet as pq
 import pytest
@@ -422,7 +423,7 @@ def result_line(body: dict, row: dict, url: str = "/v1/completions", command: st
     """The result line LineWriter writes for `row`, the row of the request `body`."""
     converted = convert(body, url=url, command=command)
     assert not converted.problems, converted.problems
-    fields = {**converted.record, "openai": converted.line.to_dict()}
+    fields = {**converted.record, "openai": asdict(converted.line)}
     return json.loads(LineWriter(Tok(), "m", 0, {0: fields}, set()).line(0, {"id": "c", **row}))
 
 
