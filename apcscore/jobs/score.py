@@ -72,8 +72,7 @@ class ScoreJob(Job):
         if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
             built = [continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0) for c in f["choices"]]
             # the longest first: a record too long for the context is reported by its longest choice
-            for req in sorted(built, key=lambda r: -len(r.prompt_token_ids)):
-                self.fit_scoring(req)
+            self.fit_scoring(max(built, key=lambda r: len(r.prompt_token_ids)))
             fitted = [self.fit_scoring(req) for req in built]
             separate = [req for req, _ in fitted]
             merged, owner = group_by_last_token(separate)  # one-token choices of the context share a request
