@@ -45,8 +45,7 @@ from apcscore.errors import ApcscoreError
 from apcscore.io import identity
 from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, check_run_file, in_use, is_partial_file,
                                  lock_partial, merged_parts)
-from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
-                                 read_run_metadata, records_to_table, write_atomic as _write_atomic)
+from apcscore.io.result_tables import METADATA_KEY, RUN_FILE, dumps_metadata, records_to_table, write_atomic
 
 
 class ResultsWriter:
@@ -90,7 +89,7 @@ class ResultsWriter:
         self.row_group_size = row_group_size
         self.num_rows = num_rows
         self.max_buffer_seconds = max_buffer_seconds
-        self._metadata = json.loads(_dumps(metadata))
+        self._metadata = json.loads(dumps_metadata(metadata))
         self._part_schema = pa.schema([pa.field(INDEX_COLUMN, pa.int64(), nullable=False), *schema])
         self._parts: list[tuple[Path, int]] = []  # (a part file, its smallest index)
         self._buffer: list[tuple[int, dict]] = []
@@ -218,7 +217,7 @@ class ResultsWriter:
 
     def update_metadata(self, updates: dict) -> None:
         """Merge `updates` into the run metadata (top-level keys), e.g. timings known only at the end."""
-        self._metadata.update(json.loads(_dumps(updates)))
+        self._metadata.update(json.loads(dumps_metadata(updates)))
         self._write_run_file()
 
     def close(self) -> Path:
@@ -239,7 +238,7 @@ class ResultsWriter:
             return self.out_path
         tmp = self.partial_path / FINAL_TMP
         schema = self.schema.with_metadata({**(self.schema.metadata or {}),
-                                            METADATA_KEY: _dumps(self._metadata).encode()})
+                                            METADATA_KEY: dumps_metadata(self._metadata).encode()})
 
         def write() -> None:
             with pq.ParquetWriter(tmp, schema) as writer:
@@ -297,7 +296,7 @@ class ResultsWriter:
 
     def _write_run_file(self) -> None:
         run = {"metadata": self._metadata, "schema": self.schema.serialize().to_pybytes().hex()}
-        _write_atomic(self.partial_path / _RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
+        write_atomic(self.partial_path / RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
 
     def _check_ours(self) -> None:
         """Refuse to touch a `.partial` path this writer did not create (anything but a folder of our files)."""
@@ -312,7 +311,7 @@ class ResultsWriter:
             leftovers = list(self.partial_path.iterdir())
             for leftover in leftovers:
                 leftover.unlink()
-            self.notes.append(f"{self.partial_path} had no {_RUN_FILE} (its run ended before writing one), so it "
+            self.notes.append(f"{self.partial_path} had no {RUN_FILE} (its run ended before writing one), so it "
                               f"held no rows" + (f"; its {len(leftovers)} leftover file(s) were removed" if leftovers
                                                  else "") + "; starting a fresh run")
             self._write_run_file()

@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.writer import ResultsWriter, read_run_metadata, records_to_table
+from apcscore.io.result_tables import read_run_metadata, records_to_table
+from apcscore.io.writer import ResultsWriter
 
 # The shape of a `score` results file (the jobs decide the real columns).
 SCHEMA = pa.schema([
