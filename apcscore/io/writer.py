@@ -61,9 +61,9 @@ class ResultsWriter:
         writer.close()
 
     An existing `out` is only replaced with `overwrite=True` (and only at `close`, atomically). An existing
-    partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True`
-    `resume_check(old, new)` must find no difference between the partial's metadata and `metadata` (by default a
-    run's identity, io/identity.py), and the partial's columns must be the schema's.
+    partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True`,
+    `resume_check(old, new)` must find no difference between the partial's metadata and `metadata` (by default,
+    the RESUME view of a run's identity: io/identity.py), and the partial's columns must be the schema's.
     `num_rows`, when given, is the number of rows the final file must have (indices 0..num_rows-1);
     otherwise `close` requires the indices added to be exactly 0..n-1.
 
