@@ -12,7 +12,7 @@ docs/decisions.md, "OpenAI Batch files" and "OpenAI Batch fidelity".
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 from apcscore.config import RECORD_FIELDS
@@ -56,9 +56,6 @@ class BatchLine:
     model: str | None = None  # the body's model, when it gives one
     vllm_prompt_logprobs: int | None = None  # top-K of vLLM's prompt_logprobs the body asked for (None: none)
     echo_logprobs: int | None = None  # completions with echo and logprobs: top-K of the echoed prompt tokens
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 @dataclass

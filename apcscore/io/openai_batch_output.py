@@ -146,24 +146,18 @@ class LineWriter:
         tokens: list[str] = []
         token_lps: list[float | None] = []
         tops: list[dict | None] = []
-        if batch["echo_logprobs"] is not None:
-            k = batch["echo_logprobs"]  # the body's logprobs, though the row may hold more (prompt_logprobs)
-            ids = row.get("token_ids") or []
-            lps = row.get("token_logprobs") or [None] * len(ids)
+        # the echoed prompt's tokens (top-K: the body's logprobs, though the row may hold more), then the completion's
+        for k, prefix, logprobs in ((batch["echo_logprobs"], "", "token_logprobs"),
+                                    (batch["logprobs"], "completion_", "completion_logprobs")):
+            if k is None:
+                continue
+            ids = row.get(prefix + "token_ids") or []
+            lps = row.get(logprobs) or [None] * len(ids)
             for pos, tid in enumerate(ids):
                 tokens.append(self.text(tid))
                 token_lps.append(lps[pos])
                 tops.append(None if lps[pos] is None else self._top(
-                    tid, lps[pos], row["top_ids"][pos][:k], row["top_logprobs"][pos][:k]))
-        if batch["logprobs"] is not None:
-            k = batch["logprobs"]
-            ids = row.get("completion_token_ids") or []
-            for j, tid in enumerate(ids):
-                lp = row["completion_logprobs"][j]
-                tokens.append(self.text(tid))
-                token_lps.append(lp)
-                tops.append(self._top(tid, lp, row["completion_top_ids"][j][:k],
-                                      row["completion_top_logprobs"][j][:k]))
+                    tid, lps[pos], row[prefix + "top_ids"][pos][:k], row[prefix + "top_logprobs"][pos][:k]))
         offsets = list(accumulate(map(len, tokens), initial=0))[:-1]  # where each token starts in the text
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 

@@ -14,13 +14,12 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.identity import short
 from apcscore.io.result_tables import RUN_FILE
 
 INDEX_COLUMN = "index"  # a part file's extra column: the row's record position
@@ -62,12 +61,11 @@ def lock_partial(partial: Path) -> int:
     return fd
 
 
-def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys: Iterable[str],
-                   resume_check: Callable[[dict, dict], list[str]] | None = None) -> dict | None:
+def check_run_file(partial: Path, metadata: dict, schema: pa.Schema,
+                   resume_check: Callable[[dict, dict], list[str]]) -> dict | None:
     """The metadata of the run that wrote `partial` (None: it has no run.json, its run died before writing one),
     after checking that it is this run and has the same columns; ApcscoreError otherwise, or when run.json is
-    damaged. `resume_check(old, new)` says in words what differs (apcscore.io.identity's resume view); without it,
-    every key of `resume_keys` must be equal."""
+    damaged. `resume_check(old, new)` says in words what differs (apcscore.io.identity's resume view)."""
     run_file = partial / RUN_FILE
     if not run_file.exists():
         return None
@@ -79,11 +77,7 @@ def check_run_file(partial: Path, metadata: dict, schema: pa.Schema, resume_keys
     except (ValueError, KeyError, TypeError, pa.ArrowException) as e:
         raise ApcscoreError(f"cannot resume: {run_file} is damaged ({type(e).__name__}: {e}) — pass --overwrite "
                             "to start over (the rows in the partial are discarded)") from None
-    if resume_check is not None:
-        differ = resume_check(old_meta, metadata)
-    else:
-        differ = [f"{k}: partial {short(old_meta.get(k), 80)}, this run {short(metadata.get(k), 80)}"
-                  for k in resume_keys if old_meta.get(k) != metadata.get(k)]
+    differ = resume_check(old_meta, metadata)
     if differ:
         raise ApcscoreError(f"cannot resume {partial}: it was written by a different run ({'; '.join(differ)}); "
                             "rerun with the same settings, or start afresh: --overwrite, or another --out")

@@ -4,13 +4,10 @@ Every problem is found in one pass and reported as ``FILE:LINE: what is wrong (w
 ``skip_invalid`` any problem raises `ApcscoreError` (exit code 2) and nothing runs; with it, invalid records
 come back in `LoadedDataset.invalid` (they become ``status="error"`` rows) and the rest in `records`.
 
-The file is read line by line with the standard library's ``json``, not with Hugging Face ``datasets``: that
-unifies one schema across records, which changes values of *valid* records (an int column with one float becomes
-float64, an int above int64 a float, a missing key null), drops line numbers and fails the whole file on one bad
-line (docs/decisions.md, "Datasets are read with the standard json module"). Measured on 100,000 short records
+The file is read line by line with the standard library's ``json``, not with Hugging Face ``datasets``, for the
+reasons in docs/decisions.md, "Datasets are read with the standard json module". Measured on 100,000 short records
 (datasets 5.2, 2 cores), it also took longer (1.5-3.2 s to import and load, not validated; here 1.2-1.8 s to read
-and validate) and 2.7 times the memory (238 MB; here 88 MB). On valid files our records must equal what
-``datasets.load_dataset("json", ...)`` reads (tests/io/test_records.py).
+and validate) and 2.7 times the memory (238 MB; here 88 MB).
 
 The file is streamed once in binary: each line is hashed (sha256 of the whole file), decoded as UTF-8 (an error
 names the byte offset), parsed with ``json.loads`` (an error names the column) and validated; only the validated
@@ -34,7 +31,7 @@ where a record wrote it, so a stand-in never takes a real record's id.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from itertools import islice
 from pathlib import Path
 from typing import Any
@@ -177,7 +174,7 @@ def load_dataset(path: str | Path, command: str, *, skip_invalid: bool = False,
             _, kind, fields, problems = check_record(record, command) if record is not None else (None, None, {}, [])
             problems, given_id = [*converted.problems, *problems], converted.custom_id
             if converted.line is not None and not problems:
-                fields["openai"] = converted.line.to_dict()
+                fields["openai"] = asdict(converted.line)
         else:
             record = rename(obj, columns)
             given_id, kind, fields, problems = check_record(record, command)

@@ -75,19 +75,13 @@ def byte_decoder() -> dict[str, int]:
 
 def _added(tokenizer: Any) -> dict[int, str]:
     """Added tokens (special tokens such as <|im_end|>) -> their text, which is not byte-mapped."""
-    try:
-        added = tokenizer.added_tokens_decoder
-    except AttributeError:
-        return {}
+    added = getattr(tokenizer, "added_tokens_decoder", {})
     return {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
 
 
 def _byte_level(token: str) -> bytes | None:
     table = byte_decoder()
-    try:
-        return bytes(table[c] for c in token)
-    except KeyError:
-        return None
+    return bytes(table[c] for c in token) if set(token) <= table.keys() else None
 
 
 def _sentencepiece(token: str) -> bytes:

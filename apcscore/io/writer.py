@@ -36,16 +36,16 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from apcscore.errors import ApcscoreError
+from apcscore.io import identity
 from apcscore.io.partial import (FINAL_TMP, INDEX_COLUMN, LINES_TMP, PART_GLOB, check_run_file, in_use, is_partial_file,
                                  lock_partial, merged_parts)
-from apcscore.io.result_tables import (METADATA_KEY, RUN_FILE as _RUN_FILE, dumps_metadata as _dumps,  # noqa: F401
-                                 read_run_metadata, records_to_table, write_atomic as _write_atomic)
+from apcscore.io.result_tables import METADATA_KEY, RUN_FILE, dumps_metadata, records_to_table, write_atomic
 
 
 class ResultsWriter:
@@ -53,7 +53,7 @@ class ResultsWriter:
 
     Usage::
 
-        writer = ResultsWriter(out, schema, metadata, resume=resume, resume_keys=["model", "dataset"])
+        writer = ResultsWriter(out, schema, metadata, resume=resume)
         todo = [r for r in records if r.index not in writer.done_indices]
         for index, row in run(todo):
             writer.add(index, row)
@@ -61,9 +61,9 @@ class ResultsWriter:
         writer.close()
 
     An existing `out` is only replaced with `overwrite=True` (and only at `close`, atomically). An existing
-    partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True` the
-    partial's metadata must equal `metadata` in every key of `resume_keys` (or, given `resume_check(old, new)`,
-    that must find no difference: a run's identity, io/identity.py), and its columns the schema's.
+    partial needs `resume=True` (continue it) or `overwrite=True` (discard it). With `resume=True`,
+    `resume_check(old, new)` must find no difference between the partial's metadata and `metadata` (by default,
+    the RESUME view of a run's identity: io/identity.py), and the partial's columns must be the schema's.
     `num_rows`, when given, is the number of rows the final file must have (indices 0..num_rows-1);
     otherwise `close` requires the indices added to be exactly 0..n-1.
 
@@ -76,9 +76,9 @@ class ResultsWriter:
     _lock: int | None = None  # the partial's lock (io/partial.py), held until it is assembled or removed
 
     def __init__(self, out_path: str | Path, schema: pa.Schema, metadata: dict, *, overwrite: bool = False,
-                 resume: bool = False, resume_keys: Iterable[str] = (), row_group_size: int = 256,
-                 num_rows: int | None = None, max_buffer_seconds: float = 1.0,
-                 resume_check: Callable[[dict, dict], list[str]] | None = None) -> None:
+                 resume: bool = False, row_group_size: int = 256, num_rows: int | None = None,
+                 max_buffer_seconds: float = 1.0,
+                 resume_check: Callable[[dict, dict], list[str]] = identity.resume_check) -> None:
         if INDEX_COLUMN in schema.names:
             raise ValueError(f"the schema may not have a column named {INDEX_COLUMN!r} (the writer's own)")
         if row_group_size < 1:
@@ -89,7 +89,7 @@ class ResultsWriter:
         self.row_group_size = row_group_size
         self.num_rows = num_rows
         self.max_buffer_seconds = max_buffer_seconds
-        self._metadata = json.loads(_dumps(metadata))
+        self._metadata = json.loads(dumps_metadata(metadata))
         self._part_schema = pa.schema([pa.field(INDEX_COLUMN, pa.int64(), nullable=False), *schema])
         self._parts: list[tuple[Path, int]] = []  # (a part file, its smallest index)
         self._buffer: list[tuple[int, dict]] = []
@@ -122,15 +122,15 @@ class ResultsWriter:
                 raise in_use(self.partial_path) from None
         self._lock = lock_partial(self.partial_path)  # a run still writing it: refused before touching it
         try:
-            self._open_partial(existed, resume, overwrite, resume_keys)
+            self._open_partial(existed, resume, overwrite)
         except BaseException:
             self.release()
             raise
 
-    def _open_partial(self, existed: bool, resume: bool, overwrite: bool, resume_keys: Iterable[str]) -> None:
+    def _open_partial(self, existed: bool, resume: bool, overwrite: bool) -> None:
         """Continue (`resume`) or empty (`overwrite`) the locked partial that `existed`, or start a new one."""
         if existed and resume:
-            self._resume(resume_keys)
+            self._resume()
             return
         if existed and not overwrite:
             raise ApcscoreError(f"{self.partial_path} holds an unfinished run; pass --resume to continue it, or "
@@ -217,7 +217,7 @@ class ResultsWriter:
 
     def update_metadata(self, updates: dict) -> None:
         """Merge `updates` into the run metadata (top-level keys), e.g. timings known only at the end."""
-        self._metadata.update(json.loads(_dumps(updates)))
+        self._metadata.update(json.loads(dumps_metadata(updates)))
         self._write_run_file()
 
     def close(self) -> Path:
@@ -238,7 +238,7 @@ class ResultsWriter:
             return self.out_path
         tmp = self.partial_path / FINAL_TMP
         schema = self.schema.with_metadata({**(self.schema.metadata or {}),
-                                            METADATA_KEY: _dumps(self._metadata).encode()})
+                                            METADATA_KEY: dumps_metadata(self._metadata).encode()})
 
         def write() -> None:
             with pq.ParquetWriter(tmp, schema) as writer:
@@ -296,7 +296,7 @@ class ResultsWriter:
 
     def _write_run_file(self) -> None:
         run = {"metadata": self._metadata, "schema": self.schema.serialize().to_pybytes().hex()}
-        _write_atomic(self.partial_path / _RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
+        write_atomic(self.partial_path / RUN_FILE, json.dumps(run, ensure_ascii=False).encode())
 
     def _check_ours(self) -> None:
         """Refuse to touch a `.partial` path this writer did not create (anything but a folder of our files)."""
@@ -305,13 +305,13 @@ class ResultsWriter:
             raise ApcscoreError(f"{p} exists but is not an apcscore partial run; move it away "
                                 "or choose another --out")
 
-    def _resume(self, resume_keys: Iterable[str]) -> None:
-        old_meta = check_run_file(self.partial_path, self._metadata, self.schema, resume_keys, self._resume_check)
+    def _resume(self) -> None:
+        old_meta = check_run_file(self.partial_path, self._metadata, self.schema, self._resume_check)
         if old_meta is None:  # the previous run died before writing anything
             leftovers = list(self.partial_path.iterdir())
             for leftover in leftovers:
                 leftover.unlink()
-            self.notes.append(f"{self.partial_path} had no {_RUN_FILE} (its run ended before writing one), so it "
+            self.notes.append(f"{self.partial_path} had no {RUN_FILE} (its run ended before writing one), so it "
                               f"held no rows" + (f"; its {len(leftovers)} leftover file(s) were removed" if leftovers
                                                  else "") + "; starting a fresh run")
             self._write_run_file()

@@ -158,7 +158,3 @@ def nll_summary(sum_logprob: float, count: int) -> dict:
         return {"sum_logprob": sum_logprob, "mean_nll": None, "perplexity": None}
     mean_nll = -sum_logprob / count
     return {"sum_logprob": sum_logprob, "mean_nll": mean_nll, "perplexity": numerics.exp(mean_nll)}
-
-
-def sum_logprobs(lps: TokenLogprobs | None) -> float:
-    return numerics.exact_sum(lps.token_logprobs) if lps is not None else 0.0

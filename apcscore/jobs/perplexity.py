@@ -105,12 +105,8 @@ class PerplexityJob(Job):
         ]
         return pa.schema(fields + (TOKEN_FIELDS if self.k is not None else []))
 
-    def sequence(self, text: str) -> list[int]:
-        """S = [prefix] + tokens(text)."""
-        return [self.prefix_id] + encode(self.tokenizer, text)
-
     def requests(self, record: Record) -> tuple[list[Request], PerplexityPlan]:
-        seq = self.sequence(record.fields["text"])
+        seq = [self.prefix_id] + encode(self.tokenizer, record.fields["text"])  # S
         if len(seq) == 1:
             raise ApcscoreError("the text is empty: it has no tokens to score (remove the record or give it text)")
         windows = tuple(rolling_windows(len(seq) - 1, self.window, self.stride))

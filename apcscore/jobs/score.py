@@ -14,8 +14,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from apcscore.jobs.base import (COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nll_summary, sum_logprobs,
-                                token_columns)
+from apcscore.jobs.base import COMMON_FIELDS, TOKEN_FIELDS, Job, RecordPlan, nll_summary, token_columns
 from apcscore.jobs.reference_columns import NULL_COLUMNS, REFERENCE_FIELDS, reference_columns
 from apcscore.jobs.loglikelihood import (LOGLIKELIHOOD_FIELDS, choice_columns, continuation_request,
                                          continuation_score, group_by_last_token, mean_stderr,
@@ -72,8 +71,7 @@ class ScoreJob(Job):
         if record.kind == "choices":  # top-K of choices is not stored: rank (for nothing) and logprob only
             built = [continuation_request(self.tokenizer, f["context"], c, self.prefix_id, 0) for c in f["choices"]]
             # the longest first: a record too long for the context is reported by its longest choice
-            for req in sorted(built, key=lambda r: -len(r.prompt_token_ids)):
-                self.fit_scoring(req)
+            self.fit_scoring(max(built, key=lambda r: len(r.prompt_token_ids)))
             fitted = [self.fit_scoring(req) for req in built]
             separate = [req for req, _ in fitted]
             merged, owner = group_by_last_token(separate)  # one-token choices of the context share a request
@@ -101,7 +99,7 @@ class ScoreJob(Job):
                     **choice_columns([s.logprob for s in scores], record.fields["choices"], record.fields["answer"])}
         out = outputs[0]
         lps = trim_top(out.prompt_logprobs, self.record_k(record))
-        total = sum_logprobs(lps)
+        total = numerics.exact_sum(lps.token_logprobs) if lps is not None else 0.0
         n_scored = len(lps) if lps is not None else 0
         row = {**base, "num_tokens": len(out.prompt_token_ids), "num_scored": n_scored,
                **nll_summary(total, n_scored), **token_columns(out.prompt_token_ids, lps)}

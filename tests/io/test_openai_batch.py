@@ -8,6 +8,7 @@ records, field by field; the bodies are parsed with the `openai` package's respo
 from __future__ import annotations
 
 import json
+from dataclasses import asdict
 
 import pyarrow.parquet as pq
 import pytest
@@ -184,7 +185,7 @@ def test_a_resumed_partial_is_written_as_result_lines_atomically(tmp_path, write
     first.flush()  # an interrupt: the finished row is on disk, <out> does not exist
     first.release()  # that run ended: its lock on the partial went with it
     assert not out.exists() and first.partial_path.is_dir()
-    second = ResultsWriter(out, schema, {"m": 1}, num_rows=3, resume=True, resume_keys=["m"])
+    second = ResultsWriter(out, schema, {"m": 1}, num_rows=3, resume=True)
     assert second.done_indices == {2}
     for i in (1, 0):
         second.add(i, row(i))
@@ -422,7 +423,7 @@ def result_line(body: dict, row: dict, url: str = "/v1/completions", command: st
     """The result line LineWriter writes for `row`, the row of the request `body`."""
     converted = convert(body, url=url, command=command)
     assert not converted.problems, converted.problems
-    fields = {**converted.record, "openai": converted.line.to_dict()}
+    fields = {**converted.record, "openai": asdict(converted.line)}
     return json.loads(LineWriter(Tok(), "m", 0, {0: fields}, set()).line(0, {"id": "c", **row}))
 
 

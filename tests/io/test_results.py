@@ -16,7 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from apcscore.errors import ApcscoreError
-from apcscore.io.writer import ResultsWriter, read_run_metadata, records_to_table
+from apcscore.io.result_tables import read_run_metadata, records_to_table
+from apcscore.io.writer import ResultsWriter
 
 # The shape of a `score` results file (the jobs decide the real columns).
 SCHEMA = pa.schema([
@@ -33,7 +34,6 @@ SCHEMA = pa.schema([
 ])
 META = {"command": "score", "model": {"name": "tiny", "fingerprint": "abc123"}, "dtype": "float32",
         "dataset": {"path": "d.jsonl", "sha256": "00ff"}, "options": {"prompt_logprobs": 2}}
-KEYS = ["command", "model", "dtype", "dataset", "options"]
 
 
 def make_row(i: int) -> dict:
@@ -132,7 +132,7 @@ def test_crash_then_resume_equals_uninterrupted_run(tmp_path: Path) -> None:
         ResultsWriter(out, SCHEMA, META, num_rows=n)
     (partial / "part-000999.parquet.tmp").write_bytes(b"half a part")  # died while writing a part
     (partial / "final.parquet.tmp").write_bytes(b"half a file")  # or while assembling
-    writer = ResultsWriter(out, SCHEMA, META, resume=True, resume_keys=KEYS, row_group_size=4, num_rows=n)
+    writer = ResultsWriter(out, SCHEMA, META, resume=True, row_group_size=4, num_rows=n)
     first = completion_order(n)[:done]
     assert writer.done_indices == set(first[:16])
     assert {i for part in partial.glob("part-*.parquet")
@@ -159,7 +159,7 @@ def test_abandoned_writer_then_close_with_missing_rows_keeps_partial(tmp_path: P
     assert err.value.exit_code == 1
     assert not out.exists()
     del writer
-    writer = ResultsWriter(out, SCHEMA, META, resume=True, resume_keys=KEYS, num_rows=10)
+    writer = ResultsWriter(out, SCHEMA, META, resume=True, num_rows=10)
     assert writer.done_indices == {2, 5, 9}
     for i in range(10):
         if i not in writer.done_indices:
@@ -202,22 +202,22 @@ def test_resume_refuses_a_different_run(tmp_path: Path) -> None:
     writer.release()  # its run ended (a crash): the lock went with it
     other = {**META, "dtype": "bfloat16", "model": {"name": "tiny", "fingerprint": "zzz"}, "timings": {"s": 1}}
     with pytest.raises(ApcscoreError) as err:
-        ResultsWriter(out, SCHEMA, other, resume=True, resume_keys=KEYS)
+        ResultsWriter(out, SCHEMA, other, resume=True)
     msg = str(err.value)
     assert err.value.exit_code == 2
     assert "dtype" in msg and "bfloat16" in msg and "model" in msg and "--overwrite" in msg
     assert "command" not in msg and "dataset" not in msg and "timings" not in msg  # only what differs
-    # keys outside resume_keys may differ
-    ResultsWriter(out, SCHEMA, {**META, "timings": {"s": 2}}, resume=True, resume_keys=KEYS)
+    # fields outside the run's identity (io/identity.py) may differ
+    ResultsWriter(out, SCHEMA, {**META, "timings": {"s": 2}}, resume=True)
     # other columns are refused too
     narrow = pa.schema([("id", pa.string()), ("status", pa.string())])
     with pytest.raises(ApcscoreError, match="other columns"):
-        ResultsWriter(out, narrow, META, resume=True, resume_keys=KEYS)
+        ResultsWriter(out, narrow, META, resume=True)
 
 
 def test_resume_without_partial_starts_fresh_and_foreign_partial_is_refused(tmp_path: Path) -> None:
     out = tmp_path / "o.parquet"
-    writer = ResultsWriter(out, SCHEMA, META, resume=True, resume_keys=KEYS, num_rows=1)
+    writer = ResultsWriter(out, SCHEMA, META, resume=True, num_rows=1)
     assert writer.done_indices == set()
     writer.add(0, make_row(0))
     writer.close()
@@ -230,7 +230,7 @@ def test_resume_without_partial_starts_fresh_and_foreign_partial_is_refused(tmp_
 
 def _lines_writer(out: Path, errors: Path | None, **kw) -> ResultsWriter:
     """A writer of JSON lines (`--output-format openai-batch`), the error rows' lines to `errors` when given."""
-    writer = ResultsWriter(out, SCHEMA, META, resume_keys=KEYS, row_group_size=4, num_rows=10,
+    writer = ResultsWriter(out, SCHEMA, META, row_group_size=4, num_rows=10,
                            max_buffer_seconds=3600, **kw)  # parts by count only: the same renames in every run
     writer.lines = lambda index, row: json.dumps({"index": index, "id": row["id"]})
     writer.errors_path = errors
@@ -279,7 +279,7 @@ def test_a_partial_holds_only_files_the_writer_knows(tmp_path: Path, monkeypatch
         writer = None
         try:
             writer = _lines_writer(out, errors, **kw) if errors else ResultsWriter(
-                out, SCHEMA, META, resume_keys=KEYS, row_group_size=4, num_rows=10, max_buffer_seconds=3600, **kw)
+                out, SCHEMA, META, row_group_size=4, num_rows=10, max_buffer_seconds=3600, **kw)
             for i in completion_order(10):
                 if i not in writer.done_indices:
                     writer.add(i, make_row(i))
