@@ -18,6 +18,7 @@ from apcscore.engine.loader import load_native_engine
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
 from apcscore.engine.step import Sequence, TokenLogprobs
+from tests.engine.test_block_manager import check_invariants
 from tests.engine.test_exact_reuse import assert_tables_equal, cli_run, engine, model  # noqa: F401 (model: a fixture)
 from tests.engine.test_invariance import assert_same, columns, run
 
@@ -115,7 +116,7 @@ def test_store_reuse_under_preemption_and_eviction(model: str, reference: dict) 
     assert_same(got, reference, "preemption")
     assert eng.stats.preemptions > 0, "the tiny pool did not preempt: the scenario tests nothing"
     assert evicted and eng.block_manager.stats.score_store_hits > 0
-    eng.block_manager.check_invariants()
+    check_invariants(eng.block_manager)
 
 
 def test_a_larger_k_or_ranks_than_stored_computes_and_stays_exact(model: str) -> None:
