@@ -182,22 +182,3 @@ class BlockManager:
         seq.num_computed_tokens = 0
         self._num_registered.pop(id(seq), None)
 
-    # ---- checks --------------------------------------------------------------------------------
-    def check_invariants(self, live_seqs: Seq[BlockSequence] = ()) -> None:
-        """Assert the manager's internal consistency (tests and debugging)."""
-        refs = [0] * self.num_blocks
-        for seq in live_seqs:
-            for b in seq.block_ids:
-                refs[b] += 1
-        for b, count in enumerate(self.ref_counts):
-            assert count >= 0, f"negative ref count on block {b}"
-            assert (b in self.free_queue) == (count == 0), f"block {b} free/in-use mismatch"
-            if live_seqs:
-                assert count == refs[b], f"ref count of block {b} is off"
-        for h, b in self.cached.items():
-            digest, parent, tokens = self.contents[b]
-            assert digest == h, f"cached hash points at block {b} with another hash"
-            assert len(tokens) == self.block_size
-            assert hash_block(parent, tokens) == h
-        assert sum(c is not None for c in self.contents) == len(self.cached)
-        assert len(self.free_queue) + sum(c > 0 for c in self.ref_counts) == self.num_blocks

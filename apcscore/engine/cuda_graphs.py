@@ -17,7 +17,7 @@ Decode groups (Triton backend: sequences sharing prefix blocks, attention/decode
 static buffers, sized to the captured batch: `group_table` [max_bs // 2, 2 + block_q] (a graph of bs rows reads
 its first bs // 2 rows: the most groups of >= 2 members; a row with 0 members is an empty group whose programs
 return at once) and `grouped` [max_bs] (today's kernel skips a grouped sequence). So the grouping of a step
-changes only buffer contents, never the captured launches; `group_decodes = False` writes empty groups.
+changes only buffer contents, never the captured launches.
 
 Step inputs are built like an eager step's (apcscore.engine.step_inputs) and travel host -> device in one
 non-blocking copy from pinned memory: a replayed step has no host-device synchronisation until the caller reads
@@ -112,7 +112,6 @@ class DecodeGraphRunner:
         self.lens = torch.zeros(2, lens_stride(max_bs), dtype=torch.int32, device=self.device)
         self.block_tables = torch.zeros(max_bs, self.max_blocks, dtype=torch.int32, device=self.device)
         self.group_shape = group_shape(model.layers[0].self_attn)  # None: no group buffers (torch backend)
-        self.group_decodes = self.group_shape is not None
         if self.group_shape is not None:
             block_m, _, group = self.group_shape
             self.group_table = torch.zeros(max(1, max_bs // 2), 2 + block_m // group, dtype=torch.int32,
@@ -181,10 +180,10 @@ class DecodeGraphRunner:
         tokens, lens = pad_decode_inputs(inp, self.max_bs)
         n, width = inp.block_tables.shape
         arrays, buffers = [tokens, lens, inp.block_tables], [self.tokens, self.lens, self.block_tables[:n, :width]]
-        if self.group_shape is not None:  # this step's groups, or none (empty rows) when turned off
+        if self.group_shape is not None:  # this step's groups
             block_m, block_n, group = self.group_shape
             groups = plan_decode_groups(inp.cu_seqlens_q, inp.seq_lens, inp.block_tables, self.block_size, block_n,
-                                        block_m // group) if self.group_decodes else []
+                                        block_m // group)
             table, grouped = pack_decode_groups(groups, self.max_bs, block_m // group, self.group_table.shape[0])
             arrays += [table, grouped]
             buffers += [self.group_table, self.grouped]
@@ -194,9 +193,7 @@ class DecodeGraphRunner:
     def forward(self, batch: ScheduledBatch) -> torch.Tensor | None:
         """Final hidden states [n, hidden] of a decode-only batch of a padded size, or None: run it eagerly."""
         inp = decode_inputs(batch, self.block_size, self.model.long_rope_after or 0)
-        if inp is None:
-            return None
-        return self.forward_inputs(inp)
+        return None if inp is None else self.forward_inputs(inp)
 
     @torch.inference_mode()
     def forward_inputs(self, inp: StepInputs, eager: bool = False) -> torch.Tensor | None:

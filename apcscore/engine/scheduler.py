@@ -143,8 +143,7 @@ class Scheduler:
             self._pending.setdefault(hashes[i], seq)
 
     def _unmark_pending(self, seq: Sequence, upto_block: int | None = None) -> None:
-        hashes = seq.block_hashes[:upto_block] if upto_block is not None else seq.block_hashes
-        for h in hashes:
+        for h in seq.block_hashes[:upto_block]:  # (upto_block None: all of them)
             if self._pending.get(h) is seq:
                 del self._pending[h]
 

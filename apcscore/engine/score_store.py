@@ -86,12 +86,6 @@ class ScoreStore:
         self.entries: dict[bytes, ScoreEntry] = {}
         self.nbytes = 0
 
-    def __len__(self) -> int:
-        return len(self.entries)
-
-    def get(self, digest: bytes) -> ScoreEntry | None:
-        return self.entries.get(digest)
-
     def put(self, digest: bytes, entry: ScoreEntry) -> None:
         """Store `entry`, unless the stored one already covers as much. When each covers something the other does
         not (a larger K; ranks), the new entry takes the larger K's top-K and the ranked one's ranks: equal bits

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import pytest
 
@@ -28,6 +29,27 @@ def run_prefill(bm: BlockManager, tokens: list[int], read_cache: bool = True) ->
     return seq, hit
 
 
+def check_invariants(bm: BlockManager, live_seqs: Sequence[Any] = ()) -> None:
+    """Assert the manager's internal consistency; with `live_seqs` (every sequence holding blocks), also that the
+    ref counts are their references."""
+    refs = [0] * bm.num_blocks
+    for seq in live_seqs:
+        for b in seq.block_ids:
+            refs[b] += 1
+    for b, count in enumerate(bm.ref_counts):
+        assert count >= 0, f"negative ref count on block {b}"
+        assert (b in bm.free_queue) == (count == 0), f"block {b} free/in-use mismatch"
+        if live_seqs:
+            assert count == refs[b], f"ref count of block {b} is off"
+    for h, b in bm.cached.items():
+        digest, parent, tokens = bm.contents[b]
+        assert digest == h, f"cached hash points at block {b} with another hash"
+        assert len(tokens) == bm.block_size
+        assert hash_block(parent, tokens) == h
+    assert sum(c is not None for c in bm.contents) == len(bm.cached)
+    assert len(bm.free_queue) + sum(c > 0 for c in bm.ref_counts) == bm.num_blocks
+
+
 def test_hash_chain_depends_on_parent_and_tokens():
     h1 = hash_block(NONE_HASH, [1, 2, 3, 4])
     assert h1 == hash_block(NONE_HASH, (1, 2, 3, 4))
@@ -44,7 +66,7 @@ def test_shared_prefix_hits_full_blocks_only():
     assert b.block_ids[:2] == a.block_ids[:2]  # the same physical blocks, shared
     assert bm.ref_counts[a.block_ids[0]] == 2
     assert bm.stats.queried_tokens == 21 and bm.stats.hit_tokens == 8
-    bm.check_invariants([a, b])
+    check_invariants(bm, [a, b])
 
 
 def test_at_least_one_token_is_left_to_compute():
@@ -99,7 +121,7 @@ def test_free_keeps_content_cached_until_evicted_lru():
     bm = BlockManager(num_blocks=4, block_size=2)
     a, _ = run_prefill(bm, [1, 2, 3, 4, 5])  # 3 blocks, 2 full ones cached
     bm.free(a)
-    bm.check_invariants([])
+    check_invariants(bm, [])
     assert bm.num_free_blocks == 4 and len(bm.cached) == 2
     b, hit = run_prefill(bm, [1, 2, 3, 4, 6])  # hit on the freed, still cached blocks
     assert hit == 4
@@ -115,7 +137,7 @@ def test_lru_evicts_least_recently_freed_first():
     bm = BlockManager(num_blocks=6, block_size=2)
     a, _ = run_prefill(bm, [1, 1, 2])
     b, _ = run_prefill(bm, [3, 3, 4])
-    bm.check_invariants([a, b])
+    check_invariants(bm, [a, b])
     bm.free(a)  # a's blocks become free first ...
     bm.free(b)  # ... then b's
     run_prefill(bm, [5, 5, 6, 6, 7, 7, 8])  # 4 blocks: 2 never used, then a's two (freed first)
@@ -131,7 +153,7 @@ def test_allocation_is_all_or_nothing():
     assert seq.block_ids == [] and bm.num_free_blocks == 3
     assert bm.allocate(seq, 12)
     assert len(seq.block_ids) == 3 and bm.num_free_blocks == 0
-    bm.check_invariants([seq])
+    check_invariants(bm, [seq])
 
 
 def test_decode_appends_blocks_only_at_block_boundaries():
@@ -145,7 +167,7 @@ def test_decode_appends_blocks_only_at_block_boundaries():
         seq.num_computed_tokens += 1
         seq.token_ids.append(101 + t)
         assert bm.allocate(seq, 1) and len(seq.block_ids) == 2
-    bm.check_invariants([seq])
+    check_invariants(bm, [seq])
 
 
 def test_duplicate_content_is_not_cached_twice():
@@ -156,7 +178,7 @@ def test_duplicate_content_is_not_cached_twice():
     assert len(bm.cached) == 1 and bm.cached[a.block_hashes[0]] == a.block_ids[0]
     bm.free(a)
     bm.free(b)
-    bm.check_invariants([])
+    check_invariants(bm, [])
 
 
 def test_prefix_caching_off_never_hits():

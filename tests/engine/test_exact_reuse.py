@@ -13,6 +13,7 @@ import pytest
 from apcscore import Engine, EngineConfig, Request, SamplingParams
 from apcscore.engine.loader import load_native_engine
 from apcscore.errors import ApcscoreError
+from tests.engine.test_block_manager import check_invariants
 from tests.engine.test_invariance import assert_same, run
 
 K = 3
@@ -105,7 +106,7 @@ def test_reuse_under_preemption_and_eviction(model: str, reference: dict) -> Non
                  for k, o in got.items()}, reference, "preemption")
     assert eng.stats.preemptions > 0, "the tiny pool did not preempt: the scenario tests nothing"
     assert eng.block_manager.stats.hit_tokens > 0
-    eng.block_manager.check_invariants()
+    check_invariants(eng.block_manager)
 
 
 def test_followers_wait_for_a_prefix_being_computed(model: str) -> None:

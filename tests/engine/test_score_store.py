@@ -18,6 +18,7 @@ from apcscore.engine.loader import load_native_engine
 from apcscore.engine.block_manager import BlockManager
 from apcscore.engine.score_store import ScoreEntry, ScoreStore, _targets
 from apcscore.engine.step import Sequence, TokenLogprobs
+from tests.engine.test_block_manager import check_invariants
 from tests.engine.test_exact_reuse import assert_tables_equal, cli_run, engine, model  # noqa: F401 (model: a fixture)
 from tests.engine.test_invariance import assert_same, columns, run
 
@@ -63,7 +64,7 @@ def test_store_reuse_equals_recompute_and_prefills_less(model: str, reference: d
     # the store (targets 1..143) except the continuation, which scores nothing in them
     assert pc.score_store_hits >= 9 * 143, pc
     assert eng.stats.prompt_tokens <= fed(reqs) - 10 * 144, eng.stats
-    assert len(eng.store) > 0
+    assert len(eng.store.entries) > 0
     assert set(eng.store.entries) <= set(eng.block_manager.cached)
 
 
@@ -115,7 +116,7 @@ def test_store_reuse_under_preemption_and_eviction(model: str, reference: dict) 
     assert_same(got, reference, "preemption")
     assert eng.stats.preemptions > 0, "the tiny pool did not preempt: the scenario tests nothing"
     assert evicted and eng.block_manager.stats.score_store_hits > 0
-    eng.block_manager.check_invariants()
+    check_invariants(eng.block_manager)
 
 
 def test_a_larger_k_or_ranks_than_stored_computes_and_stays_exact(model: str) -> None:
@@ -132,7 +133,7 @@ def test_a_larger_k_or_ranks_than_stored_computes_and_stays_exact(model: str) ->
     eng = engine(model, exact_reuse=True)
     stats = eng.block_manager.stats
     got = run(eng, [first])
-    assert stats.score_store_hits == 0 and len(eng.store) == 4
+    assert stats.score_store_hits == 0 and len(eng.store.entries) == 4
     got.update(run(eng, [small]))
     assert stats.score_store_hits == 63  # targets 1..63 of the 4 prefix blocks
     for r in (bigger, ranked):
@@ -191,19 +192,19 @@ def entry(k: int, ranks: bool, rows: int = 4) -> ScoreEntry:
 def test_entries_are_replaced_only_by_better_ones_and_never_written_into() -> None:
     store = ScoreStore()
     store.put(b"a", entry(2, False))
-    first = store.get(b"a")
+    first = store.entries[b"a"]
     assert not first.top_ids.flags.writeable
     store.put(b"a", entry(1, False))  # covers less: kept out
-    assert store.get(b"a") is first
+    assert store.entries[b"a"] is first
     ranked = entry(1, True)
     store.put(b"a", ranked)  # ranks, but a smaller K: a new entry with both, the old one untouched
-    merged = store.get(b"a")
+    merged = store.entries[b"a"]
     assert merged is not first and merged.has_ranks and merged.k == 2 and not first.has_ranks
     assert merged.top_ids is first.top_ids and merged.ranks is ranked.ranks
     store.put(b"a", entry(5, True))
-    assert store.get(b"a").k == 5 and store.nbytes == store.get(b"a").nbytes
+    assert store.entries[b"a"].k == 5 and store.nbytes == store.entries[b"a"].nbytes
     store.discard(b"a")
-    assert len(store) == 0 and store.nbytes == 0
+    assert len(store.entries) == 0 and store.nbytes == 0
 
 
 def test_eviction_of_a_cached_block_drops_its_entry() -> None:
@@ -215,10 +216,10 @@ def test_eviction_of_a_cached_block_drops_its_entry() -> None:
     bm.cache_full_blocks(seq)
     store.put(seq.block_hashes[0], entry(1, True))
     bm.free(seq)
-    assert len(store) == 1  # a freed block stays cached, and its entry with it
+    assert len(store.entries) == 1  # a freed block stays cached, and its entry with it
     other = Sequence(Request(1, [9] * 8), 1)
     assert bm.allocate(other, 8)  # takes both blocks: the cached one is evicted
-    assert len(store) == 0 and not bm.cached
+    assert len(store.entries) == 0 and not bm.cached
 
 
 def test_targets_are_taken_only_when_every_one_was_scored() -> None:

@@ -127,8 +127,7 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
         if _GROUP.tp.world_size != world_size:
             raise ApcscoreError(f"this process already drives {_GROUP.tp.world_size} tensor-parallel ranks; one "
                                 f"process runs one degree at a time, not --tensor-parallel {world_size} too")
-        _GROUP.check_alive()
-        return _GROUP
+        return _GROUP  # (every rank alive: checked above)
     backend = "nccl" if device.type == "cuda" else "gloo"
     env = torchrun_env()
     processes: list[Any] = []
@@ -149,7 +148,7 @@ def rank_group(world_size: int, device: torch.device) -> RankGroup:
             processes = spawn_workers(world_size, init, backend, threads, TIMEOUT)
             dist.init_process_group(backend, init_method=init, rank=0, world_size=world_size, timeout=TIMEOUT)
         torch.set_num_threads(threads)  # rank 0 takes its share of the cores too (threads do not change bits)
-    if _GROUP is None and not _EXIT_HOOK:
+    if not _EXIT_HOOK:
         atexit.register(shutdown_ranks)
         _EXIT_HOOK.append(True)
     _GROUP = RankGroup(TensorParallel(0, world_size), backend, processes, threads_before=threads_before,
