@@ -177,7 +177,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str | None) -> RequestOutput:
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq)
         self.stats.finished += 1
         req = seq.request
         prompt_lps = None

@@ -180,16 +180,14 @@ class Scheduler:
         for seq in dropped:
             self.bm.free(seq)  # (a waiting sequence holds no blocks)
             seq.status = SequenceStatus.FINISHED
-            seq.finish_reason = "abort"
         self.running.clear()
         self.waiting.clear()
         self._pending.clear()  # every entry named one of them
         return len(dropped)
 
-    def finish(self, seq: Sequence, reason: str | None) -> None:
+    def finish(self, seq: Sequence) -> None:
         """Retire a sequence: free its blocks (they stay cached until evicted)."""
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
         self._unmark_pending(seq)
         self.bm.free(seq)
         self.running.remove(seq)

@@ -180,7 +180,6 @@ class Sequence:
         self.prompt_logprob_parts: list[TokenLogprobs] = []
         self.alternative_logprobs: TokenLogprobs | None = None  # of request.last_token_alternatives, once scored
         self.output_logprob_parts: list[TokenLogprobs] = []
-        self.finish_reason: str | None = None
         self.output_text: str | None = None  # set when a stop string cut the completion
         self.generator: Any = None  # torch.Generator of a sampled request, made by the sampler
         self.detokenizer: Any = None  # IncrementalDetokenizer of a request with stop strings, made by the engine

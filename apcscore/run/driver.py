@@ -21,7 +21,6 @@ from apcscore.engine.interface import BatchEngine
 from apcscore.models.loaded import LoadedModel
 from apcscore.engine.provenance import now
 from apcscore.errors import ApcscoreError, count
-from apcscore.io.identity import resume_check
 from apcscore.io.openai_batch import defaults_note
 from apcscore.io.openai_batch_output import LineWriter, created_seconds
 from apcscore.io.reader import LoadedDataset, load_dataset
@@ -225,7 +224,7 @@ def _open_writer(job: Any, data: LoadedDataset, out: Path, metadata: dict,
                  opts: RunOptions) -> tuple[Any, LoadedDataset]:
     """The results writer and the records it takes: with --shard a ShardWriter and this shard's records (its
     file has the extra column record_index), else a ResultsWriter and every record."""
-    writing = dict(overwrite=opts.overwrite, resume=opts.resume, resume_check=resume_check)
+    writing = dict(overwrite=opts.overwrite, resume=opts.resume)
     schema = job.output_schema()
     if not opts.shard:
         return ResultsWriter(out, schema, metadata, num_rows=data.num_records, **writing), data
